@@ -1,0 +1,14 @@
+"""meshplan's planner: capture a model, cost it, and choose a parallel plan.
+
+Public entry points are re-exported here; importing does no work (no device
+probing, no measurement, no process groups).
+"""
+
+from cost_models.hardware import Cluster, ClusterFileError, Device, Link
+from planner.capture import CaptureError, capture
+from planner.graph import Branch, Layer, ModelGraph, OpInfo, TensorMeta
+
+__all__ = [
+    "Branch", "CaptureError", "Cluster", "ClusterFileError", "Device", "Layer", "Link",
+    "ModelGraph", "OpInfo", "TensorMeta", "capture",
+]
