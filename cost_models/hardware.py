@@ -180,6 +180,8 @@ class Device:
         active_watts: power drawn while computing, watts.
         idle_watts: power drawn while waiting, watts (at most ``active_watts``).
         kind: ``"gpu"`` or ``"cpu"``.
+        compute_units: streaming multiprocessors (GPU) that a GEMM's tiles are spread
+            over; 0 when unknown or not meaningful (CPU). Used for wave quantization.
     """
 
     name: str
@@ -189,6 +191,7 @@ class Device:
     active_watts: float
     idle_watts: float
     kind: str
+    compute_units: int = 0
 
     def __post_init__(self) -> None:
         # Frozen: check and normalize each field in place, once, here.
@@ -213,6 +216,9 @@ class Device:
                 "idle_watts",
                 f"({self.idle_watts} W) must not exceed active_watts ({self.active_watts} W)",
             )
+        if isinstance(self.compute_units, bool) or not isinstance(self.compute_units, int) \
+                or self.compute_units < 0:
+            raise _FieldError(own, "compute_units", f"must be a whole number >= 0, got {self.compute_units!r}")
         if self.kind not in DEVICE_KINDS:
             kinds = ", ".join(DEVICE_KINDS)
             raise _FieldError(own, "kind", f"must be one of {kinds}, got {self.kind!r}")
@@ -377,6 +383,7 @@ class Cluster:
                 "memory_bandwidth": d.memory_bandwidth,
                 "active_watts": d.active_watts,
                 "idle_watts": d.idle_watts,
+                "compute_units": d.compute_units,
             },
             "intra_node": _link_dict(self.intra_node),
             "inter_node": _link_dict(self.inter_node),
@@ -403,12 +410,12 @@ class Cluster:
                 f"is {version!r}, but this meshplan reads version {FORMAT_VERSION}",
                 f"Write the file in format version {FORMAT_VERSION}, or upgrade meshplan.",
             )
-        for section, fields in (
-            ("device", _DEVICE_FIELDS),
-            ("intra_node", _LINK_FIELDS),
-            ("inter_node", _LINK_FIELDS),
+        for section, fields, optional in (
+            ("device", _DEVICE_FIELDS, _DEVICE_OPTIONAL),
+            ("intra_node", _LINK_FIELDS, MappingProxyType({})),
+            ("inter_node", _LINK_FIELDS, MappingProxyType({})),
         ):
-            reader.check_keys(data[section], f"{section}.", fields)
+            reader.check_keys(data[section], f"{section}.", fields, optional)
 
         rest = {key: value for key, value in data.items() if key != "format_version"}
         rest["device"] = reader.build(Device, data["device"], "device.")
@@ -564,6 +571,9 @@ _DEVICE_FIELDS = MappingProxyType({
     "active_watts": "power while computing in watts",
     "idle_watts": "power while idle in watts",
 })
+_DEVICE_OPTIONAL = MappingProxyType({
+    "compute_units": "streaming multiprocessors (GPU), 0 if unknown",
+})
 _LINK_FIELDS = MappingProxyType({
     "bandwidth": "bytes/s per device, one direction",
     "latency": "seconds per message",
@@ -691,6 +701,7 @@ _IB_LATENCY = 6e-6  # s, assumption (see above)
 _A100_80GB = Device(
     name="A100-SXM4-80GB",
     kind="gpu",
+    compute_units=108,  # NVIDIA A100 whitepaper: 108 SMs; not in PUBLISHED.md
     peak_flops={
         "bf16": 312e12,  # PUBLISHED.md: dense bf16/fp16 tensor peak 312 TFLOP/s
         "fp16": 312e12,  # PUBLISHED.md (same figure)
@@ -707,6 +718,7 @@ _A100_80GB = Device(
 _H100_80GB = Device(
     name="H100-SXM5-80GB",
     kind="gpu",
+    compute_units=132,  # NVIDIA H100 SXM5 datasheet: 132 SMs; not in PUBLISHED.md
     peak_flops={
         "bf16": 989e12,  # PUBLISHED.md: dense bf16/fp16 tensor peak 989 TFLOP/s
         "fp16": 989e12,  # PUBLISHED.md (same figure)
@@ -725,6 +737,7 @@ _H100_80GB = Device(
 _V100_16GB = Device(
     name="V100-SXM2-16GB",
     kind="gpu",
+    compute_units=80,  # NVIDIA V100 whitepaper: 80 SMs; not in PUBLISHED.md
     # V100 has no bf16 or tf32 at all, so those are absent rather than zero.
     peak_flops={
         "fp16": 125e12,  # PUBLISHED.md: 125 TFLOP/s fp16 tensor

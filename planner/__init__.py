@@ -6,9 +6,13 @@ probing, no measurement, no process groups).
 
 from cost_models.hardware import Cluster, ClusterFileError, Device, Link
 from planner.capture import CaptureError, capture
+from planner.config import ConfigError, ParallelConfig
+from planner.evaluate import Evaluator, evaluate
+from cost_models.prediction import Prediction
 from planner.graph import Branch, Layer, ModelGraph, OpInfo, TensorMeta
 
 __all__ = [
     "Branch", "CaptureError", "Cluster", "ClusterFileError", "Device", "Layer", "Link",
     "ModelGraph", "OpInfo", "TensorMeta", "capture",
+    "ConfigError", "ParallelConfig", "Evaluator", "evaluate", "Prediction",
 ]

@@ -426,6 +426,7 @@ def _op_info(node, module, value, params, env, st: _State, fwd_flops: int, saved
     requires_grad = any(t.requires_grad for t in outs)
     bwd = _bwd_flops(node, module, env, st, fwd_flops) if requires_grad and fwd_flops else 0
     return OpInfo(
+        attrs=_attrs(node, module),
         name=node.name, op=node.op, target=target_name(node, module), kind=kind,
         module_path=_module_path(node), inputs=tuple(n.name for n in in_nodes),
         input_meta=tuple(input_meta), output_meta=out_meta,
@@ -435,6 +436,35 @@ def _op_info(node, module, value, params, env, st: _State, fwd_flops: int, saved
         bytes_read=sum(m.nbytes for m in input_meta) + param_read, bytes_written=out_bytes,
         requires_grad=requires_grad,
     )
+
+
+_MODULE_ATTRS = ("in_features", "out_features", "in_channels", "out_channels", "kernel_size", "stride",
+                 "padding", "dilation", "groups", "p", "eps", "num_heads", "num_embeddings",
+                 "embedding_dim", "output_size", "ceil_mode")
+
+
+def _scalar(v: Any) -> bool:
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return True
+    return isinstance(v, (tuple, list)) and all(isinstance(i, (bool, int, float)) for i in v)
+
+
+def _attrs(node, module) -> tuple[tuple[str, Any], ...]:
+    """The op's scalar settings: what later passes (halo widths, dropout traffic) need."""
+    out: list[tuple[str, Any]] = []
+    if node.op == "call_module":
+        for name in _MODULE_ATTRS:
+            v = getattr(module, name, None)
+            if v is not None and _scalar(v):
+                out.append((name, tuple(v) if isinstance(v, list) else v))
+    elif node.op in ("call_function", "call_method"):
+        for i, a in enumerate(node.args):
+            if not isinstance(a, torch.fx.Node) and _scalar(a) and a is not None:
+                out.append((f"arg{i}", tuple(a) if isinstance(a, list) else a))
+        for k, v in node.kwargs.items():
+            if not isinstance(v, torch.fx.Node) and _scalar(v):
+                out.append((k, tuple(v) if isinstance(v, list) else v))
+    return tuple(out)
 
 
 def _bwd_flops(node, module, env, st: _State, fwd_flops: int) -> int:

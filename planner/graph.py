@@ -85,6 +85,15 @@ class OpInfo:
     bytes_read: int                # input activations + parameters read in forward
     bytes_written: int             # outputs written in forward
     requires_grad: bool            # whether the output carries gradient in training
+    # Scalar settings of the op: a module's kernel_size/stride/padding/p/eps...,
+    # a function's scalar arguments (dropout_p, is_causal, ...), as (name, value) pairs.
+    attrs: tuple[tuple[str, Any], ...] = ()
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        for k, v in self.attrs:
+            if k == name:
+                return v
+        return default
 
     @property
     def is_compute(self) -> bool:
@@ -244,8 +253,12 @@ class ModelGraph:
         def tm(x):
             return TensorMeta(tuple(x["shape"]), x["dtype"])
 
+        def tup(x):
+            return tuple(tup(i) for i in x) if isinstance(x, list) else x
+
         nodes = tuple(
             OpInfo(**{**n,
+                      "attrs": tuple((k, tup(v)) for k, v in n.get("attrs", ())),
                       "inputs": tuple(n["inputs"]),
                       "param_names": tuple(n["param_names"]),
                       "input_meta": tuple(tm(t) for t in n["input_meta"]),

@@ -68,3 +68,25 @@ def test_hf_flops_match_flop_counter(name):
     assert ref > 0
     assert abs(g.total_fwd_flops - ref) <= 0.01 * ref
     assert g.num_params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name,pairs", [
+    ("llama", {"self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
+               "self_attn.o_proj": "row", "mlp.gate_proj": "column", "mlp.up_proj": "column",
+               "mlp.down_proj": "row"}),
+    ("bert", {"attention.self.query": "column", "attention.self.key": "column", "attention.self.value": "column",
+              "attention.output.dense": "row", "intermediate.dense": "column", "output.dense": "row"}),
+])
+def test_tensor_parallel_roles_found_without_model_special_cases(name, pairs):
+    from planner.sharding import find_sharding
+
+    cls, cfg, block_prefix = MODELS[name]("sdpa")
+    with torch.device("meta"):
+        model = cls(cfg)
+    g = planner.capture(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
+    roles = find_sharding(g).roles
+    by_path = {n.module_path: roles[n.name].role for n in g.nodes if n.kind == "linear"}
+    for suffix, role in pairs.items():
+        assert by_path[f"{block_prefix}0.{suffix}"] == role, suffix
+    attn = [n for n in g.nodes if n.kind == "attention"]
+    assert attn and all(roles[n.name].role == "inner" for n in attn)

@@ -1,0 +1,107 @@
+"""Compute time of one op: a roofline with per-kind efficiencies and a kernel overhead.
+
+time = max(FLOPs / (peak * eff_kind), bytes / (memory_bandwidth * eff_memory)) + overhead
+
+Large GEMMs land on the FLOP side near `eff_kind` of peak; small GEMMs and
+elementwise ops land on the bytes side (memory-bound); tiny ops are
+dominated by the launch overhead. The defaults come from published
+microbenchmark-style facts, never from end-to-end throughputs; a measured
+table (`Efficiency.from_measurements`, calibration) replaces them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Op kinds priced on the FLOP side (tensor cores / BLAS); the rest are memory-bound.
+MATMUL_KINDS = ("linear", "matmul", "attention")
+CONV_KINDS = ("conv",)
+FREE_KINDS = ("input", "output", "param", "scalar", "view")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achievable fractions of peak, and the fixed cost per kernel.
+
+    Attributes:
+        matmul: fraction of peak FLOP/s a large GEMM reaches.
+        conv: fraction of peak FLOP/s a large convolution reaches.
+        memory: fraction of peak memory bandwidth a streaming kernel reaches.
+        kernel_overhead: seconds added per kernel launched (launch + tail).
+        source: where these numbers come from.
+    """
+
+    matmul: float
+    conv: float
+    memory: float
+    kernel_overhead: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("matmul", "conv", "memory"):
+            v = getattr(self, name)
+            if not 0 < v <= 1:
+                raise ValueError(f"Efficiency.{name} must be in (0, 1], got {v!r}")
+        if self.kernel_overhead < 0:
+            raise ValueError(f"Efficiency.kernel_overhead must be >= 0 s, got {self.kernel_overhead!r}")
+
+    @classmethod
+    def default_for(cls, device) -> "Efficiency":
+        """Published-fact defaults for a device kind ("gpu" or "cpu")."""
+        if device.kind == "gpu":
+            # cuBLAS reaches about 80% of the tensor-core peak on large bf16/fp16
+            # GEMMs on A100/H100 (vendor GEMM benchmarks); cuDNN convolutions
+            # somewhat less. STREAM-like kernels reach ~80% of HBM bandwidth.
+            # A kernel launch plus its tail costs a few microseconds.
+            return cls(matmul=0.80, conv=0.70, memory=0.80, kernel_overhead=5e-6,
+                       source="defaults: large-GEMM ~80% of tensor-core peak, ~80% of HBM bandwidth, 5 us/kernel")
+        # The local (CPU) preset's peak FLOP/s and bandwidth are themselves measured
+        # GEMM and copy rates, so they are reached as measured; eager PyTorch on the
+        # CPU spends ~10 us of dispatch per op.
+        return cls(matmul=1.0, conv=0.6, memory=1.0, kernel_overhead=10e-6,
+                   source="defaults: measured CPU GEMM and copy rates, 10 us dispatch per op")
+
+    def replace(self, **changes) -> "Efficiency":
+        return dataclasses.replace(self, **changes)
+
+
+# cuBLAS/CUTLASS's large fp16/bf16 tiles on Ampere and Hopper are 256 x 128
+# output elements per thread block (one block per SM at a time).
+GEMM_TILE = (256, 128)
+
+
+def wave_efficiency(rows: int, cols: int, compute_units: int, tile: tuple[int, int] = GEMM_TILE) -> float:
+    """Fraction of a GPU's SMs busy over a GEMM with a (rows x cols) output.
+
+    The output is cut into tiles, one per SM at a time; the last "wave" of
+    tiles leaves SMs idle unless the tile count is a multiple of the SM count
+    (NVIDIA's matrix-multiplication guide calls this wave quantization).
+    1.0 when the device has no SM count (CPUs).
+    """
+    if compute_units <= 0 or rows <= 0 or cols <= 0:
+        return 1.0
+    tiles = -(-rows // tile[0]) * -(-cols // tile[1])
+    waves = tiles / compute_units
+    return waves / -(-tiles // compute_units)
+
+
+def op_time(kind: str, flops: float, nbytes: float, peak_flops: float, mem_bandwidth: float,
+            eff: Efficiency, kernels: int = 1, shape_efficiency: float = 1.0) -> float:
+    """Seconds for one op that does `flops` FLOPs and moves `nbytes` bytes.
+
+    `kernels` is how many kernels it launches (a backward is two: input and
+    weight gradients). `shape_efficiency` scales the FLOP rate of GEMM-like
+    kinds for their shape (see wave_efficiency). View-like kinds cost nothing.
+    """
+    if kind in FREE_KINDS:
+        return 0.0
+    if kind in MATMUL_KINDS:
+        flop_rate = peak_flops * eff.matmul * shape_efficiency
+    elif kind in CONV_KINDS:
+        flop_rate = peak_flops * eff.conv * shape_efficiency
+    else:  # elementwise, norm, softmax, pool, embedding, loss, concat: memory-bound
+        flop_rate = peak_flops * eff.matmul
+    compute = flops / flop_rate if flops else 0.0
+    memory = nbytes / (mem_bandwidth * eff.memory) if nbytes else 0.0
+    return max(compute, memory) + kernels * eff.kernel_overhead

@@ -1,0 +1,72 @@
+"""Memory formulas: bytes per parameter by dtype and ZeRO stage, live micro-batches per schedule.
+
+Mixed precision with Adam (STRATEGIES.md): 2 bytes of bf16/fp16 weights, 2 of
+gradients, 12 of fp32 master weights, momentum and variance per parameter.
+Plain fp32: 4 + 4 + 8 (momentum and variance; the weights are the master).
+ZeRO shards over the data axis: stage 1 the optimizer state, stage 2 also
+the gradients, stage 3 also the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ParamBytes:
+    """Bytes per parameter held on one device for weights, gradients and optimizer state."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+def param_bytes(dtype: str, zero: int, data: int) -> ParamBytes:
+    """Per-parameter bytes on one device for a compute dtype, ZeRO stage and data degree."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {zero!r}")
+    if data < 1:
+        raise ValueError(f"data degree must be >= 1, got {data!r}")
+    w = g = DTYPE_BYTES[dtype]
+    opt = 12.0 if dtype != "fp32" else 8.0
+    return ParamBytes(
+        weights=w / data if zero >= 3 else w,
+        gradients=g / data if zero >= 2 else g,
+        optimizer=opt / data if zero >= 1 else opt,
+    )
+
+
+def adam_step_bytes(dtype: str) -> int:
+    """Bytes moved per parameter by one fused Adam step (memory-bound).
+
+    Mixed precision reads master, m, v (fp32) and the 2-byte gradient and
+    writes master, m, v and the 2-byte weight: 14 + 14. fp32 reads weight,
+    m, v, gradient and writes weight, m, v: 16 + 12.
+    """
+    return 28
+
+
+def live_micro_batches(schedule: str, stage: int, pipeline: int, micro_batches: int,
+                       virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations a device on pipeline position `stage` holds at its peak.
+
+    GPipe runs every forward before any backward: all m. 1F1B keeps at most
+    p - stage. Interleaved 1F1B with v chunks warms up (p - 1) extra chunk
+    forwards spread over v chunks (Narayanan et al. SC'21, section 2.2):
+    (p - stage) + (p - 1) / v micro-batches' worth of one stage's activations.
+    """
+    if schedule == "gpipe":
+        return float(micro_batches)
+    if schedule == "1f1b":
+        return float(min(pipeline - stage, micro_batches))
+    if schedule == "interleaved":
+        return float(min(pipeline - stage + (pipeline - 1) / virtual_stages, micro_batches))
+    raise ValueError(f"unknown schedule {schedule!r}")

@@ -1,0 +1,107 @@
+"""`Prediction`: what the cost model says one training step costs.
+
+Times are seconds per step; memory is bytes per device; rates are per
+second. The time breakdown adds up to `step_time`; the memory breakdown adds
+up to `peak_memory` (the device with the largest footprint decides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Seconds per step on the critical path, adding up to the step time."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    recompute: float = 0.0
+    tensor_comm: float = 0.0      # tensor-parallel collectives inside forward/backward
+    pipeline_comm: float = 0.0    # point-to-point sends of activations and gradients
+    bubble: float = 0.0           # pipeline fill and drain
+    data_comm: float = 0.0        # data-parallel gradient sync left exposed after overlap
+    zero_comm: float = 0.0        # ZeRO parameter gathers / gradient reduce-scatters on the critical path
+    optimizer: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes held by one device at its peak, adding up to `total`."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    comm_buffers: float = 0.0
+    temporary: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    """One pipeline stage: its layers, time per micro-batch and memory per device."""
+
+    index: int
+    first_layer: str
+    last_layer: str
+    num_layers: int
+    forward: float                # s per micro-batch, including tensor-parallel collectives
+    backward: float               # s per micro-batch, including recompute and collectives
+    memory: MemoryBreakdown
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_time: float
+    time: TimeBreakdown
+    peak_memory: float
+    memory: MemoryBreakdown       # of the device with the largest footprint
+    memory_capacity: float        # bytes per device
+    fits: bool
+    samples_per_s: float
+    tokens_per_s: float | None    # None for models whose inputs are not token ids
+    model_flops_per_device: float  # FLOP/s of useful model work (3x forward, no recompute)
+    mfu: float                    # model_flops_per_device / peak FLOP/s of the compute dtype
+    num_micro_batches: int
+    stages: tuple[StagePrediction, ...]
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.time.bubble / self.step_time if self.step_time else 0.0
+
+    def summary(self) -> str:
+        t, m = self.time, self.memory
+        gib = 2**30
+        lines = [
+            f"step {self.step_time * 1e3:,.1f} ms   {self.samples_per_s:,.2f} samples/s"
+            + (f"   {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else "")
+            + f"   MFU {self.mfu:.1%}",
+            "time: " + ", ".join(f"{f.name} {getattr(t, f.name) * 1e3:,.1f} ms"
+                                 for f in dataclasses.fields(t) if getattr(t, f.name) > 0),
+            f"peak memory {self.peak_memory / gib:,.2f} GiB of {self.memory_capacity / gib:,.0f} GiB "
+            f"({'fits' if self.fits else 'DOES NOT FIT'}): "
+            + ", ".join(f"{f.name} {getattr(m, f.name) / gib:,.2f}" for f in dataclasses.fields(m)
+                        if getattr(m, f.name) > 0),
+        ]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Prediction":
+        d = dict(d)
+        d["time"] = TimeBreakdown(**d["time"])
+        d["memory"] = MemoryBreakdown(**d["memory"])
+        d["stages"] = tuple(StagePrediction(**{**s, "memory": MemoryBreakdown(**s["memory"])})
+                            for s in d["stages"])
+        return cls(**d)

@@ -1,0 +1,128 @@
+"""`ParallelConfig`: one point of the search space, as a small validated value.
+
+Degrees multiply to the device count. New parallel dimensions (spatial,
+sub-graph, bi-directional pipelines) are added as fields with neutral
+defaults, so every existing config stays valid and `num_devices` stays the
+product of all degrees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A ParallelConfig that cannot describe a valid run."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one training step is split over devices.
+
+    Attributes:
+        data, tensor, pipeline: degrees of the mesh axes (devices = product).
+        micro_batch_size: samples per micro-batch on one data-parallel rank.
+        schedule: pipeline schedule, one of SCHEDULES.
+        virtual_stages: model chunks per device (interleaved schedule only).
+        recompute: activation recomputation, one of RECOMPUTE.
+        zero: ZeRO stage 0-3 (sharding of optimizer state, gradients, parameters over data).
+        dtype: compute dtype; "bf16"/"fp16" mean mixed precision with fp32 master weights and Adam state.
+        stage_boundaries: optional names of the first layer of every stage after the first
+            (pipeline * virtual_stages - 1 names); None lets the planner balance stages.
+    """
+
+    data: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    micro_batch_size: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    recompute: str = "none"
+    zero: int = 0
+    dtype: str = "bf16"
+    stage_boundaries: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("data", "tensor", "pipeline", "micro_batch_size", "virtual_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {v!r}")
+        for name, allowed in (("schedule", SCHEDULES), ("recompute", RECOMPUTE), ("dtype", DTYPES)):
+            v = getattr(self, name)
+            if v not in allowed:
+                raise ConfigError(f"ParallelConfig.{name}={v!r} is not one of {', '.join(allowed)}")
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise ConfigError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.schedule == "interleaved":
+            if self.virtual_stages < 2:
+                raise ConfigError("the interleaved schedule needs virtual_stages >= 2 "
+                                  f"(got {self.virtual_stages}); use 1f1b for one chunk per device")
+            if self.pipeline < 2:
+                raise ConfigError("the interleaved schedule needs pipeline >= 2")
+        elif self.virtual_stages != 1:
+            raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' "
+                              f"(schedule is {self.schedule!r})")
+        if self.stage_boundaries is not None:
+            object.__setattr__(self, "stage_boundaries", tuple(self.stage_boundaries))
+            want = self.num_stages - 1
+            if len(self.stage_boundaries) != want:
+                raise ConfigError(f"stage_boundaries names {len(self.stage_boundaries)} layers; "
+                                  f"{self.num_stages} stages need {want} (the first layer of each stage after the first)")
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.tensor * self.pipeline
+
+    @property
+    def num_stages(self) -> int:
+        """Model chunks in the pipeline (pipeline x virtual_stages)."""
+        return self.pipeline * self.virtual_stages
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """Mesh axes, outermost first: pipeline, data, tensor (tensor innermost, inside a node)."""
+        return {"pipe": self.pipeline, "data": self.data, "tensor": self.tensor}
+
+    def micro_batches(self, global_batch_size: int) -> int:
+        """Micro-batches per step on each pipeline; ValueError when the batch does not split evenly."""
+        per_replica = self.micro_batch_size * self.data
+        if global_batch_size < 1 or global_batch_size % per_replica:
+            raise ConfigError(
+                f"global batch {global_batch_size} is not a multiple of micro_batch_size "
+                f"{self.micro_batch_size} x data {self.data} = {per_replica}; pick a micro-batch size "
+                f"or data degree that divides it"
+            )
+        return global_batch_size // per_replica
+
+    def short(self) -> str:
+        """A compact label, e.g. "d4 t8 p12 mb1 1f1b rc=full z0 bf16"."""
+        s = f"d{self.data} t{self.tensor} p{self.pipeline} mb{self.micro_batch_size} {self.schedule}"
+        if self.schedule == "interleaved":
+            s += f"x{self.virtual_stages}"
+        return s + f" rc={self.recompute} z{self.zero} {self.dtype}"
+
+    def replace(self, **changes: Any) -> "ParallelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        if d["stage_boundaries"] is not None:
+            d["stage_boundaries"] = list(d["stage_boundaries"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ParallelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown ParallelConfig field(s) {unknown}; known: {sorted(known)}")
+        d = dict(d)
+        if d.get("stage_boundaries") is not None:
+            d["stage_boundaries"] = tuple(d["stage_boundaries"])
+        return cls(**d)

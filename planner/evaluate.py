@@ -1,0 +1,457 @@
+"""`planner.evaluate`: predicted step time, memory and throughput of one ParallelConfig.
+
+The `Evaluator` holds what does not change between configurations of one
+model on one cluster (the tensor-parallel roles, per-layer cost tables keyed
+by layer signature), so the search can price thousands of configurations:
+a repeated transformer block is costed once per (tensor degree,
+micro-batch, dtype, recompute) and reused for every copy.
+
+Per micro-batch and device, a layer costs its ops' roofline times (FLOPs
+and bytes divided by the tensor degree where the op is sharded) plus its
+tensor-parallel all-reduces. Stages are contiguous layer ranges balanced by
+time; the slowest device sets the pipeline slot; fill and drain follow the
+schedule; the data-parallel gradient sync overlaps the last micro-batch's
+backward; ZeRO-3 parameter gathers sit on the critical path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cost_models.comm import axis_collective_time, link_models
+from cost_models.compute import Efficiency, op_time, wave_efficiency
+from cost_models.hardware import Cluster
+from cost_models.memory import DTYPE_BYTES, adam_step_bytes, live_micro_batches, param_bytes
+from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
+from cost_models.schedule import pipeline_time
+from planner.config import ConfigError, ParallelConfig
+from planner.graph import Layer, ModelGraph, OpInfo, dtype_size
+from planner.sharding import ShardingPlan, find_sharding
+
+# Data-parallel gradients are reduced in buckets as backward produces them;
+# only the last bucket's reduction is always exposed (PyTorch DDP's default bucket).
+GRAD_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer on one device for one micro-batch. Seconds and bytes."""
+
+    forward: float          # compute only
+    backward: float         # compute only
+    recompute: float        # extra forward work in backward (per recompute mode)
+    tp_forward: float       # tensor-parallel collectives in forward
+    tp_backward: float      # ... in backward (and in the recomputed forward)
+    saved: float            # activation bytes kept for backward (per recompute mode)
+    working: float          # bytes live while this layer's backward runs under full recompute
+    params: float           # parameters held per device (count)
+    largest_param_layer: float  # same as params (kept for ZeRO-3 gather buffers)
+    temporary: float        # largest single output (+ its gradient) in bytes
+    boundary: float         # bytes crossing the cut after this layer
+
+
+class Evaluator:
+    """Prices ParallelConfigs of one ModelGraph on one Cluster."""
+
+    def __init__(self, graph: ModelGraph, cluster: Cluster, *, efficiency: Efficiency | None = None,
+                 fused_attention: bool = True, overlap_grad_reduce: bool = True,
+                 grad_reduce_bytes: int | None = None) -> None:
+        """
+        Args:
+            efficiency: per-kind efficiencies (default: published facts for the device kind).
+            fused_attention: attention kernels keep no (T x T) score matrix (flash-style).
+            overlap_grad_reduce: the data-parallel gradient sync overlaps the last
+                micro-batch's backward (meshplan's runtime and PyTorch DDP do; Megatron-LM
+                2021 reduced after the pipeline flush).
+            grad_reduce_bytes: bytes per gradient element in the data-parallel sync
+                (default: the compute dtype's; 4 where fp32 main gradients are reduced).
+        """
+        self.graph = graph
+        self.cluster = cluster
+        self.eff = efficiency or Efficiency.default_for(cluster.device)
+        self.fused_attention = fused_attention
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.grad_reduce_bytes = grad_reduce_bytes
+        self.sharding: ShardingPlan = find_sharding(graph)
+        self._nodes = {n.name: n for n in graph.nodes}
+        self._layer_cache: dict[tuple, LayerCost] = {}
+        self._layer_inputs = self._input_bytes_per_layer()
+        self.tokens_per_sample = _tokens_per_sample(graph)
+
+    # ---- public ---------------------------------------------------------
+    def evaluate(self, config: ParallelConfig, global_batch_size: int) -> Prediction:
+        self.check(config, global_batch_size)
+        m = config.micro_batches(global_batch_size)
+        p, v, t, d = config.pipeline, config.virtual_stages, config.tensor, config.data
+        costs = [self.layer_cost(layer, config) for layer in self.graph.layers]
+        bounds = self.stage_bounds(config, costs)
+        dev = self.cluster.device
+        mesh = config.mesh
+
+        # Per device (pipeline position i holds chunks i, i+p, ...).
+        slots, parts, mems, stages = [], [], [], []
+        pb = param_bytes(config.dtype, config.zero, d)
+        p2p = self._p2p_time(config)
+        for i in range(p):
+            chunks = [bounds[c] for c in range(i, config.num_stages, p)]
+            cs = [c for lo, hi in chunks for c in costs[lo:hi]]
+            fwd = sum(c.forward for c in cs)
+            bwd = sum(c.backward for c in cs)
+            rc = sum(c.recompute for c in cs)
+            tp = sum(c.tp_forward + c.tp_backward for c in cs)
+            pp = sum(2 * p2p(costs[hi - 1].boundary) for lo, hi in chunks if p > 1)
+            slots.append(fwd + bwd + rc + tp + pp)
+            parts.append((fwd, bwd, rc, tp, pp))
+            params = sum(c.params for c in cs)
+            live = live_micro_batches(config.schedule, i, p, m, v)
+            if config.recompute == "full":
+                acts = live * sum(c.saved for c in cs) + max((c.working for c in cs), default=0.0)
+            else:
+                acts = live * sum(c.saved for c in cs)
+            gather = 0.0
+            if config.zero == 3:  # the gathered weights of the current and the prefetched layer
+                gather = 2 * max((c.params for c in cs), default=0.0) * DTYPE_BYTES[config.dtype]
+            comm_buf = (2 * min(GRAD_BUCKET_BYTES, params * pb.gradients) if d > 1 else 0.0) + \
+                (2 * costs[chunks[-1][1] - 1].boundary if p > 1 else 0.0)
+            mem = MemoryBreakdown(
+                parameters=params * pb.weights + gather, gradients=params * pb.gradients,
+                optimizer=params * pb.optimizer, activations=acts, comm_buffers=comm_buf,
+                temporary=max((c.temporary for c in cs), default=0.0),
+            )
+            mems.append((mem, params))
+            for (lo, hi) in chunks:
+                stages.append((lo, hi, i, mem))
+
+        crit = max(range(p), key=lambda i: slots[i])
+        fwd, bwd, rc, tp, pp = parts[crit]
+        total, bubble = pipeline_time(config.schedule, p, m, slots[crit], v)
+
+        # Data-parallel gradient sync / ZeRO traffic for the critical device.
+        params_crit = mems[crit][1]
+        data_comm = zero_comm = 0.0
+        if d > 1:
+            grad_bytes = params_crit * (self.grad_reduce_bytes or DTYPE_BYTES[config.dtype])
+            weight_bytes = params_crit * DTYPE_BYTES[config.dtype]
+            # The last micro-batch's backward on this device hides the sync, bucket by bucket.
+            window = bwd + rc if self.overlap_grad_reduce else 0.0
+            if config.zero <= 1:
+                ar = self._axis(mesh, "data", "all_reduce", grad_bytes)
+                tail = self._axis(mesh, "data", "all_reduce", min(GRAD_BUCKET_BYTES, grad_bytes))
+                data_comm = max(tail, ar - window)
+                if config.zero == 1:  # updated weight shards are gathered after the step
+                    data_comm += self._axis(mesh, "data", "all_gather", weight_bytes)
+            elif config.zero == 2:
+                rs = self._axis(mesh, "data", "reduce_scatter", grad_bytes)
+                tail = self._axis(mesh, "data", "reduce_scatter", min(GRAD_BUCKET_BYTES, grad_bytes))
+                data_comm = max(tail, rs - window) + self._axis(mesh, "data", "all_gather", weight_bytes)
+            else:
+                # ZeRO-3 gathers the weights before each micro-batch's forward and
+                # again before its backward (the recomputed forward reuses that
+                # gather) and reduce-scatters the gradients: the next layer's
+                # compute waits on its gather, so these are charged in full.
+                per_mb = 2 * self._axis(mesh, "data", "all_gather", weight_bytes) + \
+                    self._axis(mesh, "data", "reduce_scatter", grad_bytes)
+                zero_comm = m * per_mb
+        opt_params = params_crit / (d if config.zero >= 1 else 1)
+        optimizer = opt_params * adam_step_bytes(config.dtype) / (dev.memory_bandwidth * self.eff.memory)
+
+        step = total + data_comm + zero_comm + optimizer
+        time = TimeBreakdown(forward=m * fwd, backward=m * bwd, recompute=m * rc, tensor_comm=m * tp,
+                             pipeline_comm=m * pp, bubble=bubble, data_comm=data_comm,
+                             zero_comm=zero_comm, optimizer=optimizer)
+        peak_i = max(range(p), key=lambda i: mems[i][0].total)
+        peak_mem = mems[peak_i][0]
+        samples = global_batch_size / step
+        fwd_flops_per_sample = self.graph.total_fwd_flops / self.graph.batch_size
+        model_flops = 3 * fwd_flops_per_sample * samples / config.num_devices
+        peak_flops = dev.peak(config.dtype)
+        stage_preds = tuple(
+            StagePrediction(
+                index=k, first_layer=self.graph.layers[lo].name, last_layer=self.graph.layers[hi - 1].name,
+                num_layers=hi - lo,
+                forward=sum(c.forward + c.tp_forward for c in costs[lo:hi]),
+                backward=sum(c.backward + c.recompute + c.tp_backward for c in costs[lo:hi]),
+                memory=mem,
+            )
+            for k, (lo, hi, _i, mem) in enumerate(sorted(stages, key=lambda s: s[0]))
+        )
+        return Prediction(
+            step_time=step, time=time, peak_memory=peak_mem.total, memory=peak_mem,
+            memory_capacity=float(dev.memory_bytes), fits=peak_mem.total <= dev.memory_bytes,
+            samples_per_s=samples,
+            tokens_per_s=samples * self.tokens_per_sample if self.tokens_per_sample else None,
+            model_flops_per_device=model_flops, mfu=model_flops / peak_flops,
+            num_micro_batches=m, stages=stage_preds,
+        )
+
+    def check(self, config: ParallelConfig, global_batch_size: int) -> None:
+        """ValueError naming the numbers when `config` cannot run this model on this cluster."""
+        if config.num_devices != self.cluster.num_devices:
+            raise ConfigError(
+                f"data {config.data} x tensor {config.tensor} x pipeline {config.pipeline} = "
+                f"{config.num_devices} devices, but cluster {self.cluster.name!r} has "
+                f"{self.cluster.num_devices}; choose degrees whose product is {self.cluster.num_devices}"
+            )
+        config.micro_batches(global_batch_size)
+        try:
+            self.sharding.check(config.tensor)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if config.num_stages > len(self.graph.layers):
+            raise ConfigError(f"{config.num_stages} pipeline stages but the model has only "
+                              f"{len(self.graph.layers)} layers to cut; use at most {len(self.graph.layers)}")
+        try:
+            self.cluster.device.peak(config.dtype)
+        except ValueError as e:
+            raise ConfigError(f"{e}; choose a dtype this device supports") from None
+
+    def layer_cost(self, layer: Layer, config: ParallelConfig) -> LayerCost:
+        key = (layer.signature, layer.index == 0, config.tensor, config.micro_batch_size,
+               config.dtype, config.recompute)
+        hit = self._layer_cache.get(key)
+        if hit is None:
+            hit = self._layer_cache[key] = self._cost_layer(layer, config)
+        if hit.boundary != self._boundary(layer, config):  # same body, different cut (last layer)
+            hit = self._cost_layer(layer, config)
+        return hit
+
+    def stage_bounds(self, config: ParallelConfig, costs: list[LayerCost]) -> list[tuple[int, int]]:
+        """[lo, hi) layer ranges of the pipeline stages (chunks), given or balanced by time."""
+        n, s = len(costs), config.num_stages
+        names = [layer.name for layer in self.graph.layers]
+        if config.stage_boundaries is not None:
+            idx = []
+            for name in config.stage_boundaries:
+                if name not in names:
+                    raise ConfigError(f"stage boundary {name!r} is not a layer of this model; "
+                                      f"layers are: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+                idx.append(names.index(name))
+            if idx != sorted(set(idx)) or (idx and idx[0] == 0):
+                raise ConfigError("stage_boundaries must name distinct layers in model order, "
+                                  "none of them the first layer")
+            cuts = [0, *idx, n]
+            return [(cuts[k], cuts[k + 1]) for k in range(s)]
+        weights = [c.forward + c.backward + c.recompute + c.tp_forward + c.tp_backward for c in costs]
+        return balanced_partition(weights, s)
+
+    # ---- internals ------------------------------------------------------
+    def _axis(self, mesh: dict, axis: str, op: str, nbytes: float) -> float:
+        if mesh[axis] <= 1 or nbytes <= 0:
+            return 0.0
+        return axis_collective_time(self.cluster, mesh, axis, op, nbytes).seconds
+
+    def _p2p_time(self, config: ParallelConfig):
+        """p2p seconds for n bytes between neighbouring pipeline ranks."""
+        intra, inter = link_models(self.cluster)
+        stride = config.data * config.tensor
+        link = intra if stride < self.cluster.devices_per_node else inter
+        return lambda n: link.alpha + n * link.beta
+
+    def _wave_efficiency(self, n: OpInfo, role: str, scale: float, t: int) -> float:
+        """Wave quantization of a Linear/conv GEMM on this device, for its per-rank shape."""
+        units = self.cluster.device.compute_units
+        if not units or n.kind not in ("linear", "conv") or not n.output_meta:
+            return 1.0
+        shape = n.output_meta[0].shape
+        split = t if role in ("column", "column_out") else 1
+        if n.kind == "conv" and len(shape) >= 3:  # implicit GEMM: (B*H*W) x out_channels
+            cols = shape[1]
+            rows = n.output_meta[0].numel // max(cols, 1)
+        else:
+            cols = shape[-1]
+            rows = n.output_meta[0].numel // max(cols, 1)
+        return wave_efficiency(max(int(rows * scale), 1), max(cols // split, 1), units)
+
+    def _input_bytes_per_layer(self) -> list[int]:
+        layers = self.graph.layers
+        first = sum(n.output_bytes for n in self.graph.nodes if n.kind == "input")
+        return [first] + [layers[k - 1].boundary_bytes for k in range(1, len(layers))]
+
+    def _boundary(self, layer: Layer, config: ParallelConfig) -> float:
+        return layer.boundary_bytes * config.micro_batch_size / self.graph.batch_size * \
+            DTYPE_BYTES[config.dtype] / 4
+
+    def _cost_layer(self, layer: Layer, config: ParallelConfig) -> LayerCost:
+        dev = self.cluster.device
+        peak = dev.peak(config.dtype)
+        bw = dev.memory_bandwidth
+        t = config.tensor
+        scale = config.micro_batch_size / self.graph.batch_size
+        mesh = config.mesh
+        roles = self.sharding.roles
+        fwd = bwd = attn_fwd = 0.0
+        tp_f = tp_b = 0.0
+        saved = params = temp = 0.0
+        for name in layer.nodes:
+            n = self._nodes[name]
+            role = roles[name]
+            div = t if role.sharded else 1
+            ds = _dtype_scale(n, config.dtype)
+            act_in = sum(mm.nbytes for mm in n.input_meta)
+            param_read = max(n.bytes_read - act_in, 0)
+            nbytes = ((act_in + n.bytes_written) * scale + param_read) * ds / div
+            f_bytes, b_bytes = nbytes, 2 * nbytes
+            if n.kind == "attention" and not self.fused_attention:
+                # Unfused attention materializes the scores: Q@K^T writes them, softmax
+                # reads and writes them, P@V reads them (4 passes; backward 6). Dropout
+                # on the probabilities adds a read, a write and a 1-byte mask each way.
+                scores = _score_bytes(n) * scale * ds / div
+                drop = 2.5 if (n.attr("dropout_p") or 0) > 0 else 0.0
+                f_bytes += (4 + drop) * scores
+                b_bytes += (6 + drop) * scores
+            waves = self._wave_efficiency(n, role.role, scale, t)
+            f = op_time(n.kind, n.fwd_flops * scale / div, f_bytes, peak, bw, self.eff, shape_efficiency=waves)
+            b = op_time(n.kind, n.bwd_flops * scale / div, b_bytes, peak, bw, self.eff,
+                        kernels=2 if n.param_count or param_read else 1,
+                        shape_efficiency=waves) if n.requires_grad else 0.0
+            fwd += f
+            bwd += b
+            if n.kind in ("attention", "softmax"):
+                attn_fwd += f
+            if role.fwd_allreduce:
+                tp_f += self._axis(mesh, "tensor", "all_reduce", role.fwd_allreduce * scale * ds)
+            if role.bwd_allreduce:
+                tp_b += self._axis(mesh, "tensor", "all_reduce", role.bwd_allreduce * scale * ds)
+            node_saved = n.saved_bytes
+            if n.kind == "attention":
+                # Fused (flash) attention keeps q, k, v, the output and a row statistic;
+                # unfused attention also keeps the (T x T) probabilities.
+                node_saved = act_in + n.output_bytes + (0 if self.fused_attention else _score_bytes(n))
+            if config.recompute == "selective" and n.kind in ("attention", "softmax"):
+                node_saved = 0
+            saved += node_saved * scale * ds / div
+            if n.param_count:
+                params += _params_per_rank(n, role.role, t)
+            temp = max(temp, 2 * n.output_bytes * scale * ds / div)
+        layer_in = self._layer_inputs[layer.index] * scale * DTYPE_BYTES[config.dtype] / 4
+        if config.recompute == "full":
+            recompute, working, kept = fwd, saved, layer_in
+            tp_b += tp_f  # the recomputed forward repeats its all-reduces
+        elif config.recompute == "selective":
+            recompute, working, kept = attn_fwd, 0.0, saved
+        else:
+            recompute, working, kept = 0.0, 0.0, saved
+        return LayerCost(forward=fwd, backward=bwd, recompute=recompute, tp_forward=tp_f,
+                         tp_backward=tp_b, saved=kept, working=working, params=params,
+                         largest_param_layer=params, temporary=temp,
+                         boundary=self._boundary(layer, config))
+
+
+def balanced_partition(weights: list[float], parts: int) -> list[tuple[int, int]]:
+    """Split `weights` into `parts` contiguous non-empty ranges minimizing the largest sum.
+
+    Binary search on the bottleneck with a greedy feasibility check, then an
+    exact sweep over the candidate sums near it: O(n log n) per call.
+    """
+    n = len(weights)
+    if parts < 1 or parts > n:
+        raise ValueError(f"cannot cut {n} layers into {parts} non-empty stages")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    def cuts_for(limit: float) -> list[int] | None:
+        cuts, start = [], 0
+        for _ in range(parts - 1):
+            # furthest end so that the chunk sum stays within limit, leaving enough layers for the rest
+            hi = n - (parts - 1 - len(cuts))
+            end = start + 1
+            while end < hi and prefix[end + 1] - prefix[start] <= limit * (1 + 1e-12):
+                end += 1
+            if prefix[end] - prefix[start] > limit * (1 + 1e-12):
+                return None
+            cuts.append(end)
+            start = end
+        if prefix[n] - prefix[start] > limit * (1 + 1e-12):
+            return None
+        return cuts
+
+    lo, hi = max(weights), prefix[n]
+    for _ in range(60):
+        if hi - lo <= 1e-12 * max(hi, 1e-30):
+            break
+        mid = (lo + hi) / 2
+        if cuts_for(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    cuts = cuts_for(hi)
+    assert cuts is not None
+    bounds = [0, *cuts, n]
+    return [(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+def _params_per_rank(n: OpInfo, role: str, t: int) -> float:
+    """Parameters of one node held by one tensor-parallel rank.
+
+    Split ops hold 1/t of their weights; a row-parallel op's bias is added
+    after the all-reduce and stays whole on every rank (Megatron's layout).
+    """
+    if role == "replicate" or t == 1:
+        return float(n.param_count)
+    if role == "row" and any(name.endswith("bias") for name in n.param_names) and n.output_meta:
+        bias = n.output_meta[0].shape[1] if n.kind == "conv" else n.output_meta[0].shape[-1]
+        return (n.param_count - bias) / t + bias
+    return n.param_count / t
+
+
+def _score_bytes(n: OpInfo) -> int:
+    """Bytes of the (B, H, Tq, Tk) attention score matrix an unfused attention materializes."""
+    if len(n.input_meta) < 2 or len(n.input_meta[0].shape) != 4:
+        return 0
+    b, h, tq, _ = n.input_meta[0].shape
+    tk = n.input_meta[1].shape[2]
+    return b * h * tq * tk * dtype_size(n.input_meta[0].dtype)
+
+
+def _dtype_scale(n: OpInfo, dtype: str) -> float:
+    """Bytes scale from the captured dtype to the run's compute dtype (floats only)."""
+    meta = n.output_meta[0] if n.output_meta else (n.input_meta[0] if n.input_meta else None)
+    if meta is None or not meta.dtype.startswith(("float", "bfloat")):
+        return 1.0
+    return DTYPE_BYTES[dtype] / dtype_size(meta.dtype)
+
+
+def _tokens_per_sample(graph: ModelGraph) -> int | None:
+    """Sequence length when the model's first input is token ids, else None."""
+    for n in graph.nodes:
+        if n.kind == "input" and n.output_meta:
+            m = n.output_meta[0]
+            if m.dtype.startswith(("int", "uint")) and len(m.shape) >= 2:
+                return m.numel // graph.batch_size
+            return None
+    return None
+
+
+def evaluate(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, global_batch_size: int,
+             example_inputs: Any = None, efficiency: Efficiency | None = None,
+             fused_attention: bool = True) -> Prediction:
+    """Predicted step time, memory and throughput of `config` for a model on `cluster`.
+
+    Args:
+        model_or_graph: a ModelGraph from planner.capture, or an nn.Module (then
+            `example_inputs` giving one sample's shape, or a small batch, is required).
+        cluster: the Cluster; its device count must equal the config's degree product.
+        config: the ParallelConfig to price.
+        global_batch_size: samples per optimizer step over all data-parallel ranks.
+        efficiency: per-kind efficiencies replacing the published defaults (calibration).
+        fused_attention: attention keeps no (T x T) scores (flash-style kernels).
+
+    Raises:
+        ConfigError (a ValueError) naming the numbers when the config cannot run.
+    """
+    graph = as_graph(model_or_graph, example_inputs)
+    return Evaluator(graph, cluster, efficiency=efficiency,
+                     fused_attention=fused_attention).evaluate(config, global_batch_size)
+
+
+def as_graph(model_or_graph: Any, example_inputs: Any) -> ModelGraph:
+    if isinstance(model_or_graph, ModelGraph):
+        return model_or_graph
+    if example_inputs is None:
+        raise ValueError("pass example_inputs (one sample's inputs, or a small batch) with a model, "
+                         "or a ModelGraph from planner.capture")
+    from planner.capture import capture
+
+    return capture(model_or_graph, example_inputs)

@@ -1,0 +1,234 @@
+"""Tensor-parallel shardings found from the graph (Megatron pattern, no model special cases).
+
+A weight op (Linear or conv) whose output flows, through ops that act
+independently per feature/head/channel, into other weight ops forms a
+column -> row region: the first ops are split on their output features
+(column-parallel), the last on their input features (row-parallel), and
+everything between runs on 1/t of the features. Forward needs one
+all-reduce after each row-parallel op; backward one all-reduce of the input
+gradient of the column group. The same rule finds GPT's qkv -> proj and
+fc1 -> fc2, Llama's q/k/v -> o and gate/up -> down, BERT's query/key/value,
+and conv -> BatchNorm -> ReLU -> conv in a CNN. A weight op whose region
+reaches the model's output (the vocabulary projection) is column-parallel
+with a vocabulary-parallel loss. Embeddings split their vocabulary and
+all-reduce their output. Everything else is replicated on the t ranks.
+
+Roles do not depend on t; `ShardingPlan.constraints` lists the sizes t
+must divide (heads, features, channels, vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.graph import ModelGraph, OpInfo
+
+# Ops that act independently on each output feature / head / channel, so a
+# tensor split on that dimension can flow through them unchanged.
+_TRANSPARENT = ("elementwise", "view", "attention", "softmax", "matmul", "pool", "concat")
+_WEIGHT = ("linear", "conv")
+
+
+@dataclass(frozen=True)
+class NodeShard:
+    """Tensor-parallel role of one node.
+
+    role: "replicate", "column", "row", "inner" (between column and row ops),
+    "vocab" (vocabulary-split embedding), "column_out" (column op whose region
+    ends at the model output). `fwd_allreduce` / `bwd_allreduce` are bytes
+    all-reduced over the tensor axis in forward / backward for the example batch.
+    """
+
+    role: str
+    fwd_allreduce: int = 0
+    bwd_allreduce: int = 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.role != "replicate"
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    roles: dict  # node name -> NodeShard (a dict for speed; treat as read-only)
+    constraints: tuple[tuple[str, int], ...]  # (what, size) pairs the tensor degree must divide
+
+    def check(self, tensor: int) -> None:
+        """ValueError naming the first size that `tensor` does not divide."""
+        for what, size in self.constraints:
+            if size % tensor:
+                raise ValueError(f"tensor degree {tensor} does not divide {what} = {size}; "
+                                 f"pick a tensor degree that divides {size}")
+
+
+def find_sharding(graph: ModelGraph) -> ShardingPlan:
+    by_name = {n.name: n for n in graph.nodes}
+    users: dict[str, list[str]] = {n.name: [] for n in graph.nodes}
+    for n in graph.nodes:
+        for i in n.inputs:
+            if i in users:
+                users[i].append(n.name)
+
+    anc = _weight_ancestry(graph)
+    roles: dict[str, NodeShard] = {}
+    constraints: list[tuple[str, int]] = []
+    for n in graph.nodes:
+        if n.name in roles:
+            continue
+        if n.kind == "embedding" and n.param_count and _indexed_by_input(n, by_name):
+            vocab = _param_rows(n)
+            roles[n.name] = NodeShard("vocab", fwd_allreduce=n.output_bytes)
+            constraints.append((f"the vocabulary of {n.module_path or n.name}", vocab))
+        elif n.kind in _WEIGHT and _has_weight(n):
+            region = _grow_region(n, by_name, users, roles, anc)
+            if region is None:
+                continue
+            cols, inner, rows, to_output = region
+            bwd_inputs = {i for c in cols for i in by_name[c].inputs if _is_activation(by_name.get(i))}
+            bwd_bytes = sum(by_name[i].output_bytes for i in bwd_inputs)
+            for k, c in enumerate(sorted(cols, key=_order(graph))):
+                roles[c] = NodeShard("column_out" if to_output else "column",
+                                     bwd_allreduce=bwd_bytes if k == 0 else 0)
+                constraints.append((f"the output features of {by_name[c].module_path or c}", _out_features(by_name[c])))
+            for i in inner:
+                roles[i] = NodeShard("inner")
+                if by_name[i].kind == "attention" and by_name[i].input_meta:
+                    constraints.append((f"the heads of {by_name[i].module_path or i}",
+                                        by_name[i].input_meta[0].shape[1]))
+            for r in rows:
+                roles[r] = NodeShard("row", fwd_allreduce=by_name[r].output_bytes)
+    for n in graph.nodes:
+        roles.setdefault(n.name, NodeShard("replicate"))
+    return ShardingPlan(roles=roles, constraints=tuple(dict.fromkeys(constraints)))
+
+
+def _order(graph: ModelGraph):
+    pos = {n.name: i for i, n in enumerate(graph.nodes)}
+    return pos.__getitem__
+
+
+def _has_weight(n: OpInfo) -> bool:
+    return n.param_count > 0 or n.op == "call_module" or any(True for _ in n.param_names)
+
+
+def _is_activation(n: OpInfo | None) -> bool:
+    return n is not None and n.kind not in ("param", "scalar") and bool(n.output_meta)
+
+
+def _weight_ancestry(graph: ModelGraph) -> dict[str, bool]:
+    """Whether each node's value depends on a weight op (the model's data stream).
+
+    Tensors that do not (attention masks, rotary tables, position ids) are
+    constants as far as tensor parallelism goes: any split tensor may meet them.
+    """
+    anc: dict[str, bool] = {}
+    for n in graph.nodes:
+        anc[n.name] = (n.kind in _WEIGHT and _has_weight(n)) or n.kind == "embedding" or \
+            any(anc.get(i, False) for i in n.inputs)
+    return anc
+
+
+def _grow_region(start: OpInfo, by_name, users, roles, anc):
+    """Column ops, inner ops and row ops of the region that starts at `start`, or None."""
+    cols, inner, rows = {start.name}, set(), set()
+    pulled: set[str] = set()  # inner ops found by walking back from the region (sibling paths)
+    to_output = False
+    queue = [start.name]
+
+    def is_weight(n: OpInfo) -> bool:
+        return n.kind in _WEIGHT and _has_weight(n)
+
+    def transparent(n: OpInfo) -> bool:
+        return n.kind in _TRANSPARENT or (n.kind == "norm" and "atch" in n.target)
+
+    # Grow forward from every member until the region is closed, then pull in
+    # sibling paths that feed its ops (k and v beside q); repeat until stable.
+    while queue:
+        while queue:
+            name = queue.pop()
+            for u in users[name]:
+                un = by_name[u]
+                if u in cols or u in inner or u in rows:
+                    continue
+                if is_weight(un):
+                    if u in roles:
+                        return None
+                    rows.add(u)
+                elif transparent(un):
+                    # BatchNorm normalizes per channel: transparent to a channel split.
+                    inner.add(u)
+                    queue.append(u)
+                elif un.kind == "output":
+                    to_output = True
+                elif un.kind == "scalar":
+                    continue
+                else:  # layer norm, loss: needs the whole feature dimension
+                    return None
+        for name in list(inner):
+            node = by_name[name]
+            if _is_sum(node) and name not in pulled:
+                continue  # a sum reached from the region: checked once the region is complete
+            for i in node.inputs:
+                src = by_name.get(i)
+                if not _is_activation(src) or i in cols or i in inner or not anc.get(i, False):
+                    continue  # parameters, shapes, and constants (masks, rotary tables)
+                if is_weight(src):
+                    if i in roles or i in rows:
+                        return None
+                    cols.add(i)  # a sibling projection: k and v beside q, up beside gate
+                elif transparent(src):
+                    inner.add(i)  # the sibling's path (k's reshape, rotary, head repeat)
+                    pulled.add(i)
+                else:
+                    return None  # a norm or similar: a full-feature tensor meets the split one
+                queue.append(i)
+    for name in inner - pulled:
+        if _is_sum(by_name[name]):
+            for i in by_name[name].inputs:
+                src = by_name.get(i)
+                if _is_activation(src) and anc.get(i, False) and i not in inner and i not in cols:
+                    return None  # a residual: the full stream meets the split tensor
+    if to_output and rows:
+        return None
+    if not rows and not to_output:
+        return None
+    return cols, inner, rows, to_output
+
+
+def _is_sum(n: OpInfo) -> bool:
+    """add/sub: a residual connection, where a split tensor may not meet a full one."""
+    base = n.target.rsplit(".", 1)[-1]
+    return base in ("add", "sub", "iadd", "add_", "sub_")
+
+
+def _indexed_by_input(n: OpInfo, by_name) -> bool:
+    """An embedding looked up by the model's input ids (tokens), not by positions or types.
+
+    Only the token table is split by vocabulary (Megatron's vocab-parallel
+    embedding); position and token-type tables are small and replicated.
+    """
+    seen = 0
+    cur = by_name.get(n.inputs[-1]) if n.op == "call_module" else None
+    if cur is None:  # functional embedding(weight, ids): ids is the activation input
+        acts = [by_name[i] for i in n.inputs if by_name.get(i) is not None and by_name[i].kind != "param"]
+        cur = acts[0] if acts else None
+    while cur is not None and seen < 16:
+        if cur.kind == "input":
+            return True
+        if cur.kind != "view" or not cur.inputs:
+            return False
+        cur = by_name.get(cur.inputs[0])
+        seen += 1
+    return False
+
+
+def _out_features(n: OpInfo) -> int:
+    shape = n.output_meta[0].shape
+    return shape[1] if n.kind == "conv" else shape[-1]
+
+
+def _param_rows(n: OpInfo) -> int:
+    """Rows of an embedding table: bytes / (row bytes) from the output's last dim."""
+    dim = n.output_meta[0].shape[-1]
+    elem = n.param_bytes // max(n.param_count, 1)
+    return n.param_bytes // max(dim * elem, 1)
