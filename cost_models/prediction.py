@@ -73,6 +73,7 @@ class Prediction:
     mfu: float                    # model_flops_per_device / peak FLOP/s of the compute dtype
     num_micro_batches: int
     stages: tuple[StagePrediction, ...]
+    step_energy: float = 0.0      # joules per step over all devices (busy x active W + idle x idle W)
 
     @property
     def bubble_fraction(self) -> float:
@@ -84,7 +85,7 @@ class Prediction:
         lines = [
             f"step {self.step_time * 1e3:,.1f} ms   {self.samples_per_s:,.2f} samples/s"
             + (f"   {self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s else "")
-            + f"   MFU {self.mfu:.1%}",
+            + f"   MFU {self.mfu:.1%}   {self.step_energy:,.1f} J/step",
             "time: " + ", ".join(f"{f.name} {getattr(t, f.name) * 1e3:,.1f} ms"
                                  for f in dataclasses.fields(t) if getattr(t, f.name) > 0),
             f"peak memory {self.peak_memory / gib:,.2f} GiB of {self.memory_capacity / gib:,.0f} GiB "

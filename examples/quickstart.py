@@ -1,10 +1,10 @@
-"""meshplan's main example: capture a large GPT on meta tensors and show it beside a cluster.
+"""meshplan's main example: plan GPT-3 175B for 16 DGX A100 nodes, print the plan and why it won.
 
-    python examples/quickstart.py [--preset gpt3-175b] [--cluster dgx-a100-80gb] [--nodes 16]
+    python examples/quickstart.py [--preset gpt3-175b] [--cluster dgx-a100-80gb] [--nodes 16] [--batch 1536]
 
 Nothing is allocated: the model is built under torch.device("meta"), so a
-175-billion-parameter model is captured in seconds on a laptop. Later steps
-(planner.optimize, codegen, run) take this graph and cluster further.
+175-billion-parameter model is captured and planned in seconds on a laptop.
+The plan is written to plan.json (codegen turns it into per-rank programs).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--preset", default="gpt3-175b", choices=sorted(gpt.PRESETS))
     ap.add_argument("--cluster", default="dgx-a100-80gb", help="cluster preset or file")
     ap.add_argument("--nodes", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1536, help="global batch size")
+    ap.add_argument("-o", "--output", default="plan.json")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -44,8 +46,14 @@ def main() -> None:
     need = graph.param_bytes
     have = cluster.device.memory_bytes * cluster.num_devices
     print(f"\nfp32 weights alone: {need / 2**30:,.0f} GiB; the cluster holds {have / 2**30:,.0f} GiB "
-          f"in {cluster.num_devices} devices of {cluster.device.memory_bytes / 2**30:.0f} GiB each.")
+          f"in {cluster.num_devices} devices of {cluster.device.memory_bytes / 2**30:.0f} GiB each.\n")
 
+    plan = planner.optimize(graph, cluster, global_batch_size=args.batch)
+    print(plan.summary())
+    print()
+    print(planner.explain(plan))
+    plan.save(args.output)
+    print(f"\nwrote {args.output}")
 
 if __name__ == "__main__":
     main()

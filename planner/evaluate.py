@@ -27,6 +27,7 @@ from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction,
 from cost_models.schedule import pipeline_time
 from planner.config import ConfigError, ParallelConfig
 from planner.graph import Layer, ModelGraph, OpInfo, dtype_size
+from planner.ilp import Edge, RegionOption, choose_shardings
 from planner.sharding import ShardingPlan, find_sharding
 
 # Data-parallel gradients are reduced in buckets as backward produces them;
@@ -56,7 +57,7 @@ class Evaluator:
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, *, efficiency: Efficiency | None = None,
                  fused_attention: bool = True, overlap_grad_reduce: bool = True,
-                 grad_reduce_bytes: int | None = None) -> None:
+                 grad_reduce_bytes: int | None = None, sharding: str = "ilp") -> None:
         """
         Args:
             efficiency: per-kind efficiencies (default: published facts for the device kind).
@@ -66,7 +67,12 @@ class Evaluator:
                 2021 reduced after the pipeline flush).
             grad_reduce_bytes: bytes per gradient element in the data-parallel sync
                 (default: the compute dtype's; 4 where fp32 main gradients are reduced).
+            sharding: how tensor-parallel regions are chosen: "ilp" (per layer, by the
+                integer program: shard where it pays), "all" (every region, Megatron's layout).
         """
+        if sharding not in ("ilp", "all"):
+            raise ValueError(f"sharding={sharding!r} is not one of 'ilp', 'all'")
+        self.sharding_mode = sharding
         self.graph = graph
         self.cluster = cluster
         self.eff = efficiency or Efficiency.default_for(cluster.device)
@@ -76,6 +82,9 @@ class Evaluator:
         self.sharding: ShardingPlan = find_sharding(graph)
         self._nodes = {n.name: n for n in graph.nodes}
         self._layer_cache: dict[tuple, LayerCost] = {}
+        self._region_cache: dict[tuple, frozenset[int]] = {}
+        self._bounds_cache: dict[tuple, list[tuple[int, int]]] = {}
+        self._fwd_flops_per_sample = graph.total_fwd_flops / graph.batch_size
         self._layer_inputs = self._input_bytes_per_layer()
         self.tokens_per_sample = _tokens_per_sample(graph)
 
@@ -92,7 +101,7 @@ class Evaluator:
         # Per device (pipeline position i holds chunks i, i+p, ...).
         slots, parts, mems, stages = [], [], [], []
         pb = param_bytes(config.dtype, config.zero, d)
-        p2p = self._p2p_time(config)
+        p2p = self.p2p_seconds(config)
         for i in range(p):
             chunks = [bounds[c] for c in range(i, config.num_stages, p)]
             cs = [c for lo, hi in chunks for c in costs[lo:hi]]
@@ -163,8 +172,7 @@ class Evaluator:
         peak_i = max(range(p), key=lambda i: mems[i][0].total)
         peak_mem = mems[peak_i][0]
         samples = global_batch_size / step
-        fwd_flops_per_sample = self.graph.total_fwd_flops / self.graph.batch_size
-        model_flops = 3 * fwd_flops_per_sample * samples / config.num_devices
+        model_flops = 3 * self._fwd_flops_per_sample * samples / config.num_devices
         peak_flops = dev.peak(config.dtype)
         stage_preds = tuple(
             StagePrediction(
@@ -183,7 +191,14 @@ class Evaluator:
             tokens_per_s=samples * self.tokens_per_sample if self.tokens_per_sample else None,
             model_flops_per_device=model_flops, mfu=model_flops / peak_flops,
             num_micro_batches=m, stages=stage_preds,
+            step_energy=self._energy(step, m * (fwd + bwd + rc) + optimizer, config.num_devices),
         )
+
+    def _energy(self, step: float, busy: float, devices: int) -> float:
+        """Joules per step: every device busy for `busy` s at active power, idle the rest."""
+        dev = self.cluster.device
+        busy = min(busy, step)
+        return devices * (busy * dev.active_watts + (step - busy) * dev.idle_watts)
 
     def check(self, config: ParallelConfig, global_batch_size: int) -> None:
         """ValueError naming the numbers when `config` cannot run this model on this cluster."""
@@ -232,8 +247,12 @@ class Evaluator:
                                   "none of them the first layer")
             cuts = [0, *idx, n]
             return [(cuts[k], cuts[k + 1]) for k in range(s)]
-        weights = [c.forward + c.backward + c.recompute + c.tp_forward + c.tp_backward for c in costs]
-        return balanced_partition(weights, s)
+        key = (config.tensor, config.micro_batch_size, config.dtype, config.recompute, s)
+        hit = self._bounds_cache.get(key)
+        if hit is None:
+            weights = [c.forward + c.backward + c.recompute + c.tp_forward + c.tp_backward for c in costs]
+            hit = self._bounds_cache[key] = balanced_partition(weights, s)
+        return hit
 
     # ---- internals ------------------------------------------------------
     def _axis(self, mesh: dict, axis: str, op: str, nbytes: float) -> float:
@@ -241,7 +260,7 @@ class Evaluator:
             return 0.0
         return axis_collective_time(self.cluster, mesh, axis, op, nbytes).seconds
 
-    def _p2p_time(self, config: ParallelConfig):
+    def p2p_seconds(self, config: ParallelConfig):
         """p2p seconds for n bytes between neighbouring pipeline ranks."""
         intra, inter = link_models(self.cluster)
         stride = config.data * config.tensor
@@ -272,70 +291,136 @@ class Evaluator:
         return layer.boundary_bytes * config.micro_batch_size / self.graph.batch_size * \
             DTYPE_BYTES[config.dtype] / 4
 
-    def _cost_layer(self, layer: Layer, config: ParallelConfig) -> LayerCost:
+    def _node_cost(self, n: OpInfo, role: str, config: ParallelConfig) -> _NodeCost:
+        """One node on one device for one micro-batch, with `role` ("replicate" or its split role)."""
         dev = self.cluster.device
-        peak = dev.peak(config.dtype)
-        bw = dev.memory_bandwidth
         t = config.tensor
+        sharded = role != "replicate" and t > 1
+        div = t if sharded else 1
         scale = config.micro_batch_size / self.graph.batch_size
-        mesh = config.mesh
-        roles = self.sharding.roles
-        fwd = bwd = attn_fwd = 0.0
+        ds = _dtype_scale(n, config.dtype)
+        peak, bw = dev.peak(config.dtype), dev.memory_bandwidth
+        act_in = sum(mm.nbytes for mm in n.input_meta)
+        param_read = max(n.bytes_read - act_in, 0)
+        nbytes = ((act_in + n.bytes_written) * scale + param_read) * ds / div
+        f_bytes, b_bytes = nbytes, 2 * nbytes
+        if n.kind == "attention" and not self.fused_attention:
+            # Unfused attention materializes the scores: Q@K^T writes them, softmax
+            # reads and writes them, P@V reads them (4 passes; backward 6). Dropout
+            # on the probabilities adds a read, a write and a 1-byte mask each way.
+            scores = _score_bytes(n) * scale * ds / div
+            drop = 2.5 if (n.attr("dropout_p") or 0) > 0 else 0.0
+            f_bytes += (4 + drop) * scores
+            b_bytes += (6 + drop) * scores
+        waves = self._wave_efficiency(n, role if sharded else "replicate", scale, t)
+        f = op_time(n.kind, n.fwd_flops * scale / div, f_bytes, peak, bw, self.eff, shape_efficiency=waves)
+        b = op_time(n.kind, n.bwd_flops * scale / div, b_bytes, peak, bw, self.eff,
+                    kernels=2 if n.param_count or param_read else 1,
+                    shape_efficiency=waves) if n.requires_grad else 0.0
         tp_f = tp_b = 0.0
-        saved = params = temp = 0.0
+        if sharded:
+            shard = self.sharding.roles[n.name]
+            mesh = config.mesh
+            if shard.fwd_allreduce:
+                tp_f = self._axis(mesh, "tensor", "all_reduce", shard.fwd_allreduce * scale * ds)
+            if shard.bwd_allreduce:
+                tp_b = self._axis(mesh, "tensor", "all_reduce", shard.bwd_allreduce * scale * ds)
+        saved = n.saved_bytes
+        if n.kind == "attention":
+            # Fused (flash) attention keeps q, k, v, the output and a row statistic;
+            # unfused attention also keeps the (T x T) probabilities.
+            saved = act_in + n.output_bytes + (0 if self.fused_attention else _score_bytes(n))
+        if config.recompute == "selective" and n.kind in ("attention", "softmax"):
+            saved = 0
+        params = _params_per_rank(n, role if sharded else "replicate", t) if n.param_count else 0.0
+        return _NodeCost(fwd=f, bwd=b, attn_fwd=f if n.kind in ("attention", "softmax") else 0.0,
+                         tp_fwd=tp_f, tp_bwd=tp_b, saved=saved * scale * ds / div, params=params,
+                         temp=2 * n.output_bytes * scale * ds / div)
+
+    def sharded_regions(self, layer: Layer, config: ParallelConfig) -> frozenset[int]:
+        """Regions of `layer` the ILP shards at this tensor degree (cached per layer signature)."""
+        if config.tensor == 1:
+            return frozenset()
+        key = (layer.signature, config.tensor, config.micro_batch_size, config.dtype)
+        hit = self._region_cache.get(key)
+        if hit is not None:
+            return hit
+        roles = self.sharding.roles
+        by_region: dict[int, list[OpInfo]] = {}
         for name in layer.nodes:
-            n = self._nodes[name]
-            role = roles[name]
-            div = t if role.sharded else 1
-            ds = _dtype_scale(n, config.dtype)
-            act_in = sum(mm.nbytes for mm in n.input_meta)
-            param_read = max(n.bytes_read - act_in, 0)
-            nbytes = ((act_in + n.bytes_written) * scale + param_read) * ds / div
-            f_bytes, b_bytes = nbytes, 2 * nbytes
-            if n.kind == "attention" and not self.fused_attention:
-                # Unfused attention materializes the scores: Q@K^T writes them, softmax
-                # reads and writes them, P@V reads them (4 passes; backward 6). Dropout
-                # on the probabilities adds a read, a write and a 1-byte mask each way.
-                scores = _score_bytes(n) * scale * ds / div
-                drop = 2.5 if (n.attr("dropout_p") or 0) > 0 else 0.0
-                f_bytes += (4 + drop) * scores
-                b_bytes += (6 + drop) * scores
-            waves = self._wave_efficiency(n, role.role, scale, t)
-            f = op_time(n.kind, n.fwd_flops * scale / div, f_bytes, peak, bw, self.eff, shape_efficiency=waves)
-            b = op_time(n.kind, n.bwd_flops * scale / div, b_bytes, peak, bw, self.eff,
-                        kernels=2 if n.param_count or param_read else 1,
-                        shape_efficiency=waves) if n.requires_grad else 0.0
-            fwd += f
-            bwd += b
-            if n.kind in ("attention", "softmax"):
-                attn_fwd += f
-            if role.fwd_allreduce:
-                tp_f += self._axis(mesh, "tensor", "all_reduce", role.fwd_allreduce * scale * ds)
-            if role.bwd_allreduce:
-                tp_b += self._axis(mesh, "tensor", "all_reduce", role.bwd_allreduce * scale * ds)
-            node_saved = n.saved_bytes
-            if n.kind == "attention":
-                # Fused (flash) attention keeps q, k, v, the output and a row statistic;
-                # unfused attention also keeps the (T x T) probabilities.
-                node_saved = act_in + n.output_bytes + (0 if self.fused_attention else _score_bytes(n))
-            if config.recompute == "selective" and n.kind in ("attention", "softmax"):
-                node_saved = 0
-            saved += node_saved * scale * ds / div
-            if n.param_count:
-                params += _params_per_rank(n, role.role, t)
-            temp = max(temp, 2 * n.output_bytes * scale * ds / div)
+            r = roles[name].region
+            if r >= 0:
+                by_region.setdefault(r, []).append(self._nodes[name])
+        pb = param_bytes(config.dtype, config.zero, config.data).total
+        options, edges = [], []
+        for r, nodes in by_region.items():
+            rep = [self._node_cost(n, "replicate", config) for n in nodes]
+            sh = [self._node_cost(n, roles[n.name].role, config) for n in nodes]
+            options.append(RegionOption(
+                region=r,
+                time_replicated=sum(c.fwd + c.bwd for c in rep),
+                time_sharded=sum(c.fwd + c.bwd for c in sh),
+                bytes_replicated=sum(c.params * pb + c.saved for c in rep),
+                bytes_sharded=sum(c.params * pb + c.saved for c in sh),
+            ))
+            # Resharding edges: where the region's output rejoins the replicated stream
+            # (forward all-reduce) and where the stream enters it (backward all-reduce).
+            edges.append(Edge(r, -1, sum(c.tp_fwd for c in sh)))
+            edges.append(Edge(-1, r, sum(c.tp_bwd for c in sh)))
+        if self.sharding_mode == "all":
+            chosen = frozenset(by_region)
+        else:
+            chosen, _ = choose_shardings(options, edges, memory_cap=self.cluster.device.memory_bytes)
+        self._region_cache[key] = chosen
+        return chosen
+
+    def node_roles(self, config: ParallelConfig) -> dict[str, str]:
+        """Tensor-parallel role of every non-replicated node under `config` (fx node name -> role)."""
+        out: dict[str, str] = {}
+        for layer in self.graph.layers:
+            chosen = self.sharded_regions(layer, config)
+            for name in layer.nodes:
+                shard = self.sharding.roles[name]
+                if shard.region in chosen:
+                    out[name] = shard.role
+        return out
+
+    def _cost_layer(self, layer: Layer, config: ParallelConfig) -> LayerCost:
+        chosen = self.sharded_regions(layer, config)
+        roles = self.sharding.roles
+        costs = [self._node_cost(self._nodes[name],
+                                 roles[name].role if roles[name].region in chosen else "replicate", config)
+                 for name in layer.nodes]
+        fwd = sum(c.fwd for c in costs)
+        tp_f = sum(c.tp_fwd for c in costs)
+        tp_b = sum(c.tp_bwd for c in costs)
+        saved = sum(c.saved for c in costs)
+        params = sum(c.params for c in costs)
+        scale = config.micro_batch_size / self.graph.batch_size
         layer_in = self._layer_inputs[layer.index] * scale * DTYPE_BYTES[config.dtype] / 4
         if config.recompute == "full":
             recompute, working, kept = fwd, saved, layer_in
             tp_b += tp_f  # the recomputed forward repeats its all-reduces
         elif config.recompute == "selective":
-            recompute, working, kept = attn_fwd, 0.0, saved
+            recompute, working, kept = sum(c.attn_fwd for c in costs), 0.0, saved
         else:
             recompute, working, kept = 0.0, 0.0, saved
-        return LayerCost(forward=fwd, backward=bwd, recompute=recompute, tp_forward=tp_f,
-                         tp_backward=tp_b, saved=kept, working=working, params=params,
-                         largest_param_layer=params, temporary=temp,
+        return LayerCost(forward=fwd, backward=sum(c.bwd for c in costs), recompute=recompute,
+                         tp_forward=tp_f, tp_backward=tp_b, saved=kept, working=working, params=params,
+                         largest_param_layer=params, temporary=max((c.temp for c in costs), default=0.0),
                          boundary=self._boundary(layer, config))
+
+
+@dataclass(frozen=True)
+class _NodeCost:
+    fwd: float
+    bwd: float
+    attn_fwd: float
+    tp_fwd: float
+    tp_bwd: float
+    saved: float
+    params: float
+    temp: float
 
 
 def balanced_partition(weights: list[float], parts: int) -> list[tuple[int, int]]:
@@ -426,7 +511,7 @@ def _tokens_per_sample(graph: ModelGraph) -> int | None:
 
 def evaluate(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, global_batch_size: int,
              example_inputs: Any = None, efficiency: Efficiency | None = None,
-             fused_attention: bool = True) -> Prediction:
+             fused_attention: bool = True, **evaluator_options: Any) -> Prediction:
     """Predicted step time, memory and throughput of `config` for a model on `cluster`.
 
     Args:
@@ -437,13 +522,14 @@ def evaluate(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, g
         global_batch_size: samples per optimizer step over all data-parallel ranks.
         efficiency: per-kind efficiencies replacing the published defaults (calibration).
         fused_attention: attention keeps no (T x T) scores (flash-style kernels).
+        evaluator_options: further Evaluator options (sharding, overlap_grad_reduce, ...).
 
     Raises:
         ConfigError (a ValueError) naming the numbers when the config cannot run.
     """
     graph = as_graph(model_or_graph, example_inputs)
-    return Evaluator(graph, cluster, efficiency=efficiency,
-                     fused_attention=fused_attention).evaluate(config, global_batch_size)
+    return Evaluator(graph, cluster, efficiency=efficiency, fused_attention=fused_attention,
+                     **evaluator_options).evaluate(config, global_batch_size)
 
 
 def as_graph(model_or_graph: Any, example_inputs: Any) -> ModelGraph:

@@ -42,6 +42,7 @@ class NodeShard:
     role: str
     fwd_allreduce: int = 0
     bwd_allreduce: int = 0
+    region: int = -1  # the column->row region (or vocab embedding) this node belongs to; -1 if none
 
     @property
     def sharded(self) -> bool:
@@ -70,6 +71,7 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
                 users[i].append(n.name)
 
     anc = _weight_ancestry(graph)
+    next_region = 0
     roles: dict[str, NodeShard] = {}
     constraints: list[tuple[str, int]] = []
     for n in graph.nodes:
@@ -77,7 +79,8 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
             continue
         if n.kind == "embedding" and n.param_count and _indexed_by_input(n, by_name):
             vocab = _param_rows(n)
-            roles[n.name] = NodeShard("vocab", fwd_allreduce=n.output_bytes)
+            roles[n.name] = NodeShard("vocab", fwd_allreduce=n.output_bytes, region=next_region)
+            next_region += 1
             constraints.append((f"the vocabulary of {n.module_path or n.name}", vocab))
         elif n.kind in _WEIGHT and _has_weight(n):
             region = _grow_region(n, by_name, users, roles, anc)
@@ -86,17 +89,19 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
             cols, inner, rows, to_output = region
             bwd_inputs = {i for c in cols for i in by_name[c].inputs if _is_activation(by_name.get(i))}
             bwd_bytes = sum(by_name[i].output_bytes for i in bwd_inputs)
+            region = next_region
+            next_region += 1
             for k, c in enumerate(sorted(cols, key=_order(graph))):
                 roles[c] = NodeShard("column_out" if to_output else "column",
-                                     bwd_allreduce=bwd_bytes if k == 0 else 0)
+                                     bwd_allreduce=bwd_bytes if k == 0 else 0, region=region)
                 constraints.append((f"the output features of {by_name[c].module_path or c}", _out_features(by_name[c])))
             for i in inner:
-                roles[i] = NodeShard("inner")
+                roles[i] = NodeShard("inner", region=region)
                 if by_name[i].kind == "attention" and by_name[i].input_meta:
                     constraints.append((f"the heads of {by_name[i].module_path or i}",
                                         by_name[i].input_meta[0].shape[1]))
             for r in rows:
-                roles[r] = NodeShard("row", fwd_allreduce=by_name[r].output_bytes)
+                roles[r] = NodeShard("row", fwd_allreduce=by_name[r].output_bytes, region=region)
     for n in graph.nodes:
         roles.setdefault(n.name, NodeShard("replicate"))
     return ShardingPlan(roles=roles, constraints=tuple(dict.fromkeys(constraints)))

@@ -45,3 +45,17 @@ def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "planner.cli", "capture", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "examples:" in out and "MODEL_REF" in out
+
+
+def test_optimize_writes_a_plan(tmp_path, capsys):
+    from planner import Plan
+
+    out = tmp_path / "plan.json"
+    assert main(["optimize", "examples/models/gpt.py:build", "--arg", "preset=tiny", "--cluster", "dgx-a100-80gb",
+                 "--batch", "16", "--quiet", "--constraint", "max_memory_fraction=0.9", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "mesh:" in text and "chosen:" in text
+    assert Plan.load(out).cluster.num_devices == 8
+    assert main(["optimize", "examples/models/gpt.py:build", "--arg", "preset=tiny", "--cluster", "dgx-a100-80gb",
+                 "--batch", "16", "--constraint", "tensr=2", "-o", str(out)]) == 2
+    assert "did you mean 'tensor'" in capsys.readouterr().err

@@ -1,0 +1,41 @@
+"""`planner.make_plan`: the Plan for a configuration the user fixes.
+
+Hand-picked and searched plans travel the same road: both come out of
+`plan_for`, which turns an Evaluator's verdict on one ParallelConfig into a
+Plan (stage layer lists, tensor-parallel roles by node name, prediction).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cost_models.hardware import Cluster
+from planner.config import ParallelConfig
+from planner.evaluate import Evaluator, as_graph
+from planner.plan import PLAN_FORMAT_VERSION, Plan, Stage
+
+
+def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int,
+             search: tuple = ()) -> Plan:
+    """The Plan for `config` as `ev` prices it."""
+    pred = ev.evaluate(config, global_batch_size)
+    costs = [ev.layer_cost(layer, config) for layer in ev.graph.layers]
+    bounds = ev.stage_bounds(config, costs)
+    names = [layer.name for layer in ev.graph.layers]
+    stages = tuple(Stage(index=k, device_index=k % config.pipeline, layers=tuple(names[lo:hi]))
+                   for k, (lo, hi) in enumerate(bounds))
+    shardings = tuple(sorted(ev.node_roles(config).items()))
+    return Plan(format_version=PLAN_FORMAT_VERSION, model_class=ev.graph.model_class,
+                graph_fingerprint=ev.graph.fingerprint, cluster=ev.cluster, config=config,
+                global_batch_size=global_batch_size, stages=stages, shardings=shardings,
+                prediction=pred, search=tuple(search))
+
+
+def make_plan(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, global_batch_size: int,
+              example_inputs: Any = None, **evaluator_options: Any) -> Plan:
+    """Build the Plan for a fixed ParallelConfig (stages balanced unless the config names them).
+
+    Raises ConfigError (ValueError) naming the numbers when the config cannot run.
+    """
+    graph = as_graph(model_or_graph, example_inputs)
+    return plan_for(Evaluator(graph, cluster, **evaluator_options), config, global_batch_size)

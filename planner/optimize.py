@@ -1,0 +1,335 @@
+"""`planner.optimize`: the best plan for a model on a cluster, within the cost model.
+
+The search enumerates mesh shapes (data x pipeline x tensor, tensor inside a
+node by default) with micro-batch sizes and schedules, orders them by a
+lower bound, and prices them with the Evaluator: stage cuts by the balanced
+partition (per layer signature), per-layer tensor-parallel sharding by the
+ILP, and every recompute mode and ZeRO stage. A shape whose lower bound is no
+better than the best plan found is pruned without being priced. The bound
+(perfectly balanced compute and tensor-parallel traffic, the schedule's fill
+and drain, the cheapest pipeline send per cut; no recompute, no data-parallel
+sync, no optimizer) is below the price of every variant of the shape, so
+pruning never loses the optimum within the cost model.
+"""
+
+from __future__ import annotations
+
+import difflib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cost_models.hardware import Cluster
+from cost_models.prediction import Prediction
+from cost_models.schedule import pipeline_time
+from planner.config import ConfigError, ParallelConfig
+from planner.evaluate import Evaluator, as_graph
+from planner.make_plan import plan_for
+from planner.plan import Alternative, Plan
+from planner.progress import Progress
+
+OBJECTIVES = ("time", "energy")
+FIXED_KNOBS = ("data", "tensor", "pipeline", "micro_batch_size", "schedule", "virtual_stages", "recompute",
+               "zero", "dtype")
+LIMITS = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s", "allow_cross_node_tensor",
+          "max_micro_batch_size")
+RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+class NoFeasiblePlan(ValueError):
+    """No configuration fits; the message says what the smallest one needs and what would help."""
+
+
+@dataclass
+class _Search:
+    bases: int = 0
+    evaluated: int = 0
+    pruned: int = 0
+    infeasible: int = 0
+    seconds: float = 0.0
+    priced: list[tuple[ParallelConfig, Prediction]] = field(default_factory=list)
+
+
+def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, example_inputs: Any = None,
+             objective: str = "time", constraints: dict | None = None, progress: bool | None = None,
+             keep_alternatives: int = 8, **evaluator_options: Any) -> Plan:
+    """Search for the plan that minimizes `objective` under `constraints`.
+
+    Args:
+        model_or_graph: a ModelGraph, or an nn.Module with `example_inputs`.
+        cluster: where it will run; every device is used.
+        global_batch_size: samples per optimizer step.
+        objective: "time" (seconds per step) or "energy" (joules per step).
+        constraints: fixed knobs ({"tensor": 8, "schedule": "1f1b", ...}) and limits:
+            max_memory_fraction (of device memory, default 1.0), max_step_energy_j,
+            max_step_time_s, allow_cross_node_tensor (default False), max_micro_batch_size.
+        progress: show a progress bar (None: only on a terminal and past ~1 s).
+        keep_alternatives: how many runner-up configurations the plan records for explain().
+        evaluator_options: passed to the Evaluator (efficiency, fused_attention, ...).
+
+    Raises:
+        NoFeasiblePlan: nothing fits; names the smallest need and the knobs that would help.
+        ValueError: unknown objective or constraint (with the closest known name).
+    """
+    t0 = time.perf_counter()
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r} is not one of {', '.join(OBJECTIVES)}")
+    cons = _check_constraints(constraints or {})
+    graph = as_graph(model_or_graph, example_inputs)
+    ev = Evaluator(graph, cluster, **evaluator_options)
+    search = _Search()
+    bases = _enumerate(ev, cluster, global_batch_size, cons)
+    search.bases = len(bases)
+    if not bases:
+        raise NoFeasiblePlan(_no_base_message(ev, cluster, global_batch_size, cons))
+
+    bound = [(_lower_bound(ev, cfg, global_batch_size, objective), k, cfg) for k, cfg in enumerate(bases)]
+    bound.sort(key=lambda x: (x[0], x[1]))
+    best: tuple[float, ParallelConfig, Prediction] | None = None
+    bar = Progress(len(bound), "meshplan optimize", enabled=progress)
+    for done, (lb, _, base) in enumerate(bound, 1):
+        bar.update(done, f"priced {search.evaluated}, pruned {search.pruned}"
+                   + (f", best {best[0]:.4g}" if best else ""))
+        if best is not None and lb >= best[0]:
+            search.pruned += 1
+            continue
+        best = _inner(ev, base, global_batch_size, objective, cons, search, best)
+    search.seconds = time.perf_counter() - t0
+    bar.close(f"{search.evaluated} priced, {search.pruned} pruned")
+    if best is None:
+        raise NoFeasiblePlan(_infeasible_message(search, cluster, cons))
+    stats = (("candidates", search.bases), ("evaluated", search.evaluated), ("pruned", search.pruned),
+             ("rejected", search.infeasible), ("seconds", round(search.seconds, 3)), ("objective", objective))
+    plan = plan_for(ev, best[1], global_batch_size, search=stats)
+    alts = _alternatives(search, best, objective, cons, keep_alternatives)
+    return Plan(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__}, "alternatives": alts})
+
+
+def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons: dict, search: _Search, best):
+    """Every recompute mode and ZeRO stage for one shape; keeps the best that fits.
+
+    All of them are priced: ZeRO-2's half-size reduce-scatter can beat plain
+    all-reduce, and recomputation widens the window that hides the gradient
+    sync, so neither knob is monotone in time.
+    """
+    for recompute in _options(cons, "recompute", RECOMPUTE_ORDER):
+        for zero in _options(cons, "zero", (0, 1, 2, 3) if base.data > 1 else (0,)):
+            cfg = base.replace(recompute=recompute, zero=zero)
+            try:
+                pred = ev.evaluate(cfg, batch)
+            except ConfigError:
+                search.infeasible += 1
+                continue
+            search.evaluated += 1
+            search.priced.append((cfg, pred))
+            value = _objective(pred, objective)
+            if _fits(pred, cons) and (best is None or value < best[0]):
+                best = (value, cfg, pred)
+    return best
+
+
+def explain(plan: Plan, top: int = 5) -> str:
+    """The chosen plan beside the next best alternatives, with the reason each lost."""
+    p = plan.prediction
+    lines = [f"chosen: {plan.config.short():<44} step {p.step_time * 1e3:>11.3f} ms  "
+             f"mem {p.peak_memory / 2**30:>8.3f} GiB  energy {p.step_energy:>10.1f} J"]
+    if not plan.alternatives:
+        lines.append("no alternatives recorded (the plan was made for a fixed configuration; "
+                     "planner.optimize records the runners-up)")
+        return "\n".join(lines)
+    lines.append(f"{'#':>3}  {'alternative':<44} {'step ms':>11} {'vs best':>8} {'mem GiB':>9}  lost on")
+    for k, a in enumerate(plan.alternatives[:top], 1):
+        rel = a.step_time / p.step_time - 1 if p.step_time else 0.0
+        lines.append(f"{k:>3}  {a.config.short():<44} {a.step_time * 1e3:>11.3f} {rel:>+8.1%} "
+                     f"{a.peak_memory / 2**30:>9.3f}  {a.reason}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+
+
+def _check_constraints(cons: dict) -> dict:
+    known = FIXED_KNOBS + LIMITS
+    for key in cons:
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"unknown constraint {key!r}{hint}; known: {', '.join(known)}")
+    frac = cons.get("max_memory_fraction", 1.0)
+    if not 0 < frac <= 1:
+        raise ValueError(f"max_memory_fraction must be in (0, 1], got {frac!r}")
+    return dict(cons)
+
+
+def _options(cons: dict, key: str, default: tuple) -> tuple:
+    return (cons[key],) if key in cons else default
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _best_dtype(cluster: Cluster) -> str:
+    have = cluster.device.dtypes
+    for dt in ("bf16", "fp16", "fp32"):
+        if dt in have:
+            return dt
+    raise ValueError(f"device {cluster.device.name} has none of bf16, fp16, fp32 in its peak table")
+
+
+def _enumerate(ev: Evaluator, cluster: Cluster, batch: int, cons: dict) -> list[ParallelConfig]:
+    """Every mesh shape x micro-batch x schedule the constraints allow (recompute/ZeRO come later)."""
+    n = cluster.num_devices
+    layers = len(ev.graph.layers)
+    dtype = cons.get("dtype") or _best_dtype(cluster)
+    max_t = n if cons.get("allow_cross_node_tensor") else cluster.devices_per_node
+    out = []
+    for t in _options(cons, "tensor", tuple(d for d in _divisors(n) if d <= max_t)):
+        try:
+            ev.sharding.check(t)
+        except ValueError:
+            continue
+        for p in _options(cons, "pipeline", tuple(_divisors(n // t) if n % t == 0 else ())):
+            if n % (t * p) or p > layers:
+                continue
+            d = n // (t * p)
+            if "data" in cons and cons["data"] != d:
+                continue
+            if batch % d:
+                continue
+            cap = cons.get("max_micro_batch_size", batch // d)
+            mbs = _options(cons, "micro_batch_size", tuple(m for m in _divisors(batch // d) if m <= cap))
+            if p == 1:
+                scheds = [("1f1b", 1)]
+            else:
+                scheds = [("1f1b", 1)] + [("interleaved", v) for v in (2, 4) if p * v <= layers]
+            if "schedule" in cons:
+                want = cons["schedule"]
+                vs = _options(cons, "virtual_stages", (2, 4) if want == "interleaved" else (1,))
+                scheds = [(want, v) for v in vs if want != "interleaved" or p * v <= layers]
+            for mb in mbs:
+                for sched, v in scheds:
+                    try:
+                        out.append(ParallelConfig(data=d, tensor=t, pipeline=p, micro_batch_size=mb,
+                                                  schedule=sched, virtual_stages=v, dtype=dtype))
+                    except ConfigError:
+                        continue
+    return out
+
+
+def _lower_bound(ev: Evaluator, cfg: ParallelConfig, batch: int, objective: str) -> float:
+    """Compute-only bound: perfectly balanced stages, no bubble, no recompute, no data-parallel sync.
+
+    Every configuration derived from `cfg` by the inner loop costs at least this much.
+    """
+    try:
+        costs = [ev.layer_cost(layer, cfg) for layer in ev.graph.layers]
+    except ConfigError:
+        return float("inf")
+    m = batch // (cfg.micro_batch_size * cfg.data)
+    compute = sum(c.forward + c.backward for c in costs)
+    comm = sum(c.tp_forward + c.tp_backward for c in costs)
+    if objective == "energy":  # every device is busy at least its share of the compute
+        return cfg.num_devices * m * compute / cfg.pipeline * ev.cluster.device.active_watts
+    # The slowest device's slot is at least the average over devices; each
+    # micro-batch crosses each of the p*v - 1 cuts once forward and once backward.
+    slot = (compute + comm) / cfg.pipeline
+    if cfg.pipeline > 1:
+        p2p = ev.p2p_seconds(cfg)
+        cuts = cfg.pipeline * cfg.virtual_stages - 1
+        slot += 2 * cuts / cfg.pipeline * p2p(min(c.boundary for c in costs[:-1]))
+    return pipeline_time(cfg.schedule, cfg.pipeline, m, slot, cfg.virtual_stages)[0]
+
+
+def _objective(pred: Prediction, objective: str) -> float:
+    return pred.step_time if objective == "time" else pred.step_energy
+
+
+def _fits(pred: Prediction, cons: dict) -> bool:
+    if pred.peak_memory > pred.memory_capacity * cons.get("max_memory_fraction", 1.0):
+        return False
+    if "max_step_energy_j" in cons and pred.step_energy > cons["max_step_energy_j"]:
+        return False
+    if "max_step_time_s" in cons and pred.step_time > cons["max_step_time_s"]:
+        return False
+    return True
+
+
+def _reason(pred: Prediction, best: Prediction, cons: dict) -> str:
+    cap = pred.memory_capacity * cons.get("max_memory_fraction", 1.0)
+    gib = 2**30
+    if pred.peak_memory > cap:
+        return f"memory: needs {pred.peak_memory / gib:.2f} GiB of {cap / gib:.2f} GiB"
+    if "max_step_energy_j" in cons and pred.step_energy > cons["max_step_energy_j"]:
+        return f"energy: {pred.step_energy:.1f} J over the {cons['max_step_energy_j']} J cap"
+    if "max_step_time_s" in cons and pred.step_time > cons["max_step_time_s"]:
+        return f"time: {pred.step_time:.4g} s over the {cons['max_step_time_s']} s cap"
+    a, b = pred.time, best.time
+    groups = {
+        "bubble": a.bubble - b.bubble,
+        "communication": (a.tensor_comm + a.pipeline_comm + a.data_comm + a.zero_comm)
+        - (b.tensor_comm + b.pipeline_comm + b.data_comm + b.zero_comm),
+        "compute": (a.forward + a.backward) - (b.forward + b.backward),
+        "recompute": a.recompute - b.recompute,
+        "optimizer": a.optimizer - b.optimizer,
+    }
+    name, diff = max(groups.items(), key=lambda kv: kv[1])
+    if diff <= 0:
+        return "energy" if pred.step_energy > best.step_energy else "tie"
+    return f"{name} (+{diff * 1e3:.3f} ms)"
+
+
+def _alternatives(search: _Search, best, objective: str, cons: dict, keep: int) -> tuple[Alternative, ...]:
+    _, best_cfg, best_pred = best
+    seen = {best_cfg}
+    ranked = sorted(search.priced, key=lambda cp: (not _fits(cp[1], cons), _objective(cp[1], objective)))
+    out = []
+    for cfg, pred in ranked:
+        if cfg in seen:
+            continue
+        seen.add(cfg)
+        out.append(Alternative(config=cfg, step_time=pred.step_time, peak_memory=pred.peak_memory,
+                               step_energy=pred.step_energy, fits=_fits(pred, cons),
+                               reason=_reason(pred, best_pred, cons)))
+        if len(out) >= keep:
+            break
+    return tuple(out)
+
+
+def _smallest(search: _Search) -> tuple[ParallelConfig, Prediction] | None:
+    return min(search.priced, key=lambda cp: cp[1].peak_memory, default=None)
+
+
+def _infeasible_message(search: _Search, cluster: Cluster, cons: dict) -> str:
+    small = _smallest(search)
+    gib = 2**30
+    cap = cluster.device.memory_bytes * cons.get("max_memory_fraction", 1.0)
+    if small is None:
+        return (f"no configuration of this model could be priced on {cluster.name} "
+                f"({cluster.num_devices} devices); relax the constraints {cons}")
+    cfg, pred = small
+    m = pred.memory
+    helps = []
+    if cfg.recompute != "full":
+        helps.append("recompute='full'")
+    if cfg.zero < 3 and cfg.data > 1:
+        helps.append("ZeRO stage 3")
+    if cfg.micro_batch_size > 1:
+        helps.append("a smaller micro-batch")
+    need_devices = cluster.num_devices * max(2, int(-(-pred.peak_memory // cap)))
+    helps.append(f"more devices (about {need_devices}, so weights and optimizer state spread thinner)")
+    why = ""
+    if pred.peak_memory <= cap:
+        why = " (it fits in memory but breaks the energy or time cap)"
+    return (f"no plan fits on {cluster.name}: the smallest configuration found ({cfg.short()}) needs "
+            f"{pred.peak_memory / gib:.2f} GiB per device (parameters {m.parameters / gib:.2f}, gradients "
+            f"{m.gradients / gib:.2f}, optimizer {m.optimizer / gib:.2f}, activations {m.activations / gib:.2f}), "
+            f"and a device offers {cap / gib:.2f} GiB{why}. What would help: {', '.join(helps)}. "
+            f"Searched {search.bases} shapes, priced {search.evaluated}.")
+
+
+def _no_base_message(ev: Evaluator, cluster: Cluster, batch: int, cons: dict) -> str:
+    return (f"no mesh shape of {cluster.num_devices} devices suits this model and global batch {batch} "
+            f"under constraints {cons}: the data degree must divide the batch, the tensor degree must divide "
+            f"{', '.join(f'{w} = {s}' for w, s in ev.sharding.constraints[:3]) or 'the split sizes'}, and the "
+            f"pipeline cannot exceed {len(ev.graph.layers)} layers. Change the batch size, device count or constraints.")
