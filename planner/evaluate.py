@@ -73,6 +73,9 @@ class Evaluator:
         if sharding not in ("ilp", "all"):
             raise ValueError(f"sharding={sharding!r} is not one of 'ilp', 'all'")
         self.sharding_mode = sharding
+        # Bytes per device the stage partition must respect (optimize lowers it for
+        # max_memory_fraction).
+        self.memory_cap = float(cluster.device.memory_bytes)
         self.graph = graph
         self.cluster = cluster
         self.eff = efficiency or Efficiency.default_for(cluster.device)
@@ -94,7 +97,7 @@ class Evaluator:
         m = config.micro_batches(global_batch_size)
         p, v, t, d = config.pipeline, config.virtual_stages, config.tensor, config.data
         costs = [self.layer_cost(layer, config) for layer in self.graph.layers]
-        bounds = self.stage_bounds(config, costs)
+        bounds = self.stage_bounds(config, costs, global_batch_size)
         dev = self.cluster.device
         mesh = config.mesh
 
@@ -231,8 +234,10 @@ class Evaluator:
             hit = self._cost_layer(layer, config)
         return hit
 
-    def stage_bounds(self, config: ParallelConfig, costs: list[LayerCost]) -> list[tuple[int, int]]:
-        """[lo, hi) layer ranges of the pipeline stages (chunks), given or balanced by time."""
+    def stage_bounds(self, config: ParallelConfig, costs: list[LayerCost],
+                     global_batch_size: int) -> list[tuple[int, int]]:
+        """[lo, hi) layer ranges of the pipeline stages (chunks): given, or balanced by time
+        under each device's memory (see balanced_partition)."""
         n, s = len(costs), config.num_stages
         names = [layer.name for layer in self.graph.layers]
         if config.stage_boundaries is not None:
@@ -247,12 +252,38 @@ class Evaluator:
                                   "none of them the first layer")
             cuts = [0, *idx, n]
             return [(cuts[k], cuts[k + 1]) for k in range(s)]
-        key = (config.tensor, config.micro_batch_size, config.dtype, config.recompute, s)
+        key = (config.tensor, config.micro_batch_size, config.dtype, config.recompute, s, config.pipeline,
+               config.schedule, config.zero, config.data, global_batch_size)
         hit = self._bounds_cache.get(key)
         if hit is None:
             weights = [c.forward + c.backward + c.recompute + c.tp_forward + c.tp_backward for c in costs]
-            hit = self._bounds_cache[key] = balanced_partition(weights, s)
+            fits = self._stage_memory_check(config, costs, global_batch_size) if s > 1 else None
+            hit = self._bounds_cache[key] = balanced_partition(weights, s, fits)
         return hit
+
+    def _stage_memory_check(self, config: ParallelConfig, costs: list[LayerCost], global_batch_size: int):
+        """fits(stage, lo, hi): whether layers [lo, hi) fit on the device that runs that stage.
+
+        Weights, gradients and optimizer state per parameter, plus activations
+        times the micro-batches the schedule keeps live on that device; under
+        the interleaved schedule each of the v chunks gets 1/v of the memory.
+        """
+        pb = param_bytes(config.dtype, config.zero, config.data).total
+        m = config.micro_batches(global_batch_size)
+        v = config.virtual_stages
+        par, act = [0.0], [0.0]
+        for c in costs:
+            par.append(par[-1] + c.params * pb)
+            act.append(act[-1] + c.saved)
+        extra = max((c.working for c in costs), default=0.0) + max((c.temporary for c in costs), default=0.0)
+        cap = self.memory_cap / v
+        live = [live_micro_batches(config.schedule, i, config.pipeline, m, v) for i in range(config.pipeline)]
+
+        def fits(stage: int, lo: int, hi: int) -> bool:
+            i = stage % config.pipeline
+            return (par[hi] - par[lo]) + live[i] * (act[hi] - act[lo]) + extra / v <= cap
+
+        return fits
 
     # ---- internals ------------------------------------------------------
     def _axis(self, mesh: dict, axis: str, op: str, nbytes: float) -> float:
@@ -423,11 +454,18 @@ class _NodeCost:
     temp: float
 
 
-def balanced_partition(weights: list[float], parts: int) -> list[tuple[int, int]]:
+def balanced_partition(weights: list[float], parts: int, fits=None) -> list[tuple[int, int]]:
     """Split `weights` into `parts` contiguous non-empty ranges minimizing the largest sum.
 
-    Binary search on the bottleneck with a greedy feasibility check, then an
-    exact sweep over the candidate sums near it: O(n log n) per call.
+    `fits(stage, lo, hi)`, when given, says whether layers [lo, hi) fit in the
+    memory of stage `stage`; ranges that do not fit are never chosen, and if
+    no split fits at all the time-balanced split is returned.
+
+    Binary search on the bottleneck with a greedy feasibility check (each
+    stage takes as many layers as time and memory allow). Both constraints are
+    monotone in a range's extent, so the greedy check is exact and the search
+    finds the same optimum as a dynamic program over (layer, stage), in
+    O(n log) instead of O(p n^2).
     """
     n = len(weights)
     if parts < 1 or parts > n:
@@ -435,33 +473,40 @@ def balanced_partition(weights: list[float], parts: int) -> list[tuple[int, int]
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
+    slack = 1 + 1e-12
 
-    def cuts_for(limit: float) -> list[int] | None:
+    def cuts_for(limit: float, check) -> list[int] | None:
         cuts, start = [], 0
-        for _ in range(parts - 1):
-            # furthest end so that the chunk sum stays within limit, leaving enough layers for the rest
-            hi = n - (parts - 1 - len(cuts))
-            end = start + 1
-            while end < hi and prefix[end + 1] - prefix[start] <= limit * (1 + 1e-12):
-                end += 1
-            if prefix[end] - prefix[start] > limit * (1 + 1e-12):
+        for k in range(parts):
+            last = k == parts - 1
+            hi = n if last else n - (parts - 1 - k)  # leave a layer for every later stage
+            end = n if last else start + 1
+            if not last:
+                while end < hi and prefix[end + 1] - prefix[start] <= limit * slack and \
+                        (check is None or check(k, start, end + 1)):
+                    end += 1
+            if prefix[end] - prefix[start] > limit * slack or (check is not None and not check(k, start, end)):
                 return None
-            cuts.append(end)
+            if not last:
+                cuts.append(end)
             start = end
-        if prefix[n] - prefix[start] > limit * (1 + 1e-12):
-            return None
         return cuts
 
-    lo, hi = max(weights), prefix[n]
-    for _ in range(60):
-        if hi - lo <= 1e-12 * max(hi, 1e-30):
-            break
-        mid = (lo + hi) / 2
-        if cuts_for(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    cuts = cuts_for(hi)
+    def search(check) -> list[int] | None:
+        if cuts_for(prefix[n], check) is None:
+            return None
+        lo, hi = max(weights), prefix[n]
+        for _ in range(60):
+            if hi - lo <= 1e-12 * max(hi, 1e-30):
+                break
+            mid = (lo + hi) / 2
+            if cuts_for(mid, check) is None:
+                lo = mid
+            else:
+                hi = mid
+        return cuts_for(hi, check)
+
+    cuts = (search(fits) if fits is not None else None) or search(None)
     assert cuts is not None
     bounds = [0, *cuts, n]
     return [(bounds[k], bounds[k + 1]) for k in range(parts)]

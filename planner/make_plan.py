@@ -20,7 +20,7 @@ def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int,
     """The Plan for `config` as `ev` prices it."""
     pred = ev.evaluate(config, global_batch_size)
     costs = [ev.layer_cost(layer, config) for layer in ev.graph.layers]
-    bounds = ev.stage_bounds(config, costs)
+    bounds = ev.stage_bounds(config, costs, global_batch_size)
     names = [layer.name for layer in ev.graph.layers]
     stages = tuple(Stage(index=k, device_index=k % config.pipeline, layers=tuple(names[lo:hi]))
                    for k, (lo, hi) in enumerate(bounds))

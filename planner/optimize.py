@@ -77,6 +77,7 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
     cons = _check_constraints(constraints or {})
     graph = as_graph(model_or_graph, example_inputs)
     ev = Evaluator(graph, cluster, **evaluator_options)
+    ev.memory_cap = cluster.device.memory_bytes * cons.get("max_memory_fraction", 1.0)
     search = _Search()
     bases = _enumerate(ev, cluster, global_batch_size, cons)
     search.bases = len(bases)
