@@ -35,6 +35,9 @@ class ParallelConfig:
         dtype: compute dtype; "bf16"/"fp16" mean mixed precision with fp32 master weights and Adam state.
         stage_boundaries: optional names of the first layer of every stage after the first
             (pipeline * virtual_stages - 1 names); None lets the planner balance stages.
+        bidirectional: GEMS bi-directional pipeline: a second replica runs the stages in
+            reverse over the same devices (device r holds stage r and stage p-1-r).
+        replicas_per_direction: MASTER's T; each step runs 2T micro-batches (T per direction).
     """
 
     data: int = 1
@@ -47,9 +50,11 @@ class ParallelConfig:
     zero: int = 0
     dtype: str = "bf16"
     stage_boundaries: tuple[str, ...] | None = None
+    bidirectional: bool = False
+    replicas_per_direction: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("data", "tensor", "pipeline", "micro_batch_size", "virtual_stages"):
+        for name in ("data", "tensor", "pipeline", "micro_batch_size", "virtual_stages", "replicas_per_direction"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {v!r}")
@@ -68,6 +73,18 @@ class ParallelConfig:
         elif self.virtual_stages != 1:
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' "
                               f"(schedule is {self.schedule!r})")
+        if not isinstance(self.bidirectional, bool):
+            raise ConfigError(f"ParallelConfig.bidirectional must be true or false, got {self.bidirectional!r}")
+        if self.bidirectional:
+            if self.pipeline < 2:
+                raise ConfigError("a bidirectional pipeline needs pipeline >= 2 (device r holds stages r and p-1-r)")
+            if self.schedule != "1f1b" or self.virtual_stages != 1:
+                raise ConfigError("a bidirectional pipeline runs its own (GEMS) schedule; leave schedule='1f1b' "
+                                  "and virtual_stages=1")
+            if self.zero != 0:
+                raise ConfigError(f"a bidirectional pipeline supports ZeRO stage 0 only (got {self.zero})")
+        elif self.replicas_per_direction != 1:
+            raise ConfigError(f"replicas_per_direction={self.replicas_per_direction} needs bidirectional=True")
         if self.stage_boundaries is not None:
             object.__setattr__(self, "stage_boundaries", tuple(self.stage_boundaries))
             want = self.num_stages - 1
@@ -98,11 +115,20 @@ class ParallelConfig:
                 f"{self.micro_batch_size} x data {self.data} = {per_replica}; pick a micro-batch size "
                 f"or data degree that divides it"
             )
-        return global_batch_size // per_replica
+        m = global_batch_size // per_replica
+        if self.bidirectional and m != 2 * self.replicas_per_direction:
+            raise ConfigError(
+                f"a bidirectional step runs 2 x replicas_per_direction = {2 * self.replicas_per_direction} "
+                f"micro-batches per data replica, but global batch {global_batch_size} / (micro_batch_size "
+                f"{self.micro_batch_size} x data {self.data}) = {m}; set micro_batch_size to "
+                f"{global_batch_size / (self.data * 2 * self.replicas_per_direction):g}"
+            )
+        return m
 
     def short(self) -> str:
         """A compact label, e.g. "d4 t8 p12 mb1 1f1b rc=full z0 bf16"."""
-        s = f"d{self.data} t{self.tensor} p{self.pipeline} mb{self.micro_batch_size} {self.schedule}"
+        sched = f"bidi T{self.replicas_per_direction}" if self.bidirectional else self.schedule
+        s = f"d{self.data} t{self.tensor} p{self.pipeline} mb{self.micro_batch_size} {sched}"
         if self.schedule == "interleaved":
             s += f"x{self.virtual_stages}"
         return s + f" rc={self.recompute} z{self.zero} {self.dtype}"

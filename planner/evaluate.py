@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cost_models.comm import axis_collective_time, link_models
+from cost_models import gems
+from cost_models.comm import axis_collective_time, collective_time, link_models
 from cost_models.compute import Efficiency, op_time, wave_efficiency
 from cost_models.hardware import Cluster
 from cost_models.memory import DTYPE_BYTES, adam_step_bytes, live_micro_batches, param_bytes
@@ -98,6 +99,8 @@ class Evaluator:
         p, v, t, d = config.pipeline, config.virtual_stages, config.tensor, config.data
         costs = [self.layer_cost(layer, config) for layer in self.graph.layers]
         bounds = self.stage_bounds(config, costs, global_batch_size)
+        if config.bidirectional:
+            return self._evaluate_bidirectional(config, global_batch_size, m, costs, bounds)
         dev = self.cluster.device
         mesh = config.mesh
 
@@ -168,12 +171,18 @@ class Evaluator:
         opt_params = params_crit / (d if config.zero >= 1 else 1)
         optimizer = opt_params * adam_step_bytes(config.dtype) / (dev.memory_bandwidth * self.eff.memory)
 
-        step = total + data_comm + zero_comm + optimizer
         time = TimeBreakdown(forward=m * fwd, backward=m * bwd, recompute=m * rc, tensor_comm=m * tp,
                              pipeline_comm=m * pp, bubble=bubble, data_comm=data_comm,
                              zero_comm=zero_comm, optimizer=optimizer)
-        peak_i = max(range(p), key=lambda i: mems[i][0].total)
-        peak_mem = mems[peak_i][0]
+        return self._prediction(config, global_batch_size, m, costs, stages, time,
+                                max((mem for mem, _ in mems), key=lambda x: x.total),
+                                busy=m * (fwd + bwd + rc) + optimizer)
+
+    def _prediction(self, config: ParallelConfig, global_batch_size: int, m: int, costs: list[LayerCost],
+                    stages: list, time: TimeBreakdown, peak_mem: MemoryBreakdown, busy: float) -> Prediction:
+        """Assemble a Prediction from the step's time breakdown and the largest device footprint."""
+        dev = self.cluster.device
+        step = time.total
         samples = global_batch_size / step
         model_flops = 3 * self._fwd_flops_per_sample * samples / config.num_devices
         peak_flops = dev.peak(config.dtype)
@@ -194,8 +203,69 @@ class Evaluator:
             tokens_per_s=samples * self.tokens_per_sample if self.tokens_per_sample else None,
             model_flops_per_device=model_flops, mfu=model_flops / peak_flops,
             num_micro_batches=m, stages=stage_preds,
-            step_energy=self._energy(step, m * (fwd + bwd + rc) + optimizer, config.num_devices),
+            step_energy=self._energy(step, busy, config.num_devices),
         )
+
+    def _evaluate_bidirectional(self, config: ParallelConfig, global_batch_size: int, m: int,
+                                costs: list[LayerCost], bounds: list[tuple[int, int]]) -> Prediction:
+        """GEMS: device r runs stage r of replica A and stage p-1-r of replica B (cost_models.gems)."""
+        p, d, T = config.pipeline, config.data, config.replicas_per_direction
+        dev = self.cluster.device
+        per_stage = [costs[lo:hi] for lo, hi in bounds]
+        fc = [sum(c.forward for c in cs) for cs in per_stage]
+        bc = [sum(c.backward for c in cs) for cs in per_stage]
+        rc = [sum(c.recompute for c in cs) for cs in per_stage]
+        tp = [sum(c.tp_forward + c.tp_backward for c in cs) for cs in per_stage]
+        f = [fc[k] + sum(c.tp_forward for c in per_stage[k]) for k in range(p)]
+        b = [bc[k] + rc[k] + sum(c.tp_backward for c in per_stage[k]) for k in range(p)]
+        link = self.p2p_seconds(config)
+        hop = max(link(costs[hi - 1].boundary) for lo, hi in bounds[:-1])
+        with_p2p, _ = gems.simulate(f, b, T, hop)
+        without_p2p, busy = gems.simulate(f, b, T, 0.0)
+        crit = max(range(p), key=lambda i: busy[i])
+        pair = gems.pair_of(crit, p)
+        both = (crit, pair) if pair != crit else (crit,)
+        pb = param_bytes(config.dtype, 0, d)
+        mems, stages = [], []
+        for i in range(p):
+            j = gems.pair_of(i, p)
+            held = per_stage[i] + (per_stage[j] if j != i else [])
+            params = sum(c.params for c in held)
+            # One micro-batch in flight per device: A's backward ends before B's forward starts.
+            if config.recompute == "full":
+                acts = max(sum(c.saved for c in per_stage[k]) + max((c.working for c in per_stage[k]), default=0.0)
+                           for k in {i, j})
+            else:
+                acts = max(sum(c.saved for c in per_stage[k]) for k in {i, j})
+            mem = MemoryBreakdown(parameters=params * pb.weights, gradients=params * pb.gradients,
+                                  optimizer=params * pb.optimizer, activations=acts,
+                                  comm_buffers=2 * max(costs[hi - 1].boundary for lo, hi in bounds),
+                                  temporary=max((c.temporary for c in held), default=0.0))
+            mems.append((mem, params))
+        for k, (lo, hi) in enumerate(bounds):
+            stages.append((lo, hi, k, mems[k][0]))
+        # Devices r and p-1-r (in every data replica) hold copies of the same two stages and
+        # all-reduce their flattened gradients after the step, higher stage first.
+        data_comm = max(self._pair_allreduce(config, i, mems[i][1]) for i in range(p))
+        optimizer = mems[crit][1] * adam_step_bytes(config.dtype) / (dev.memory_bandwidth * self.eff.memory)
+        time = TimeBreakdown(
+            forward=T * sum(fc[k] for k in both), backward=T * sum(bc[k] for k in both),
+            recompute=T * sum(rc[k] for k in both), tensor_comm=T * sum(tp[k] for k in both),
+            pipeline_comm=with_p2p - without_p2p, bubble=without_p2p - busy[crit],
+            data_comm=data_comm, optimizer=optimizer)
+        return self._prediction(config, global_batch_size, m, costs, stages, time,
+                                max((mem for mem, _ in mems), key=lambda x: x.total),
+                                busy=busy[crit] + optimizer)
+
+    def _pair_allreduce(self, config: ParallelConfig, device: int, params: float) -> float:
+        """Seconds to all-reduce a device's gradients with its pair over every data replica."""
+        p, d, t = config.pipeline, config.data, config.tensor
+        pair = gems.pair_of(device, p)
+        ranks = sorted({(pos * d + j) * t for pos in (device, pair) for j in range(d)})
+        if len(ranks) < 2:
+            return 0.0
+        nbytes = params * (self.grad_reduce_bytes or DTYPE_BYTES[config.dtype])
+        return collective_time(self.cluster, "all_reduce", nbytes, ranks).seconds
 
     def _energy(self, step: float, busy: float, devices: int) -> float:
         """Joules per step: every device busy for `busy` s at active power, idle the rest."""
@@ -253,11 +323,13 @@ class Evaluator:
             cuts = [0, *idx, n]
             return [(cuts[k], cuts[k + 1]) for k in range(s)]
         key = (config.tensor, config.micro_batch_size, config.dtype, config.recompute, s, config.pipeline,
-               config.schedule, config.zero, config.data, global_batch_size)
+               config.schedule, config.zero, config.data, global_batch_size, config.bidirectional)
         hit = self._bounds_cache.get(key)
         if hit is None:
             weights = [c.forward + c.backward + c.recompute + c.tp_forward + c.tp_backward for c in costs]
-            fits = self._stage_memory_check(config, costs, global_batch_size) if s > 1 else None
+            # (Bi-directional pairs share a device: their fit is judged by evaluate.)
+            fits = self._stage_memory_check(config, costs, global_batch_size) \
+                if s > 1 and not config.bidirectional else None
             hit = self._bounds_cache[key] = balanced_partition(weights, s, fits)
         return hit
 

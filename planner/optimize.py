@@ -30,7 +30,7 @@ from planner.progress import Progress
 
 OBJECTIVES = ("time", "energy")
 FIXED_KNOBS = ("data", "tensor", "pipeline", "micro_batch_size", "schedule", "virtual_stages", "recompute",
-               "zero", "dtype")
+               "zero", "dtype", "bidirectional", "replicas_per_direction")
 LIMITS = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s", "allow_cross_node_tensor",
           "max_micro_batch_size")
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -114,7 +114,7 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
     sync, so neither knob is monotone in time.
     """
     for recompute in _options(cons, "recompute", RECOMPUTE_ORDER):
-        for zero in _options(cons, "zero", (0, 1, 2, 3) if base.data > 1 else (0,)):
+        for zero in _options(cons, "zero", (0, 1, 2, 3) if base.data > 1 and not base.bidirectional else (0,)):
             cfg = base.replace(recompute=recompute, zero=zero)
             try:
                 pred = ev.evaluate(cfg, batch)
@@ -208,13 +208,24 @@ def _enumerate(ev: Evaluator, cluster: Cluster, batch: int, cons: dict) -> list[
                 want = cons["schedule"]
                 vs = _options(cons, "virtual_stages", (2, 4) if want == "interleaved" else (1,))
                 scheds = [(want, v) for v in vs if want != "interleaved" or p * v <= layers]
-            for mb in mbs:
-                for sched, v in scheds:
-                    try:
-                        out.append(ParallelConfig(data=d, tensor=t, pipeline=p, micro_batch_size=mb,
-                                                  schedule=sched, virtual_stages=v, dtype=dtype))
-                    except ConfigError:
+            if cons.get("bidirectional") is not True:
+                for mb in mbs:
+                    for sched, v in scheds:
+                        try:
+                            out.append(ParallelConfig(data=d, tensor=t, pipeline=p, micro_batch_size=mb,
+                                                      schedule=sched, virtual_stages=v, dtype=dtype))
+                        except ConfigError:
+                            continue
+            if p > 1 and cons.get("bidirectional") is not False and "schedule" not in cons:
+                # GEMS: 2T micro-batches per step, so T fixes the micro-batch size.
+                for T in _options(cons, "replicas_per_direction", (1, 2, 4, 8)):
+                    if (batch // d) % (2 * T) or (batch // d) // (2 * T) > cap:
                         continue
+                    mb = (batch // d) // (2 * T)
+                    if "micro_batch_size" in cons and cons["micro_batch_size"] != mb:
+                        continue
+                    out.append(ParallelConfig(data=d, tensor=t, pipeline=p, micro_batch_size=mb, dtype=dtype,
+                                              bidirectional=True, replicas_per_direction=T))
     return out
 
 
@@ -235,6 +246,10 @@ def _lower_bound(ev: Evaluator, cfg: ParallelConfig, batch: int, objective: str)
     # The slowest device's slot is at least the average over devices; each
     # micro-batch crosses each of the p*v - 1 cuts once forward and once backward.
     slot = (compute + comm) / cfg.pipeline
+    if cfg.bidirectional:
+        # The busiest device does at least the average share of the 2T passes, and
+        # one micro-batch alone must pass forward and backward through every stage.
+        return max(m * slot, compute + comm)
     if cfg.pipeline > 1:
         p2p = ev.p2p_seconds(cfg)
         cuts = cfg.pipeline * cfg.virtual_stages - 1

@@ -89,7 +89,9 @@ class Plan:
             f"Plan for {self.model_class} on {self.cluster.name} "
             f"({self.cluster.num_nodes} x {self.cluster.devices_per_node} = {self.cluster.num_devices} devices)",
             f"  mesh: " + " x ".join(f"{k} {v}" for k, v in self.mesh.items()) +
-            f"   micro-batch {c.micro_batch_size} x {p.num_micro_batches}   schedule {c.schedule}"
+            f"   micro-batch {c.micro_batch_size} x {p.num_micro_batches}   schedule "
+            + (f"bidirectional (GEMS, {c.replicas_per_direction} pair(s): device r runs stages r and p-1-r)"
+               if c.bidirectional else c.schedule)
             + (f" (v={c.virtual_stages})" if c.schedule == "interleaved" else "")
             + f"   recompute {c.recompute}   ZeRO {c.zero}   {c.dtype}",
             f"  global batch {self.global_batch_size}: step {p.step_time:.4g} s, {p.samples_per_s:,.2f} samples/s"
@@ -99,7 +101,8 @@ class Plan:
         ]
         for s, sp in zip(self.stages, p.stages):
             span = f"{s.layers[0]} .. {s.layers[-1]}" if len(s.layers) > 1 else s.layers[0]
-            lines.append(f"  {s.index:>5} {s.device_index:>4} {len(s.layers):>7}  {span[:38]:<38} "
+            dev = f"{s.device_index}/{c.pipeline - 1 - s.device_index}" if c.bidirectional else str(s.device_index)
+            lines.append(f"  {s.index:>5} {dev:>4} {len(s.layers):>7}  {span[:38]:<38} "
                          f"{sp.forward * 1e3:>9.3f} {sp.backward * 1e3:>9.3f} {sp.memory.total / gib:>8.3f}")
         lines += ["", "  time per step:"]
         total = p.step_time or 1.0

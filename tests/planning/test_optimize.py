@@ -60,6 +60,17 @@ def _exhaustive(graph, cluster, batch):
                 continue
             if pred.fits and (best is None or pred.step_time < best[1].step_time):
                 best = (cfg, pred)
+        for T, rc in itertools.product((1, 2, 4), ("none", "selective", "full")):  # GEMS bi-directional
+            if p < 2 or batch % (d * 2 * T) or t > cluster.devices_per_node:
+                continue
+            cfg = ParallelConfig(data=d, tensor=t, pipeline=p, micro_batch_size=batch // (d * 2 * T),
+                                 recompute=rc, bidirectional=True, replicas_per_direction=T)
+            try:
+                pred = ev.evaluate(cfg, batch)
+            except ConfigError:
+                continue
+            if pred.fits and (best is None or pred.step_time < best[1].step_time):
+                best = (cfg, pred)
     return best
 
 
