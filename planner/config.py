@@ -143,6 +143,32 @@ class ParallelConfig:
         return d
 
     @classmethod
+    def read(cls, f) -> "ParallelConfig":
+        """From a checked document reader (planner.validate.Fields): types checked field by field."""
+        from planner.validate import FieldError
+
+        known = {fl.name for fl in dataclasses.fields(cls)}
+        for key in f.data:
+            if key not in known:
+                raise f.error(key, f"is not a ParallelConfig field; known: {', '.join(sorted(known))}")
+        kw: dict[str, Any] = {}
+        for name in ("data", "tensor", "pipeline", "micro_batch_size", "virtual_stages", "zero",
+                     "replicas_per_direction"):
+            if name in f.data:
+                kw[name] = f.integer(name)
+        for name in ("schedule", "recompute", "dtype"):
+            if name in f.data:
+                kw[name] = f.text(name)
+        if "bidirectional" in f.data:
+            kw["bidirectional"] = f.boolean("bidirectional")
+        if f.data.get("stage_boundaries") is not None:
+            kw["stage_boundaries"] = tuple(f.strings("stage_boundaries"))
+        try:
+            return cls(**kw)
+        except ConfigError as e:
+            raise FieldError(f.where, f.prefix or "config", f"is invalid: {e}") from None
+
+    @classmethod
     def from_dict(cls, d: dict) -> "ParallelConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cost_models.hardware import Cluster
-from cost_models.prediction import Prediction
-from planner.config import ParallelConfig
+from cost_models.hardware import Cluster, ClusterFileError
+from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
+from planner.config import ConfigError, ParallelConfig
+from planner.validate import FieldError, Fields
 
 PLAN_FORMAT_VERSION = 1
 
@@ -53,10 +54,10 @@ class Alternative:
                 "step_energy": self.step_energy, "fits": self.fits, "reason": self.reason}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Alternative":
-        return cls(config=ParallelConfig.from_dict(d["config"]), step_time=float(d["step_time"]),
-                   peak_memory=float(d["peak_memory"]), step_energy=float(d["step_energy"]),
-                   fits=bool(d["fits"]), reason=str(d["reason"]))
+    def read(cls, f: Fields) -> "Alternative":
+        return cls(config=ParallelConfig.read(f.sub("config")), step_time=f.number("step_time", minimum=0),
+                   peak_memory=f.number("peak_memory", minimum=0), step_energy=f.number("step_energy", minimum=0),
+                   fits=f.boolean("fits"), reason=f.text("reason"))
 
 
 @dataclass(frozen=True)
@@ -138,35 +139,17 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, d: dict, *, origin: str | None = None) -> "Plan":
+    def from_dict(cls, d: Any, *, origin: str | None = None) -> "Plan":
+        """Read and check a plan document; PlanFileError names the field on any damage."""
         where = f"plan file {origin}" if origin else "plan"
-        if not isinstance(d, dict):
-            raise PlanFileError(f"{where}: expected a JSON object at the top level")
-        version = d.get("format_version")
-        if version != PLAN_FORMAT_VERSION:
-            raise PlanFileError(f"{where}: field 'format_version' is {version!r}; this meshplan reads "
-                                f"version {PLAN_FORMAT_VERSION}. Make the plan again with this version.")
         try:
-            return cls(
-                format_version=version,
-                model_class=str(d["model_class"]),
-                graph_fingerprint=str(d["graph_fingerprint"]),
-                cluster=Cluster.from_dict(d["cluster"], origin=origin),
-                config=ParallelConfig.from_dict(d["config"]),
-                global_batch_size=int(d["global_batch_size"]),
-                stages=tuple(Stage(int(s["index"]), int(s["device_index"]), tuple(s["layers"]))
-                             for s in d["stages"]),
-                shardings=tuple(sorted(d.get("shardings", {}).items())),
-                prediction=Prediction.from_dict(d["prediction"]),
-                search=tuple(d.get("search", {}).items()),
-                alternatives=tuple(Alternative.from_dict(a) for a in d.get("alternatives", [])),
-            )
-        except KeyError as e:
-            raise PlanFileError(f"{where}: field {e.args[0]!r} is missing; make the plan again") from None
-        except (TypeError, ValueError) as e:
-            if isinstance(e, PlanFileError):
-                raise
-            raise PlanFileError(f"{where}: {e}") from None
+            return _read_plan(Fields(d, where), origin)
+        except FieldError as e:
+            raise PlanFileError(str(e)) from None
+        except ClusterFileError as e:
+            raise PlanFileError(f"{where}: in 'cluster': {e}") from None
+        except ConfigError as e:
+            raise PlanFileError(f"{where}: in 'config': {e}") from None
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
@@ -175,9 +158,83 @@ class Plan:
     def load(cls, path: str | Path) -> "Plan":
         p = Path(path)
         try:
-            data = json.loads(p.read_text())
+            data = json.loads(p.read_bytes().decode("utf-8"))
         except FileNotFoundError:
             raise PlanFileError(f"plan file {p} does not exist") from None
-        except json.JSONDecodeError as e:
+        except IsADirectoryError:
+            raise PlanFileError(f"plan file {p} is a directory; pass the plan.json inside it") from None
+        except UnicodeDecodeError as e:
+            raise PlanFileError(f"plan file {p} is not UTF-8 text (byte {e.start}); is it a plan.json?") from None
+        except (json.JSONDecodeError, RecursionError) as e:
             raise PlanFileError(f"plan file {p} is not valid JSON: {e}") from None
         return cls.from_dict(data, origin=str(p))
+
+
+ROLES = ("column", "row", "inner", "vocab", "column_out")
+
+
+def _read_plan(f: Fields, origin: str | None) -> Plan:
+    version = f.raw("format_version")
+    if version != PLAN_FORMAT_VERSION:
+        raise f.error("format_version", f"is {version!r}; this meshplan reads version {PLAN_FORMAT_VERSION}. "
+                      "Make the plan again with this version")
+    cluster_doc = f.raw("cluster")
+    if not isinstance(cluster_doc, dict):
+        raise f.error("cluster", "must be a JSON object (a cluster description)")
+    cluster = Cluster.from_dict(cluster_doc, origin=origin)
+    config = ParallelConfig.read(f.sub("config"))
+    if config.num_devices != cluster.num_devices:
+        raise f.error("config", f"uses {config.num_devices} devices but the plan's cluster has {cluster.num_devices}")
+    stages = tuple(f.each("stages", lambda s: Stage(s.integer("index", minimum=0), s.integer("device_index", minimum=0),
+                                                     tuple(s.strings("layers")))))
+    if len(stages) != config.num_stages:
+        raise f.error("stages", f"lists {len(stages)} stages; the config has {config.num_stages}")
+    seen: set[str] = set()
+    for k, st in enumerate(stages):
+        if st.index != k:
+            raise f.error(f"stages[{k}].index", f"is {st.index}, expected {k} (stages in order)")
+        if st.device_index >= config.pipeline:
+            raise f.error(f"stages[{k}].device_index", f"is {st.device_index}; the pipeline has {config.pipeline} devices")
+        if not st.layers:
+            raise f.error(f"stages[{k}].layers", "is empty; every stage holds at least one layer")
+        dup = seen & set(st.layers)
+        if dup:
+            raise f.error(f"stages[{k}].layers", f"repeats layer(s) {sorted(dup)[:3]} of an earlier stage")
+        seen |= set(st.layers)
+    roles = f.sub("shardings", {})
+    for node, role in roles.data.items():
+        if role not in ROLES:
+            raise roles.error(node, f"has role {role!r}; known roles: {', '.join(ROLES)}")
+    prediction = _read_prediction(f.sub("prediction"))
+    if len(prediction.stages) != len(stages):
+        raise f.error("prediction.stages", f"has {len(prediction.stages)} entries for {len(stages)} stages")
+    search = f.sub("search", {})
+    return Plan(
+        format_version=version, model_class=f.text("model_class"), graph_fingerprint=f.text("graph_fingerprint"),
+        cluster=cluster, config=config, global_batch_size=f.integer("global_batch_size", minimum=1),
+        stages=stages, shardings=tuple(sorted(roles.data.items())), prediction=prediction,
+        search=tuple(search.data.items()),
+        alternatives=tuple(f.each("alternatives", Alternative.read, [])),
+    )
+
+
+def _read_memory(f: Fields) -> MemoryBreakdown:
+    return MemoryBreakdown(**{k: f.number(k, minimum=0) for k in MemoryBreakdown.__dataclass_fields__})
+
+
+def _read_prediction(f: Fields) -> Prediction:
+    time = f.sub("time")
+    return Prediction(
+        step_time=f.number("step_time", minimum=0),
+        time=TimeBreakdown(**{k: time.number(k) for k in TimeBreakdown.__dataclass_fields__}),
+        peak_memory=f.number("peak_memory", minimum=0), memory=_read_memory(f.sub("memory")),
+        memory_capacity=f.number("memory_capacity", minimum=0), fits=f.boolean("fits"),
+        samples_per_s=f.number("samples_per_s", minimum=0), tokens_per_s=f.optional_number("tokens_per_s"),
+        model_flops_per_device=f.number("model_flops_per_device", minimum=0), mfu=f.number("mfu", minimum=0),
+        num_micro_batches=f.integer("num_micro_batches", minimum=1),
+        stages=tuple(f.each("stages", lambda s: StagePrediction(
+            index=s.integer("index", minimum=0), first_layer=s.text("first_layer"), last_layer=s.text("last_layer"),
+            num_layers=s.integer("num_layers", minimum=1), forward=s.number("forward", minimum=0),
+            backward=s.number("backward", minimum=0), memory=_read_memory(s.sub("memory"))))),
+        step_energy=f.number("step_energy", 0.0, minimum=0),
+    )

@@ -1,0 +1,58 @@
+"""Mutations of JSON documents for the loader fuzz tests (shared by tests and benchmarks/fuzz_loaders.py)."""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+ODD_VALUES = [None, True, False, 0, -1, 1, 2**63, -2.5, 1e308, float("inf"), float("nan"), "", "x", "fp64",
+              [], [1, 2], {}, {"a": 1}, [[]], "🙂", 3.5]
+
+
+def paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every path (tuple of keys / indices) to a node of a JSON document."""
+    out = [prefix]
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += paths(v, prefix + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += paths(v, prefix + (i,))
+    return out
+
+
+def mutate(doc: Any, rng: random.Random, steps: int = 1) -> Any:
+    """Apply `steps` random damages: delete, replace with an odd value, rename, duplicate or swap types."""
+    doc = copy.deepcopy(doc)
+    for _ in range(steps):
+        ps = [p for p in paths(doc) if p]
+        if not ps:
+            return rng.choice(ODD_VALUES)
+        path = rng.choice(ps)
+        parent = doc
+        for k in path[:-1]:
+            parent = parent[k]
+        key = path[-1]
+        action = rng.randrange(5)
+        if action == 0:  # delete
+            if isinstance(parent, dict):
+                del parent[key]
+            else:
+                parent.pop(key)
+        elif action == 1:  # odd value
+            parent[key] = rng.choice(ODD_VALUES)
+        elif action == 2 and isinstance(parent, dict):  # misspell the key
+            parent[str(key) + rng.choice(["_", "s", "x"])] = parent.pop(key)
+        elif action == 3:  # numbers scaled or negated, strings mangled
+            v = parent[key]
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                parent[key] = rng.choice([-v, v * 1000, v / 1000, 0, int(v) if v == v and abs(v) < 1e18 else 0])
+            elif isinstance(v, str):
+                parent[key] = v[::-1] if v else "?"
+            else:
+                parent[key] = rng.choice(ODD_VALUES)
+        else:  # wrap or unwrap containers
+            v = parent[key]
+            parent[key] = [v] if not isinstance(v, list) else (v[0] if v else {})
+    return doc
