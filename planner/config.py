@@ -116,6 +116,12 @@ class ParallelConfig:
                 f"or data degree that divides it"
             )
         m = global_batch_size // per_replica
+        if self.schedule == "interleaved" and m % self.pipeline:
+            raise ConfigError(
+                f"the interleaved schedule runs micro-batches in groups of the pipeline size: {m} micro-batches "
+                f"(global batch {global_batch_size} / (micro_batch_size {self.micro_batch_size} x data "
+                f"{self.data})) is not a multiple of pipeline {self.pipeline}; use 1f1b or change the batch"
+            )
         if self.bidirectional and m != 2 * self.replicas_per_direction:
             raise ConfigError(
                 f"a bidirectional step runs 2 x replicas_per_direction = {2 * self.replicas_per_direction} "
