@@ -22,6 +22,7 @@ from typing import Any
 from cost_models.hardware import Cluster
 from cost_models.prediction import Prediction
 from cost_models.schedule import pipeline_time
+from planner.capabilities import MESHPLAN_RUNTIME, RuntimeSupport
 from planner.config import ConfigError, ParallelConfig
 from planner.evaluate import Evaluator, as_graph
 from planner.make_plan import plan_for
@@ -52,7 +53,8 @@ class _Search:
 
 def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, example_inputs: Any = None,
              objective: str = "time", constraints: dict | None = None, progress: bool | None = None,
-             keep_alternatives: int = 8, **evaluator_options: Any) -> Plan:
+             keep_alternatives: int = 8, runtime: RuntimeSupport | None = MESHPLAN_RUNTIME,
+             **evaluator_options: Any) -> Plan:
     """Search for the plan that minimizes `objective` under `constraints`.
 
     Args:
@@ -65,6 +67,8 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
             max_step_time_s, allow_cross_node_tensor (default False), max_micro_batch_size.
         progress: show a progress bar (None: only on a terminal and past ~1 s).
         keep_alternatives: how many runner-up configurations the plan records for explain().
+        runtime: what the runtime executes (default: meshplan's); only those configurations are
+            searched. None searches everything the cost model prices (a what-if search).
         evaluator_options: passed to the Evaluator (efficiency, fused_attention, ...).
 
     Raises:
@@ -80,6 +84,12 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
     ev.memory_cap = cluster.device.memory_bytes * cons.get("max_memory_fraction", 1.0)
     search = _Search()
     bases = _enumerate(ev, cluster, global_batch_size, cons)
+    if runtime is not None:
+        blocked = [runtime.why_not(b) for b in bases if not runtime.allows(b)]
+        bases = [b for b in bases if runtime.allows(b)]
+        if not bases and blocked:
+            raise NoFeasiblePlan(f"every configuration the constraints allow needs something the runtime cannot "
+                                 f"run ({blocked[0]}); pass runtime=None for a what-if search")
     search.bases = len(bases)
     if not bases:
         raise NoFeasiblePlan(_no_base_message(ev, cluster, global_batch_size, cons))
@@ -94,7 +104,7 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
         if best is not None and lb >= best[0]:
             search.pruned += 1
             continue
-        best = _inner(ev, base, global_batch_size, objective, cons, search, best)
+        best = _inner(ev, base, global_batch_size, objective, cons, search, best, runtime)
     search.seconds = time.perf_counter() - t0
     bar.close(f"{search.evaluated} priced, {search.pruned} pruned")
     if best is None:
@@ -106,7 +116,8 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
     return Plan(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__}, "alternatives": alts})
 
 
-def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons: dict, search: _Search, best):
+def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons: dict, search: _Search, best,
+           runtime: RuntimeSupport | None):
     """Every recompute mode and ZeRO stage for one shape; keeps the best that fits.
 
     All of them are priced: ZeRO-2's half-size reduce-scatter can beat plain
@@ -116,6 +127,8 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
     for recompute in _options(cons, "recompute", RECOMPUTE_ORDER):
         for zero in _options(cons, "zero", (0, 1, 2, 3) if base.data > 1 and not base.bidirectional else (0,)):
             cfg = base.replace(recompute=recompute, zero=zero)
+            if runtime is not None and not runtime.allows(cfg):
+                continue
             try:
                 pred = ev.evaluate(cfg, batch)
             except ConfigError:

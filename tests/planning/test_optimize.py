@@ -80,7 +80,7 @@ def test_optimize_equals_exhaustive_search(kind, memory_gib):
     cluster = _small_gpus(4, memory_gib)
     batch = 8
     best_cfg, best_pred = _exhaustive(graph, cluster, batch)
-    plan = planner.optimize(graph, cluster, global_batch_size=batch, progress=False)
+    plan = planner.optimize(graph, cluster, global_batch_size=batch, progress=False, runtime=None)
     assert plan.prediction.step_time == pytest.approx(best_pred.step_time, rel=1e-12), (plan.config, best_cfg)
     assert plan.prediction.fits
     if memory_gib < 1:  # memory binds: the unconstrained optimum would not fit here

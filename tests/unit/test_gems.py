@@ -78,7 +78,10 @@ def test_cost_model_two_stages_per_device_and_less_bubble(small):
 
 def test_search_considers_bidirectional_plans(small):
     cl = Cluster.preset("dgx-a100-80gb", devices=4)
-    plan = planner.optimize(small, cl, global_batch_size=16, progress=False,
+    plan = planner.optimize(small, cl, global_batch_size=16, progress=False, runtime=None,
                             constraints={"bidirectional": True, "pipeline": 4})
     assert plan.config.bidirectional and plan.config.pipeline == 4
+    with pytest.raises(planner.NoFeasiblePlan, match="cannot run .*bidirectional"):
+        planner.optimize(small, cl, global_batch_size=16, progress=False,
+                         constraints={"bidirectional": True, "pipeline": 4})
     assert "bidi" in plan.summary() or "bidirectional" in plan.summary() or plan.config.short() in plan.summary()

@@ -1,0 +1,41 @@
+"""What meshplan's runtime can execute, so that the search never picks a plan it cannot run.
+
+The cost model prices more than the runtime runs (for example bi-directional
+pipelines before their lowering exists); `optimize` searches only what
+`RuntimeSupport` allows unless asked for a what-if search with `runtime=None`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class RuntimeSupport:
+    """The configurations the runtime executes exactly (proven by tests/distributed)."""
+
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    bidirectional: bool = False
+
+    def allows(self, config: ParallelConfig) -> bool:
+        return (config.schedule in self.schedules and config.recompute in self.recompute
+                and config.zero in self.zero_stages and (self.bidirectional or not config.bidirectional))
+
+    def why_not(self, config: ParallelConfig) -> str | None:
+        """A sentence saying what the runtime cannot run in `config`, or None."""
+        if config.bidirectional and not self.bidirectional:
+            return "the runtime does not run bidirectional pipelines yet"
+        if config.schedule not in self.schedules:
+            return f"the runtime does not run the {config.schedule} schedule"
+        if config.recompute not in self.recompute:
+            return f"the runtime does not run recompute={config.recompute!r}"
+        if config.zero not in self.zero_stages:
+            return f"the runtime does not run ZeRO stage {config.zero}"
+        return None
+
+
+MESHPLAN_RUNTIME = RuntimeSupport()
