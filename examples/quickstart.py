@@ -53,7 +53,10 @@ def main() -> None:
     print()
     print(planner.explain(plan))
     plan.save(args.output)
-    print(f"\nwrote {args.output}")
+    stem = str(Path(args.output).with_suffix(""))
+    pictures = planner.visualize(plan, stem)
+    report = planner.write_report(plan, f"{stem}_report.html")
+    print(f"\nwrote {args.output}, {len(pictures)} pictures ({stem}_mesh.png, {stem}_schedule.png, ...) and {report}")
 
 if __name__ == "__main__":
     main()

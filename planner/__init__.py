@@ -19,4 +19,19 @@ __all__ = [
     "ModelGraph", "OpInfo", "TensorMeta", "capture",
     "ConfigError", "ParallelConfig", "Evaluator", "evaluate", "Prediction",
     "make_plan", "Plan", "PlanFileError", "Stage", "NoFeasiblePlan", "explain", "optimize",
+    "visualize", "write_report",
 ]
+
+
+def visualize(plan, path, **kwargs):
+    """Pictures of a plan (PNG and SVG): see planner.visualize.visualize."""
+    from planner.visualize import visualize as _visualize
+
+    return _visualize(plan, path, **kwargs)
+
+
+def write_report(plan, path, **kwargs):
+    """One self-contained HTML report of a plan: see planner.report.write_report."""
+    from planner.report import write_report as _write_report
+
+    return _write_report(plan, path, **kwargs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 _EPILOG_CAPTURE = """examples:
@@ -26,6 +27,11 @@ _EPILOG_OPTIMIZE = """examples:
   meshplan optimize examples/models/gpt.py:build --arg preset=1t --cluster dgx-a100-80gb --nodes 384 \\
       --batch 3072 --constraint tensor=8 --constraint max_memory_fraction=0.9 -o plan_1t.json
 Prints the plan, the runners-up with the reason each lost, and writes the plan as JSON."""
+
+_EPILOG_SHOW = """examples:
+  meshplan show plan.json                 # plan_mesh.png, plan_memory.png, ... and plan_report.html
+  meshplan show plan.json -o pictures/gpt # pictures/gpt_mesh.png ... pictures/gpt_report.html
+PNG and SVG of each picture, plus one self-contained HTML report."""
 
 _EPILOG_CLUSTER = """examples:
   meshplan cluster dgx-a100-80gb --nodes 4
@@ -105,6 +111,24 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_show(args: argparse.Namespace) -> int:
+    from planner.optimize import explain
+    from planner.plan import Plan
+    from planner.report import write_report
+    from planner.visualize import visualize
+
+    plan = Plan.load(args.plan)
+    print(plan.summary())
+    print()
+    print(explain(plan))
+    out = args.output or str(Path(args.plan).with_suffix(""))
+    files = visualize(plan, out)
+    report = write_report(plan, f"{out}_report.html" if not out.endswith("/") else f"{out}report.html")
+    print(f"\nwrote {len(files)} pictures ({files[0].parent}/{files[0].name.rsplit('_', 1)[0]}_*.png|svg) "
+          f"and {report}")
+    return 0
+
+
 def _cmd_cluster(args: argparse.Namespace) -> int:
     cluster = resolve_cluster(args.name, args.nodes, args.devices)
     print(cluster.summary())
@@ -112,6 +136,77 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
         cluster.save(args.output)
         print(f"\nwrote {args.output}")
     return 0
+
+
+_EPILOG_CODEGEN = """examples:
+  meshplan codegen examples/models/gpt.py:build --arg preset=tiny --batch 8 \\
+      --data 2 --tensor 2 --pipeline 2 --micro-batch 2 --schedule 1f1b --dtype fp32 -o build
+  meshplan codegen examples/models/gpt.py:build --arg preset=tiny --plan plan.json -o build
+Writes plan.json, one rank_XXXX.py per rank and launch scripts (torchrun, mpirun, srun)."""
+
+_EPILOG_RUN = """examples:
+  meshplan run build --steps 3 --verify
+  meshplan run build --steps 10 --backend mpi
+Writes build/metrics.jsonl (loss per step), build/timeline.json and build/trace.json."""
+
+
+def _cmd_codegen(args: argparse.Namespace) -> int:
+    from codegen.commands import codegen_command
+
+    data_kwargs = _parse_kv(args.data_arg) if args.data_arg else None
+    return codegen_command(args, _parse_kv(args.arg), data_kwargs)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from codegen.commands import run_command
+
+    return run_command(args)
+
+
+def _add_codegen_and_run(sub) -> None:
+    p = sub.add_parser("codegen", help="generate per-rank programs, rank scripts and launchers for a plan",
+                       epilog=_EPILOG_CODEGEN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL_REF", help="factory reference, e.g. examples/models/gpt.py:build")
+    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="factory keyword (repeatable)")
+    p.add_argument("--plan", help="a plan file (from meshplan optimize); otherwise give the configuration below")
+    p.add_argument("--batch", type=int, help="global batch size (samples per optimizer step)")
+    for name in ("data", "tensor", "pipeline"):
+        p.add_argument(f"--{name}", type=int, default=1, help=f"{name} degree (default 1)")
+    p.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch per data rank")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    p.add_argument("--virtual-stages", type=int, default=1, help="chunks per device (interleaved)")
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--cluster", help="cluster preset or file the plan is priced on (default: local)")
+    p.add_argument("--nodes", type=int, help="nodes of a preset cluster")
+    p.add_argument("--data-ref", help="batch factory (default: example_batch in the model's file)")
+    p.add_argument("--data-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="batch factory keyword (default: the model's --arg values)")
+    p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"])
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
+    p.add_argument("--data-seed", type=int, default=1000, help="step s reads the batch of seed data_seed + s")
+    p.add_argument("--init", default="seed", choices=["seed", "per-module", "checkpoint"])
+    p.add_argument("--checkpoint", help="state_dict file for --init checkpoint")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB")
+    p.add_argument("-o", "--output", default="build", help="build directory (default build)")
+    p.set_defaults(func=_cmd_codegen)
+
+    p = sub.add_parser("run", help="run a generated build on this machine (optionally verify it)",
+                       epilog=_EPILOG_RUN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("build", metavar="BUILD_DIR")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl", "mpi"])
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any communication may take")
+    p.add_argument("--verify", action="store_true",
+                   help="also run the single-process reference; exit 1 if loss or parameters differ")
+    p.add_argument("--rtol", type=float, default=1e-4)
+    p.add_argument("--atol", type=float, default=1e-6)
+    p.set_defaults(func=_cmd_run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=_cmd_optimize)
 
+    p = sub.add_parser("show", help="print a plan and draw it (mesh, memory, time, alternatives, schedule)",
+                       epilog=_EPILOG_SHOW, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plan", metavar="PLAN_JSON")
+    p.add_argument("-o", "--output", help="file stem for the pictures (default: next to the plan, plan_*.png)")
+    p.set_defaults(func=_cmd_show)
+
     p = sub.add_parser("cluster", help="show a preset or a cluster file, optionally save it",
                        epilog=_EPILOG_CLUSTER, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", metavar="PRESET_OR_FILE")
@@ -151,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="devices (presets only; for 'local', processes)")
     p.add_argument("-o", "--output", help="write the cluster as YAML or JSON (by suffix)")
     p.set_defaults(func=_cmd_cluster)
+
+    _add_codegen_and_run(sub)
     return ap
 
 

@@ -152,7 +152,13 @@ class Plan:
             raise PlanFileError(f"{where}: in 'config': {e}") from None
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        """Write the plan as JSON (creating missing directories); PlanFileError if it cannot."""
+        p = Path(path)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(self.to_dict(), indent=1))
+        except OSError as e:
+            raise PlanFileError(f"cannot write plan file {p}: {e.strerror or e}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":

@@ -59,3 +59,14 @@ def test_optimize_writes_a_plan(tmp_path, capsys):
     assert main(["optimize", "examples/models/gpt.py:build", "--arg", "preset=tiny", "--cluster", "dgx-a100-80gb",
                  "--batch", "16", "--constraint", "tensr=2", "-o", str(out)]) == 2
     assert "did you mean 'tensor'" in capsys.readouterr().err
+
+
+def test_show_draws_a_plan(tmp_path, capsys):
+    plan = tmp_path / "p" / "plan.json"
+    assert main(["optimize", "examples/models/gpt.py:build", "--arg", "preset=tiny", "--cluster", "dgx-a100-80gb",
+                 "--batch", "16", "--quiet", "-o", str(plan)]) == 0
+    assert main(["show", str(plan)]) == 0
+    assert (tmp_path / "p" / "plan_mesh.png").stat().st_size > 1000
+    assert "<svg" in (tmp_path / "p" / "plan_report.html").read_text()
+    assert main(["show", str(tmp_path / "missing.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
