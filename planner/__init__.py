@@ -13,6 +13,8 @@ from planner.optimize import NoFeasiblePlan, explain, optimize
 from planner.plan import Plan, PlanFileError, Stage
 from cost_models.prediction import Prediction
 from planner.graph import Branch, Layer, ModelGraph, OpInfo, TensorMeta
+from planner.report import write_report
+from planner.visualize import visualize
 
 __all__ = [
     "Branch", "CaptureError", "Cluster", "ClusterFileError", "Device", "Layer", "Link",
@@ -22,16 +24,3 @@ __all__ = [
     "visualize", "write_report",
 ]
 
-
-def visualize(plan, path, **kwargs):
-    """Pictures of a plan (PNG and SVG): see planner.visualize.visualize."""
-    from planner.visualize import visualize as _visualize
-
-    return _visualize(plan, path, **kwargs)
-
-
-def write_report(plan, path, **kwargs):
-    """One self-contained HTML report of a plan: see planner.report.write_report."""
-    from planner.report import write_report as _write_report
-
-    return _write_report(plan, path, **kwargs)

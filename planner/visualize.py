@@ -1,6 +1,6 @@
 """Pictures that explain a plan: device mesh, memory, time, alternatives, pipeline schedule.
 
-    paths = planner.visualize.visualize(plan, "out/")           # out/mesh.png, out/mesh.svg, ...
+    paths = planner.visualize(plan, "out/")                     # out/mesh.png, out/mesh.svg, ...
     paths = visualize(plan, "out/gpt", timeline=measured_pred, measured=measured)   # out/gpt_mesh.png ...
 
 Five figures, each written as PNG and SVG (SVG keeps its text as text, so it
@@ -205,46 +205,75 @@ def schedule_orders(schedule: str, pipeline: int, micro_batches: int,
     backwards. 1F1B: pipeline-1-i warm-up forwards, then one forward / one
     backward, then the remaining backwards. Interleaved (Megatron-LM): micro-batches
     go in groups of `pipeline` through chunk 0, 1, ..., v-1 (backwards through
-    v-1 .. 0), with (p-1-i)*2 + (v-1)*p warm-up forwards.
+    v-1 .. 0), with (p-1-i)*2 + (v-1)*p warm-up forwards. When micro_batches is not
+    a multiple of pipeline the last group is partial and that warm-up can deadlock;
+    the warm-up of the positions that would wait forever grows until none does.
     """
     p, m, v = pipeline, micro_batches, virtual_stages
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"pipeline, micro_batches and virtual_stages must be >= 1, got {p}, {m}, {v}")
-    orders = []
-    for i in range(p):
-        if schedule == "gpipe":
-            ops = [("F", c * p + i, j) for c in range(v) for j in range(m)]
-            ops += [("B", c * p + i, j) for c in reversed(range(v)) for j in range(m)]
-        elif schedule == "1f1b" or (schedule == "interleaved" and v == 1):
-            w = min(p - 1 - i, m)
-            ops = [("F", i, j) for j in range(w)]
-            for j in range(m - w):
-                ops += [("F", i, w + j), ("B", i, j)]
-            ops += [("B", i, j) for j in range(m - w, m)]
-        elif schedule == "interleaved":
-            groups = [range(g, min(g + p, m)) for g in range(0, m, p)]
-            fwd = [("F", c * p + i, j) for grp in groups for c in range(v) for j in grp]
-            bwd = [("B", c * p + i, j) for grp in groups for c in reversed(range(v)) for j in grp]
-            total = m * v
-            w = min((p - 1 - i) * 2 + (v - 1) * p, total)
-            ops = fwd[:w]
-            for k in range(total - w):
-                ops += [fwd[w + k], bwd[k]]
-            ops += bwd[total - w:]
-        else:
-            raise ValueError(f"unknown schedule {schedule!r}; known: gpipe, 1f1b, interleaved")
-        orders.append(ops)
-    return orders
+    if schedule not in ("gpipe", "1f1b", "interleaved"):
+        raise ValueError(f"unknown schedule {schedule!r}; known: gpipe, 1f1b, interleaved")
+    if schedule == "gpipe":
+        return [[("F", c * p + i, j) for c in range(v) for j in range(m)]
+                + [("B", c * p + i, j) for c in reversed(range(v)) for j in range(m)] for i in range(p)]
+    if schedule == "1f1b" or v == 1:
+        return [_one_f_one_b([("F", i, j) for j in range(m)], [("B", i, j) for j in range(m)], min(p - 1 - i, m))
+                for i in range(p)]
+    groups = [range(g, min(g + p, m)) for g in range(0, m, p)]
+    fwd = [[("F", c * p + i, j) for grp in groups for c in range(v) for j in grp] for i in range(p)]
+    bwd = [[("B", c * p + i, j) for grp in groups for c in reversed(range(v)) for j in grp] for i in range(p)]
+    warmup = [min((p - 1 - i) * 2 + (v - 1) * p, m * v) for i in range(p)]
+    while True:
+        orders = [_one_f_one_b(fwd[i], bwd[i], warmup[i]) for i in range(p)]
+        stuck = _stuck_on_backward(orders, p * v)
+        if not stuck:
+            return orders
+        for i in stuck:  # one more forward before the first backward breaks the wait
+            assert warmup[i] < m * v, "all-forwards-first cannot deadlock"
+            warmup[i] += 1
+
+
+def _one_f_one_b(fwd: list, bwd: list, warmup: int) -> list:
+    ops = fwd[:warmup]
+    for k in range(len(fwd) - warmup):
+        ops += [fwd[warmup + k], bwd[k]]
+    return ops + bwd[len(fwd) - warmup:]
+
+
+def _deps(op: str, s: int, j: int, num_stages: int) -> list[tuple[str, int, int]]:
+    """F(s, j) needs F(s-1, j); B(s, j) needs F(s, j) and B(s+1, j) (none after the last stage)."""
+    if op == "F":
+        return [("F", s - 1, j)] if s > 0 else []
+    return [("F", s, j)] + ([("B", s + 1, j)] if s < num_stages - 1 else [])
+
+
+def _stuck_on_backward(orders: Sequence[Sequence[tuple[str, int, int]]], num_stages: int) -> list[int]:
+    """Positions that wait forever on a backward (empty: the orders run to the end)."""
+    done: set = set()
+    ptr = [0] * len(orders)
+    progressed = True
+    while progressed:
+        progressed = False
+        for i, ops in enumerate(orders):
+            while ptr[i] < len(ops) and all(d in done for d in _deps(*ops[ptr[i]], num_stages)):
+                done.add(ops[ptr[i]])
+                ptr[i] += 1
+                progressed = True
+    return [i for i, ops in enumerate(orders) if ptr[i] < len(ops) and ops[ptr[i]][0] == "B"]
 
 
 def simulate_schedule(orders: Sequence[Sequence[tuple[str, int, int]]], forward: Sequence[float],
                       backward: Sequence[float]) -> list[tuple[int, str, int, int, float, float]]:
     """Run per-position op lists with zero-cost p2p: (position, op, stage, mb, start, end) per op.
 
-    F(s, j) waits for F(s-1, j); B(s, j) waits for B(s+1, j) (the last stage for
-    its own F(s, j)) and for F(s, j); each position runs its ops in order.
+    An op starts when its position is free and its inputs are done: F(s, j) after
+    F(s-1, j); B(s, j) after F(s, j) and B(s+1, j). Raises ValueError if the
+    orders deadlock.
     """
     num_stages = len(forward)
+    if len(backward) != num_stages:
+        raise ValueError(f"{num_stages} forward times but {len(backward)} backward times")
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * len(orders)
     ptr = [0] * len(orders)
@@ -255,10 +284,7 @@ def simulate_schedule(orders: Sequence[Sequence[tuple[str, int, int]]], forward:
         for i, ops in enumerate(orders):
             while ptr[i] < len(ops):
                 op, s, j = ops[ptr[i]]
-                if op == "F":
-                    deps = [("F", s - 1, j)] if s > 0 else []
-                else:
-                    deps = [("F", s, j)] + ([("B", s + 1, j)] if s < num_stages - 1 else [])
+                deps = _deps(op, s, j, num_stages)
                 if any(d not in done for d in deps):
                     break
                 start = max([free[i]] + [done[d] for d in deps])
@@ -268,7 +294,9 @@ def simulate_schedule(orders: Sequence[Sequence[tuple[str, int, int]]], forward:
                 ptr[i] += 1
                 remaining -= 1
                 progressed = True
-        assert progressed, f"schedule deadlocked at {[o[p] if p < len(o) else None for o, p in zip(orders, ptr)]}"
+        if not progressed:
+            waiting = {i: ops[ptr[i]] for i, ops in enumerate(orders) if ptr[i] < len(ops)}
+            raise ValueError(f"the schedule deadlocks: positions wait on {waiting}")
     return out
 
 
@@ -353,6 +381,15 @@ def _num(v: float) -> str:
         return f"{v:,.0f}"
     digits = max(0, 2 - int(math.floor(math.log10(a))))
     return f"{v:.{digits}f}"
+
+
+def _fmt_time(seconds: float) -> str:
+    unit, size = _time_unit(seconds)
+    return f"{_num(seconds / size)} {unit}"
+
+
+def _share(fraction: float) -> str:
+    return "<0.1%" if 0 < fraction < 0.001 else f"{fraction:.1%}"
 
 
 def _short(text: str, n: int) -> str:
@@ -628,7 +665,8 @@ def mesh_figure(plan: "Plan") -> "Figure":
     extra = ""
     if replica:
         extra = (f"one data-parallel replica shown (pipe {cfg.pipeline} x tensor {cfg.tensor} = {len(ranks)} "
-                 f"of {world} devices) x {cfg.data} data replicas")
+                 f"of {world} devices) x {cfg.data} data replicas" if cfg.data > 1 else
+                 f"all {world} devices (one pipeline, no data parallelism)")
     elif cfg.schedule == "interleaved":
         extra = f"interleaved schedule: each device holds {cfg.virtual_stages} model chunks"
     _suptitle(fig, title_for(plan, "Device mesh", extra))
@@ -786,7 +824,7 @@ def time_figure(plan: "Plan") -> "Figure":
     bottom.set_ylim(-0.6, len(comps) - 0.4)
     bottom.set_xlim(0, max((v for _, v in comps), default=1.0) / size * 1.02)
     bottom.set_xlabel(f"time per step ({unit})")
-    _right_labels(bottom, ys, [f"{_num(v / size)} {unit}  {v / total:6.1%}" for _, v in comps])
+    _right_labels(bottom, ys, [f"{_fmt_time(v)}  {_share(v / total)}" for _, v in comps])
     handles = [Patch(facecolor=TIME_COLORS.get(n, "#999999"), label=TIME_NAMES.get(n, n)) for n, _ in comps]
     fig.legend(handles=handles, loc="outside lower center",
                ncol=len(handles) if len(handles) <= 6 else math.ceil(len(handles) / 2), frameon=False)
@@ -838,12 +876,15 @@ def alternatives_figure(plan: "Plan", top: int = 12) -> "Figure":
     ax.set_xlim(0, max(r[1] for r in rows) / size * 1.03)
     ax.set_xlabel(f"predicted step time ({unit})")
     _right_labels(ax, ys, [_short(f"{_num(t / size)} {unit}  {why}".rstrip(), 60) for _, t, _, why in rows])
-    handles = [Patch(facecolor=colors["chosen"], label="chosen plan"),
-               Patch(facecolor=colors["fits"], label="alternative that fits"),
-               Patch(facecolor=colors["nofit"], hatch="//", edgecolor="#7A1F22",
-                     label="alternative that does not fit (memory or a limit)"),
-               Line2D([], [], color="#4C72B0", linestyle=":", label="chosen step time")]
-    fig.legend(handles=handles, loc="outside lower center", ncol=4, frameon=False)
+    present = {r[2] for r in rows}
+    handles = [Patch(facecolor=colors["chosen"], label="chosen plan")]
+    if "fits" in present:
+        handles.append(Patch(facecolor=colors["fits"], label="alternative that fits"))
+    if "nofit" in present:
+        handles.append(Patch(facecolor=colors["nofit"], hatch="//", edgecolor="#7A1F22",
+                             label="alternative that does not fit (memory or a limit)"))
+    handles.append(Line2D([], [], color="#4C72B0", linestyle=":", label="chosen step time"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
     extra = "right: step time, change vs the chosen plan, and the component that made it lose"
     if not alts:
         extra = ("no alternatives recorded: the plan was made for a fixed configuration "

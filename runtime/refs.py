@@ -19,12 +19,13 @@ class RefError(ValueError):
     """A model or data reference that cannot be resolved."""
 
 
-def load_ref(ref: str) -> Any:
-    """The object a "PATH.py:NAME" or "module:NAME" reference names."""
+def load_ref(ref: str, root: str | Path | None = None) -> Any:
+    """The object a "PATH.py:NAME" or "module:NAME" reference names (paths relative to the
+    working directory, else to `root`)."""
     if ":" not in ref:
         raise RefError(f"reference {ref!r} has no ':NAME' part; write it like 'examples/models/gpt.py:build'")
     where, name = ref.rsplit(":", 1)
-    module = load_module(where)
+    module = load_module(where, root)
     try:
         return getattr(module, name)
     except AttributeError:
@@ -32,28 +33,44 @@ def load_ref(ref: str) -> Any:
         raise RefError(f"{where} has no {name!r}; it defines: {', '.join(public)}") from None
 
 
-def load_module(where: str):
-    """Import a module from a file path ("x/y.py") or a dotted module name."""
+def load_module(where: str, root: str | Path | None = None):
+    """Import a module from a file path ("x/y.py") or a dotted module name.
+
+    A relative path is looked up from the working directory, then from `root`
+    (a generated build records the directory its refs were written against).
+    """
     if where.endswith(".py"):
-        path = Path(where).expanduser().resolve()
+        path = Path(where).expanduser()
+        if not path.is_absolute() and not path.exists() and root is not None and (Path(root) / path).exists():
+            path = Path(root) / path
+        path = path.resolve()
         if not path.is_file():
             raise RefError(f"model file {where!r} does not exist (looked at {path})")
-        # A file under the working directory imports as its dotted name, so
-        # that `from examples.models import gpt` elsewhere gets the same module.
-        try:
-            dotted = ".".join(path.relative_to(Path.cwd()).with_suffix("").parts)
-        except ValueError:
-            dotted = ""
-        if dotted and all(p.isidentifier() for p in dotted.split(".")):
-            if str(Path.cwd()) not in sys.path:
-                sys.path.insert(0, str(Path.cwd()))
+        # A file under the working directory (or under root) imports as its dotted name,
+        # so that `from examples.models import gpt` elsewhere gets the same module.
+        for base in [Path.cwd()] + ([Path(root).resolve()] if root is not None else []):
             try:
-                return importlib.import_module(dotted)
-            except ImportError:
-                pass
-        spec = importlib.util.spec_from_file_location(f"_meshplan_ref_{path.stem}", path)
+                dotted = ".".join(path.relative_to(base).with_suffix("").parts)
+            except ValueError:
+                continue
+            if dotted and all(p.isidentifier() for p in dotted.split(".")):
+                if str(base) not in sys.path:
+                    sys.path.insert(0, str(base))
+                try:
+                    return importlib.import_module(dotted)
+                except ImportError:
+                    pass
+        name = f"_meshplan_ref_{path.stem}"
+        if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path):
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        sys.modules[name] = module  # dataclasses and pickling look the module up by name
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
         return module
     try:
         return importlib.import_module(where)

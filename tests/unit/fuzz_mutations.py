@@ -6,8 +6,8 @@ import copy
 import random
 from typing import Any
 
-ODD_VALUES = [None, True, False, 0, -1, 1, 2**63, -2.5, 1e308, float("inf"), float("nan"), "", "x", "fp64",
-              [], [1, 2], {}, {"a": 1}, [[]], "🙂", 3.5]
+ODD_VALUES = (None, True, False, 0, -1, 1, 2**63, -2.5, 1e308, float("inf"), float("nan"), "", "x", "fp64",
+              [], [1, 2], {}, {"a": 1}, [[]], "🙂", 3.5)
 
 
 def paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
@@ -22,13 +22,18 @@ def paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
+def odd_value(rng: random.Random) -> Any:
+    """A fresh copy of an odd value: sharing the list's own containers would let later damage make cycles."""
+    return copy.deepcopy(rng.choice(ODD_VALUES))
+
+
 def mutate(doc: Any, rng: random.Random, steps: int = 1) -> Any:
     """Apply `steps` random damages: delete, replace with an odd value, rename, duplicate or swap types."""
     doc = copy.deepcopy(doc)
     for _ in range(steps):
         ps = [p for p in paths(doc) if p]
         if not ps:
-            return rng.choice(ODD_VALUES)
+            return odd_value(rng)
         path = rng.choice(ps)
         parent = doc
         for k in path[:-1]:
@@ -41,7 +46,7 @@ def mutate(doc: Any, rng: random.Random, steps: int = 1) -> Any:
             else:
                 parent.pop(key)
         elif action == 1:  # odd value
-            parent[key] = rng.choice(ODD_VALUES)
+            parent[key] = odd_value(rng)
         elif action == 2 and isinstance(parent, dict):  # misspell the key
             parent[str(key) + rng.choice(["_", "s", "x"])] = parent.pop(key)
         elif action == 3:  # numbers scaled or negated, strings mangled
@@ -51,7 +56,7 @@ def mutate(doc: Any, rng: random.Random, steps: int = 1) -> Any:
             elif isinstance(v, str):
                 parent[key] = v[::-1] if v else "?"
             else:
-                parent[key] = rng.choice(ODD_VALUES)
+                parent[key] = odd_value(rng)
         else:  # wrap or unwrap containers
             v = parent[key]
             parent[key] = [v] if not isinstance(v, list) else (v[0] if v else {})

@@ -1,0 +1,96 @@
+"""The `meshplan codegen` and `meshplan run` verbs (parsers live in planner/cli.py).
+
+    meshplan codegen examples/models/gpt.py:build --arg preset=tiny --batch 8 \\
+        --data 2 --tensor 2 --pipeline 2 --micro-batch 2 --schedule 1f1b --dtype fp32 -o build/
+    meshplan codegen examples/models/gpt.py:build --plan plan.json -o build/
+    meshplan run build/ --steps 3 --backend gloo --verify
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | None) -> int:
+    import planner
+    from codegen.emit import capture_ref, emit
+    from runtime.optim import OptimizerSpec
+
+    if args.plan:
+        plan = planner.Plan.load(args.plan)
+        graph = capture_ref(args.model, kwargs, batch_size=plan.config.micro_batch_size)
+    else:
+        if args.batch is None:
+            raise ValueError("give --plan PLAN.json, or the configuration with at least --batch (global batch size)")
+        cfg = planner.ParallelConfig(data=args.data, tensor=args.tensor, pipeline=args.pipeline,
+                                     micro_batch_size=args.micro_batch, schedule=args.schedule,
+                                     virtual_stages=args.virtual_stages, recompute=args.recompute, zero=args.zero,
+                                     dtype=args.dtype)
+        if args.cluster in (None, "local"):
+            cluster = planner.Cluster.preset("local", devices=cfg.num_devices)
+        elif args.cluster in planner.Cluster.preset_names():
+            cluster = planner.Cluster.preset(args.cluster, nodes=args.nodes)
+        else:
+            cluster = planner.Cluster.load(args.cluster)
+        graph = capture_ref(args.model, kwargs, batch_size=cfg.micro_batch_size)
+        plan = make_fixed_plan(graph, cluster, cfg, args.batch)
+    opt = OptimizerSpec(name=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    build = emit(plan, args.model, args.data_ref, args.output, model_kwargs=kwargs, data_kwargs=data_kwargs,
+                 graph=graph, loss=args.loss, optimizer=opt, seed=args.seed, data_seed=args.data_seed,
+                 init=args.init, checkpoint=args.checkpoint, bucket_bytes=int(args.bucket_mb * 2**20))
+    print(plan.summary())
+    print(f"\nwrote {build.path}/: plan.json, build.json, programs.json, {build.world_size} rank scripts, "
+          "run_rank.py, launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh")
+    print(f"run it here with:  meshplan run {build.path} --steps 10")
+    return 0
+
+
+def make_fixed_plan(graph, cluster, cfg, global_batch_size: int):
+    """make_plan for a fixed config, with every tensor-parallel region the graph offers split
+    (Megatron's layout), whatever regions the evaluator's own search would keep."""
+    import dataclasses
+
+    import planner
+    from planner.sharding import find_sharding
+
+    plan = planner.make_plan(graph, cluster, cfg, global_batch_size=global_batch_size)
+    if cfg.tensor > 1:
+        roles = tuple(sorted((n, r.role) for n, r in find_sharding(graph).roles.items() if r.sharded))
+        plan = dataclasses.replace(plan, shardings=roles)
+    return plan
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from runtime.launcher import read_build, run_local
+
+    info = read_build(args.build)
+    print(f"running {args.build}: {info['world_size']} processes ({args.backend}), {args.steps} step(s)",
+          flush=True)
+    res = run_local(args.build, steps=args.steps, backend=args.backend, timeout=args.timeout, verify=args.verify,
+                    rtol=args.rtol, atol=args.atol)
+    errors = [ln for ln in res.output.splitlines() if "error" in ln.lower() or "stopping" in ln.lower()]
+    if res.returncode != 0:
+        print(f"meshplan run: the run failed (exit status {res.returncode}):", file=sys.stderr)
+        for ln in errors[-20:] or res.output.splitlines()[-20:]:
+            print("  " + ln, file=sys.stderr)
+        return 1
+    losses = res.losses.get(0, [])
+    for step, loss in enumerate(losses):
+        secs = res.seconds.get(0, [0.0] * len(losses))[step]
+        print(f"step {step}: loss {loss:.6f}  ({secs * 1e3:.1f} ms)")
+    print(f"wrote {Path(args.build) / 'metrics.jsonl'}, timeline.json and trace.json (ui.perfetto.dev)")
+    if res.timeline is not None:
+        frac = res.timeline.overlap_fraction()
+        if frac is not None:
+            print(f"gradient all-reduce hidden behind backward: {frac:.0%}")
+    if args.verify:
+        cmp = res.comparison
+        print("verify against the single-process reference: " + cmp.summary())
+        print(f"largest difference: loss {cmp.max_loss_diff:.3g}, parameter {cmp.max_param_diff:.3g}")
+        if not cmp.ok:
+            print(f"meshplan run: error: the parallel run differs from the reference beyond rtol {args.rtol}, "
+                  f"atol {args.atol}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,305 @@
+"""`codegen.emit`: write a build directory that trains the plan on a cluster.
+
+    build/
+      plan.json            the Plan
+      build.json           the training setup (TrainSpec) and what the ranks check
+      programs.json        every rank's Program (for the simulator and for reading)
+      rank_0000.py ...     one readable script per rank: its stages' generated code, its
+                           process groups, its Program; runs with only `runtime` and the
+                           user's model code importable
+      run_rank.py          picks this process's rank script from the launcher's environment
+      launch_torchrun.sh   torchrun (gloo on CPU, nccl on GPU)
+      launch_mpirun.sh     mpirun with the mpi4py communicator
+      launch_srun.sh       a Slurm batch script (srun)
+
+Every launcher passes its arguments on to the rank scripts (--steps N, --backend ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from codegen.lower import DEFAULT_BUCKET_BYTES, lower
+from codegen.partition import Partition, partition, stage_imports
+from codegen.pysrc import py_literal
+from planner.graph import ModelGraph
+from planner.plan import Plan
+from runtime.optim import OptimizerSpec
+from runtime.program import Program
+from runtime.spec import TrainSpec
+
+
+class PlanMismatchError(ValueError):
+    """The model reference does not build the model the plan was made for."""
+
+
+@dataclass(frozen=True)
+class Build:
+    """What emit wrote."""
+
+    path: Path
+    world_size: int
+    programs: dict[int, Program]
+    train: TrainSpec
+
+    def rank_script(self, rank: int) -> Path:
+        return self.path / f"rank_{rank:04d}.py"
+
+
+def capture_ref(model_ref: str, model_kwargs: dict | None = None, batch_size: int = 1) -> ModelGraph:
+    """Capture the model a factory reference builds (on meta), with its module's example_inputs."""
+    import torch
+
+    from planner.capture import capture
+    from runtime.refs import load_module, load_ref
+
+    kwargs = dict(model_kwargs or {})
+    factory = load_ref(model_ref)
+    module = load_module(model_ref.rsplit(":", 1)[0])
+    make_inputs = getattr(module, "example_inputs", None)
+    if make_inputs is None:
+        raise ValueError(f"{model_ref.rsplit(':', 1)[0]} defines no example_inputs(batch_size, device, **kwargs); "
+                         "add one, or pass the captured graph to emit(graph=...)")
+    with torch.device("meta"):
+        model = factory(**kwargs)
+    return capture(model, make_inputs(batch_size=batch_size, device="meta", **kwargs))
+
+
+def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str | os.PathLike = "build", *,
+         model_kwargs: dict | None = None, data_kwargs: dict | None = None, graph: ModelGraph | None = None,
+         loss: str = "cross_entropy", optimizer: OptimizerSpec | dict | None = None, seed: int = 0,
+         data_seed: int = 1000, init: str = "seed", checkpoint: str | None = None,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, root: str | None = None) -> Build:
+    """Write the build directory for `plan` (see module docstring).
+
+    Args:
+        model_ref: the model factory, e.g. "examples/models/gpt.py:build"; model_kwargs its arguments.
+        data_ref: the batch factory fn(batch_size, seed, **data_kwargs) -> ((inputs...), targets);
+            default: example_batch in the model's file (with the model's kwargs).
+        graph: the captured graph the plan was made from (captured again from model_ref if None).
+        loss, optimizer, seed, data_seed, init, checkpoint: the training setup (runtime/spec.py).
+        bucket_bytes: gradient bucket size for the data-parallel reduction.
+
+    Raises PlanMismatchError when model_ref builds another model than the plan's, and
+    ValueErrors (PartitionError, LoweringError, TensorSplitError) for plans the runtime cannot run.
+    """
+    model_kwargs = dict(model_kwargs or {})
+    if data_ref is None:
+        data_ref = f"{model_ref.rsplit(':', 1)[0]}:example_batch"
+        if data_kwargs is None:
+            data_kwargs = dict(model_kwargs)
+    if graph is None:
+        graph = capture_ref(model_ref, model_kwargs, batch_size=plan.config.micro_batch_size)
+    if graph.fingerprint != plan.graph_fingerprint:
+        raise PlanMismatchError(
+            f"the plan was made for another model: {model_ref} with {model_kwargs} captures to graph "
+            f"{graph.fingerprint[:12]}, the plan is bound to {plan.graph_fingerprint[:12]} ({plan.model_class}); "
+            "make the plan again for this model")
+    if isinstance(optimizer, dict):
+        optimizer = OptimizerSpec.from_dict(optimizer)
+    train = TrainSpec(model_ref=model_ref, data_ref=data_ref, global_batch_size=plan.global_batch_size,
+                      model_kwargs=model_kwargs, data_kwargs=dict(data_kwargs or {}), seed=seed,
+                      data_seed=data_seed, loss=loss, optimizer=optimizer or OptimizerSpec(), init=init,
+                      checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()))
+    parts = partition(plan, graph)
+    programs = lower(plan, graph, bucket_bytes=bucket_bytes, parts=parts)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    world = len(programs)
+    plan.save(out / "plan.json")
+    (out / "build.json").write_text(json.dumps({
+        "train": train.to_dict(), "world_size": world, "mesh": dict(plan.mesh),
+        "schedule": plan.config.schedule, "micro_batches": programs[0].num_micro_batches,
+        "signature": {"hash": parts.signature, "shapes": parts.tensor_shapes},
+        "graph_fingerprint": plan.graph_fingerprint, "bucket_bytes": bucket_bytes,
+        "stages": {str(sp.spec.index): sp.spec.to_dict() for sp in parts.stages},
+    }, indent=1))
+    (out / "programs.json").write_text(json.dumps({str(r): p.to_dict() for r, p in programs.items()}))
+    for rank, prog in programs.items():
+        path = out / f"rank_{rank:04d}.py"
+        path.write_text(rank_script(rank, prog, parts, train, plan, model_ref, model_kwargs))
+        _executable(path)
+    (out / "run_rank.py").write_text(_RUN_RANK.replace("@WORLD@", str(world)))
+    for name, text in _launchers(plan, world, str(out.resolve())).items():
+        (out / name).write_text(text)
+        _executable(out / name)
+    for f in ("metrics.jsonl",):
+        if (out / f).exists():
+            (out / f).unlink()
+    return Build(out, world, programs, train)
+
+
+def _executable(path: Path) -> None:
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+def rank_script(rank: int, prog: Program, parts: Partition, train: TrainSpec, plan: Plan, model_ref: str,
+                model_kwargs: dict) -> str:
+    """The source of one rank's script."""
+    mine = [sp for sp in parts.stages if sp.spec.index in prog.stages]
+    groups = {a: list(prog.group(a)) for a, _ in prog.mesh}
+    cfg = plan.config
+    head = [
+        "#!/usr/bin/env python3",
+        f'"""meshplan build, rank {rank} of {prog.world_size}.',
+        "",
+        f"Model: {model_ref} {model_kwargs or ''}".rstrip(),
+        f"Plan:  " + " x ".join(f"{a} {s}" for a, s in prog.mesh)
+        + f", {cfg.schedule}" + (f" (v={cfg.virtual_stages})" if cfg.schedule == "interleaved" else "")
+        + f", {prog.num_micro_batches} micro-batches of {prog.micro_batch_size}, recompute {cfg.recompute}, "
+        f"ZeRO {prog.zero}, {cfg.dtype}",
+        "This rank: " + ", ".join(f"{a} {c}" for (a, _), c in zip(prog.mesh, prog.coords))
+        + "; stages " + ", ".join(f"{sp.spec.index} ({sp.spec.layers[0]} .. {sp.spec.layers[-1]})" for sp in mine),
+        "Process groups (global ranks): " + ", ".join(f"{a} {g}" for a, g in groups.items()),
+        "",
+        "Generated by `meshplan codegen`: change the plan and generate again rather than editing.",
+        "Run through run_rank.py or a launch script; options: --steps N --backend gloo|nccl|mpi --out DIR.",
+        '"""',
+        "",
+        "import os",
+        "import sys",
+        "",
+        *stage_imports(mine),
+        "",
+        "from runtime.rank_main import run_rank",
+        "",
+        f"RANK = {rank}",
+        f"MESH = {dict(prog.mesh)!r}",
+        f"COORDS = {dict(zip((a for a, _ in prog.mesh), prog.coords))!r}",
+        f"GROUPS = {groups!r}  # for the reader: the runtime builds them from MESH",
+        "",
+    ]
+    body = []
+    for sp in mine:
+        body += ["", f"# {'=' * 78}", f"# stage {sp.spec.index}: {len(sp.spec.layers)} layers", f"# {'=' * 78}", "",
+                 sp.source.rstrip(), ""]
+    specs = {sp.spec.index: sp.spec.to_dict() for sp in mine}
+    tail = [
+        "",
+        f"STAGE_SPECS = {py_literal(specs)}",
+        "",
+        "# " + "=" * 78,
+        "# this rank's Program (one training step)",
+        *[f"#   {line}" for line in str(prog).splitlines()],
+        "PROGRAM = " + py_literal(prog.to_dict(), width=120),
+        "",
+        f"TRAIN = {py_literal(train.to_dict())}",
+        "",
+        f"SIGNATURE = {{'hash': {parts.signature!r}, 'shapes': {{}}}}  # shapes: see build.json",
+        "",
+        "",
+        "def main(argv=None):",
+        "    here = os.path.dirname(os.path.abspath(__file__))",
+        "    stages = {" + ", ".join(f"{sp.spec.index}: ({sp.class_name}, STAGE_SPECS[{sp.spec.index}])"
+                                    for sp in mine) + "}",
+        "    return run_rank(rank=RANK, program=PROGRAM, stages=stages, train=TRAIN, signature=SIGNATURE,",
+        "                    argv=sys.argv[1:] if argv is None else argv, build_dir=here)",
+        "",
+        "",
+        'if __name__ == "__main__":',
+        "    sys.exit(main())",
+        "",
+    ]
+    text = "\n".join(head + body + tail)
+    compile(text, f"rank_{rank:04d}.py", "exec")
+    return text
+
+
+_RUN_RANK = '''#!/usr/bin/env python3
+"""Start this process's rank script; the rank comes from the launcher's environment
+(torchrun: RANK, mpirun: OMPI_COMM_WORLD_RANK / PMI_RANK, srun: SLURM_PROCID)."""
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+WORLD_SIZE = @WORLD@
+HERE = Path(__file__).resolve().parent
+
+
+def _env(names):
+    for k in names:
+        v = os.environ.get(k, "").strip()
+        if v.isdigit():
+            return int(v), k
+    return None, None
+
+
+def main() -> int:
+    rank, _ = _env(("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"))
+    size, var = _env(("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"))
+    if rank is None:
+        rank = 0
+        if WORLD_SIZE != 1:
+            print(f"meshplan: error: no rank in the environment; start this build with one of its launch "
+                  f"scripts ({WORLD_SIZE} processes)", file=sys.stderr)
+            return 2
+    if size is not None and size != WORLD_SIZE:
+        print(f"meshplan rank {rank}: error: the plan needs {WORLD_SIZE} processes, but {size} were started "
+              f"({var}={size}); start exactly {WORLD_SIZE}", file=sys.stderr)
+        return 2
+    script = HERE / f"rank_{rank:04d}.py"
+    if not script.is_file():
+        print(f"meshplan rank {rank}: error: {script} is missing; generate the build again", file=sys.stderr)
+        return 2
+    return runpy.run_path(str(script), run_name="meshplan_rank")["main"](sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+def _launchers(plan: Plan, world: int, build_dir: str) -> dict[str, str]:
+    per_node = max(1, min(world, plan.cluster.devices_per_node))
+    gpu = plan.cluster.device.kind == "gpu" if hasattr(plan.cluster.device, "kind") else False
+    torchrun = f'''#!/usr/bin/env bash
+# Start this build with torchrun: {world} processes.
+#   ./launch_torchrun.sh --steps 10 [--backend gloo|nccl] [--timeout S] [--out DIR]
+# One node by default; for several set NNODES, NODE_RANK, MASTER_ADDR (and MASTER_PORT) on each node.
+set -euo pipefail
+HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+WORLD_SIZE={world}
+NNODES="${{NNODES:-1}}"
+NPROC_PER_NODE="${{NPROC_PER_NODE:-$((WORLD_SIZE / NNODES))}}"
+if [ "$NNODES" -eq 1 ]; then
+  exec "${{TORCHRUN:-torchrun}}" --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \\
+    "$HERE/run_rank.py" "$@"
+fi
+exec "${{TORCHRUN:-torchrun}}" --nnodes="$NNODES" --node-rank="${{NODE_RANK:?set NODE_RANK}}" \\
+  --nproc-per-node="$NPROC_PER_NODE" --rdzv-backend=c10d \\
+  --rdzv-endpoint="${{MASTER_ADDR:?set MASTER_ADDR}}:${{MASTER_PORT:-29500}}" "$HERE/run_rank.py" "$@"
+'''
+    mpirun = f'''#!/usr/bin/env bash
+# Start this build with mpirun and the mpi4py communicator: {world} processes.
+#   ./launch_mpirun.sh --steps 10          (extra mpirun options in MPIRUN_ARGS, e.g. "--hostfile hosts")
+set -euo pipefail
+HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+exec "${{MPIRUN:-mpirun}}" -n {world} ${{MPIRUN_ARGS:-}} -x OMP_NUM_THREADS="${{OMP_NUM_THREADS:-1}}" \\
+  "${{PYTHON:-python3}}" "$HERE/run_rank.py" --backend mpi "$@"
+'''
+    srun = f'''#!/usr/bin/env bash
+#SBATCH --job-name=meshplan
+#SBATCH --ntasks={world}
+#SBATCH --ntasks-per-node={per_node}
+{"#SBATCH --gpus-per-task=1" if gpu else "#SBATCH --cpus-per-task=1"}
+# Submit with `sbatch launch_srun.sh --steps 10`, or run inside an allocation.
+set -euo pipefail
+# sbatch runs a copy of this file, so the build directory is written in (override: MESHPLAN_BUILD)
+HERE="${{MESHPLAN_BUILD:-{build_dir}}}"
+[ -f "$HERE/run_rank.py" ] || HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+export MASTER_ADDR="${{MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}"
+export MASTER_PORT="${{MASTER_PORT:-29500}}"
+export WORLD_SIZE={world}
+exec srun --ntasks={world} bash -c 'RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID exec "${{PYTHON:-python3}}" \\
+  "$0/run_rank.py" --backend "${{BACKEND:-{"nccl" if gpu else "gloo"}}}" "$@"' "$HERE" "$@"
+'''
+    return {"launch_torchrun.sh": torchrun, "launch_mpirun.sh": mpirun, "launch_srun.sh": srun}
+
+
+__all__ = ["Build", "PlanMismatchError", "capture_ref", "emit", "rank_script"]

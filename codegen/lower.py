@@ -1,0 +1,321 @@
+"""`codegen.lower`: a Plan becomes one Program per rank, through small pure passes.
+
+    schedule     per pipeline position, the F/B order (codegen/schedules.py)
+    p2p          receives posted one compute ahead and waited just before use; sends
+                 issued right after the compute that makes them, waited at the end of
+                 the pipeline (a send never blocks a rank mid-schedule, so the only
+                 waits are on data the schedule has already ordered: no deadlock)
+    zero3        (ZeRO-3) all-gather a stage's parameters before each of its F and B
+    grad sync    after each stage's last backward, one collective per gradient bucket
+                 (all-reduce; reduce-scatter under ZeRO), issued from inside that
+                 backward; waited before the step
+    step         ZERO_GRAD first; STEP; ZeRO-1/2 parameter all-gathers; the loss
+                 reduced over data and broadcast from the last stage, so every rank
+                 reports the step's loss
+
+Every pass is a function from a list of instructions to a new list; the
+Program is assembled at the end. `check_programs` runs all ranks' Programs
+against each other (sends matched with receives, collectives with their
+groups) and reports a deadlock or a mismatch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Iterator
+
+from codegen.partition import Partition, partition
+from codegen.schedules import ScheduleError, build_schedule
+from planner.graph import ModelGraph
+from planner.plan import Plan
+from runtime.program import Bucket, Instr, Program, coords_of, rank_of
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
+                "uint8": 1, "int8": 1, "int16": 2}
+
+
+class LoweringError(ValueError):
+    """A plan that cannot become Programs; the message names the reason."""
+
+
+def make_buckets(stage: int, params, data: int, cap_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """Group a stage's parameters (name, shape, dtype), already in gradient-ready order,
+    into buckets closed once they reach `cap_bytes` (PyTorch DDP's rule: small parameters
+    ride with the next large one instead of travelling alone)."""
+    out, cur, numel, elem = [], [], 0, 4
+    for name, shape, dtype in params:
+        n = 1
+        for s in shape:
+            n *= s
+        elem = _DTYPE_BYTES.get(dtype, 4)
+        cur.append(name)
+        numel += n
+        if numel * elem >= cap_bytes:
+            out.append(_bucket(stage, cur, numel, elem, data))
+            cur, numel = [], 0
+    if cur:
+        out.append(_bucket(stage, cur, numel, elem, data))
+    return out
+
+
+def _bucket(stage, names, numel, elem, data) -> Bucket:
+    padded = -(-numel // data) * data
+    return Bucket(stage, tuple(names), numel, padded * elem)
+
+
+# ---------------------------------------------------------------------------
+# passes (pure: list in, list out)
+
+
+def p2p_pass(actions: list[Instr], handles: Iterator[int], peer_of: Callable[[int], int], num_stages: int,
+             act_bytes: dict[int, int], grad_bytes: dict[int, int]) -> list[Instr]:
+    """Insert SEND/RECV/WAIT around compute actions.
+
+    A message is named by the cut it crosses: "act s m" is stage s's output for
+    micro-batch m (sent to stage s + 1), "grad s m" its gradient (sent back from
+    stage s + 1). Both ends of a message carry the same stage and micro-batch.
+    act_bytes[s] / grad_bytes[s]: bytes of stage s's output activations / of their
+    gradients (0: nothing crosses). peer_of(s): global rank running stage s (same data
+    and tensor coordinates).
+    """
+    def recv_for(a: Instr) -> Instr | None:
+        if a.op == "F" and a.stage > 0 and act_bytes.get(a.stage - 1, 0):
+            return Instr("RECV", a.stage - 1, a.micro, peer=peer_of(a.stage - 1), kind="act", handle=next(handles),
+                         nbytes=act_bytes[a.stage - 1])
+        if a.op == "B" and a.stage < num_stages - 1 and grad_bytes.get(a.stage, 0):
+            return Instr("RECV", a.stage, a.micro, peer=peer_of(a.stage + 1), kind="grad", handle=next(handles),
+                         nbytes=grad_bytes[a.stage])
+        return None
+
+    recvs = [recv_for(a) if a.op in ("F", "B") else None for a in actions]
+    out: list[Instr] = []
+    sends: list[int] = []
+    if recvs and recvs[0] is not None:
+        out.append(recvs[0])
+    for k, a in enumerate(actions):
+        if k + 1 < len(actions) and recvs[k + 1] is not None:
+            out.append(recvs[k + 1])          # pre-posted: overlaps with this compute
+        if recvs[k] is not None:
+            out.append(Instr("WAIT", handle=recvs[k].handle))
+        out.append(a)
+        if a.op == "F" and a.stage < num_stages - 1 and act_bytes.get(a.stage, 0):
+            h = next(handles)
+            out.append(Instr("SEND", a.stage, a.micro, peer=peer_of(a.stage + 1), kind="act", handle=h,
+                             nbytes=act_bytes[a.stage]))
+            sends.append(h)
+        elif a.op == "B" and a.stage > 0 and grad_bytes.get(a.stage - 1, 0):
+            h = next(handles)
+            out.append(Instr("SEND", a.stage - 1, a.micro, peer=peer_of(a.stage - 1), kind="grad", handle=h,
+                             nbytes=grad_bytes[a.stage - 1]))
+            sends.append(h)
+    out += [Instr("WAIT", handle=h) for h in sends]
+    return out
+
+
+def zero3_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket]) -> list[Instr]:
+    """ZeRO-3: gather a stage's parameters right before each of its forwards and backwards."""
+    out = []
+    for ins in instrs:
+        if ins.op in ("F", "B"):
+            hs = []
+            for b, bucket in enumerate(buckets):
+                if bucket.stage == ins.stage:
+                    h = next(handles)
+                    out.append(Instr("ALLGATHER", ins.stage, kind="params", axis="data", handle=h, bucket=b,
+                                     nbytes=bucket.nbytes))
+                    hs.append(h)
+            out += [Instr("WAIT", handle=h) for h in hs]
+        out.append(ins)
+    return out
+
+
+def grad_sync_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket], zero: int) -> list[Instr]:
+    """After each stage's last backward, one collective per bucket; their WAITs at the end."""
+    last_b = {}
+    for k, ins in enumerate(instrs):
+        if ins.op == "B":
+            last_b[ins.stage] = k
+    op = "REDUCESCATTER" if zero >= 1 else "ALLREDUCE"
+    out, waits = [], []
+    after: int | None = None   # stage whose collectives go in once its last B's SEND is placed
+    for k, ins in enumerate(instrs):
+        out.append(ins)
+        if ins.op == "B" and last_b.get(ins.stage) == k:
+            after = ins.stage
+            if k + 1 < len(instrs) and instrs[k + 1].op == "SEND" and instrs[k + 1].kind == "grad":
+                continue  # the gradient for the previous stage goes out first
+        if after is not None:
+            stage, after = after, None
+            # buckets hold parameters last-layer-first, so bucket 0 is ready first
+            for b, bucket in enumerate(buckets):
+                if bucket.stage == stage:
+                    h = next(handles)
+                    out.append(Instr(op, stage, kind="grads", axis="data", handle=h, bucket=b,
+                                     nbytes=bucket.nbytes))
+                    waits.append(h)
+    return out + [Instr("WAIT", handle=h) for h in waits]
+
+
+def step_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket], zero: int, *, is_last: bool,
+              data: int, pipe: int, last_rank: int) -> list[Instr]:
+    """ZERO_GRAD, the body, STEP, ZeRO-1/2 parameter gathers, and the loss to every rank.
+
+    The loss is complete after the last stage's last forward: its all-reduce over data is
+    issued there (hidden behind the backwards) and waited at the end; the broadcast from
+    the last stage to the other stages of its pipeline closes the step.
+    """
+    body = list(instrs)
+    tail: list[Instr] = []
+    if is_last and data > 1:
+        h = next(handles)
+        last_stage = max(ins.stage for ins in body if ins.op == "F")
+        last_f = max(k for k, ins in enumerate(body) if ins.op == "F" and ins.stage == last_stage)
+        body.insert(last_f + 1, Instr("ALLREDUCE", kind="loss", axis="data", handle=h, nbytes=8))
+        tail.append(Instr("WAIT", handle=h))
+    out = [Instr("ZERO_GRAD"), *body, Instr("STEP")]
+    if zero in (1, 2):
+        hs = []
+        for b, bucket in enumerate(buckets):
+            h = next(handles)
+            out.append(Instr("ALLGATHER", bucket.stage, kind="params", axis="data", handle=h, bucket=b,
+                             nbytes=bucket.nbytes))
+            hs.append(h)
+        out += [Instr("WAIT", handle=h) for h in hs]
+    out += tail
+    if pipe > 1:
+        h = next(handles)
+        out += [Instr("BROADCAST", kind="loss", axis="pipe", peer=last_rank, handle=h, nbytes=8),
+                Instr("WAIT", handle=h)]
+    return out
+
+
+# ---------------------------------------------------------------------------
+# driver
+
+
+def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+          parts: Partition | None = None) -> dict[int, Program]:
+    """One Program per rank for `plan` (ranks laid out pipe x data x tensor, tensor fastest).
+
+    Raises LoweringError / PartitionError (ValueErrors) for plans that cannot run.
+    """
+    cfg = plan.config
+    p, d, t, v = cfg.pipeline, cfg.data, cfg.tensor, cfg.virtual_stages
+    if getattr(cfg, "bidirectional", False):
+        raise LoweringError("bidirectional (GEMS) pipelines are not lowered yet: the runtime runs gpipe, 1f1b and "
+                            "interleaved schedules; plan with bidirectional=False")
+    if cfg.dtype == "fp16":
+        raise LoweringError("dtype fp16 needs loss scaling, which the runtime does not implement; "
+                            "use bf16 (or fp32)")
+    try:
+        m = cfg.micro_batches(plan.global_batch_size)
+    except ValueError as e:
+        raise LoweringError(str(e)) from None
+    if len(plan.stages) != cfg.num_stages:
+        raise LoweringError(f"the plan has {len(plan.stages)} stages but its config needs {cfg.num_stages}")
+    for st in plan.stages:
+        if st.device_index != st.index % p:
+            raise LoweringError(f"stage {st.index} is placed on pipeline position {st.device_index}; the runtime "
+                                f"runs stage k on position k % pipeline ({st.index % p})")
+    if parts is None:
+        parts = partition(plan, graph)
+    try:
+        sched = build_schedule(cfg.schedule, p, m, v)
+    except ScheduleError as e:
+        raise LoweringError(str(e)) from None
+    zero = cfg.zero if d > 1 else 0
+    mesh = (("pipe", p), ("data", d), ("tensor", t))
+    ns = cfg.num_stages
+    specs = {sp.spec.index: sp for sp in parts.stages}
+    act_bytes = {s: sum(b.nbytes for b in specs[s].spec.outputs) for s in range(ns)}
+    grad_bytes = {s: sum(b.nbytes for b in specs[s].spec.outputs if b.requires_grad) for s in range(ns)}
+    buckets_of = {s: make_buckets(s, specs[s].params, d, bucket_bytes) for s in range(ns)} if d > 1 else \
+        {s: [] for s in range(ns)}
+    programs = {}
+    for rank in range(p * d * t):
+        coords = coords_of(mesh, rank)
+        i, dc, tc = coords
+        stages = tuple(sorted(s for s in range(ns) if s % p == i))
+        buckets = [b for s in stages for b in buckets_of[s]]
+        handles = itertools.count()
+
+        def peer_of(s: int, _dc=dc, _tc=tc) -> int:
+            return rank_of(mesh, (s % p, _dc, _tc))
+
+        instrs = p2p_pass(sched[i], handles, peer_of, ns, act_bytes, grad_bytes)
+        if zero >= 3:
+            instrs = zero3_pass(instrs, handles, buckets)
+        if buckets:
+            instrs = grad_sync_pass(instrs, handles, buckets, zero)
+        instrs = step_pass(instrs, handles, buckets, zero, is_last=(ns - 1) in stages, data=d, pipe=p,
+                           last_rank=rank_of(mesh, ((ns - 1) % p, dc, tc)))
+        programs[rank] = Program(rank=rank, world_size=p * d * t, mesh=mesh, coords=coords, stages=stages,
+                                 num_stages=ns, num_micro_batches=m, micro_batch_size=cfg.micro_batch_size,
+                                 instrs=tuple(instrs), zero=zero, buckets=tuple(buckets))
+    check_programs(programs)
+    return programs
+
+
+# ---------------------------------------------------------------------------
+# consistency check: run every rank's Program symbolically
+
+
+def check_programs(programs: dict[int, Program]) -> None:
+    """Raise LoweringError if the Programs deadlock or disagree.
+
+    Sends never block; a receive's WAIT completes once the matching send was issued; a
+    collective's WAIT completes once every member of its group has issued the same
+    collective (same op, kind, stage, bucket) as its n-th collective on that group.
+    """
+    pcs = {r: 0 for r in programs}
+    sent: set[tuple] = set()
+    coll_seq: dict[tuple[int, tuple], list] = {}   # (rank, group) -> issued collectives in order
+    pending: dict[tuple[int, int], Callable[[], bool]] = {}
+    remaining = sum(len(p.instrs) for p in programs.values())
+    while remaining:
+        progressed = False
+        for r, prog in programs.items():
+            while pcs[r] < len(prog.instrs):
+                ins = prog.instrs[pcs[r]]
+                if ins.op == "WAIT":
+                    ready = pending.get((r, ins.handle))
+                    if ready is None:
+                        raise LoweringError(f"rank {r}: WAIT h{ins.handle} has no earlier instruction")
+                    if not ready():
+                        break
+                    del pending[(r, ins.handle)]
+                elif ins.op == "SEND":
+                    key = (r, ins.peer, ins.kind, ins.stage, ins.micro)
+                    sent.add(key)
+                    pending[(r, ins.handle)] = lambda: True
+                elif ins.op == "RECV":
+                    key = (ins.peer, r, ins.kind, ins.stage, ins.micro)
+                    pending[(r, ins.handle)] = lambda key=key: key in sent
+                elif ins.is_async:
+                    group = prog.group(ins.axis)
+                    seq = coll_seq.setdefault((r, group), [])
+                    n = len(seq)
+                    what = (ins.op, ins.kind, ins.stage, ins.bucket)
+                    seq.append(what)
+
+                    def ready(group=group, n=n, what=what, r=r):
+                        for q in group:
+                            s = coll_seq.get((q, group), [])
+                            if len(s) <= n:
+                                return False
+                            if s[n] != what:
+                                raise LoweringError(f"ranks {r} and {q} disagree on collective #{n} of group "
+                                                    f"{list(group)}: {what} vs {s[n]}")
+                        return True
+                    pending[(r, ins.handle)] = ready
+                pcs[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(programs[r].instrs[pcs[r]]) for r in programs if pcs[r] < len(programs[r].instrs)}
+            raise LoweringError(f"the Programs deadlock; ranks wait at: {stuck}")
+
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "LoweringError", "check_programs", "grad_sync_pass", "lower", "make_buckets",
+           "p2p_pass", "step_pass", "zero3_pass"]

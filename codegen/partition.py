@@ -1,0 +1,353 @@
+"""`codegen.partition`: cut the fx graph into per-stage modules, split for tensor parallelism.
+
+For each pipeline stage of a Plan:
+
+* its nodes are the nodes of its layers; its inputs are the model inputs its
+  layers read (from the data) and every value made by an earlier stage that
+  this or a later stage reads (from the previous stage, passed along when a
+  later stage needs it); its outputs are the next stage's received inputs;
+* its code is one method per layer (torch.fx's Python, with tensor-parallel
+  local sizes) and a forward that chains them (through
+  torch.utils.checkpoint per layer when the plan recomputes);
+* its `StageSpec` lists the local shape of every boundary tensor for one
+  micro-batch, the modules its code calls and how each is split.
+
+Everything is decided here, once, from the graph and the plan; a rank only
+builds the modules and runs the code.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from codegen.pysrc import graph_method, import_block
+from codegen.tensor_split import TensorSplitError, split_graph
+from planner.graph import ModelGraph
+from planner.plan import Plan
+from runtime.materialize import model_signature
+from runtime.recompute import Recompute
+from runtime.spec import Boundary, StageSpec
+from runtime.tensor_parallel import shard_module
+
+
+class PartitionError(ValueError):
+    """The plan cannot be cut into stage modules; the message names the layer or value."""
+
+
+@dataclass(frozen=True)
+class StagePart:
+    """One stage: its runtime spec, generated class, and local parameters.
+
+    params: (name, local shape, dtype) of the stage module's trainable parameters, in
+    the order gradients become ready in backward (last layer first).
+    """
+
+    spec: StageSpec
+    device_index: int
+    class_name: str
+    source: str
+    globals: dict
+    params: tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+@dataclass(frozen=True)
+class Partition:
+    stages: tuple[StagePart, ...]
+    tensor: int
+    micro_batch_size: int
+    signature: str
+    tensor_shapes: dict          # model tensor name -> full shape (for mismatch messages)
+
+
+def example_inputs(graph: ModelGraph, batch: int) -> dict[str, torch.Tensor]:
+    """Meta tensors for the graph's placeholders with `batch` samples on the batch dim."""
+    out = {}
+    for n in graph.nodes:
+        if n.op != "placeholder" or not n.output_meta:
+            continue
+        m = n.output_meta[0]
+        shape = list(m.shape)
+        if shape:
+            shape[graph.batch_dim] = batch
+        out[n.name] = torch.empty(shape, dtype=getattr(torch, m.dtype), device="meta")
+    return out
+
+
+def _ident(name: str) -> str:
+    s = re.sub(r"\W", "_", name)
+    return s if s and not s[0].isdigit() else f"_{s}"
+
+
+def partition(plan: Plan, graph: ModelGraph) -> Partition:
+    """Per-stage modules for `plan` (see module docstring).
+
+    Raises PartitionError / TensorSplitError (ValueErrors) naming what cannot be cut or split.
+    """
+    gm = graph.module
+    if graph.method != "fx":
+        raise PartitionError(
+            f"{graph.model_class} was captured with torch.{graph.method}, whose graph bakes the capture device "
+            "(meta) into its ops and names tied weights by one of their paths; code generation needs a "
+            "torch.fx capture (make forward() traceable by torch.fx.symbolic_trace)")
+    if gm is None:
+        raise PartitionError("the ModelGraph has no fx module (it was loaded from JSON); capture the model again "
+                             "with planner.capture")
+    if plan.graph_fingerprint != graph.fingerprint:
+        raise PartitionError(f"the plan was made for another model (graph fingerprint "
+                             f"{plan.graph_fingerprint[:12]}, this graph is {graph.fingerprint[:12]}); "
+                             "make the plan again for this graph")
+    cfg = plan.config
+    t, mb = cfg.tensor, cfg.micro_batch_size
+    roles = {k: v for k, v in plan.shardings} if t > 1 else {}
+    inputs = example_inputs(graph, mb)
+    res = split_graph(gm, roles, t, inputs)
+    g = res.graph
+    nodes = [n for n in g.nodes]
+    pos = {n.name: i for i, n in enumerate(nodes)}
+
+    # ---- which stage and layer each node belongs to --------------------------
+    layer_of: dict[str, str] = {}
+    for layer in graph.layers:
+        for name in layer.nodes:
+            layer_of[name] = layer.name
+    stage_of_layer: dict[str, int] = {}
+    order = []
+    for st in sorted(plan.stages, key=lambda s: s.index):
+        for lname in st.layers:
+            if lname in stage_of_layer:
+                raise PartitionError(f"layer {lname!r} is in stages {stage_of_layer[lname]} and {st.index}")
+            stage_of_layer[lname] = st.index
+            order.append(lname)
+    known = [layer.name for layer in graph.layers]
+    if order != known:
+        missing = [x for x in known if x not in stage_of_layer]
+        raise PartitionError("the plan's stages must hold every layer once, in model order"
+                             + (f"; missing {missing[:3]}" if missing else f"; got {order[:4]}..."))
+    num_stages = len(plan.stages)
+    stage_of: dict[str, int] = {}
+    for n in reversed(nodes):  # inserted nodes (local-size arithmetic) join their first user
+        if n.op == "output":
+            stage_of[n.name] = num_stages - 1
+            layer_of.setdefault(n.name, known[-1])
+        elif n.name in layer_of:
+            stage_of[n.name] = stage_of_layer[layer_of[n.name]]
+        else:
+            users = sorted(n.users, key=lambda u: pos[u.name])
+            if not users:
+                raise PartitionError(f"node {n.name!r} belongs to no layer")
+            stage_of[n.name] = stage_of[users[0].name]
+            layer_of[n.name] = layer_of[users[0].name]
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if stage_of[a.name] > stage_of[n.name]:
+                raise PartitionError(f"node {n.name!r} in stage {stage_of[n.name]} reads {a.name!r} from a "
+                                     f"later stage {stage_of[a.name]}")
+    last_use = {n.name: max((stage_of[u.name] for u in n.users), default=-1) for n in nodes}
+    lv, fv = res.local_values, res.full_values
+
+    def boundary(name: str, source: str, data_index: int = -1) -> Boundary:
+        v = lv[name]
+        if not isinstance(v, torch.Tensor):
+            raise PartitionError(f"value {name!r} ({type(v).__name__}) crosses a pipeline cut; only tensors can "
+                                 "be sent between stages. Choose other stage boundaries.")
+        return Boundary(name, tuple(v.shape), str(v.dtype).removeprefix("torch."),
+                        bool(fv[name].requires_grad and v.is_floating_point()), source, data_index)
+
+    placeholders = [n.name for n in nodes if n.op == "placeholder"]
+    crossing = {s: [n.name for n in nodes if n.op != "output" and stage_of[n.name] < s <= last_use[n.name]]
+                for s in range(num_stages)}
+    local_mods = {}
+    for path, sh in res.shards.items():
+        local_mods[path] = shard_module(gm.get_submodule(path), sh, 0, t, None)
+
+    parts = []
+    for st in sorted(plan.stages, key=lambda s: s.index):
+        s = st.index
+        members = [n for n in nodes if stage_of[n.name] == s]
+        data_in = [boundary(n.name, "data", placeholders.index(n.name)) for n in members if n.op == "placeholder"]
+        recv_in = [boundary(v, "recv") for v in crossing[s]]
+        ins = sorted(data_in + recv_in, key=lambda b: pos[b.name])
+        is_last = s == num_stages - 1
+        outs = [] if is_last else [boundary(v, "recv") for v in crossing[s + 1]]
+        for k, b in enumerate(outs):
+            outs[k] = Boundary(b.name, b.shape, b.dtype, b.requires_grad, "send")
+        modules = tuple(dict.fromkeys(str(n.target) for n in members if n.op == "call_module"))
+        attributes = tuple(dict.fromkeys(str(n.target) for n in members if n.op == "get_attr"))
+        source, globs = _stage_source(g, s, members, ins, outs, is_last, layer_of, known, cfg.recompute)
+        spec = StageSpec(index=s, layers=st.layers, inputs=tuple(ins), outputs=tuple(outs), modules=modules,
+                         attributes=attributes, shards=tuple(res.shards[m] for m in modules if m in res.shards),
+                         is_last=is_last, output_split=res.output_split if is_last else None,
+                         recompute=cfg.recompute)
+        params = []
+        for path in reversed(modules):
+            mod = local_mods[path] if path in local_mods else gm.get_submodule(path)
+            for pname, p in mod.named_parameters():
+                if p.requires_grad:
+                    params.append((f"{path}.{pname}", tuple(p.shape), str(p.dtype).removeprefix("torch.")))
+        for path in reversed(attributes):
+            obj = gm
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            if isinstance(obj, torch.nn.Parameter) and obj.requires_grad:
+                params.append((path, tuple(obj.shape), str(obj.dtype).removeprefix("torch.")))
+        names = [p[0] for p in params]
+        if len(set(names)) != len(names):
+            raise PartitionError(f"stage {s} uses a parameter twice under different paths; tied weights are "
+                                 "not supported")
+        parts.append(StagePart(spec, st.device_index, f"Stage{s}", source, globs, tuple(params)))
+    _check_no_shared_params(gm, parts)
+    sd = gm.state_dict(keep_vars=True)
+    return Partition(tuple(parts), t, mb, _signature_of(gm), {k: list(v.shape) for k, v in sd.items()})
+
+
+def _signature_of(gm: fx.GraphModule) -> str:
+    return model_signature(gm)
+
+
+def _check_no_shared_params(gm: fx.GraphModule, parts: list[StagePart]) -> None:
+    owner: dict[int, int] = {}
+    for part in parts:
+        for path in part.spec.modules:
+            for pname, p in gm.get_submodule(path).named_parameters():
+                prev = owner.setdefault(id(p), part.spec.index)
+                if prev != part.spec.index:
+                    raise PartitionError(f"parameter {path}.{pname} is used by stages {prev} and {part.spec.index}; "
+                                         "weights shared across pipeline stages are not supported. Put both "
+                                         "users in one stage.")
+
+
+def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundary], outs: list[Boundary],
+                  is_last: bool, layer_of: dict[str, str], layer_order: list[str], recompute: str
+                  ) -> tuple[str, dict]:
+    """The stage class: one method per layer and a forward chaining them."""
+    # layer methods run in model (layer) order; a layer's inputs come from earlier layers or the stage's inputs
+    present = {layer_of[n.name] for n in members if n.op not in ("placeholder",)}
+    layers: list[str] = [L for L in layer_order if L in present]
+    out_node = next((n for n in members if n.op == "output"), None)
+    stage_outputs = {b.name for b in outs}
+    # values read after each layer (by later layers of this stage, the stage's outputs, the model output)
+    members_by_layer = {L: [n for n in members if layer_of[n.name] == L and n.op not in ("placeholder", "output")]
+                        for L in layers}
+    produced_in = {n.name: layer_of[n.name] for n in members if n.op not in ("placeholder", "output")}
+    layer_idx = {L: i for i, L in enumerate(layers)}
+    needed_after: dict[str, int] = {}   # value -> index of the last layer that reads it (len(layers) = stage end)
+    for n in members:
+        if n.op == "placeholder":
+            continue
+        reader = len(layers) if n.op == "output" else layer_idx[layer_of[n.name]]
+        for a in n.all_input_nodes:
+            needed_after[a.name] = max(needed_after.get(a.name, -1), reader)
+    for name in stage_outputs:
+        needed_after[name] = len(layers)
+    methods, globs, calls = [], {}, []
+    inits: list[str] = []
+    extra_imports: list[str] = []
+    used_names: set[str] = set()
+    for i, L in enumerate(layers):
+        body = members_by_layer[L]
+        if not body:
+            continue
+        lg = fx.Graph()
+        env: dict[str, fx.Node] = {}
+        inputs = []
+        for n in body:
+            for a in n.all_input_nodes:
+                if a.name not in env and produced_in.get(a.name) != L:
+                    env[a.name] = lg.placeholder(a.name)
+                    inputs.append(a.name)
+            env[n.name] = lg.node_copy(n, lambda x: env[x.name])
+            if recompute == "selective" and _recomputed(n):
+                attr = f"recompute_{n.name}"
+                c = env[n.name]
+                if n.op == "call_function":
+                    qual = fx.node._get_qualified_name(n.target)
+                    mod = qual.rsplit(".", 1)[0]
+                    if not mod.startswith("torch"):
+                        extra_imports.append(f"import {mod}")
+                    inits.append(f"        self.{attr} = Recompute({qual})")
+                else:
+                    inits.append(f"        self.{attr} = Recompute(method={n.target!r})")
+                c.op, c.target = "call_module", attr
+        outputs = [n.name for n in body if needed_after.get(n.name, -1) > i]
+        if len(outputs) == 1:
+            lg.output(env[outputs[0]])
+        else:
+            lg.output(tuple(env[o] for o in outputs))
+        method = "layer_" + _ident(L)
+        while method in used_names:
+            method += "_"
+        used_names.add(method)
+        src, gl = graph_method(lg, method)
+        methods.append(f"    # ---- layer {L} ----\n" + src)
+        globs.update(gl)
+        lhs = ", ".join(outputs)
+        call = f"self.{method}({', '.join(inputs)})"
+        if recompute == "full":
+            call = f"checkpoint(self.{method}, {', '.join(inputs)}, use_reentrant=False)"
+        calls.append(f"        {lhs} = {call}" if outputs else f"        {call}")
+    args = ", ".join(["self"] + [b.name for b in ins])
+    if is_last:
+        ret = out_node.args[0]
+        ret_src = _render_output(ret)
+    else:
+        ret_src = "(" + ", ".join(b.name for b in outs) + ("," if len(outs) == 1 else "") + ")"
+    forward = [f"    def forward({args}):"] + calls + [f"        return {ret_src}"]
+    doc = (f'    """Stage {s}: layers {layers[0]} .. {layers[-1]}.\n\n'
+           f'    Inputs (one micro-batch, this rank\'s shapes): '
+           + ", ".join(f"{b.name} {list(b.shape)} {b.dtype}{' (data)' if b.source == 'data' else ''}" for b in ins)
+           + ".\n    Returns: "
+           + ("the model output." if is_last else ", ".join(f"{b.name} {list(b.shape)}" for b in outs) + ".")
+           + '\n    """\n') if layers else '    """An empty stage."""\n'
+    init = ""
+    if inits:
+        init = "    def __init__(self):\n        super().__init__()\n" + "\n".join(inits) + "\n\n"
+        globs["Recompute"] = Recompute
+        for line in extra_imports:
+            globs[f"__import__{line}"] = line
+    cls = f"class Stage{s}(torch.nn.Module):\n{doc}\n" + init + "\n".join(forward) + "\n\n" + "\n".join(methods)
+    return cls, globs
+
+
+_RECOMPUTED = ("scaled_dot_product_attention", "softmax", "_softmax", "_safe_softmax")
+
+
+def _recomputed(n: fx.Node) -> bool:
+    """The attention core selective recomputation drops: fused attention and softmax calls."""
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", "") in _RECOMPUTED
+    return n.op == "call_method" and n.target in _RECOMPUTED
+
+
+def _render_output(ret: Any) -> str:
+    if isinstance(ret, fx.Node):
+        return ret.name
+    if isinstance(ret, (tuple, list)):
+        inner = ", ".join(_render_output(r) for r in ret)
+        return f"({inner},)" if isinstance(ret, tuple) and len(ret) == 1 else \
+            (f"({inner})" if isinstance(ret, tuple) else f"[{inner}]")
+    if isinstance(ret, dict):
+        return "{" + ", ".join(f"{k!r}: {_render_output(v)}" for k, v in ret.items()) + "}"
+    return repr(ret)
+
+
+def stage_imports(parts: list[StagePart]) -> list[str]:
+    """Import lines for a file holding these stages' classes."""
+    globs: dict = {}
+    for p in parts:
+        globs.update(p.globals)
+    text = "\n".join(p.source for p in parts)
+    used = {k: v for k, v in globs.items() if k.startswith("__import__") or re.search(rf"\b{re.escape(k)}\b", text)}
+    lines = [ln for ln in import_block(used) if ln != "import torch"]
+    lines.insert(0, "import torch")
+    if any(p.spec.recompute == "full" for p in parts):
+        lines.append("from torch.utils.checkpoint import checkpoint")
+    return lines
+
+
+__all__ = ["Partition", "PartitionError", "StagePart", "TensorSplitError", "example_inputs", "partition",
+           "stage_imports"]

@@ -1,0 +1,85 @@
+"""Readable Python source from fx graphs: one method per graph, plus the imports it needs.
+
+torch.fx's code generator writes the body; the names it refers to (its
+"globals": torch, user functions called with call_function, ...) become
+ordinary import lines, so the emitted rank script runs without fx.
+"""
+
+from __future__ import annotations
+
+import builtins
+import re
+import types
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+# Globals fx always provides, and how to write them in a standalone file.
+_STANDARD = {
+    "torch": "import torch",
+    "inf": "from math import inf",
+    "nan": "from math import nan",
+    "NoneType": "NoneType = type(None)",
+    "device": "from torch import device",
+    "fx_pytree": "import torch.fx._pytree as fx_pytree",
+    "pytree": "import torch.utils._pytree as pytree",
+}
+
+
+class SourceError(ValueError):
+    """A graph refers to something that cannot be imported by name in a generated file."""
+
+
+def import_line(name: str, obj: Any) -> str | None:
+    """The line that binds `name` to `obj` in a generated module (None for builtins)."""
+    if name in _STANDARD:
+        return _STANDARD[name]
+    if name.startswith("__import__") and isinstance(obj, str):
+        return obj  # an import line the generator asked for verbatim
+    if getattr(builtins, name, None) is obj:
+        return None
+    if isinstance(obj, types.ModuleType):
+        return f"import {obj.__name__} as {name}" if obj.__name__ != name else f"import {name}"
+    if isinstance(obj, str):
+        return f"{name} = {obj}"
+    mod = getattr(obj, "__module__", None)
+    qual = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    if not mod or not qual or "<" in qual:
+        raise SourceError(f"generated code needs {name!r} = {obj!r}, which cannot be imported by name; "
+                          "define it at module level in the model's file")
+    if mod.startswith("torch._ops") or isinstance(obj, torch._ops.OpOverload):
+        return f"{name} = {obj!s}"
+    if "." in qual:
+        head, rest = qual.split(".", 1)
+        return f"from {mod} import {head} as _{name}_owner\n{name} = _{name}_owner.{rest}"
+    return f"from {mod} import {qual} as {name}" if qual != name else f"from {mod} import {qual}"
+
+
+def graph_method(graph: fx.Graph, method: str, indent: str = "    ") -> tuple[str, dict[str, Any]]:
+    """Source of a method `method(self, <placeholders>)` running `graph`, and its globals."""
+    for n in graph.nodes:
+        n.type = None
+    pc = graph.python_code(root_module="self")
+    src = pc.src.strip("\n")
+    src = re.sub(r"^def forward\(", f"def {method}(", src, count=1)
+    lines = [indent + ln if ln.strip() else "" for ln in src.splitlines()]
+    return "\n".join(lines).rstrip() + "\n", dict(pc.globals)
+
+
+def import_block(globals_: dict[str, Any]) -> list[str]:
+    """Sorted, de-duplicated import lines for the union of several methods' globals."""
+    lines = []
+    for name, obj in sorted(globals_.items()):
+        line = import_line(name, obj)
+        if line and line not in lines:
+            lines.append(line)
+    return lines
+
+
+def py_literal(x: Any, width: int = 100) -> str:
+    """A Python literal for JSON-like data (dict/list/str/number/bool/None), pretty-printed."""
+    import pprint
+
+    return pprint.pformat(x, width=width, sort_dicts=False)
+

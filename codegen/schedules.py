@@ -1,0 +1,91 @@
+"""Pipeline schedules as plain data: per pipeline position, the ordered F/B actions.
+
+A schedule is `dict[pipe_rank, list[Instr]]` holding only "F s m" and
+"B s m" instructions (torch.distributed.pipelining's "actions"). Stage k runs
+on pipeline position k % p, so with v chunks per position, position i holds
+stages i, i + p, ..., i + (v - 1) p. These are pure functions; the lowering
+passes in codegen/lower.py add communication around them.
+
+  gpipe:       all forwards, then all backwards (every micro-batch's activations live at once)
+  1f1b:        p - i - 1 warm-up forwards on position i, then one forward / one backward
+  interleaved: Megatron-LM's interleaved 1F1B over v chunks per position; micro-batches
+               advance in groups of p, so m must be a multiple of p
+"""
+
+from __future__ import annotations
+
+from runtime.program import Instr
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be built for these sizes; the message says which to change."""
+
+
+def _check(p: int, m: int, v: int = 1) -> None:
+    for name, x in (("pipeline", p), ("micro-batches", m), ("virtual stages", v)):
+        if not isinstance(x, int) or x < 1:
+            raise ScheduleError(f"{name} must be a positive integer, got {x!r}")
+
+
+def gpipe(p: int, m: int) -> dict[int, list[Instr]]:
+    _check(p, m)
+    return {i: [Instr("F", i, k) for k in range(m)] + [Instr("B", i, k) for k in range(m)] for i in range(p)}
+
+
+def one_f_one_b(p: int, m: int) -> dict[int, list[Instr]]:
+    _check(p, m)
+    out = {}
+    for i in range(p):
+        warm = min(p - 1 - i, m)
+        acts = [Instr("F", i, k) for k in range(warm)]
+        for k in range(m - warm):
+            acts += [Instr("F", i, warm + k), Instr("B", i, k)]
+        acts += [Instr("B", i, k) for k in range(m - warm, m)]
+        out[i] = acts
+    return out
+
+
+def interleaved(p: int, m: int, v: int) -> dict[int, list[Instr]]:
+    """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021, section 2.2)."""
+    _check(p, m, v)
+    if v < 2:
+        raise ScheduleError("the interleaved schedule needs at least 2 chunks per pipeline position")
+    if m % p:
+        raise ScheduleError(f"the interleaved schedule runs micro-batches in groups of the pipeline size: "
+                            f"{m} micro-batches is not a multiple of pipeline {p}; pick a batch giving a multiple "
+                            f"of {p} micro-batches, or use 1f1b")
+    total = m * v
+    out = {}
+    for i in range(p):
+        def fwd(k: int) -> Instr:
+            chunk = (k // p) % v
+            return Instr("F", chunk * p + i, (k // (p * v)) * p + k % p)
+
+        def bwd(k: int) -> Instr:
+            chunk = v - 1 - (k // p) % v
+            return Instr("B", chunk * p + i, (k // (p * v)) * p + k % p)
+
+        warm = min((p - i - 1) * 2 + (v - 1) * p, total)
+        acts = [fwd(k) for k in range(warm)]
+        for k in range(total - warm):
+            acts += [fwd(warm + k), bwd(k)]
+        acts += [bwd(k) for k in range(total - warm, total)]
+        out[i] = acts
+    return out
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1) -> dict[int, list[Instr]]:
+    """The compute actions of every pipeline position for schedule `name`."""
+    if name == "gpipe":
+        return gpipe(p, m)
+    if name == "1f1b":
+        return one_f_one_b(p, m)
+    if name == "interleaved":
+        return interleaved(p, m, v)
+    raise ScheduleError(f"unknown schedule {name!r}; known: gpipe, 1f1b, interleaved")
+
+
+def format_schedule(sched: dict[int, list[Instr]]) -> str:
+    """One line per position, actions as "F0.1" (forward, stage 0, micro-batch 1)."""
+    return "\n".join(f"p{i}: " + " ".join(f"{a.op}{a.stage}.{a.micro}" for a in acts)
+                     for i, acts in sorted(sched.items()))

@@ -1,0 +1,736 @@
+"""Tensor parallelism on the fx graph: which dimension of every value is split, how the
+split weights are partitioned, and the rewrite of shape constants to local sizes.
+
+Input: the captured GraphModule and the plan's roles per node ("column",
+"row", "inner", "vocab", "column_out"; planner/sharding.py finds them).
+No model is special-cased; the analysis follows the split dimension through
+the graph op by op:
+
+* a column op's output is split on its feature dimension (last for Linear,
+  1 for conv). How its output features are partitioned is decided where the
+  split dimension is first reshaped: GPT's qkv (B, T, 3C) -> unflatten to
+  (B, T, 3, H, D) offers the factors 3, H and D; the first that t divides
+  *and* that the rest of the region can keep split is chosen (3 is indexed
+  by q/k/v, so it fails and H is taken). The column weight is then
+  partitioned per part: each rank holds its heads of q, of k and of v.
+* views, permutes, transposes and integer indexing move the split dimension;
+  elementwise ops and attention keep it (attention over heads); a reduction,
+  softmax, contraction or slice across it, or a full-size tensor meeting it,
+  is an error naming the node (the planner must not choose that sharding).
+* a row op's input features are partitioned the way its input is split; a
+  per-channel norm (BatchNorm) between column and row keeps its channels.
+* a column_out op (the last projection) leaves the model output split on its
+  last dimension (vocabulary-parallel logits and loss).
+
+The rewrite then re-runs the graph on meta tensors with the local modules,
+replacing view/reshape/unflatten/split/expand constants that still hold the
+full size of the split dimension (3C, C, num_heads) with the local size,
+and checks every node's local shape.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from planner.ops import target_name
+from runtime.tensor_parallel import FeatureSplit, ModuleShard, ShardError, shard_module
+
+
+class TensorSplitError(ShardError):
+    """A tensor-parallel sharding the code generator cannot carry out; names the node."""
+
+
+_ELEMENTWISE_FUNCS = {
+    "add", "sub", "mul", "truediv", "div", "floordiv", "neg", "pow", "relu", "relu_", "gelu", "silu", "sigmoid",
+    "tanh", "exp", "log", "sqrt", "rsqrt", "abs", "erf", "softplus", "mish", "hardswish", "hardsigmoid",
+    "leaky_relu", "elu", "selu", "celu", "dropout", "dropout1d", "dropout2d", "dropout3d", "masked_fill",
+    "where", "clamp", "clip", "square", "sin", "cos", "reciprocal", "iadd", "imul", "isub", "mod", "to", "float",
+    "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach", "relu6", "logical_not",
+    "mul_", "add_", "tanh_", "sigmoid_", "gelu_", "silu_", "sign", "maximum", "minimum",
+    "lerp", "addcmul", "addcdiv", "nan_to_num", "view_as", "expand_as",
+}
+_ELEMENTWISE_MODULES = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.Mish,
+    nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Identity,
+    nn.AlphaDropout,
+)
+_POOL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+                 nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
+                 nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
+_POOL_FUNCS = {"max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+               "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d"}
+_RESHAPES = {"view", "reshape", "unflatten", "flatten", "squeeze", "unsqueeze", "_unsafe_view"}
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one value is split: dimension `dim`, whose full size is prod(factors) and
+    whose factor `split` is divided over the ranks (None: not decided yet, then
+    factors == (size,) and `origin` names the column op whose partition is pending)."""
+
+    dim: int
+    factors: tuple[int, ...]
+    split: int | None
+    origin: str | None = None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.factors)
+
+
+@dataclass
+class TensorSplitResult:
+    """What `split_graph` found.
+
+    graph: a copy of the graph with shape constants rewritten to local sizes.
+    shards: module path -> ModuleShard for every split module.
+    value_splits: node name -> (dim, FeatureSplit) for every split value.
+    output_split: FeatureSplit of the model output's last dimension (vocab-parallel), or None.
+    local_values / full_values: node name -> meta value (local run, full-size run).
+    """
+
+    graph: fx.Graph
+    shards: dict[str, ModuleShard]
+    value_splits: dict[str, tuple[int, FeatureSplit]]
+    output_split: FeatureSplit | None
+    local_values: dict[str, Any]
+    full_values: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------
+# meta interpretation
+
+
+def run_meta(gm: fx.GraphModule, graph: fx.Graph, inputs: dict[str, Any], modules: dict[str, nn.Module],
+             on_node: Callable[[fx.Node, dict], None] | None = None) -> dict[str, Any]:
+    """Run `graph` node by node on meta tensors; modules[path] replaces gm's submodule."""
+    env: dict[str, Any] = {}
+
+    def load(a):
+        return fx.node.map_arg(a, lambda n: env[n.name])
+
+    meta = torch.device("meta")
+
+    def fix(x):
+        return meta if isinstance(x, torch.device) else x
+
+    with torch.enable_grad():
+        for n in list(graph.nodes):
+            if on_node is not None:
+                on_node(n, env)
+            if n.op == "placeholder":
+                env[n.name] = inputs[n.name]
+            elif n.op == "get_attr":
+                obj = gm
+                for part in str(n.target).split("."):
+                    obj = getattr(obj, part)
+                env[n.name] = obj
+            elif n.op == "output":
+                env[n.name] = load(n.args[0])
+            else:
+                args = tuple(fix(a) for a in load(n.args))
+                kwargs = {k: fix(v) for k, v in load(n.kwargs).items()}
+                if isinstance(kwargs.get("device"), str):
+                    kwargs["device"] = meta
+                if n.op == "call_module":
+                    path = str(n.target)
+                    mod = modules[path] if path in modules else gm.get_submodule(path)
+                    env[n.name] = mod(*args, **kwargs)
+                elif n.op == "call_method":
+                    env[n.name] = getattr(args[0], n.target)(*args[1:], **kwargs)
+                else:
+                    env[n.name] = n.target(*args, **kwargs)
+    return env
+
+
+# ---------------------------------------------------------------------------
+# analysis
+
+
+class _NeedsChoice(Exception):
+    pass
+
+
+class _Fail(Exception):
+    def __init__(self, node: str, msg: str):
+        super().__init__(msg)
+        self.node = node
+
+
+@dataclass
+class _State:
+    t: int
+    choices: dict[str, int]
+    taken: list[tuple[str, int, int]] = field(default_factory=list)   # (node, chosen, candidates)
+    decided: dict[str, FeatureSplit] = field(default_factory=dict)    # origin root -> partition
+    parent: dict[str, str] = field(default_factory=dict)              # union-find of origins
+
+    def root(self, o: str) -> str:
+        while self.parent.get(o, o) != o:
+            o = self.parent[o]
+        return o
+
+    def union(self, a: str, b: str) -> None:
+        ra, rb = self.root(a), self.root(b)
+        if ra != rb:
+            self.parent[rb] = ra
+            if rb in self.decided and ra not in self.decided:
+                self.decided[ra] = self.decided.pop(rb)
+
+    def choose(self, node: str, candidates: int) -> int:
+        if candidates == 0:
+            raise _Fail(node, "no factor of the split dimension is divisible by the tensor degree")
+        c = self.choices.get(node, 0)
+        if c >= candidates:
+            c = candidates - 1
+        self.taken.append((node, c, candidates))
+        return c
+
+
+def _resolve(s: Split | None, st: _State) -> Split | None:
+    """An undecided split whose origin has been decided since, written with the decision."""
+    if s is None or s.split is not None:
+        return s
+    d = st.decided.get(st.root(s.origin))
+    if d is None:
+        return s
+    return Split(s.dim, d.factors, d.split)
+
+
+def _feature_split(s: Split, st: _State) -> FeatureSplit:
+    """The final partition of a value's split dimension (undecided -> contiguous)."""
+    s = _resolve(s, st)
+    if s.split is None:
+        root = st.root(s.origin)
+        st.decided[root] = FeatureSplit(s.factors, 0)
+        return st.decided[root]
+    return FeatureSplit(s.factors, s.split)
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _shape(v) -> tuple[int, ...] | None:
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _map_reshape(node: str, in_shape, out_shape, s: Split, st: _State) -> Split:
+    """Follow a split dimension through a reshape (view/reshape/unflatten/flatten/squeeze)."""
+    t = st.t
+    s = _resolve(s, st)
+    atoms: list[list] = []   # [size, tag]; tag: "S" split atom, ("U", k) undecided piece, None
+    for i, size in enumerate(in_shape):
+        if i == s.dim:
+            if s.split is None:
+                atoms.append([size, ("U", 0)])
+            else:
+                for k, f in enumerate(s.factors):
+                    atoms.append([f, "S" if k == s.split else None])
+        else:
+            atoms.append([size, None])
+    atoms = [a for a in atoms if a[0] != 1]
+    groups: list[list[list]] = []
+    ai = 0
+    for so in out_shape:
+        group: list[list] = []
+        prod = 1
+        if so == 1:
+            groups.append(group)
+            continue
+        while prod < so:
+            if ai >= len(atoms):
+                raise _Fail(node, f"cannot follow the split dimension through a reshape of {tuple(in_shape)} "
+                                  f"to {tuple(out_shape)}")
+            size, tag = atoms[ai]
+            if prod * size <= so and so % (prod * size) == 0:
+                group.append(atoms[ai])
+                prod *= size
+                ai += 1
+                continue
+            need = so // prod
+            if so % prod or size % need:
+                raise _Fail(node, f"the reshape of {tuple(in_shape)} to {tuple(out_shape)} cuts across the "
+                                  "split dimension")
+            if tag == "S":
+                if need % t:
+                    raise _Fail(node, f"the reshape splits the tensor-parallel dimension into {need} x "
+                                      f"{size // need}, and {t} does not divide {need}")
+                first, second = [need, "S"], [size // need, None]
+            elif isinstance(tag, tuple):
+                first, second = [need, ("U", 0)], [size // need, ("U", 0)]
+            else:
+                first, second = [need, None], [size // need, None]
+            atoms[ai:ai + 1] = [first, second]
+        groups.append(group)
+    if ai != len(atoms):
+        raise _Fail(node, f"cannot follow the split dimension through a reshape of {tuple(in_shape)} to "
+                          f"{tuple(out_shape)}")
+    if s.split is not None:
+        for o, g in enumerate(groups):
+            for k, a in enumerate(g):
+                if a[1] == "S":
+                    return Split(o, tuple(x[0] for x in g), k)
+        raise AssertionError("split atom lost")
+    pieces = [(o, k, a) for o, g in enumerate(groups) for k, a in enumerate(g) if isinstance(a[1], tuple)]
+    root = st.root(s.origin)
+    if len(pieces) == 1:
+        o, k, a = pieces[0]
+        if len(groups[o]) == 1:
+            return Split(o, (a[0],), None, s.origin)
+        st.decided[root] = FeatureSplit((a[0],), 0)
+        return Split(o, tuple(x[0] for x in groups[o]), k)
+    cands = [i for i, (_o, _k, a) in enumerate(pieces) if a[0] % t == 0]
+    c = cands[st.choose(node, len(cands))]
+    st.decided[root] = FeatureSplit(tuple(a[0] for _o, _k, a in pieces), c)
+    o, k, _a = pieces[c]
+    return Split(o, tuple(x[0] for x in groups[o]), k)
+
+
+def _index_map(node: str, ndim: int, index, s: Split) -> Split:
+    """Follow the split dimension through tensor[index] (ints, slices, None, Ellipsis)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(i, (torch.Tensor, fx.Node, list)) for i in items):
+        raise _Fail(node, "advanced (tensor or list) indexing of a tensor-parallel value is not supported")
+    consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
+    out_dim, in_dim = 0, 0
+    for i in items:
+        if i is Ellipsis:
+            skip = ndim - consumed
+            if in_dim <= s.dim < in_dim + skip:
+                return Split(out_dim + s.dim - in_dim, s.factors, s.split, s.origin)
+            in_dim += skip
+            out_dim += skip
+        elif i is None:
+            out_dim += 1
+        elif isinstance(i, int):
+            if in_dim == s.dim:
+                raise _Fail(node, "indexing selects along the tensor-parallel dimension")
+            in_dim += 1
+        elif isinstance(i, slice):
+            if in_dim == s.dim and (i.start not in (None, 0) or i.stop is not None or i.step not in (None, 1)):
+                raise _Fail(node, "slicing along the tensor-parallel dimension")
+            if in_dim == s.dim:
+                return Split(out_dim, s.factors, s.split, s.origin)
+            in_dim += 1
+            out_dim += 1
+        else:
+            raise _Fail(node, f"unsupported index {i!r} on a tensor-parallel value")
+    return Split(out_dim + s.dim - in_dim, s.factors, s.split, s.origin)
+
+
+def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st: _State):
+    """One pass over the graph; returns (value splits, module uses, output split)."""
+    vals: dict[str, Any] = {}       # node -> Split | tuple of Split | None
+    uses: list[tuple[str, str, str, Any]] = []   # (node, module path or node, role, Split/size)
+
+    def split_of(a):
+        if isinstance(a, fx.Node):
+            v = vals.get(a.name)
+            if isinstance(v, Split):
+                return _resolve(v, st)
+        return None
+
+    for n in gm.graph.nodes:
+        name = n.name
+        role = roles.get(name, "replicate")
+        out = full.get(name)
+        tensor_args = [a for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, fx.Node)]
+        in_splits = [(a, split_of(a)) for a in tensor_args]
+        sharded = [(a, s) for a, s in in_splits if s is not None]
+        tuple_inputs = [a for a in tensor_args if isinstance(vals.get(a.name), tuple)]
+        if n.op in ("placeholder", "get_attr"):
+            vals[name] = None
+            continue
+        if n.op == "output":
+            res = n.args[0]
+            if sharded:
+                if not isinstance(res, fx.Node):
+                    raise _Fail(name, "the model returns several values and one of them is split over the "
+                                      "tensor axis; only a single split output (the logits) is supported")
+                s = split_of(res)
+                if s.dim != len(full[res.name].shape) - 1:
+                    raise _Fail(res.name, "the model output is split on a dimension other than the last")
+                uses.append((name, "", "output", s))
+            continue
+        mod = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
+        tname = target_name(n, mod) if n.op != "call_module" else type(mod).__name__
+        base = tname.rsplit(".", 1)[-1]
+        if role in ("column", "column_out"):
+            if sharded:
+                raise _Fail(name, f"column-parallel {tname} reads a tensor that is already split")
+            if n.op != "call_module" or not isinstance(mod, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+                raise _Fail(name, f"only nn.Linear / nn.ConvNd modules can be column-parallel, not {tname} "
+                                  "(a functional or custom projection)")
+            dim = 1 if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) else out.dim() - 1
+            vals[name] = Split(dim, (out.shape[dim],), None, name)
+            st.parent.setdefault(name, name)
+            uses.append((name, str(n.target), role, vals[name]))
+            continue
+        if role == "row":
+            if n.op != "call_module" or not isinstance(mod, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+                raise _Fail(name, f"only nn.Linear / nn.ConvNd modules can be row-parallel, not {tname}")
+            if len(sharded) != 1:
+                raise _Fail(name, "a row-parallel op must read exactly one split tensor")
+            s = sharded[0][1]
+            want = 1 if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) else full[sharded[0][0].name].dim() - 1
+            if s.dim != want:
+                raise _Fail(name, f"row-parallel {tname} reads a tensor split on dimension {s.dim}, "
+                                  f"not on its input features (dimension {want})")
+            uses.append((name, str(n.target), "row", s))
+            vals[name] = None
+            continue
+        if role == "vocab":
+            if n.op != "call_module" or not isinstance(mod, nn.Embedding):
+                raise _Fail(name, f"only nn.Embedding modules can be vocabulary-parallel, not {tname}")
+            uses.append((name, str(n.target), "vocab", mod.num_embeddings))
+            vals[name] = None
+            continue
+        if not sharded and not tuple_inputs:
+            vals[name] = None
+            continue
+        if role == "replicate" and sharded and base not in ("size", "dim", "getattr"):
+            raise _Fail(name, f"{tname} reads a tensor split over the tensor axis but the plan replicates it")
+        vals[name] = _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of)
+    return vals, uses
+
+
+def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
+    name = n.name
+    out = full.get(name)
+    # ---- non-tensor results (size(), dim(), .shape, .device) --------------
+    if not isinstance(out, (torch.Tensor, tuple, list)):
+        return None
+    # ---- modules --------------------------------------------------------------
+    if n.op == "call_module":
+        s = sharded[0][1]
+        if isinstance(mod, nn.modules.batchnorm._NormBase):
+            if s.dim != 1:
+                raise _Fail(name, "a BatchNorm reads a tensor split on a dimension other than its channels")
+            uses.append((name, str(n.target), "channels", s))
+            return s
+        if isinstance(mod, _POOL_MODULES):
+            if s.dim != 1:
+                raise _Fail(name, "pooling a tensor split on a dimension other than its channels")
+            return s
+        if isinstance(mod, _ELEMENTWISE_MODULES) and not any(True for _ in mod.parameters()):
+            return s
+        if isinstance(mod, nn.Flatten):
+            return _map_reshape(name, full[n.args[0].name].shape, out.shape, s, st)
+        raise _Fail(name, f"module {type(mod).__name__} cannot run on a tensor split over the tensor axis")
+    # ---- tuples (split/chunk/unbind outputs) ---------------------------------
+    if base == "getitem" and isinstance(vals.get(n.args[0].name), tuple):
+        return vals[n.args[0].name][n.args[1]]
+    src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    s = split_of(src) if src is not None else None
+    in_shape = tuple(full[src.name].shape) if src is not None and isinstance(full.get(src.name), torch.Tensor) else None
+    if base in _RESHAPES:
+        if s is None:
+            raise _Fail(name, f"{base} of a replicated tensor mixed with a split one")
+        return _map_reshape(name, in_shape, tuple(out.shape), s, st)
+    if base == "permute":
+        dims = n.args[1:] if len(n.args) > 2 or not isinstance(n.args[1], (tuple, list)) else n.args[1]
+        dims = [_norm_dim(d, len(in_shape)) for d in dims]
+        return Split(dims.index(s.dim), s.factors, s.split, s.origin)
+    if base in ("transpose", "swapaxes", "swapdims"):
+        a, b = (_norm_dim(d, len(in_shape)) for d in n.args[1:3])
+        d = b if s.dim == a else a if s.dim == b else s.dim
+        return Split(d, s.factors, s.split, s.origin)
+    if base == "t":
+        return Split(1 - s.dim, s.factors, s.split, s.origin) if len(in_shape) == 2 else s
+    if base == "getitem":
+        return _index_map(name, len(in_shape), n.args[1], s)
+    if base in ("split", "chunk", "unbind", "split_with_sizes"):
+        dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
+        dim = _norm_dim(dim, len(in_shape))
+        parts = list(out)
+        if base == "unbind":
+            if dim == s.dim:
+                raise _Fail(name, "unbind along the tensor-parallel dimension")
+            return tuple(Split(s.dim - (1 if dim < s.dim else 0), s.factors, s.split, s.origin) for _ in parts)
+        if dim != s.dim:
+            return tuple(Split(s.dim, s.factors, s.split, s.origin) for _ in parts)
+        sizes = {p.shape[dim] for p in parts}
+        if len(sizes) != 1:
+            raise _Fail(name, f"{base} cuts the tensor-parallel dimension into unequal parts {[p.shape[dim] for p in parts]}")
+        k, rest = len(parts), parts[0].shape[dim]
+        mid = tuple(in_shape[:dim]) + (k, rest) + tuple(in_shape[dim + 1:])
+        inner = _map_reshape(name, in_shape, mid, s, st)
+        if inner.dim != dim + 1:
+            if inner.split is None:
+                raise AssertionError
+            raise _Fail(name, f"{base} separates parts along the split factor")
+        return tuple(Split(dim, inner.factors, inner.split, inner.origin) for _ in parts)
+    if base in ("expand",):
+        return Split(s.dim + out.dim() - len(in_shape), s.factors, s.split, s.origin)
+    if base in _POOL_FUNCS:
+        if s.dim != 1:
+            raise _Fail(name, "pooling a tensor split on a dimension other than its channels")
+        return s
+    if base in ("softmax", "log_softmax", "_softmax"):
+        dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+        if dim is None or _norm_dim(dim, len(in_shape)) == s.dim:
+            raise _Fail(name, f"{base} over the tensor-parallel dimension")
+        return s
+    if base in ("scaled_dot_product_attention",):
+        qkv = [split_of(a) for a in n.args[:3]]
+        if any(x is None for x in qkv):
+            raise _Fail(name, "attention whose q, k and v are not all split by heads")
+        nd = len(in_shape)
+        for x in qkv:
+            if x.dim != nd - 3:
+                raise _Fail(name, "attention inputs must be split on the heads dimension (B, H, T, D)")
+        _unify(name, qkv, st)
+        for a in list(n.args[3:]) + list(n.kwargs.values()):
+            if isinstance(a, fx.Node) and split_of(a) is None and isinstance(full.get(a.name), torch.Tensor):
+                m = full[a.name]
+                aligned = nd - 3 - (nd - m.dim())
+                if aligned >= 0 and m.shape[aligned] != 1:
+                    raise _Fail(name, "an attention mask with a full heads dimension meets split heads")
+        return _resolve(qkv[0], st)
+    if base in ("matmul", "bmm", "baddbmm") or (base == "matmul" and n.op == "call_function"):
+        a, b = n.args[0], n.args[1]
+        sa, sb = split_of(a), split_of(b)
+        na, nb, no = full[a.name].dim(), full[b.name].dim(), out.dim()
+        outs = []
+        for x, nx, other, nother in ((sa, na, sb, nb), (sb, nb, sa, na)):
+            if x is None:
+                continue
+            if x.dim >= nx - 2:
+                raise _Fail(name, "a matmul contracts or keeps a split feature dimension; only split batch "
+                                  "(heads) dimensions can pass through")
+            outs.append(Split(x.dim + no - nx, x.factors, x.split, x.origin))
+        if len(outs) == 2 and outs[0].dim != outs[1].dim:
+            raise _Fail(name, "matmul operands split on different dimensions")
+        if len(outs) == 2:
+            _unify(name, [sa, sb], st)
+        else:
+            other = b if sa is not None else a
+            x = outs[0]
+            m = full[other.name]
+            aligned = x.dim - (no - m.dim())
+            if 0 <= aligned < m.dim() - 2 and m.shape[aligned] != 1:
+                raise _Fail(name, "a split operand meets a full-size operand in a matmul")
+        return _resolve(outs[0], st)
+    if base in ("cat", "concat", "concatenate"):
+        seq = n.args[0]
+        dim = _norm_dim(n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0), out.dim())
+        ss = [split_of(a) for a in seq]
+        if any(x is None for x in ss) or any(x.dim == dim for x in ss):
+            raise _Fail(name, "concatenation along, or with replicated tensors across, the split dimension")
+        _unify(name, ss, st)
+        return _resolve(ss[0], st)
+    if base in _ELEMENTWISE_FUNCS or (n.op == "call_module"):
+        return _elementwise(name, n, out, sharded, tensor_args, full, st)
+    raise _Fail(name, f"{base} cannot run on a tensor split over the tensor axis (no rule for it)")
+
+
+def _unify(name: str, splits: list[Split], st: _State) -> None:
+    splits = [_resolve(s, st) for s in splits]
+    undecided = [s for s in splits if s.split is None]
+    decided = [s for s in splits if s.split is not None]
+    for s in undecided[1:]:
+        if s.factors != undecided[0].factors:
+            raise _Fail(name, "tensors split with different sizes meet")
+        st.union(undecided[0].origin, s.origin)
+    if decided:
+        d0 = decided[0]
+        for s in decided[1:]:
+            if (s.factors, s.split) != (d0.factors, d0.split):
+                raise _Fail(name, f"tensors split differently meet ({s.factors}/{s.split} vs {d0.factors}/{d0.split})")
+        for s in undecided:
+            if s.size != d0.size:
+                raise _Fail(name, "tensors split with different sizes meet")
+            st.decided[st.root(s.origin)] = FeatureSplit(d0.factors, d0.split)
+
+
+def _elementwise(name, n, out, sharded, tensor_args, full, st) -> Split:
+    nd = out.dim()
+    aligned = []
+    for a, s in sharded:
+        m = full[a.name]
+        aligned.append(Split(s.dim + nd - m.dim(), s.factors, s.split, s.origin))
+    if len({x.dim for x in aligned}) != 1:
+        raise _Fail(name, "elementwise op on tensors split on different dimensions")
+    _unify(name, aligned, st)
+    d = aligned[0].dim
+    split_names = {a.name for a, _ in sharded}
+    for a in tensor_args:
+        if a.name in split_names or not isinstance(full.get(a.name), torch.Tensor):
+            continue
+        m = full[a.name]
+        k = d - (nd - m.dim())
+        if 0 <= k < m.dim() and m.shape[k] != 1:
+            raise _Fail(name, f"a full-size tensor ({a.name}, {tuple(m.shape)}) meets a tensor split on "
+                              f"dimension {d}; the planner must not split this region")
+    return _resolve(aligned[0], st)
+
+
+# ---------------------------------------------------------------------------
+# driver
+
+
+def _search(gm, roles, full, t):
+    """Backtracking over the reshape choices until the whole graph analyses cleanly."""
+    choices: dict[str, int] = {}
+    first_error: _Fail | None = None
+    for _attempt in range(256):
+        st = _State(t=t, choices=dict(choices))
+        try:
+            vals, uses = _analyze(gm, roles, full, st)
+            return vals, uses, st
+        except _Fail as e:
+            first_error = first_error or e
+            # advance the last choice point that has candidates left
+            taken = st.taken
+            while taken and taken[-1][1] + 1 >= taken[-1][2]:
+                taken.pop()
+            if not taken:
+                break
+            choices = {node: c for node, c, _ in taken[:-1]}
+            node, c, _ = taken[-1]
+            choices[node] = c + 1
+    raise TensorSplitError(f"tensor parallelism cannot split node {first_error.node!r}: {first_error}")
+
+
+def split_graph(gm: fx.GraphModule, roles: dict[str, str], tensor: int, inputs: dict[str, Any]) -> TensorSplitResult:
+    """Analyse and rewrite `gm`'s graph for tensor degree `tensor` (see module docstring).
+
+    `inputs`: placeholder name -> meta tensor with the micro-batch's shape.
+    Raises TensorSplitError naming the node when the sharding cannot be carried out.
+    """
+    full = run_meta(gm, gm.graph, inputs, {})
+    new_graph = fx.Graph()
+    out_map: dict[fx.Node, fx.Node] = {}
+    ret = new_graph.graph_copy(gm.graph, out_map)
+    new_graph.output(ret)
+    for n in list(new_graph.nodes):
+        n.type = None
+        if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
+            new_graph.erase_node(n)  # torch.export's input-shape guard: nothing to run on a rank
+    if tensor == 1 or not any(r != "replicate" for r in roles.values()):
+        return TensorSplitResult(new_graph, {}, {}, None, full, full)
+    vals, uses, st = _search(gm, roles, full, tensor)
+
+    shards: dict[str, ModuleShard] = {}
+    output_split = None
+    for node, path, role, x in uses:
+        if role == "output":
+            fs = _feature_split(x, st)
+            if fs.contiguous_start(0, tensor) is None:
+                raise TensorSplitError(f"the model output {node!r} is split in non-contiguous blocks; the "
+                                       "vocabulary-parallel loss needs contiguous class blocks")
+            output_split = fs
+            continue
+        if role == "vocab":
+            fs = FeatureSplit((x,), 0)
+        else:
+            fs = _feature_split(x, st)
+        fs.check(tensor)
+        sh = ModuleShard(path, role, fs)
+        if path in shards and shards[path] != sh:
+            raise TensorSplitError(f"module {path} is called twice and would be split two different ways")
+        shards[path] = sh
+    value_splits = {}
+    for k, v in vals.items():
+        if isinstance(v, Split):
+            value_splits[k] = (v.dim, _feature_split(v, st))
+    local = _rewrite(gm, new_graph, shards, value_splits, tensor, inputs, full)
+    return TensorSplitResult(new_graph, shards, value_splits, output_split, local, full)
+
+
+# ---------------------------------------------------------------------------
+# rewrite of shape constants
+
+
+def _local_modules(gm: fx.GraphModule, shards: dict[str, ModuleShard], t: int) -> dict[str, nn.Module]:
+    return {path: shard_module(gm.get_submodule(path), sh, 0, t, None) for path, sh in shards.items()}
+
+
+def _expected(full_val, split: tuple[int, FeatureSplit] | None, t: int):
+    shape = list(full_val.shape)
+    if split is not None:
+        shape[split[0]] //= t
+    return tuple(shape)
+
+
+def _rewrite(gm, graph: fx.Graph, shards, value_splits, t, inputs, full) -> dict[str, Any]:
+    modules = _local_modules(gm, shards, t)
+
+    def fix_node(n: fx.Node, env: dict) -> None:
+        if n.op not in ("call_method", "call_function"):
+            return
+        base = target_name(n, None).rsplit(".", 1)[-1]
+        if base == "split" and isinstance(n.args[1], int):
+            src = n.args[0]
+            sdim = value_splits.get(src.name, (None,))[0]
+            d = _norm_dim(n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0), full[src.name].dim())
+            if d == sdim:
+                n.args = (src, n.args[1] // t, *n.args[2:])
+            return
+        if n.name not in value_splits or not isinstance(full.get(n.name), torch.Tensor):
+            return
+        dim, fs = value_splits[n.name]
+        want = _expected(full[n.name], (dim, fs), t)
+        if base in ("view", "reshape", "expand", "_unsafe_view"):
+            shape_args = list(n.args[1:])
+            packed = len(shape_args) == 1 and isinstance(shape_args[0], (tuple, list))
+            if packed:
+                shape_args = list(shape_args[0])
+            new = [_fix_size(graph, n, a, p, want, full[n.name].shape, dim, t, env) for p, a in enumerate(shape_args)]
+            n.args = (n.args[0], tuple(new)) if packed else (n.args[0], *new)
+        elif base == "unflatten":
+            d0 = _norm_dim(n.args[1], full[n.args[0].name].dim())
+            sizes = list(n.args[2])
+            new = [_fix_size(graph, n, a, d0 + p, want, full[n.name].shape, dim, t, env) for p, a in enumerate(sizes)]
+            n.args = (n.args[0], n.args[1], tuple(new))
+
+    def check(n: fx.Node, env: dict) -> None:
+        # called before each node runs: verify the previous nodes' shapes lazily
+        for a in n.all_input_nodes:
+            v = env.get(a.name)
+            if isinstance(v, torch.Tensor) and isinstance(full.get(a.name), torch.Tensor):
+                want = _expected(full[a.name], value_splits.get(a.name), t)
+                if tuple(v.shape) != want:
+                    raise TensorSplitError(f"after splitting over {t} ranks, node {a.name!r} has shape "
+                                           f"{tuple(v.shape)}, expected {want}; its shape constants could not be "
+                                           "rewritten to the local size")
+
+    def on_node(n, env):
+        check(n, env)
+        fix_node(n, env)
+
+    try:
+        return run_meta(gm, graph, inputs, modules, on_node)
+    except TensorSplitError:
+        raise
+    except Exception as e:
+        raise TensorSplitError(f"the graph with local (1/{t}) sizes does not run: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:300]}") from None
+
+
+def _fix_size(graph: fx.Graph, n: fx.Node, a, pos: int, want, full_shape, dim: int, t: int, env) -> Any:
+    """One shape argument of a view: keep it if it already gives the local size, scale it if
+    it holds the full size of the split dimension."""
+    v = env[a.name] if isinstance(a, fx.Node) else a
+    if not isinstance(v, int) or v == -1 or want is None or pos >= len(want):
+        return a
+    if v == want[pos]:
+        return a
+    if pos == dim and v == full_shape[pos]:
+        if isinstance(a, fx.Node):
+            with graph.inserting_before(n):
+                q = graph.call_function(operator.floordiv, (a, t))
+            env[q.name] = v // t  # the meta run has passed this point already
+            return q
+        return v // t
+    raise TensorSplitError(f"node {n.name!r}: shape argument {pos} is {v}, which is neither the local size "
+                           f"{want[pos]} nor the full size {full_shape[pos]} of the split dimension")

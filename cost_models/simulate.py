@@ -1,0 +1,196 @@
+"""Discrete-event simulation of the Programs of all ranks: the predicted Timeline.
+
+Compute instructions take their cost-model time (per stage and
+micro-batch); a SEND and its matching RECV complete together, p2p time after
+the later of the two was issued; a collective starts when every member of
+its group has issued it and takes the communication model's time; WAIT
+blocks until its handle completes. Overlap is modelled where the runtime
+overlaps: gradient collectives placed right after a stage's last backward
+are issued from inside that backward as their buckets become ready (bucket j
+of n at (j + 1) / n of the way through it).
+
+A set of Programs that can never finish (a RECV with no SEND, collectives
+issued in different orders) raises SimulationDeadlock naming every rank's
+blocked instruction, instead of hanging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cost_models.comm import collective_time
+from cost_models.hardware import Cluster
+from runtime.program import COLLECTIVE_OPS, Instr, Program
+from runtime.trace import Event, Timeline
+
+_COLLECTIVE_NAMES = {"ALLREDUCE": "all_reduce", "ALLGATHER": "all_gather", "REDUCESCATTER": "reduce_scatter",
+                     "BROADCAST": "broadcast"}
+
+
+class SimulationDeadlock(RuntimeError):
+    """The Programs wait on each other forever; the message lists what each blocked rank waits for."""
+
+
+@dataclass(frozen=True)
+class ComputeCosts:
+    """Seconds of compute per instruction kind.
+
+    forward[s], backward[s]: one micro-batch of stage s (tensor-parallel
+    collectives inside the stage included, as the cost model prices them).
+    optimizer: one STEP.
+    """
+
+    forward: dict[int, float]
+    backward: dict[int, float]
+    optimizer: float = 0.0
+
+    @classmethod
+    def from_prediction(cls, prediction) -> "ComputeCosts":
+        """Per-stage times from a planner Prediction (its StagePrediction entries)."""
+        return cls(forward={s.index: s.forward for s in prediction.stages},
+                   backward={s.index: s.backward for s in prediction.stages},
+                   optimizer=prediction.time.optimizer)
+
+
+@dataclass
+class _Rank:
+    program: Program
+    pc: int = 0
+    now: float = 0.0
+    handles: dict[int, float] = field(default_factory=dict)      # handle -> completion time
+    pending: dict[int, tuple] = field(default_factory=dict)      # handle -> match key
+    last_backward: tuple[float, float, int] | None = None        # (start, end, stage)
+    after_backward: int = 0                                      # grads collectives issued since it
+    events: list[Event] = field(default_factory=list)
+    comm: list[tuple[int, int]] = field(default_factory=list)    # (event index, handle) of async events
+
+
+def simulate(programs: dict[int, Program] | list[Program], costs: ComputeCosts, cluster: Cluster,
+             *, step: int = 0) -> Timeline:
+    """The predicted Timeline of one step of `programs` on `cluster`."""
+    progs = sorted(programs.values() if isinstance(programs, dict) else programs, key=lambda p: p.rank)
+    if not progs:
+        raise ValueError("simulate needs at least one Program")
+    world = progs[0].world_size
+    if {p.rank for p in progs} != set(range(world)):
+        raise ValueError(f"simulate needs the Programs of all {world} ranks, got ranks {[p.rank for p in progs]}")
+    if cluster.num_devices < world:
+        raise ValueError(f"the Programs use {world} ranks but cluster {cluster.name!r} has {cluster.num_devices} devices")
+    ranks = {p.rank: _Rank(p) for p in progs}
+    issued: dict[tuple, dict[int, tuple[float, int]]] = {}   # match key -> {rank: (issue time, handle)}
+    members: dict[tuple, tuple[int, ...]] = {}
+    durations: dict[tuple, float] = {}
+
+    def complete(key: tuple) -> None:
+        who = issued[key]
+        if set(who) != set(members[key]):
+            return
+        end = max(t for t, _ in who.values()) + durations[key]
+        for r, (start, handle) in who.items():
+            ranks[r].handles[handle] = end
+            ranks[r].pending.pop(handle, None)
+        del issued[key]
+
+    while True:
+        progressed = False
+        for st in ranks.values():
+            while st.pc < len(st.program.instrs):
+                ins = st.program.instrs[st.pc]
+                if not _step(st, ins, costs, cluster, issued, members, durations, complete, step):
+                    break
+                st.pc += 1
+                progressed = True
+        if all(st.pc == len(st.program.instrs) for st in ranks.values()):
+            break
+        if not progressed:
+            blocked = [f"rank {r}: #{st.pc} {st.program.instrs[st.pc]}" for r, st in ranks.items()
+                       if st.pc < len(st.program.instrs)]
+            raise SimulationDeadlock("the Programs can never finish; blocked on\n  " + "\n  ".join(blocked))
+    for st in ranks.values():
+        for k, handle in st.comm:
+            e = st.events[k]
+            st.events[k] = Event(e.rank, e.step, e.index, e.name, e.op, e.start, st.handles[handle], e.track)
+    events = tuple(sorted((e for st in ranks.values() for e in st.events), key=lambda e: (e.start, e.rank)))
+    return Timeline(events, source="predicted")
+
+
+def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, members, durations,
+          complete, step: int) -> bool:
+    """Execute one instruction on one rank; False when it must wait."""
+    prog = st.program
+    name = str(ins)
+    if ins.op in ("F", "B"):
+        table = costs.forward if ins.op == "F" else costs.backward
+        if ins.stage not in table:
+            raise ValueError(f"no {'forward' if ins.op == 'F' else 'backward'} cost for stage {ins.stage}")
+        start, st.now = st.now, st.now + table[ins.stage]
+        st.events.append(Event(prog.rank, step, st.pc, name, ins.op, start, st.now))
+        if ins.op == "B":
+            st.last_backward, st.after_backward = (start, st.now, ins.stage), 0
+        else:
+            st.last_backward = None
+        return True
+    if ins.op in ("STEP", "ZERO_GRAD"):
+        dur = costs.optimizer if ins.op == "STEP" else 0.0
+        st.events.append(Event(prog.rank, step, st.pc, name, ins.op, st.now, st.now + dur))
+        st.now += dur
+        st.last_backward = None
+        return True
+    if ins.op == "WAIT":
+        if ins.handle not in st.handles:
+            if ins.handle not in st.pending:
+                raise ValueError(f"rank {prog.rank} #{st.pc}: WAIT h{ins.handle} on a handle never issued")
+            return False
+        start = st.now
+        st.now = max(st.now, st.handles[ins.handle])
+        st.events.append(Event(prog.rank, step, st.pc, name, "WAIT", start, st.now))
+        st.last_backward = None
+        return True
+    # asynchronous: SEND / RECV / collectives
+    issue = st.now
+    if ins.op in COLLECTIVE_OPS and ins.kind in ("grads", "params") and st.last_backward is not None \
+            and st.last_backward[2] == ins.stage:
+        # issued from inside the backward as this bucket's gradients become ready
+        b_start, b_end, _ = st.last_backward
+        n_after = _grads_run_length(prog, st.pc)
+        st.after_backward += 1
+        issue = b_start + (b_end - b_start) * min(st.after_backward, n_after) / max(n_after, 1)
+    else:
+        st.last_backward = None
+    if ins.op in ("SEND", "RECV"):
+        src, dst = (prog.rank, ins.peer) if ins.op == "SEND" else (ins.peer, prog.rank)
+        key = ("p2p", src, dst, ins.kind, ins.stage, ins.micro)
+        members[key] = (src, dst)
+        if key not in durations:
+            nbytes = ins.nbytes
+            durations[key] = collective_time(cluster, "p2p", nbytes, [src, dst]).seconds if nbytes else 0.0
+        elif ins.nbytes:
+            durations[key] = collective_time(cluster, "p2p", ins.nbytes, [src, dst]).seconds
+    else:
+        group = prog.group(ins.axis)
+        key = (ins.op, ins.kind, ins.axis, group, ins.stage, ins.micro, ins.bucket)
+        members[key] = group
+        if key not in durations:
+            durations[key] = collective_time(cluster, _COLLECTIVE_NAMES[ins.op], ins.nbytes, list(group)).seconds \
+                if ins.nbytes and len(group) > 1 else 0.0
+    who = issued.setdefault(key, {})
+    if prog.rank in who:
+        raise ValueError(f"rank {prog.rank} #{st.pc}: {name} issued twice for the same transfer")
+    who[prog.rank] = (issue, ins.handle)
+    st.pending[ins.handle] = key
+    complete(key)
+    st.events.append(Event(prog.rank, step, st.pc, name, ins.op, issue, issue, track="comm"))
+    st.comm.append((len(st.events) - 1, ins.handle))  # its end is known once every peer has issued
+    return True
+
+
+def _grads_run_length(prog: Program, pc: int) -> int:
+    """How many gradient collectives follow the last backward in a row, around position pc."""
+    lo = pc
+    while lo > 0 and prog.instrs[lo - 1].op in COLLECTIVE_OPS and prog.instrs[lo - 1].kind in ("grads", "params"):
+        lo -= 1
+    hi = pc
+    while hi < len(prog.instrs) and prog.instrs[hi].op in COLLECTIVE_OPS and prog.instrs[hi].kind in ("grads", "params"):
+        hi += 1
+    return hi - lo
+

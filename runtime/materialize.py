@@ -1,0 +1,210 @@
+"""Build the model, or only one stage's slice of it, from a model reference.
+
+See runtime/spec.py for the three initialisations ("seed", "per-module",
+"checkpoint") and which single-process model each one equals.
+
+A stage module is an instance of the stage class the rank script defines
+(its forward is the code generated from the fx graph); the model's modules
+that code calls are attached to it under their original paths
+("blocks.3.attn.qkv"), replaced by their tensor-parallel shard where the
+plan splits them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from runtime.refs import RefError, load_ref
+from runtime.spec import StageSpec, TrainSpec
+from runtime.tensor_parallel import shard_module
+
+
+class MaterializeError(ValueError):
+    """The model could not be built as the build asks; the message says what to change."""
+
+
+def load_factory(ref: str, root: str = "", what: str = "model factory") -> Callable:
+    """The callable a "path.py:NAME" reference names (relative paths: from here, else from `root`)."""
+    try:
+        fn = load_ref(ref, root or None)
+    except RefError as e:
+        raise RefError(f"{what} {ref!r}: {e}") from None
+    if not callable(fn):
+        raise RefError(f"{what} {ref!r} is a {type(fn).__name__}, not a callable")
+    return fn
+
+
+def meta_model(spec: TrainSpec) -> nn.Module:
+    """The model on the meta device (no memory), for shapes and signatures."""
+    factory = load_factory(spec.model_ref, spec.root)
+    with torch.device("meta"):
+        model = factory(**spec.model_kwargs)
+    if not isinstance(model, nn.Module):
+        raise MaterializeError(f"model factory {spec.model_ref!r} returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def model_signature(model: nn.Module) -> str:
+    """A hash of every parameter's and buffer's name, shape and dtype (no values).
+
+    Codegen records it; every rank checks that its model reference still builds the
+    model the plan was made for.
+    """
+    items = sorted((k, list(v.shape), str(v.dtype)) for k, v in model.state_dict(keep_vars=True).items())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+def signature_mismatch(model: nn.Module, expected: dict[str, list[int]]) -> str:
+    """A short description of how the model's tensors differ from `expected` (name -> shape)."""
+    have = {k: list(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+    missing = sorted(set(expected) - set(have))
+    extra = sorted(set(have) - set(expected))
+    changed = sorted(k for k in set(have) & set(expected) if have[k] != expected[k])
+    parts = []
+    if missing:
+        parts.append(f"missing {missing[:3]}")
+    if extra:
+        parts.append(f"unexpected {extra[:3]}")
+    if changed:
+        k = changed[0]
+        parts.append(f"{k} is {have[k]}, the plan has {expected[k]}")
+    return "; ".join(parts) or "same tensors, different dtypes"
+
+
+def derive_seed(seed: int, path: str) -> int:
+    """A per-module seed: the same on every rank and in the reference."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{path}".encode()).digest()[:7], "big")
+
+
+def _leaf_reset(module: nn.Module, path: str, seed: int) -> None:
+    """to_empty + reset_parameters of every module under `module`, each under its own seed."""
+    module.to_empty(device="cpu")
+    for sub_path, sub in module.named_modules(prefix=path):
+        own = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
+        if not own:
+            continue
+        reset = getattr(sub, "reset_parameters", None)
+        if reset is None:
+            raise MaterializeError(
+                f"module {sub_path or '<root>'} ({type(sub).__name__}) holds tensors but has no reset_parameters(); "
+                "init 'per-module' cannot initialise it: use init 'seed' or a checkpoint")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(seed, sub_path))
+            reset()
+
+
+def _load_checkpoint(path: str, root: str = "") -> dict:
+    p = Path(path)
+    if not p.is_absolute() and root and not p.exists():
+        p = Path(root) / p
+    if not p.is_file():
+        raise MaterializeError(f"checkpoint file {path} does not exist")
+    return torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+
+
+def _fill_from(module: nn.Module, path: str, sd: dict) -> None:
+    module.to_empty(device="cpu")
+    prefix = f"{path}." if path else ""
+    with torch.no_grad():
+        for name, t in list(module.named_parameters(recurse=True)) + list(module.named_buffers(recurse=True)):
+            key = prefix + name
+            if key not in sd:
+                raise MaterializeError(f"checkpoint has no tensor {key!r}")
+            if tuple(sd[key].shape) != tuple(t.shape):
+                raise MaterializeError(f"checkpoint tensor {key!r} is {tuple(sd[key].shape)}, the model's is {tuple(t.shape)}")
+            t.copy_(sd[key])
+
+
+def build_model(spec: TrainSpec) -> nn.Module:
+    """The whole model on the CPU, initialised as the build says (the reference uses this)."""
+    factory = load_factory(spec.model_ref, spec.root)
+    if spec.init == "seed":
+        torch.manual_seed(spec.seed)
+        return factory(**spec.model_kwargs)
+    model = meta_model(spec)
+    if spec.init == "per-module":
+        _leaf_reset(model, "", spec.seed)
+    else:
+        _fill_from(model, "", _load_checkpoint(spec.checkpoint, spec.root))
+    return model
+
+
+def _set_path(root: nn.Module, path: str, value, kind: str) -> None:
+    """Attach a module / parameter / buffer at a dotted path, creating empty parents."""
+    parts = path.split(".")
+    parent = root
+    for p in parts[:-1]:
+        if p not in parent._modules:
+            parent.add_module(p, nn.Module())
+        parent = parent._modules[p]
+    if kind == "module":
+        parent.add_module(parts[-1], value)
+    elif kind == "parameter":
+        parent.register_parameter(parts[-1], value)
+    else:
+        parent.register_buffer(parts[-1], value)
+
+
+def build_stage(stage_cls: type, sspec: StageSpec, spec: TrainSpec, tensor_rank: int = 0, tensor_size: int = 1,
+                device: torch.device | str = "cpu", full_model: nn.Module | None = None) -> nn.Module:
+    """This rank's module for one stage, holding only the stage's (sharded) parameters.
+
+    The tensor-parallel modules are built without a group; `set_tensor_group` gives
+    them the group once the process groups exist (so every local failure happens
+    before any rank waits for another).
+    """
+    if full_model is None:
+        full_model = build_model_for_stages(spec)
+    shards = {s.path: s for s in sspec.shards}
+    stage = stage_cls()
+    sd = _load_checkpoint(spec.checkpoint, spec.root) if spec.init == "checkpoint" else None
+    for path in sspec.modules:
+        try:
+            module = full_model.get_submodule(path)
+        except AttributeError:
+            raise MaterializeError(f"the model has no module {path!r}, which stage {sspec.index}'s code calls; "
+                                   "the plan was made for another model") from None
+        if spec.init == "per-module":
+            _leaf_reset(module, path, spec.seed)
+        elif spec.init == "checkpoint":
+            _fill_from(module, path, sd)
+        if path in shards:
+            module = shard_module(module, shards[path], tensor_rank, tensor_size, None)
+        _set_path(stage, path, module, "module")
+    for path in sspec.attributes:
+        owner, _, name = path.rpartition(".")
+        holder = full_model.get_submodule(owner) if owner else full_model
+        value = getattr(holder, name)
+        if spec.init == "checkpoint":
+            with torch.no_grad():
+                value = nn.Parameter(sd[path].clone(), requires_grad=value.requires_grad) \
+                    if isinstance(value, nn.Parameter) else sd[path].clone()
+        elif spec.init == "per-module" and isinstance(value, torch.Tensor) and value.is_meta:
+            raise MaterializeError(f"{path} is read directly by the model's code (not through a module), so "
+                                   "init 'per-module' cannot initialise it: use init 'seed' or a checkpoint")
+        _set_path(stage, path, value, "parameter" if isinstance(value, nn.Parameter) else "buffer")
+    stage.to(device)
+    stage.train()
+    return stage
+
+
+def build_model_for_stages(spec: TrainSpec) -> nn.Module:
+    """The full model a rank slices its stages from: real (seed) or on meta (per-module, checkpoint)."""
+    if spec.init == "seed":
+        factory = load_factory(spec.model_ref, spec.root)
+        torch.manual_seed(spec.seed)
+        return factory(**spec.model_kwargs)
+    return meta_model(spec)
+
+
+def set_tensor_group(module: nn.Module, group) -> None:
+    """Give every tensor-parallel module of `module` its communication group."""
+    for m in module.modules():
+        if hasattr(m, "group") and type(m).__module__ == "runtime.tensor_parallel":
+            m.group = group

@@ -1,0 +1,318 @@
+"""The instruction set: what one rank does in one training step.
+
+A `Program` is one rank's ordered list of `Instr`. The planner decides
+everything ahead of time; the executor (runtime/executor.py) only walks the
+list, and the simulator prices the same list, so predictions can be checked
+instruction by instruction.
+
+Instructions (op, and how `str()` prints them):
+
+    F s1 m3                       forward of stage 1 for micro-batch 3
+    B s1 m3                       backward of stage 1 for micro-batch 3
+    SEND act s1 m3 -> r5 h4       stage 1's output for micro-batch 3, to rank 5 (stage 2)
+    RECV act s1 m3 <- r1 h0       the same message at rank 5 (posted early)
+    SEND grad s1 m3 -> r1 h6      its gradient, from stage 2's backward, back to rank 1
+    RECV grad s1 m3 <- r5 h7      the same message at rank 1
+    ALLREDUCE grads s1 b0 @data h2   bucket 0 of stage 1's gradients over the data axis
+    REDUCESCATTER grads s1 b0 @data h2 / ALLGATHER params s1 b0 @data h3
+    BROADCAST loss @pipe <- r7 h9 the step's loss, from the last stage's rank
+    WAIT h4                       block until handle 4 completes
+    ZERO_GRAD / STEP              clear gradient buffers / optimizer step
+
+A message is named by the cut it crosses (stage s's output), so both ends
+of a SEND/RECV pair carry the same stage and micro-batch.
+
+SEND, RECV and collectives are asynchronous: they return a handle that a
+later WAIT completes. A collective on `grads` that directly follows the
+last backward of its stage is issued from inside that backward, as soon as
+its bucket's gradients are ready (overlap); its place in the list is the
+latest point it may start. `nbytes` is the payload this rank sends or
+reduces (the full buffer for collectives), for the simulator.
+
+Mesh: axes outermost first (pipe, data, tensor); ranks are laid out
+row-major with the last axis fastest, as cost_models.comm.axis_groups does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Iterable, Mapping
+
+PROGRAM_FORMAT_VERSION = 1
+
+COMPUTE_OPS = ("F", "B")
+P2P_OPS = ("SEND", "RECV")
+COLLECTIVE_OPS = ("ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "BROADCAST")
+OPS = (*COMPUTE_OPS, *P2P_OPS, *COLLECTIVE_OPS, "WAIT", "STEP", "ZERO_GRAD")
+KINDS = ("", "act", "grad", "grads", "params", "loss")
+
+
+class ProgramError(ValueError):
+    """A Program or instruction that is malformed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Instr:
+    """One instruction. Unused fields keep their defaults (-1 or "")."""
+
+    op: str
+    stage: int = -1
+    micro: int = -1
+    peer: int = -1        # SEND/RECV partner, BROADCAST source (global ranks)
+    kind: str = ""        # act, grad, grads, params, loss
+    axis: str = ""        # mesh axis a collective runs on
+    handle: int = -1      # async handle this instruction creates (or WAIT completes)
+    bucket: int = -1      # index into Program.buckets for grads/params collectives
+    nbytes: int = 0       # bytes this rank moves
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ProgramError(f"unknown instruction op {self.op!r}; known: {', '.join(OPS)}")
+        if self.kind not in KINDS:
+            raise ProgramError(f"unknown instruction kind {self.kind!r}; known: {', '.join(k for k in KINDS if k)}")
+        if self.op in COMPUTE_OPS and (self.stage < 0 or self.micro < 0):
+            raise ProgramError(f"{self.op} needs a stage and a micro-batch, got stage={self.stage} micro={self.micro}")
+        if self.op in P2P_OPS and (self.peer < 0 or self.handle < 0 or self.kind not in ("act", "grad")):
+            raise ProgramError(f"{self.op} needs kind act/grad, a peer and a handle: {self!r}")
+        if self.op in COLLECTIVE_OPS and (not self.axis or self.handle < 0):
+            raise ProgramError(f"{self.op} needs an axis and a handle: {self!r}")
+        if self.op == "WAIT" and self.handle < 0:
+            raise ProgramError("WAIT needs a handle")
+
+    @property
+    def is_async(self) -> bool:
+        return self.op in P2P_OPS or self.op in COLLECTIVE_OPS
+
+    def __str__(self) -> str:
+        op = self.op
+        if op in COMPUTE_OPS:
+            return f"{op} s{self.stage} m{self.micro}"
+        if op == "WAIT":
+            return f"WAIT h{self.handle}"
+        if op in ("STEP", "ZERO_GRAD"):
+            return op
+        parts = [op, self.kind]
+        if self.stage >= 0:
+            parts.append(f"s{self.stage}")
+        if self.micro >= 0:
+            parts.append(f"m{self.micro}")
+        if self.bucket >= 0:
+            parts.append(f"b{self.bucket}")
+        if op == "SEND":
+            parts.append(f"-> r{self.peer}")
+        elif op == "RECV":
+            parts.append(f"<- r{self.peer}")
+        else:
+            parts.append(f"@{self.axis}")
+            if op == "BROADCAST":
+                parts.append(f"<- r{self.peer}")
+        parts.append(f"h{self.handle}")
+        if self.nbytes:
+            parts.append(f"({_fmt_bytes(self.nbytes)})")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        """Only the fields that differ from the defaults (compact JSON)."""
+        out = {"op": self.op}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "op" and v != f.default:
+                out[f.name] = v
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Instr":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ProgramError(f"unknown instruction field(s) {unknown}; known: {sorted(known)}")
+        return cls(**dict(d))
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A group of one stage's parameters whose gradients travel together.
+
+    `params` are the stage module's parameter names (tensor-parallel local
+    shapes); `numel` is their total element count; `nbytes` the bytes of the
+    gradient buffer (padded to a multiple of the data degree).
+    """
+
+    stage: int
+    params: tuple[str, ...]
+    numel: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Program:
+    """One rank's instructions for one training step.
+
+    Attributes:
+        rank, world_size: this process and the number of processes.
+        mesh: (axis, size) pairs, outermost first; sizes multiply to world_size.
+        coords: this rank's coordinate on each axis, in mesh order.
+        stages: the pipeline stages (chunks) this rank runs, ascending.
+        num_stages: stages of the whole pipeline.
+        num_micro_batches, micro_batch_size: per step, per data rank.
+        zero: ZeRO stage (0-3) the collectives implement.
+        buckets: gradient buckets the grads/params collectives name by index.
+        instrs: the instructions, in order.
+    """
+
+    rank: int
+    world_size: int
+    mesh: tuple[tuple[str, int], ...]
+    coords: tuple[int, ...]
+    stages: tuple[int, ...]
+    num_stages: int
+    num_micro_batches: int
+    micro_batch_size: int
+    instrs: tuple[Instr, ...]
+    zero: int = 0
+    buckets: tuple[Bucket, ...] = ()
+    format_version: int = PROGRAM_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mesh", tuple((str(a), int(s)) for a, s in self.mesh))
+        object.__setattr__(self, "coords", tuple(int(c) for c in self.coords))
+        if math.prod(s for _, s in self.mesh) != self.world_size:
+            raise ProgramError(f"mesh {dict(self.mesh)} has {math.prod(s for _, s in self.mesh)} ranks, "
+                               f"but world_size is {self.world_size}")
+        if len(self.coords) != len(self.mesh):
+            raise ProgramError(f"coords {self.coords} do not match mesh axes {[a for a, _ in self.mesh]}")
+        if rank_of(self.mesh, self.coords) != self.rank:
+            raise ProgramError(f"coords {self.coords} are rank {rank_of(self.mesh, self.coords)}, not {self.rank}")
+
+    # ---- views ----------------------------------------------------------
+    @property
+    def mesh_dict(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    def coord(self, axis: str) -> int:
+        names = [a for a, _ in self.mesh]
+        if axis not in names:
+            raise ProgramError(f"unknown mesh axis {axis!r}; the mesh has {names}")
+        return self.coords[names.index(axis)]
+
+    def group(self, axis: str) -> tuple[int, ...]:
+        """The global ranks of this rank's group along `axis`, in coordinate order."""
+        return axis_group(self.mesh, self.coords, axis)
+
+    def count(self, op: str) -> int:
+        return sum(1 for i in self.instrs if i.op == op)
+
+    def __str__(self) -> str:
+        head = (f"# rank {self.rank} of {self.world_size}  mesh "
+                + " x ".join(f"{a} {s}" for a, s in self.mesh)
+                + "  coords " + " ".join(f"{a}={c}" for (a, _), c in zip(self.mesh, self.coords))
+                + f"  stages {list(self.stages)}  micro-batches {self.num_micro_batches} x {self.micro_batch_size}"
+                + (f"  ZeRO {self.zero}" if self.zero else ""))
+        return "\n".join([head, *(str(i) for i in self.instrs)])
+
+    # ---- JSON -----------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format_version": self.format_version,
+            "rank": self.rank, "world_size": self.world_size,
+            "mesh": [[a, s] for a, s in self.mesh], "coords": list(self.coords),
+            "stages": list(self.stages), "num_stages": self.num_stages,
+            "num_micro_batches": self.num_micro_batches, "micro_batch_size": self.micro_batch_size,
+            "zero": self.zero,
+            "buckets": [{"stage": b.stage, "params": list(b.params), "numel": b.numel, "nbytes": b.nbytes}
+                        for b in self.buckets],
+            "instrs": [i.to_dict() for i in self.instrs],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Program":
+        version = d.get("format_version")
+        if version != PROGRAM_FORMAT_VERSION:
+            raise ProgramError(f"Program format_version {version!r} is not supported "
+                               f"(this runtime reads {PROGRAM_FORMAT_VERSION}); generate the build again")
+        try:
+            return cls(
+                rank=int(d["rank"]), world_size=int(d["world_size"]),
+                mesh=tuple((a, int(s)) for a, s in d["mesh"]), coords=tuple(d["coords"]),
+                stages=tuple(int(s) for s in d["stages"]), num_stages=int(d["num_stages"]),
+                num_micro_batches=int(d["num_micro_batches"]), micro_batch_size=int(d["micro_batch_size"]),
+                zero=int(d.get("zero", 0)),
+                buckets=tuple(Bucket(int(b["stage"]), tuple(b["params"]), int(b["numel"]), int(b["nbytes"]))
+                              for b in d.get("buckets", ())),
+                instrs=tuple(Instr.from_dict(i) for i in d["instrs"]),
+                format_version=version,
+            )
+        except KeyError as e:
+            raise ProgramError(f"Program field {e.args[0]!r} is missing") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> "Program":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Program":
+        return cls.from_json(Path(path).read_text())
+
+
+# ---- mesh helpers (the same layout as cost_models.comm.axis_groups) -------------
+
+
+def rank_of(mesh: Iterable[tuple[str, int]], coords: Iterable[int]) -> int:
+    """Global rank of `coords` on a row-major mesh (last axis fastest)."""
+    rank = 0
+    for (_, size), c in zip(mesh, coords):
+        if not 0 <= c < size:
+            raise ProgramError(f"coordinate {c} is outside an axis of size {size}")
+        rank = rank * size + c
+    return rank
+
+
+def coords_of(mesh: Iterable[tuple[str, int]], rank: int) -> tuple[int, ...]:
+    """Coordinates of a global rank (inverse of rank_of)."""
+    sizes = [s for _, s in mesh]
+    out = []
+    for s in reversed(sizes):
+        out.append(rank % s)
+        rank //= s
+    return tuple(reversed(out))
+
+
+def axis_group(mesh: Iterable[tuple[str, int]], coords: Iterable[int], axis: str) -> tuple[int, ...]:
+    """Global ranks that differ from `coords` only on `axis`, in coordinate order."""
+    mesh = tuple(mesh)
+    coords = list(coords)
+    names = [a for a, _ in mesh]
+    if axis not in names:
+        raise ProgramError(f"unknown mesh axis {axis!r}; the mesh has {names}")
+    k = names.index(axis)
+    out = []
+    for c in range(mesh[k][1]):
+        coords[k] = c
+        out.append(rank_of(mesh, coords))
+    return tuple(out)
+
+
+def all_axis_groups(mesh: Iterable[tuple[str, int]], axis: str) -> tuple[tuple[int, ...], ...]:
+    """Every group along `axis`, sorted by first rank."""
+    mesh = tuple(mesh)
+    world = math.prod(s for _, s in mesh)
+    seen: dict[tuple[int, ...], None] = {}
+    for r in range(world):
+        seen.setdefault(axis_group(mesh, coords_of(mesh, r), axis), None)
+    return tuple(sorted(seen))
+
+
+def _fmt_bytes(x: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{int(x)} B"

@@ -1,0 +1,316 @@
+"""The body of every generated rank script: check, build, connect, train, report.
+
+Order matters for "no rank left hanging": everything that can fail on one
+rank alone (arguments, world size, model factory, the model's signature,
+building the stage modules) happens before this rank talks to any other.
+Those failures are the same on every rank, so each rank exits with the same
+clear message and status 2. After the process groups exist, a failure
+publishes its reason (Communicator.report_failure) and the other ranks exit
+with it (status 1).
+
+Outputs (under --out, default the build directory):
+  metrics.jsonl              one line per step from rank 0: step, loss, seconds
+  run/rank_XXXX.json         this rank's loss and seconds per step
+  run/timeline_rank_XXXX.json  this rank's Timeline
+  run/params_rank_XXXX.pt    with --save-params: final parameters of its stages
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime.comm import CommError, PeerFailure, local_threads_hint
+from runtime.context import DistContext
+from runtime.data import DataSource
+from runtime.executor import Executor, RankFailure
+from runtime.grads import GradSync
+from runtime.materialize import (build_model_for_stages, build_stage, load_factory, meta_model, model_signature,
+                                 set_tensor_group, signature_mismatch)
+from runtime.program import Program
+from runtime.spec import StageSpec, TrainSpec
+from runtime.stage import StageRunner
+from runtime.trace import Recorder
+
+
+class LaunchError(ValueError):
+    """The processes were started in a way that does not match the build."""
+
+
+class PlanMismatchError(ValueError):
+    """The model reference builds a different model than the plan was made for."""
+
+
+_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def env_rank() -> int | None:
+    for k in _RANK_VARS:
+        if os.environ.get(k, "").strip().isdigit():
+            return int(os.environ[k])
+    return None
+
+
+def env_world_size() -> tuple[int, str] | None:
+    for k in _SIZE_VARS:
+        if os.environ.get(k, "").strip().isdigit():
+            return int(os.environ[k]), k
+    return None
+
+
+def parse_args(argv, default_out: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="Run one rank of a meshplan build.")
+    ap.add_argument("--backend", choices=("gloo", "nccl", "mpi"), default=None,
+                    help="communication backend (default: nccl with CUDA, else gloo)")
+    ap.add_argument("--steps", type=int, default=1, help="optimizer steps to run")
+    ap.add_argument("--out", default=default_out, help="where metrics and traces go (default: the build dir)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds any rendezvous or communication may take")
+    ap.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    ap.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", "29500")))
+    ap.add_argument("--save-params", action="store_true", help="save the final parameters of this rank's stages")
+    ap.add_argument("--no-trace", action="store_true", help="do not write the Timeline")
+    ap.add_argument("--fail-at", default=None, metavar="RANK:STEP:INSTR",
+                    help="(testing) make RANK raise at this step and instruction index")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        raise LaunchError(f"--steps must be at least 1, got {args.steps}")
+    return args
+
+
+def _exit_hard(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@dataclass
+class Prepared:
+    """Everything a rank sets up alone, before it talks to any other rank."""
+
+    rank: int
+    program: Program
+    spec: TrainSpec
+    args: argparse.Namespace
+    backend: str
+    device: torch.device
+    specs: dict[int, StageSpec]
+    modules: dict[int, torch.nn.Module]
+    data: DataSource | None
+    fail_at: tuple[int, int] | None
+
+
+@dataclass
+class RankSession:
+    """A connected rank, ready to run steps (`executor.run_step(step)`)."""
+
+    prepared: Prepared
+    comm: object
+    executor: Executor
+    grads: GradSync | None
+
+    def close(self) -> None:
+        self.comm.shutdown()
+
+
+def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: dict,
+            argv: list[str] | None = None, build_dir: str = ".") -> Prepared:
+    """Parse the arguments, check the launch, build this rank's stage modules and data.
+
+    Raises ValueError (LaunchError, PlanMismatchError, RefError, ...) or ImportError:
+    the same on every rank, so every rank can exit with it without waiting for the others.
+    """
+    args = parse_args(argv, build_dir)
+    prog = Program.from_dict(program)
+    spec = TrainSpec.from_dict(train)
+    _check_launch(rank, prog, args)
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    model = meta_model(spec)
+    if model_signature(model) != signature["hash"]:
+        if not signature.get("shapes") and (Path(build_dir) / "build.json").is_file():
+            signature = json.loads((Path(build_dir) / "build.json").read_text()).get("signature", signature)
+        raise PlanMismatchError(
+            f"the plan was made for another model: {spec.model_ref} with {spec.model_kwargs} builds "
+            f"{type(model).__name__} whose tensors differ ({signature_mismatch(model, signature['shapes'])}); "
+            "make the plan and the build again for this model")
+    del model
+    fail_at = _parse_fail_at(args.fail_at, rank)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" \
+        else torch.device("cpu")
+    tcoord = prog.coord("tensor") if "tensor" in prog.mesh_dict else 0
+    tsize = prog.mesh_dict.get("tensor", 1)
+    full = build_model_for_stages(spec)
+    specs = {int(s): StageSpec.from_dict(d) for s, (_c, d) in stages.items()}
+    modules = {s: build_stage(stages[s][0], specs[s], spec, tcoord, tsize, device, full_model=full)
+               for s in sorted(specs)}
+    del full
+    data = None
+    if any(b.source == "data" for sp in specs.values() for b in sp.inputs) or any(sp.is_last for sp in specs.values()):
+        data = DataSource(load_factory(spec.data_ref, spec.root, "data factory"), dict(spec.data_kwargs),
+                          spec.global_batch_size, prog.micro_batch_size, prog.coord("data"),
+                          prog.mesh_dict["data"], spec.data_seed, name=f"data factory {spec.data_ref}")
+    return Prepared(rank, prog, spec, args, backend, device, specs, modules, data, fail_at)
+
+
+def connect(p: Prepared) -> RankSession:
+    """Join the other ranks: process groups, tensor-parallel groups, gradient buckets, optimizer."""
+    comm = _make_comm(p.backend, p.rank, p.program.world_size, p.args, p.device)
+    try:
+        ctx = DistContext.create(comm, p.program.mesh, timeout=p.args.timeout)
+        tgroup = ctx.group("tensor") if "tensor" in ctx.groups else None
+        d = ctx.size("data")
+        runners = {}
+        for s, sp in p.specs.items():
+            set_tensor_group(p.modules[s], tgroup)
+            class_split = None
+            if sp.is_last and sp.output_split is not None and tgroup is not None and tgroup.size > 1:
+                class_split = (sp.output_split.contiguous_start(tgroup.rank, tgroup.size), tgroup)
+            runners[s] = StageRunner(sp, p.modules[s], loss=p.spec.loss, class_split=class_split,
+                                     loss_scale=1.0 / (p.program.num_micro_batches * d), dtype=p.spec.dtype,
+                                     device=p.device)
+        grads = GradSync(p.program.buckets, p.modules, ctx.group("data"), p.program.zero, p.device) \
+            if p.program.buckets else None
+        if grads is not None:
+            params = grads.optimizer_params(p.modules)
+            grads.release_params()
+        else:
+            params = [q for s in sorted(p.modules) for q in p.modules[s].parameters() if q.requires_grad]
+        optimizer = p.spec.optimizer.build(params) if params else None
+        comm.barrier()
+        recorder = Recorder(p.rank, enabled=not p.args.no_trace)
+        ex = Executor(p.program, ctx, runners, grads, optimizer, p.data, recorder, fail_at=p.fail_at)
+    except BaseException:
+        comm.report_failure(f"rank {p.rank} failed while connecting", grace=min(10.0, p.args.timeout))
+        raise
+    return RankSession(p, comm, ex, grads)
+
+
+def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: dict,
+             argv: list[str] | None = None, build_dir: str = ".", exit_on_failure: bool = True) -> int:
+    """Run this rank. `stages` maps stage index -> (stage class, StageSpec dict).
+
+    `signature` holds "hash" (runtime.materialize.model_signature of the planned
+    model) and "shapes" (tensor name -> shape) for the error message.
+    Returns the exit status (0 ok, 2 user error); peer and runtime failures exit the
+    process with status 1 (when exit_on_failure) after telling the other ranks.
+    """
+    local_threads_hint()
+    tag = f"meshplan rank {rank}"
+    try:
+        prep = prepare(rank=rank, program=program, stages=stages, train=train, signature=signature, argv=argv,
+                       build_dir=build_dir)
+    except (ValueError, ImportError) as e:
+        print(f"{tag}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    grace = min(10.0, prep.args.timeout)
+    try:
+        session = connect(prep)
+    except PeerFailure as e:
+        print(f"{tag}: stopping because another rank failed: {e}", file=sys.stderr, flush=True)
+        return _stop(exit_on_failure)
+    except (CommError, ValueError) as e:
+        print(f"{tag}: error: {e}", file=sys.stderr, flush=True)
+        return _stop(exit_on_failure)
+    comm = session.comm
+    try:
+        _train(session)
+    except PeerFailure as e:
+        print(f"{tag}: stopping because another rank failed: {e}", file=sys.stderr, flush=True)
+        comm.acknowledge_failure(grace=grace)
+        return _stop(exit_on_failure)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks
+        msg = str(e) if isinstance(e, (RankFailure, CommError)) else \
+            f"rank {rank} failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        print(f"{tag}: error: {msg}", file=sys.stderr, flush=True)
+        if not isinstance(e, (RankFailure, CommError)):
+            traceback.print_exc()
+        comm.report_failure(msg, grace=grace)
+        return _stop(exit_on_failure)
+    session.close()
+    return 0
+
+
+def _stop(exit_on_failure: bool) -> int:
+    if exit_on_failure:
+        _exit_hard(1)
+    return 1
+
+
+def _check_launch(rank: int, prog: Program, args) -> None:
+    if prog.rank != rank:
+        raise LaunchError(f"this script is rank {rank} but holds the Program of rank {prog.rank}")
+    er = env_rank()
+    if er is not None and er != rank and args.backend != "mpi":
+        raise LaunchError(f"this is the script of rank {rank}, but the launcher says this process is rank {er}; "
+                          "start the build through run_rank.py or its launch scripts")
+    ws = env_world_size()
+    if ws is not None and ws[0] != prog.world_size:
+        raise LaunchError(f"the plan needs {prog.world_size} processes (mesh "
+                          + " x ".join(f"{a} {s}" for a, s in prog.mesh)
+                          + f"), but {ws[0]} were started ({ws[1]}={ws[0]}); start exactly {prog.world_size}")
+
+
+def _parse_fail_at(text: str | None, rank: int) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        r, s, i = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise LaunchError(f"--fail-at wants RANK:STEP:INSTR, got {text!r}") from None
+    return (s, i) if r == rank else None
+
+
+def _make_comm(backend: str, rank: int, world_size: int, args, device):
+    if backend == "mpi":
+        from runtime.comm import MpiCommunicator
+
+        comm = MpiCommunicator(timeout=args.timeout)
+        if comm.world_size != world_size:
+            raise LaunchError(f"the plan needs {world_size} processes, but MPI started {comm.world_size}; "
+                              f"run mpirun -n {world_size}")
+        if comm.rank != rank:
+            raise LaunchError(f"MPI says this process is rank {comm.rank}, but this is the script of rank {rank}")
+        return comm
+    from runtime.comm import TorchCommunicator
+
+    return TorchCommunicator(backend, rank, world_size, args.master_addr, args.master_port, timeout=args.timeout,
+                             use_agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                             device=device)
+
+
+def _train(session: RankSession) -> None:
+    p, ex = session.prepared, session.executor
+    rank, args = p.rank, p.args
+    out = Path(args.out)
+    run_dir = out / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.jsonl"
+    if rank == 0:
+        metrics.write_text("")
+    losses, seconds = [], []
+    for step in range(args.steps):
+        r = ex.run_step(step)
+        losses.append(r.loss)
+        seconds.append(r.seconds)
+        if rank == 0:
+            with metrics.open("a") as f:
+                f.write(json.dumps({"step": step, "loss": r.loss, "seconds": r.seconds}) + "\n")
+    grads = session.grads
+    if args.save_params:
+        if grads is not None and grads.zero >= 3:
+            for st in grads.states:
+                grads.gather_params(st.index).wait()
+        torch.save({s: {k: v.detach().cpu().clone() for k, v in m.named_parameters()}
+                    for s, m in p.modules.items()}, run_dir / f"params_rank_{rank:04d}.pt")
+    (run_dir / f"rank_{rank:04d}.json").write_text(json.dumps(
+        {"rank": rank, "losses": losses, "seconds": seconds, "stages": sorted(p.specs)}))
+    if not args.no_trace:
+        ex.recorder.timeline().save(run_dir / f"timeline_rank_{rank:04d}.json")
+    session.comm.barrier()

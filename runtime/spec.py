@@ -1,0 +1,202 @@
+"""What a rank needs besides its Program: the training setup and its stages' specs.
+
+`TrainSpec` is the build's training setup (build.json): which model and data
+factories, seeds, loss, optimizer, how parameters are initialised.
+`StageSpec` describes one pipeline stage's generated module: what it
+receives and sends (local shapes for one micro-batch), which modules of the
+model it calls, and how tensor parallelism splits them.
+
+Initialisation (`TrainSpec.init`), and what each is bit-equal to:
+  "seed":       every rank builds the whole model on the CPU after
+                torch.manual_seed(seed) and keeps its slice. Equal to
+                `torch.manual_seed(seed); factory(**kwargs)` in one process.
+                Simple and exact; for models that fit in one host's memory.
+  "per-module": the model is built on meta; each rank materializes only the
+                modules its stage calls (to_empty + reset_parameters() under a
+                seed derived from the module's path) and slices them. Equal to
+                the reference built the same way (runtime.materialize.build_model
+                with init="per-module"), not to factory() under one global seed.
+  "checkpoint": the model is built on meta and each rank reads its modules'
+                tensors from a state_dict file (torch.save), then slices them.
+                Equal to loading that file into the single-process model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.optim import OptimizerSpec
+from runtime.tensor_parallel import FeatureSplit, ModuleShard
+
+INITS = ("seed", "per-module", "checkpoint")
+DTYPES = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+
+
+class SpecError(ValueError):
+    """A build file or spec that is malformed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """The training setup every rank and the reference share.
+
+    Attributes:
+        model_ref / model_kwargs: factory ("examples/models/gpt.py:build") and its arguments.
+        data_ref / data_kwargs: batch factory fn(batch_size, seed, **kw) -> ((inputs...), targets).
+        global_batch_size: samples per optimizer step over all data ranks.
+        seed: parameter initialisation seed; data_seed + step seeds each step's batch.
+        loss: "cross_entropy" or "mse"; optimizer: OptimizerSpec.
+        init: "seed", "per-module" or "checkpoint" (see module docstring); checkpoint: its file.
+        dtype: "fp32", or "bf16"/"fp16" for autocast mixed precision (fp32 master weights).
+        root: directory that relative refs and paths are resolved against.
+    """
+
+    model_ref: str
+    data_ref: str
+    global_batch_size: int
+    model_kwargs: dict = field(default_factory=dict)
+    data_kwargs: dict = field(default_factory=dict)
+    seed: int = 0
+    data_seed: int = 1000
+    loss: str = "cross_entropy"
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    init: str = "seed"
+    checkpoint: str | None = None
+    dtype: str = "fp32"
+    root: str = ""
+
+    def __post_init__(self) -> None:
+        if self.init not in INITS:
+            raise SpecError(f"unknown init {self.init!r}; known: {', '.join(INITS)}")
+        if self.init == "checkpoint" and not self.checkpoint:
+            raise SpecError("init 'checkpoint' needs the checkpoint file (a torch.save'd state_dict)")
+        if self.dtype not in DTYPES:
+            raise SpecError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPES)}")
+        if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
+            raise SpecError(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
+        from runtime.losses import check_loss
+
+        check_loss(self.loss)
+
+    def replace(self, **changes: Any) -> "TrainSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["optimizer"] = self.optimizer.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise SpecError(f"unknown build field(s) {unknown}; known: {sorted(known)}")
+        d = dict(d)
+        d["optimizer"] = OptimizerSpec.from_dict(d.get("optimizer", {}))
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise SpecError(f"build spec: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TrainSpec":
+        p = Path(path)
+        if not p.is_file():
+            raise SpecError(f"build file {p} does not exist")
+        return cls.from_dict(json.loads(p.read_text()))
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A tensor crossing into or out of a stage, for one micro-batch, as this rank holds it.
+
+    source: for a stage input, "recv" (from the previous stage) or "data" (the model's
+    positional input `data_index`, read from the data factory); "send" for a stage output.
+    requires_grad: a gradient travels back for it.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+    source: str = "recv"
+    data_index: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        import torch
+
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage's generated module and how to build it on a rank.
+
+    Attributes:
+        index: stage (chunk) number; layers: the model's layer names it runs.
+        inputs: positional arguments of the stage's forward, in order.
+        outputs: the tensors it sends to the next stage (empty for the last stage,
+            which returns the model's output).
+        modules: model module paths its code calls; attributes: parameter and buffer
+            paths it reads directly (get_attr).
+        shards: tensor-parallel splits of its modules (empty without tensor parallelism).
+        output_split: on the last stage, how the model output's last dimension is split
+            over the tensor axis (vocabulary-parallel logits), else None.
+        recompute: "none", "selective" or "full" (the generated code applies it).
+    """
+
+    index: int
+    layers: tuple[str, ...]
+    inputs: tuple[Boundary, ...]
+    outputs: tuple[Boundary, ...]
+    modules: tuple[str, ...]
+    attributes: tuple[str, ...] = ()
+    shards: tuple[ModuleShard, ...] = ()
+    is_last: bool = False
+    output_split: FeatureSplit | None = None
+    recompute: str = "none"
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index, "layers": list(self.layers),
+            "inputs": [_bdict(b) for b in self.inputs], "outputs": [_bdict(b) for b in self.outputs],
+            "modules": list(self.modules), "attributes": list(self.attributes),
+            "shards": [s.to_dict() for s in self.shards], "is_last": self.is_last,
+            "output_split": self.output_split.to_list() if self.output_split else None,
+            "recompute": self.recompute,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StageSpec":
+        return cls(
+            index=int(d["index"]), layers=tuple(d["layers"]),
+            inputs=tuple(_bload(b) for b in d["inputs"]), outputs=tuple(_bload(b) for b in d["outputs"]),
+            modules=tuple(d["modules"]), attributes=tuple(d.get("attributes", ())),
+            shards=tuple(ModuleShard.from_dict(s) for s in d.get("shards", ())),
+            is_last=bool(d.get("is_last", False)),
+            output_split=FeatureSplit.from_list(d["output_split"]) if d.get("output_split") else None,
+            recompute=d.get("recompute", "none"),
+        )
+
+
+def _bdict(b: Boundary) -> dict:
+    return {"name": b.name, "shape": list(b.shape), "dtype": b.dtype, "requires_grad": b.requires_grad,
+            "source": b.source, "data_index": b.data_index}
+
+
+def _bload(d: dict) -> Boundary:
+    return Boundary(d["name"], tuple(d["shape"]), d["dtype"], bool(d["requires_grad"]), d.get("source", "recv"),
+                    int(d.get("data_index", -1)))

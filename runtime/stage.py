@@ -1,0 +1,91 @@
+"""`StageRunner`: forward and backward of one pipeline stage, per micro-batch.
+
+Forward keeps what backward needs (the stage's inputs that take gradients,
+its outputs, or the loss on the last stage) keyed by micro-batch; backward
+releases it. On the last stage the loss is scaled by 1/(micro-batches x
+data degree) before backward, so that gradients summed over micro-batches
+and over data ranks are those of the mean loss over the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from runtime.losses import compute_loss
+from runtime.spec import StageSpec
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class StageRunner:
+    """Runs `module` (the generated stage module) for micro-batches.
+
+    Args:
+        spec: the stage's StageSpec.
+        module: the stage module (forward(*inputs) -> tuple of outputs, or the model
+            output on the last stage).
+        loss: loss name (last stage only); class_split: (first class, tensor group) for
+            vocabulary-parallel logits.
+        loss_scale: factor applied to each micro-batch loss before backward.
+        dtype: "fp32" or "bf16"/"fp16" (autocast; parameters stay fp32).
+    """
+
+    def __init__(self, spec: StageSpec, module: nn.Module, *, loss: str = "cross_entropy",
+                 class_split=None, loss_scale: float = 1.0, dtype: str = "fp32",
+                 device: torch.device | str = "cpu"):
+        self.spec = spec
+        self.module = module
+        self.loss_name = loss
+        self.class_split = class_split
+        self.loss_scale = float(loss_scale)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._saved: dict[int, tuple] = {}
+        self.losses: dict[int, float] = {}
+
+    def _autocast(self):
+        if self.dtype == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=_AUTOCAST[self.dtype])
+
+    def forward(self, micro: int, inputs: list[torch.Tensor], targets: torch.Tensor | None = None):
+        """Run forward; returns the tensors to send (non-last stage) or the loss (last stage)."""
+        args = []
+        for b, x in zip(self.spec.inputs, inputs):
+            if b.requires_grad and x.is_floating_point():
+                x = x.detach().requires_grad_(True)
+            args.append(x)
+        with self._autocast():
+            out = self.module(*args)
+        if self.spec.is_last:
+            with self._autocast():
+                loss = compute_loss(self.loss_name, out, targets, class_split=self.class_split)
+            self.losses[micro] = float(loss.detach())
+            self._saved[micro] = (args, loss)
+            return loss
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if len(outs) != len(self.spec.outputs):
+            raise RuntimeError(f"stage {self.spec.index} returned {len(outs)} tensors, its spec sends "
+                               f"{len(self.spec.outputs)}")
+        self._saved[micro] = (args, outs)
+        return outs
+
+    def backward(self, micro: int, grads: list[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
+        """Backward of one micro-batch; returns the gradients of the inputs that take them
+        (None for the others), in input order."""
+        args, out = self._saved.pop(micro)
+        if self.spec.is_last:
+            (out * self.loss_scale).backward()
+        else:
+            pairs = [(o, g) for o, b, g in zip(out, self.spec.outputs, grads or [None] * len(out))
+                     if b.requires_grad and g is not None and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+        return [a.grad if (b.requires_grad and isinstance(a, torch.Tensor) and a.requires_grad) else None
+                for a, b in zip(args, self.spec.inputs)]
+
+    def pending(self) -> int:
+        return len(self._saved)

@@ -1,0 +1,161 @@
+"""`Timeline`: start and end of every instruction, per rank.
+
+The runtime records a measured Timeline while it executes Programs; the
+simulator writes a predicted one from the same Programs. Both save as JSON
+and export Chrome / Perfetto trace JSON (open in ui.perfetto.dev or
+chrome://tracing).
+
+Times are seconds from the start of the run (ranks align their clocks at a
+barrier). An asynchronous instruction (SEND, RECV, a collective) is one
+event from its issue to its completion, on the rank's "comm" track; the
+WAIT that blocks on it is a separate event on the "compute" track.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+TIMELINE_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Event:
+    """One instruction's interval on one rank. Seconds."""
+
+    rank: int
+    step: int
+    index: int        # position in the rank's Program (-1 for events outside it)
+    name: str         # the instruction as printed, e.g. "F s1 m3"
+    op: str
+    start: float
+    end: float
+    track: str = "compute"   # "compute" (blocking) or "comm" (asynchronous, issue to completion)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Events of one or more ranks; `source` says "measured" or "predicted"."""
+
+    events: tuple[Event, ...]
+    source: str = "measured"
+    format_version: int = TIMELINE_FORMAT_VERSION
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({e.rank for e in self.events}))
+
+    def for_rank(self, rank: int) -> "Timeline":
+        return Timeline(tuple(e for e in self.events if e.rank == rank), self.source)
+
+    def for_step(self, step: int) -> "Timeline":
+        return Timeline(tuple(e for e in self.events if e.step == step), self.source)
+
+    def step_times(self) -> dict[int, float]:
+        """Seconds from the first event's start to the last event's end, per step (all ranks)."""
+        out: dict[int, tuple[float, float]] = {}
+        for e in self.events:
+            lo, hi = out.get(e.step, (e.start, e.end))
+            out[e.step] = (min(lo, e.start), max(hi, e.end))
+        return {s: hi - lo for s, (lo, hi) in sorted(out.items())}
+
+    def overlap_fraction(self, op: str = "ALLREDUCE", name_contains: str = "grads",
+                         behind: tuple[str, ...] = ("B",)) -> float | None:
+        """Fraction of the time spent in `op` collectives that ran while the same rank
+        was busy in `behind` instructions (backward): 1.0 is fully hidden.
+
+        None when there is no such collective.
+        """
+        total = hidden = 0.0
+        for rank in self.ranks:
+            evs = [e for e in self.events if e.rank == rank]
+            busy = _union([(e.start, e.end) for e in evs if e.op in behind])
+            for e in evs:
+                if e.op == op and name_contains in e.name and e.track == "comm":
+                    total += e.duration
+                    hidden += sum(max(0.0, min(e.end, hi) - max(e.start, lo)) for lo, hi in busy)
+        return hidden / total if total > 0 else None
+
+    # ---- JSON -----------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"format_version": self.format_version, "source": self.source,
+                "events": [asdict(e) for e in self.events]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Timeline":
+        if d.get("format_version") != TIMELINE_FORMAT_VERSION:
+            raise ValueError(f"Timeline format_version {d.get('format_version')!r} is not "
+                             f"{TIMELINE_FORMAT_VERSION}; record it again")
+        return cls(tuple(Event(**e) for e in d["events"]), d.get("source", "measured"))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Timeline":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def merge(cls, timelines: Iterable["Timeline"]) -> "Timeline":
+        tls = list(timelines)
+        events = tuple(sorted((e for t in tls for e in t.events), key=lambda e: (e.start, e.rank)))
+        return cls(events, tls[0].source if tls else "measured")
+
+    def to_chrome(self) -> dict:
+        """Chrome trace-event JSON: one process per rank, a compute and a comm thread."""
+        tids = {"compute": 0, "comm": 1}
+        out = []
+        for r in self.ranks:
+            out.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
+            for track, tid in tids.items():
+                out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": track}})
+        for e in self.events:
+            out.append({"name": e.name, "cat": e.op, "ph": "X", "pid": e.rank, "tid": tids.get(e.track, 0),
+                        "ts": e.start * 1e6, "dur": max(e.duration, 0.0) * 1e6,
+                        "args": {"step": e.step, "index": e.index}})
+        return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"source": self.source}}
+
+    def save_chrome(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_chrome()))
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+@dataclass
+class Recorder:
+    """Collects one rank's events while it runs (mutable; owned by the executor).
+
+    `origin` is the perf_counter reading that counts as time 0 (set after a
+    barrier so all ranks of a run share it to within the barrier's skew).
+    """
+
+    rank: int
+    origin: float = field(default_factory=time.perf_counter)
+    events: list[Event] = field(default_factory=list)
+    enabled: bool = True
+
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def add(self, step: int, index: int, name: str, op: str, start: float, end: float,
+            track: str = "compute") -> None:
+        if self.enabled:
+            self.events.append(Event(self.rank, step, index, name, op, start, end, track))
+
+    def timeline(self) -> Timeline:
+        return Timeline(tuple(self.events))

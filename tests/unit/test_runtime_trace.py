@@ -1,0 +1,44 @@
+"""runtime.trace: Timeline JSON, Chrome trace export, and the overlap measure."""
+
+import json
+
+from runtime.trace import Event, Recorder, Timeline
+
+
+def _tl():
+    ev = [Event(0, 0, 0, "F s0 m0", "F", 0.0, 1.0), Event(0, 0, 1, "B s0 m0", "B", 1.0, 3.0),
+          Event(0, 0, 2, "ALLREDUCE grads s0 b0 @data h0", "ALLREDUCE", 2.0, 4.0, "comm"),
+          Event(0, 0, 3, "WAIT h0", "WAIT", 3.0, 4.0),
+          Event(1, 0, 0, "F s0 m0", "F", 0.0, 1.5)]
+    return Timeline(tuple(ev))
+
+
+def test_timeline_json_round_trip(tmp_path):
+    tl = _tl()
+    tl.save(tmp_path / "t.json")
+    assert Timeline.load(tmp_path / "t.json") == tl
+    assert Timeline.merge([tl.for_rank(1), tl.for_rank(0)]).events == tuple(sorted(tl.events, key=lambda e: (e.start, e.rank)))
+
+
+def test_chrome_trace_has_one_process_per_rank_and_comm_track(tmp_path):
+    tl = _tl()
+    tl.save_chrome(tmp_path / "trace.json")
+    d = json.loads((tmp_path / "trace.json").read_text())
+    xs = [e for e in d["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == 5 and {e["pid"] for e in xs} == {0, 1}
+    ar = next(e for e in xs if e["cat"] == "ALLREDUCE")
+    assert ar["tid"] == 1 and ar["ts"] == 2e6 and ar["dur"] == 2e6
+
+
+def test_overlap_fraction_counts_collective_time_under_backward():
+    assert _tl().overlap_fraction() == 0.5      # [2, 4] overlaps B [1, 3] for 1 of 2 s
+    assert Timeline(()).overlap_fraction() is None
+    assert _tl().step_times() == {0: 4.0}
+
+
+def test_recorder_collects_events():
+    rec = Recorder(3)
+    t0 = rec.now()
+    rec.add(0, 1, "STEP", "STEP", t0, rec.now())
+    tl = rec.timeline()
+    assert tl.ranks == (3,) and tl.events[0].duration >= 0

@@ -1,0 +1,91 @@
+"""The Program simulator on hand-built Programs with known answers."""
+
+import pytest
+
+from cost_models.comm import collective_time
+from cost_models.hardware import Cluster
+from cost_models.simulate import ComputeCosts, SimulationDeadlock, simulate
+from runtime.program import Instr, Program
+
+CL = Cluster.preset("dgx-a100-80gb")
+
+
+def prog(rank, world, mesh, instrs, stages=(0,), num_stages=1, m=1):
+    coords, rest = [], rank
+    for _, size in reversed(mesh):
+        coords.append(rest % size)
+        rest //= size
+    return Program(rank=rank, world_size=world, mesh=tuple(mesh), coords=tuple(reversed(coords)), stages=stages,
+                   num_stages=num_stages, num_micro_batches=m, micro_batch_size=1, instrs=tuple(instrs))
+
+
+def I(op, **kw):
+    return Instr(op, **kw)
+
+
+def two_stage_1f1b():
+    mesh = [("pipe", 2), ("data", 1), ("tensor", 1)]
+    r0 = [I("F", stage=0, micro=0), I("SEND", kind="act", stage=0, micro=0, peer=1, handle=0),
+          I("F", stage=0, micro=1), I("SEND", kind="act", stage=0, micro=1, peer=1, handle=1),
+          I("RECV", kind="grad", stage=0, micro=0, peer=1, handle=2), I("WAIT", handle=2), I("B", stage=0, micro=0),
+          I("RECV", kind="grad", stage=0, micro=1, peer=1, handle=3), I("WAIT", handle=3), I("B", stage=0, micro=1),
+          I("WAIT", handle=0), I("WAIT", handle=1), I("STEP")]
+    r1 = [I("RECV", kind="act", stage=0, micro=0, peer=0, handle=0), I("RECV", kind="act", stage=0, micro=1, peer=0, handle=1),
+          I("WAIT", handle=0), I("F", stage=1, micro=0), I("B", stage=1, micro=0),
+          I("SEND", kind="grad", stage=0, micro=0, peer=0, handle=2),
+          I("WAIT", handle=1), I("F", stage=1, micro=1), I("B", stage=1, micro=1),
+          I("SEND", kind="grad", stage=0, micro=1, peer=0, handle=3), I("WAIT", handle=2), I("WAIT", handle=3), I("STEP")]
+    return [prog(0, 2, mesh, r0, (0,), 2, 2), prog(1, 2, mesh, r1, (1,), 2, 2)]
+
+
+def test_two_stage_1f1b_takes_m_plus_p_minus_1_slots():
+    costs = ComputeCosts(forward={0: 1.0, 1: 1.0}, backward={0: 2.0, 1: 2.0})
+    tl = simulate(two_stage_1f1b(), costs, CL)
+    assert tl.step_times()[0] == pytest.approx((2 + 2 - 1) * 3.0)
+    b = [e for e in tl.events if e.rank == 0 and e.op == "B"]
+    assert [(e.start, e.end) for e in b] == [(4.0, 6.0), (7.0, 9.0)]
+    assert tl.source == "predicted"
+
+
+def test_ring_allreduce_after_backward():
+    mesh = [("pipe", 1), ("data", 4), ("tensor", 1)]
+    n = 10**9
+    progs = [prog(r, 4, mesh, [I("F", stage=0, micro=0), I("B", stage=0, micro=0),
+                                I("ALLREDUCE", kind="grads", stage=0, bucket=0, axis="data", handle=0, nbytes=n),
+                                I("WAIT", handle=0), I("STEP")]) for r in range(4)]
+    costs = ComputeCosts(forward={0: 0.01}, backward={0: 0.02})
+    tl = simulate(progs, costs, CL)
+    ar = collective_time(CL, "all_reduce", n, [0, 1, 2, 3]).seconds
+    assert tl.step_times()[0] == pytest.approx(0.03 + ar)
+    comm = [e for e in tl.events if e.op == "ALLREDUCE"]
+    assert len(comm) == 4 and all(e.track == "comm" for e in comm)
+
+
+def test_bucketed_allreduce_overlaps_the_backward():
+    mesh = [("pipe", 1), ("data", 2), ("tensor", 1)]
+    n = 10**8
+    instrs = [I("B", stage=0, micro=0)] + \
+        [I("ALLREDUCE", kind="grads", stage=0, bucket=k, axis="data", handle=k, nbytes=n) for k in range(4)] + \
+        [I("WAIT", handle=k) for k in range(4)]
+    progs = [prog(r, 2, mesh, instrs) for r in range(2)]
+    one = collective_time(CL, "all_reduce", n, [0, 1]).seconds
+    tl = simulate(progs, ComputeCosts(forward={0: 0.0}, backward={0: 4 * one}), CL)
+    # bucket k is ready at (k+1)/4 of the backward: three of four hide behind it
+    assert tl.step_times()[0] == pytest.approx(5 * one)
+    assert tl.overlap_fraction() == pytest.approx(0.75)
+
+
+def test_deadlock_is_reported_not_hung():
+    mesh = [("pipe", 2), ("data", 1), ("tensor", 1)]
+    r0 = [I("RECV", kind="grad", stage=0, micro=0, peer=1, handle=0), I("WAIT", handle=0)]
+    r1 = [I("RECV", kind="act", stage=0, micro=0, peer=0, handle=0), I("WAIT", handle=0)]
+    with pytest.raises(SimulationDeadlock, match=r"rank 0: #1 WAIT h0[\s\S]*rank 1: #1 WAIT h0"):
+        simulate([prog(0, 2, mesh, r0), prog(1, 2, mesh, r1)], ComputeCosts({}, {}), CL)
+
+
+def test_bad_input():
+    progs = two_stage_1f1b()
+    with pytest.raises(ValueError, match="all 2 ranks"):
+        simulate(progs[:1], ComputeCosts({0: 1.0}, {0: 1.0}), CL)
+    with pytest.raises(ValueError, match="no forward cost for stage 1"):
+        simulate(progs, ComputeCosts({0: 1.0}, {0: 1.0}), CL)
