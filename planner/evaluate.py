@@ -86,7 +86,7 @@ class Evaluator:
         self.sharding: ShardingPlan = find_sharding(graph)
         self._nodes = {n.name: n for n in graph.nodes}
         self._layer_cache: dict[tuple, LayerCost] = {}
-        self._region_cache: dict[tuple, frozenset[int]] = {}
+        self._region_cache: dict[tuple, frozenset[int]] = {}  # positions within the layer
         self._bounds_cache: dict[tuple, list[tuple[int, int]]] = {}
         self._fwd_flops_per_sample = graph.total_fwd_flops / graph.batch_size
         self._layer_inputs = self._input_bytes_per_layer()
@@ -441,19 +441,25 @@ class Evaluator:
                          temp=2 * n.output_bytes * scale * ds / div)
 
     def sharded_regions(self, layer: Layer, config: ParallelConfig) -> frozenset[int]:
-        """Regions of `layer` the ILP shards at this tensor degree (cached per layer signature)."""
+        """Regions of `layer` the ILP shards at this tensor degree.
+
+        The decision is cached per layer signature, as the positions of the chosen
+        regions within the layer (first, second, ...): repeated blocks share the
+        decision but each has its own region ids.
+        """
         if config.tensor == 1:
             return frozenset()
-        key = (layer.signature, config.tensor, config.micro_batch_size, config.dtype)
-        hit = self._region_cache.get(key)
-        if hit is not None:
-            return hit
         roles = self.sharding.roles
-        by_region: dict[int, list[OpInfo]] = {}
+        by_region: dict[int, list[OpInfo]] = {}  # in order of first appearance in the layer
         for name in layer.nodes:
             r = roles[name].region
             if r >= 0:
                 by_region.setdefault(r, []).append(self._nodes[name])
+        ordered = list(by_region)
+        key = (layer.signature, config.tensor, config.micro_batch_size, config.dtype)
+        hit = self._region_cache.get(key)
+        if hit is not None:
+            return frozenset(ordered[i] for i in hit if i < len(ordered))
         pb = param_bytes(config.dtype, config.zero, config.data).total
         options, edges = [], []
         for r, nodes in by_region.items():
@@ -474,7 +480,7 @@ class Evaluator:
             chosen = frozenset(by_region)
         else:
             chosen, _ = choose_shardings(options, edges, memory_cap=self.cluster.device.memory_bytes)
-        self._region_cache[key] = chosen
+        self._region_cache[key] = frozenset(i for i, r in enumerate(ordered) if r in chosen)
         return chosen
 
     def node_roles(self, config: ParallelConfig) -> dict[str, str]:

@@ -188,3 +188,13 @@ def test_ilp_shards_big_layers_and_replicates_tiny_ones(tiny):
     forced = planner.evaluate(tiny, A100, cfg, global_batch_size=16, sharding="all")
     chosen = planner.evaluate(tiny, A100, cfg, global_batch_size=16)
     assert chosen.step_time <= forced.step_time
+
+
+def test_repeated_blocks_share_the_ilp_decision_but_keep_their_own_regions():
+    """The decision cached for blocks.0 applies to blocks.1, blocks.2 ... by position, not by region id."""
+    wide = _graph(batch=8, preset="tiny", hidden=2048, num_heads=16, seq_len=512)
+    roles = planner.Evaluator(wide, A100).node_roles(ParallelConfig(data=4, tensor=2))
+    blocks = sorted({n.split("_")[1] for n in roles if n.startswith("blocks_")})
+    assert len(blocks) == sum(1 for layer in wide.layers if layer.name.startswith("blocks")) >= 2
+    for b in blocks:
+        assert roles[f"blocks_{b}_attn_qkv"] == "column" and roles[f"blocks_{b}_mlp_proj"] == "row"
