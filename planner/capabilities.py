@@ -20,10 +20,11 @@ class RuntimeSupport:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     bidirectional: bool = False
+    # fp16 needs loss scaling, which the runtime does not do yet; bf16 and fp32 need none.
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
 
     def allows(self, config: ParallelConfig) -> bool:
-        return (config.schedule in self.schedules and config.recompute in self.recompute
-                and config.zero in self.zero_stages and (self.bidirectional or not config.bidirectional))
+        return self.why_not(config) is None
 
     def why_not(self, config: ParallelConfig) -> str | None:
         """A sentence saying what the runtime cannot run in `config`, or None."""
@@ -35,6 +36,8 @@ class RuntimeSupport:
             return f"the runtime does not run recompute={config.recompute!r}"
         if config.zero not in self.zero_stages:
             return f"the runtime does not run ZeRO stage {config.zero}"
+        if config.dtype not in self.dtypes:
+            return f"the runtime does not train in {config.dtype} (no loss scaling); use bf16 or fp32"
         return None
 
 

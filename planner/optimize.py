@@ -83,7 +83,8 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
     ev = Evaluator(graph, cluster, **evaluator_options)
     ev.memory_cap = cluster.device.memory_bytes * cons.get("max_memory_fraction", 1.0)
     search = _Search()
-    bases = _enumerate(ev, cluster, global_batch_size, cons)
+    dtypes = runtime.dtypes if runtime is not None else ("bf16", "fp16", "fp32")
+    bases = _enumerate(ev, cluster, global_batch_size, cons, dtypes)
     if runtime is not None:
         blocked = [runtime.why_not(b) for b in bases if not runtime.allows(b)]
         bases = [b for b in bases if runtime.allows(b)]
@@ -183,19 +184,21 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _best_dtype(cluster: Cluster) -> str:
+def _best_dtype(cluster: Cluster, allowed: tuple[str, ...]) -> str:
+    """The fastest training dtype the device has and the runtime trains in (16-bit before fp32)."""
     have = cluster.device.dtypes
     for dt in ("bf16", "fp16", "fp32"):
-        if dt in have:
+        if dt in have and dt in allowed:
             return dt
-    raise ValueError(f"device {cluster.device.name} has none of bf16, fp16, fp32 in its peak table")
+    raise ValueError(f"device {cluster.device.name} has none of {', '.join(allowed)} in its peak table")
 
 
-def _enumerate(ev: Evaluator, cluster: Cluster, batch: int, cons: dict) -> list[ParallelConfig]:
+def _enumerate(ev: Evaluator, cluster: Cluster, batch: int, cons: dict,
+               dtypes: tuple[str, ...]) -> list[ParallelConfig]:
     """Every mesh shape x micro-batch x schedule the constraints allow (recompute/ZeRO come later)."""
     n = cluster.num_devices
     layers = len(ev.graph.layers)
-    dtype = cons.get("dtype") or _best_dtype(cluster)
+    dtype = cons.get("dtype") or _best_dtype(cluster, dtypes)
     max_t = n if cons.get("allow_cross_node_tensor") else cluster.devices_per_node
     out = []
     for t in _options(cons, "tensor", tuple(d for d in _divisors(n) if d <= max_t)):

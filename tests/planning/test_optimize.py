@@ -189,3 +189,14 @@ def test_progress_bar_only_when_asked():
     bar.update(5)
     bar.close()
     assert quiet.getvalue() == ""
+
+
+def test_search_trains_only_in_dtypes_the_runtime_runs():
+    """V100s have fp16 but no bf16: the runtime has no loss scaling, so the plan trains in fp32;
+    a what-if search (runtime=None) may pick fp16."""
+    from examples.models import resnet
+    graph = _graph(resnet, batch=2, depth=20)
+    summit = dataclasses.replace(Cluster.preset("summit"), num_nodes=2)
+    assert planner.optimize(graph, summit, global_batch_size=64, progress=False).config.dtype == "fp32"
+    what_if = planner.optimize(graph, summit, global_batch_size=64, progress=False, runtime=None)
+    assert what_if.config.dtype == "fp16"
