@@ -31,9 +31,8 @@ and checks every node's local shape.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -41,11 +40,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from planner.ops import target_name
-from runtime.tensor_parallel import FeatureSplit, ModuleShard, ShardError, shard_module
+from codegen.shape_rewrite import TensorSplitError, _norm_dim, _rewrite, run_meta  # noqa: F401  (TensorSplitError re-exported)
+from runtime.tensor_parallel import FeatureSplit, ModuleShard
 
 
-class TensorSplitError(ShardError):
-    """A tensor-parallel sharding the code generator cannot carry out; names the node."""
 
 
 _ELEMENTWISE_FUNCS = {
@@ -103,56 +101,6 @@ class TensorSplitResult:
     output_split: FeatureSplit | None
     local_values: dict[str, Any]
     full_values: dict[str, Any]
-
-
-# ---------------------------------------------------------------------------
-# meta interpretation
-
-
-def run_meta(gm: fx.GraphModule, graph: fx.Graph, inputs: dict[str, Any], modules: dict[str, nn.Module],
-             on_node: Callable[[fx.Node, dict], None] | None = None) -> dict[str, Any]:
-    """Run `graph` node by node on meta tensors; modules[path] replaces gm's submodule."""
-    env: dict[str, Any] = {}
-
-    def load(a):
-        return fx.node.map_arg(a, lambda n: env[n.name])
-
-    meta = torch.device("meta")
-
-    def fix(x):
-        return meta if isinstance(x, torch.device) else x
-
-    with torch.enable_grad():
-        for n in list(graph.nodes):
-            if on_node is not None:
-                on_node(n, env)
-            if n.op == "placeholder":
-                env[n.name] = inputs[n.name]
-            elif n.op == "get_attr":
-                obj = gm
-                for part in str(n.target).split("."):
-                    obj = getattr(obj, part)
-                env[n.name] = obj
-            elif n.op == "output":
-                env[n.name] = load(n.args[0])
-            else:
-                args = tuple(fix(a) for a in load(n.args))
-                kwargs = {k: fix(v) for k, v in load(n.kwargs).items()}
-                if isinstance(kwargs.get("device"), str):
-                    kwargs["device"] = meta
-                if n.op == "call_module":
-                    path = str(n.target)
-                    mod = modules[path] if path in modules else gm.get_submodule(path)
-                    env[n.name] = mod(*args, **kwargs)
-                elif n.op == "call_method":
-                    env[n.name] = getattr(args[0], n.target)(*args[1:], **kwargs)
-                else:
-                    env[n.name] = n.target(*args, **kwargs)
-    return env
-
-
-# ---------------------------------------------------------------------------
-# analysis
 
 
 class _NeedsChoice(Exception):
@@ -213,10 +161,6 @@ def _feature_split(s: Split, st: _State) -> FeatureSplit:
         st.decided[root] = FeatureSplit(s.factors, 0)
         return st.decided[root]
     return FeatureSplit(s.factors, s.split)
-
-
-def _norm_dim(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
 
 
 def _shape(v) -> tuple[int, ...] | None:
@@ -645,92 +589,3 @@ def split_graph(gm: fx.GraphModule, roles: dict[str, str], tensor: int, inputs: 
             value_splits[k] = (v.dim, _feature_split(v, st))
     local = _rewrite(gm, new_graph, shards, value_splits, tensor, inputs, full)
     return TensorSplitResult(new_graph, shards, value_splits, output_split, local, full)
-
-
-# ---------------------------------------------------------------------------
-# rewrite of shape constants
-
-
-def _local_modules(gm: fx.GraphModule, shards: dict[str, ModuleShard], t: int) -> dict[str, nn.Module]:
-    return {path: shard_module(gm.get_submodule(path), sh, 0, t, None) for path, sh in shards.items()}
-
-
-def _expected(full_val, split: tuple[int, FeatureSplit] | None, t: int):
-    shape = list(full_val.shape)
-    if split is not None:
-        shape[split[0]] //= t
-    return tuple(shape)
-
-
-def _rewrite(gm, graph: fx.Graph, shards, value_splits, t, inputs, full) -> dict[str, Any]:
-    modules = _local_modules(gm, shards, t)
-
-    def fix_node(n: fx.Node, env: dict) -> None:
-        if n.op not in ("call_method", "call_function"):
-            return
-        base = target_name(n, None).rsplit(".", 1)[-1]
-        if base == "split" and isinstance(n.args[1], int):
-            src = n.args[0]
-            sdim = value_splits.get(src.name, (None,))[0]
-            d = _norm_dim(n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0), full[src.name].dim())
-            if d == sdim:
-                n.args = (src, n.args[1] // t, *n.args[2:])
-            return
-        if n.name not in value_splits or not isinstance(full.get(n.name), torch.Tensor):
-            return
-        dim, fs = value_splits[n.name]
-        want = _expected(full[n.name], (dim, fs), t)
-        if base in ("view", "reshape", "expand", "_unsafe_view"):
-            shape_args = list(n.args[1:])
-            packed = len(shape_args) == 1 and isinstance(shape_args[0], (tuple, list))
-            if packed:
-                shape_args = list(shape_args[0])
-            new = [_fix_size(graph, n, a, p, want, full[n.name].shape, dim, t, env) for p, a in enumerate(shape_args)]
-            n.args = (n.args[0], tuple(new)) if packed else (n.args[0], *new)
-        elif base == "unflatten":
-            d0 = _norm_dim(n.args[1], full[n.args[0].name].dim())
-            sizes = list(n.args[2])
-            new = [_fix_size(graph, n, a, d0 + p, want, full[n.name].shape, dim, t, env) for p, a in enumerate(sizes)]
-            n.args = (n.args[0], n.args[1], tuple(new))
-
-    def check(n: fx.Node, env: dict) -> None:
-        # called before each node runs: verify the previous nodes' shapes lazily
-        for a in n.all_input_nodes:
-            v = env.get(a.name)
-            if isinstance(v, torch.Tensor) and isinstance(full.get(a.name), torch.Tensor):
-                want = _expected(full[a.name], value_splits.get(a.name), t)
-                if tuple(v.shape) != want:
-                    raise TensorSplitError(f"after splitting over {t} ranks, node {a.name!r} has shape "
-                                           f"{tuple(v.shape)}, expected {want}; its shape constants could not be "
-                                           "rewritten to the local size")
-
-    def on_node(n, env):
-        check(n, env)
-        fix_node(n, env)
-
-    try:
-        return run_meta(gm, graph, inputs, modules, on_node)
-    except TensorSplitError:
-        raise
-    except Exception as e:
-        raise TensorSplitError(f"the graph with local (1/{t}) sizes does not run: {type(e).__name__}: "
-                               f"{str(e).splitlines()[0][:300]}") from None
-
-
-def _fix_size(graph: fx.Graph, n: fx.Node, a, pos: int, want, full_shape, dim: int, t: int, env) -> Any:
-    """One shape argument of a view: keep it if it already gives the local size, scale it if
-    it holds the full size of the split dimension."""
-    v = env[a.name] if isinstance(a, fx.Node) else a
-    if not isinstance(v, int) or v == -1 or want is None or pos >= len(want):
-        return a
-    if v == want[pos]:
-        return a
-    if pos == dim and v == full_shape[pos]:
-        if isinstance(a, fx.Node):
-            with graph.inserting_before(n):
-                q = graph.call_function(operator.floordiv, (a, t))
-            env[q.name] = v // t  # the meta run has passed this point already
-            return q
-        return v // t
-    raise TensorSplitError(f"node {n.name!r}: shape argument {pos} is {v}, which is neither the local size "
-                           f"{want[pos]} nor the full size {full_shape[pos]} of the split dimension")
