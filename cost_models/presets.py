@@ -1,0 +1,173 @@
+"""Cluster presets: DGX A100 (80 GB), DGX H100, Summit, from published hardware facts
+(../shared/reference/PUBLISHED.md), and ``local``: this machine's CPU processes, measured.
+
+Used through :meth:`cost_models.hardware.Cluster.preset`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from cost_models import local_machine
+from cost_models.hardware import LOCAL_PRESET, Cluster, Device, Link
+
+_GiB = 2**30
+
+
+# --- presets ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _GpuPreset:
+    """What every node of a GPU preset is made of."""
+
+    device: Device
+    devices_per_node: int
+    intra_node: Link
+    inter_node: Link
+    source: str
+
+
+# Latencies are not in PUBLISHED.md. ASSUMPTIONS: ~3 us is the usual small-message
+# latency of NCCL within a node (NVLink / NVSwitch), ~6 us across one InfiniBand hop
+# (adapter + switch + NCCL proxy thread). They only matter for small messages;
+# calibrate them against measurements when you have a real cluster.
+_NVLINK_LATENCY = 3e-6  # s, assumption (see above)
+_IB_LATENCY = 6e-6  # s, assumption (see above)
+
+# Idle power is not in PUBLISHED.md either. ASSUMPTION: roughly what nvidia-smi shows
+# for an idle SXM card of each generation; only energy estimates use it.
+
+_A100_80GB = Device(
+    name="A100-SXM4-80GB",
+    kind="gpu",
+    compute_units=108,  # NVIDIA A100 whitepaper: 108 SMs; not in PUBLISHED.md
+    peak_flops={
+        "bf16": 312e12,  # PUBLISHED.md: dense bf16/fp16 tensor peak 312 TFLOP/s
+        "fp16": 312e12,  # PUBLISHED.md (same figure)
+        "tf32": 156e12,  # NVIDIA A100 datasheet, dense TF32 tensor; not in PUBLISHED.md
+        "fp32": 19.5e12,  # NVIDIA A100 datasheet, non-tensor FP32; not in PUBLISHED.md
+    },
+    # PUBLISHED.md "80 GB"; nvidia-smi reports 81920 MiB, i.e. 80 GiB, not 80e9 bytes.
+    memory_bytes=80 * _GiB,
+    memory_bandwidth=2.0e12,  # PUBLISHED.md: HBM2e, about 2.0 TB/s
+    active_watts=400.0,  # PUBLISHED.md: TDP 400 W
+    idle_watts=60.0,  # assumption (see above)
+)
+
+_H100_80GB = Device(
+    name="H100-SXM5-80GB",
+    kind="gpu",
+    compute_units=132,  # NVIDIA H100 SXM5 datasheet: 132 SMs; not in PUBLISHED.md
+    peak_flops={
+        "bf16": 989e12,  # PUBLISHED.md: dense bf16/fp16 tensor peak 989 TFLOP/s
+        "fp16": 989e12,  # PUBLISHED.md (same figure)
+        "fp8": 1979e12,  # PUBLISHED.md: fp8 1979 TFLOP/s
+        # NVIDIA H100 SXM datasheet: 989 TFLOP/s TF32 is the *with sparsity* figure;
+        # dense is half. Not in PUBLISHED.md.
+        "tf32": 494.5e12,
+        "fp32": 67e12,  # NVIDIA H100 SXM datasheet, non-tensor FP32; not in PUBLISHED.md
+    },
+    memory_bytes=80 * _GiB,  # PUBLISHED.md "80 GB" HBM3, taken as 80 GiB like the A100
+    memory_bandwidth=3.35e12,  # PUBLISHED.md: 3.35 TB/s
+    active_watts=700.0,  # PUBLISHED.md: TDP 700 W
+    idle_watts=70.0,  # assumption (see above)
+)
+
+_V100_16GB = Device(
+    name="V100-SXM2-16GB",
+    kind="gpu",
+    compute_units=80,  # NVIDIA V100 whitepaper: 80 SMs; not in PUBLISHED.md
+    # V100 has no bf16 or tf32 at all, so those are absent rather than zero.
+    peak_flops={
+        "fp16": 125e12,  # PUBLISHED.md: 125 TFLOP/s fp16 tensor
+        "fp32": 15.7e12,  # NVIDIA V100 SXM2 datasheet; not in PUBLISHED.md
+    },
+    memory_bytes=16 * _GiB,  # PUBLISHED.md "16 GB" HBM2, taken as 16 GiB
+    memory_bandwidth=900e9,  # PUBLISHED.md: 900 GB/s
+    active_watts=300.0,  # PUBLISHED.md: TDP 300 W
+    idle_watts=40.0,  # assumption (see above)
+)
+
+GPU_PRESETS = MappingProxyType({
+    "dgx-a100-80gb": _GpuPreset(
+        device=_A100_80GB,
+        devices_per_node=8,  # PUBLISHED.md: 8 GPUs per node
+        # PUBLISHED.md: NVLink 600 GB/s both directions = 300 GB/s each way, NVSwitch.
+        intra_node=Link(bandwidth=300e9, latency=_NVLINK_LATENCY),
+        # PUBLISHED.md: 8 x 200 Gb/s HDR InfiniBand, one per GPU: 200e9 / 8 = 25e9 B/s.
+        inter_node=Link(bandwidth=25e9, latency=_IB_LATENCY),
+        source="DGX A100 80GB: PUBLISHED.md (NVIDIA datasheets as quoted in Megatron-LM "
+        "SC'21); fp32/tf32 peaks from the NVIDIA A100 datasheet; idle power and "
+        "latencies assumed",
+    ),
+    "dgx-h100": _GpuPreset(
+        device=_H100_80GB,
+        devices_per_node=8,  # PUBLISHED.md: 8 GPUs per node
+        # PUBLISHED.md: 900 GB/s both directions = 450 GB/s each way. NCCL issue #1264
+        # measured about 376-380 GB/s; we keep the nominal figure and leave the
+        # achieved fraction to the calibrated communication model.
+        intra_node=Link(bandwidth=450e9, latency=_NVLINK_LATENCY),
+        # PUBLISHED.md: 400 Gb/s per GPU (ConnectX-7) = 50e9 B/s.
+        inter_node=Link(bandwidth=50e9, latency=_IB_LATENCY),
+        source="DGX H100: PUBLISHED.md (NVIDIA datasheets; NCCL issue #1264); fp32/tf32 "
+        "peaks from the NVIDIA H100 datasheet; idle power and latencies assumed",
+    ),
+    "summit": _GpuPreset(
+        device=_V100_16GB,
+        devices_per_node=6,  # PUBLISHED.md: 6 GPUs + 2 POWER9 per node
+        # PUBLISHED.md: NVLink 2.0, 50 GB/s each way between GPU pairs. Caveat: GPUs on
+        # different sockets go through the POWER9 X-Bus; two link levels can't show it.
+        intra_node=Link(bandwidth=50e9, latency=_NVLINK_LATENCY),
+        # PUBLISHED.md: dual-rail EDR, 2 x 100 Gb/s = 25e9 B/s per node, shared by 6 GPUs.
+        inter_node=Link(bandwidth=25e9 / 6, latency=_IB_LATENCY),
+        source="Summit (OLCF): PUBLISHED.md (Summit user guide); fp32 peak from the "
+        "NVIDIA V100 datasheet; idle power and latencies assumed",
+    ),
+})
+
+# CPU power cannot be read portably from user space. ASSUMPTION: one core's share of a
+# typical server CPU, the Intel Xeon Platinum 8380 (270 W TDP over 40 cores, Intel ARK)
+# = 6.75 W active; idle taken as about 30% of that. Only energy estimates use them.
+_CPU_ACTIVE_WATTS_PER_CORE = 270.0 / 40
+_CPU_IDLE_WATTS_PER_CORE = 2.0
+
+
+def local_cluster(devices: int | None) -> Cluster:
+    """``devices`` CPU processes on this machine, from measured (cached) figures.
+
+    Compute and memory figures are those of one process on one thread. With more
+    processes than usable CPUs, each process runs only ``cpus / devices`` of the time,
+    so its rates (and its power share) are scaled down by that fraction. Memory is the
+    machine's RAM split evenly. Both link levels are the measured loopback TCP link,
+    which is what gloo uses between local processes.
+    """
+    m = local_machine.load_or_measure()
+    cpus = int(m["usable_cpus"])
+    n = cpus if devices is None else devices
+    share = min(1.0, cpus / n)
+    link = Link(bandwidth=m["link_bandwidth"], latency=m["link_latency"])
+    return Cluster(
+        name=LOCAL_PRESET,
+        num_nodes=1,
+        devices_per_node=n,
+        device=Device(
+            name=f"cpu process ({m['cpu_model']})",
+            kind="cpu",
+            peak_flops={"fp32": m["fp32_flops"] * share},
+            memory_bytes=int(m["memory_bytes"]) // n,
+            memory_bandwidth=m["memory_bandwidth"] * share,
+            active_watts=_CPU_ACTIVE_WATTS_PER_CORE * share,
+            idle_watts=_CPU_IDLE_WATTS_PER_CORE * share,
+        ),
+        intra_node=link,
+        inter_node=link,
+        source=(
+            f"measured on host {m['hostname']} ({m['cpu_model']}, {cpus} usable CPUs, "
+            f"torch {m['torch_version']}) at {m['measured_at']} by "
+            f"cost_models.local_machine; {n} processes on {cpus} CPUs (rates x{share:.3g}); "
+            f"CPU power assumed"
+        ),
+        measurements=m,
+    )
