@@ -580,118 +580,6 @@ def collective_time(
     return _cheapest(op, nbytes, shape, intra, inter)
 
 
-# --- named mesh axes -----------------------------------------------------------------------
-
-
-def default_mesh_order() -> tuple[str, ...]:
-    """The default order of mesh axes, outermost to innermost: ``("pipe", "data", "tensor")``.
-
-    Tensor is innermost (contiguous ranks) so that a tensor axis that fits in a node
-    runs its frequent activation all-reduces on the intra-node link; data comes next;
-    pipe is outermost, since its point-to-point traffic is the lightest (Megatron-LM's
-    convention). Other axes (spatial, subgraph) can be placed anywhere in a mesh; the
-    functions here work for any axis names.
-    """
-    return ("pipe", "data", "tensor")
-
-
-def _mesh_items(mesh: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
-    if not isinstance(mesh, Mapping):
-        raise ValueError(f"mesh must be a mapping of axis name -> size, got {mesh!r}")
-    items = tuple(mesh.items())
-    for name, size in items:
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
-            raise ValueError(f"mesh axis {name!r} must have an integer size >= 1, got {size!r}")
-    return items
-
-
-@functools.lru_cache(maxsize=4096)
-def _axis_groups(items: tuple[tuple[str, int], ...], axis: str) -> tuple[tuple[int, ...], ...]:
-    names = [name for name, _ in items]
-    if axis not in names:
-        raise ValueError(f"unknown mesh axis {axis!r}; the mesh has axes {names}")
-    index = names.index(axis)
-    size = items[index][1]
-    stride = math.prod(s for _, s in items[index + 1:])
-    world = math.prod(s for _, s in items)
-    block = stride * size  # ranks spanned by one full sweep of the axis
-    return tuple(
-        tuple(start + inner + j * stride for j in range(size))
-        for start in range(0, world, block)
-        for inner in range(stride)
-    )
-
-
-def axis_groups(mesh: Mapping[str, int], axis: str) -> list[list[int]]:
-    """The rank groups along ``axis`` of a device mesh.
-
-    ``mesh`` maps axis names to sizes, outermost first; ranks ``0..prod(sizes)-1`` are
-    laid out row-major with the LAST axis innermost (its groups are contiguous ranks).
-    Each group holds the ranks that differ only in their ``axis`` coordinate, in
-    coordinate order; groups are sorted by their first rank. E.g. for
-    ``{"pipe": 2, "data": 2, "tensor": 2}``: tensor ``[[0,1],[2,3],[4,5],[6,7]]``, data
-    ``[[0,2],[1,3],[4,6],[5,7]]``, pipe ``[[0,4],[1,5],[2,6],[3,7]]``.
-
-    Raises ValueError for an unknown axis or a size that is not an integer >= 1.
-    """
-    return [list(group) for group in _axis_groups(_mesh_items(mesh), axis)]
-
-
-@functools.lru_cache(maxsize=4096)
-def _axis_shapes(
-    items: tuple[tuple[str, int], ...], axis: str, devices_per_node: int, neighbours: bool
-) -> tuple[_GroupShape, ...]:
-    """The distinct shapes of the axis's groups (or of adjacent pairs in them)."""
-    world = math.prod(s for _, s in items)
-    shapes: dict[_GroupShape, None] = {}
-    for group in _axis_groups(items, axis):
-        if neighbours and len(group) > 1:
-            parts = [group[j : j + 2] for j in range(len(group) - 1)]
-        else:
-            parts = [group]
-        for part in parts:
-            shapes.setdefault(_group_shape(devices_per_node, world, part), None)
-    return tuple(shapes)
-
-
-def axis_collective_time(
-    cluster: Cluster,
-    mesh: Mapping[str, int],
-    axis: str,
-    op: str,
-    nbytes: float,
-    efficiency: Mapping[str, float] | None = None,
-) -> CollectiveCost:
-    """Cost of ``op`` run along ``axis`` of ``mesh`` on ``cluster``, in seconds.
-
-    Every group of the axis (:func:`axis_groups`) runs the collective at once; the
-    result is the cost on the slowest group. For ``op == "p2p"`` it is the slowest
-    transfer between two ranks adjacent along the axis (neighbouring pipeline stages);
-    for an axis of size 1, 0. Arguments as in :func:`collective_time`.
-
-    Raises ValueError if the mesh's size differs from ``cluster.num_devices`` (naming
-    both), for an unknown axis, and as :func:`collective_time` does.
-    """
-    _check_op(op)
-    _check_bytes(nbytes)
-    items = _mesh_items(mesh)
-    world = math.prod(s for _, s in items)
-    if world != cluster.num_devices:
-        sizes = " x ".join(f"{name}={size}" for name, size in items)
-        raise ValueError(
-            f"mesh {sizes} has {world} ranks but cluster {cluster.name!r} has "
-            f"{cluster.num_devices} devices; the axis sizes must multiply to the device count"
-        )
-    intra, inter = link_models(cluster, efficiency)
-    worst: CollectiveCost | None = None
-    for shape in _axis_shapes(items, axis, cluster.devices_per_node, op == "p2p"):
-        cost = _cheapest(op, nbytes, shape, intra, inter)
-        if worst is None or cost.seconds > worst.seconds:
-            worst = cost
-    assert worst is not None  # an axis always has at least one group
-    return worst
-
-
 __all__ = [
     "ALGORITHMS",
     "COLLECTIVE_OPS",
@@ -702,14 +590,11 @@ __all__ = [
     "CollectiveCost",
     "LinkModel",
     "all_reduce_time",
-    "axis_collective_time",
-    "axis_groups",
     "binomial_broadcast_time",
     "broadcast_time",
     "chain_broadcast_time",
     "collective_candidates",
     "collective_time",
-    "default_mesh_order",
     "hierarchical_all_reduce_time",
     "link_models",
     "optimal_broadcast_chunks",

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cost_models import gems
-from cost_models.comm import axis_collective_time, collective_time, link_models
+from cost_models.comm import collective_time, link_models
+from cost_models.mesh_axes import axis_collective_time
 from cost_models.compute import Efficiency, op_time, wave_efficiency
 from cost_models.hardware import Cluster
 from cost_models.memory import DTYPE_BYTES, adam_step_bytes, live_micro_batches, param_bytes

@@ -13,13 +13,10 @@ from cost_models.comm import (
     COLLECTIVE_OPS,
     CollectiveCost,
     LinkModel,
-    axis_collective_time,
-    axis_groups,
     binomial_broadcast_time,
     chain_broadcast_time,
     collective_candidates,
     collective_time,
-    default_mesh_order,
     hierarchical_all_reduce_time,
     link_models,
     optimal_broadcast_chunks,
@@ -30,6 +27,7 @@ from cost_models.comm import (
     ring_reduce_scatter_time,
     tree_all_reduce_time,
 )
+from cost_models.mesh_axes import axis_collective_time, axis_groups, default_mesh_order
 
 GB = 1e9
 

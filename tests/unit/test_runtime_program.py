@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cost_models.comm import axis_groups
+from cost_models.mesh_axes import axis_groups
 from runtime.program import (Bucket, Instr, Program, ProgramError, all_axis_groups, axis_group, coords_of,
                              rank_of)
 

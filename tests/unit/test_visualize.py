@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import planner
-from cost_models.comm import axis_groups
+from cost_models.mesh_axes import axis_groups
 from examples.models import gpt
 from planner.report import report_path, write_report
 from planner.visualize import (FIGURES, ScheduleRecord, figures, layout_problems, load_timeline,
