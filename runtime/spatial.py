@@ -1,0 +1,492 @@
+"""Spatial parallelism: one image split into tiles over the ranks of a spatial group.
+
+Tiles are horizontal strips (split kind "strips_h": the H axis is cut into s
+pieces), vertical strips ("strips_v": W is cut) or a rows x cols grid
+("grid"). Every size along a cut axis is split canonically: n rows over t
+tiles gives tile i the rows [i*n//t, (i+1)*n//t). Because each activation's
+partition depends only on its own full size, a conv's output tiles, the
+shortcut's output tiles and the residual sum all line up without talking.
+
+A window op (conv, max/avg pool) with kernel k, stride s, dilation d and
+leading padding p computes output row o from input rows
+[o*s - p, o*s - p + d*(k-1)]. The tile that owns output rows [c, e) thus
+needs input rows [c*s - p, (e-1)*s - p + d*(k-1) + 1): what lies outside its
+own rows [a, b) is a halo from the neighbour (or the op's padding at the
+image border; or rows it owns but does not need, which are dropped). The
+op then runs *unpadded* on tile + halo. For stride 1 and p = (k-1)/2 this is
+the textbook halo of (k-1)/2 rows on each side.
+
+Grids exchange in two phases, rows first and then columns of the row-extended
+tile: the column messages carry the corner blocks, so the diagonal
+neighbours' pixels arrive without eight separate messages (the bytes are the
+same). Backward runs the phases in reverse and sends every halo's gradient
+back to the tile that owns those pixels, which adds it into its own input
+gradient: border gradients are exact.
+
+The halo exchange, the synchronized BatchNorm statistics and the gather at
+the end of the spatial part are autograd Functions over the runtime's
+Communicator and Group (gloo, NCCL or MPI alike).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SPLITS = ("strips_h", "strips_v", "grid")
+BATCHNORM_MODES = ("sync", "local")
+# Halo messages live above the pipeline's p2p tags (runtime.comm.p2p_tag stays below 2**29).
+SPATIAL_TAG_BASE = 2**30
+
+
+class SpatialError(ValueError):
+    """A layer or image that cannot be split as asked; the message names the layer and what to change."""
+
+
+# ---------------------------------------------------------------------------
+# geometry (pure functions)
+
+
+def tile_shape(split: str, degree: int) -> tuple[int, int]:
+    """(tiles along H, tiles along W) for `degree` tiles of kind `split`.
+
+    A grid is the most square rows x cols = degree with rows <= cols (2x2 for 4, 2x4 for 8).
+    """
+    if split not in SPLITS:
+        raise SpatialError(f"spatial split {split!r} is not one of {', '.join(SPLITS)}")
+    if not isinstance(degree, int) or degree < 1:
+        raise SpatialError(f"spatial degree must be a positive integer, got {degree!r}")
+    if split == "strips_h":
+        return degree, 1
+    if split == "strips_v":
+        return 1, degree
+    rows = max(r for r in range(1, math.isqrt(degree) + 1) if degree % r == 0)
+    return rows, degree // rows
+
+
+def bounds(n: int, parts: int) -> list[int]:
+    """Canonical tile boundaries of n rows over `parts` tiles: [0, ..., n] (parts + 1 entries)."""
+    return [i * n // parts for i in range(parts + 1)]
+
+
+@dataclass(frozen=True)
+class Window:
+    """One axis of a window op: kernel, stride, dilation and leading padding (rows)."""
+
+    kernel: int
+    stride: int = 1
+    dilation: int = 1
+    padding: int = 0
+
+    @property
+    def span(self) -> int:
+        """Input rows one output row reads."""
+        return self.dilation * (self.kernel - 1) + 1
+
+    def out_size(self, n: int, trailing_padding: int | None = None) -> int:
+        tp = self.padding if trailing_padding is None else trailing_padding
+        return (n + self.padding + tp - self.span) // self.stride + 1
+
+
+@dataclass(frozen=True)
+class AxisHalo:
+    """What one tile does along one axis for one window op (all counts in rows).
+
+    pad_lo/pad_hi: rows of the op's padding (image border) before/after;
+    recv_lo/recv_hi: halo rows received from the previous/next tile;
+    crop_lo/crop_hi: own rows the op does not read (dropped);
+    send_lo/send_hi: own rows the previous/next tile needs (its halo), taken from
+    this tile's start/end.
+    """
+
+    pad_lo: int
+    recv_lo: int
+    crop_lo: int
+    crop_hi: int
+    recv_hi: int
+    pad_hi: int
+    send_lo: int
+    send_hi: int
+
+    @property
+    def exchanges(self) -> bool:
+        return bool(self.recv_lo or self.recv_hi or self.send_lo or self.send_hi)
+
+
+def _need(c: int, e: int, w: Window) -> tuple[int, int]:
+    """Input rows [lo, hi) that output rows [c, e) read."""
+    return c * w.stride - w.padding, (e - 1) * w.stride - w.padding + w.span
+
+
+def axis_halos(n_in: int, n_out: int, parts: int, w: Window, *, layer: str = "layer") -> list[AxisHalo]:
+    """Per tile (in order) the halo plan of one window op along one axis.
+
+    Raises SpatialError naming `layer` when a tile would be empty or would need
+    rows beyond its immediate neighbour (tiles thinner than the halo).
+    """
+    if parts == 1:
+        lo, hi = _need(0, n_out, w)
+        return [AxisHalo(max(0, -lo), 0, max(0, lo), max(0, n_in - hi), 0, max(0, hi - n_in), 0, 0)]
+    a, c = bounds(n_in, parts), bounds(n_out, parts)
+    for name, b, n in (("input", a, n_in), ("output", c, n_out)):
+        if any(b[i + 1] == b[i] for i in range(parts)):
+            raise SpatialError(f"{layer}: its {name} has {n} rows along a split axis, fewer than the {parts} "
+                               f"tiles; use fewer tiles or end the spatial part before {layer}")
+    need = [_need(c[i], c[i + 1], w) for i in range(parts)]
+    out = []
+    for i in range(parts):
+        lo, hi = need[i]
+        mine_lo, mine_hi = a[i], a[i + 1]
+        pad_lo = max(0, -lo)
+        recv_lo = max(0, mine_lo - max(lo, 0))
+        crop_lo = max(0, lo - mine_lo)
+        pad_hi = max(0, hi - n_in)
+        recv_hi = max(0, min(hi, n_in) - mine_hi)
+        crop_hi = max(0, mine_hi - hi)
+        if recv_lo and max(lo, 0) < a[i - 1]:
+            raise SpatialError(f"{layer}: tile {i} needs {recv_lo} halo rows but its neighbour holds only "
+                               f"{a[i] - a[i - 1]}; use fewer tiles or end the spatial part before {layer}")
+        if recv_hi and min(hi, n_in) > a[i + 2]:
+            raise SpatialError(f"{layer}: tile {i} needs {recv_hi} halo rows but its neighbour holds only "
+                               f"{a[i + 2] - a[i + 1]}; use fewer tiles or end the spatial part before {layer}")
+        if crop_lo + crop_hi > mine_hi - mine_lo:
+            raise SpatialError(f"{layer}: tile {i} reads none of its own rows; use fewer tiles")
+        send_lo = max(0, min(need[i - 1][1], n_in) - mine_lo) if i > 0 else 0
+        send_hi = max(0, mine_hi - max(need[i + 1][0], 0)) if i + 1 < parts else 0
+        out.append(AxisHalo(pad_lo, recv_lo, crop_lo, crop_hi, recv_hi, pad_hi, send_lo, send_hi))
+    return out
+
+
+def halo_widths(kernel: int, stride: int = 1, dilation: int = 1, padding: int | None = None) -> tuple[int, int]:
+    """(rows before, rows after) an interior tile receives for a window op, with tiles aligned to the
+    stride and the canonical output partition: padding and span - stride - padding (at least 0).
+
+    3x3 stride 1 pad 1 -> (1, 1); 5x5 pad 2 -> (2, 2); 1x1 -> (0, 0); 3x3 stride 2 pad 1 -> (1, 0).
+    """
+    p = (dilation * (kernel - 1)) // 2 if padding is None else padding
+    span = dilation * (kernel - 1) + 1
+    return p, max(0, span - stride - p)
+
+
+# ---------------------------------------------------------------------------
+# the tile layout of one spatial group
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """Where this rank's tile sits: grid (rows, cols), position (i, j), and the group's global ranks
+    in row-major tile order."""
+
+    rows: int
+    cols: int
+    i: int
+    j: int
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def for_group(cls, split: str, group) -> "TileLayout":
+        rows, cols = tile_shape(split, group.size)
+        return cls(rows, cols, group.rank // cols, group.rank % cols, tuple(group.ranks))
+
+    def rank_at(self, i: int, j: int) -> int:
+        return self.ranks[i * self.cols + j]
+
+    def tile_of(self, h: int, w: int) -> tuple[slice, slice]:
+        """This rank's rows and columns of an (h, w) image."""
+        bh, bw = bounds(h, self.rows), bounds(w, self.cols)
+        return slice(bh[self.i], bh[self.i + 1]), slice(bw[self.j], bw[self.j + 1])
+
+
+# ---------------------------------------------------------------------------
+# autograd Functions
+
+
+def _wait(handles) -> None:
+    for h in handles:
+        h.wait()
+
+
+class _HaloExchange(torch.autograd.Function):
+    """Extend a tile along `dim` by its neighbours' rows (forward); send their gradients back (backward).
+
+    x (..., L, ...) -> (..., pad_lo + recv_lo + L - crop_lo - crop_hi + recv_hi + pad_hi, ...).
+    """
+
+    @staticmethod
+    def forward(ctx, x, comm, plan: AxisHalo, dim: int, prev: int, nxt: int, tag: int, fill: float):
+        ctx.comm, ctx.plan, ctx.dim, ctx.prev, ctx.nxt, ctx.tag = comm, plan, dim, prev, nxt, tag
+        ctx.length = x.shape[dim]
+        x = x.contiguous()
+        handles, parts, keep = [], [], []
+
+        def block(rows):
+            shape = list(x.shape)
+            shape[dim] = rows
+            return x.new_empty(shape)
+
+        recv_lo = block(plan.recv_lo) if plan.recv_lo else None
+        recv_hi = block(plan.recv_hi) if plan.recv_hi else None
+        # tags: +0 travels to the next tile, +1 to the previous one
+        if recv_lo is not None:
+            handles.append(comm.irecv(recv_lo, prev, tag))
+        if recv_hi is not None:
+            handles.append(comm.irecv(recv_hi, nxt, tag + 1))
+        if plan.send_lo:
+            keep.append(x.narrow(dim, 0, plan.send_lo).contiguous())
+            handles.append(comm.isend(keep[-1], prev, tag + 1))
+        if plan.send_hi:
+            keep.append(x.narrow(dim, ctx.length - plan.send_hi, plan.send_hi).contiguous())
+            handles.append(comm.isend(keep[-1], nxt, tag))
+        _wait(handles)
+        if plan.pad_lo:
+            parts.append(block(plan.pad_lo).fill_(fill))
+        if recv_lo is not None:
+            parts.append(recv_lo)
+        parts.append(x.narrow(dim, plan.crop_lo, ctx.length - plan.crop_lo - plan.crop_hi))
+        if recv_hi is not None:
+            parts.append(recv_hi)
+        if plan.pad_hi:
+            parts.append(block(plan.pad_hi).fill_(fill))
+        return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        plan, dim, comm, length = ctx.plan, ctx.dim, ctx.comm, ctx.length
+        g = g.contiguous()
+        mid = length - plan.crop_lo - plan.crop_hi
+        at = plan.pad_lo
+        g_lo = g.narrow(dim, at, plan.recv_lo).contiguous() if plan.recv_lo else None
+        at += plan.recv_lo
+        g_mid = g.narrow(dim, at, mid)
+        at += mid
+        g_hi = g.narrow(dim, at, plan.recv_hi).contiguous() if plan.recv_hi else None
+        shape = list(g.shape)
+        shape[dim] = length
+        gx = g.new_zeros(shape)
+        gx.narrow(dim, plan.crop_lo, mid).copy_(g_mid)
+        tag = ctx.tag + 2  # backward messages use their own pair of tags
+        handles, got = [], []
+        if g_lo is not None:
+            handles.append(comm.isend(g_lo, ctx.prev, tag + 1))
+        if g_hi is not None:
+            handles.append(comm.isend(g_hi, ctx.nxt, tag))
+        if plan.send_lo:
+            buf = g.new_empty([*shape[:dim], plan.send_lo, *shape[dim + 1:]])
+            handles.append(comm.irecv(buf, ctx.prev, tag))
+            got.append((0, buf))
+        if plan.send_hi:
+            buf = g.new_empty([*shape[:dim], plan.send_hi, *shape[dim + 1:]])
+            handles.append(comm.irecv(buf, ctx.nxt, tag + 1))
+            got.append((length - plan.send_hi, buf))
+        _wait(handles)
+        _HaloExchange.add_borrowed(gx, got, dim)
+        return gx, None, None, None, None, None, None, None
+
+    @staticmethod
+    def add_borrowed(gx: torch.Tensor, got: list[tuple[int, torch.Tensor]], dim: int) -> None:
+        """Add the neighbours' gradients of the rows they borrowed (start row, gradient) into gx."""
+        for start, buf in got:
+            gx.narrow(dim, start, buf.shape[dim]).add_(buf)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """y = sum over the group of x, on every member; backward: the same sum of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone()
+        group.all_reduce(y, "sum")
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        ctx.group.all_reduce(g, "sum")
+        return g, None
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable sum over `group` (every member gets it, every member's gradient is summed)."""
+    return x if group.size == 1 else _AllReduceSum.apply(x, group)
+
+
+class _GatherTiles(torch.autograd.Function):
+    """Tiles (B, C, h_ij, w_ij) on the group -> the full (B, C, H, W) on every member.
+
+    Backward: this member's slice of the gradient. Exact because the layers after the gather
+    run replicated on every member of the group (each computes the same gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, layout: TileLayout, full_h: int, full_w: int):
+        ctx.rows, ctx.cols = layout.tile_of(full_h, full_w)
+        bh, bw = bounds(full_h, layout.rows), bounds(full_w, layout.cols)
+        mh = max(bh[k + 1] - bh[k] for k in range(layout.rows))
+        mw = max(bw[k + 1] - bw[k] for k in range(layout.cols))
+        lead = x.shape[:-2]
+        padded = x.new_zeros((*lead, mh, mw))
+        padded[..., :x.shape[-2], :x.shape[-1]] = x
+        flat = x.new_empty(group.size * padded.numel())
+        group.all_gather(flat, padded.reshape(-1))
+        tiles = flat.view(group.size, *lead, mh, mw)
+        out = x.new_empty((*lead, full_h, full_w))
+        for i in range(layout.rows):
+            for j in range(layout.cols):
+                h, w = bh[i + 1] - bh[i], bw[j + 1] - bw[j]
+                out[..., bh[i]:bh[i + 1], bw[j]:bw[j + 1]] = tiles[i * layout.cols + j, ..., :h, :w]
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[..., ctx.rows, ctx.cols].contiguous(), None, None, None, None
+
+
+def gather_tiles(x: torch.Tensor, group, layout: TileLayout, full_h: int, full_w: int) -> torch.Tensor:
+    """The full activation from the group's tiles (see _GatherTiles)."""
+    return _GatherTiles.apply(x, group, layout, full_h, full_w)
+
+
+# ---------------------------------------------------------------------------
+# spatially split modules (parameters and buffers keep the wrapped module's names)
+
+
+@dataclass(frozen=True)
+class TileExchange:
+    """The halo plans of one window op for this rank: along H then W, and its message tags."""
+
+    comm: object
+    layout: TileLayout
+    h: AxisHalo
+    w: AxisHalo
+    tag: int
+
+    @classmethod
+    def plan(cls, comm, layout: TileLayout, in_hw: tuple[int, int], out_hw: tuple[int, int],
+             wh: Window, ww: Window, op_id: int, layer: str) -> "TileExchange":
+        if not 0 <= op_id < 2**20:
+            raise SpatialError(f"{layer}: spatial op id {op_id} out of range")
+        h = axis_halos(in_hw[0], out_hw[0], layout.rows, wh, layer=layer)[layout.i]
+        w = axis_halos(in_hw[1], out_hw[1], layout.cols, ww, layer=layer)[layout.j]
+        return cls(comm, layout, h, w, SPATIAL_TAG_BASE + op_id * 8)
+
+    def __call__(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """(B, C, h, w) tile -> (B, C, h', w') tile + halo + border padding."""
+        L = self.layout
+        if self.h.exchanges or self.h.pad_lo or self.h.pad_hi or self.h.crop_lo or self.h.crop_hi:
+            prev = L.rank_at(L.i - 1, L.j) if L.i > 0 else -1
+            nxt = L.rank_at(L.i + 1, L.j) if L.i + 1 < L.rows else -1
+            x = _HaloExchange.apply(x, self.comm, self.h, x.dim() - 2, prev, nxt, self.tag, fill)
+        if self.w.exchanges or self.w.pad_lo or self.w.pad_hi or self.w.crop_lo or self.w.crop_hi:
+            prev = L.rank_at(L.i, L.j - 1) if L.j > 0 else -1
+            nxt = L.rank_at(L.i, L.j + 1) if L.j + 1 < L.cols else -1
+            x = _HaloExchange.apply(x, self.comm, self.w, x.dim() - 1, prev, nxt, self.tag + 4, fill)
+        return x
+
+
+def _pair(v) -> tuple[int, int]:
+    return (int(v[0]), int(v[1])) if isinstance(v, (tuple, list)) else (int(v), int(v))
+
+
+def conv_windows(conv: nn.Conv2d, layer: str) -> tuple[Window, Window]:
+    """(H window, W window) of a Conv2d; SpatialError for what a tile cannot reproduce."""
+    if conv.padding_mode != "zeros":
+        raise SpatialError(f"{layer}: padding_mode={conv.padding_mode!r} is not supported spatially; use 'zeros'")
+    k, s, d = _pair(conv.kernel_size), _pair(conv.stride), _pair(conv.dilation)
+    if conv.padding == "valid":
+        p = (0, 0)
+    elif conv.padding == "same":
+        p = tuple(d[a] * (k[a] - 1) // 2 for a in range(2))
+    else:
+        p = _pair(conv.padding)
+    return Window(k[0], s[0], d[0], p[0]), Window(k[1], s[1], d[1], p[1])
+
+
+def pool_windows(pool: nn.Module, layer: str) -> tuple[Window, Window]:
+    if getattr(pool, "ceil_mode", False):
+        raise SpatialError(f"{layer}: ceil_mode=True pooling is not supported spatially; use ceil_mode=False")
+    k = _pair(pool.kernel_size)
+    s = _pair(pool.stride if pool.stride is not None else pool.kernel_size)
+    d = _pair(getattr(pool, "dilation", 1))
+    p = _pair(pool.padding)
+    if isinstance(pool, nn.AvgPool2d) and any(p) and not pool.count_include_pad:
+        raise SpatialError(f"{layer}: AvgPool2d with count_include_pad=False divides border windows by their "
+                           "in-image size, which a tile cannot see; use count_include_pad=True or padding 0")
+    return Window(k[0], s[0], d[0], p[0]), Window(k[1], s[1], d[1], p[1])
+
+
+class SpatialConv2d(nn.Module):
+    """A Conv2d on one tile: halo exchange, then the conv without padding. Same parameter names."""
+
+    def __init__(self, conv: nn.Conv2d, exchange: TileExchange):
+        super().__init__()
+        self.weight = conv.weight
+        self.bias = conv.bias
+        self.stride, self.dilation, self.groups = _pair(conv.stride), _pair(conv.dilation), conv.groups
+        self.exchange = exchange
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(self.exchange(x, 0.0), self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+class SpatialPool2d(nn.Module):
+    """MaxPool2d / AvgPool2d on one tile: halo (-inf or 0 at the border), then the pool unpadded."""
+
+    def __init__(self, pool: nn.Module, exchange: TileExchange):
+        super().__init__()
+        self.is_max = isinstance(pool, nn.MaxPool2d)
+        self.kernel, self.stride = _pair(pool.kernel_size), _pair(pool.stride or pool.kernel_size)
+        self.dilation = _pair(getattr(pool, "dilation", 1))
+        self.divisor = getattr(pool, "divisor_override", None)
+        self.exchange = exchange
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_max:
+            return F.max_pool2d(self.exchange(x, float("-inf")), self.kernel, self.stride, 0, self.dilation)
+        return F.avg_pool2d(self.exchange(x, 0.0), self.kernel, self.stride, 0, divisor_override=self.divisor)
+
+
+class SpatialBatchNorm2d(nn.Module):
+    """BatchNorm2d on one tile, with statistics over the whole image ("sync", exact: two all-reduces
+    forward and two backward per layer) or over the tile alone ("local", cheaper, not equal to the
+    unsplit model). Same parameter and buffer names as the wrapped BatchNorm2d."""
+
+    def __init__(self, bn: nn.BatchNorm2d, group, mode: str):
+        super().__init__()
+        if mode not in BATCHNORM_MODES:
+            raise SpatialError(f"batchnorm mode {mode!r} is not one of {', '.join(BATCHNORM_MODES)}")
+        self.weight, self.bias = bn.weight, bn.bias
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            self.register_buffer(name, getattr(bn, name))
+        self.eps, self.momentum, self.affine = bn.eps, bn.momentum, bn.affine
+        self.group, self.mode = group, mode
+        self.training = bn.training
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "local" or not self.training:
+            mom = 0.0
+            if self.training and self.running_mean is not None:
+                self.num_batches_tracked.add_(1)
+                mom = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                self.training, mom, self.eps)
+        dims = (0, 2, 3)
+        count = all_reduce_sum(torch.tensor([float(x.numel() // x.shape[1])], dtype=x.dtype), self.group)
+        mean = all_reduce_sum(x.sum(dims), self.group) / count
+        centred = x - mean[None, :, None, None]
+        var = all_reduce_sum((centred * centred).sum(dims), self.group) / count
+        y = centred * torch.rsqrt(var + self.eps)[None, :, None, None]
+        if self.affine:
+            y = y * self.weight[None, :, None, None] + self.bias[None, :, None, None]
+        if self.running_mean is not None:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                mom = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                n = float(count)
+                self.running_mean.mul_(1 - mom).add_(mean.detach(), alpha=mom)
+                self.running_var.mul_(1 - mom).add_(var.detach() * (n / max(n - 1, 1.0)), alpha=mom)
+        return y
