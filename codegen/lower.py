@@ -1,6 +1,8 @@
 """`codegen.lower`: a Plan becomes one Program per rank, through small pure passes.
 
-    schedule     per pipeline position, the F/B order (codegen/schedules.py)
+    schedule     per pipeline position, the F/B order (codegen/schedules.py); under the
+                 bidirectional (GEMS) schedule a position holds stages i and p-1-i and the
+                 micro-batch's parity says which direction (and so which rank) runs a stage
     p2p          receives posted one compute ahead and waited just before use; sends
                  issued right after the compute that makes them, waited at the end of
                  the pipeline (a send never blocks a rank mid-schedule, so the only
@@ -8,7 +10,8 @@
     zero3        (ZeRO-3) all-gather a stage's parameters before each of its F and B
     grad sync    after each stage's last backward, one collective per gradient bucket
                  (all-reduce; reduce-scatter under ZeRO), issued from inside that
-                 backward; waited before the step
+                 backward; waited before the step (bidirectional: over the "pair" group,
+                 positions i and p-1-i across every data rank, higher stage first)
     step         ZERO_GRAD first; STEP; ZeRO-1/2 parameter all-gathers; the loss
                  reduced over data and broadcast from the last stage, so every rank
                  reports the step's loss
@@ -25,10 +28,10 @@ import itertools
 from typing import Callable, Iterator
 
 from codegen.partition import Partition, partition
-from codegen.schedules import ScheduleError, build_schedule
+from codegen.schedules import ScheduleError, bidirectional, bidirectional_position, build_schedule
 from planner.graph import ModelGraph
 from planner.plan import Plan
-from runtime.program import Bucket, Instr, Program, coords_of, rank_of
+from runtime.program import PAIR_AXIS, Bucket, Instr, Program, axis_group, coords_of, rank_of
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
@@ -76,16 +79,17 @@ def p2p_pass(actions: list[Instr], handles: Iterator[int], peer_of: Callable[[in
     micro-batch m (sent to stage s + 1), "grad s m" its gradient (sent back from
     stage s + 1). Both ends of a message carry the same stage and micro-batch.
     act_bytes[s] / grad_bytes[s]: bytes of stage s's output activations / of their
-    gradients (0: nothing crosses). peer_of(s): global rank running stage s (same data
-    and tensor coordinates).
+    gradients (0: nothing crosses). peer_of(s, m): global rank running stage s for
+    micro-batch m (same data and tensor coordinates; the micro-batch matters only for the
+    bidirectional schedule, whose two directions place a stage on different ranks).
     """
     def recv_for(a: Instr) -> Instr | None:
         if a.op == "F" and a.stage > 0 and act_bytes.get(a.stage - 1, 0):
-            return Instr("RECV", a.stage - 1, a.micro, peer=peer_of(a.stage - 1), kind="act", handle=next(handles),
-                         nbytes=act_bytes[a.stage - 1])
+            return Instr("RECV", a.stage - 1, a.micro, peer=peer_of(a.stage - 1, a.micro), kind="act",
+                         handle=next(handles), nbytes=act_bytes[a.stage - 1])
         if a.op == "B" and a.stage < num_stages - 1 and grad_bytes.get(a.stage, 0):
-            return Instr("RECV", a.stage, a.micro, peer=peer_of(a.stage + 1), kind="grad", handle=next(handles),
-                         nbytes=grad_bytes[a.stage])
+            return Instr("RECV", a.stage, a.micro, peer=peer_of(a.stage + 1, a.micro), kind="grad",
+                         handle=next(handles), nbytes=grad_bytes[a.stage])
         return None
 
     recvs = [recv_for(a) if a.op in ("F", "B") else None for a in actions]
@@ -101,12 +105,12 @@ def p2p_pass(actions: list[Instr], handles: Iterator[int], peer_of: Callable[[in
         out.append(a)
         if a.op == "F" and a.stage < num_stages - 1 and act_bytes.get(a.stage, 0):
             h = next(handles)
-            out.append(Instr("SEND", a.stage, a.micro, peer=peer_of(a.stage + 1), kind="act", handle=h,
+            out.append(Instr("SEND", a.stage, a.micro, peer=peer_of(a.stage + 1, a.micro), kind="act", handle=h,
                              nbytes=act_bytes[a.stage]))
             sends.append(h)
         elif a.op == "B" and a.stage > 0 and grad_bytes.get(a.stage - 1, 0):
             h = next(handles)
-            out.append(Instr("SEND", a.stage - 1, a.micro, peer=peer_of(a.stage - 1), kind="grad", handle=h,
+            out.append(Instr("SEND", a.stage - 1, a.micro, peer=peer_of(a.stage - 1, a.micro), kind="grad", handle=h,
                              nbytes=grad_bytes[a.stage - 1]))
             sends.append(h)
     out += [Instr("WAIT", handle=h) for h in sends]
@@ -130,15 +134,24 @@ def zero3_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket
     return out
 
 
-def grad_sync_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket], zero: int) -> list[Instr]:
-    """After each stage's last backward, one collective per bucket; their WAITs at the end."""
+def grad_sync_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket], zero: int, *,
+                   axis: str = "data", order: tuple[int, ...] | None = None) -> list[Instr]:
+    """After each stage's last backward, one collective per bucket; their WAITs at the end.
+
+    `order`: the stages in the order their collectives must be issued (every member of
+    the group must issue them alike); a stage whose last backward comes before that of a
+    stage ahead of it in `order` waits for it. None: in the order the last backwards run.
+    `axis`: the group the gradients are reduced over ("data", or "pair" for GEMS).
+    """
     last_b = {}
     for k, ins in enumerate(instrs):
         if ins.op == "B":
             last_b[ins.stage] = k
+    queue = list(order) if order is not None else sorted(last_b, key=last_b.get)
     op = "REDUCESCATTER" if zero >= 1 else "ALLREDUCE"
     out, waits = [], []
-    after: int | None = None   # stage whose collectives go in once its last B's SEND is placed
+    done: set[int] = set()     # stages whose last backward (and its SEND) is placed
+    after: int | None = None   # stage whose last B's SEND is still to be placed
     for k, ins in enumerate(instrs):
         out.append(ins)
         if ins.op == "B" and last_b.get(ins.stage) == k:
@@ -146,24 +159,29 @@ def grad_sync_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bu
             if k + 1 < len(instrs) and instrs[k + 1].op == "SEND" and instrs[k + 1].kind == "grad":
                 continue  # the gradient for the previous stage goes out first
         if after is not None:
-            stage, after = after, None
-            # buckets hold parameters last-layer-first, so bucket 0 is ready first
-            for b, bucket in enumerate(buckets):
-                if bucket.stage == stage:
-                    h = next(handles)
-                    out.append(Instr(op, stage, kind="grads", axis="data", handle=h, bucket=b,
-                                     nbytes=bucket.nbytes))
-                    waits.append(h)
+            done.add(after)
+            after = None
+            while queue and queue[0] in done:
+                stage = queue.pop(0)
+                # buckets hold parameters last-layer-first, so bucket 0 is ready first
+                for b, bucket in enumerate(buckets):
+                    if bucket.stage == stage:
+                        h = next(handles)
+                        out.append(Instr(op, stage, kind="grads", axis=axis, handle=h, bucket=b,
+                                         nbytes=bucket.nbytes))
+                        waits.append(h)
     return out + [Instr("WAIT", handle=h) for h in waits]
 
 
 def step_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket], zero: int, *, is_last: bool,
-              data: int, pipe: int, last_rank: int) -> list[Instr]:
+              data: int, pipe: int, last_rank: int, loss_sum_over_pipe: bool = False) -> list[Instr]:
     """ZERO_GRAD, the body, STEP, ZeRO-1/2 parameter gathers, and the loss to every rank.
 
     The loss is complete after the last stage's last forward: its all-reduce over data is
     issued there (hidden behind the backwards) and waited at the end; the broadcast from
-    the last stage to the other stages of its pipeline closes the step.
+    the last stage to the other stages of its pipeline closes the step. With
+    `loss_sum_over_pipe` (bidirectional: the last stage runs on two positions, each with
+    its direction's share of the loss) an all-reduce over the pipeline replaces the broadcast.
     """
     body = list(instrs)
     tail: list[Instr] = []
@@ -185,7 +203,8 @@ def step_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket]
     out += tail
     if pipe > 1:
         h = next(handles)
-        out += [Instr("BROADCAST", kind="loss", axis="pipe", peer=last_rank, handle=h, nbytes=8),
+        out += [Instr("ALLREDUCE", kind="loss", axis="pipe", handle=h, nbytes=8) if loss_sum_over_pipe else
+                Instr("BROADCAST", kind="loss", axis="pipe", peer=last_rank, handle=h, nbytes=8),
                 Instr("WAIT", handle=h)]
     return out
 
@@ -202,9 +221,7 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
     """
     cfg = plan.config
     p, d, t, v = cfg.pipeline, cfg.data, cfg.tensor, cfg.virtual_stages
-    if getattr(cfg, "bidirectional", False):
-        raise LoweringError("bidirectional (GEMS) pipelines are not lowered yet: the runtime runs gpipe, 1f1b and "
-                            "interleaved schedules; plan with bidirectional=False")
+    bidi = cfg.bidirectional
     if cfg.dtype == "fp16":
         raise LoweringError("dtype fp16 needs loss scaling, which the runtime does not implement; "
                             "use bf16 (or fp32)")
@@ -221,7 +238,7 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
     if parts is None:
         parts = partition(plan, graph)
     try:
-        sched = build_schedule(cfg.schedule, p, m, v)
+        sched = bidirectional(p, cfg.replicas_per_direction) if bidi else build_schedule(cfg.schedule, p, m, v)
     except ScheduleError as e:
         raise LoweringError(str(e)) from None
     zero = cfg.zero if d > 1 else 0
@@ -230,26 +247,35 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
     specs = {sp.spec.index: sp for sp in parts.stages}
     act_bytes = {s: sum(b.nbytes for b in specs[s].spec.outputs) for s in range(ns)}
     grad_bytes = {s: sum(b.nbytes for b in specs[s].spec.outputs if b.requires_grad) for s in range(ns)}
-    buckets_of = {s: make_buckets(s, specs[s].params, d, bucket_bytes) for s in range(ns)} if d > 1 else \
-        {s: [] for s in range(ns)}
     programs = {}
     for rank in range(p * d * t):
         coords = coords_of(mesh, rank)
         i, dc, tc = coords
-        stages = tuple(sorted(s for s in range(ns) if s % p == i))
-        buckets = [b for s in stages for b in buckets_of[s]]
+        if bidi:
+            # Position i holds stage i (replica A) and stage p-1-i (replica B); both ranks of the
+            # pair {i, p-1-i} hold the same two stages and reduce them over the pair and the
+            # data axis, higher stage first on both (so their collectives match).
+            stages = tuple(sorted({i, p - 1 - i}))
+            order: tuple[int, ...] | None = tuple(reversed(stages))
+            grad_axis, group = PAIR_AXIS, len(axis_group(mesh, coords, PAIR_AXIS))
+        else:
+            stages = tuple(sorted(s for s in range(ns) if s % p == i))
+            order, grad_axis, group = None, "data", d
+        buckets = [b for s in (order or stages) for b in make_buckets(s, specs[s].params, group, bucket_bytes)] \
+            if group > 1 else []
         handles = itertools.count()
 
-        def peer_of(s: int, _dc=dc, _tc=tc) -> int:
-            return rank_of(mesh, (s % p, _dc, _tc))
+        def peer_of(s: int, micro: int, _dc=dc, _tc=tc) -> int:
+            pos = bidirectional_position(s, micro, p) if bidi else s % p
+            return rank_of(mesh, (pos, _dc, _tc))
 
         instrs = p2p_pass(sched[i], handles, peer_of, ns, act_bytes, grad_bytes)
         if zero >= 3:
             instrs = zero3_pass(instrs, handles, buckets)
         if buckets:
-            instrs = grad_sync_pass(instrs, handles, buckets, zero)
+            instrs = grad_sync_pass(instrs, handles, buckets, zero, axis=grad_axis, order=order)
         instrs = step_pass(instrs, handles, buckets, zero, is_last=(ns - 1) in stages, data=d, pipe=p,
-                           last_rank=rank_of(mesh, ((ns - 1) % p, dc, tc)))
+                           last_rank=rank_of(mesh, ((ns - 1) % p, dc, tc)), loss_sum_over_pipe=bidi)
         programs[rank] = Program(rank=rank, world_size=p * d * t, mesh=mesh, coords=coords, stages=stages,
                                  num_stages=ns, num_micro_batches=m, micro_batch_size=cfg.micro_batch_size,
                                  instrs=tuple(instrs), zero=zero, buckets=tuple(buckets))

@@ -10,6 +10,10 @@ passes in codegen/lower.py add communication around them.
   1f1b:        p - i - 1 warm-up forwards on position i, then one forward / one backward
   interleaved: Megatron-LM's interleaved 1F1B over v chunks per position; micro-batches
                advance in groups of p, so m must be a multiple of p
+  bidirectional: GEMS (MAST T=1, MASTER T>1): two replicas of the p stages run in opposite
+               directions over the same positions; position i holds stage i (replica A,
+               even micro-batches) and stage p-1-i (replica B, odd micro-batches). Stage
+               numbers stay the model's, the micro-batch parity says the direction.
 """
 
 from __future__ import annotations
@@ -71,6 +75,32 @@ def interleaved(p: int, m: int, v: int) -> dict[int, list[Instr]]:
             acts += [fwd(warm + k), bwd(k)]
         acts += [bwd(k) for k in range(total - warm, total)]
         out[i] = acts
+    return out
+
+
+def bidirectional_position(stage: int, micro: int, p: int) -> int:
+    """Pipeline position that runs `stage` for `micro` under the bidirectional schedule:
+    replica A (even micro-batches) runs stage s on position s, replica B (odd) on p-1-s."""
+    return stage if micro % 2 == 0 else p - 1 - stage
+
+
+def bidirectional(p: int, replicas_per_direction: int) -> dict[int, list[Instr]]:
+    """GEMS's per-position order: for each pair t, replica A's micro-batch 2t (forward, then
+    backward, of this position's A stage), then replica B's micro-batch 2t+1 (its B stage).
+
+    Deadlock-free: every forward waits only on a forward earlier in the same direction,
+    every backward on a backward later in the same direction, and each position finishes
+    A's micro-batch before it starts B's, so the dependency graph follows the order.
+    """
+    _check(p, 2 * replicas_per_direction)
+    if p < 2:
+        raise ScheduleError("the bidirectional schedule needs pipeline >= 2")
+    out: dict[int, list[Instr]] = {i: [] for i in range(p)}
+    for t in range(replicas_per_direction):
+        for micro in (2 * t, 2 * t + 1):
+            for i in range(p):
+                stage = i if micro % 2 == 0 else p - 1 - i
+                out[i] += [Instr("F", stage, micro), Instr("B", stage, micro)]
     return out
 
 

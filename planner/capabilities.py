@@ -1,8 +1,7 @@
 """What meshplan's runtime can execute, so that the search never picks a plan it cannot run.
 
-The cost model prices more than the runtime runs (for example bi-directional
-pipelines before their lowering exists); `optimize` searches only what
-`RuntimeSupport` allows unless asked for a what-if search with `runtime=None`.
+The cost model may price more than the runtime runs; `optimize` searches only
+what `RuntimeSupport` allows unless asked for a what-if search with `runtime=None`.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ class RuntimeSupport:
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    bidirectional: bool = False
+    bidirectional: bool = True   # GEMS MAST/MASTER: tests/distributed/test_bidirectional.py
     # fp16 needs loss scaling, which the runtime does not do yet; bf16 and fp32 need none.
     dtypes: tuple[str, ...] = ("fp32", "bf16")
 

@@ -225,7 +225,7 @@ class Evaluator:
         without_p2p, busy = gems.simulate(f, b, T, 0.0)
         crit = max(range(p), key=lambda i: busy[i])
         pair = gems.pair_of(crit, p)
-        both = (crit, pair) if pair != crit else (crit,)
+        both = (crit, pair)  # the middle device of an odd pipeline runs its stage for both replicas
         pb = param_bytes(config.dtype, 0, d)
         mems, stages = [], []
         for i in range(p):

@@ -284,10 +284,10 @@ class TorchCommunicator:
         self._failed = False
         self._world_pg = self._make_pg(tuple(range(world_size)))
 
-    def _make_pg(self, ranks: tuple[int, ...]):
+    def _make_pg(self, ranks: tuple[int, ...], kind: str = "g"):
         import torch.distributed as dist
 
-        store = dist.PrefixStore("g" + "-".join(map(str, ranks)) if len(ranks) < 64 else f"g{hash(ranks)}",
+        store = dist.PrefixStore(kind + "-".join(map(str, ranks)) if len(ranks) < 64 else f"{kind}{hash(ranks)}",
                                  self.store)
         rank = ranks.index(self.rank)
         try:
@@ -304,9 +304,11 @@ class TorchCommunicator:
         if self.rank not in key:
             raise ValueError(f"rank {self.rank} asked for group {list(key)} that does not contain it")
         if key not in self._groups:
+            # Collectives over all ranks get a process group of their own ("c" prefix): gloo
+            # matches messages by slot, and a collective's slot on the group that carries the
+            # point-to-point traffic can collide with a p2p tag when both are in flight.
             self._groups[key] = SoloGroup(self.rank) if len(key) == 1 else \
-                (_TorchGroup(self, key, self._world_pg) if key == tuple(range(self.world_size))
-                 else _TorchGroup(self, key, self._make_pg(key)))
+                _TorchGroup(self, key, self._make_pg(key, "c" if key == tuple(range(self.world_size)) else "g"))
         return self._groups[key]
 
     def isend(self, tensor, peer, tag):

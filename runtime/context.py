@@ -38,8 +38,10 @@ class DistContext:
 
     @classmethod
     def create(cls, comm: Communicator, mesh: dict[str, int] | tuple[tuple[str, int], ...],
-               timeout: float = 300.0) -> "DistContext":
-        """Build this rank's axis groups (members only, in mesh order, so no rank waits on a cycle)."""
+               timeout: float = 300.0, derived_axes: tuple[str, ...] = ()) -> "DistContext":
+        """Build this rank's axis groups (members only, in mesh order, so no rank waits on a cycle),
+        then the groups of `derived_axes` (e.g. "pair", see runtime.program), in the order given:
+        every rank passes the same axes, so members of a group create it at the same point."""
         mesh_t = tuple(mesh.items()) if isinstance(mesh, dict) else tuple(mesh)
         size = 1
         for _, s in mesh_t:
@@ -47,7 +49,8 @@ class DistContext:
         if size != comm.world_size:
             raise ValueError(f"the mesh {dict(mesh_t)} needs {size} processes but {comm.world_size} were started")
         coords = coords_of(mesh_t, comm.rank)
-        groups = {axis: comm.group(axis_group(mesh_t, coords, axis)) for axis, _ in mesh_t}
+        groups = {axis: comm.group(axis_group(mesh_t, coords, axis))
+                  for axis in (*(a for a, _ in mesh_t), *derived_axes)}
         return cls(rank=comm.rank, world_size=comm.world_size, mesh=mesh_t, coords=coords, comm=comm,
                    groups=groups, timeout=timeout)
 

@@ -41,6 +41,7 @@ class _BucketState:
     shard_grad: torch.Tensor | None = None      # ZeRO: reduce-scattered gradient of the shard
     pending: int = 0
     armed: bool = False
+    ready: bool = False                          # armed and its gradients complete
     launched: Handle | None = None
     on_launch: Callable[[Handle], None] | None = None
     gathered: bool = True                       # ZeRO-3: full parameters present
@@ -63,6 +64,7 @@ class GradSync:
         self.device = torch.device(device)
         self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.states: list[_BucketState] = []
+        self._queue: list[_BucketState] = []    # armed buckets, in the order they must be issued
         d = group.size
         seen: set[int] = set()
         for i, b in enumerate(buckets):
@@ -133,13 +135,20 @@ class GradSync:
 
     def arm(self, bucket_indices: list[int], on_launch: dict[int, Callable[[Handle], None]]) -> None:
         """The next backward is the last one of these buckets' stage: reduce each bucket as
-        soon as its gradients are complete, calling on_launch[index](handle)."""
+        soon as its gradients are complete, calling on_launch[index](handle).
+
+        Buckets are issued in the order given (the Program's), each once it and all before
+        it are complete: every member of the group issues its collectives in one order, even
+        where autograd finishes the buckets in another (a collective issued out of order
+        would be matched with another bucket's on a peer)."""
         for i in bucket_indices:
             st = self.states[i]
             st.pending = len(st.params)
             st.armed = True
+            st.ready = False
             st.launched = None
             st.on_launch = on_launch.get(i)
+            self._queue.append(st)
 
     def _make_hook(self, st: _BucketState):
         def hook(_p: torch.Tensor) -> None:
@@ -147,7 +156,9 @@ class GradSync:
                 return
             st.pending -= 1
             if st.pending == 0:
-                self._launch(st)
+                st.ready = True
+                while self._queue and self._queue[0].ready:
+                    self._launch(self._queue.pop(0))
         return hook
 
     def _stream(self):
@@ -157,7 +168,7 @@ class GradSync:
         return torch.cuda.stream(self.comm_stream)
 
     def _launch(self, st: _BucketState) -> Handle:
-        st.armed = False
+        st.armed = st.ready = False
         with self._stream():
             if self.zero >= 1:
                 h = self.group.reduce_scatter(st.shard_grad, st.grad_flat, async_op=True)
@@ -174,7 +185,11 @@ class GradSync:
         if st.launched is not None:
             h, st.launched = st.launched, None
             return h, True
-        return self._launch(st), False
+        # armed, but a backward left it incomplete (unused parameters): issued here, in order
+        self._queue = [q for q in self._queue if q is not st]
+        h = self._launch(st)
+        st.launched = None   # handed to the caller now, not left for the next step
+        return h, False
 
     def finish(self) -> None:
         """After the reductions completed: make the GPU's compute stream wait for them."""

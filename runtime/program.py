@@ -31,6 +31,9 @@ reduces (the full buffer for collectives), for the simulator.
 
 Mesh: axes outermost first (pipe, data, tensor); ranks are laid out
 row-major with the last axis fastest, as cost_models.comm.axis_groups does.
+Besides the mesh axes, a collective may name the derived axis "pair" (GEMS
+bi-directional pipelines): the ranks at pipeline positions i and p-1-i, across
+every data coordinate, with the same other coordinates.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 PROGRAM_FORMAT_VERSION = 1
+
+PAIR_AXIS = "pair"   # derived axis: pipeline positions {i, p-1-i} x the data axis
 
 COMPUTE_OPS = ("F", "B")
 P2P_OPS = ("SEND", "RECV")
@@ -202,6 +207,18 @@ class Program:
         """The global ranks of this rank's group along `axis`, in coordinate order."""
         return axis_group(self.mesh, self.coords, axis)
 
+    @property
+    def derived_axes(self) -> tuple[str, ...]:
+        """Axes the instructions name that are not mesh axes (e.g. "pair"), sorted."""
+        names = {a for a, _ in self.mesh}
+        return tuple(sorted({i.axis for i in self.instrs if i.axis and i.axis not in names}))
+
+    @property
+    def grad_axis(self) -> str:
+        """The axis this rank's gradient buckets are reduced over ("data" unless a grads
+        collective names another)."""
+        return next((i.axis for i in self.instrs if i.kind == "grads"), "data")
+
     def count(self, op: str) -> int:
         return sum(1 for i in self.instrs if i.op == op)
 
@@ -291,6 +308,8 @@ def axis_group(mesh: Iterable[tuple[str, int]], coords: Iterable[int], axis: str
     mesh = tuple(mesh)
     coords = list(coords)
     names = [a for a, _ in mesh]
+    if axis == PAIR_AXIS and axis not in names and "pipe" in names:
+        return _pair_group(mesh, coords)
     if axis not in names:
         raise ProgramError(f"unknown mesh axis {axis!r}; the mesh has {names}")
     k = names.index(axis)
@@ -299,6 +318,19 @@ def axis_group(mesh: Iterable[tuple[str, int]], coords: Iterable[int], axis: str
         coords[k] = c
         out.append(rank_of(mesh, coords))
     return tuple(out)
+
+
+def _pair_group(mesh: tuple[tuple[str, int], ...], coords: list[int]) -> tuple[int, ...]:
+    """GEMS pair group: pipeline positions i and p-1-i, every data coordinate, sorted ranks."""
+    names = [a for a, _ in mesh]
+    kp = names.index("pipe")
+    p = mesh[kp][1]
+    out = set()
+    for pos in {coords[kp], p - 1 - coords[kp]}:
+        c = list(coords)
+        c[kp] = pos
+        out.update(axis_group(mesh, c, "data") if "data" in names else (rank_of(mesh, c),))
+    return tuple(sorted(out))
 
 
 def all_axis_groups(mesh: Iterable[tuple[str, int]], axis: str) -> tuple[tuple[int, ...], ...]:

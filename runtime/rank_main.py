@@ -163,7 +163,8 @@ def connect(p: Prepared) -> RankSession:
     """Join the other ranks: process groups, tensor-parallel groups, gradient buckets, optimizer."""
     comm = _make_comm(p.backend, p.rank, p.program.world_size, p.args, p.device)
     try:
-        ctx = DistContext.create(comm, p.program.mesh, timeout=p.args.timeout)
+        ctx = DistContext.create(comm, p.program.mesh, timeout=p.args.timeout,
+                                 derived_axes=p.program.derived_axes)
         tgroup = ctx.group("tensor") if "tensor" in ctx.groups else None
         d = ctx.size("data")
         runners = {}
@@ -175,7 +176,7 @@ def connect(p: Prepared) -> RankSession:
             runners[s] = StageRunner(sp, p.modules[s], loss=p.spec.loss, class_split=class_split,
                                      loss_scale=1.0 / (p.program.num_micro_batches * d), dtype=p.spec.dtype,
                                      device=p.device)
-        grads = GradSync(p.program.buckets, p.modules, ctx.group("data"), p.program.zero, p.device) \
+        grads = GradSync(p.program.buckets, p.modules, ctx.group(p.program.grad_axis), p.program.zero, p.device) \
             if p.program.buckets else None
         if grads is not None:
             params = grads.optimizer_params(p.modules)

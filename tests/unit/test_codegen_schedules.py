@@ -51,7 +51,7 @@ def test_p2p_pass_posts_receives_one_compute_ahead_and_waits_sends_at_the_end():
     import re
 
     acts = [Instr("F", 1, 0), Instr("F", 1, 1), Instr("B", 1, 0), Instr("B", 1, 1)]
-    out = p2p_pass(acts, iter(range(100)), lambda s: s, 3, act_bytes={0: 64, 1: 32}, grad_bytes={0: 64, 1: 32})
+    out = p2p_pass(acts, iter(range(100)), lambda s, m: s, 3, act_bytes={0: 64, 1: 32}, grad_bytes={0: 64, 1: 32})
     text = [re.sub(r" h\d+", "", str(i)) for i in out]
     assert text[:5] == ["RECV act s0 m0 <- r0 (64 B)", "RECV act s0 m1 <- r0 (64 B)", "WAIT", "F s1 m0",
                         "SEND act s1 m0 -> r2 (32 B)"]
