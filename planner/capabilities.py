@@ -21,6 +21,9 @@ class RuntimeSupport:
     bidirectional: bool = True   # GEMS MAST/MASTER: tests/distributed/test_bidirectional.py
     # fp16 needs loss scaling, which the runtime does not do yet; bf16 and fp32 need none.
     dtypes: tuple[str, ...] = ("fp32", "bf16")
+    # Spatial tiles (runtime/spatial.py) run on real processes in tests/distributed/test_spatial_exact.py;
+    # codegen does not lower spatial plans to Programs yet, so the search leaves them out.
+    spatial: bool = False
 
     def allows(self, config: ParallelConfig) -> bool:
         return self.why_not(config) is None
@@ -35,6 +38,8 @@ class RuntimeSupport:
             return f"the runtime does not run recompute={config.recompute!r}"
         if config.zero not in self.zero_stages:
             return f"the runtime does not run ZeRO stage {config.zero}"
+        if config.spatial > 1 and not self.spatial:
+            return "the runtime does not run spatial plans from a Program yet (codegen does not lower them)"
         if config.dtype not in self.dtypes:
             return f"the runtime does not train in {config.dtype} (no loss scaling); use bf16 or fp32"
         return None

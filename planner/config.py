@@ -15,6 +15,8 @@ from typing import Any
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("fp32", "bf16", "fp16")
+SPATIAL_SPLITS = ("strips_h", "strips_v", "grid")   # runtime.spatial.SPLITS
+SPATIAL_BATCHNORM = ("sync", "local")
 
 
 class ConfigError(ValueError):
@@ -38,6 +40,12 @@ class ParallelConfig:
         bidirectional: GEMS bi-directional pipeline: a second replica runs the stages in
             reverse over the same devices (device r holds stage r and stage p-1-r).
         replicas_per_direction: MASTER's T; each step runs 2T micro-batches (T per direction).
+        spatial: spatial degree s: the layers up to and including `spatial_until` (a layer
+            name) run on s tiles of each image, split as `spatial_split` (strips_h: s
+            horizontal strips, strips_v: s vertical strips, grid: rows x cols); the tiles
+            are gathered after that layer and the later layers run replicated on the s
+            devices. `spatial_batchnorm`: "sync" (statistics over the whole image, exact)
+            or "local" (per-tile statistics, cheaper, not equal to the unsplit model).
     """
 
     data: int = 1
@@ -52,13 +60,19 @@ class ParallelConfig:
     stage_boundaries: tuple[str, ...] | None = None
     bidirectional: bool = False
     replicas_per_direction: int = 1
+    spatial: int = 1
+    spatial_split: str = "strips_h"
+    spatial_until: str | None = None
+    spatial_batchnorm: str = "sync"
 
     def __post_init__(self) -> None:
-        for name in ("data", "tensor", "pipeline", "micro_batch_size", "virtual_stages", "replicas_per_direction"):
+        for name in ("data", "tensor", "pipeline", "micro_batch_size", "virtual_stages", "replicas_per_direction",
+                     "spatial"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {v!r}")
-        for name, allowed in (("schedule", SCHEDULES), ("recompute", RECOMPUTE), ("dtype", DTYPES)):
+        for name, allowed in (("schedule", SCHEDULES), ("recompute", RECOMPUTE), ("dtype", DTYPES),
+                              ("spatial_split", SPATIAL_SPLITS), ("spatial_batchnorm", SPATIAL_BATCHNORM)):
             v = getattr(self, name)
             if v not in allowed:
                 raise ConfigError(f"ParallelConfig.{name}={v!r} is not one of {', '.join(allowed)}")
@@ -85,6 +99,11 @@ class ParallelConfig:
                 raise ConfigError(f"a bidirectional pipeline supports ZeRO stage 0 only (got {self.zero})")
         elif self.replicas_per_direction != 1:
             raise ConfigError(f"replicas_per_direction={self.replicas_per_direction} needs bidirectional=True")
+        if self.spatial > 1 and not (isinstance(self.spatial_until, str) and self.spatial_until):
+            raise ConfigError(f"spatial={self.spatial} needs spatial_until, the name of the last layer that runs "
+                              "on image tiles")
+        if self.spatial == 1 and self.spatial_until is not None:
+            raise ConfigError(f"spatial_until={self.spatial_until!r} needs spatial >= 2 (tiles per image)")
         if self.stage_boundaries is not None:
             object.__setattr__(self, "stage_boundaries", tuple(self.stage_boundaries))
             want = self.num_stages - 1
@@ -94,7 +113,7 @@ class ParallelConfig:
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.tensor * self.pipeline
+        return self.data * self.tensor * self.pipeline * self.spatial
 
     @property
     def num_stages(self) -> int:
@@ -103,7 +122,9 @@ class ParallelConfig:
 
     @property
     def mesh(self) -> dict[str, int]:
-        """Mesh axes, outermost first: pipeline, data, tensor (tensor innermost, inside a node)."""
+        """Mesh axes, outermost first: pipeline, data, (spatial, when s > 1), tensor (innermost, inside a node)."""
+        if self.spatial > 1:
+            return {"pipe": self.pipeline, "data": self.data, "spatial": self.spatial, "tensor": self.tensor}
         return {"pipe": self.pipeline, "data": self.data, "tensor": self.tensor}
 
     def micro_batches(self, global_batch_size: int) -> int:
@@ -137,6 +158,9 @@ class ParallelConfig:
         s = f"d{self.data} t{self.tensor} p{self.pipeline} mb{self.micro_batch_size} {sched}"
         if self.schedule == "interleaved":
             s += f"x{self.virtual_stages}"
+        if self.spatial > 1:
+            s += f" s{self.spatial} {self.spatial_split}..{self.spatial_until}" + \
+                (" bn=local" if self.spatial_batchnorm == "local" else "")
         return s + f" rc={self.recompute} z{self.zero} {self.dtype}"
 
     def replace(self, **changes: Any) -> "ParallelConfig":
@@ -146,6 +170,9 @@ class ParallelConfig:
         d = dataclasses.asdict(self)
         if d["stage_boundaries"] is not None:
             d["stage_boundaries"] = list(d["stage_boundaries"])
+        if self.spatial == 1:  # neutral: documents of plans without tiles stay as they were
+            for name in ("spatial", "spatial_split", "spatial_until", "spatial_batchnorm"):
+                del d[name]
         return d
 
     @classmethod
@@ -159,12 +186,14 @@ class ParallelConfig:
                 raise f.error(key, f"is not a ParallelConfig field; known: {', '.join(sorted(known))}")
         kw: dict[str, Any] = {}
         for name in ("data", "tensor", "pipeline", "micro_batch_size", "virtual_stages", "zero",
-                     "replicas_per_direction"):
+                     "replicas_per_direction", "spatial"):
             if name in f.data:
                 kw[name] = f.integer(name)
-        for name in ("schedule", "recompute", "dtype"):
+        for name in ("schedule", "recompute", "dtype", "spatial_split", "spatial_batchnorm"):
             if name in f.data:
                 kw[name] = f.text(name)
+        if f.data.get("spatial_until") is not None:
+            kw["spatial_until"] = f.text("spatial_until")
         if "bidirectional" in f.data:
             kw["bidirectional"] = f.boolean("bidirectional")
         if f.data.get("stage_boundaries") is not None:

@@ -31,6 +31,7 @@ from planner.config import ConfigError, ParallelConfig
 from planner.graph import Layer, ModelGraph, OpInfo, dtype_size
 from planner.ilp import Edge, RegionOption, choose_shardings
 from planner.sharding import ShardingPlan, find_sharding
+from planner.spatial import SpatialPricer
 
 # Data-parallel gradients are reduced in buckets as backward produces them;
 # only the last bucket's reduction is always exposed (PyTorch DDP's default bucket).
@@ -92,6 +93,7 @@ class Evaluator:
         self._fwd_flops_per_sample = graph.total_fwd_flops / graph.batch_size
         self._layer_inputs = self._input_bytes_per_layer()
         self.tokens_per_sample = _tokens_per_sample(graph)
+        self.spatial = SpatialPricer(graph)
 
     # ---- public ---------------------------------------------------------
     def evaluate(self, config: ParallelConfig, global_batch_size: int) -> Prediction:
@@ -169,6 +171,7 @@ class Evaluator:
                 per_mb = 2 * self._axis(mesh, "data", "all_gather", weight_bytes) + \
                     self._axis(mesh, "data", "reduce_scatter", grad_bytes)
                 zero_comm = m * per_mb
+        data_comm += self.spatial.grad_sync_seconds(config, self)  # tile weight gradients summed
         opt_params = params_crit / (d if config.zero >= 1 else 1)
         optimizer = opt_params * adam_step_bytes(config.dtype) / (dev.memory_bandwidth * self.eff.memory)
 
@@ -278,13 +281,16 @@ class Evaluator:
         """ValueError naming the numbers when `config` cannot run this model on this cluster."""
         if config.num_devices != self.cluster.num_devices:
             raise ConfigError(
-                f"data {config.data} x tensor {config.tensor} x pipeline {config.pipeline} = "
+                f"data {config.data} x tensor {config.tensor} x pipeline {config.pipeline}"
+                + (f" x spatial {config.spatial}" if config.spatial > 1 else "") + " = "
                 f"{config.num_devices} devices, but cluster {self.cluster.name!r} has "
                 f"{self.cluster.num_devices}; choose degrees whose product is {self.cluster.num_devices}"
             )
         config.micro_batches(global_batch_size)
         try:
             self.sharding.check(config.tensor)
+            if config.spatial > 1:
+                self.spatial.until_index(config)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if config.num_stages > len(self.graph.layers):
@@ -303,6 +309,8 @@ class Evaluator:
             hit = self._layer_cache[key] = self._cost_layer(layer, config)
         if hit.boundary != self._boundary(layer, config):  # same body, different cut (last layer)
             hit = self._cost_layer(layer, config)
+        if config.spatial > 1:  # per tile (planner/spatial.py)
+            hit = self.spatial.adjust(layer, hit, config, self)
         return hit
 
     def stage_bounds(self, config: ParallelConfig, costs: list[LayerCost],
@@ -324,7 +332,8 @@ class Evaluator:
             cuts = [0, *idx, n]
             return [(cuts[k], cuts[k + 1]) for k in range(s)]
         key = (config.tensor, config.micro_batch_size, config.dtype, config.recompute, s, config.pipeline,
-               config.schedule, config.zero, config.data, global_batch_size, config.bidirectional)
+               config.schedule, config.zero, config.data, global_batch_size, config.bidirectional,
+               config.spatial, config.spatial_split, config.spatial_until, config.spatial_batchnorm)
         hit = self._bounds_cache.get(key)
         if hit is None:
             weights = [c.forward + c.backward + c.recompute + c.tp_forward + c.tp_backward for c in costs]
@@ -367,7 +376,7 @@ class Evaluator:
     def p2p_seconds(self, config: ParallelConfig):
         """p2p seconds for n bytes between neighbouring pipeline ranks."""
         intra, inter = link_models(self.cluster)
-        stride = config.data * config.tensor
+        stride = config.num_devices // config.pipeline  # pipeline is the outermost mesh axis
         link = intra if stride < self.cluster.devices_per_node else inter
         return lambda n: link.alpha + n * link.beta
 

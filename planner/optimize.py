@@ -28,10 +28,12 @@ from planner.evaluate import Evaluator, as_graph
 from planner.make_plan import plan_for
 from planner.plan import Alternative, Plan
 from planner.progress import Progress
+from planner.spatial import spatial_configs
 
 OBJECTIVES = ("time", "energy")
 FIXED_KNOBS = ("data", "tensor", "pipeline", "micro_batch_size", "schedule", "virtual_stages", "recompute",
-               "zero", "dtype", "bidirectional", "replicas_per_direction")
+               "zero", "dtype", "bidirectional", "replicas_per_direction", "spatial", "spatial_split",
+               "spatial_until", "spatial_batchnorm")
 LIMITS = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s", "allow_cross_node_tensor",
           "max_micro_batch_size")
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -195,8 +197,17 @@ def _best_dtype(cluster: Cluster, allowed: tuple[str, ...]) -> str:
 
 def _enumerate(ev: Evaluator, cluster: Cluster, batch: int, cons: dict,
                dtypes: tuple[str, ...]) -> list[ParallelConfig]:
-    """Every mesh shape x micro-batch x schedule the constraints allow (recompute/ZeRO come later)."""
-    n = cluster.num_devices
+    """Every mesh shape x micro-batch x schedule (x spatial split, for CNNs) the constraints allow
+    (recompute/ZeRO come later)."""
+    out = [] if cons.get("spatial", 1) != 1 else _enumerate_shapes(ev, cluster, cluster.num_devices, batch, cons,
+                                                                    dtypes)
+    return out + spatial_configs(ev.spatial, cluster.num_devices, cons,
+                                 lambda n: _enumerate_shapes(ev, cluster, n, batch, cons, dtypes))
+
+
+def _enumerate_shapes(ev: Evaluator, cluster: Cluster, n: int, batch: int, cons: dict,
+                      dtypes: tuple[str, ...]) -> list[ParallelConfig]:
+    """Data x tensor x pipeline shapes of `n` devices with micro-batches and schedules."""
     layers = len(ev.graph.layers)
     dtype = cons.get("dtype") or _best_dtype(cluster, dtypes)
     max_t = n if cons.get("allow_cross_node_tensor") else cluster.devices_per_node

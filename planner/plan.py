@@ -94,7 +94,10 @@ class Plan:
             + (f"bidirectional (GEMS, {c.replicas_per_direction} pair(s): device r runs stages r and p-1-r)"
                if c.bidirectional else c.schedule)
             + (f" (v={c.virtual_stages})" if c.schedule == "interleaved" else "")
-            + f"   recompute {c.recompute}   ZeRO {c.zero}   {c.dtype}",
+            + f"   recompute {c.recompute}   ZeRO {c.zero}   {c.dtype}"
+            + (f"\n  spatial: {c.spatial} tiles ({c.spatial_split}) per image through layer {c.spatial_until}, "
+               f"BatchNorm statistics {c.spatial_batchnorm}; later layers replicated on the tiles' devices"
+               if c.spatial > 1 else ""),
             f"  global batch {self.global_batch_size}: step {p.step_time:.4g} s, {p.samples_per_s:,.2f} samples/s"
             + (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "") + f", MFU {p.mfu:.1%}",
             "",
@@ -207,6 +210,9 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
         if dup:
             raise f.error(f"stages[{k}].layers", f"repeats layer(s) {sorted(dup)[:3]} of an earlier stage")
         seen |= set(st.layers)
+    if config.spatial_until is not None and config.spatial_until not in seen:
+        raise f.error("config.spatial_until", f"is {config.spatial_until!r}, which no stage holds; name the last "
+                      "spatially split layer")
     roles = f.sub("shardings", {})
     for node, role in roles.data.items():
         if role not in ROLES:

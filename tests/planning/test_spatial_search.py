@@ -1,0 +1,53 @@
+"""The joint search with spatial splitting, on meta-captured CNNs.
+
+ResNet-v2-110 on 16384 x 16384 images does not fit 48 V100s (8 Summit nodes) with any data x
+pipeline x tensor plan: one residual unit's activations exceed 16 GiB. With spatial tiles the
+search finds a plan that fits. Models without convolutions search exactly what they did before.
+"""
+
+import time
+
+import pytest
+import torch
+
+import planner
+from examples.models import gpt, resnet
+from planner import NoFeasiblePlan
+from planner.optimize import _enumerate
+
+
+@pytest.fixture(scope="module")
+def resnet_16k():
+    model = resnet.build(depth=110, width=16, image_size=16384)
+    return planner.capture(model, resnet.example_inputs(1, "meta", image_size=16384))
+
+
+def test_16k_resnet_fits_only_with_spatial_tiles(resnet_16k):
+    cluster = planner.Cluster.preset("summit", nodes=8)
+    with pytest.raises(NoFeasiblePlan):
+        planner.optimize(resnet_16k, cluster, global_batch_size=1, constraints={"spatial": 1}, runtime=None)
+    plan = planner.optimize(resnet_16k, cluster, global_batch_size=1, runtime=None)
+    c = plan.config
+    assert c.spatial > 1 and plan.prediction.fits
+    assert plan.prediction.peak_memory <= cluster.device.memory_bytes
+    assert c.spatial_until in [layer.name for layer in resnet_16k.layers]
+    assert planner.Plan.from_dict(plan.to_dict()).config == c
+
+
+def test_runtime_support_gates_spatial_plans(resnet_16k):
+    from planner.capabilities import MESHPLAN_RUNTIME
+
+    cfg = planner.ParallelConfig(spatial=2, spatial_until="stem.0", dtype="fp32")
+    why = MESHPLAN_RUNTIME.why_not(cfg)
+    assert (why is None) == MESHPLAN_RUNTIME.allows(cfg)
+
+
+def test_models_without_convolutions_search_the_same_space():
+    with torch.device("meta"):
+        model = gpt.build(preset="small")
+    g = planner.capture(model, gpt.example_inputs(batch_size=1, device="meta", preset="small"))
+    cluster = planner.Cluster.preset("dgx-a100-80gb", nodes=2)
+    ev = planner.Evaluator(g, cluster)
+    configs = _enumerate(ev, cluster, 32, {}, ("bf16",))
+    assert configs and all(c.spatial == 1 for c in configs)
+    assert configs == _enumerate(ev, cluster, 32, {"spatial": 1}, ("bf16",))
