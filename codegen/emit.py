@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from codegen.lower import DEFAULT_BUCKET_BYTES, lower
+from codegen.spatial import lower_spatial
 from codegen.partition import Partition, partition, stage_imports
 from codegen.pysrc import py_literal
 from planner.graph import ModelGraph
@@ -105,8 +106,11 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
                       model_kwargs=model_kwargs, data_kwargs=dict(data_kwargs or {}), seed=seed,
                       data_seed=data_seed, loss=loss, optimizer=optimizer or OptimizerSpec(), init=init,
                       checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()))
-    parts = partition(plan, graph)
-    programs = lower(plan, graph, bucket_bytes=bucket_bytes, parts=parts)
+    if plan.config.spatial > 1:  # image tiles: codegen/spatial.py
+        parts, programs = lower_spatial(plan, graph, bucket_bytes=bucket_bytes)
+    else:
+        parts = partition(plan, graph)
+        programs = lower(plan, graph, bucket_bytes=bucket_bytes, parts=parts)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     world = len(programs)

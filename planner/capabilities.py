@@ -21,9 +21,9 @@ class RuntimeSupport:
     bidirectional: bool = True   # GEMS MAST/MASTER: tests/distributed/test_bidirectional.py
     # fp16 needs loss scaling, which the runtime does not do yet; bf16 and fp32 need none.
     dtypes: tuple[str, ...] = ("fp32", "bf16")
-    # Spatial tiles (runtime/spatial.py) run on real processes in tests/distributed/test_spatial_exact.py;
-    # codegen does not lower spatial plans to Programs yet, so the search leaves them out.
-    spatial: bool = False
+    # Spatial tiles: codegen/spatial.py lowers them with pipeline 1, tensor 1, ZeRO 0 and no recompute
+    # (tests/distributed/test_spatial_build.py); other spatial compositions are priced, not run.
+    spatial: bool = True
 
     def allows(self, config: ParallelConfig) -> bool:
         return self.why_not(config) is None
@@ -38,8 +38,17 @@ class RuntimeSupport:
             return f"the runtime does not run recompute={config.recompute!r}"
         if config.zero not in self.zero_stages:
             return f"the runtime does not run ZeRO stage {config.zero}"
-        if config.spatial > 1 and not self.spatial:
-            return "the runtime does not run spatial plans from a Program yet (codegen does not lower them)"
+        if config.spatial > 1:
+            if not self.spatial:
+                return "the runtime does not run spatial plans"
+            extra = [what for what, bad in (
+                (f"pipeline {config.pipeline}", config.pipeline != 1), (f"tensor {config.tensor}", config.tensor != 1),
+                (f"ZeRO stage {config.zero}", config.zero != 0),
+                (f"recompute {config.recompute!r}", config.recompute != "none"),
+                ("a bidirectional pipeline", config.bidirectional)) if bad]
+            if extra:
+                return (f"the runtime runs spatial tiles with pipeline 1, tensor 1, ZeRO 0 and no recompute, not "
+                        f"with {', '.join(extra)}")
         if config.dtype not in self.dtypes:
             return f"the runtime does not train in {config.dtype} (no loss scaling); use bf16 or fp32"
         return None

@@ -144,16 +144,20 @@ class SpatialPricer:
                 # two dependent all-reduces each way (sum, then the squared deviations)
                 bn_f += 2 * ev._axis(config.mesh, "spatial", "all_reduce", fb / 2)
                 bn_b += 2 * ev._axis(config.mesh, "spatial", "all_reduce", bb / 2)
-        gather = 0.0
+        gather = gather_back = 0.0
         boundary = cost.boundary / s
         if layer.index == k:  # the tiles are gathered into the full activation after this layer
             gather = ev._axis(config.mesh, "spatial", "all_gather", cost.boundary)
+            # backward sums the full activation's gradient over the tiles (as lowered plans run,
+            # codegen/spatial.py), then each device keeps its tile
+            gather_back = ev._axis(config.mesh, "spatial", "all_reduce", cost.boundary)
             boundary = cost.boundary
         hit = dataclasses.replace(
             cost, forward=cost.forward / s * factor, backward=cost.backward / s * factor,
             recompute=cost.recompute / s * factor,
             tp_forward=cost.tp_forward + halo_f + bn_f + gather,
-            tp_backward=cost.tp_backward + halo_f + bn_b + (halo_f + bn_f if config.recompute == "full" else 0.0),
+            tp_backward=cost.tp_backward + halo_f + bn_b + gather_back +
+            (halo_f + bn_f + gather if config.recompute == "full" else 0.0),
             saved=cost.saved / s, working=cost.working / s,
             temporary=max(cost.temporary / s, 2 * cost.boundary if layer.index == k else 0.0),
             boundary=boundary)

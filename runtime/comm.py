@@ -282,6 +282,8 @@ class TorchCommunicator:
         self.store = dist.PrefixStore(prefix, raw)
         self._groups: dict[tuple[int, ...], Group] = {}
         self._failed = False
+        # Set by the rank (runtime/watchdog.py): names a dead or stuck peer when nobody published a reason.
+        self.diagnose: Callable[[], str | None] | None = None
         self._world_pg = self._make_pg(tuple(range(world_size)))
 
     def _make_pg(self, ranks: tuple[int, ...], kind: str = "g"):
@@ -362,11 +364,25 @@ class TorchCommunicator:
 
     def _translate(self, e: BaseException, what: str) -> Exception:
         # The failing rank publishes its reason right after its connections drop: wait for it.
-        reason = None if self._failed else self.failure_reason(timeout=10.0)
+        reason = None if self._failed else self._reason_or_diagnosis()
         if reason:
             return PeerFailure(reason)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return CommError(f"rank {self.rank}: {what} failed: {first[:300]}")
+
+    def _reason_or_diagnosis(self) -> str | None:
+        """The published failure reason; if none comes soon, the watchdog's diagnosis, published for the
+        others (a rank killed by a signal cannot say why)."""
+        reason = self.failure_reason(timeout=2.0 if self.diagnose else 10.0)
+        if reason or self.diagnose is None:
+            return reason
+        found = self.diagnose()
+        if found:
+            try:
+                self.store.compare_set(ABORT_KEY, "", found)
+            except Exception:
+                return found
+        return self.failure_reason(timeout=0.5 if found else 2.0) or found
 
     def shutdown(self) -> None:
         """Shut every process group down and drop it now, while the interpreter is alive.

@@ -21,6 +21,7 @@ import torch
 from runtime.comm import Handle, PeerFailure, p2p_tag
 from runtime.context import DistContext
 from runtime.data import DataSource
+from runtime.faults import inject
 from runtime.grads import GradSync
 from runtime.program import Instr, Program
 from runtime.stage import StageRunner
@@ -83,6 +84,8 @@ class Executor:
     data: DataSource | None
     recorder: Recorder
     fail_at: tuple[int, int] | None = None
+    fault: str = "raise"                       # what fail_at does (runtime/faults.py)
+    position: tuple[int, int] = (-1, -1)       # (step, instruction index) now running, for the watchdog
     _attached: dict[int, list[int]] = field(default_factory=dict)
     _completions: list = field(default_factory=list)
 
@@ -115,14 +118,20 @@ class Executor:
                                device=self.device)
         rec = self.recorder
         for idx, ins in enumerate(self.program.instrs):
-            if self.fail_at is not None and self.fail_at == (step, idx):
+            self.position = (step, idx)
+            if self.fail_at is not None and self.fail_at == (step, idx) and self.fault in ("sigkill", "hang"):
+                inject(self.fault, self.ctx.rank, f"step {step}, instruction {idx} '{ins}'")
+            if self.fail_at is not None and self.fail_at == (step, idx) and self.fault == "raise":
                 raise RankFailure(f"rank {self.ctx.rank} failed at step {step}, instruction {idx} '{ins}': "
                                   "RuntimeError: injected fault (--fail-at)")
             start = rec.now()
             try:
                 self._exec(idx, ins, step, micro, handles, recv_act, recv_grad, out_act, out_grad, loss_buf)
-            except (RankFailure, PeerFailure):
+            except RankFailure:
                 raise
+            except PeerFailure as e:
+                raise PeerFailure(f"{e} (rank {self.ctx.rank} was at step {step}, instruction {idx} '{ins}')") \
+                    from None
             except Exception as e:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 raise RankFailure(f"rank {self.ctx.rank} failed at step {step}, instruction {idx} '{ins}': "

@@ -46,6 +46,8 @@ class RunResult:
     output: str = ""                                               # every rank's output, concatenated
     timeline: Timeline | None = None
     comparison: Comparison | None = None
+    returncodes: dict[int, int] = field(default_factory=dict)   # rank -> exit status (gloo/nccl; -N: signal N)
+    exit_times: dict[int, float] = field(default_factory=dict)  # rank -> unix time its exit was seen
 
 
 def free_port() -> int:
@@ -156,9 +158,14 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
             log = (log_dir / f"log_rank_{r:04d}.txt").open("w")
             logs.append(log)
             procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT))
-        rc = _wait_all(procs, wall, grace)
+        exits: dict[int, tuple[int, float]] = {}
+        rc = _wait_all(procs, wall, grace, exits)
         for log in logs:
             log.close()
+        for r, (code, _t) in sorted(exits.items()):
+            if code < 0:
+                with (log_dir / f"log_rank_{r:04d}.txt").open("a") as f:
+                    f.write(f"meshplan launcher: rank {r} was killed by signal {_signal_name(-code)}\n")
         del stores
         output = "\n".join(f"[rank {r}] {line}" for r in range(world)
                            for line in (log_dir / f"log_rank_{r:04d}.txt").read_text().splitlines())
@@ -167,6 +174,9 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     results = []
     for b in builds:
         result = RunResult(rc, world, output=output)
+        if backend != "mpi":
+            result.returncodes = {r: c for r, (c, _t) in exits.items()}
+            result.exit_times = {r: t for r, (_c, t) in exits.items()}
         run_dir = b / "run"
         for r in range(world):
             f = run_dir / f"rank_{r:04d}.json"
@@ -194,11 +204,26 @@ def _host_store(port: int, timeout: float):
                          wait_for_workers=False)
 
 
-def _wait_all(procs: list[subprocess.Popen], wall: float, grace: float) -> int:
+def _signal_name(n: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return str(n)
+
+
+def _wait_all(procs: list[subprocess.Popen], wall: float, grace: float,
+              exits: dict[int, tuple[int, float]] | None = None) -> int:
+    """Wait for every process; `exits` receives rank -> (exit status, unix time seen)."""
     deadline = time.monotonic() + wall
     failed_at = None
+    exits = {} if exits is None else exits
     while True:
         codes = [p.poll() for p in procs]
+        for r, c in enumerate(codes):
+            if c is not None and r not in exits:
+                exits[r] = (c, time.time())
         if all(c is not None for c in codes):
             bad = [c for c in codes if c]
             return bad[0] if bad else 0
@@ -209,21 +234,26 @@ def _wait_all(procs: list[subprocess.Popen], wall: float, grace: float) -> int:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-            for p in procs:
-                p.wait()
+            for r, p in enumerate(procs):
+                exits.setdefault(r, (p.wait(), time.time()))
             return 124 if failed_at is None else next(c for c in codes if c not in (None, 0))
         time.sleep(0.02)
 
 
 def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[float]], *, rtol: float = 1e-4,
-                 atol: float = 1e-6) -> Comparison:
-    """Run the reference for the build and compare every rank's losses and parameters."""
+                 atol: float = 1e-6, first_step: int = 0) -> Comparison:
+    """Run the reference for the build and compare every rank's losses and parameters.
+
+    `first_step`: the run resumed from a checkpoint of that step, so its `steps` losses are the
+    reference's steps first_step .. first_step + steps - 1.
+    """
     build = Path(build)
     info = read_build(build)
     spec = TrainSpec.from_dict(info["train"])
     programs = {int(r): Program.from_dict(d) for r, d in json.loads((build / "programs.json").read_text()).items()}
     mb = programs[0].micro_batch_size
-    ref = reference_run(spec, steps, micro_batch_size=mb)
+    ref = reference_run(spec, first_step + steps, micro_batch_size=mb)
+    ref.losses = ref.losses[first_step:]
     stage_specs = {int(s): StageSpec.from_dict(d) for s, d in info["stages"].items()}
     params = {}
     for r in programs:

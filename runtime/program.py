@@ -246,6 +246,10 @@ class Program:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Program":
+        """Raises ProgramError naming the field when the document is malformed (runtime/program_check.py)."""
+        from runtime.program_check import check_program_dict
+
+        check_program_dict(d)
         version = d.get("format_version")
         if version != PROGRAM_FORMAT_VERSION:
             raise ProgramError(f"Program format_version {version!r} is not supported "
@@ -270,14 +274,22 @@ class Program:
 
     @classmethod
     def from_json(cls, text: str) -> "Program":
-        return cls.from_dict(json.loads(text))
+        try:
+            doc = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ProgramError(f"a Program file is not valid JSON ({e}); generate the build again") from None
+        return cls.from_dict(doc)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "Program":
-        return cls.from_json(Path(path).read_text())
+        try:
+            text = Path(path).read_bytes().decode()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ProgramError(f"Program file {path} cannot be read ({e})") from None
+        return cls.from_json(text)
 
 
 # ---- mesh helpers (the same layout as cost_models.comm.axis_groups) -------------

@@ -27,10 +27,13 @@ from pathlib import Path
 
 import torch
 
+from runtime.checkpoint import RankState, save_checkpoint
+from runtime.checkpoint_restore import Restore, apply_optimizer, apply_params, apply_rng, open_restore
 from runtime.comm import CommError, PeerFailure, local_threads_hint
 from runtime.context import DistContext
 from runtime.data import DataSource
 from runtime.executor import Executor, RankFailure
+from runtime.faults import FAULTS, inject
 from runtime.grads import GradSync
 from runtime.materialize import (build_model_for_stages, build_stage, load_factory, meta_model, model_signature,
                                  set_tensor_group, signature_mismatch)
@@ -38,6 +41,7 @@ from runtime.program import Program
 from runtime.spec import StageSpec, TrainSpec
 from runtime.stage import StageRunner
 from runtime.trace import Recorder
+from runtime.watchdog import Watchdog
 
 
 class LaunchError(ValueError):
@@ -78,11 +82,37 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
     ap.add_argument("--save-params", action="store_true", help="save the final parameters of this rank's stages")
     ap.add_argument("--no-trace", action="store_true", help="do not write the Timeline")
     ap.add_argument("--fail-at", default=None, metavar="RANK:STEP:INSTR",
-                    help="(testing) make RANK raise at this step and instruction index")
+                    help="(testing) make RANK fail at this step and instruction index")
+    ap.add_argument("--fault", choices=FAULTS, default="raise",
+                    help="(testing) how --fail-at fails: raise, sigkill, hang, or sigkill-in-save (during the "
+                         "checkpoint saved after STEP)")
+    ap.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints under this directory")
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="save a checkpoint every N steps (0: only after the last step); needs --checkpoint-dir")
+    ap.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                    help="continue from a checkpoint directory, or the newest complete one under a --checkpoint-dir")
     args = ap.parse_args(argv)
     if args.steps < 1:
         raise LaunchError(f"--steps must be at least 1, got {args.steps}")
+    if args.save_every < 0 or (args.save_every and not args.checkpoint_dir):
+        raise LaunchError("--save-every needs --checkpoint-dir and a count of at least 1")
     return args
+
+
+def tcoord_of(prog: Program) -> int:
+    return prog.coord("tensor") if "tensor" in prog.mesh_dict else 0
+
+
+def _save(session: RankSession, next_step: int) -> None:
+    """Every rank saves its checkpoint shard after step next_step - 1 (a collective: see runtime/checkpoint.py)."""
+    p = session.prepared
+    fa = p.args.fail_at
+    kill = None
+    if p.args.fault == "sigkill-in-save" and p.fail_at is not None and p.fail_at[0] == next_step - 1:
+        kill = lambda: inject("sigkill-in-save", p.rank, f"the checkpoint of step {next_step} ({fa})")  # noqa: E731
+    st = RankState(p.rank, p.program, p.specs, p.modules, p.spec, p.signature, session.grads,
+                   session.executor.optimizer, barrier=session.comm.barrier)
+    save_checkpoint(p.args.checkpoint_dir, next_step, st, interrupt=kill)
 
 
 def _exit_hard(code: int) -> None:
@@ -105,6 +135,8 @@ class Prepared:
     modules: dict[int, torch.nn.Module]
     data: DataSource | None
     fail_at: tuple[int, int] | None
+    restore: Restore | None = None
+    signature: str = ""        # model_signature the build was made for
 
 
 @dataclass
@@ -115,8 +147,11 @@ class RankSession:
     comm: object
     executor: Executor
     grads: GradSync | None
+    watchdog: Watchdog | None = None
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         self.comm.shutdown()
 
 
@@ -144,24 +179,31 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     fail_at = _parse_fail_at(args.fail_at, rank)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" \
         else torch.device("cpu")
-    tcoord = prog.coord("tensor") if "tensor" in prog.mesh_dict else 0
+    tcoord = tcoord_of(prog)
     tsize = prog.mesh_dict.get("tensor", 1)
     full = build_model_for_stages(spec)
     specs = {int(s): StageSpec.from_dict(d) for s, (_c, d) in stages.items()}
     modules = {s: build_stage(stages[s][0], specs[s], spec, tcoord, tsize, device, full_model=full)
                for s in sorted(specs)}
     del full
+    restore = None
+    if args.resume:
+        restore = open_restore(args.resume, rank=rank, program=prog, stage_specs=specs, train=spec,
+                               signature=signature["hash"])
+        apply_params(restore, modules, specs, tcoord, tsize)
     data = None
     if any(b.source == "data" for sp in specs.values() for b in sp.inputs) or any(sp.is_last for sp in specs.values()):
         data = DataSource(load_factory(spec.data_ref, spec.root, "data factory"), dict(spec.data_kwargs),
                           spec.global_batch_size, prog.micro_batch_size, prog.coord("data"),
                           prog.mesh_dict["data"], spec.data_seed, name=f"data factory {spec.data_ref}")
-    return Prepared(rank, prog, spec, args, backend, device, specs, modules, data, fail_at)
+    return Prepared(rank, prog, spec, args, backend, device, specs, modules, data, fail_at, restore, signature["hash"])
 
 
 def connect(p: Prepared) -> RankSession:
     """Join the other ranks: process groups, tensor-parallel groups, gradient buckets, optimizer."""
     comm = _make_comm(p.backend, p.rank, p.program.world_size, p.args, p.device)
+    running: list[Executor] = []
+    watchdog = _start_watchdog(p, comm, running)
     try:
         ctx = DistContext.create(comm, p.program.mesh, timeout=p.args.timeout,
                                  derived_axes=p.program.derived_axes)
@@ -184,13 +226,43 @@ def connect(p: Prepared) -> RankSession:
         else:
             params = [q for s in sorted(p.modules) for q in p.modules[s].parameters() if q.requires_grad]
         optimizer = p.spec.optimizer.build(params) if params else None
+        if p.restore is not None:
+            apply_optimizer(p.restore, p.modules, p.specs, grads, optimizer, tcoord_of(p.program),
+                            p.program.mesh_dict.get("tensor", 1))
+            apply_rng(p.restore, p.rank)
         comm.barrier()
         recorder = Recorder(p.rank, enabled=not p.args.no_trace)
-        ex = Executor(p.program, ctx, runners, grads, optimizer, p.data, recorder, fail_at=p.fail_at)
+        ex = Executor(p.program, ctx, runners, grads, optimizer, p.data, recorder, fail_at=p.fail_at,
+                      fault=p.args.fault)
+        running.append(ex)
     except BaseException:
+        if watchdog is not None:
+            watchdog.stopping()
         comm.report_failure(f"rank {p.rank} failed while connecting", grace=min(10.0, p.args.timeout))
         raise
-    return RankSession(p, comm, ex, grads)
+    return RankSession(p, comm, ex, grads, watchdog)
+
+
+def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
+    """Heartbeats and the abort watcher (runtime/watchdog.py), for the torch.distributed backends."""
+    if p.backend == "mpi":
+        return None
+    instrs = p.program.instrs
+
+    def position() -> tuple[int, int, str, str]:
+        if not running:
+            return -1, -1, "connecting", ""
+        step, idx = running[0].position
+        ins = instrs[idx] if 0 <= idx < len(instrs) else None
+        return step, idx, str(ins) if ins else "", ins.op if ins else ""
+    try:
+        wd = Watchdog(p.rank, p.program.world_size, p.args.master_addr, p.args.master_port, position,
+                      grace=min(3.0, p.args.timeout)).start()
+    except Exception as e:  # no watchdog: failures are still reported, only less precisely
+        print(f"meshplan rank {p.rank}: warning: no watchdog ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        return None
+    comm.diagnose = wd.diagnose
+    return wd
 
 
 def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: dict,
@@ -223,10 +295,12 @@ def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: 
     try:
         _train(session)
     except PeerFailure as e:
+        _stopping(session)
         print(f"{tag}: stopping because another rank failed: {e}", file=sys.stderr, flush=True)
         comm.acknowledge_failure(grace=grace)
         return _stop(exit_on_failure)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks
+        _stopping(session)
         msg = str(e) if isinstance(e, (RankFailure, CommError)) else \
             f"rank {rank} failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         print(f"{tag}: error: {msg}", file=sys.stderr, flush=True)
@@ -236,6 +310,11 @@ def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: 
         return _stop(exit_on_failure)
     session.close()
     return 0
+
+
+def _stopping(session: RankSession) -> None:
+    if session.watchdog is not None:
+        session.watchdog.stopping()
 
 
 def _stop(exit_on_failure: bool) -> int:
@@ -296,13 +375,17 @@ def _train(session: RankSession) -> None:
     if rank == 0:
         metrics.write_text("")
     losses, seconds = [], []
-    for step in range(args.steps):
+    first = p.restore.step if p.restore is not None else 0
+    for step in range(first, first + args.steps):
         r = ex.run_step(step)
         losses.append(r.loss)
         seconds.append(r.seconds)
         if rank == 0:
             with metrics.open("a") as f:
                 f.write(json.dumps({"step": step, "loss": r.loss, "seconds": r.seconds}) + "\n")
+        last = step == first + args.steps - 1
+        if args.checkpoint_dir and (last or (args.save_every and (step + 1) % args.save_every == 0)):
+            _save(session, step + 1)
     grads = session.grads
     if args.save_params:
         if grads is not None and grads.zero >= 3:

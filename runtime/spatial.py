@@ -318,13 +318,17 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 class _GatherTiles(torch.autograd.Function):
     """Tiles (B, C, h_ij, w_ij) on the group -> the full (B, C, H, W) on every member.
 
-    Backward: this member's slice of the gradient. Exact because the layers after the gather
-    run replicated on every member of the group (each computes the same gradient).
+    The layers after the gather run replicated on every member of the group. Backward,
+    `reduce=False`: this member's slice of the gradient (every member computed the same
+    gradient of the same loss). `reduce=True`: the slice of the gradient summed over the
+    members, for runs where each member's loss is scaled by 1/s so that every gradient,
+    replicated layers' included, is a partial sum that one all-reduce completes.
     """
 
     @staticmethod
-    def forward(ctx, x, group, layout: TileLayout, full_h: int, full_w: int):
+    def forward(ctx, x, group, layout: TileLayout, full_h: int, full_w: int, reduce: bool = False):
         ctx.rows, ctx.cols = layout.tile_of(full_h, full_w)
+        ctx.group, ctx.reduce = group, reduce
         bh, bw = bounds(full_h, layout.rows), bounds(full_w, layout.cols)
         mh = max(bh[k + 1] - bh[k] for k in range(layout.rows))
         mw = max(bw[k + 1] - bw[k] for k in range(layout.cols))
@@ -343,12 +347,43 @@ class _GatherTiles(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g[..., ctx.rows, ctx.cols].contiguous(), None, None, None, None
+        if ctx.reduce:
+            g = g.contiguous().clone()
+            ctx.group.all_reduce(g, "sum")
+        return g[..., ctx.rows, ctx.cols].contiguous(), None, None, None, None, None
 
 
-def gather_tiles(x: torch.Tensor, group, layout: TileLayout, full_h: int, full_w: int) -> torch.Tensor:
+def gather_tiles(x: torch.Tensor, group, layout: TileLayout, full_h: int, full_w: int,
+                 reduce: bool = False) -> torch.Tensor:
     """The full activation from the group's tiles (see _GatherTiles)."""
-    return _GatherTiles.apply(x, group, layout, full_h, full_w)
+    return _GatherTiles.apply(x, group, layout, full_h, full_w, reduce)
+
+
+@dataclass(frozen=True)
+class SpatialSpec:
+    """How a stage splits images (carried in runtime.spec.StageSpec; made by codegen.spatial).
+
+    degree: tiles per image; split: one of SPLITS; until: fx node name of the last spatial node
+    of the stage module; batchnorm: one of BATCHNORM_MODES. The stage's data axis holds
+    data x degree ranks: each run of `degree` consecutive data coordinates shares an image.
+    """
+
+    degree: int
+    split: str
+    until: str
+    batchnorm: str = "sync"
+
+    def __post_init__(self) -> None:
+        tile_shape(self.split, self.degree)
+        if self.batchnorm not in BATCHNORM_MODES:
+            raise SpatialError(f"batchnorm mode {self.batchnorm!r} is not one of {', '.join(BATCHNORM_MODES)}")
+
+    def to_dict(self) -> dict:
+        return {"degree": self.degree, "split": self.split, "until": self.until, "batchnorm": self.batchnorm}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpatialSpec":
+        return cls(int(d["degree"]), str(d["split"]), str(d["until"]), str(d.get("batchnorm", "sync")))
 
 
 # ---------------------------------------------------------------------------

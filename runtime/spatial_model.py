@@ -79,12 +79,12 @@ class TakeTile(nn.Module):
 class GatherTiles(nn.Module):
     """This rank's tile (B, C, h, w) -> the full (B, C, H, W), on every member of the group."""
 
-    def __init__(self, group, layout: TileLayout, full_h: int, full_w: int):
+    def __init__(self, group, layout: TileLayout, full_h: int, full_w: int, reduce: bool = False):
         super().__init__()
-        self.group, self.layout, self.full_h, self.full_w = group, layout, full_h, full_w
+        self.group, self.layout, self.full_h, self.full_w, self.reduce = group, layout, full_h, full_w, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_tiles(x, self.group, self.layout, self.full_h, self.full_w)
+        return gather_tiles(x, self.group, self.layout, self.full_h, self.full_w, self.reduce)
 
 
 def _meta_shapes(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> dict[str, tuple[int, ...]]:
@@ -101,7 +101,7 @@ def _meta_shapes(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> dict[str
 
 
 def spatialize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], until: str, split: str, group, comm,
-               *, batchnorm: str = "sync") -> SpatialModel:
+               *, batchnorm: str = "sync", reduce_at_gather: bool = False) -> SpatialModel:
     """This rank's tile version of `model` (see module docstring).
 
     Args:
@@ -110,6 +110,8 @@ def spatialize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], until
         until: fx node name of the last node of the spatial part (nodes in graph order).
         split: "strips_h", "strips_v" or "grid"; group: the spatial group (Group); comm: the Communicator.
         batchnorm: "sync" (exact statistics over the image) or "local" (per tile).
+        reduce_at_gather: the gather's backward sums the gradient over the group (for losses
+            scaled by 1/s; see runtime.spatial._GatherTiles) instead of slicing it.
 
     Raises SpatialError naming the node or layer that cannot run on tiles.
     """
@@ -186,7 +188,8 @@ def spatialize(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], until
         shape = shapes.get(n.name)
         if shape is None or len(shape) != 4:
             raise SpatialError(f"node {n.name} leaves the spatial part but is not a (B, C, H, W) tensor")
-        gm.add_submodule(f"spatial_gather_{n.name}", GatherTiles(group, layout, shape[-2], shape[-1]))
+        gm.add_submodule(f"spatial_gather_{n.name}", GatherTiles(group, layout, shape[-2], shape[-1],
+                                                                       reduce_at_gather))
         with g.inserting_after(n):
             full = g.call_module(f"spatial_gather_{n.name}", (n,))
         for u in late:
@@ -209,3 +212,35 @@ def sum_tile_gradients(module: nn.Module, names: tuple[str, ...], group) -> None
     for g in grads:
         g.copy_(flat[at:at + g.numel()].view_as(g))
         at += g.numel()
+
+
+def data_shard(coord: int, size: int, specs) -> tuple[int, int]:
+    """(data shard, number of shards) of a rank whose data-axis coordinate is `coord` of `size`.
+
+    With spatial stages the data axis holds data x s ranks and each run of s consecutive
+    coordinates reads the same micro-batches (they hold tiles of the same images).
+    """
+    degrees = {sp.spatial.degree for sp in specs.values() if getattr(sp, "spatial", None) is not None}
+    if not degrees:
+        return coord, size
+    (s,) = degrees
+    return coord // s, size // s
+
+
+def apply_to_stages(specs, modules: dict, ctx) -> None:
+    """Replace every spatial stage's module (StageSpec.spatial set) by its tile version for this rank.
+
+    The spatial group is this rank's run of s consecutive ranks on the data axis. The loss of
+    such a run is scaled by 1/(data x s) (the data axis's size), so the gather sums gradients
+    (see runtime.spatial._GatherTiles) and the data-axis all-reduce completes every gradient.
+    """
+    for index, spec in specs.items():
+        sp = getattr(spec, "spatial", None)
+        if sp is None:
+            continue
+        data = ctx.group("data")
+        k = data.rank // sp.degree
+        group = ctx.comm.group(tuple(data.ranks[k * sp.degree:(k + 1) * sp.degree]))
+        inputs = tuple(torch.empty(b.shape, dtype=getattr(torch, b.dtype), device="meta") for b in spec.inputs)
+        modules[index] = spatialize(modules[index], inputs, sp.until, sp.split, group, ctx.comm,
+                                    batchnorm=sp.batchnorm, reduce_at_gather=True).module

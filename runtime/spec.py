@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.optim import OptimizerSpec
+from runtime.spatial import SpatialSpec
 from runtime.tensor_parallel import FeatureSplit, ModuleShard
 
 INITS = ("seed", "per-module", "checkpoint")
@@ -156,6 +157,7 @@ class StageSpec:
         output_split: on the last stage, how the model output's last dimension is split
             over the tensor axis (vocabulary-parallel logits), else None.
         recompute: "none", "selective" or "full" (the generated code applies it).
+        spatial: how the stage splits images into tiles (runtime.spatial.SpatialSpec), or None.
     """
 
     index: int
@@ -168,6 +170,7 @@ class StageSpec:
     is_last: bool = False
     output_split: FeatureSplit | None = None
     recompute: str = "none"
+    spatial: SpatialSpec | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -177,6 +180,7 @@ class StageSpec:
             "shards": [s.to_dict() for s in self.shards], "is_last": self.is_last,
             "output_split": self.output_split.to_list() if self.output_split else None,
             "recompute": self.recompute,
+            "spatial": self.spatial.to_dict() if self.spatial else None,
         }
 
     @classmethod
@@ -189,6 +193,7 @@ class StageSpec:
             is_last=bool(d.get("is_last", False)),
             output_split=FeatureSplit.from_list(d["output_split"]) if d.get("output_split") else None,
             recompute=d.get("recompute", "none"),
+            spatial=SpatialSpec.from_dict(d["spatial"]) if d.get("spatial") else None,
         )
 
 

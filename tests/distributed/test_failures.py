@@ -1,7 +1,9 @@
 """Bad input and failing ranks: a clear error on every rank, and no rank left hanging."""
 
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -97,3 +99,65 @@ def test_a_rank_that_never_arrives_times_out_instead_of_hanging(mlp_p2):
 
 def test_unknown_models_are_listed():
     assert set(MODELS) == {"mlp", "gpt", "resnet"}
+
+
+# ---- a rank that dies or stops responding mid-step ------------------------------------------------
+
+def _fault_time(out: str, rank: int) -> float:
+    m = re.search(rf"meshplan rank {rank}: injecting fault: .* at unix time ([0-9.]+)", out)
+    assert m, f"rank {rank} did not announce its fault:\n{out[-3000:]}"
+    return float(m.group(1))
+
+
+def _no_processes_left(build) -> None:
+    """No rank process of `build` is still running, and no child of this test is a zombie."""
+    me, script = str(os.getpid()), f"{build}/run_rank.py"
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            stat = open(f"/proc/{d}/stat").read()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        assert script not in cmd, f"process {d} of the build is still running: {cmd}"
+        assert not (ppid == me and state == "Z"), f"zombie child {d}: {cmd}"
+
+
+TIMEOUT = 12.0
+
+
+def _run_with_fault(build, rank: int, at: str, fault: str):
+    """4 steps with `fault` injected on `rank` at STEP:INSTR `at`: (result, unix time of the fault)."""
+    res = run_local(build, steps=4, timeout=TIMEOUT, extra_args=["--fail-at", f"{rank}:{at}", "--fault", fault],
+                    wall_timeout=150)
+    assert res.returncode != 0
+    return res, _fault_time(res.output, rank)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_killed_with_sigkill_mid_step(mlp_p2):
+    res, killed = _run_with_fault(mlp_p2, 1, "2:4", "sigkill")
+    assert res.returncodes[1] == -signal.SIGKILL
+    assert res.returncodes[0] == 1, "rank 0 exits by itself, with its reason (the launcher did not kill it)"
+    waited = res.exit_times[0] - killed
+    print(f"rank 0 exited {waited:.2f} s after rank 1 was killed (--timeout {TIMEOUT:.0f} s)")
+    assert waited < TIMEOUT + 10
+    assert "meshplan rank 0: stopping because another rank failed: rank 1 died" in res.output, res.output[-3000:]
+    assert "(rank 0 was at step 2, instruction" in res.output
+    assert "rank 1 was killed by signal SIGKILL" in res.output
+    _no_processes_left(mlp_p2)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_stops_responding(mlp_p2):
+    res, hung = _run_with_fault(mlp_p2, 0, "2:3", "hang")
+    assert res.returncodes == {0: 1, 1: 1}, "both ranks exit by themselves (the hung one through its watchdog)"
+    waited = max(res.exit_times.values()) - hung
+    print(f"both ranks exited {waited:.2f} s after rank 0 stopped responding (--timeout {TIMEOUT:.0f} s)")
+    assert waited < TIMEOUT + 10
+    assert "meshplan rank 1: stopping because another rank failed: rank 0 stopped responding (alive, but making " \
+        "no progress) at step 2, instruction 3" in res.output, res.output[-3000:]
+    assert "meshplan rank 0: stopping because the run failed" in res.output and "ended by its watchdog" in res.output
+    _no_processes_left(mlp_p2)

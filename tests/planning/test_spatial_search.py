@@ -34,12 +34,26 @@ def test_16k_resnet_fits_only_with_spatial_tiles(resnet_16k):
     assert planner.Plan.from_dict(plan.to_dict()).config == c
 
 
-def test_runtime_support_gates_spatial_plans(resnet_16k):
+def test_runtime_support_allows_spatial_only_as_lowered():
     from planner.capabilities import MESHPLAN_RUNTIME
 
-    cfg = planner.ParallelConfig(spatial=2, spatial_until="stem.0", dtype="fp32")
-    why = MESHPLAN_RUNTIME.why_not(cfg)
-    assert (why is None) == MESHPLAN_RUNTIME.allows(cfg)
+    ok = planner.ParallelConfig(data=2, spatial=2, spatial_until="stem.0", dtype="fp32")
+    assert MESHPLAN_RUNTIME.allows(ok)
+    for change, word in ((dict(pipeline=2), "pipeline 2"), (dict(recompute="full"), "recompute 'full'"),
+                         (dict(zero=1), "ZeRO stage 1"), (dict(tensor=2), "tensor 2")):
+        assert word in MESHPLAN_RUNTIME.why_not(ok.replace(**change))
+
+
+def test_default_search_picks_tiles_the_runtime_runs():
+    """One 4096^2 image per step on a DGX H100 node: data parallelism has nothing to split, and the
+    runtime-limited search (bf16, tiles without recompute) splits the image over the 8 GPUs."""
+    model = resnet.build(depth=20, width=16, image_size=4096)
+    g = planner.capture(model, resnet.example_inputs(1, "meta", image_size=4096))
+    plan = planner.optimize(g, planner.Cluster.preset("dgx-h100"), global_batch_size=1)
+    from planner.capabilities import MESHPLAN_RUNTIME
+
+    assert plan.config.spatial > 1 and plan.prediction.fits
+    assert MESHPLAN_RUNTIME.allows(plan.config)
 
 
 def test_models_without_convolutions_search_the_same_space():

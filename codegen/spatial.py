@@ -1,0 +1,46 @@
+"""Lowering a spatial plan: per-rank Programs whose stage modules run on image tiles.
+
+A plan with spatial degree s (pipeline 1, tensor 1) is lowered as its data-parallel twin with
+data x s ranks on the data axis and s times the global batch, so that every rank runs the same
+one-stage Program with the loss scaled by 1/(data x s) and one gradient all-reduce over the
+data axis. What makes the twin spatial is the stage's `StageSpec.spatial`: each rank keeps its
+tile of the images its run of s consecutive data coordinates shares (runtime.spatial_model),
+exchanges halos inside the stage module, and gathers the tiles after the spatial part with a
+backward that sums the gradient over the s ranks (runtime.spatial._GatherTiles). Every gradient,
+tiled and replicated layers alike, is then a partial sum that the data-axis all-reduce completes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from codegen.lower import LoweringError, lower
+from codegen.partition import Partition, partition
+from planner.capabilities import MESHPLAN_RUNTIME
+from planner.graph import ModelGraph
+from planner.plan import Plan
+from runtime.program import Program
+from runtime.spatial import SpatialSpec
+
+
+def spatial_twin(plan: Plan) -> Plan:
+    """The data-parallel plan whose Programs a spatial plan runs (see module docstring)."""
+    c = plan.config
+    why = MESHPLAN_RUNTIME.why_not(c)
+    if why:
+        raise LoweringError(f"{why}; plan within those limits (or with spatial=1)")
+    twin = c.replace(data=c.data * c.spatial, spatial=1, spatial_until=None)
+    return dataclasses.replace(plan, config=twin, global_batch_size=plan.global_batch_size * c.spatial)
+
+
+def lower_spatial(plan: Plan, graph: ModelGraph, *, bucket_bytes: int) -> tuple[Partition, dict[int, Program]]:
+    """(stage modules with their SpatialSpec, one Program per rank) for a plan with spatial > 1."""
+    c = plan.config
+    twin = spatial_twin(plan)
+    layers = {layer.name: layer for layer in graph.layers}
+    until = layers[c.spatial_until].nodes[-1]
+    parts = partition(twin, graph)
+    spec = SpatialSpec(c.spatial, c.spatial_split, until, c.spatial_batchnorm)
+    parts = dataclasses.replace(parts, stages=tuple(
+        dataclasses.replace(sp, spec=dataclasses.replace(sp.spec, spatial=spec)) for sp in parts.stages))
+    return parts, lower(twin, graph, bucket_bytes=bucket_bytes, parts=parts)

@@ -1,0 +1,287 @@
+"""Sharded checkpoints: every rank saves and restores only its own state.
+
+Layout under a checkpoint root (`--checkpoint-dir`):
+
+    ROOT/step_00000003/rank_0000.pt     rank 0's parameters (its stages, its tensor-parallel
+                                        slices), buffers, optimizer state (whole parameters, or
+                                        its flat ZeRO shards), RNG state and the data position
+    ROOT/step_00000003/rank_0000.json   sha256 and size of rank_0000.pt, and its layout hash
+    ROOT/step_00000003/manifest.json    written last, by rank 0, once every rank's file is in place
+
+Every file is written to a temporary name, fsync'ed and renamed over its final
+name (os.replace is atomic), so a crash in the middle of a save leaves at most
+a temporary file and a step directory without a manifest: a checkpoint is
+complete iff its manifest exists, and `resolve_checkpoint(ROOT)` takes the
+newest complete one. Earlier checkpoints are never touched by a later save.
+
+The step stored is the next step to run: a checkpoint saved after steps 0..2
+holds step 3, and a resumed run continues with step 3's batch (the data
+factory is a pure function of data_seed + step, so the step is the whole
+data position; the manifest also records the samples consumed).
+
+Restoring on the same plan (every rank's layout hash unchanged) reads only the
+rank's own file and is bit-exact. Restoring on another plan goes through the
+model's logical state (runtime/checkpoint_reshard.py): whole tensors by the
+original module names, re-sliced for the new layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+CHECKPOINT_FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, damaged, or made for another model or setup."""
+
+
+# ---- files ------------------------------------------------------------------------------------
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def atomic_write(path: Path, data: bytes, *, interrupt: Callable[[], None] | None = None) -> None:
+    """Write `data` to `path` so that `path` holds either its old content or all of `data`.
+
+    `interrupt` (fault injection for tests) is called when half of the data is on disk.
+    """
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        half = len(data) // 2
+        f.write(data[:half])
+        if interrupt is not None:
+            f.flush()
+            os.fsync(f.fileno())
+            interrupt()
+        f.write(data[half:])
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Step directories under `root` that have a manifest, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), d) for d in root.iterdir() if (m := _STEP_DIR.match(d.name)) and (d / MANIFEST).is_file()]
+    return [d for _, d in sorted(found)]
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory: `path` itself if it has a manifest, else the newest complete one under it."""
+    p = Path(path)
+    if (p / MANIFEST).is_file():
+        return p
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint {p} does not exist; give a checkpoint directory (step_XXXXXXXX) "
+                              "or the --checkpoint-dir of an earlier run")
+    done = complete_checkpoints(p)
+    if done:
+        return done[-1]
+    partial = sorted(d.name for d in p.iterdir() if _STEP_DIR.match(d.name))
+    if _STEP_DIR.match(p.name):
+        raise CheckpointError(f"checkpoint {p} has no {MANIFEST}: its save was interrupted; resume from an "
+                              "earlier checkpoint of the same run")
+    raise CheckpointError(f"{p} holds no complete checkpoint"
+                          + (f" ({', '.join(partial)} have no {MANIFEST}: their save was interrupted)" if partial
+                             else "") + "; run with --checkpoint-dir to make one")
+
+
+# ---- manifest ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a complete checkpoint holds and what it was made for.
+
+    step: the next step to run; samples: samples consumed (step x global batch).
+    signature: runtime.materialize.model_signature of the model; layouts: rank -> layout hash
+    (mesh, coordinates, stages, shards, buckets, ZeRO); files: rank -> {"sha256", "bytes"}.
+    """
+
+    step: int
+    world_size: int
+    mesh: tuple[tuple[str, int], ...]
+    signature: str
+    model_ref: str
+    optimizer: str
+    global_batch_size: int
+    data_seed: int
+    layouts: dict[int, str]
+    files: dict[int, dict]
+    format_version: int = CHECKPOINT_FORMAT_VERSION
+
+    @property
+    def samples(self) -> int:
+        return self.step * self.global_batch_size
+
+    def to_dict(self) -> dict:
+        return {"format_version": self.format_version, "step": self.step, "samples": self.samples,
+                "world_size": self.world_size, "mesh": [list(m) for m in self.mesh], "signature": self.signature,
+                "model_ref": self.model_ref, "optimizer": self.optimizer,
+                "global_batch_size": self.global_batch_size, "data_seed": self.data_seed,
+                "layouts": {str(r): h for r, h in self.layouts.items()},
+                "files": {str(r): f for r, f in self.files.items()}}
+
+    @classmethod
+    def load(cls, ckpt: Path) -> "Manifest":
+        try:
+            d = json.loads((ckpt / MANIFEST).read_text())
+            version = d.get("format_version")
+            if version != CHECKPOINT_FORMAT_VERSION:
+                raise CheckpointError(f"{ckpt / MANIFEST}: format_version {version!r} is not supported "
+                                      f"(this runtime reads {CHECKPOINT_FORMAT_VERSION})")
+            m = cls(step=int(d["step"]), world_size=int(d["world_size"]),
+                    mesh=tuple((str(a), int(s)) for a, s in d["mesh"]), signature=str(d["signature"]),
+                    model_ref=str(d["model_ref"]), optimizer=str(d["optimizer"]),
+                    global_batch_size=int(d["global_batch_size"]), data_seed=int(d["data_seed"]),
+                    layouts={int(r): str(h) for r, h in d["layouts"].items()},
+                    files={int(r): {"sha256": str(f["sha256"]), "bytes": int(f["bytes"])}
+                           for r, f in d["files"].items()})
+        except CheckpointError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{ckpt / MANIFEST} is damaged ({type(e).__name__}: {e}); "
+                                  "resume from another checkpoint") from None
+        if sorted(m.files) != list(range(m.world_size)) or sorted(m.layouts) != list(range(m.world_size)):
+            raise CheckpointError(f"{ckpt / MANIFEST} lists ranks {sorted(m.files)}, not 0..{m.world_size - 1}")
+        return m
+
+
+def read_rank_file(ckpt: Path, rank: int, manifest: Manifest) -> dict:
+    """One rank's saved state, checked against the manifest's size and sha256."""
+    path = ckpt / f"rank_{rank:04d}.pt"
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({e.strerror})") from None
+    want = manifest.files[rank]
+    if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
+        raise CheckpointError(f"checkpoint file {path} does not match its manifest (size or sha256 differ): "
+                              "it was damaged or overwritten; resume from another checkpoint")
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+# ---- what a rank saves --------------------------------------------------------------------------
+
+
+def layout_hash(program, stage_specs: dict) -> str:
+    """Everything that decides which slice of which tensor this rank holds, hashed."""
+    d = program.to_dict()
+    key = {"mesh": d["mesh"], "coords": d["coords"], "stages": d["stages"], "zero": d["zero"],
+           "buckets": d["buckets"], "specs": {str(s): stage_specs[s].to_dict() for s in sorted(stage_specs)}}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def optimizer_param_names(modules: dict, grads) -> list[str]:
+    """What each optimizer parameter is, in optimizer order: "STAGE/NAME", or "bucket/I" (ZeRO shards).
+
+    Mirrors GradSync.optimizer_params and rank_main.connect's parameter list.
+    """
+    if grads is not None and grads.zero >= 1:
+        return [f"bucket/{st.index}" for st in grads.states]
+    out, seen = [], set()
+    for s in sorted(modules):
+        for name, p in modules[s].named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(f"{s}/{name}")
+    return out
+
+
+@dataclass
+class RankState:
+    """The pieces of a running rank a checkpoint reads and writes."""
+
+    rank: int
+    program: object                 # runtime.program.Program
+    stage_specs: dict               # stage -> StageSpec
+    modules: dict                   # stage -> nn.Module
+    train: object                   # runtime.spec.TrainSpec
+    signature: str
+    grads: object = None            # GradSync or None
+    optimizer: torch.optim.Optimizer | None = None
+    barrier: Callable[[], None] = field(default=lambda: None)
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, st: RankState, *,
+                    interrupt: Callable[[], None] | None = None) -> Path:
+    """Save this rank's state as checkpoint `step` (the next step to run); every rank calls it.
+
+    Collective: ranks meet at a barrier once their files are in place, then rank 0
+    writes the manifest. Returns the checkpoint directory.
+    """
+    ckpt = step_dir(root, step)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    grads = st.grads
+    if grads is not None and grads.zero >= 3:  # full (tensor-parallel local) parameters exist only in use
+        for b in grads.states:
+            grads.gather_params(b.index).wait()
+    state = {
+        "format_version": CHECKPOINT_FORMAT_VERSION, "rank": st.rank, "step": step,
+        "mesh": [list(m) for m in st.program.mesh], "coords": list(st.program.coords),
+        "zero": st.program.zero, "buckets": [{"stage": b.stage, "params": list(b.params)} for b in st.program.buckets],
+        "stage_specs": {str(s): json.dumps(st.stage_specs[s].to_dict()) for s in sorted(st.stage_specs)},
+        "params": {str(s): {k: v.detach().cpu().clone() for k, v in m.named_parameters()}
+                   for s, m in st.modules.items()},
+        "buffers": {str(s): {k: v.detach().cpu().clone() for k, v in m.named_buffers()}
+                    for s, m in st.modules.items()},
+        "optimizer": st.optimizer.state_dict() if st.optimizer is not None else None,
+        "optimizer_params": optimizer_param_names(st.modules, grads),
+        "rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
+    if grads is not None and grads.zero >= 3:
+        grads.release_params()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    layout = layout_hash(st.program, st.stage_specs)
+    atomic_write(ckpt / f"rank_{st.rank:04d}.pt", data, interrupt=interrupt)
+    atomic_write(ckpt / f"rank_{st.rank:04d}.json", json.dumps(
+        {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "layout": layout}).encode())
+    st.barrier()
+    if st.rank == 0:
+        world = st.program.world_size
+        sides = {}
+        for r in range(world):
+            f = ckpt / f"rank_{r:04d}.json"
+            if not f.is_file():
+                raise CheckpointError(f"rank {r} did not write {f.name} before the barrier")
+            sides[r] = json.loads(f.read_text())
+        tr = st.train
+        man = Manifest(step=step, world_size=world, mesh=tuple(st.program.mesh), signature=st.signature,
+                       model_ref=tr.model_ref, optimizer=tr.optimizer.name, global_batch_size=tr.global_batch_size,
+                       data_seed=tr.data_seed, layouts={r: s["layout"] for r, s in sides.items()},
+                       files={r: {"sha256": s["sha256"], "bytes": s["bytes"]} for r, s in sides.items()})
+        atomic_write(ckpt / MANIFEST, json.dumps(man.to_dict(), indent=1).encode())
+    return ckpt

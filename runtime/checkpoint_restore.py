@@ -1,0 +1,266 @@
+"""Restore a sharded checkpoint: on the same plan from the rank's own file, on another plan by re-slicing.
+
+The logical state of a checkpoint is the whole model's tensors by their original
+names (as in the nn.Module): parameters, buffers and, per parameter, its optimizer
+state. `assemble` builds it from every rank's file: tensor-parallel slices are put
+back where runtime.tensor_parallel took them from, ZeRO flat shards are
+concatenated over the data axis and cut back into parameters. `to_state_dict`
+is what `meshplan checkpoint convert` writes; `Restore` slices the logical state
+for any other plan (another mesh, pipeline cut, tensor split or ZeRO stage).
+
+Order on a rank (runtime/rank_main.py): `open_restore` and `apply_params` before
+the process groups start (every check that can refuse the checkpoint happens
+there, the same on every rank), `apply_optimizer` and `apply_rng` once the
+optimizer exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.checkpoint import (CheckpointError, Manifest, atomic_write, layout_hash, optimizer_param_names,
+                                read_rank_file, resolve_checkpoint)
+from runtime.reference import local_slice
+from runtime.spec import StageSpec
+from runtime.tensor_parallel import ModuleShard
+
+
+@dataclass
+class LogicalState:
+    """A checkpoint as whole tensors by the model's own names."""
+
+    step: int
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer: dict[str, dict[str, Any]] = field(default_factory=dict)  # param name -> state key -> value
+    rng: dict[int, torch.Tensor] = field(default_factory=dict)          # old rank -> CPU RNG state
+
+
+def _shard_of(specs: dict[int, StageSpec], stage: int, name: str) -> ModuleShard | None:
+    path = name.rsplit(".", 1)[0]
+    return next((sh for sh in specs[stage].shards if sh.path == path), None)
+
+
+def unshard(name: str, pieces: dict[int, torch.Tensor], shard: ModuleShard | None, num: int) -> torch.Tensor:
+    """The whole tensor from each tensor rank's slice (the inverse of runtime.reference.local_slice)."""
+    p0 = pieces[0]
+    if shard is None or num == 1 or not isinstance(p0, torch.Tensor) or p0.dim() == 0:
+        return p0
+    leaf = name.rsplit(".", 1)[-1]
+    if shard.role in ("column", "column_out", "vocab", "channels"):
+        dim = 0
+    elif shard.role == "row" and leaf == "weight":
+        dim = 1
+    else:
+        return p0
+    missing = sorted(set(range(num)) - set(pieces))
+    if missing:
+        raise CheckpointError(f"{name}: the slices of tensor rank(s) {missing} are missing from the checkpoint")
+    shape = list(p0.shape)
+    shape[dim] = shard.split.size
+    full = p0.new_empty(shape)
+    for t in range(num):
+        full.index_copy_(dim, shard.split.indices(t, num), pieces[t])
+    return full
+
+
+def _local(value: Any, name: str, shard: ModuleShard | None, t: int, num: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+        return local_slice(value, name, shard, t, num).clone()
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def assemble(ckpt: Path, manifest: Manifest) -> LogicalState:
+    """The logical state of a complete checkpoint (reads every rank's file)."""
+    axes = [a for a, _ in manifest.mesh]
+    tsize = dict(manifest.mesh).get("tensor", 1)
+    params: dict[str, dict[int, torch.Tensor]] = {}
+    buffers: dict[str, dict[int, torch.Tensor]] = {}
+    opt: dict[str, dict[str, dict[int, Any]]] = {}
+    shards: dict[str, ModuleShard | None] = {}
+    flat: dict[tuple, dict[int, dict]] = {}   # (coords but data, bucket) -> data coord -> optimizer state
+    out = LogicalState(manifest.step)
+    for r in range(manifest.world_size):
+        f = read_rank_file(ckpt, r, manifest)
+        coords = dict(zip(axes, f["coords"]))
+        d, t = coords.get("data", 0), coords.get("tensor", 0)
+        specs = {int(s): StageSpec.from_dict(json.loads(x)) for s, x in f["stage_specs"].items()}
+        out.rng[r] = f["rng"]
+        local_shape = {}
+        for s, named in f["params"].items():
+            for name, v in named.items():
+                local_shape[name] = v.shape
+                shards[name] = _shard_of(specs, int(s), name)
+                if d == 0:
+                    params.setdefault(name, {})[t] = v
+        if d == 0:
+            for s, named in f["buffers"].items():
+                for name, v in named.items():
+                    shards.setdefault(name, _shard_of(specs, int(s), name))
+                    buffers.setdefault(name, {})[t] = v
+        state = (f["optimizer"] or {}).get("state", {})
+        for i, key in enumerate(f["optimizer_params"]):
+            kind, _, what = key.partition("/")
+            if kind != "bucket":
+                if d == 0:
+                    for k, v in state.get(i, {}).items():
+                        opt.setdefault(what, {}).setdefault(k, {})[t] = v
+                continue
+            b = f["buckets"][int(what)]
+            group = tuple(c for a, c in coords.items() if a != "data") + (int(what),)
+            flat.setdefault(group, {})[d] = (state.get(i, {}), [(n, local_shape[n]) for n in b["params"]], t)
+    for group, by_data in flat.items():
+        first_state, names, t = by_data[0]
+        for k, v0 in first_state.items():
+            if isinstance(v0, torch.Tensor) and v0.dim() >= 1:
+                whole = torch.cat([by_data[dd][0][k] for dd in sorted(by_data)])
+                off = 0
+                for name, shape in names:
+                    n = shape.numel()
+                    opt.setdefault(name, {}).setdefault(k, {})[t] = whole[off:off + n].view(shape).clone()
+                    off += n
+            else:
+                for name, _ in names:
+                    opt.setdefault(name, {}).setdefault(k, {})[t] = v0
+    out.params = {n: unshard(n, p, shards.get(n), tsize) for n, p in params.items()}
+    out.buffers = {n: unshard(n, p, shards.get(n), tsize) for n, p in buffers.items()}
+    out.optimizer = {n: {k: unshard(n, p, shards.get(n), tsize) for k, p in st.items()} for n, st in opt.items()}
+    return out
+
+
+def to_state_dict(path: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, Manifest, int]:
+    """Write the checkpoint's model as one plain state_dict file (torch.save; original names).
+
+    Returns (checkpoint directory, its manifest, number of tensors written).
+    """
+    ckpt = resolve_checkpoint(path)
+    man = Manifest.load(ckpt)
+    state = assemble(ckpt, man)
+    sd = {**state.params, **state.buffers}
+    import io
+
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(Path(out), buf.getvalue())
+    return ckpt, man, len(sd)
+
+
+@dataclass
+class Restore:
+    """A checkpoint opened for one rank: its own file (same layout) or the logical state."""
+
+    ckpt: Path
+    manifest: Manifest
+    own: dict | None = None
+    logical: LogicalState | None = None
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    @property
+    def same_layout(self) -> bool:
+        return self.own is not None
+
+
+def open_restore(path: str | os.PathLike, *, rank: int, program, stage_specs: dict, train,
+                 signature: str) -> Restore:
+    """Open and check a checkpoint for this rank; raises CheckpointError (before any communication)."""
+    ckpt = resolve_checkpoint(path)
+    man = Manifest.load(ckpt)
+    if man.signature != signature:
+        raise CheckpointError(f"checkpoint {ckpt} was made for another model (saved from {man.model_ref}, whose "
+                              f"tensors differ from those of {train.model_ref} with {train.model_kwargs}); resume "
+                              "it only with the model it was saved from")
+    for what, have, want in (("optimizer", man.optimizer, train.optimizer.name),
+                             ("global batch size", man.global_batch_size, train.global_batch_size),
+                             ("data seed", man.data_seed, train.data_seed)):
+        if have != want:
+            raise CheckpointError(f"checkpoint {ckpt} was saved with {what} {have!r}, this build uses {want!r}; "
+                                  f"its optimizer state and data position do not carry over: make the build with "
+                                  f"the same {what}")
+    if man.world_size == program.world_size and man.layouts.get(rank) == layout_hash(program, stage_specs):
+        own = read_rank_file(ckpt, rank, man)
+        if own.get("rank") != rank or own.get("step") != man.step:
+            raise CheckpointError(f"{ckpt}/rank_{rank:04d}.pt holds rank {own.get('rank')} step {own.get('step')}, "
+                                  f"the manifest says rank {rank} step {man.step}")
+        return Restore(ckpt, man, own=own)
+    return Restore(ckpt, man, logical=assemble(ckpt, man))
+
+
+def apply_params(r: Restore, modules: dict, stage_specs: dict, tcoord: int, tsize: int) -> None:
+    """Overwrite the stage modules' parameters and buffers (before GradSync views them)."""
+    with torch.no_grad():
+        for s, m in modules.items():
+            for kind, named in (("params", m.named_parameters()), ("buffers", m.named_buffers())):
+                for name, t in named:
+                    if r.own is not None:
+                        src = r.own[kind].get(str(s), {}).get(name)
+                    else:
+                        whole = (r.logical.params if kind == "params" else r.logical.buffers).get(name)
+                        src = None if whole is None else _local(whole, name, _shard_of(stage_specs, s, name),
+                                                                tcoord, tsize)
+                    if src is None:
+                        raise CheckpointError(f"checkpoint {r.ckpt} has no tensor {name!r} (stage {s}); it was "
+                                              "saved from another model")
+                    if tuple(src.shape) != tuple(t.shape):
+                        raise CheckpointError(f"checkpoint {r.ckpt}: {name} is {tuple(src.shape)}, this rank "
+                                              f"holds {tuple(t.shape)}")
+                    t.copy_(src)
+
+
+def apply_optimizer(r: Restore, modules: dict, stage_specs: dict, grads, optimizer, tcoord: int,
+                    tsize: int) -> None:
+    """Load the optimizer state: the saved state_dict (same layout) or one re-sliced from the logical state."""
+    if optimizer is None:
+        return
+    names = optimizer_param_names(modules, grads)
+    if r.own is not None:
+        if r.own["optimizer_params"] != names:
+            raise CheckpointError(f"checkpoint {r.ckpt}: the optimizer's parameters differ from this rank's")
+        optimizer.load_state_dict(r.own["optimizer"])
+        return
+    full = r.logical.optimizer
+    state: dict[int, dict] = {}
+    if grads is None or grads.zero == 0:
+        for i, key in enumerate(names):
+            s, _, name = key.partition("/")
+            if name in full:
+                shard = _shard_of(stage_specs, int(s), name)
+                state[i] = {k: _local(v, name, shard, tcoord, tsize) for k, v in full[name].items()}
+    else:
+        for i, st in enumerate(grads.states):
+            pnames = list(st.bucket.params)
+            if not pnames or pnames[0] not in full:
+                continue
+            k_len = st.grad_flat.numel() // grads.group.size
+            lo = grads.group.rank * k_len
+            entry = {}
+            for k, v0 in full[pnames[0]].items():
+                if isinstance(v0, torch.Tensor) and v0.dim() >= 1:
+                    flat = torch.cat([_local(full[n][k], n, _shard_of(stage_specs, st.bucket.stage, n), tcoord,
+                                             tsize).reshape(-1) for n in pnames])
+                    padded = torch.zeros(st.grad_flat.numel(), dtype=flat.dtype)
+                    padded[:flat.numel()] = flat
+                    entry[k] = padded[lo:lo + k_len].clone()
+                else:
+                    entry[k] = _local(v0, pnames[0], None, 0, 1)
+            state[i] = entry
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def apply_rng(r: Restore, rank: int) -> None:
+    """The CPU (and CUDA) RNG state this rank had at the save (same rank of the old run on another plan)."""
+    if r.own is not None:
+        torch.set_rng_state(r.own["rng"])
+        if r.own.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(r.own["cuda_rng"])
+    elif rank in r.logical.rng:
+        torch.set_rng_state(r.logical.rng[rank])

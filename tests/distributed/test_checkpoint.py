@@ -1,0 +1,197 @@
+"""Sharded checkpoints over real processes (gloo): bit-exact resume, conversion to a plain state_dict,
+loading into another plan (data 4 with ZeRO-1 -> data 2 x pipeline 2, and -> data 2 x tensor 2), an
+interrupted save, and checkpoints refused for another model or setup.
+
+GPT runs use SGD with momentum: AdamW turns the rounding noise of GPT's zero-gradient parameters (the
+key bias of attention) into lr-sized steps, so two summation orders cannot agree to rtol 1e-4 (they do
+bit-exactly for a resume on the same plan, which the MLP with AdamW also shows).
+"""
+
+import json
+import runpy
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.checkpoint import CheckpointError, complete_checkpoints, resolve_checkpoint, step_dir
+from runtime.checkpoint_restore import to_state_dict
+from runtime.launcher import read_build, run_local, run_many, verify_build
+from runtime.materialize import build_model
+from runtime.reference import local_slice
+from runtime.spec import StageSpec, TrainSpec
+from tests.parallel_cases import emit_case
+
+ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.1}
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def builds(root):
+    return {
+        "d2p2": emit_case(root, "gpt", "d2p2", dict(data=2, pipeline=2)),  # SGD with momentum
+        "d4_zero1": emit_case(root, "gpt", "d4_zero1", dict(data=4, zero=1)),
+        "d2t2": emit_case(root, "gpt", "d2t2", dict(data=2, tensor=2)),
+        "mlp_d2": emit_case(root, "mlp", "d2_zero1", dict(data=2, zero=1), optimizer=ADAMW),
+        "mlp_t2": emit_case(root, "mlp", "t2", dict(tensor=2), optimizer=ADAMW),
+    }
+
+
+def _params(build: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """rank -> {parameter name: tensor} from the run's --save-params files."""
+    out = {}
+    for f in sorted((build / "run").glob("params_rank_*.pt")):
+        stages = torch.load(f, weights_only=True)
+        out[int(f.stem.rsplit("_", 1)[1])] = {k: v for s in stages.values() for k, v in s.items()}
+    return out
+
+
+def _ok(res, label):
+    assert res.returncode == 0, f"{label} failed:\n{res.output[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def six_steps(builds, root):
+    """gpt, data 2 x pipeline 2 (4 ranks), AdamW: 6 steps with a checkpoint every 3."""
+    b, ckpt = builds["d2p2"], root / "c_d2p2"
+    res = run_local(b, steps=6, timeout=60, extra_args=["--checkpoint-dir", str(ckpt), "--save-every", "3",
+                                                        "--save-params"])
+    _ok(res, "6 steps")
+    return res, _params(b), ckpt
+
+
+def test_resume_on_the_same_plan_is_bit_exact(builds, six_steps):
+    six, p6, ckpt = six_steps
+    assert [d.name for d in complete_checkpoints(ckpt)] == ["step_00000003", "step_00000006"]
+    b = builds["d2p2"]
+    res = run_local(b, steps=3, timeout=60, extra_args=["--resume", str(step_dir(ckpt, 3)), "--save-params"])
+    _ok(res, "resume")
+    for r in range(4):
+        assert res.losses[r] == six.losses[r][3:], f"rank {r}: losses of steps 3-5 differ"
+    p = _params(b)
+    n = 0
+    for r in range(4):
+        assert p[r].keys() == p6[r].keys()
+        for name, t in p6[r].items():
+            assert torch.equal(p[r][name], t), f"rank {r} {name}: 3 + resume + 3 steps != 6 steps"
+            n += 1
+    print(f"resume equality: {n} parameter tensors on 4 ranks bit-identical (torch.equal); "
+          f"losses {res.losses[0]} == {six.losses[0][3:]}")
+    assert n > 0
+
+
+def test_checkpoint_converts_to_the_model_state_dict(builds, six_steps, tmp_path):
+    _six, p6, ckpt = six_steps
+    out = tmp_path / "model.pt"
+    ck, man, count = to_state_dict(ckpt, out)
+    assert ck == step_dir(ckpt, 6) and man.step == 6 and man.samples == 6 * 8
+    sd = torch.load(out, weights_only=True)
+    spec = TrainSpec.from_dict(read_build(builds["d2p2"])["train"])
+    model = build_model(spec)
+    assert set(sd) == set(model.state_dict()) and count == len(sd)
+    model.load_state_dict(sd, strict=True)
+    held = {name: t for r in p6 for name, t in p6[r].items()}
+    assert all(torch.equal(sd[name], t) for name, t in held.items()) and len(held) == len(dict(model.named_parameters()))
+
+
+def _target_params_after_load(build: Path, rank: int, ckpt: Path) -> dict[str, torch.Tensor]:
+    """A rank of `build` prepared in this process with --resume: its stage parameters (no process groups)."""
+    from runtime.rank_main import prepare
+
+    g = runpy.run_path(str(build / f"rank_{rank:04d}.py"), run_name="checkpoint_test")
+    stages = {s: (g[f"Stage{s}"], d) for s, d in g["STAGE_SPECS"].items()}
+    prep = prepare(rank=rank, program=g["PROGRAM"], stages=stages, train=g["TRAIN"], signature=g["SIGNATURE"],
+                   argv=["--resume", str(ckpt)], build_dir=str(build))
+    assert not prep.restore.same_layout
+    return {k: v for m in prep.modules.values() for k, v in m.named_parameters()}
+
+
+def test_reshard_on_load(builds, root, tmp_path):
+    """data 4 + ZeRO-1 (optimizer state in flat shards) -> data 2 x pipeline 2 and data 2 x tensor 2."""
+    ckpt = root / "c_d4"
+    src = run_local(builds["d4_zero1"], steps=3, timeout=60, extra_args=["--checkpoint-dir", str(ckpt)])
+    _ok(src, "data 4 ZeRO-1")
+    to_state_dict(ckpt, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    # the same parameters, exactly: each target rank holds its slice of the checkpoint's tensors
+    info = read_build(builds["d2t2"])
+    for rank in range(4):
+        prog = json.loads((builds["d2t2"] / "programs.json").read_text())[str(rank)]
+        tcoord = dict(zip([a for a, _ in prog["mesh"]], prog["coords"]))["tensor"]
+        held = _target_params_after_load(builds["d2t2"], rank, ckpt)
+        shards = {sh.path: sh for s in prog["stages"] for sh in StageSpec.from_dict(info["stages"][str(s)]).shards}
+        assert shards, "the data 2 x tensor 2 plan splits modules over the tensor axis"
+        for name, t in held.items():
+            want = local_slice(whole[name], name, shards.get(name.rsplit(".", 1)[0]), tcoord, 2)
+            assert torch.equal(t, want), f"rank {rank} {name}"
+    # and training continues as the single process would: 3 more steps equal steps 3-5 of the reference
+    targets = [builds["d2p2"], builds["d2t2"]]
+    results = run_many(targets, steps=3, timeout=60, extra_args=["--resume", str(ckpt), "--save-params"])
+    for b, res in zip(targets, results):
+        _ok(res, f"resume {b.name} from data 4")
+        cmp = verify_build(b, 3, res.losses, first_step=3)
+        print(f"{b.name} resumed from data 4 ZeRO-1: {cmp.summary()}")
+        assert cmp.ok and cmp.params_compared > 0, cmp.summary()
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint(builds, root):
+    b, ckpt = builds["mlp_d2"], root / "c_mlp"
+    res = run_local(b, steps=4, timeout=20, wall_timeout=150, extra_args=[
+        "--checkpoint-dir", str(ckpt), "--save-every", "2", "--fail-at", "1:3:0", "--fault", "sigkill-in-save"])
+    assert res.returncode != 0 and res.returncodes[1] == -9
+    assert "injecting fault: sigkill-in-save in the checkpoint of step 4" in res.output
+    assert "meshplan rank 0: stopping because another rank failed: rank 1 died" in res.output, res.output[-3000:]
+    assert complete_checkpoints(ckpt) == [step_dir(ckpt, 2)]
+    assert list(step_dir(ckpt, 4).glob("rank_0001.pt.tmp*")), "rank 1 was killed half-way through its file"
+    assert not (step_dir(ckpt, 4) / "rank_0001.pt").exists()
+    with pytest.raises(CheckpointError, match="save was interrupted"):
+        resolve_checkpoint(step_dir(ckpt, 4))
+    assert resolve_checkpoint(ckpt) == step_dir(ckpt, 2)
+    # resume on the same plan, and on tensor 2 (AdamW state out of ZeRO-1 flat shards into split tensors)
+    targets = [b, builds["mlp_t2"]]
+    for t, res in zip(targets, run_many(targets, steps=2, timeout=20, extra_args=["--resume", str(ckpt),
+                                                                                "--save-params"])):
+        _ok(res, f"{t.name}: resume after the interrupted save")
+        cmp = verify_build(t, 2, res.losses, first_step=2)
+        assert cmp.ok and cmp.params_compared > 0, f"{t.name}: {cmp.summary()}"
+
+
+def test_resume_from_a_checkpoint_of_another_model_or_setup_is_refused(builds, root, tmp_path):
+    from runtime.rank_main import prepare
+
+    ckpt = root / "c_mlp"  # saved by the mlp build in the test above (AdamW)
+    if not complete_checkpoints(ckpt):
+        pytest.fail("needs the checkpoint of test_an_interrupted_save_leaves_the_previous_checkpoint")
+    res = run_local(builds["d2t2"], steps=1, timeout=20, extra_args=["--resume", str(ckpt)])
+    assert res.returncode == 2
+    for r in range(4):
+        assert f"[rank {r}] meshplan rank {r}: error: checkpoint {step_dir(ckpt, 2)} was made for another model" \
+            in res.output, res.output[-3000:]
+    g = runpy.run_path(str(builds["mlp_d2"] / "rank_0000.py"), run_name="checkpoint_test")
+    stages = {s: (g[f"Stage{s}"], d) for s, d in g["STAGE_SPECS"].items()}
+
+    def open_with(train, path=ckpt):
+        prepare(rank=0, program=g["PROGRAM"], stages=stages, train=train, signature=g["SIGNATURE"],
+                argv=["--resume", str(path)], build_dir=str(builds["mlp_d2"]))
+
+    open_with(g["TRAIN"])  # the build it was made with opens it
+    with pytest.raises(CheckpointError, match="saved with optimizer 'adamw', this build uses 'sgd'"):
+        open_with({**g["TRAIN"], "optimizer": {"name": "sgd", "lr": 0.1}})
+    with pytest.raises(CheckpointError, match="global batch size 8, this build uses 16"):
+        open_with({**g["TRAIN"], "global_batch_size": 16})
+    damaged = tmp_path / "damaged"
+    shutil.copytree(step_dir(ckpt, 2), damaged)
+    data = bytearray((damaged / "rank_0000.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (damaged / "rank_0000.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="rank_0000.pt does not match its manifest"):
+        open_with(g["TRAIN"], damaged)
+    (damaged / "manifest.json").write_text("{")
+    with pytest.raises(CheckpointError, match="manifest.json is damaged"):
+        open_with(g["TRAIN"], damaged)

@@ -1,0 +1,47 @@
+"""Lowering spatial plans (codegen/spatial.py): the data-parallel twin's Programs plus each stage's
+SpatialSpec; plans the runtime cannot run with tiles are refused naming the knob."""
+
+import pytest
+
+import planner
+from codegen.emit import capture_ref
+from codegen.lower import LoweringError
+from codegen.spatial import lower_spatial, spatial_twin
+from runtime.spec import StageSpec
+
+REF = "examples/models/large_image_cnn.py:build"
+KW = {"image_size": 64, "layers": [[4, 3, 1], [4, 3, 2]], "num_classes": 3, "in_channels": 2}
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return capture_ref(REF, KW, batch_size=2)
+
+
+def _plan(graph, **cfg):
+    config = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", **cfg)
+    return planner.make_plan(graph, planner.Cluster.preset("local", devices=config.num_devices), config,
+                             global_batch_size=4)
+
+
+def test_spatial_plan_lowers_to_twin_programs_with_a_spatial_stage(graph):
+    plan = _plan(graph, data=2, spatial=2, spatial_split="grid", spatial_until="pool")
+    parts, programs = lower_spatial(plan, graph, bucket_bytes=1024)
+    assert sorted(programs) == [0, 1, 2, 3]
+    assert programs[3].mesh == (("pipe", 1), ("data", 4), ("tensor", 1))
+    assert programs[0].num_micro_batches == 1      # 4 samples / (2 per micro-batch x data 2)
+    assert any(i.op == "ALLREDUCE" and i.kind == "grads" for i in programs[0].instrs)
+    (stage,) = parts.stages
+    sp = stage.spec.spatial
+    assert (sp.degree, sp.split, sp.until, sp.batchnorm) == (2, "grid", "pool", "sync")
+    assert StageSpec.from_dict(stage.spec.to_dict()) == stage.spec
+
+
+@pytest.mark.parametrize("change,word", [(dict(pipeline=2), "pipeline 2"), (dict(recompute="full"), "recompute"),
+                                         (dict(zero=1, data=2), "ZeRO stage 1")])
+def test_spatial_plans_the_runtime_cannot_run_are_refused(graph, change, word):
+    cfg = dict(spatial=2, spatial_until="features.1")
+    cfg.update(change)
+    plan = _plan(graph, **cfg)
+    with pytest.raises(LoweringError, match=word):
+        spatial_twin(plan)
