@@ -39,6 +39,7 @@ from runtime.materialize import (build_model_for_stages, build_stage, load_facto
                                  set_tensor_group, signature_mismatch)
 from runtime.program import Program
 from runtime.spec import StageSpec, TrainSpec
+from runtime import spatial_model
 from runtime.stage import StageRunner
 from runtime.trace import Recorder
 from runtime.watchdog import Watchdog
@@ -193,9 +194,10 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
         apply_params(restore, modules, specs, tcoord, tsize)
     data = None
     if any(b.source == "data" for sp in specs.values() for b in sp.inputs) or any(sp.is_last for sp in specs.values()):
+        shard, shards = spatial_model.data_shard(prog.coord("data"), prog.mesh_dict["data"], specs)
         data = DataSource(load_factory(spec.data_ref, spec.root, "data factory"), dict(spec.data_kwargs),
-                          spec.global_batch_size, prog.micro_batch_size, prog.coord("data"),
-                          prog.mesh_dict["data"], spec.data_seed, name=f"data factory {spec.data_ref}")
+                          spec.global_batch_size, prog.micro_batch_size, shard,
+                          shards, spec.data_seed, name=f"data factory {spec.data_ref}")
     return Prepared(rank, prog, spec, args, backend, device, specs, modules, data, fail_at, restore, signature["hash"])
 
 
@@ -207,6 +209,7 @@ def connect(p: Prepared) -> RankSession:
     try:
         ctx = DistContext.create(comm, p.program.mesh, timeout=p.args.timeout,
                                  derived_axes=p.program.derived_axes)
+        spatial_model.apply_to_stages(p.specs, p.modules, ctx)  # image tiles (runtime/spatial_model.py)
         tgroup = ctx.group("tensor") if "tensor" in ctx.groups else None
         d = ctx.size("data")
         runners = {}
