@@ -31,6 +31,7 @@ from codegen.partition import Partition, partition
 from codegen.schedules import ScheduleError, bidirectional, bidirectional_position, build_schedule
 from planner.graph import ModelGraph
 from planner.plan import Plan
+from planner.subgraph import module_owners
 from runtime.program import PAIR_AXIS, Bucket, Instr, Program, axis_group, coords_of, rank_of
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -209,6 +210,14 @@ def step_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket]
     return out
 
 
+def _held(params, owners: dict[str, int], branch: int) -> list:
+    """The (name, shape, dtype) of the parameters this rank holds: under sub-graph
+    parallelism, not those of paths another sub-grid runs."""
+    if not owners:
+        return list(params)
+    return [q for q in params if owners.get(q[0].rsplit(".", 1)[0], branch) == branch]
+
+
 # ---------------------------------------------------------------------------
 # driver
 
@@ -220,7 +229,7 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
     Raises LoweringError / PartitionError (ValueErrors) for plans that cannot run.
     """
     cfg = plan.config
-    p, d, t, v = cfg.pipeline, cfg.data, cfg.tensor, cfg.virtual_stages
+    p, d, v = cfg.pipeline, cfg.data, cfg.virtual_stages
     bidi = cfg.bidirectional
     if cfg.dtype == "fp16":
         raise LoweringError("dtype fp16 needs loss scaling, which the runtime does not implement; "
@@ -242,15 +251,18 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
     except ScheduleError as e:
         raise LoweringError(str(e)) from None
     zero = cfg.zero if d > 1 else 0
-    mesh = (("pipe", p), ("data", d), ("tensor", t))
+    mesh = tuple(cfg.mesh.items())   # pipe, data, (branch), tensor
+    # sub-graph parallelism: a rank holds only its sub-grid's paths (planner/subgraph.py)
+    owners = module_owners(graph, plan.subgraph) if plan.subgraph else {}
     ns = cfg.num_stages
     specs = {sp.spec.index: sp for sp in parts.stages}
     act_bytes = {s: sum(b.nbytes for b in specs[s].spec.outputs) for s in range(ns)}
     grad_bytes = {s: sum(b.nbytes for b in specs[s].spec.outputs if b.requires_grad) for s in range(ns)}
     programs = {}
-    for rank in range(p * d * t):
+    for rank in range(cfg.num_devices):
         coords = coords_of(mesh, rank)
-        i, dc, tc = coords
+        i = coords[0]
+        branch = dict(zip(cfg.mesh, coords)).get("branch", 0)
         if bidi:
             # Position i holds stage i (replica A) and stage p-1-i (replica B); both ranks of the
             # pair {i, p-1-i} hold the same two stages and reduce them over the pair and the
@@ -261,13 +273,14 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
         else:
             stages = tuple(sorted(s for s in range(ns) if s % p == i))
             order, grad_axis, group = None, "data", d
-        buckets = [b for s in (order or stages) for b in make_buckets(s, specs[s].params, group, bucket_bytes)] \
+        buckets = [b for s in (order or stages)
+                   for b in make_buckets(s, _held(specs[s].params, owners, branch), group, bucket_bytes)] \
             if group > 1 else []
         handles = itertools.count()
 
-        def peer_of(s: int, micro: int, _dc=dc, _tc=tc) -> int:
+        def peer_of(s: int, micro: int, _coords=coords) -> int:
             pos = bidirectional_position(s, micro, p) if bidi else s % p
-            return rank_of(mesh, (pos, _dc, _tc))
+            return rank_of(mesh, (pos, *_coords[1:]))
 
         instrs = p2p_pass(sched[i], handles, peer_of, ns, act_bytes, grad_bytes)
         if zero >= 3:
@@ -275,8 +288,8 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
         if buckets:
             instrs = grad_sync_pass(instrs, handles, buckets, zero, axis=grad_axis, order=order)
         instrs = step_pass(instrs, handles, buckets, zero, is_last=(ns - 1) in stages, data=d, pipe=p,
-                           last_rank=rank_of(mesh, ((ns - 1) % p, dc, tc)), loss_sum_over_pipe=bidi)
-        programs[rank] = Program(rank=rank, world_size=p * d * t, mesh=mesh, coords=coords, stages=stages,
+                           last_rank=rank_of(mesh, ((ns - 1) % p, *coords[1:])), loss_sum_over_pipe=bidi)
+        programs[rank] = Program(rank=rank, world_size=cfg.num_devices, mesh=mesh, coords=coords, stages=stages,
                                  num_stages=ns, num_micro_batches=m, micro_batch_size=cfg.micro_batch_size,
                                  instrs=tuple(instrs), zero=zero, buckets=tuple(buckets))
     check_programs(programs)

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from codegen.pysrc import graph_method, import_block
+from codegen.subgraph import insert_region_call, layer_regions, region_code, region_methods, skipped_nodes, subgraph_init
 from codegen.tensor_split import TensorSplitError, split_graph
 from planner.graph import ModelGraph
 from planner.plan import Plan
@@ -165,6 +166,7 @@ def partition(plan: Plan, graph: ModelGraph) -> Partition:
     for path, sh in res.shards.items():
         local_mods[path] = shard_module(gm.get_submodule(path), sh, 0, t, None)
 
+    codes = region_code(plan.subgraph, lv) if plan.subgraph else []
     parts = []
     for st in sorted(plan.stages, key=lambda s: s.index):
         s = st.index
@@ -178,7 +180,7 @@ def partition(plan: Plan, graph: ModelGraph) -> Partition:
             outs[k] = Boundary(b.name, b.shape, b.dtype, b.requires_grad, "send")
         modules = tuple(dict.fromkeys(str(n.target) for n in members if n.op == "call_module"))
         attributes = tuple(dict.fromkeys(str(n.target) for n in members if n.op == "get_attr"))
-        source, globs = _stage_source(g, s, members, ins, outs, is_last, layer_of, known, cfg.recompute)
+        source, globs = _stage_source(g, s, members, ins, outs, is_last, layer_of, known, cfg.recompute, codes)
         spec = StageSpec(index=s, layers=st.layers, inputs=tuple(ins), outputs=tuple(outs), modules=modules,
                          attributes=attributes, shards=tuple(res.shards[m] for m in modules if m in res.shards),
                          is_last=is_last, output_split=res.output_split if is_last else None,
@@ -222,8 +224,8 @@ def _check_no_shared_params(gm: fx.GraphModule, parts: list[StagePart]) -> None:
 
 
 def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundary], outs: list[Boundary],
-                  is_last: bool, layer_of: dict[str, str], layer_order: list[str], recompute: str
-                  ) -> tuple[str, dict]:
+                  is_last: bool, layer_of: dict[str, str], layer_order: list[str], recompute: str,
+                  codes: list | None = None) -> tuple[str, dict]:
     """The stage class: one method per layer and a forward chaining them."""
     # layer methods run in model (layer) order; a layer's inputs come from earlier layers or the stage's inputs
     present = {layer_of[n.name] for n in members if n.op not in ("placeholder",)}
@@ -248,6 +250,9 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
     inits: list[str] = []
     extra_imports: list[str] = []
     used_names: set[str] = set()
+    node_by_name = {n.name: n for n in g.nodes}
+    region_src: list[str] = []
+    owners: dict[str, int] = {}
     for i, L in enumerate(layers):
         body = members_by_layer[L]
         if not body:
@@ -255,7 +260,22 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
         lg = fx.Graph()
         env: dict[str, fx.Node] = {}
         inputs = []
+        regs = layer_regions(codes or [], L, body)   # sub-graph parallelism: codegen/subgraph.py
+        skip = skipped_nodes(regs)
         for n in body:
+            if n.name in skip:
+                code = regs.get(n.name)
+                if code is not None:
+                    fork = code.region.fork
+                    if fork not in env and produced_in.get(fork) != L:
+                        env[fork] = lg.placeholder(fork)
+                        inputs.append(fork)
+                    insert_region_call(lg, env, code)
+                    src, gl, own = region_methods(code, node_by_name)
+                    region_src += src
+                    globs.update(gl)
+                    owners.update(own)
+                continue
             for a in n.all_input_nodes:
                 if a.name not in env and produced_in.get(a.name) != L:
                     env[a.name] = lg.placeholder(a.name)
@@ -290,6 +310,11 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
         if recompute == "full":
             call = f"checkpoint(self.{method}, {', '.join(inputs)}, use_reentrant=False)"
         calls.append(f"        {lhs} = {call}" if outputs else f"        {call}")
+    methods += region_src
+    if owners:
+        line, gl = subgraph_init(owners)
+        inits.append(line)
+        globs.update(gl)
     args = ", ".join(["self"] + [b.name for b in ins])
     if is_last:
         ret = out_node.args[0]

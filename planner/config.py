@@ -46,6 +46,10 @@ class ParallelConfig:
             are gathered after that layer and the later layers run replicated on the s
             devices. `spatial_batchnorm`: "sync" (statistics over the whole image, exact)
             or "local" (per-tile statistics, cheaper, not equal to the unsplit model).
+        subgraph: sub-graph parallelism (SUPER) degree B: each data replica's devices form B
+            sub-grids (the "branch" axis) on the same samples; the independent paths of the
+            model's fork/join branches are dealt to them (planner/subgraph.py), the rest
+            runs replicated.
     """
 
     data: int = 1
@@ -64,10 +68,11 @@ class ParallelConfig:
     spatial_split: str = "strips_h"
     spatial_until: str | None = None
     spatial_batchnorm: str = "sync"
+    subgraph: int = 1
 
     def __post_init__(self) -> None:
         for name in ("data", "tensor", "pipeline", "micro_batch_size", "virtual_stages", "replicas_per_direction",
-                     "spatial"):
+                     "spatial", "subgraph"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {v!r}")
@@ -104,6 +109,14 @@ class ParallelConfig:
                               "on image tiles")
         if self.spatial == 1 and self.spatial_until is not None:
             raise ConfigError(f"spatial_until={self.spatial_until!r} needs spatial >= 2 (tiles per image)")
+        if self.subgraph > 1:
+            other = [name for name, bad in (("tensor > 1", self.tensor > 1), ("bidirectional", self.bidirectional),
+                                            ("spatial > 1", self.spatial > 1),
+                                            (f"recompute={self.recompute!r}", self.recompute != "none"))
+                     if bad]
+            if other:
+                raise ConfigError(f"subgraph={self.subgraph} does not combine with {', '.join(other)} yet; "
+                                  "use subgraph=1 or drop those")
         if self.stage_boundaries is not None:
             object.__setattr__(self, "stage_boundaries", tuple(self.stage_boundaries))
             want = self.num_stages - 1
@@ -113,7 +126,7 @@ class ParallelConfig:
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.tensor * self.pipeline * self.spatial
+        return self.data * self.tensor * self.pipeline * self.spatial * self.subgraph
 
     @property
     def num_stages(self) -> int:
@@ -125,6 +138,8 @@ class ParallelConfig:
         """Mesh axes, outermost first: pipeline, data, (spatial, when s > 1), tensor (innermost, inside a node)."""
         if self.spatial > 1:
             return {"pipe": self.pipeline, "data": self.data, "spatial": self.spatial, "tensor": self.tensor}
+        if self.subgraph > 1:   # sub-grids of one data replica sit together (their collectives stay in a node)
+            return {"pipe": self.pipeline, "data": self.data, "branch": self.subgraph, "tensor": self.tensor}
         return {"pipe": self.pipeline, "data": self.data, "tensor": self.tensor}
 
     def micro_batches(self, global_batch_size: int) -> int:
@@ -161,6 +176,8 @@ class ParallelConfig:
         if self.spatial > 1:
             s += f" s{self.spatial} {self.spatial_split}..{self.spatial_until}" + \
                 (" bn=local" if self.spatial_batchnorm == "local" else "")
+        if self.subgraph > 1:
+            s += f" g{self.subgraph}"
         return s + f" rc={self.recompute} z{self.zero} {self.dtype}"
 
     def replace(self, **changes: Any) -> "ParallelConfig":
@@ -173,6 +190,8 @@ class ParallelConfig:
         if self.spatial == 1:  # neutral: documents of plans without tiles stay as they were
             for name in ("spatial", "spatial_split", "spatial_until", "spatial_batchnorm"):
                 del d[name]
+        if self.subgraph == 1:
+            del d["subgraph"]
         return d
 
     @classmethod
@@ -186,7 +205,7 @@ class ParallelConfig:
                 raise f.error(key, f"is not a ParallelConfig field; known: {', '.join(sorted(known))}")
         kw: dict[str, Any] = {}
         for name in ("data", "tensor", "pipeline", "micro_batch_size", "virtual_stages", "zero",
-                     "replicas_per_direction", "spatial"):
+                     "replicas_per_direction", "spatial", "subgraph"):
             if name in f.data:
                 kw[name] = f.integer(name)
         for name in ("schedule", "recompute", "dtype", "spatial_split", "spatial_batchnorm"):

@@ -13,6 +13,7 @@ from cost_models.hardware import Cluster
 from planner.config import ParallelConfig
 from planner.evaluate import Evaluator, as_graph
 from planner.plan import PLAN_FORMAT_VERSION, Plan, Stage
+from planner.subgraph import check_splittable
 
 
 def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int,
@@ -28,7 +29,7 @@ def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int,
     return Plan(format_version=PLAN_FORMAT_VERSION, model_class=ev.graph.model_class,
                 graph_fingerprint=ev.graph.fingerprint, cluster=ev.cluster, config=config,
                 global_batch_size=global_batch_size, stages=stages, shardings=shardings,
-                prediction=pred, search=tuple(search))
+                prediction=pred, search=tuple(search), subgraph=check_splittable(ev.graph, config.subgraph))
 
 
 def make_plan(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, global_batch_size: int,

@@ -16,6 +16,7 @@ from typing import Any
 from cost_models.hardware import Cluster, ClusterFileError
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
+from planner.subgraph import Region, describe
 from planner.validate import FieldError, Fields
 
 PLAN_FORMAT_VERSION = 1
@@ -73,6 +74,7 @@ class Plan:
     prediction: Prediction
     search: tuple[tuple[str, Any], ...] = ()  # how the plan was found: candidates evaluated, pruned, seconds
     alternatives: tuple[Alternative, ...] = ()  # the next best configurations, best first
+    subgraph: tuple[Region, ...] = ()  # sub-graph parallelism: the split regions, which sub-grid runs each path
 
     # ---- views ----------------------------------------------------------
     @property
@@ -108,6 +110,9 @@ class Plan:
             dev = f"{s.device_index}/{c.pipeline - 1 - s.device_index}" if c.bidirectional else str(s.device_index)
             lines.append(f"  {s.index:>5} {dev:>4} {len(s.layers):>7}  {span[:38]:<38} "
                          f"{sp.forward * 1e3:>9.3f} {sp.backward * 1e3:>9.3f} {sp.memory.total / gib:>8.3f}")
+        if self.subgraph:
+            lines += ["", f"  sub-graph parallelism: {c.subgraph} sub-grids per data replica (mesh axis 'branch')"]
+            lines += [f"    {ln}" for ln in describe(self.subgraph, c.subgraph)]
         lines += ["", "  time per step:"]
         total = p.step_time or 1.0
         for f in dataclasses.fields(p.time):
@@ -139,6 +144,7 @@ class Plan:
             "prediction": self.prediction.to_dict(),
             "search": {k: v for k, v in self.search},
             "alternatives": [a.to_dict() for a in self.alternatives],
+            **({"subgraph": [r.to_dict() for r in self.subgraph]} if self.subgraph else {}),
         }
 
     @classmethod
@@ -221,12 +227,19 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
     if len(prediction.stages) != len(stages):
         raise f.error("prediction.stages", f"has {len(prediction.stages)} entries for {len(stages)} stages")
     search = f.sub("search", {})
+    regions = tuple(f.each("subgraph", Region.read, []))
+    if (config.subgraph > 1) != bool(regions):
+        raise f.error("subgraph", f"lists {len(regions)} split regions but config.subgraph is {config.subgraph}; "
+                      "make the plan again")
+    for k, r in enumerate(regions):
+        if max(r.owners) >= config.subgraph:
+            raise f.error(f"subgraph[{k}]", f"gives a path to sub-grid {max(r.owners)}; there are {config.subgraph}")
     return Plan(
         format_version=version, model_class=f.text("model_class"), graph_fingerprint=f.text("graph_fingerprint"),
         cluster=cluster, config=config, global_batch_size=f.integer("global_batch_size", minimum=1),
         stages=stages, shardings=tuple(sorted(roles.data.items())), prediction=prediction,
         search=tuple(search.data.items()),
-        alternatives=tuple(f.each("alternatives", Alternative.read, [])),
+        alternatives=tuple(f.each("alternatives", Alternative.read, [])), subgraph=regions,
     )
 
 

@@ -41,6 +41,7 @@ from runtime.program import Program
 from runtime.spec import StageSpec, TrainSpec
 from runtime import spatial_model
 from runtime.stage import StageRunner
+from runtime.subgraph import keep_own_paths, set_branch
 from runtime.trace import Recorder
 from runtime.watchdog import Watchdog
 
@@ -187,6 +188,9 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     modules = {s: build_stage(stages[s][0], specs[s], spec, tcoord, tsize, device, full_model=full)
                for s in sorted(specs)}
     del full
+    branch = prog.coord("branch") if "branch" in prog.mesh_dict else 0
+    for m in modules.values():  # sub-graph parallelism: hold only this sub-grid's paths (runtime/subgraph.py)
+        keep_own_paths(m, branch)
     restore = None
     if args.resume:
         restore = open_restore(args.resume, rank=rank, program=prog, stage_specs=specs, train=spec,
@@ -215,6 +219,8 @@ def connect(p: Prepared) -> RankSession:
         runners = {}
         for s, sp in p.specs.items():
             set_tensor_group(p.modules[s], tgroup)
+            if "branch" in ctx.groups:
+                set_branch(p.modules[s], ctx.coord("branch"), ctx.group("branch"))
             class_split = None
             if sp.is_last and sp.output_split is not None and tgroup is not None and tgroup.size > 1:
                 class_split = (sp.output_split.contiguous_start(tgroup.rank, tgroup.size), tgroup)

@@ -1,0 +1,113 @@
+"""Sub-graph parallelism in the generated stage code (see planner/subgraph.py, runtime/subgraph.py).
+
+A split region of a layer becomes one call in that layer's method,
+
+    subgraph_0 = self.subgraph_0(stem_relu)          # all path outputs, in path order
+    blocks_0_b1_relu = subgraph_0[0]; ...
+
+and the stage class gets one method per path (the path's nodes, from the fork
+value to its exit) and one per region, which hands the paths to the stage's
+SubgraphContext: a sub-grid runs only the paths it owns and receives the
+others' outputs. Every rank runs the same code; which paths it runs, and which
+modules it holds, follow from its coordinate on the "branch" axis.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from codegen.pysrc import graph_method
+from planner.subgraph import Region
+from runtime.subgraph import SubgraphContext
+
+
+@dataclass(frozen=True)
+class RegionCode:
+    """One region as the stage code needs it: the plan's Region, a method name, and the
+    shape and dtype of each path output per micro-batch."""
+
+    region: Region
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+
+
+def region_code(regions: tuple[Region, ...], local_values: dict) -> list[RegionCode]:
+    """RegionCode for every region, with exit shapes from the partition's meta run."""
+    out = []
+    for k, r in enumerate(regions):
+        vals = [local_values[e] for e in r.exits]
+        for e, v in zip(r.exits, vals):
+            if not isinstance(v, torch.Tensor):
+                raise ValueError(f"path exit {e!r} of the region at {r.fork!r} is not a tensor; "
+                                 "sub-graph parallelism splits tensor-valued paths only")
+        out.append(RegionCode(r, f"subgraph_{k}", tuple(tuple(v.shape) for v in vals),
+                              tuple(str(v.dtype).removeprefix("torch.") for v in vals)))
+    return out
+
+
+def layer_regions(codes: list[RegionCode], layer: str, body: list[fx.Node]) -> dict[str, RegionCode]:
+    """The regions held whole by this layer's body, keyed by their first path node (in body order)."""
+    names = [n.name for n in body]
+    pos = {x: i for i, x in enumerate(names)}
+    out = {}
+    for c in codes:
+        nodes = [x for p in c.region.paths for x in p]
+        if c.region.layer == layer and all(x in pos for x in nodes):
+            out[min(nodes, key=pos.__getitem__)] = c
+    return out
+
+
+def skipped_nodes(regions: dict[str, RegionCode]) -> set[str]:
+    return {x for c in regions.values() for p in c.region.paths for x in p}
+
+
+def insert_region_call(lg: fx.Graph, env: dict, code: RegionCode) -> None:
+    """Add `self.<region>(fork)` and one getitem per path exit to the layer graph `lg`."""
+    call = lg.call_module(code.name, (env[code.region.fork],))
+    for k, e in enumerate(code.region.exits):
+        env[e] = lg.call_function(operator.getitem, (call, k))
+
+
+def region_methods(code: RegionCode, nodes: dict[str, fx.Node]) -> tuple[list[str], dict, dict[str, int]]:
+    """(method sources, their globals, module path -> owning sub-grid) for one region."""
+    r = code.region
+    methods, globs, owners = [], {}, {}
+    names = []
+    for k, (path, exit_) in enumerate(zip(r.paths, r.exits)):
+        pg = fx.Graph()
+        env = {r.fork: pg.placeholder(r.fork)}
+
+        def arg(a: fx.Node, env=env, pg=pg) -> fx.Node:
+            if a.name not in env:          # a parameter read directly: copy its get_attr
+                env[a.name] = pg.node_copy(a)
+            return env[a.name]
+
+        for x in path:
+            n = nodes[x]
+            env[x] = pg.node_copy(n, arg)
+            if n.op == "call_module":
+                owners[str(n.target)] = r.owners[k]
+        pg.output(env[exit_])
+        name = f"{code.name}_path_{k}"
+        src, gl = graph_method(pg, name)
+        methods.append(f"    # path {k} of {code.name} (sub-grid {r.owners[k]}): {path[0]} .. {exit_}\n" + src)
+        globs.update(gl)
+        names.append(name)
+    paths = ", ".join(f"self.{n}" for n in names)
+    methods.insert(0, (
+        f"    # ---- {code.name}: fork {r.fork} -> join {r.join}, {len(r.paths)} paths over sub-grids "
+        f"{sorted(set(r.owners))} ----\n"
+        f"    def {code.name}(self, {r.fork}):\n"
+        f"        return self.subgraph.region({r.fork}, ({paths},), owners={tuple(r.owners)!r},\n"
+        f"                                    shapes={code.shapes!r}, dtypes={code.dtypes!r})\n"))
+    return methods, globs, owners
+
+
+def subgraph_init(owners: dict[str, int]) -> tuple[str, dict]:
+    """The __init__ line that creates the stage's SubgraphContext, and its global."""
+    return f"        self.subgraph = SubgraphContext({owners!r})", {"SubgraphContext": SubgraphContext}
