@@ -1,9 +1,10 @@
 """Lowering a spatial plan: per-rank Programs whose stage modules run on image tiles.
 
-A plan with spatial degree s (pipeline 1, tensor 1) is lowered as its data-parallel twin with
-data x s ranks on the data axis and s times the global batch, so that every rank runs the same
-one-stage Program with the loss scaled by 1/(data x s) and one gradient all-reduce over the
-data axis. What makes the twin spatial is the stage's `StageSpec.spatial`: each rank keeps its
+A plan with spatial degree s is lowered as its data-parallel twin with data x s ranks on the
+data axis and s times the global batch: every run of s consecutive data coordinates is a
+pipeline lane of its own, with the loss scaled by 1/(data x s) and one gradient all-reduce per
+stage over the data axis. The spatial part must lie in the first stage: its tiles are gathered
+before the first pipeline cut, and the later stages run replicated on the s lanes. What makes the twin spatial is the stage's `StageSpec.spatial`: each rank keeps its
 tile of the images its run of s consecutive data coordinates shares (runtime.spatial_model),
 exchanges halos inside the stage module, and gathers the tiles after the spatial part with a
 backward that sums the gradient over the s ranks (runtime.spatial._GatherTiles). Every gradient,
@@ -40,7 +41,16 @@ def lower_spatial(plan: Plan, graph: ModelGraph, *, bucket_bytes: int) -> tuple[
     layers = {layer.name: layer for layer in graph.layers}
     until = layers[c.spatial_until].nodes[-1]
     parts = partition(twin, graph)
-    spec = SpatialSpec(c.spatial, c.spatial_split, until, c.spatial_batchnorm)
+    first = min(parts.stages, key=lambda sp: sp.spec.index)
+    if c.spatial_until not in first.spec.layers:
+        raise LoweringError(f"the spatial part ends at layer {c.spatial_until!r}, beyond the first pipeline stage "
+                            f"({first.spec.layers[0]} .. {first.spec.layers[-1]}); the tiles are gathered before the "
+                            "first cut: put the whole spatial part in stage 0")
+
+    def spec_of(sp):
+        until_node = until if sp is first else None
+        return SpatialSpec(c.spatial, c.spatial_split, until_node, c.spatial_batchnorm)
+
     parts = dataclasses.replace(parts, stages=tuple(
-        dataclasses.replace(sp, spec=dataclasses.replace(sp.spec, spatial=spec)) for sp in parts.stages))
+        dataclasses.replace(sp, spec=dataclasses.replace(sp.spec, spatial=spec_of(sp))) for sp in parts.stages))
     return parts, lower(twin, graph, bucket_bytes=bucket_bytes, parts=parts)

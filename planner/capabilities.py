@@ -21,7 +21,8 @@ class RuntimeSupport:
     bidirectional: bool = True   # GEMS MAST/MASTER: tests/distributed/test_bidirectional.py
     # fp16 needs loss scaling, which the runtime does not do yet; bf16 and fp32 need none.
     dtypes: tuple[str, ...] = ("fp32", "bf16")
-    # Spatial tiles: codegen/spatial.py lowers them with pipeline 1, tensor 1, ZeRO 0 and no recompute
+    # Spatial tiles: codegen/spatial.py lowers them with data and a 1f1b/gpipe pipeline whose first
+    # stage holds the spatial part, tensor 1, ZeRO 0 and no recompute
     # (tests/distributed/test_spatial_build.py); other spatial compositions are priced, not run.
     spatial: bool = True
 
@@ -42,13 +43,14 @@ class RuntimeSupport:
             if not self.spatial:
                 return "the runtime does not run spatial plans"
             extra = [what for what, bad in (
-                (f"pipeline {config.pipeline}", config.pipeline != 1), (f"tensor {config.tensor}", config.tensor != 1),
+                (f"the {config.schedule} schedule", config.schedule not in ("gpipe", "1f1b")),
+                (f"tensor {config.tensor}", config.tensor != 1),
                 (f"ZeRO stage {config.zero}", config.zero != 0),
                 (f"recompute {config.recompute!r}", config.recompute != "none"),
                 ("a bidirectional pipeline", config.bidirectional)) if bad]
             if extra:
-                return (f"the runtime runs spatial tiles with pipeline 1, tensor 1, ZeRO 0 and no recompute, not "
-                        f"with {', '.join(extra)}")
+                return (f"the runtime runs spatial tiles with gpipe/1f1b pipelines, tensor 1, ZeRO 0 and no "
+                        f"recompute, not with {', '.join(extra)}")
         if config.dtype not in self.dtypes:
             return f"the runtime does not train in {config.dtype} (no loss scaling); use bf16 or fp32"
         return None

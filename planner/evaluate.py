@@ -340,7 +340,10 @@ class Evaluator:
             # (Bi-directional pairs share a device: their fit is judged by evaluate.)
             fits = self._stage_memory_check(config, costs, global_batch_size) \
                 if s > 1 and not config.bidirectional else None
-            hit = self._bounds_cache[key] = balanced_partition(weights, s, fits)
+            if config.spatial > 1 and s > 1:  # the tiles are gathered before the first cut
+                hit = self._bounds_cache[key] = self.spatial.partition(config, weights, s, fits, balanced_partition)
+            else:
+                hit = self._bounds_cache[key] = balanced_partition(weights, s, fits)
         return hit
 
     def _stage_memory_check(self, config: ParallelConfig, costs: list[LayerCost], global_batch_size: int):

@@ -164,6 +164,10 @@ class SpatialPricer:
         self._cache[key] = hit
         return hit
 
+    def partition(self, config: ParallelConfig, weights: list[float], parts: int, fits, partition):
+        """Stage bounds for a pipelined spatial config: the first stage holds the whole spatial part."""
+        return first_stage_partition(self.until_index(config), weights, parts, fits, partition)
+
     def grad_sync_seconds(self, config: ParallelConfig, ev) -> float:
         """Seconds per step to sum the spatial layers' weight gradients over the tiles."""
         if config.spatial == 1:
@@ -231,3 +235,21 @@ def spatial_configs(pricer: SpatialPricer, num_devices: int, cons: dict, shapes_
                 out.append(base.replace(spatial=s, spatial_split=split, spatial_until=until,
                                         spatial_batchnorm=cons.get("spatial_batchnorm", "sync")))
     return out
+
+
+def first_stage_partition(until: int, weights: list[float], parts: int, fits, partition) -> list[tuple[int, int]]:
+    """Pipeline stages whose first stage holds layers 0..until (the spatial part, gathered before the
+    first cut): `partition` (evaluate.balanced_partition) over the spatial part merged into one layer.
+
+    fits(stage, lo, hi) and the result use real layer indices.
+    """
+    merged = [sum(weights[:until + 1])] + list(weights[until + 1:])
+    if parts > len(merged):
+        raise ConfigError(f"{parts} pipeline stages, but after the spatial part (layers 0..{until}, which the "
+                          f"first stage holds) only {len(merged) - 1} layers remain; use fewer stages")
+
+    def real(j: int) -> int:
+        return 0 if j == 0 else j + until
+
+    inner = (lambda stage, lo, hi: fits(stage, real(lo), real(hi))) if fits is not None else None
+    return [(real(lo), real(hi)) for lo, hi in partition(merged, parts, inner)]

@@ -364,13 +364,14 @@ class SpatialSpec:
     """How a stage splits images (carried in runtime.spec.StageSpec; made by codegen.spatial).
 
     degree: tiles per image; split: one of SPLITS; until: fx node name of the last spatial node
-    of the stage module; batchnorm: one of BATCHNORM_MODES. The stage's data axis holds
-    data x degree ranks: each run of `degree` consecutive data coordinates shares an image.
+    of the stage module, or None for a stage after the spatial part (it runs replicated on the
+    tiles' devices); batchnorm: one of BATCHNORM_MODES. The data axis holds data x degree
+    ranks: each run of `degree` consecutive data coordinates shares an image.
     """
 
     degree: int
     split: str
-    until: str
+    until: str | None
     batchnorm: str = "sync"
 
     def __post_init__(self) -> None:
@@ -383,7 +384,9 @@ class SpatialSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpatialSpec":
-        return cls(int(d["degree"]), str(d["split"]), str(d["until"]), str(d.get("batchnorm", "sync")))
+        until = d.get("until")
+        return cls(int(d["degree"]), str(d["split"]), None if until is None else str(until),
+                   str(d.get("batchnorm", "sync")))
 
 
 # ---------------------------------------------------------------------------

@@ -236,7 +236,7 @@ def apply_to_stages(specs, modules: dict, ctx) -> None:
     """
     for index, spec in specs.items():
         sp = getattr(spec, "spatial", None)
-        if sp is None:
+        if sp is None or sp.until is None:  # after the spatial part: the stage runs as it is
             continue
         data = ctx.group("data")
         k = data.rank // sp.degree

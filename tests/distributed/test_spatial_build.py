@@ -1,7 +1,9 @@
-"""Spatial plans lowered to per-rank Programs and run by the generated rank scripts on 4 gloo
+"""Spatial plans lowered to per-rank Programs and run by the generated rank scripts on gloo
 processes: after 3 steps every rank's loss and parameters equal the single-process run (fp32,
 rtol 1e-4). LargeImageCNN (kernels 1, 3, 5; strides 1, 2; max pool) on 64 x 64 images, as a
-2 x 2 grid over 4 ranks and as 2 horizontal strips x data 2."""
+2 x 2 grid over 4 ranks, as 2 horizontal strips x data 2, and as the hybrid spatial 2 x
+pipeline 2 x data 2 on 8 ranks (the first stage holds the tiles, the second runs on the
+gathered activations)."""
 
 import pytest
 
@@ -19,17 +21,34 @@ CASES = {
 }
 
 
+EIGHT = {
+    "strips_v2_pipe2_data2": dict(data=2, pipeline=2, schedule="1f1b", spatial=2, spatial_split="strips_v",
+                                  spatial_until="features.2"),
+}
+
+
+def _builds(root, cases, devices, global_batch):
+    graph = capture_ref(REF, KW, batch_size=2)
+    out = []
+    for name, cfg in cases.items():
+        config = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", **cfg)
+        plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=devices), config, global_batch)
+        out.append(emit(plan, REF, None, root / name, model_kwargs=KW, graph=graph, optimizer=SGD,
+                        bucket_bytes=2048).path)
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spatial_builds")
-    graph = capture_ref(REF, KW, batch_size=2)
-    builds = []
-    for name, cfg in CASES.items():
-        config = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", **cfg)
-        plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=4), config, 4)
-        builds.append(emit(plan, REF, None, root / name, model_kwargs=KW, graph=graph, optimizer=SGD,
-                           bucket_bytes=2048).path)
+    builds = _builds(tmp_path_factory.mktemp("spatial_builds"), CASES, 4, 4)
     return dict(zip(CASES, run_many(builds, steps=3, backend="gloo", timeout=60, verify=True)))
+
+
+@pytest.mark.timeout(400)
+def test_spatial_pipeline_data_hybrid_on_eight_ranks_equals_single_process(tmp_path):
+    (build,) = _builds(tmp_path, EIGHT, 8, 8)
+    (res,) = run_many([build], steps=3, backend="gloo", timeout=90, verify=True)
+    assert_exact(res, "spatial 2 x pipeline 2 x data 2")
 
 
 @pytest.mark.timeout(300)

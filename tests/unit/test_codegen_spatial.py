@@ -37,7 +37,14 @@ def test_spatial_plan_lowers_to_twin_programs_with_a_spatial_stage(graph):
     assert StageSpec.from_dict(stage.spec.to_dict()) == stage.spec
 
 
-@pytest.mark.parametrize("change,word", [(dict(pipeline=2), "pipeline 2"), (dict(recompute="full"), "recompute"),
+def test_a_spatial_part_beyond_the_first_stage_is_refused_naming_the_layer(graph):
+    plan = _plan(graph, pipeline=2, spatial=2, spatial_until="features.1", stage_boundaries=("features.1",))
+    with pytest.raises(LoweringError, match="ends at layer 'features.1', beyond the first pipeline stage"):
+        lower_spatial(plan, graph, bucket_bytes=1024)
+
+
+@pytest.mark.parametrize("change,word", [(dict(pipeline=2, schedule="gpipe", recompute="selective"), "recompute"),
+                                         (dict(recompute="full"), "recompute"),
                                          (dict(zero=1, data=2), "ZeRO stage 1")])
 def test_spatial_plans_the_runtime_cannot_run_are_refused(graph, change, word):
     cfg = dict(spatial=2, spatial_until="features.1")

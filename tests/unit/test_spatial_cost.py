@@ -135,6 +135,22 @@ def test_candidates_end_each_resolution_and_keep_tiles_thick(cnn):
     assert ("strips_h", "pool") not in spatial_candidates(pricer, 64) and MIN_TILE_ROWS > 4
 
 
+def test_pipelined_spatial_configs_keep_the_spatial_part_in_the_first_stage(cnn):
+    from planner.evaluate import balanced_partition
+    from planner.spatial import first_stage_partition
+
+    # time-balanced cuts would split after layer 1; the spatial part (layers 0..2) stays whole
+    assert balanced_partition([1, 1, 1, 1, 1, 1], 2) == [(0, 3), (3, 6)]
+    assert first_stage_partition(2, [4, 4, 4, 1, 1, 1], 2, None, balanced_partition) == [(0, 3), (3, 6)]
+    assert first_stage_partition(0, [1, 5, 5], 2, None, balanced_partition) == [(0, 2), (2, 3)]
+    with pytest.raises(ConfigError, match="only 1 layers remain"):
+        first_stage_partition(4, [1] * 6, 3, None, balanced_partition)
+    ev = planner.Evaluator(cnn, planner.Cluster.preset("local", devices=4))
+    cfg = ParallelConfig(pipeline=2, spatial=2, spatial_until="features.2", dtype="fp32")
+    pred = ev.evaluate(cfg, 2)
+    assert pred.stages[0].last_layer in ("features.2", "features.3", "pool")
+
+
 def test_graphs_without_convolutions_get_no_spatial_candidates():
     from examples.models import gpt
 
