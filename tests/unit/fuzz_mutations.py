@@ -61,3 +61,22 @@ def mutate(doc: Any, rng: random.Random, steps: int = 1) -> Any:
             v = parent[key]
             parent[key] = [v] if not isinstance(v, list) else (v[0] if v else {})
     return doc
+
+
+def sample_program_docs() -> list[dict]:
+    """Program documents (JSON) of real lowered plans for GPT tiny, as codegen writes them: pipeline
+    1F1B with data parallelism and ZeRO-1, interleaved pipeline, tensor x data with ZeRO-3."""
+    import planner
+    from codegen.commands import make_fixed_plan
+    from codegen.emit import capture_ref
+    from codegen.lower import lower
+
+    graph = capture_ref("examples/models/gpt.py:build", {"preset": "tiny"}, batch_size=2)
+    docs = []
+    for cfg, rank in ((dict(data=2, pipeline=2, zero=1), 1),
+                      (dict(pipeline=2, schedule="interleaved", virtual_stages=2), 0),
+                      (dict(data=2, tensor=2, zero=3), 3)):
+        config = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", **cfg)
+        plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=config.num_devices), config, 8)
+        docs.append(lower(plan, graph, bucket_bytes=2048)[rank].to_dict())
+    return docs
