@@ -25,6 +25,9 @@ class RuntimeSupport:
     # stage holds the spatial part, tensor 1, ZeRO 0 and no recompute
     # (tests/distributed/test_spatial_build.py); other spatial compositions are priced, not run.
     spatial: bool = True
+    # Sub-graph parallelism: tests/distributed/test_subgraph.py runs it with data and 1f1b pipelines
+    # (tensor 1, no recompute, as ParallelConfig requires); other ZeRO stages are priced, not run.
+    subgraph: bool = True
 
     def allows(self, config: ParallelConfig) -> bool:
         return self.why_not(config) is None
@@ -51,6 +54,11 @@ class RuntimeSupport:
             if extra:
                 return (f"the runtime runs spatial tiles with gpipe/1f1b pipelines, tensor 1, ZeRO 0 and no "
                         f"recompute, not with {', '.join(extra)}")
+        if config.subgraph > 1:
+            if not self.subgraph:
+                return "the runtime does not run sub-graph parallel plans"
+            if config.zero != 0:
+                return f"the runtime runs sub-graph parallelism with ZeRO 0, not ZeRO stage {config.zero}"
         if config.dtype not in self.dtypes:
             return f"the runtime does not train in {config.dtype} (no loss scaling); use bf16 or fp32"
         return None

@@ -30,6 +30,7 @@ from cost_models.schedule import pipeline_time
 from planner.config import ConfigError, ParallelConfig
 from planner.graph import Layer, ModelGraph, OpInfo, dtype_size
 from planner.ilp import Edge, RegionOption, choose_shardings
+from planner.subgraph_cost import subgraph_layer_cost
 from planner.sharding import ShardingPlan, find_sharding
 from planner.spatial import SpatialPricer
 
@@ -88,6 +89,7 @@ class Evaluator:
         self.sharding: ShardingPlan = find_sharding(graph)
         self._nodes = {n.name: n for n in graph.nodes}
         self._layer_cache: dict[tuple, LayerCost] = {}
+        self.subgraph_regions: dict[int, tuple] = {}   # sub-grids -> split regions (planner/subgraph_cost.py)
         self._region_cache: dict[tuple, frozenset[int]] = {}  # positions within the layer
         self._bounds_cache: dict[tuple, list[tuple[int, int]]] = {}
         self._fwd_flops_per_sample = graph.total_fwd_flops / graph.batch_size
@@ -311,6 +313,8 @@ class Evaluator:
             hit = self._cost_layer(layer, config)
         if config.spatial > 1:  # per tile (planner/spatial.py)
             hit = self.spatial.adjust(layer, hit, config, self)
+        if config.subgraph > 1:  # per sub-grid (planner/subgraph_cost.py)
+            hit = subgraph_layer_cost(self, layer, hit, config)
         return hit
 
     def stage_bounds(self, config: ParallelConfig, costs: list[LayerCost],
@@ -333,7 +337,7 @@ class Evaluator:
             return [(cuts[k], cuts[k + 1]) for k in range(s)]
         key = (config.tensor, config.micro_batch_size, config.dtype, config.recompute, s, config.pipeline,
                config.schedule, config.zero, config.data, global_batch_size, config.bidirectional,
-               config.spatial, config.spatial_split, config.spatial_until, config.spatial_batchnorm)
+               config.spatial, config.spatial_split, config.spatial_until, config.spatial_batchnorm, config.subgraph)
         hit = self._bounds_cache.get(key)
         if hit is None:
             weights = [c.forward + c.backward + c.recompute + c.tp_forward + c.tp_backward for c in costs]

@@ -28,11 +28,12 @@ from planner.evaluate import Evaluator, as_graph
 from planner.make_plan import plan_for
 from planner.plan import Alternative, Plan
 from planner.progress import Progress
+from planner.subgraph import describe, subgraph_configs
 from planner.spatial import spatial_configs
 
 OBJECTIVES = ("time", "energy")
 FIXED_KNOBS = ("data", "tensor", "pipeline", "micro_batch_size", "schedule", "virtual_stages", "recompute",
-               "zero", "dtype", "bidirectional", "replicas_per_direction", "spatial", "spatial_split",
+               "zero", "dtype", "bidirectional", "replicas_per_direction", "subgraph", "spatial", "spatial_split",
                "spatial_until", "spatial_batchnorm")
 LIMITS = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s", "allow_cross_node_tensor",
           "max_micro_batch_size")
@@ -129,7 +130,10 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
     """
     for recompute in _options(cons, "recompute", RECOMPUTE_ORDER):
         for zero in _options(cons, "zero", (0, 1, 2, 3) if base.data > 1 and not base.bidirectional else (0,)):
-            cfg = base.replace(recompute=recompute, zero=zero)
+            try:
+                cfg = base.replace(recompute=recompute, zero=zero)
+            except ConfigError:   # e.g. sub-graph parallelism without recomputation
+                continue
             if runtime is not None and not runtime.allows(cfg):
                 continue
             try:
@@ -150,6 +154,7 @@ def explain(plan: Plan, top: int = 5) -> str:
     p = plan.prediction
     lines = [f"chosen: {plan.config.short():<44} step {p.step_time * 1e3:>11.3f} ms  "
              f"mem {p.peak_memory / 2**30:>8.3f} GiB  energy {p.step_energy:>10.1f} J"]
+    lines += [f"  sub-graph {ln}" for ln in describe(plan.subgraph, plan.config.subgraph)]
     if not plan.alternatives:
         lines.append("no alternatives recorded (the plan was made for a fixed configuration; "
                      "planner.optimize records the runners-up)")
@@ -199,10 +204,13 @@ def _enumerate(ev: Evaluator, cluster: Cluster, batch: int, cons: dict,
                dtypes: tuple[str, ...]) -> list[ParallelConfig]:
     """Every mesh shape x micro-batch x schedule (x spatial split, for CNNs) the constraints allow
     (recompute/ZeRO come later)."""
-    out = [] if cons.get("spatial", 1) != 1 else _enumerate_shapes(ev, cluster, cluster.num_devices, batch, cons,
-                                                                    dtypes)
-    return out + spatial_configs(ev.spatial, cluster.num_devices, cons,
-                                 lambda n: _enumerate_shapes(ev, cluster, n, batch, cons, dtypes))
+    out = [] if cons.get("spatial", 1) != 1 or cons.get("subgraph", 1) != 1 else \
+        _enumerate_shapes(ev, cluster, cluster.num_devices, batch, cons, dtypes)
+    out += [] if cons.get("subgraph", 1) != 1 else \
+        spatial_configs(ev.spatial, cluster.num_devices, cons,
+                        lambda n: _enumerate_shapes(ev, cluster, n, batch, cons, dtypes))
+    return out + subgraph_configs(ev.graph, cluster.num_devices, cons,  # planner/subgraph.py
+                                  lambda n: _enumerate_shapes(ev, cluster, n, batch, cons, dtypes))
 
 
 def _enumerate_shapes(ev: Evaluator, cluster: Cluster, n: int, batch: int, cons: dict,

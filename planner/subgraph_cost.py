@@ -1,0 +1,67 @@
+"""Cost of sub-graph parallelism (SUPER) per layer, for the Evaluator.
+
+A layer holding split regions (planner/subgraph.py) costs, on each device of a
+sub-grid: the layer's ops outside the regions (replicated: every sub-grid runs
+them on the same samples), plus the paths of the busiest sub-grid, plus the
+region's collectives over the B sub-grids of the "branch" axis: in forward one
+broadcast per path output (from the sub-grid that computed it), in backward
+one all-reduce of the fork value's gradient. Those collectives block the
+layer, so they are charged in full to the layer's in-layer communication
+(`tp_forward` / `tp_backward`, reported as tensor_comm with tensor-parallel
+traffic). Parameters, gradients and saved activations of a path live only on
+its sub-grid; a device keeps the busiest sub-grid's share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cost_models.memory import DTYPE_BYTES
+from planner.config import ParallelConfig
+from planner.graph import Layer
+from planner.subgraph import Region, split_regions
+
+
+def regions_for(ev, sub_grids: int) -> tuple[Region, ...]:
+    """The evaluator's graph's split regions for B sub-grids (cached on the evaluator)."""
+    cache = ev.subgraph_regions
+    if sub_grids not in cache:
+        cache[sub_grids] = split_regions(ev.graph, sub_grids)
+    return cache[sub_grids]
+
+
+def region_comm_seconds(ev, config: ParallelConfig, region: Region) -> tuple[float, float]:
+    """(forward, backward) seconds of one region's collectives for one micro-batch:
+    a broadcast of every path output, and an all-reduce of the fork value's gradient."""
+    scale = config.micro_batch_size / ev.graph.batch_size * DTYPE_BYTES[config.dtype] / 4
+    info = {n.name: n for n in ev.graph.nodes}
+    mesh = config.mesh
+    fwd = sum(ev._axis(mesh, "branch", "broadcast", info[e].output_bytes * scale) for e in region.exits)
+    bwd = ev._axis(mesh, "branch", "all_reduce", info[region.fork].output_bytes * scale)
+    return fwd, bwd
+
+
+def subgraph_layer_cost(ev, layer: Layer, cost, config: ParallelConfig):
+    """`cost` (the layer's LayerCost with every op replicated) on one device of a sub-grid."""
+    regions = [r for r in regions_for(ev, config.subgraph) if r.layer == layer.name]
+    if not regions:
+        return cost
+    fwd, bwd, saved, params, tp_f, tp_b = cost.forward, cost.backward, cost.saved, cost.params, \
+        cost.tp_forward, cost.tp_backward
+    for r in regions:
+        per_path = [[ev._node_cost(ev._nodes[x], "replicate", config) for x in path] for path in r.paths]
+        tot = [sum(getattr(c, f) for cs in per_path for c in cs) for f in ("fwd", "bwd", "saved", "params")]
+        by_grid = [[0.0] * 4 for _ in range(config.subgraph)]
+        for cs, g in zip(per_path, r.owners):
+            for k, f in enumerate(("fwd", "bwd", "saved", "params")):
+                by_grid[g][k] += sum(getattr(c, f) for c in cs)
+        busiest = max(by_grid, key=lambda v: v[0] + v[1])
+        fwd += busiest[0] - tot[0]
+        bwd += busiest[1] - tot[1]
+        saved += busiest[2] - tot[2]
+        params += max(v[3] for v in by_grid) - tot[3]
+        cf, cb = region_comm_seconds(ev, config, r)
+        tp_f += cf
+        tp_b += cb
+    return dataclasses.replace(cost, forward=fwd, backward=bwd, saved=saved, params=params,
+                               largest_param_layer=params, tp_forward=tp_f, tp_backward=tp_b)
