@@ -127,13 +127,14 @@ def load_timeline(path: str | os.PathLike) -> list[ScheduleRecord]:
 
 
 def rank_coords(rank: int, mesh: Mapping[str, int]) -> tuple[int, int, int]:
-    """(pipe, data, tensor) coordinates of a rank; ranks are row-major, tensor fastest."""
-    d, t = mesh["data"], mesh["tensor"]
+    """(pipe, data, tensor) coordinates of a rank; ranks are row-major, tensor fastest. A spatial
+    axis (between data and tensor) is folded into the data coordinate: data x spatial + spatial."""
+    d, t = mesh["data"] * mesh.get("spatial", 1), mesh["tensor"]
     return rank // (d * t), (rank // t) % d, rank % t
 
 
 def _rank_of(pipe: int, data: int, tensor: int, mesh: Mapping[str, int]) -> int:
-    return (pipe * mesh["data"] + data) * mesh["tensor"] + tensor
+    return (pipe * mesh["data"] * mesh.get("spatial", 1) + data) * mesh["tensor"] + tensor
 
 
 def schedule_orders(schedule: str, pipeline: int, micro_batches: int,

@@ -159,3 +159,20 @@ def test_graphs_without_convolutions_get_no_spatial_candidates():
     g = planner.capture(model, gpt.example_inputs(batch_size=1, device="meta", preset="tiny"))
     pricer = SpatialPricer(g)
     assert not pricer.has_convs and spatial_candidates(pricer, 8) == []
+
+
+def test_plan_pictures_of_a_spatial_plan(cnn):
+    import importlib
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from planner.schedule_view import rank_coords
+
+    visualize = importlib.import_module("planner.visualize")
+    cfg = ParallelConfig(data=2, pipeline=2, spatial=2, spatial_until="features.2", dtype="fp32")
+    plan = planner.make_plan(cnn, planner.Cluster.preset("local", devices=8), cfg, global_batch_size=4)
+    # rank 5 = pipe 1, data 0, spatial 1: the spatial coordinate folds into the data coordinate
+    assert rank_coords(5, plan.mesh) == (1, 1, 0)
+    for fig in (visualize.mesh_figure(plan), visualize.memory_figure(plan), visualize.schedule_figure(plan)):
+        assert fig.axes
