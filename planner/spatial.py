@@ -196,7 +196,10 @@ def spatial_candidates(pricer: SpatialPricer, degree: int) -> list[tuple[str, st
         if hw is not None and (k == last or (nxt is not None and nxt != hw)):
             ends.append(k)
     out = []
-    for split in ("strips_h", "grid"):
+    first = next(g.out_hw for g in geo if g.out_hw is not None)
+    # Strips cut the longer side (fewer halo pixels); square images use horizontal strips.
+    strips = "strips_v" if first[1] > first[0] else "strips_h"
+    for split in (strips, "grid"):
         if split == "grid" and tile_shape("grid", degree)[0] == 1:
             continue  # a prime degree's grid is a row of strips
         rows, cols = tile_shape(split, degree)
@@ -221,7 +224,7 @@ def spatial_configs(pricer: SpatialPricer, num_devices: int, cons: dict, shapes_
         if num_devices % s:
             continue
         if "spatial_until" in cons:
-            cands = [(split, cons["spatial_until"]) for split in ("strips_h", "grid")]
+            cands = [(split, cons["spatial_until"]) for split in ("strips_h", "strips_v", "grid")]
         else:
             cands = spatial_candidates(pricer, s)
         if "spatial_split" in cons:

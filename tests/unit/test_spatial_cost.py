@@ -176,3 +176,10 @@ def test_plan_pictures_of_a_spatial_plan(cnn):
     assert rank_coords(5, plan.mesh) == (1, 1, 0)
     for fig in (visualize.mesh_figure(plan), visualize.memory_figure(plan), visualize.schedule_figure(plan)):
         assert fig.axes
+
+
+def test_wide_images_are_cut_into_vertical_strips():
+    model = large_image_cnn.build(image_size=256, layers=((8, 3, 1),))
+    g = planner.capture(model, (torch.empty(1, 3, 256, 2048, device="meta"),))
+    cands = spatial_candidates(SpatialPricer(g), 4)
+    assert {split for split, _ in cands} == {"strips_v", "grid"}
