@@ -265,7 +265,8 @@ class Evaluator:
 
     def _pair_allreduce(self, config: ParallelConfig, device: int, params: float) -> float:
         """Seconds to all-reduce a device's gradients with its pair over every data replica."""
-        p, d, t = config.pipeline, config.data, config.tensor
+        # Spatial lanes (data x spatial coordinates) sum their tile gradients in the same all-reduce.
+        p, d, t = config.pipeline, config.data * config.spatial, config.tensor
         pair = gems.pair_of(device, p)
         ranks = sorted({(pos * d + j) * t for pos in (device, pair) for j in range(d)})
         if len(ranks) < 2:

@@ -214,7 +214,7 @@ def spatial_configs(pricer: SpatialPricer, num_devices: int, cons: dict, shapes_
     """Spatial variants of the search space: for each spatial degree s dividing the devices, every
     data x tensor x pipeline shape of the other num_devices / s factor (`shapes_of(n)`) with each
     (split, last spatial layer) candidate. Empty for graphs without 2-D convolutions, so the search
-    space of other models is unchanged. Bidirectional shapes are left out (not priced with tiles).
+    space of other models is unchanged.
     """
     if cons.get("spatial", None) == 1 or not pricer.has_convs:
         return []
@@ -232,8 +232,6 @@ def spatial_configs(pricer: SpatialPricer, num_devices: int, cons: dict, shapes_
         if not cands:
             continue
         for base in shapes_of(num_devices // s):
-            if base.bidirectional:
-                continue
             for split, until in cands:
                 out.append(base.replace(spatial=s, spatial_split=split, spatial_until=until,
                                         spatial_batchnorm=cons.get("spatial_batchnorm", "sync")))
