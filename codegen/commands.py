@@ -62,6 +62,16 @@ def make_fixed_plan(graph, cluster, cfg, global_batch_size: int):
     return plan
 
 
+def checkpoint_args(args: argparse.Namespace) -> list[str]:
+    """The rank-script options for `meshplan run --checkpoint-dir/--save-every/--resume`."""
+    out = []
+    for flag, value in (("--checkpoint-dir", getattr(args, "checkpoint_dir", None)),
+                        ("--save-every", getattr(args, "save_every", None)), ("--resume", getattr(args, "resume", None))):
+        if value:
+            out += [flag, str(value)]
+    return out
+
+
 def run_command(args: argparse.Namespace) -> int:
     from runtime.launcher import read_build, run_local
 
@@ -69,7 +79,7 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"running {args.build}: {info['world_size']} processes ({args.backend}), {args.steps} step(s)",
           flush=True)
     res = run_local(args.build, steps=args.steps, backend=args.backend, timeout=args.timeout, verify=args.verify,
-                    rtol=args.rtol, atol=args.atol)
+                    rtol=args.rtol, atol=args.atol, extra_args=checkpoint_args(args))
     errors = [ln for ln in res.output.splitlines() if "error" in ln.lower() or "stopping" in ln.lower()]
     if res.returncode != 0:
         print(f"meshplan run: the run failed (exit status {res.returncode}):", file=sys.stderr)

@@ -147,6 +147,7 @@ Writes plan.json, one rank_XXXX.py per rank and launch scripts (torchrun, mpirun
 _EPILOG_RUN = """examples:
   meshplan run build --steps 3 --verify
   meshplan run build --steps 10 --backend mpi
+  meshplan run build --steps 10 --checkpoint-dir ckpt --save-every 5; meshplan run build --steps 10 --resume ckpt
 Writes build/metrics.jsonl (loss per step), build/timeline.json and build/trace.json."""
 
 
@@ -206,7 +207,49 @@ def _add_codegen_and_run(sub) -> None:
                    help="also run the single-process reference; exit 1 if loss or parameters differ")
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--atol", type=float, default=1e-6)
+    p.add_argument("--checkpoint-dir", help="save sharded checkpoints here (after the last step, or --save-every)")
+    p.add_argument("--save-every", type=int, help="also save every N steps")
+    p.add_argument("--resume", metavar="CHECKPOINT",
+                   help="continue from a checkpoint (a step_XXXXXXXX directory, or the newest under a checkpoint dir)")
     p.set_defaults(func=_cmd_run)
+    _add_checkpoint(sub)
+
+
+_EPILOG_CHECKPOINT = """examples:
+  meshplan run build --steps 100 --checkpoint-dir ckpt --save-every 10
+  meshplan run build --steps 100 --resume ckpt              # the newest complete checkpoint
+  meshplan checkpoint show ckpt
+  meshplan checkpoint convert ckpt -o model.pt              # one state_dict, the model's own names
+A checkpoint of one plan resumes on another plan of the same model (re-sliced on load)."""
+
+
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    from runtime.checkpoint import Manifest, complete_checkpoints, resolve_checkpoint
+
+    if args.action == "convert":
+        from runtime.checkpoint_restore import to_state_dict
+
+        ckpt, man, n = to_state_dict(args.checkpoint, args.output)
+        print(f"wrote {args.output}: {n} tensors of {man.model_ref} at step {man.step} (from {ckpt})")
+        return 0
+    ckpt = resolve_checkpoint(args.checkpoint)
+    man = Manifest.load(ckpt)
+    print(f"{ckpt}: step {man.step} ({man.samples} samples), {man.world_size} ranks, mesh "
+          + " x ".join(f"{a} {s}" for a, s in man.mesh) + f", model {man.model_ref}, optimizer {man.optimizer}")
+    done = complete_checkpoints(ckpt.parent)
+    if len(done) > 1:
+        print("complete checkpoints here: " + ", ".join(d.name for d in done))
+    return 0
+
+
+def _add_checkpoint(sub) -> None:
+    p = sub.add_parser("checkpoint", help="show a sharded checkpoint, or convert it to one state_dict file",
+                       epilog=_EPILOG_CHECKPOINT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=["show", "convert"])
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a step_XXXXXXXX directory, or a --checkpoint-dir")
+    p.add_argument("-o", "--output", default="model.pt", help="state_dict file for convert (default model.pt)")
+    p.set_defaults(func=_cmd_checkpoint)
+
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -116,6 +116,7 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     base = ["--steps", str(steps), "--backend", backend, "--timeout", str(timeout), *(extra_args or [])]
     if verify and "--save-params" not in base:
         base.append("--save-params")
+    first_step = _resumed_step(base) if verify else 0  # before the run saves newer checkpoints
     for b in builds:
         if (b / "run").exists():
             shutil.rmtree(b / "run")
@@ -190,9 +191,18 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
             result.timeline.save(b / "timeline.json")
             result.timeline.save_chrome(b / "trace.json")
         if verify and rc == 0:
-            result.comparison = verify_build(b, steps, result.losses, rtol=rtol, atol=atol)
+            result.comparison = verify_build(b, steps, result.losses, rtol=rtol, atol=atol, first_step=first_step)
         results.append(result)
     return results
+
+
+def _resumed_step(args: list[str]) -> int:
+    """The step a run with `--resume CHECKPOINT` among its rank arguments starts at (else 0)."""
+    if "--resume" not in args:
+        return 0
+    from runtime.checkpoint import Manifest, resolve_checkpoint
+
+    return Manifest.load(resolve_checkpoint(args[args.index("--resume") + 1])).step
 
 
 def _host_store(port: int, timeout: float):

@@ -195,3 +195,24 @@ def test_resume_from_a_checkpoint_of_another_model_or_setup_is_refused(builds, r
     (damaged / "manifest.json").write_text("{")
     with pytest.raises(CheckpointError, match="manifest.json is damaged"):
         open_with(g["TRAIN"], damaged)
+
+
+def test_command_line(builds, tmp_path, capsys):
+    """meshplan run --checkpoint-dir/--save-every/--resume --verify, meshplan checkpoint show/convert."""
+    from planner.cli import main
+
+    b, ckpt = str(builds["mlp_t2"]), tmp_path / "cli_ckpt"
+    assert main(["run", b, "--steps", "2", "--timeout", "30", "--checkpoint-dir", str(ckpt),
+                 "--save-every", "1"]) == 0
+    assert [d.name for d in complete_checkpoints(ckpt)] == ["step_00000001", "step_00000002"]
+    assert main(["run", b, "--steps", "1", "--timeout", "30", "--resume", str(ckpt), "--checkpoint-dir", str(ckpt),
+                 "--verify"]) == 0
+    assert "verify against the single-process reference: " in capsys.readouterr().out
+    assert main(["checkpoint", "show", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "step_00000003: step 3 (24 samples), 2 ranks, mesh pipe 1 x data 1 x tensor 2" in out, out
+    assert main(["checkpoint", "convert", str(ckpt), "-o", str(tmp_path / "m.pt")]) == 0
+    spec = TrainSpec.from_dict(read_build(builds["mlp_t2"])["train"])
+    build_model(spec).load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True), strict=True)
+    assert main(["checkpoint", "show", str(tmp_path / "nothing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
