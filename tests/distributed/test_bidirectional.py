@@ -8,8 +8,10 @@ rank's loss and every parameter it holds equal the single-process run (fp32, rto
 
 import pytest
 
+import planner
+from codegen.emit import emit
 from runtime.launcher import run_many
-from tests.parallel_cases import assert_exact, emit_case
+from tests.parallel_cases import MODELS, SGD, assert_exact, emit_case, graph_of
 
 # name -> (model, config, micro-batch); the global batch is micro-batch x data x 2T.
 TWO = {
@@ -34,19 +36,32 @@ def _builds(root, cases):
     return out
 
 
+def _searched(root):
+    """The plan planner.optimize returns when asked for a bidirectional pipeline on 2 local ranks."""
+    graph = graph_of("gpt")
+    plan = planner.optimize(graph, planner.Cluster.preset("local", devices=2), global_batch_size=8, progress=False,
+                            constraints={"bidirectional": True, "dtype": "fp32"})
+    assert plan.config.bidirectional and plan.config.pipeline == 2
+    ref, kw = MODELS["gpt"]
+    return emit(plan, ref, None, root / "gpt_optimized", model_kwargs=kw, graph=graph, optimizer=SGD,
+                bucket_bytes=2048).path
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("bidirectional")
     results = {}
     for cases in (TWO, FOUR):
         builds = _builds(root, cases)
+        if cases is TWO:
+            builds["gpt_optimized"] = _searched(root)
         results.update(zip(builds, run_many(list(builds.values()), steps=3, backend="gloo", timeout=60,
                                             verify=True)))
     return results
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", sorted({**TWO, **FOUR}))
+@pytest.mark.parametrize("name", sorted({**TWO, **FOUR, "gpt_optimized": None}))
 def test_bidirectional_pipeline_equals_single_process(runs, name):
     res = runs[name]
     assert_exact(res, name)

@@ -42,13 +42,20 @@ def runs(tmp_path_factory):
     out = {}
     for cases in (TWO, FOUR):
         builds = {name: emit_subgraph(root, name, **cfg) for name, cfg in cases.items()}
+        if cases is FOUR:   # the plan planner.optimize picks when asked for sub-graph parallelism
+            plan = planner.optimize(inception_graph(), planner.Cluster.preset("local", devices=4),
+                                    global_batch_size=8, progress=False, constraints={"subgraph": 2, "dtype": "fp32"})
+            assert plan.config.subgraph == 2 and plan.subgraph
+            ref, kw = INCEPTION
+            builds["inception_optimized"] = emit(plan, ref, None, root / "inception_optimized", model_kwargs=kw,
+                                                 graph=inception_graph(), optimizer=SGD, bucket_bytes=2048).path
         results = run_many(list(builds.values()), steps=3, backend="gloo", timeout=60, verify=True)
         out.update({name: (res, builds[name]) for name, res in zip(builds, results)})
     return out   # name -> (RunResult, build directory)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", sorted({**TWO, **FOUR}))
+@pytest.mark.parametrize("name", sorted({**TWO, **FOUR, "inception_optimized": None}))
 def test_subgraph_parallel_run_equals_single_process(runs, name):
     res, _ = runs[name]
     assert_exact(res, name)
