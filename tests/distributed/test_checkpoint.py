@@ -38,7 +38,7 @@ def builds(root):
         "d2p2": emit_case(root, "gpt", "d2p2", dict(data=2, pipeline=2)),  # SGD with momentum
         "d4_zero1": emit_case(root, "gpt", "d4_zero1", dict(data=4, zero=1)),
         "d2t2": emit_case(root, "gpt", "d2t2", dict(data=2, tensor=2)),
-        "mlp_d2": emit_case(root, "mlp", "d2_zero1", dict(data=2, zero=1), optimizer=ADAMW),
+        "mlp_d2": emit_case(root, "mlp", "d2_zero3", dict(data=2, zero=3), optimizer=ADAMW),
         "mlp_t2": emit_case(root, "mlp", "t2", dict(tensor=2), optimizer=ADAMW),
     }
 
@@ -153,7 +153,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(builds, root):
     with pytest.raises(CheckpointError, match="save was interrupted"):
         resolve_checkpoint(step_dir(ckpt, 4))
     assert resolve_checkpoint(ckpt) == step_dir(ckpt, 2)
-    # resume on the same plan, and on tensor 2 (AdamW state out of ZeRO-1 flat shards into split tensors)
+    # resume on the same plan, and on tensor 2 (AdamW state out of ZeRO-3 flat shards into split tensors)
     targets = [b, builds["mlp_t2"]]
     for t, res in zip(targets, run_many(targets, steps=2, timeout=20, extra_args=["--resume", str(ckpt),
                                                                                 "--save-params"])):
