@@ -26,7 +26,8 @@ import torch
 import torch.fx as fx
 
 from codegen.pysrc import graph_method, import_block
-from codegen.subgraph import insert_region_call, layer_regions, region_code, region_methods, skipped_nodes, subgraph_init
+from codegen.subgraph import (insert_region_call, layer_regions, region_code, region_inputs, region_methods,
+                              skipped_nodes, subgraph_init)
 from codegen.tensor_split import TensorSplitError, split_graph
 from planner.graph import ModelGraph
 from planner.plan import Plan
@@ -266,11 +267,11 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
             if n.name in skip:
                 code = regs.get(n.name)
                 if code is not None:
-                    fork = code.region.fork
-                    if fork not in env and produced_in.get(fork) != L:
-                        env[fork] = lg.placeholder(fork)
-                        inputs.append(fork)
-                    insert_region_call(lg, env, code)
+                    for a in region_inputs(code, node_by_name):
+                        if a not in env and produced_in.get(a) != L:
+                            env[a] = lg.placeholder(a)
+                            inputs.append(a)
+                    insert_region_call(lg, env, code, node_by_name)
                     src, gl, own = region_methods(code, node_by_name)
                     region_src += src
                     globs.update(gl)
@@ -311,7 +312,7 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
             call = f"checkpoint(self.{method}, {', '.join(inputs)}, use_reentrant=False)"
         calls.append(f"        {lhs} = {call}" if outputs else f"        {call}")
     methods += region_src
-    if owners:
+    if region_src:   # the stage splits something: it needs its SubgraphContext
         line, gl = subgraph_init(owners)
         inits.append(line)
         globs.update(gl)

@@ -66,9 +66,20 @@ def skipped_nodes(regions: dict[str, RegionCode]) -> set[str]:
     return {x for c in regions.values() for p in c.region.paths for x in p}
 
 
-def insert_region_call(lg: fx.Graph, env: dict, code: RegionCode) -> None:
-    """Add `self.<region>(fork)` and one getitem per path exit to the layer graph `lg`."""
-    call = lg.call_module(code.name, (env[code.region.fork],))
+def region_inputs(code: RegionCode, nodes: dict[str, fx.Node]) -> list[str]:
+    """The values the region call reads: the fork value (paths), or q, k, v (heads)."""
+    if code.region.kind == "heads":
+        return [a.name for a in nodes[code.region.fork].args[:3]]
+    return [code.region.fork]
+
+
+def insert_region_call(lg: fx.Graph, env: dict, code: RegionCode, nodes: dict[str, fx.Node]) -> None:
+    """Add `self.<region>(inputs)` to the layer graph `lg`, and one getitem per path exit
+    (heads: the call's value is the attention output)."""
+    call = lg.call_module(code.name, tuple(env[a] for a in region_inputs(code, nodes)))
+    if code.region.kind == "heads":
+        env[code.region.fork] = call
+        return
     for k, e in enumerate(code.region.exits):
         env[e] = lg.call_function(operator.getitem, (call, k))
 
@@ -76,6 +87,8 @@ def insert_region_call(lg: fx.Graph, env: dict, code: RegionCode) -> None:
 def region_methods(code: RegionCode, nodes: dict[str, fx.Node]) -> tuple[list[str], dict, dict[str, int]]:
     """(method sources, their globals, module path -> owning sub-grid) for one region."""
     r = code.region
+    if r.kind == "heads":
+        return _heads_method(code, nodes[r.fork])
     methods, globs, owners = [], {}, {}
     names = []
     for k, (path, exit_) in enumerate(zip(r.paths, r.exits)):
@@ -106,6 +119,19 @@ def region_methods(code: RegionCode, nodes: dict[str, fx.Node]) -> tuple[list[st
         f"        return self.subgraph.region({r.fork}, ({paths},), owners={tuple(r.owners)!r},\n"
         f"                                    shapes={code.shapes!r}, dtypes={code.dtypes!r})\n"))
     return methods, globs, owners
+
+
+def _heads_method(code: RegionCode, n: fx.Node) -> tuple[list[str], dict, dict[str, int]]:
+    r = code.region
+    if len(n.args) != 3 or any(isinstance(v, fx.Node) for v in n.kwargs.values()):
+        raise ValueError(f"{n.name}: only attention called as fn(q, k, v, **constants) splits by heads")
+    fn = f"{code.name}_fn"
+    q, k, v = (a.name for a in n.args)
+    h = r.heads // len(r.paths)
+    src = (f"    # ---- {code.name}: {n.name}, {r.heads} heads in groups of {h}, group g on sub-grid g ----\n"
+           f"    def {code.name}(self, {q}, {k}, {v}):\n"
+           f"        return self.subgraph.heads({fn}, {q}, {k}, {v}, {dict(n.kwargs)!r})\n")
+    return [src], {fn: n.target}, {}
 
 
 def subgraph_init(owners: dict[str, int]) -> tuple[str, dict]:

@@ -12,8 +12,12 @@ all-reduced over the B sub-grids (each holds the part its paths contribute).
 
 A region qualifies when its paths are the only readers of what they compute
 (one exit node each), read nothing from outside but the fork value, and lie in
-one layer; overlapping branches keep the first. Attention "heads" branches are
-not split (a head group is one fused op here).
+one layer; overlapping branches keep the first. An attention op's heads (a
+"heads" Branch: scaled-dot-product attention on (batch, heads, T, d) q, k, v,
+no mask, no dropout) split into B equal groups: sub-grid g runs heads
+[g H/B, (g+1) H/B) over the whole batch, the outputs are all-gathered along the
+heads, and in backward the gradients of q, k and v (each sub-grid holds its
+heads' slice) are all-reduced.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class Region:
     outputs. paths: node names of each path (graph order). exits: each path's output node.
     owners: the sub-grid (branch coordinate, 0..B-1) that runs each path. layer: the layer
     holding the paths. cost: forward + backward FLOPs of each path (per captured batch).
+    kind "heads": fork = join = the attention node; path g is head group g (heads/B heads
+    of `heads`), run by sub-grid g.
     """
 
     fork: str
@@ -44,9 +50,12 @@ class Region:
     exits: tuple[str, ...]
     owners: tuple[int, ...]
     cost: tuple[float, ...]
+    kind: str = "paths"
+    heads: int = 0
 
     def to_dict(self) -> dict:
         return {"fork": self.fork, "join": self.join, "layer": self.layer,
+                **({"kind": "heads", "heads": self.heads} if self.kind == "heads" else {}),
                 "paths": [{"nodes": list(p), "exit": e, "sub_grid": o, "flops": c}
                           for p, e, o, c in zip(self.paths, self.exits, self.owners, self.cost)]}
 
@@ -67,8 +76,14 @@ class Region:
             exits.append(p["exit"])
             owners.append(p["sub_grid"])
             cost.append(float(p["flops"]))
+        kind = f.text("kind") if "kind" in f.data else "paths"
+        if kind not in ("paths", "heads"):
+            raise f.error("kind", f"is {kind!r}; known: paths, heads")
+        heads = f.integer("heads", minimum=1) if kind == "heads" else 0
+        if kind == "heads" and heads % len(nodes):
+            raise f.error("heads", f"is {heads}, not a multiple of its {len(nodes)} head groups")
         return cls(fork=f.text("fork"), join=f.text("join"), layer=f.text("layer"), paths=tuple(nodes),
-                   exits=tuple(exits), owners=tuple(owners), cost=tuple(cost))
+                   exits=tuple(exits), owners=tuple(owners), cost=tuple(cost), kind=kind, heads=heads)
 
 
 def split_regions(graph: ModelGraph, sub_grids: int) -> tuple[Region, ...]:
@@ -114,7 +129,24 @@ def split_regions(graph: ModelGraph, sub_grids: int) -> tuple[Region, ...]:
         taken |= nodes
         out.append(Region(br.fork, br.join, layer_of[next(iter(nodes))], tuple(br.paths), tuple(exits),
                           tuple(owners), cost))
+    for br in graph.branches:
+        n = info.get(br.fork)
+        if br.kind != "heads" or n is None or br.fork in taken or br.width % sub_grids or \
+                not _plain_attention(n):
+            continue
+        taken.add(br.fork)
+        share = float(n.fwd_flops + n.bwd_flops) / sub_grids
+        out.append(Region(br.fork, br.fork, layer_of[br.fork], ((br.fork,),) * sub_grids, (br.fork,) * sub_grids,
+                          tuple(range(sub_grids)), (share,) * sub_grids, kind="heads", heads=br.width))
     return tuple(out)
+
+
+def _plain_attention(n) -> bool:
+    """Scaled-dot-product attention on three (batch, heads, T, d) tensors, no mask, no dropout:
+    what runtime.subgraph splits by heads."""
+    return (n.op == "call_function" and "scaled_dot_product_attention" in n.target and len(n.inputs) == 3
+            and len(n.input_meta) == 3 and all(len(m.shape) == 4 for m in n.input_meta)
+            and not n.attr("dropout_p") and n.attr("attn_mask") is None)
 
 
 def check_splittable(graph: ModelGraph, sub_grids: int) -> tuple[Region, ...]:
@@ -122,9 +154,10 @@ def check_splittable(graph: ModelGraph, sub_grids: int) -> tuple[Region, ...]:
     regions = split_regions(graph, sub_grids)
     if sub_grids > 1 and not regions:
         kinds = sorted({b.kind for b in graph.branches})
-        raise SubgraphError(f"subgraph={sub_grids} needs fork/join branches whose paths are independent; "
-                            f"{graph.model_class} has " + (f"only {', '.join(kinds)} branches" if kinds else
-                                                          "none") + "; use subgraph=1")
+        raise SubgraphError(f"subgraph={sub_grids} needs fork/join branches whose paths are independent, or "
+                            f"attention heads divisible by {sub_grids}; {graph.model_class} has "
+                            + (f"only {', '.join(kinds)} branches that do not split {sub_grids} ways" if kinds
+                               else "none") + "; use another subgraph degree or 1")
     return regions
 
 
@@ -144,6 +177,11 @@ def describe(regions: tuple[Region, ...], sub_grids: int) -> list[str]:
     """One line per region: which sub-grid runs which paths (for summary and explain)."""
     lines = []
     for r in regions:
+        if r.kind == "heads":
+            h = r.heads // len(r.paths)
+            lines.append(f"{r.layer}: {r.fork} heads " + "; ".join(f"{g * h}-{g * h + h - 1} on sub-grid {g}"
+                                                                   for g in r.owners))
+            continue
         groups = {g: [r.exits[k] for k in range(len(r.paths)) if r.owners[k] == g] for g in range(sub_grids)}
         lines.append(f"{r.layer}: " + "; ".join(f"sub-grid {g}: {', '.join(v) if v else '(idle)'}"
                                                 for g, v in groups.items()))

@@ -9,7 +9,9 @@ one all-reduce of the fork value's gradient. Those collectives block the
 layer, so they are charged in full to the layer's in-layer communication
 (`tp_forward` / `tp_backward`, reported as tensor_comm with tensor-parallel
 traffic). Parameters, gradients and saved activations of a path live only on
-its sub-grid; a device keeps the busiest sub-grid's share.
+its sub-grid; a device keeps the busiest sub-grid's share. An attention op split
+by heads costs 1/B of its compute per sub-grid, plus an all-gather of its output
+and an all-reduce of the q, k, v gradients.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def region_comm_seconds(ev, config: ParallelConfig, region: Region) -> tuple[flo
     scale = config.micro_batch_size / ev.graph.batch_size * DTYPE_BYTES[config.dtype] / 4
     info = {n.name: n for n in ev.graph.nodes}
     mesh = config.mesh
+    if region.kind == "heads":   # all-gather of the output along the heads; all-reduce of dq, dk, dv
+        attn = info[region.fork]
+        return (ev._axis(mesh, "branch", "all_gather", attn.output_bytes * scale),
+                ev._axis(mesh, "branch", "all_reduce", sum(m.nbytes for m in attn.input_meta) * scale))
     fwd = sum(ev._axis(mesh, "branch", "broadcast", info[e].output_bytes * scale) for e in region.exits)
     bwd = ev._axis(mesh, "branch", "all_reduce", info[region.fork].output_bytes * scale)
     return fwd, bwd
@@ -49,6 +55,16 @@ def subgraph_layer_cost(ev, layer: Layer, cost, config: ParallelConfig):
     fwd, bwd, saved, params, tp_f, tp_b = cost.forward, cost.backward, cost.saved, cost.params, \
         cost.tp_forward, cost.tp_backward
     for r in regions:
+        if r.kind == "heads":    # each sub-grid runs 1/B of the heads of one attention op
+            c = ev._node_cost(ev._nodes[r.fork], "replicate", config)
+            share = 1 - 1 / config.subgraph
+            fwd -= c.fwd * share
+            bwd -= c.bwd * share
+            saved -= c.saved * share
+            cf, cb = region_comm_seconds(ev, config, r)
+            tp_f += cf
+            tp_b += cb
+            continue
         per_path = [[ev._node_cost(ev._nodes[x], "replicate", config) for x in path] for path in r.paths]
         tot = [sum(getattr(c, f) for cs in per_path for c in cs) for f in ("fwd", "bwd", "saved", "params")]
         by_grid = [[0.0] * 4 for _ in range(config.subgraph)]

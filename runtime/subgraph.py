@@ -11,6 +11,12 @@ The generated stage code calls a region as one function of the fork value x
               join is replicated); the gradient of x, the sum of the owned paths'
               contributions, is all-reduced over the group
 
+An attention op split by heads (`heads`): sub-grid g of G runs heads
+[g H/G, (g+1) H/G) of q, k, v (batch, heads, T, d) over the whole batch; the
+outputs are all-gathered along the heads; in backward each sub-grid back-
+propagates its heads' slice of the (replicated) output gradient and the q, k, v
+gradients (zero outside its heads) are all-reduced.
+
 The collectives are blocking and issued in program order, identically on every
 sub-grid, so the sub-grids cannot disagree on their order.
 """
@@ -45,6 +51,45 @@ class SubgraphContext:
         if self.group is None or self.group.size == 1:
             return tuple(p(x) for p in paths)
         return _Region.apply(x, self, tuple(paths), tuple(owners), tuple(tuple(s) for s in shapes), tuple(dtypes))
+
+
+    def heads(self, fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """fn(q, k, v, **kwargs) (attention on (batch, heads, T, d)) with the heads split over the group."""
+        if self.group is None or self.group.size == 1:
+            return fn(q, k, v, **kwargs)
+        if q.shape[1] % self.group.size:
+            raise ValueError(f"{q.shape[1]} attention heads do not split over {self.group.size} sub-grids")
+        return _Heads.apply(q, k, v, self, fn, kwargs)
+
+
+class _Heads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sg: SubgraphContext, fn, kwargs):
+        g = sg.group.size
+        h = q.shape[1] // g
+        lo = sg.index * h
+        mine = [t[:, lo:lo + h].detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+        with torch.enable_grad():
+            out = fn(*mine, **kwargs)                          # (batch, h, T, d)
+        full = torch.empty((g, *out.shape), dtype=out.dtype, device=out.device)
+        sg.group.all_gather(full.view(-1), out.detach().contiguous().view(-1))
+        ctx.sg, ctx.mine, ctx.out, ctx.lo, ctx.h = sg, mine, out, lo, h
+        ctx.shapes = [t.shape for t in (q, k, v)]
+        # (g, batch, h, T, d) -> (batch, g * h, T, d): head g*h + j comes from sub-grid g
+        return full.movedim(0, 1).reshape(out.shape[0], g * h, *out.shape[2:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        lo, h, mine = ctx.lo, ctx.h, ctx.mine
+        if ctx.out.requires_grad:
+            torch.autograd.backward(ctx.out, grad[:, lo:lo + h])
+        grads = torch.zeros((3, *ctx.shapes[0]), dtype=grad.dtype, device=grad.device)
+        for i, t in enumerate(mine):
+            if t.grad is not None:
+                grads[i][:, lo:lo + h] = t.grad
+        ctx.sg.group.all_reduce(grads)
+        ctx.mine = ctx.out = None
+        return grads[0], grads[1], grads[2], None, None, None
 
 
 class _Region(torch.autograd.Function):

@@ -1,6 +1,7 @@
 """Sub-graph parallelism (SUPER) on real processes (gloo): the Inception-style CNN's four branches
-dealt to B sub-grids, alone and with data parallelism, train exactly like the single process
-(3 steps, fp32, every loss and every parameter each rank holds, rtol 1e-4)."""
+dealt to B sub-grids, and a small GPT's attention heads split over B = 2 and 4 sub-grids, alone and
+with data parallelism, train exactly like the single process (3 steps, fp32, every loss and every
+parameter each rank holds, rtol 1e-4)."""
 
 import functools
 
@@ -9,7 +10,7 @@ import pytest
 import planner
 from codegen.emit import capture_ref, emit
 from runtime.launcher import run_many
-from tests.parallel_cases import SGD, assert_exact
+from tests.parallel_cases import MODELS, SGD, assert_exact, graph_of
 
 INCEPTION = ("examples/models/inception.py:build", {"num_modules": 2, "channels": 4, "stem_channels": 8,
                                                    "image_size": 8})
@@ -31,9 +32,21 @@ def emit_subgraph(root, name: str, *, subgraph: int, data: int = 1, pipeline: in
                 bucket_bytes=2048).path
 
 
-TWO = {"inception_g2": dict(subgraph=2)}
+def emit_heads(root, name: str, *, subgraph: int, data: int = 1):
+    """A small GPT (4 heads) whose attention heads are split over `subgraph` sub-grids."""
+    cfg = planner.ParallelConfig(subgraph=subgraph, data=data, micro_batch_size=2, dtype="fp32")
+    plan = planner.make_plan(graph_of("gpt"), planner.Cluster.preset("local", devices=cfg.num_devices), cfg,
+                             global_batch_size=8)
+    assert plan.subgraph and all(r.kind == "heads" for r in plan.subgraph)
+    ref, kw = MODELS["gpt"]
+    return emit(plan, ref, None, root / name, model_kwargs=kw, graph=graph_of("gpt"), optimizer=SGD,
+                bucket_bytes=2048).path
+
+
+TWO = {"inception_g2": dict(subgraph=2), "gpt_heads_g2": dict(subgraph=2)}
 FOUR = {"inception_g4": dict(subgraph=4), "inception_d2g2": dict(subgraph=2, data=2),
-        "inception_p2g2": dict(subgraph=2, pipeline=2)}
+        "inception_p2g2": dict(subgraph=2, pipeline=2), "gpt_heads_g4": dict(subgraph=4),
+        "gpt_heads_d2g2": dict(subgraph=2, data=2)}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +54,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("subgraph")
     out = {}
     for cases in (TWO, FOUR):
-        builds = {name: emit_subgraph(root, name, **cfg) for name, cfg in cases.items()}
+        builds = {name: (emit_heads if name.startswith("gpt") else emit_subgraph)(root, name, **cfg)
+                  for name, cfg in cases.items()}
         if cases is FOUR:   # the plan planner.optimize picks when asked for sub-graph parallelism
             plan = planner.optimize(inception_graph(), planner.Cluster.preset("local", devices=4),
                                     global_batch_size=8, progress=False, constraints={"subgraph": 2, "dtype": "fp32"})

@@ -39,10 +39,29 @@ def test_inception_modules_are_split_and_paths_dealt_longest_first():
 
 
 def test_models_without_independent_branches_cannot_be_split():
-    assert split_regions(graph_of("mlp"), 2) == () and split_regions(graph_of("gpt"), 2) == ()
+    assert split_regions(graph_of("mlp"), 2) == ()
     cfg = ParallelConfig(subgraph=2, micro_batch_size=2, dtype="fp32")
-    with pytest.raises(SubgraphError, match="needs fork/join branches.*only heads branches"):
-        planner.make_plan(graph_of("gpt"), planner.Cluster.preset("local", devices=2), cfg, global_batch_size=4)
+    with pytest.raises(SubgraphError, match="needs fork/join branches.*has none"):
+        planner.make_plan(graph_of("mlp"), planner.Cluster.preset("local", devices=2), cfg, global_batch_size=4)
+    # GPT tiny has 4 heads per attention: they split 2 or 4 ways, not 3
+    with pytest.raises(SubgraphError, match="only heads branches that do not split 3 ways"):
+        planner.make_plan(graph_of("gpt"), planner.Cluster.preset("local", devices=3),
+                          cfg.replace(subgraph=3), global_batch_size=6)
+
+
+def test_attention_heads_split_into_equal_groups():
+    for B in (2, 4):
+        regions = split_regions(graph_of("gpt"), B)
+        assert [r.kind for r in regions] == ["heads", "heads"] and all(r.heads == 4 for r in regions)
+        assert all(r.owners == tuple(range(B)) for r in regions)
+    plan = planner.make_plan(graph_of("gpt"), planner.Cluster.preset("local", devices=2),
+                             ParallelConfig(subgraph=2, micro_batch_size=2, dtype="fp32"), global_batch_size=8)
+    assert "heads 0-1 on sub-grid 0; 2-3 on sub-grid 1" in plan.summary()
+    assert planner.Plan.from_dict(plan.to_dict()) == plan
+    ev = planner.Evaluator(graph_of("gpt"), planner.Cluster.preset("dgx-a100-80gb", devices=2))
+    layer = next(la for la in graph_of("gpt").layers if la.name == "blocks.0")
+    one, two = (ev.layer_cost(layer, ParallelConfig(micro_batch_size=2, subgraph=b)) for b in (1, 2))
+    assert two.forward < one.forward and two.tp_forward > 0 and two.params == one.params
 
 
 @pytest.mark.parametrize("kwargs,needle", [
