@@ -79,7 +79,9 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"running {args.build}: {info['world_size']} processes ({args.backend}), {args.steps} step(s)",
           flush=True)
     res = run_local(args.build, steps=args.steps, backend=args.backend, timeout=args.timeout, verify=args.verify,
-                    rtol=args.rtol, atol=args.atol, extra_args=checkpoint_args(args))
+                    rtol=args.rtol, atol=args.atol,
+                    extra_args=(["--track-memory"] if getattr(args, "track_memory", False) else [])
+                    + checkpoint_args(args))
     errors = [ln for ln in res.output.splitlines() if "error" in ln.lower() or "stopping" in ln.lower()]
     if res.returncode != 0:
         print(f"meshplan run: the run failed (exit status {res.returncode}):", file=sys.stderr)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from cost_models.calibrated import fitted_collective
 from cost_models.hardware import Cluster, Link
 
 # --- achievable-bandwidth efficiencies ---------------------------------------------------
@@ -576,8 +577,23 @@ def collective_time(
     _check_op(op)
     _check_bytes(nbytes)
     shape = _group_shape(cluster.devices_per_node, cluster.num_devices, _as_tuple(group_ranks))
+    measured = _measured(cluster, op, nbytes, shape, efficiency)
+    if measured is not None:
+        return measured
     intra, inter = link_models(cluster, efficiency)
     return _cheapest(op, nbytes, shape, intra, inter)
+
+
+def _measured(cluster: Cluster, op: str, nbytes: float, shape: _GroupShape,
+              efficiency: Mapping[str, float] | None) -> CollectiveCost | None:
+    """The fitted alpha-beta cost when a calibrated cluster measured `op` at this group size
+    inside one node (cost_models/calibrated.py), else None (no efficiency override given)."""
+    if shape.spans_nodes or shape.size < 2 or efficiency is not None:
+        return None
+    fit = fitted_collective(cluster, op, shape.size)
+    if fit is None:
+        return None
+    return CollectiveCost(op, fit[0] + fit[1] * nbytes if nbytes else 0.0, "measured", shape.size, False)
 
 
 __all__ = [

@@ -30,6 +30,10 @@ class Efficiency:
         memory: fraction of peak memory bandwidth a streaming kernel reaches.
         kernel_overhead: seconds added per kernel launched (launch + tail).
         source: where these numbers come from.
+        kind_overheads: measured (kind, forward s, backward s) per op of that kind,
+            replacing ``kernels * kernel_overhead`` for it (calibration on a CPU, where
+            eager dispatch and autograd bookkeeping, not kernels, dominate small ops;
+            views cost their dispatch there too). Sorted pairs keep it hashable.
     """
 
     matmul: float
@@ -37,6 +41,7 @@ class Efficiency:
     memory: float
     kernel_overhead: float
     source: str = ""
+    kind_overheads: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("matmul", "conv", "memory"):
@@ -45,6 +50,18 @@ class Efficiency:
                 raise ValueError(f"Efficiency.{name} must be in (0, 1], got {v!r}")
         if self.kernel_overhead < 0:
             raise ValueError(f"Efficiency.kernel_overhead must be >= 0 s, got {self.kernel_overhead!r}")
+        table = tuple(sorted((str(k), float(f), float(b)) for k, f, b in self.kind_overheads))
+        for k, f, b in table:
+            if not (f >= 0 and b >= 0):
+                raise ValueError(f"Efficiency.kind_overheads[{k!r}] must be >= 0 s, got ({f!r}, {b!r})")
+        object.__setattr__(self, "kind_overheads", table)
+
+    def overhead(self, kind: str, kernels: int, backward: bool) -> float:
+        """Seconds of fixed cost of one op of `kind` (its forward, or its backward)."""
+        for k, f, b in self.kind_overheads:
+            if k == kind:
+                return b if backward else f
+        return kernels * self.kernel_overhead
 
     @classmethod
     def default_for(cls, device) -> "Efficiency":
@@ -87,15 +104,17 @@ def wave_efficiency(rows: int, cols: int, compute_units: int, tile: tuple[int, i
 
 
 def op_time(kind: str, flops: float, nbytes: float, peak_flops: float, mem_bandwidth: float,
-            eff: Efficiency, kernels: int = 1, shape_efficiency: float = 1.0) -> float:
+            eff: Efficiency, kernels: int = 1, shape_efficiency: float = 1.0, backward: bool = False) -> float:
     """Seconds for one op that does `flops` FLOPs and moves `nbytes` bytes.
 
     `kernels` is how many kernels it launches (a backward is two: input and
     weight gradients). `shape_efficiency` scales the FLOP rate of GEMM-like
-    kinds for their shape (see wave_efficiency). View-like kinds cost nothing.
+    kinds for their shape (see wave_efficiency). View-like kinds cost nothing,
+    unless a calibration measured a per-op cost for them (eff.kind_overheads).
+    `backward`: price the op's backward (selects the measured backward overhead).
     """
     if kind in FREE_KINDS:
-        return 0.0
+        return eff.overhead(kind, 0, backward) if kind == "view" else 0.0
     if kind in MATMUL_KINDS:
         flop_rate = peak_flops * eff.matmul * shape_efficiency
     elif kind in CONV_KINDS:
@@ -104,4 +123,4 @@ def op_time(kind: str, flops: float, nbytes: float, peak_flops: float, mem_bandw
         flop_rate = peak_flops * eff.matmul
     compute = flops / flop_rate if flops else 0.0
     memory = nbytes / (mem_bandwidth * eff.memory) if nbytes else 0.0
-    return max(compute, memory) + kernels * eff.kernel_overhead
+    return max(compute, memory) + eff.overhead(kind, kernels, backward)

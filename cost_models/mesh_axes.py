@@ -12,7 +12,7 @@ import numbers
 from collections.abc import Mapping
 
 from cost_models.comm import (CollectiveCost, _check_bytes, _check_op, _cheapest, _group_shape, _GroupShape,
-                              link_models)
+                              _measured, link_models)
 from cost_models.hardware import Cluster
 
 
@@ -121,7 +121,7 @@ def axis_collective_time(
     intra, inter = link_models(cluster, efficiency)
     worst: CollectiveCost | None = None
     for shape in _axis_shapes(items, axis, cluster.devices_per_node, op == "p2p"):
-        cost = _cheapest(op, nbytes, shape, intra, inter)
+        cost = _measured(cluster, op, nbytes, shape, efficiency) or _cheapest(op, nbytes, shape, intra, inter)
         if worst is None or cost.seconds > worst.seconds:
             worst = cost
     assert worst is not None  # an axis always has at least one group

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cost_models.calibrated import call_overheads
 from cost_models.comm import collective_time
 from cost_models.hardware import Cluster
 from runtime.program import COLLECTIVE_OPS, Instr, Program
@@ -58,10 +59,15 @@ class ComputeCosts:
     optimizer: float = 0.0
 
     @classmethod
-    def from_prediction(cls, prediction) -> "ComputeCosts":
-        """Per-stage times from a planner Prediction (its StagePrediction entries)."""
-        return cls(forward={s.index: s.forward for s in prediction.stages},
-                   backward={s.index: s.backward for s in prediction.stages},
+    def from_prediction(cls, prediction, cluster: Cluster | None = None) -> "ComputeCosts":
+        """Per-stage times from a planner Prediction (its StagePrediction entries).
+
+        With a calibrated `cluster`, each stage call also pays the measured fixed cost of
+        one forward / backward call (entering the stage, starting the autograd engine),
+        which the planner's per-op sums leave out (cost_models/calibrated.py)."""
+        call_f, call_b = call_overheads(cluster) if cluster is not None else (0.0, 0.0)
+        return cls(forward={s.index: s.forward + call_f for s in prediction.stages},
+                   backward={s.index: s.backward + call_b for s in prediction.stages},
                    optimizer=prediction.time.optimizer)
 
 

@@ -205,6 +205,8 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any communication may take")
     p.add_argument("--verify", action="store_true",
                    help="also run the single-process reference; exit 1 if loss or parameters differ")
+    p.add_argument("--track-memory", action="store_true",
+                   help="measure each rank's peak memory in one step, the second of 3 or more (for meshplan compare)")
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--atol", type=float, default=1e-6)
     p.add_argument("--checkpoint-dir", help="save sharded checkpoints here (after the last step, or --save-every)")
@@ -250,6 +252,94 @@ def _add_checkpoint(sub) -> None:
     p.add_argument("-o", "--output", default="model.pt", help="state_dict file for convert (default model.pt)")
     p.set_defaults(func=_cmd_checkpoint)
 
+
+_EPILOG_CALIBRATE = """examples:
+  meshplan calibrate --out cluster.yaml                 # quick: 2 ranks on 2 cores, well under a minute
+  meshplan calibrate --full --ranks 4 --out cluster.json
+  meshplan optimize examples/models/gpt.py:build --arg preset=tiny --cluster cluster.yaml --batch 16
+Starts RANKS processes that time the cost model's op kinds and the runtime's collectives
+and p2p, fits per-kind efficiencies and alpha-beta per group size, and writes a cluster
+file (fits under measurements fit.*, raw numbers under raw.*) that Cluster.load reads back."""
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from cost_models.calibrate import calibrate
+
+    if Path(args.out).suffix.lower() not in (".yaml", ".yml", ".json"):
+        raise ValueError(f"--out {args.out}: name the cluster file .yaml, .yml or .json")
+    cluster = calibrate(args.ranks, quick=not args.full, backend=args.backend, timeout=args.timeout,
+                        progress=lambda line: print(line, flush=True))
+    cluster.save(args.out)
+    print()
+    print(cluster.summary().split("\n  measurements:")[0])
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+_EPILOG_COMPARE = """examples:
+  meshplan calibrate --out cluster.yaml
+  meshplan run build --steps 6 --track-memory
+  meshplan compare build --cluster cluster.yaml     # also draws build/compare_schedule.png|svg
+Prints predicted (the simulator on the build's Programs, priced on the cluster) versus
+measured step time, the error per instruction kind, and peak memory per rank."""
+
+_EPILOG_SIMULATE = """examples:
+  meshplan simulate build --cluster cluster.yaml
+Writes build/predicted_timeline.json and build/predicted_trace.json (ui.perfetto.dev)."""
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from planner.compare import compare_build, draw
+
+    cluster = resolve_cluster(args.cluster)
+    cmp, predicted, measured, plan = compare_build(args.build, cluster)
+    print(cmp.report())
+    if not args.no_pictures:
+        paths = draw(plan, predicted, measured, cmp.typical_step, Path(args.build) / "compare_schedule")
+        print(f"wrote {paths[0]} and .svg (predicted beside measured step {cmp.typical_step})")
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from cost_models.simulate import simulate
+    from planner.compare import predicted_costs
+
+    _plan, pred, costs, progs, cluster = predicted_costs(args.build, resolve_cluster(args.cluster))
+    tl = simulate(progs, costs, cluster)
+    out = Path(args.build)
+    tl.save(out / "predicted_timeline.json")
+    tl.save_chrome(out / "predicted_trace.json")
+    print(f"simulated step on {cluster.name!r}: {tl.step_times()[0] * 1e3:.3f} ms "
+          f"(analytic {pred.step_time * 1e3:.3f} ms); {len(tl.events)} instructions on {len(progs)} ranks")
+    print(f"wrote {out / 'predicted_timeline.json'} and {out / 'predicted_trace.json'} (ui.perfetto.dev)")
+    return 0
+
+
+def _add_compare(sub) -> None:
+    for verb, helptext, epilog, func in (
+            ("compare", "predicted versus measured step time, per instruction kind, and peak memory of a run",
+             _EPILOG_COMPARE, _cmd_compare),
+            ("simulate", "simulate a build's Programs: the predicted timeline", _EPILOG_SIMULATE, _cmd_simulate)):
+        p = sub.add_parser(verb, help=helptext, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("build", metavar="BUILD_DIR")
+        p.add_argument("--cluster", default="local", metavar="PRESET_OR_FILE",
+                       help="cluster to price on; a calibrated file (meshplan calibrate) is best (default: local)")
+        if verb == "compare":
+            p.add_argument("--no-pictures", action="store_true", help="do not draw the schedules")
+        p.set_defaults(func=func)
+
+
+def _add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine with the runtime and write a calibrated cluster file",
+                       epilog=_EPILOG_CALIBRATE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", "-o", required=True, help="cluster file to write (.yaml, .yml or .json)")
+    p.add_argument("--ranks", type=int, help="rank processes (default: one per usable CPU, at least 2)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="few repeats and message sizes (the default)")
+    mode.add_argument("--full", action="store_true", help="more repeats and message sizes (about 4x longer)")
+    p.add_argument("--backend", default="gloo", choices=["gloo", "mpi"])
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds the measurement may take")
+    p.set_defaults(func=_cmd_calibrate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -297,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_cluster)
 
     _add_codegen_and_run(sub)
+    _add_calibrate(sub)
+    _add_compare(sub)
     return ap
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from cost_models import gems
 from cost_models.comm import collective_time, link_models
 from cost_models.mesh_axes import axis_collective_time
+from cost_models.calibrated import calibrated_efficiency
 from cost_models.compute import Efficiency, op_time, wave_efficiency
 from cost_models.hardware import Cluster
 from cost_models.memory import DTYPE_BYTES, adam_step_bytes, live_micro_batches, param_bytes
@@ -82,7 +83,8 @@ class Evaluator:
         self.memory_cap = float(cluster.device.memory_bytes)
         self.graph = graph
         self.cluster = cluster
-        self.eff = efficiency or Efficiency.default_for(cluster.device)
+        # A calibrated cluster file carries its measured efficiencies (meshplan calibrate).
+        self.eff = efficiency or calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)
         self.fused_attention = fused_attention
         self.overlap_grad_reduce = overlap_grad_reduce
         self.grad_reduce_bytes = grad_reduce_bytes
@@ -437,7 +439,7 @@ class Evaluator:
         f = op_time(n.kind, n.fwd_flops * scale / div, f_bytes, peak, bw, self.eff, shape_efficiency=waves)
         b = op_time(n.kind, n.bwd_flops * scale / div, b_bytes, peak, bw, self.eff,
                     kernels=2 if n.param_count or param_read else 1,
-                    shape_efficiency=waves) if n.requires_grad else 0.0
+                    shape_efficiency=waves, backward=True) if n.requires_grad else 0.0
         tp_f = tp_b = 0.0
         if sharded:
             shard = self.sharding.roles[n.name]

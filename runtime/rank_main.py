@@ -18,6 +18,7 @@ Outputs (under --out, default the build directory):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -37,6 +38,7 @@ from runtime.faults import FAULTS, inject
 from runtime.grads import GradSync
 from runtime.materialize import (build_model_for_stages, build_stage, load_factory, meta_model, model_signature,
                                  set_tensor_group, signature_mismatch)
+from runtime.memtrack import measure_step_memory
 from runtime.program import Program
 from runtime.spec import StageSpec, TrainSpec
 from runtime import spatial_model
@@ -83,6 +85,9 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
     ap.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", "29500")))
     ap.add_argument("--save-params", action="store_true", help="save the final parameters of this rank's stages")
     ap.add_argument("--no-trace", action="store_true", help="do not write the Timeline")
+    ap.add_argument("--track-memory", action="store_true",
+                    help="measure the peak memory of the second step (the first with at least 3 steps: live "
+                         "tensor bytes on CPU, the CUDA allocator's peak on GPU)")
     ap.add_argument("--fail-at", default=None, metavar="RANK:STEP:INSTR",
                     help="(testing) make RANK fail at this step and instruction index")
     ap.add_argument("--fault", choices=FAULTS, default="raise",
@@ -383,10 +388,15 @@ def _train(session: RankSession) -> None:
     metrics = out / "metrics.jsonl"
     if rank == 0:
         metrics.write_text("")
-    losses, seconds = [], []
+    losses, seconds, memory = [], [], None
     first = p.restore.step if p.restore is not None else 0
+    # The second step is in steady state (optimizer state exists from the first step on).
+    memory_step = first + 1 if args.steps >= 3 else first
     for step in range(first, first + args.steps):
-        r = ex.run_step(step)
+        if args.track_memory and step == memory_step:  # counting slows ops: one step only
+            r, memory = measure_step_memory(p.device, lambda: ex.run_step(step))
+        else:
+            r = ex.run_step(step)
         losses.append(r.loss)
         seconds.append(r.seconds)
         if rank == 0:
@@ -403,7 +413,8 @@ def _train(session: RankSession) -> None:
         torch.save({s: {k: v.detach().cpu().clone() for k, v in m.named_parameters()}
                     for s, m in p.modules.items()}, run_dir / f"params_rank_{rank:04d}.pt")
     (run_dir / f"rank_{rank:04d}.json").write_text(json.dumps(
-        {"rank": rank, "losses": losses, "seconds": seconds, "stages": sorted(p.specs)}))
+        {"rank": rank, "losses": losses, "seconds": seconds, "stages": sorted(p.specs),
+         **({"memory": {**dataclasses.asdict(memory), "step": memory_step}} if memory is not None else {})}))
     if not args.no_trace:
         ex.recorder.timeline().save(run_dir / f"timeline_rank_{rank:04d}.json")
     session.comm.barrier()

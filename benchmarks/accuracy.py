@@ -1,0 +1,145 @@
+"""How well meshplan predicts what its runtime does on this machine: step time and peak memory.
+
+    python benchmarks/accuracy.py [--steps 8] [--full] [--out /tmp/meshplan-accuracy] [--pictures]
+
+1. Calibrates this machine (cost_models/calibrate.py: 2 rank processes, one
+   thread each), right before the runs, so calibration and runs share the
+   machine's load of the moment (the load average is printed before and after).
+2. Builds a suite of 2-rank plans: data, tensor and pipeline (1F1B) parallelism,
+   and bidirectional (GEMS) when the runtime runs it
+   (planner.capabilities.MESHPLAN_RUNTIME.bidirectional); each for an MLP and
+   a small GPT. Runs each (2 processes, gloo, OMP_NUM_THREADS=1), tracing
+   every instruction, counting the first step's peak memory.
+3. Compares each (planner/compare.py): the simulator on the same Programs with
+   the calibrated cluster against the median measured step after the first,
+   and the predicted peak memory of every rank against the measured one.
+
+Prints a table and the median and worst absolute step-time error.
+Targets: median <= 10%, worst <= 25%; peak memory within 10% on every rank.
+Exit status 0 whether or not the targets hold (the figures are the result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODELS = {
+    "mlp": ("examples/models/mlp.py:build", {"in_features": 64, "hidden": 256, "num_layers": 4, "out_features": 16}),
+    "gpt": ("examples/models/gpt.py:build", {"preset": "small"}),
+}
+CONFIGS = {
+    "data": dict(data=2),
+    "tensor": dict(tensor=2),
+    "pipeline-1f1b": dict(pipeline=2, schedule="1f1b"),
+    "bidirectional": dict(pipeline=2, bidirectional=True, replicas_per_direction=2),
+}
+GLOBAL_BATCH, MICRO_BATCH = 8, 2
+
+
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} CPUs"
+
+
+def build_suite(out: Path, cluster, models: list[str]) -> list[tuple[str, str, Path]]:
+    """(model, config name, build dir) for every case the runtime can run."""
+    import planner
+    from codegen.commands import make_fixed_plan
+    from codegen.emit import capture_ref, emit
+    from planner.capabilities import MESHPLAN_RUNTIME
+
+    cases = []
+    for model in models:
+        ref, kw = MODELS[model]
+        graph = capture_ref(str(ROOT / ref.split(":")[0]) + ":" + ref.split(":")[1], kw, batch_size=MICRO_BATCH)
+        for name, fields in CONFIGS.items():
+            if fields.get("bidirectional") and not MESHPLAN_RUNTIME.bidirectional:
+                if model == models[0]:
+                    print(f"  skipped: bidirectional, because planner.capabilities.MESHPLAN_RUNTIME.bidirectional "
+                          "is False (the runtime does not run GEMS pipelines yet)")
+                continue
+            cfg = planner.ParallelConfig(micro_batch_size=MICRO_BATCH, dtype="fp32", **fields)
+            plan = make_fixed_plan(graph, cluster, cfg, GLOBAL_BATCH)
+            path = emit(plan, str(ROOT / ref.split(":")[0]) + ":" + ref.split(":")[1], None, out / f"{model}_{name}",
+                        model_kwargs=kw, graph=graph, optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9},
+                        bucket_bytes=1 << 20).path
+            cases.append((model, name, path))
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is warm-up)")
+    ap.add_argument("--full", action="store_true", help="full calibration (more repeats)")
+    ap.add_argument("--models", default="mlp,gpt", help="comma-separated, from " + ", ".join(MODELS))
+    ap.add_argument("--out", default=None, help="where builds and the cluster file go (default: a temp dir)")
+    ap.add_argument("--pictures", action="store_true", help="draw predicted vs measured schedules per case")
+    ap.add_argument("--no-probe", dest="probe", action="store_false",
+                    help="price every case at the calibration's CPU share, not the one measured right before it")
+    args = ap.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the rank processes and the calibration ranks alike
+    from cost_models.calibrate import calibrate, measure_cpu_share, with_cpu_share
+    from planner.compare import compare_build, draw
+    from runtime.launcher import run_local
+
+    import tempfile
+    out = Path(args.out or tempfile.mkdtemp(prefix="meshplan-accuracy-"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"before: {_load()}")
+    t0 = time.perf_counter()
+    cluster = calibrate(2, quick=not args.full, progress=None)
+    cluster.save(out / "cluster.yaml")
+    print(f"calibrated in {time.perf_counter() - t0:.1f} s -> {out / 'cluster.yaml'}")
+    cases = build_suite(out, cluster, [m for m in args.models.split(",") if m])
+    t1 = time.perf_counter()
+    # One launch per build: a process that ran another build first still holds some of its
+    # tensors, which would count in this build's memory. Right before each, the share of a
+    # core two busy processes get is measured again: the machine's load drifts by the minute.
+    results, clusters = [], []
+    for _, _, path in cases:
+        share = measure_cpu_share(2, 0.5)
+        clusters.append(with_cpu_share(cluster, share) if args.probe else cluster)
+        results.append(run_local(path, steps=args.steps, backend="gloo", timeout=120.0,
+                                 extra_args=["--track-memory"]))
+        print(f"  ran {path.name} (CPU share of a busy process before it {share:.2f}, before the "
+              f"calibration {dict(cluster.measurements)['calibration.probe_share']:.2f})", flush=True)
+    print(f"ran {len(cases)} builds x {args.steps} steps in {time.perf_counter() - t1:.1f} s; after: {_load()}")
+    bad = [(c, r) for c, r in zip(cases, results) if r.returncode != 0]
+    if bad:
+        print(f"run failed (exit {bad[0][1].returncode}):\n{bad[0][1].output[-3000:]}")
+        return 1
+    rows, step_errs, mem_errs = [], [], []
+    print(f"\n{'case':<22}{'measured ms':>12}{'predicted ms':>13}{'error':>8}{'worst kind':>22}{'memory err':>12}")
+    for (model, name, path), case_cluster in zip(cases, clusters):
+        cmp, predicted, measured, plan = compare_build(path, case_cluster)
+        step_errs.append(abs(cmp.step_error))
+        mem = [m.error for m in cmp.memory if m.error is not None]
+        mem_errs += [abs(e) for e in mem]
+        kinds = [k for k in cmp.kinds if k.error is not None and k.measured > 0.05 * cmp.measured_step]
+        worst = max(kinds, key=lambda k: abs(k.error), default=None)
+        wk = f"{worst.op} {worst.error:+.0%}" if worst else "-"
+        memtxt = f"{max(mem, key=abs):+.1%}" if mem else "n/a"
+        print(f"{model + ' ' + name:<22}{cmp.measured_step * 1e3:>12.2f}{cmp.predicted_step * 1e3:>13.2f}"
+              f"{cmp.step_error:>+8.1%}{wk:>22}{memtxt:>12}")
+        rows.append(cmp)
+        if args.pictures:
+            draw(plan, predicted, measured, cmp.typical_step, path / "compare_schedule")
+    print(f"\nstep time error: median {statistics.median(step_errs):.1%}, worst {max(step_errs):.1%} "
+          f"(targets: median <= 10%, worst <= 25%)")
+    if mem_errs:
+        print(f"peak memory error: median {statistics.median(mem_errs):.1%}, worst {max(mem_errs):.1%} "
+              f"over {len(mem_errs)} ranks (target: within 10%)")
+    print(f"details: python -m planner.cli compare {out}/<case> --cluster {out / 'cluster.yaml'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""`meshplan calibrate`: measure this machine with the runtime and write a calibrated Cluster file.
+
+    cluster = calibrate(ranks=2, quick=True)          # ~10-20 s on 2 cores
+    cluster.save("cluster.yaml")                      # Cluster.load gives it back
+
+W rank processes (cost_models/calibrate_worker.py) run at once, one thread
+each, as a training run's ranks do; they time the cost model's op kinds, the
+peak GEMM rate and copy bandwidth, and the collectives and p2p of the
+runtime's communicator (gloo, MPI or NCCL) for every group size 2..W. This
+module fits the constants and builds the Cluster:
+
+- device: peak fp32 FLOP/s = the measured GEMM rate, memory bandwidth = the
+  measured copy rate (medians over the ranks), both times the share of a core
+  a busy rank got (fit.cpu_share: its CPU time over wall time while the ranks
+  computed at once; 1 on an otherwise idle machine), since the op timings are
+  medians of unpreempted runs and a step is not; fixed costs are divided by it;
+- Efficiency (fit.eff.*, fit.overhead.*): per-kind forward/backward overheads
+  (measured alone, times the slow-down of kinds alternating in a layer, fit.mix.*)
+  and achieved fractions of peak (cost_models/calibrate_ops.py); the fixed cost
+  of one stage forward / backward call (fit.call.*, used by the simulator);
+- communication (fit.comm.<op>.g<size>.alpha/.beta): `alpha + beta * n`
+  least-squares fitted to each op and group size, weighting every size by its
+  relative error (small and large messages count alike); the links are the
+  p2p fit (latency alpha, bandwidth 1 / beta);
+- raw.*: every measured number, so a fit can be checked or redone.
+
+The planner and the simulator read the fits back through cost_models/calibrated.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+from cost_models.calibrate_ops import KINDS, OpTiming, fit_compute
+from cost_models.hardware import Cluster, Device, Link
+
+
+class CalibrationError(ValueError):
+    """The calibration runs could not be started or did not finish; the message says why and what to do."""
+
+
+def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(alpha s, beta s/byte) minimizing sum(((alpha + beta n - t) / t)^2) over (n bytes, t s) points.
+
+    alpha is kept >= 0 and beta > 0 (refitting the other one when a bound binds).
+    """
+    pts = [(float(n), float(t)) for n, t in points if t > 0]
+    if len(pts) < 2 or len({n for n, _ in pts}) < 2:
+        raise ValueError(f"fit_alpha_beta needs at least two message sizes with positive times, got {points!r}")
+    # Weighted least squares with weights 1/t^2: normal equations of a 2x2 system.
+    w = [1.0 / (t * t) for _, t in pts]
+    s1 = sum(w)
+    sn = sum(wi * n for wi, (n, _) in zip(w, pts))
+    snn = sum(wi * n * n for wi, (n, _) in zip(w, pts))
+    st = sum(wi * t for wi, (_, t) in zip(w, pts))
+    snt = sum(wi * n * t for wi, (n, t) in zip(w, pts))
+    det = s1 * snn - sn * sn
+    alpha = (st * snn - sn * snt) / det
+    beta = (s1 * snt - sn * st) / det
+    if alpha < 0:
+        alpha, beta = 0.0, snt / snn
+    if beta <= 0:
+        big = max(n for n, _ in pts)
+        beta = max(min(t for n, t in pts if n == big) / big * 1e-3, 1e-15)
+        alpha = max(sum(wi * (t - beta * n) for wi, (n, t) in zip(w, pts)) / s1, 0.0)
+    return alpha, beta
+
+
+def run_workers(ranks: int, *, quick: bool = True, backend: str = "gloo", timeout: float = 300.0,
+                progress: Callable[[str], None] | None = print) -> list[dict]:
+    """Start `ranks` calibration processes on this machine and return each rank's results."""
+    from runtime.launcher import free_port, mpiexec_args
+
+    if ranks < 2:
+        raise CalibrationError(f"calibration needs at least 2 ranks to measure communication, got {ranks}")
+    with tempfile.TemporaryDirectory(prefix="meshplan-calibrate-") as tmp:
+        port = free_port()
+        base = [sys.executable, "-m", "cost_models.calibrate_worker", "--world", str(ranks), "--port", str(port),
+                "--out", tmp, "--backend", backend, "--timeout", str(timeout)] + ([] if quick else ["--full"])
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if backend == "mpi":
+            procs = [subprocess.Popen([*mpiexec_args(ranks), "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",
+                                       *base, "--rank", "0"], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)]
+        else:
+            procs = [subprocess.Popen([*base, "--rank", str(r)], env=env, text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT) for r in range(ranks)]
+        lines: list[str] = []
+        try:
+            for line in procs[0].stdout:  # rank 0 reports progress line by line
+                lines.append(line.rstrip())
+                if progress:
+                    progress(line.rstrip())
+            deadline = time.monotonic() + timeout
+            codes = [p.wait(timeout=max(deadline - time.monotonic(), 1.0)) for p in procs]
+        except subprocess.TimeoutExpired:
+            codes = [124]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        others = [p.stdout.read() for p in procs[1:]]
+        if any(codes):
+            tail = "\n".join((lines + [ln for o in others for ln in o.splitlines()])[-15:])
+            raise CalibrationError(f"the calibration processes failed (exit status {codes}):\n{tail}\n"
+                                   "check that this machine lets local processes talk over 127.0.0.1"
+                                   + (" and that mpiexec works" if backend == "mpi" else ""))
+        files = sorted(Path(tmp).glob("calib_rank_*.json"))
+        if len(files) != ranks:
+            raise CalibrationError(f"{len(files)} of {ranks} calibration ranks wrote results; run it again")
+        return [json.loads(f.read_text()) for f in files]
+
+
+def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = True, seconds: float = 0.0,
+                  name: str = "local-calibrated") -> Cluster:
+    """The calibrated Cluster from run_workers' results (one node of len(results) devices)."""
+    from cost_models import local_machine
+    from cost_models.presets import _CPU_ACTIVE_WATTS_PER_CORE, _CPU_IDLE_WATTS_PER_CORE
+
+    ranks = len(results)
+    peak = statistics.median(r["peak_flops"] for r in results)
+    bandwidth = statistics.median(r["memory_bandwidth"] for r in results)
+    # Per kind and size, the median over ranks (they ran at once, under the same load).
+    by_key: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in results:
+        for t in r["ops"]:
+            by_key[(t["kind"], t["size"])].append(t)
+    timings = [OpTiming(kind, size, statistics.median(t["forward"] for t in ts),
+                        statistics.median(t["backward"] for t in ts), ts[0]["flops"], ts[0]["nbytes"])
+               for (kind, size), ts in sorted(by_key.items())]
+    block = tuple(statistics.median(r["block"][i] for r in results) for i in range(4))
+    # Ops were timed unpreempted (medians); a rank gets only `share` of a core on a loaded
+    # machine, so every compute rate is scaled by it and every fixed cost divided by it.
+    share = statistics.median(r["cpu_share"] for r in results)
+    fit = fit_compute(timings, peak, bandwidth, block)
+    fit = dataclasses.replace(fit, kernel_overhead=fit.kernel_overhead / share,
+                              kind_overheads=tuple((k, f / share, b / share) for k, f, b in fit.kind_overheads),
+                              call_forward=fit.call_forward / share, call_backward=fit.call_backward / share)
+    raw_peak, raw_bandwidth = peak, bandwidth
+    peak, bandwidth = peak * share, bandwidth * share
+    comm_rows = next(r["comm"] for r in results if r["rank"] == 0)
+    m: dict[str, float | int | str] = {
+        "calibration.backend": backend, "calibration.mode": "quick" if quick else "full",
+        "calibration.ranks": ranks, "calibration.seconds": round(seconds, 3),
+        "calibration.load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else "n/a",
+        "calibration.measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "raw.peak_fp32_flops": raw_peak, "raw.memory_bandwidth": raw_bandwidth, "fit.cpu_share": share,
+        "fit.eff.matmul": fit.matmul, "fit.eff.conv": fit.conv, "fit.eff.memory": fit.memory,
+        "fit.eff.kernel_overhead": fit.kernel_overhead,
+        "fit.mix.forward": fit.mix_forward, "fit.mix.backward": fit.mix_backward,
+        "fit.call.forward": fit.call_forward, "fit.call.backward": fit.call_backward,
+        "raw.block.forward": block[0], "raw.block.backward": block[1],
+        "raw.block.call_forward": block[2], "raw.block.call_backward": block[3],
+    }
+    for t in timings:
+        m[f"raw.op.{t.kind}.{t.size}.forward"] = t.forward
+        m[f"raw.op.{t.kind}.{t.size}.backward"] = t.backward
+    for kind, f, b in fit.kind_overheads:
+        m[f"fit.overhead.{kind}.forward"] = f
+        m[f"fit.overhead.{kind}.backward"] = b
+    points: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+    for op, g, n, t in comm_rows:
+        m[f"raw.comm.{op}.g{g}.{n}"] = t
+        points[(op, g)].append((n, t))
+    for (op, g), pts in sorted(points.items()):
+        a, b = fit_alpha_beta(pts)
+        m[f"fit.comm.{op}.g{g}.alpha"] = a
+        m[f"fit.comm.{op}.g{g}.beta"] = b
+    if ("p2p", 2) not in points:
+        raise CalibrationError("the calibration measured no p2p transfers; run it again")
+    p2p_alpha, p2p_beta = m["fit.comm.p2p.g2.alpha"], m["fit.comm.p2p.g2.beta"]
+    link = Link(bandwidth=1.0 / p2p_beta, latency=p2p_alpha)
+    cpus = local_machine._usable_cpus()
+    share = min(1.0, cpus / ranks)
+    device = Device(name=f"cpu process ({local_machine._cpu_model()})", kind="cpu", peak_flops={"fp32": peak},
+                    memory_bytes=local_machine._total_memory_bytes() // ranks, memory_bandwidth=bandwidth,
+                    active_watts=_CPU_ACTIVE_WATTS_PER_CORE * share, idle_watts=_CPU_IDLE_WATTS_PER_CORE * share)
+    source = (f"meshplan calibrate ({'quick' if quick else 'full'}, {backend}) on host "
+              f"{local_machine.machine_key()['hostname']}: {ranks} rank processes at once, 1 thread each; "
+              f"fits in measurements fit.*, raw numbers in raw.*; CPU power assumed")
+    return Cluster(name=name, num_nodes=1, devices_per_node=ranks, device=device, intra_node=link,
+                   inter_node=link, source=source, measurements=m)
+
+
+def calibrate(ranks: int | None = None, *, quick: bool = True, backend: str = "gloo", timeout: float = 300.0,
+              progress: Callable[[str], None] | None = print) -> Cluster:
+    """Measure this machine with `ranks` processes (default: one per usable CPU, at least 2)."""
+    from cost_models import local_machine
+
+    if backend == "nccl":
+        raise CalibrationError("NCCL calibration needs the op timings on the GPU, which calibrate does not "
+                               "measure yet; use --backend gloo or mpi")
+    n = ranks if ranks is not None else max(local_machine._usable_cpus(), 2)
+    if KINDS and progress:
+        progress(f"calibrating with {n} rank processes ({'quick' if quick else 'full'}, {backend}) ...")
+    t0 = time.perf_counter()
+    probe = measure_cpu_share(n, 0.5)  # the reference for with_cpu_share, taken the same way later
+    results = run_workers(n, quick=quick, backend=backend, timeout=timeout, progress=progress)
+    cluster = build_cluster(results, backend=backend, quick=quick, seconds=time.perf_counter() - t0)
+    return dataclasses.replace(cluster, measurements={**dict(cluster.measurements),
+                                                      "calibration.probe_share": probe})
+
+
+def for_world(cluster: Cluster, world: int) -> Cluster:
+    """`cluster` resized to `world` devices on its one node (a calibrated local cluster used for a
+    build of another size; the per-group-size fits still apply where they were measured)."""
+    import dataclasses
+
+    if cluster.num_nodes != 1:
+        if cluster.num_devices < world:
+            raise ValueError(f"cluster {cluster.name!r} has {cluster.num_devices} devices but the build needs {world}")
+        return cluster
+    return dataclasses.replace(cluster, devices_per_node=world)
+
+
+_BUSY = ("import time\n"
+         "w0, c0 = time.perf_counter(), time.process_time()\n"
+         "while time.perf_counter() - w0 < {seconds}:\n"
+         "    sum(range(2000))\n"
+         "print((time.process_time() - c0) / (time.perf_counter() - w0))\n")
+
+
+def measure_cpu_share(processes: int = 2, seconds: float = 0.5) -> float:
+    """The share of a core each of `processes` busy processes gets now (median; 1 on an idle machine
+    with enough cores). Plain Python busy loops: a fraction of a second, no torch."""
+    code = _BUSY.format(seconds=float(seconds))
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+             for _ in range(processes)]
+    shares = []
+    for p in procs:
+        out, _ = p.communicate(timeout=seconds * 20 + 30)
+        shares.append(float(out.strip()))
+    return min(statistics.median(shares), 1.0)
+
+
+def with_cpu_share(cluster: Cluster, share: float) -> Cluster:
+    """`cluster` (calibrated) rescaled to the machine's load now, where measure_cpu_share gives
+    `share` (it gave calibration.probe_share right before the calibration): compute rates times
+    share / probe_share, fixed compute costs divided by it. Communication fits are kept (they
+    were measured as they are, waits included)."""
+    m = dict(cluster.measurements)
+    old = m.get("calibration.probe_share")
+    if not isinstance(old, (int, float)) or not 0 < share <= 1:
+        raise ValueError(f"with_cpu_share needs a calibrated cluster (calibration.probe_share) and "
+                         f"0 < share <= 1, got {cluster.name!r} and {share!r}")
+    ratio = share / old
+    for k, v in list(m.items()):
+        if k.startswith(("fit.overhead.", "fit.call.")) or k == "fit.eff.kernel_overhead":
+            m[k] = v / ratio
+    m["calibration.probe_share"] = share
+    d = cluster.device
+    device = dataclasses.replace(d, peak_flops={k: v * ratio for k, v in d.peak_flops},
+                                 memory_bandwidth=d.memory_bandwidth * ratio)
+    return dataclasses.replace(cluster, device=device, measurements=m)

@@ -1,0 +1,189 @@
+"""One rank of `meshplan calibrate`: measure compute and communication from inside a rank process.
+
+    python -m cost_models.calibrate_worker --rank R --world W --port P --out DIR [--full] [--backend gloo]
+
+Every rank runs the same measurements at the same time, as the ranks of a
+training run do (one thread each, OMP_NUM_THREADS=1), so the figures include
+the contention of W busy processes on this machine:
+
+1. compute: the per-kind op and layer timings of cost_models.calibrate_ops, and the
+   peak fp32 GEMM rate and copy bandwidth of cost_models.local_machine, and the
+   share of a core the busy rank got (process CPU time / wall time: below 1
+   when other processes load the machine);
+2. communication through the runtime's own communicator (runtime.comm:
+   torch.distributed gloo/NCCL, or MPI): all-reduce, all-gather,
+   reduce-scatter and broadcast over the group of ranks 0..g-1 for every
+   group size g, and p2p ping-pong between ranks 0 and 1, over a range of
+   message sizes. Each figure is the median over rounds of a few back-to-back
+   operations (each waited before the next), seconds per operation.
+
+Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "cpu_share", "peak_flops", "memory_bandwidth",
+"comm": [[op, group_size, nbytes, seconds], ...]} (communication only on rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+QUICK_SIZES = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
+FULL_SIZES = (8, 256, 1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 17, 1 << 18, 1 << 20, 1 << 21, 1 << 22, 1 << 24)
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
+
+
+def _make_comm(backend: str, rank: int, world: int, port: int, timeout: float):
+    if backend == "mpi":
+        from runtime.comm import MpiCommunicator
+
+        return MpiCommunicator(timeout=timeout)
+    import torch
+
+    from runtime.comm import TorchCommunicator
+
+    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if backend == "nccl" else None
+    return TorchCommunicator(backend, rank, world, "127.0.0.1", port, timeout=timeout, device=device)
+
+
+def _collective_runner(comm, op: str, ranks: tuple[int, ...], nbytes: int, device) -> Callable[[], None]:
+    """A function that runs one `op` of `nbytes` over `ranks` and waits for it (this rank is in ranks)."""
+    import torch
+
+    g = len(ranks)
+    group = comm.group(ranks) if op != "p2p" else None
+    numel = max(nbytes // 4, 1)
+    if op in ("all_gather", "reduce_scatter"):
+        numel = max(-(-numel // g) * g, g)  # nbytes is the gathered output / the scattered input
+    buf = torch.ones(numel, device=device)
+    part = torch.ones(numel // g, device=device) if op in ("all_gather", "reduce_scatter") else None
+    peer = ranks[1 - ranks.index(comm.rank)] if op == "p2p" else -1
+    tag = [0]
+
+    def once() -> None:
+        if op == "all_reduce":
+            group.all_reduce(buf, async_op=True).wait()
+        elif op == "all_gather":
+            group.all_gather(buf, part, async_op=True).wait()
+        elif op == "reduce_scatter":
+            group.reduce_scatter(part, buf, async_op=True).wait()
+        elif op == "broadcast":
+            group.broadcast(buf, ranks[0], async_op=True).wait()
+        else:  # ping-pong: one round trip is two one-way messages
+            tag[0] += 1
+            if comm.rank == ranks[0]:
+                comm.isend(buf, peer, tag[0]).wait()
+                comm.irecv(buf, peer, tag[0]).wait()
+            else:
+                comm.irecv(buf, peer, tag[0]).wait()
+                comm.isend(buf, peer, tag[0]).wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return once
+
+
+def measure_comm(comm, world: int, sizes, trials: int, device, progress) -> list[list]:
+    """[[op, group_size, nbytes, seconds], ...] measured on rank 0 (every rank takes part).
+
+    Per op and group size, `trials` rounds each time every message size once (a few
+    back-to-back operations, each waited before the next), so that a change in the
+    machine's load touches every size alike; the figure is the median over rounds.
+    """
+    import torch
+
+    rows = []
+    for g in range(2, world + 1):
+        ranks = tuple(range(g))
+        inside = comm.rank in ranks
+        sync = comm.group(ranks) if inside else None
+        for op in COMM_OPS:
+            if op == "p2p" and g != 2:
+                continue  # p2p is between two ranks
+            if inside:
+                runners = {n: _collective_runner(comm, op, ranks, n, device) for n in sizes}
+                for run in runners.values():
+                    run()  # warm-up: connections, buffers
+                times: dict[int, list[float]] = {n: [] for n in sizes}
+                for _ in range(trials):
+                    for n, run in runners.items():
+                        repeat = 4 if n <= 1 << 17 else 2
+                        sync.all_reduce(torch.zeros(1, device=device))  # start together
+                        t0 = time.perf_counter()
+                        for _ in range(repeat):
+                            run()
+                        times[n].append((time.perf_counter() - t0) / repeat)
+                if comm.rank == 0:
+                    for n in sizes:
+                        t = statistics.median(times[n])
+                        rows.append([op, g, n, t / 2 if op == "p2p" else t])
+                    got = [r for r in rows if r[0] == op and r[1] == g]
+                    progress(f"  {op:14s} group {g}: " + ", ".join(f"{_fmt(n)} {t * 1e6:.0f} us" for _, _, n, t in got))
+        comm.barrier()
+    return rows
+
+
+def _fmt(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--port", type=int, default=29500)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "mpi"))
+    ap.add_argument("--full", action="store_true")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    args = ap.parse_args(argv)
+    import torch
+
+    from cost_models.calibrate_ops import time_block, time_op_kinds
+    from cost_models.local_machine import _measure_compute_and_memory
+
+    torch.set_num_threads(1)
+    comm = _make_comm(args.backend, args.rank, args.world, args.port, args.timeout)
+    rank = comm.rank  # under mpiexec, MPI numbers the ranks
+
+    def progress(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+
+    device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
+    try:
+        comm.barrier()
+        progress(f"compute, per op kind ({args.world} ranks at once, 1 thread each):")
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        ops = time_op_kinds(quick=not args.full, progress=progress)
+        block = time_block(quick=not args.full)
+        progress(f"  a layer of alternating kinds: forward {block[0] * 1e6:.1f} us, backward {block[1] * 1e6:.1f} us; "
+                 f"fixed cost per call {block[2] * 1e6:.1f} / {block[3] * 1e6:.1f} us")
+        comm.barrier()
+        peak, bandwidth = _measure_compute_and_memory()
+        # The share of a core this busy rank got: below 1 when the machine runs more
+        # busy processes than it has cores (the medians above are of unpreempted ops).
+        share = min((time.process_time() - cpu0) / (time.perf_counter() - wall0), 1.0)
+        progress(f"  CPU share of a busy rank: {share:.2f}")
+        progress(f"  peak fp32 GEMM {peak / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s per rank")
+        comm.barrier()
+        progress(f"communication ({args.backend}):")
+        rows = measure_comm(comm, args.world, FULL_SIZES if args.full else QUICK_SIZES, 25 if args.full else 9,
+                            device, progress)
+        out = {"rank": rank, "ops": [dataclasses.asdict(t) for t in ops], "block": list(block), "cpu_share": share, "peak_flops": peak,
+               "memory_bandwidth": bandwidth, "comm": rows}
+        Path(args.out, f"calib_rank_{rank:04d}.json").write_text(json.dumps(out))
+        comm.barrier()
+    finally:
+        comm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""`meshplan compare BUILD_DIR`: the simulator's prediction set beside what a traced run measured.
+
+    result = compare_build("build", Cluster.load("cluster.yaml"))
+    print(result.report())
+
+The prediction is the simulator (cost_models/simulate.py) run on the same
+per-rank Programs the build executed, with compute costs from planner.evaluate
+on the given (calibrated) cluster: the plan's configuration with its stage
+boundaries pinned, its tensor-parallel layout, and the optimizer the build
+trains with (the planner's default prices Adam's state). The measurement is
+the run's merged Timeline (build/timeline.json, written by `meshplan run`)
+and, with `meshplan run --track-memory`, each rank's measured peak memory.
+
+Step time: the median over the measured steps after the first (warm-up),
+leaving out the one whose memory was counted, against the simulated step. Per instruction
+kind: on every rank, the summed duration of that kind's instructions in a
+step (median over steps), totalled over ranks, measured and predicted (a
+predicted SEND/RECV ends no earlier than its WAIT, as the trace records it).
+Memory: per rank, the predicted footprint of the device it is (parameters,
+gradients, optimizer state, activations kept, buffers; see for_runtime)
+against the measured peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cost_models.hardware import Cluster
+    from runtime.trace import Timeline
+
+_KIND_OF_OP = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "recv", "ALLREDUCE": "collective",
+               "ALLGATHER": "collective", "REDUCESCATTER": "collective", "BROADCAST": "collective",
+               "STEP": "optimizer", "ZERO_GRAD": "other", "WAIT": "other"}
+# Optimizer state bytes per parameter (fp32 state) for what the runtime builds (runtime/optim.py),
+# and bytes one step moves per parameter (fp32): SGD reads weight and gradient and writes the
+# weight; momentum adds its buffer's read and write; AdamW reads weight, gradient and two
+# moments and writes weight and moments.
+_STATE_PER_PARAM = {"sgd": 0.0, "sgd_momentum": 4.0, "adamw": 8.0}
+_STEP_BYTES_PER_PARAM = {"sgd": 12.0, "sgd_momentum": 20.0, "adamw": 28.0}
+
+
+class CompareError(ValueError):
+    """A build that cannot be compared (not run, not traced); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class KindError:
+    """One instruction kind: seconds per step summed over ranks, measured and predicted."""
+
+    op: str
+    measured: float
+    predicted: float
+
+    @property
+    def error(self) -> float | None:
+        return (self.predicted - self.measured) / self.measured if self.measured > 0 else None
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    measured: int | None     # bytes, peak of the tracked step (None: not measured)
+    predicted: float         # bytes
+
+    @property
+    def error(self) -> float | None:
+        return (self.predicted - self.measured) / self.measured if self.measured else None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Predicted versus measured for one traced build. Seconds and bytes."""
+
+    build: str
+    cluster: str
+    measured_step: float
+    measured_steps: tuple[float, ...]
+    typical_step: int          # the measured step whose time is nearest the median (drawn)
+    predicted_step: float
+    analytic_step: float
+    kinds: tuple[KindError, ...]
+    memory: tuple[RankMemory, ...]
+
+    @property
+    def step_error(self) -> float:
+        return (self.predicted_step - self.measured_step) / self.measured_step
+
+    @property
+    def worst_memory_error(self) -> float | None:
+        errs = [abs(m.error) for m in self.memory if m.error is not None]
+        return max(errs) if errs else None
+
+    def report(self) -> str:
+        ms = 1e3
+        lines = [f"compare {self.build} on cluster {self.cluster!r}",
+                 f"  step time: predicted {self.predicted_step * ms:.3f} ms (simulated; analytic "
+                 f"{self.analytic_step * ms:.3f} ms), measured {self.measured_step * ms:.3f} ms (median of "
+                 f"{len(self.measured_steps)} steps): error {self.step_error:+.1%}",
+                 f"  {'kind':<14}{'measured ms':>12}{'predicted ms':>14}{'error':>9}   (per step, summed over ranks)"]
+        for k in self.kinds:
+            err = f"{k.error:+.0%}" if k.error is not None else "n/a"
+            lines.append(f"  {k.op:<14}{k.measured * ms:>12.3f}{k.predicted * ms:>14.3f}{err:>9}")
+        if self.memory:
+            lines.append(f"  {'rank':<6}{'measured MiB':>14}{'predicted MiB':>15}{'error':>9}   (peak memory)")
+            for m in self.memory:
+                meas = f"{m.measured / 2**20:.3f}" if m.measured is not None else "not measured"
+                err = f"{m.error:+.1%}" if m.error is not None else "n/a"
+                lines.append(f"  {m.rank:<6}{meas:>14}{m.predicted / 2**20:>15.3f}{err:>9}")
+        return "\n".join(lines)
+
+
+def _load_json(path: Path, what: str, fix: str):
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CompareError(f"{path} is missing ({what}); {fix}") from None
+    except (OSError, ValueError) as e:
+        raise CompareError(f"{path} cannot be read ({e}); {fix}") from None
+
+
+def predicted_costs(build: str | Path, cluster: "Cluster"):
+    """(plan priced on `cluster`, its Prediction, ComputeCosts, Programs) for the build's configuration."""
+    from codegen.emit import capture_ref
+    from cost_models.calibrate import for_world
+    from cost_models.simulate import ComputeCosts
+    from planner.evaluate import Evaluator
+    from planner.plan import Plan
+    from runtime.program import Program
+
+    build = Path(build)
+    info = _load_json(build / "build.json", "the build description", "make it with `meshplan codegen`")
+    plan = Plan.load(build / "plan.json")
+    progs = {int(r): Program.from_dict(d) for r, d in
+             _load_json(build / "programs.json", "the per-rank Programs", "make the build again").items()}
+    world = len(progs)
+    cluster = for_world(cluster, world)
+    train = info["train"]
+    graph = capture_ref(train["model_ref"], train.get("model_kwargs") or {}, batch_size=plan.config.micro_batch_size)
+    bounds = tuple(st.layers[0] for st in plan.stages[1:])
+    config = dataclasses.replace(plan.config, stage_boundaries=bounds or None)
+    mode = "all" if plan.config.tensor > 1 and \
+        Evaluator(graph, cluster, sharding="all").node_roles(config) == dict(plan.shardings) else "ilp"
+    pred = Evaluator(graph, cluster, sharding=mode).evaluate(config, plan.global_batch_size)
+    pred = for_runtime(pred, plan.config, train.get("optimizer") or {}, cluster)
+    return dataclasses.replace(plan, cluster=cluster, prediction=pred), pred, ComputeCosts.from_prediction(pred, cluster), \
+        progs, cluster
+
+
+def for_runtime(pred, config, optimizer: dict, cluster):
+    """The prediction for what meshplan's runtime does, not the planner's generic model:
+
+    - the optimizer step's time from the bytes the build's optimizer moves (fp32, no ZeRO);
+
+    - optimizer state of the optimizer the build trains with (SGD: none, with momentum:
+      one fp32 buffer per parameter, AdamW: two), where the planner assumes Adam;
+    - no copy of the gradients for the data-parallel sync: the runtime all-reduces its
+      flat gradient buckets in place (the gradients are views into them), where the
+      planner assumes DDP's two bucket-sized copies.
+    """
+    from cost_models.calibrated import calibrated_efficiency
+    from cost_models.compute import Efficiency
+    from cost_models.memory import param_bytes
+    from planner.evaluate import GRAD_BUCKET_BYTES
+
+    name = optimizer.get("name", "sgd")
+    key = "sgd_momentum" if name == "sgd" and optimizer.get("momentum", 0.0) else name
+    per_param = _STATE_PER_PARAM.get(key)
+    planned = param_bytes(config.dtype, config.zero, config.data).optimizer
+    shard = config.data if config.zero >= 1 else 1
+
+    def fix(mem):
+        changes = {}
+        if per_param is not None and planned:
+            changes["optimizer"] = mem.optimizer / planned * per_param / shard
+        if config.data > 1 and config.zero <= 1:
+            changes["comm_buffers"] = max(mem.comm_buffers - 2 * min(GRAD_BUCKET_BYTES, mem.gradients), 0.0)
+        return dataclasses.replace(mem, **changes)
+    stages = tuple(dataclasses.replace(s, memory=fix(s.memory)) for s in pred.stages)
+    time = pred.time
+    if key in _STEP_BYTES_PER_PARAM and config.dtype == "fp32" and config.zero == 0:
+        eff = calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)
+        params = max(s.memory.parameters for s in pred.stages) / 4  # fp32 weights, unsharded
+        step = params * _STEP_BYTES_PER_PARAM[key] / (cluster.device.memory_bandwidth * eff.memory)
+        time = dataclasses.replace(time, optimizer=step)
+    return dataclasses.replace(pred, stages=stages, memory=fix(pred.memory), time=time,
+                               peak_memory=max(s.memory.total for s in stages))
+
+
+def compare_build(build: str | Path, cluster: "Cluster", *, skip_steps: int = 1) -> tuple[Comparison, "Timeline",
+                                                                                           "Timeline", object]:
+    """(Comparison, predicted Timeline, measured Timeline, plan priced on `cluster`) of a traced build."""
+    from cost_models.simulate import simulate
+    from runtime.trace import Timeline
+
+    build = Path(build)
+    if not (build / "timeline.json").is_file():
+        raise CompareError(f"{build} has no timeline.json: run it first with `meshplan run {build} --steps 5` "
+                           "(tracing is on unless --no-trace)")
+    measured = Timeline.load(build / "timeline.json")
+    steps = measured.step_times()
+    counted = _memory_steps(build)  # slowed down by counting memory
+    kept = {s: t for s, t in steps.items() if s >= min(steps, default=0) + skip_steps and s not in counted}
+    if not kept:
+        raise CompareError(f"{build}/timeline.json has {len(steps)} step(s); the first is warm-up and the one "
+                           f"whose memory was counted is slow: run more (meshplan run {build} --steps 6)")
+    plan, pred, costs, progs, cluster = predicted_costs(build, cluster)
+    predicted = simulate(progs, costs, cluster)
+    kinds = _kind_table(measured, as_observed(predicted, progs), sorted(kept))
+    memory = _memory_table(build, progs, pred)
+    median = statistics.median(kept.values())
+    cmp = Comparison(build=str(build), cluster=cluster.name, measured_step=median,
+                     measured_steps=tuple(kept.values()),
+                     typical_step=min(kept, key=lambda s: abs(kept[s] - median)), predicted_step=predicted.step_times()[0],
+                     analytic_step=pred.step_time, kinds=kinds, memory=memory)
+    return cmp, predicted, measured, plan
+
+
+def _memory_steps(build: Path) -> set[int]:
+    steps = set()
+    for f in (build / "run").glob("rank_*.json"):
+        mem = json.loads(f.read_text()).get("memory")
+        if mem and "step" in mem:
+            steps.add(int(mem["step"]))
+    return steps
+
+
+def _per_step_kind(tl: "Timeline", steps: list[int]) -> dict[str, float]:
+    """op -> median over `steps` of the seconds of that op's instructions, summed over ranks."""
+    out: dict[str, list[float]] = {}
+    for s in steps:
+        tot: dict[str, float] = {}
+        for e in tl.events:
+            if e.step == s:
+                tot[e.op] = tot.get(e.op, 0.0) + e.duration
+        for op, t in tot.items():
+            out.setdefault(op, []).append(t)
+    return {op: statistics.median(v + [0.0] * (len(steps) - len(v))) for op, v in out.items()}
+
+
+def as_observed(predicted: "Timeline", programs: dict) -> "Timeline":
+    """The predicted Timeline as the runtime's trace would show it: a SEND's or RECV's
+    completion is seen when the rank WAITs on it (gloo and MPI report point-to-point
+    completion only then), so its event ends no earlier than that WAIT begins."""
+    from runtime.trace import Event, Timeline
+
+    wait_start: dict[tuple[int, int], float] = {}
+    for e in predicted.events:
+        if e.op == "WAIT":
+            ins = programs[e.rank].instrs[e.index]
+            wait_start[(e.rank, ins.handle)] = e.start
+    out = []
+    for e in predicted.events:
+        if e.op in ("SEND", "RECV"):
+            seen = wait_start.get((e.rank, programs[e.rank].instrs[e.index].handle))
+            if seen is not None and seen > e.end:
+                e = Event(e.rank, e.step, e.index, e.name, e.op, e.start, seen, e.track)
+        out.append(e)
+    return Timeline(tuple(out), predicted.source)
+
+
+def _kind_table(measured: "Timeline", predicted: "Timeline", steps: list[int]) -> tuple[KindError, ...]:
+    meas = _per_step_kind(measured, steps)
+    pred = _per_step_kind(predicted, [0])
+    order = list(_KIND_OF_OP)
+    ops = sorted(set(meas) | set(pred), key=lambda o: order.index(o) if o in order else len(order))
+    return tuple(KindError(op, meas.get(op, 0.0), pred.get(op, 0.0)) for op in ops)
+
+
+def _memory_table(build: Path, progs: dict, pred) -> tuple[RankMemory, ...]:
+    by_stage = {s.index: s.memory.total for s in pred.stages}
+    out = []
+    for r, prog in sorted(progs.items()):
+        f = build / "run" / f"rank_{r:04d}.json"
+        measured = None
+        if f.is_file():
+            mem = json.loads(f.read_text()).get("memory")
+            measured = int(mem["peak"]) if mem else None
+        # A device's footprint is the same for each of its stages (evaluate prices it per device).
+        out.append(RankMemory(r, measured, max(by_stage[s] for s in prog.stages)))
+    return tuple(out)
+
+
+def records(tl: "Timeline") -> list:
+    """The Timeline's compute-track events as schedule records for planner.visualize: forward,
+    backward, optimizer. WAITs (idle) and the asynchronous transfers, which would cover the
+    chart from issue to completion, are left out (trace.json shows them in Perfetto)."""
+    from planner.schedule_view import ScheduleRecord
+
+    return [ScheduleRecord(e.rank, e.name, _KIND_OF_OP.get(e.op, "other"), e.start, e.end)
+            for e in tl.events if e.track == "compute" and e.op != "WAIT"]
+
+
+def draw(plan, predicted: "Timeline", measured: "Timeline", step: int, out_stem: str | Path) -> list[Path]:
+    """Predicted and measured schedules of one step side by side: out_stem.png and .svg."""
+    from planner.visualize import save_figure, schedule_figure, style
+
+    one = measured.for_step(step)
+    if not one.events:
+        raise CompareError(f"the measured timeline has no step {step}")
+    paths = []
+    with style():
+        fig = schedule_figure(plan, records(predicted), records(one))
+        for fmt in ("png", "svg"):
+            p = Path(f"{out_stem}.{fmt}")
+            save_figure(fig, p, fmt)
+            paths.append(p)
+    return paths

@@ -1,0 +1,47 @@
+"""`meshplan calibrate`, `run --track-memory`, `compare` and `simulate` end to end on real processes (gloo)."""
+
+import pytest
+
+from cost_models.calibrated import calibrated_efficiency, fitted_collective
+from cost_models.hardware import Cluster
+from planner.cli import main
+
+
+@pytest.mark.timeout(300)
+def test_calibrate_then_compare_a_traced_run(tmp_path, capsys):
+    cluster_file = tmp_path / "cluster.yaml"
+    assert main(["calibrate", "--out", str(cluster_file)]) == 0
+    text = capsys.readouterr().out
+    assert "all_reduce     group 2" in text and "linear" in text and f"wrote {cluster_file}" in text
+    cluster = Cluster.load(cluster_file)
+    assert cluster.num_devices == 2 and calibrated_efficiency(cluster) is not None
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"):
+        assert fitted_collective(cluster, op, 2) is not None
+    assert any(k.startswith("raw.comm.all_reduce.g2.") for k, _ in cluster.measurements)
+
+    build = tmp_path / "build"
+    assert main(["codegen", "examples/models/mlp.py:build", "--batch", "8", "--data", "2", "--micro-batch", "2",
+                 "--cluster", str(cluster_file), "-o", str(build)]) == 0
+    assert main(["run", str(build), "--steps", "4", "--track-memory", "--timeout", "60"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(build), "--cluster", str(cluster_file)]) == 0
+    text = capsys.readouterr().out
+    assert "step time: predicted" in text and "measured" in text
+    for row in ("F ", "B ", "ALLREDUCE", "STEP"):
+        assert f"\n  {row}" in text
+    # Peak memory measured on both ranks (parameters, gradients and activations: well over 8 KiB).
+    mem_rows = [ln.split() for ln in text.splitlines() if ln.strip()[:1].isdigit() and "%" in ln]
+    assert len(mem_rows) == 2 and all(float(r[1]) > 0.008 for r in mem_rows)
+    assert (build / "compare_schedule.png").stat().st_size > 10_000 and (build / "compare_schedule.svg").is_file()
+
+    assert main(["simulate", str(build), "--cluster", str(cluster_file)]) == 0
+    assert "simulated step on 'local-calibrated'" in capsys.readouterr().out
+    assert (build / "predicted_timeline.json").is_file()
+
+
+def test_compare_needs_a_traced_run(tmp_path, capsys):
+    build = tmp_path / "build"
+    assert main(["codegen", "examples/models/mlp.py:build", "--batch", "8", "--data", "2", "-o", str(build)]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(build), "--cluster", "dgx-a100-80gb"]) == 2
+    assert "no timeline.json: run it first" in capsys.readouterr().err
