@@ -3,45 +3,13 @@ dealt to B sub-grids, and a small GPT's attention heads split over B = 2 and 4 s
 with data parallelism, train exactly like the single process (3 steps, fp32, every loss and every
 parameter each rank holds, rtol 1e-4)."""
 
-import functools
-
 import pytest
 
 import planner
-from codegen.emit import capture_ref, emit
+from codegen.emit import emit
 from runtime.launcher import run_many
-from tests.parallel_cases import MODELS, SGD, assert_exact, graph_of
-
-INCEPTION = ("examples/models/inception.py:build", {"num_modules": 2, "channels": 4, "stem_channels": 8,
-                                                   "image_size": 8})
-
-
-@functools.lru_cache(maxsize=None)
-def inception_graph():
-    ref, kw = INCEPTION
-    return capture_ref(ref, kw, batch_size=2)
-
-
-def emit_subgraph(root, name: str, *, subgraph: int, data: int = 1, pipeline: int = 1, global_batch: int = 8):
-    cfg = planner.ParallelConfig(subgraph=subgraph, data=data, pipeline=pipeline, micro_batch_size=2, dtype="fp32")
-    cluster = planner.Cluster.preset("local", devices=cfg.num_devices)
-    plan = planner.make_plan(inception_graph(), cluster, cfg, global_batch_size=global_batch)
-    assert plan.subgraph and {o for r in plan.subgraph for o in r.owners} == set(range(subgraph))
-    ref, kw = INCEPTION
-    return emit(plan, ref, None, root / name, model_kwargs=kw, graph=inception_graph(), optimizer=SGD,
-                bucket_bytes=2048).path
-
-
-def emit_heads(root, name: str, *, subgraph: int, data: int = 1):
-    """A small GPT (4 heads) whose attention heads are split over `subgraph` sub-grids."""
-    cfg = planner.ParallelConfig(subgraph=subgraph, data=data, micro_batch_size=2, dtype="fp32")
-    plan = planner.make_plan(graph_of("gpt"), planner.Cluster.preset("local", devices=cfg.num_devices), cfg,
-                             global_batch_size=8)
-    assert plan.subgraph and all(r.kind == "heads" for r in plan.subgraph)
-    ref, kw = MODELS["gpt"]
-    return emit(plan, ref, None, root / name, model_kwargs=kw, graph=graph_of("gpt"), optimizer=SGD,
-                bucket_bytes=2048).path
-
+from tests.parallel_cases import SGD, assert_exact
+from tests.subgraph_cases import INCEPTION, emit_heads, emit_subgraph, inception_graph
 
 TWO = {"inception_g2": dict(subgraph=2), "gpt_heads_g2": dict(subgraph=2)}
 FOUR = {"inception_g4": dict(subgraph=4), "inception_d2g2": dict(subgraph=2, data=2),
