@@ -23,9 +23,12 @@ same). Backward runs the phases in reverse and sends every halo's gradient
 back to the tile that owns those pixels, which adds it into its own input
 gradient: border gradients are exact.
 
-The halo exchange, the synchronized BatchNorm statistics and the gather at
-the end of the spatial part are autograd Functions over the runtime's
-Communicator and Group (gloo, NCCL or MPI alike).
+The tile ops, the synchronized BatchNorm statistics and the gather at the
+end of the spatial part are autograd Functions over the runtime's
+Communicator and Group (gloo, NCCL or MPI alike). A tile op keeps only its
+tile and the thin halos for backward (the extended copy is rebuilt), and the
+BatchNorm keeps only its input, so a tile saves 1/s of what the unsplit
+layers save (benchmarks/spatial_memory.py measures it).
 """
 
 from __future__ import annotations
@@ -210,52 +213,64 @@ def _wait(handles) -> None:
         h.wait()
 
 
-class _HaloExchange(torch.autograd.Function):
-    """Extend a tile along `dim` by its neighbours' rows (forward); send their gradients back (backward).
+@dataclass(frozen=True)
+class _AxisExchange:
+    """One phase of a halo exchange: along tensor dim `dim` with the previous/next tile (global
+    ranks, -1 for none), message tags tag (to the next tile) and tag + 1 (to the previous one);
+    backward uses tag + 2 and tag + 3."""
 
-    x (..., L, ...) -> (..., pad_lo + recv_lo + L - crop_lo - crop_hi + recv_hi + pad_hi, ...).
-    """
+    comm: object
+    plan: AxisHalo
+    dim: int
+    prev: int
+    nxt: int
+    tag: int
 
-    @staticmethod
-    def forward(ctx, x, comm, plan: AxisHalo, dim: int, prev: int, nxt: int, tag: int, fill: float):
-        ctx.comm, ctx.plan, ctx.dim, ctx.prev, ctx.nxt, ctx.tag = comm, plan, dim, prev, nxt, tag
-        ctx.length = x.shape[dim]
+    def _block(self, like: torch.Tensor, rows: int) -> torch.Tensor:
+        shape = list(like.shape)
+        shape[self.dim] = rows
+        return like.new_empty(shape)
+
+    def receive(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Send this tile's border rows to the neighbours; return the rows received (before, after)."""
+        plan, dim, comm = self.plan, self.dim, self.comm
         x = x.contiguous()
-        handles, parts, keep = [], [], []
-
-        def block(rows):
-            shape = list(x.shape)
-            shape[dim] = rows
-            return x.new_empty(shape)
-
-        recv_lo = block(plan.recv_lo) if plan.recv_lo else None
-        recv_hi = block(plan.recv_hi) if plan.recv_hi else None
-        # tags: +0 travels to the next tile, +1 to the previous one
+        length = x.shape[dim]
+        handles, keep = [], []
+        recv_lo = self._block(x, plan.recv_lo) if plan.recv_lo else None
+        recv_hi = self._block(x, plan.recv_hi) if plan.recv_hi else None
         if recv_lo is not None:
-            handles.append(comm.irecv(recv_lo, prev, tag))
+            handles.append(comm.irecv(recv_lo, self.prev, self.tag))
         if recv_hi is not None:
-            handles.append(comm.irecv(recv_hi, nxt, tag + 1))
+            handles.append(comm.irecv(recv_hi, self.nxt, self.tag + 1))
         if plan.send_lo:
             keep.append(x.narrow(dim, 0, plan.send_lo).contiguous())
-            handles.append(comm.isend(keep[-1], prev, tag + 1))
+            handles.append(comm.isend(keep[-1], self.prev, self.tag + 1))
         if plan.send_hi:
-            keep.append(x.narrow(dim, ctx.length - plan.send_hi, plan.send_hi).contiguous())
-            handles.append(comm.isend(keep[-1], nxt, tag))
+            keep.append(x.narrow(dim, length - plan.send_hi, plan.send_hi).contiguous())
+            handles.append(comm.isend(keep[-1], self.nxt, self.tag))
         _wait(handles)
+        return recv_lo, recv_hi
+
+    def assemble(self, x: torch.Tensor, recv_lo, recv_hi, fill: float) -> torch.Tensor:
+        """x (..., L, ...) -> (..., pad_lo + recv_lo + L - crop_lo - crop_hi + recv_hi + pad_hi, ...)."""
+        plan, dim = self.plan, self.dim
+        parts = []
         if plan.pad_lo:
-            parts.append(block(plan.pad_lo).fill_(fill))
+            parts.append(self._block(x, plan.pad_lo).fill_(fill))
         if recv_lo is not None:
             parts.append(recv_lo)
-        parts.append(x.narrow(dim, plan.crop_lo, ctx.length - plan.crop_lo - plan.crop_hi))
+        parts.append(x.narrow(dim, plan.crop_lo, x.shape[dim] - plan.crop_lo - plan.crop_hi))
         if recv_hi is not None:
             parts.append(recv_hi)
         if plan.pad_hi:
-            parts.append(block(plan.pad_hi).fill_(fill))
+            parts.append(self._block(x, plan.pad_hi).fill_(fill))
         return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
 
-    @staticmethod
-    def backward(ctx, g):
-        plan, dim, comm, length = ctx.plan, ctx.dim, ctx.comm, ctx.length
+    def backward(self, g: torch.Tensor, length: int) -> torch.Tensor:
+        """Gradient of the extended tile -> gradient of the tile (length rows): the halo rows'
+        gradients go back to their owners, whose gradients of this tile's border rows are added."""
+        plan, dim, comm = self.plan, self.dim, self.comm
         g = g.contiguous()
         mid = length - plan.crop_lo - plan.crop_hi
         at = plan.pad_lo
@@ -264,33 +279,64 @@ class _HaloExchange(torch.autograd.Function):
         g_mid = g.narrow(dim, at, mid)
         at += mid
         g_hi = g.narrow(dim, at, plan.recv_hi).contiguous() if plan.recv_hi else None
-        shape = list(g.shape)
-        shape[dim] = length
-        gx = g.new_zeros(shape)
+        gx = self._block(g, length).zero_()
         gx.narrow(dim, plan.crop_lo, mid).copy_(g_mid)
-        tag = ctx.tag + 2  # backward messages use their own pair of tags
+        tag = self.tag + 2  # backward messages use their own pair of tags
         handles, got = [], []
         if g_lo is not None:
-            handles.append(comm.isend(g_lo, ctx.prev, tag + 1))
+            handles.append(comm.isend(g_lo, self.prev, tag + 1))
         if g_hi is not None:
-            handles.append(comm.isend(g_hi, ctx.nxt, tag))
+            handles.append(comm.isend(g_hi, self.nxt, tag))
         if plan.send_lo:
-            buf = g.new_empty([*shape[:dim], plan.send_lo, *shape[dim + 1:]])
-            handles.append(comm.irecv(buf, ctx.prev, tag))
+            buf = self._block(g, plan.send_lo)
+            handles.append(comm.irecv(buf, self.prev, tag))
             got.append((0, buf))
         if plan.send_hi:
-            buf = g.new_empty([*shape[:dim], plan.send_hi, *shape[dim + 1:]])
-            handles.append(comm.irecv(buf, ctx.nxt, tag + 1))
+            buf = self._block(g, plan.send_hi)
+            handles.append(comm.irecv(buf, self.nxt, tag + 1))
             got.append((length - plan.send_hi, buf))
         _wait(handles)
-        _HaloExchange.add_borrowed(gx, got, dim)
-        return gx, None, None, None, None, None, None, None
+        _AxisExchange.add_borrowed(gx, got, dim)
+        return gx
 
     @staticmethod
     def add_borrowed(gx: torch.Tensor, got: list[tuple[int, torch.Tensor]], dim: int) -> None:
         """Add the neighbours' gradients of the rows they borrowed (start row, gradient) into gx."""
         for start, buf in got:
             gx.narrow(dim, start, buf.shape[dim]).add_(buf)
+
+
+class _TileWindow(torch.autograd.Function):
+    """A window op on tile + halo that keeps only the tile and the (thin) halos for backward.
+
+    Forward exchanges the halos (rows, then columns of the row-extended tile) and runs
+    `op.forward(ext, weight, bias)` without padding; backward rebuilds the extended tile from
+    the saved tile and halos, takes `op.backward` and returns the halo gradients to their owners.
+    The extended copy is never kept: a tile saves what the unsplit op saves, plus the halos.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, axes: tuple, op, fill: float):
+        halos, lengths, cur = [], [], x
+        for ax in axes:
+            lo, hi = ax.receive(cur)
+            halos.append((lo, hi))
+            lengths.append(cur.shape[ax.dim])
+            cur = ax.assemble(cur, lo, hi, fill)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.axes, ctx.op, ctx.fill, ctx.halos, ctx.lengths = axes, op, fill, halos, lengths
+        return op.forward(cur, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, bias = ctx.saved_tensors
+        cur = x
+        for ax, (lo, hi) in zip(ctx.axes, ctx.halos):
+            cur = ax.assemble(cur, lo, hi, ctx.fill)
+        g_ext, g_w, g_b = ctx.op.backward(cur, weight, bias, g.contiguous())
+        for ax, length in zip(reversed(ctx.axes), reversed(ctx.lengths)):
+            g_ext = ax.backward(g_ext, length)
+        return g_ext, g_w, g_b, None, None, None
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -412,18 +458,18 @@ class TileExchange:
         w = axis_halos(in_hw[1], out_hw[1], layout.cols, ww, layer=layer)[layout.j]
         return cls(comm, layout, h, w, SPATIAL_TAG_BASE + op_id * 8)
 
-    def __call__(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-        """(B, C, h, w) tile -> (B, C, h', w') tile + halo + border padding."""
-        L = self.layout
-        if self.h.exchanges or self.h.pad_lo or self.h.pad_hi or self.h.crop_lo or self.h.crop_hi:
-            prev = L.rank_at(L.i - 1, L.j) if L.i > 0 else -1
-            nxt = L.rank_at(L.i + 1, L.j) if L.i + 1 < L.rows else -1
-            x = _HaloExchange.apply(x, self.comm, self.h, x.dim() - 2, prev, nxt, self.tag, fill)
-        if self.w.exchanges or self.w.pad_lo or self.w.pad_hi or self.w.crop_lo or self.w.crop_hi:
-            prev = L.rank_at(L.i, L.j - 1) if L.j > 0 else -1
-            nxt = L.rank_at(L.i, L.j + 1) if L.j + 1 < L.cols else -1
-            x = _HaloExchange.apply(x, self.comm, self.w, x.dim() - 1, prev, nxt, self.tag + 4, fill)
-        return x
+    def axes(self, ndim: int = 4) -> tuple[_AxisExchange, ...]:
+        """The exchange phases that change the tile: rows (H) first, then columns (W)."""
+        L, out = self.layout, []
+        for plan, dim, tag, before, after in (
+                (self.h, ndim - 2, self.tag, (L.i - 1, L.j), (L.i + 1, L.j)),
+                (self.w, ndim - 1, self.tag + 4, (L.i, L.j - 1), (L.i, L.j + 1))):
+            if not (plan.exchanges or plan.pad_lo or plan.pad_hi or plan.crop_lo or plan.crop_hi):
+                continue
+            prev = L.rank_at(*before) if min(before) >= 0 else -1
+            nxt = L.rank_at(*after) if after[0] < L.rows and after[1] < L.cols else -1
+            out.append(_AxisExchange(self.comm, plan, dim, prev, nxt, tag))
+        return tuple(out)
 
 
 def _pair(v) -> tuple[int, int]:
@@ -457,6 +503,45 @@ def pool_windows(pool: nn.Module, layer: str) -> tuple[Window, Window]:
     return Window(k[0], s[0], d[0], p[0]), Window(k[1], s[1], d[1], p[1])
 
 
+@dataclass(frozen=True)
+class _ConvOp:
+    """conv2d without padding; backward by torch.nn.grad (no recomputation)."""
+
+    stride: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+
+    def forward(self, ext, weight, bias):
+        return F.conv2d(ext, weight, bias, self.stride, 0, self.dilation, self.groups)
+
+    def backward(self, ext, weight, bias, g):
+        g_ext = torch.nn.grad.conv2d_input(ext.shape, weight, g, self.stride, 0, self.dilation, self.groups)
+        g_w = torch.nn.grad.conv2d_weight(ext, weight.shape, g, self.stride, 0, self.dilation, self.groups)
+        return g_ext, g_w, (g.sum((0, 2, 3)) if bias is not None else None)
+
+
+@dataclass(frozen=True)
+class _PoolOp:
+    """max/avg pooling without padding; backward recomputes the (cheap) pool under autograd."""
+
+    is_max: bool
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    dilation: tuple[int, int]
+    divisor: int | None
+
+    def forward(self, ext, weight=None, bias=None):
+        if self.is_max:
+            return F.max_pool2d(ext, self.kernel, self.stride, 0, self.dilation)
+        return F.avg_pool2d(ext, self.kernel, self.stride, 0, divisor_override=self.divisor)
+
+    def backward(self, ext, weight, bias, g):
+        with torch.enable_grad():
+            e = ext.detach().requires_grad_(True)
+            (g_ext,) = torch.autograd.grad(self.forward(e), (e,), g)
+        return g_ext, None, None
+
+
 class SpatialConv2d(nn.Module):
     """A Conv2d on one tile: halo exchange, then the conv without padding. Same parameter names."""
 
@@ -464,11 +549,11 @@ class SpatialConv2d(nn.Module):
         super().__init__()
         self.weight = conv.weight
         self.bias = conv.bias
-        self.stride, self.dilation, self.groups = _pair(conv.stride), _pair(conv.dilation), conv.groups
+        self.op = _ConvOp(_pair(conv.stride), _pair(conv.dilation), conv.groups)
         self.exchange = exchange
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.conv2d(self.exchange(x, 0.0), self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        return _TileWindow.apply(x, self.weight, self.bias, self.exchange.axes(x.dim()), self.op, 0.0)
 
 
 class SpatialPool2d(nn.Module):
@@ -476,16 +561,61 @@ class SpatialPool2d(nn.Module):
 
     def __init__(self, pool: nn.Module, exchange: TileExchange):
         super().__init__()
-        self.is_max = isinstance(pool, nn.MaxPool2d)
-        self.kernel, self.stride = _pair(pool.kernel_size), _pair(pool.stride or pool.kernel_size)
-        self.dilation = _pair(getattr(pool, "dilation", 1))
-        self.divisor = getattr(pool, "divisor_override", None)
+        is_max = isinstance(pool, nn.MaxPool2d)
+        self.op = _PoolOp(is_max, _pair(pool.kernel_size), _pair(pool.stride or pool.kernel_size),
+                          _pair(getattr(pool, "dilation", 1)), getattr(pool, "divisor_override", None))
+        self.fill = float("-inf") if is_max else 0.0
         self.exchange = exchange
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_max:
-            return F.max_pool2d(self.exchange(x, float("-inf")), self.kernel, self.stride, 0, self.dilation)
-        return F.avg_pool2d(self.exchange(x, 0.0), self.kernel, self.stride, 0, divisor_override=self.divisor)
+        return _TileWindow.apply(x, None, None, self.exchange.axes(x.dim()), self.op, self.fill)
+
+
+class _SyncBatchNorm(torch.autograd.Function):
+    """Training-mode BatchNorm of tiles with the whole image's statistics.
+
+    Forward: one all-reduce of the per-channel sums and count, one of the squared deviations
+    (two passes, as exact as the unsplit op). Backward: one all-reduce of the per-channel sums
+    of g and g * xhat. Saves only the input tile and per-channel statistics (as F.batch_norm
+    does), not the normalized intermediates. Returns (y, mean, biased var, element count).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, group):
+        dims = (0, 2, 3)
+        c = x.shape[1]
+        stats = torch.cat([x.sum(dims), x.new_tensor([float(x.numel() // c)])])
+        group.all_reduce(stats, "sum")
+        n = float(stats[-1])
+        mean = stats[:c] / n
+        sq = ((x - mean[None, :, None, None]) ** 2).sum(dims)
+        group.all_reduce(sq, "sum")
+        var = sq / n
+        invstd = torch.rsqrt(var + eps)
+        scale = invstd if weight is None else invstd * weight
+        shift = -mean * scale if bias is None else bias - mean * scale
+        y = x * scale[None, :, None, None] + shift[None, :, None, None]
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.group, ctx.n, ctx.has_bias = group, n, bias is not None
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var, n
+
+    @staticmethod
+    def backward(ctx, g, _gm, _gv, _gn):
+        x, weight, mean, invstd = ctx.saved_tensors
+        dims = (0, 2, 3)
+        c = x.shape[1]
+        xhat_of = lambda: (x - mean[None, :, None, None]) * invstd[None, :, None, None]  # noqa: E731
+        sum_g = g.sum(dims)
+        sum_gx = (g * xhat_of()).sum(dims)
+        grad_w = sum_gx.clone() if weight is not None else None     # this tile's share
+        grad_b = sum_g.clone() if ctx.has_bias else None
+        both = torch.cat([sum_g, sum_gx])
+        ctx.group.all_reduce(both, "sum")
+        mg, mgx = both[:c] / ctx.n, both[c:] / ctx.n
+        scale = invstd if weight is None else invstd * weight
+        gx = (g - mg[None, :, None, None] - xhat_of() * mgx[None, :, None, None]) * scale[None, :, None, None]
+        return gx, grad_w, grad_b, None, None
 
 
 class SpatialBatchNorm2d(nn.Module):
@@ -512,19 +642,11 @@ class SpatialBatchNorm2d(nn.Module):
                 mom = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
                                 self.training, mom, self.eps)
-        dims = (0, 2, 3)
-        count = all_reduce_sum(torch.tensor([float(x.numel() // x.shape[1])], dtype=x.dtype), self.group)
-        mean = all_reduce_sum(x.sum(dims), self.group) / count
-        centred = x - mean[None, :, None, None]
-        var = all_reduce_sum((centred * centred).sum(dims), self.group) / count
-        y = centred * torch.rsqrt(var + self.eps)[None, :, None, None]
-        if self.affine:
-            y = y * self.weight[None, :, None, None] + self.bias[None, :, None, None]
+        y, mean, var, n = _SyncBatchNorm.apply(x, self.weight, self.bias, self.eps, self.group)
         if self.running_mean is not None:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 mom = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-                n = float(count)
-                self.running_mean.mul_(1 - mom).add_(mean.detach(), alpha=mom)
-                self.running_var.mul_(1 - mom).add_(var.detach() * (n / max(n - 1, 1.0)), alpha=mom)
+                self.running_mean.mul_(1 - mom).add_(mean, alpha=mom)
+                self.running_var.mul_(1 - mom).add_(var * (n / max(n - 1, 1.0)), alpha=mom)
         return y

@@ -73,7 +73,8 @@ class TakeTile(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, cols = self.layout.tile_of(x.shape[-2], x.shape[-1])
-        return x[..., rows, cols]
+        # a copy, so that what autograd keeps of the input is the tile, not the whole image's storage
+        return x[..., rows, cols].clone(memory_format=torch.contiguous_format)
 
 
 class GatherTiles(nn.Module):

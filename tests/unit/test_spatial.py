@@ -206,7 +206,7 @@ def test_dropping_the_halo_gradients_breaks_the_border_rows(monkeypatch):
     """The equality above is sensitive: without the neighbours' halo gradients the borders differ."""
     from runtime import spatial
 
-    monkeypatch.setattr(spatial._HaloExchange, "add_borrowed", staticmethod(lambda gx, got, dim: None))
+    monkeypatch.setattr(spatial._AxisExchange, "add_borrowed", staticmethod(lambda gx, got, dim: None))
     torch.manual_seed(0)
     conv = nn.Conv2d(2, 3, 3, padding=1)
     x = torch.randn(1, 2, 16, 16)
@@ -268,3 +268,29 @@ def test_local_batchnorm_uses_the_tile_statistics():
 
     for y, rows in run_threads(2, body):
         torch.testing.assert_close(y, F.batch_norm(x[..., rows, :], None, None, training=True))
+
+
+def test_a_tile_conv_keeps_only_its_tile_for_backward():
+    """The halo-extended copy is rebuilt in backward, not saved: activation memory per tile is the
+    tile's share (benchmarks/spatial_memory.py measures the whole network)."""
+    conv = nn.Conv2d(2, 3, 5, padding=2)
+    x = torch.randn(1, 2, 32, 32)
+
+    def body(r, comm, group):
+        layout = TileLayout.for_group("grid", group)
+        rows, cols = layout.tile_of(32, 32)
+        tile = x[..., rows, cols].clone().requires_grad_(True)
+        op = SpatialConv2d(conv, TileExchange.plan(comm, layout, (32, 32), (32, 32), *conv_windows(conv, "c"), 0, "c"))
+        saved = []
+
+        def pack(t):
+            if not isinstance(t, nn.Parameter):
+                saved.append(t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            op(tile)
+        return sum(saved), tile.numel() * 4
+
+    for got, tile_bytes in run_threads(4, body):
+        assert got == tile_bytes
