@@ -24,11 +24,15 @@ from planner.graph import Layer
 from planner.subgraph import Region, split_regions
 
 
-def regions_for(ev, sub_grids: int) -> tuple[Region, ...]:
-    """The evaluator's graph's split regions for B sub-grids (cached on the evaluator)."""
+def regions_for(ev, sub_grids: int) -> dict[str, list[Region]]:
+    """The evaluator's graph's split regions for B sub-grids, by layer name (cached on the
+    evaluator's `subgraph_regions` dict, which this module owns)."""
     cache = ev.subgraph_regions
     if sub_grids not in cache:
-        cache[sub_grids] = split_regions(ev.graph, sub_grids)
+        by_layer: dict[str, list[Region]] = {}
+        for r in split_regions(ev.graph, sub_grids):
+            by_layer.setdefault(r.layer, []).append(r)
+        cache[sub_grids] = by_layer
     return cache[sub_grids]
 
 
@@ -36,22 +40,37 @@ def region_comm_seconds(ev, config: ParallelConfig, region: Region) -> tuple[flo
     """(forward, backward) seconds of one region's collectives for one micro-batch:
     a broadcast of every path output, and an all-reduce of the fork value's gradient."""
     scale = config.micro_batch_size / ev.graph.batch_size * DTYPE_BYTES[config.dtype] / 4
-    info = {n.name: n for n in ev.graph.nodes}
-    mesh = config.mesh
+    info = ev._nodes
     if region.kind == "heads":   # all-gather of the output along the heads; all-reduce of dq, dk, dv
         attn = info[region.fork]
-        return (ev._axis(mesh, "branch", "all_gather", attn.output_bytes * scale),
-                ev._axis(mesh, "branch", "all_reduce", sum(m.nbytes for m in attn.input_meta) * scale))
-    fwd = sum(ev._axis(mesh, "branch", "broadcast", info[e].output_bytes * scale) for e in region.exits)
-    bwd = ev._axis(mesh, "branch", "all_reduce", info[region.fork].output_bytes * scale)
-    return fwd, bwd
+        sizes = (("all_gather", attn.output_bytes * scale),
+                 ("all_reduce", sum(m.nbytes for m in attn.input_meta) * scale))
+    else:                        # a broadcast per path output; all-reduce of the fork's gradient
+        sizes = (*(("broadcast", info[e].output_bytes * scale) for e in region.exits),
+                 ("all_reduce", info[region.fork].output_bytes * scale))
+    key = ("comm", sizes, tuple(config.mesh.items()))   # repeated blocks move the same bytes
+    hit = ev.subgraph_regions.get(key)
+    if hit is None:
+        times = [ev._axis(config.mesh, "branch", op, n) for op, n in sizes]
+        hit = ev.subgraph_regions[key] = (sum(times[:-1]), times[-1])
+    return hit
 
 
 def subgraph_layer_cost(ev, layer: Layer, cost, config: ParallelConfig):
     """`cost` (the layer's LayerCost with every op replicated) on one device of a sub-grid."""
-    regions = [r for r in regions_for(ev, config.subgraph) if r.layer == layer.name]
+    regions = regions_for(ev, config.subgraph).get(layer.name)
     if not regions:
         return cost
+    # the same layer under the same per-device shape and mesh costs the same (the search asks often)
+    key = ("cost", layer.signature, cost, config.subgraph, config.micro_batch_size, config.dtype, config.recompute,
+           tuple(config.mesh.items()))
+    hit = ev.subgraph_regions.get(key)
+    if hit is None:
+        hit = ev.subgraph_regions[key] = _split_cost(ev, regions, cost, config)
+    return hit
+
+
+def _split_cost(ev, regions: list[Region], cost, config: ParallelConfig):
     fwd, bwd, saved, params, tp_f, tp_b = cost.forward, cost.backward, cost.saved, cost.params, \
         cost.tp_forward, cost.tp_backward
     for r in regions:
