@@ -150,6 +150,19 @@ def test_a_rank_killed_with_sigkill_mid_step(mlp_p2):
     _no_processes_left(mlp_p2)
 
 
+@pytest.mark.timeout(240)
+def test_sigkill_on_four_ranks_stops_the_ranks_that_never_talk_to_it(tmp_path):
+    """data 2 x pipeline 2: rank 3 dies in a backward; rank 0 shares no group with it."""
+    build = emit_case(tmp_path, "gpt", "d2p2", dict(data=2, pipeline=2))
+    res, killed = _run_with_fault(build, 3, "2:5", "sigkill")
+    assert res.returncodes == {0: 1, 1: 1, 2: 1, 3: -signal.SIGKILL}
+    waited = max(t for r, t in res.exit_times.items() if r != 3) - killed
+    print(f"ranks 0-2 exited {waited:.2f} s after rank 3 was killed (--timeout {TIMEOUT:.0f} s)")
+    assert waited < TIMEOUT + 10
+    _every_rank_says(res.output, 3, "stopping because another rank failed: rank 3 died")
+    _no_processes_left(build)
+
+
 @pytest.mark.timeout(180)
 def test_a_rank_that_stops_responding(mlp_p2):
     res, hung = _run_with_fault(mlp_p2, 0, "2:3", "hang")
