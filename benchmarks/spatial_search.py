@@ -124,16 +124,16 @@ def main() -> int:
     gg = planner.capture(model, gpt.example_inputs(batch_size=1, device="meta", preset="1t"))
     gcap = time.perf_counter() - t1
     a100 = planner.Cluster.preset("dgx-a100-80gb", nodes=384)
-    ta = tb = 0.0
-    for _ in range(2):  # alternate, so machine load hits both alike
+    ta, tb = [], []
+    for _ in range(3):  # alternate, so machine load hits both alike; the minimum is the least disturbed
         t = time.perf_counter()
         planner.optimize(gg, a100, global_batch_size=3072, progress=False)
-        ta += time.perf_counter() - t
+        ta.append(time.perf_counter() - t)
         t = time.perf_counter()
         planner.optimize(gg, a100, global_batch_size=3072, constraints={"spatial": 1}, progress=False)
-        tb += time.perf_counter() - t
-    print(f"  GPT-1T on 3072 A100s: capture {gcap:.2f} s + search {ta / 2:.2f} s (joint search) vs "
-          f"{tb / 2:.2f} s (spatial=1 forced): ratio {ta / tb:.3f}")
+        tb.append(time.perf_counter() - t)
+    print(f"  GPT-1T on 3072 A100s: capture {gcap:.2f} s + search {min(ta):.2f} s (joint search, min of 3) vs "
+          f"{min(tb):.2f} s (spatial=1 forced): ratio {min(ta) / min(tb):.3f}")
     if args.quick:
         return 0
 
