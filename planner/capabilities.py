@@ -21,8 +21,8 @@ class RuntimeSupport:
     bidirectional: bool = True   # GEMS MAST/MASTER: tests/distributed/test_bidirectional.py
     # fp16 needs loss scaling, which the runtime does not do yet; bf16 and fp32 need none.
     dtypes: tuple[str, ...] = ("fp32", "bf16")
-    # Spatial tiles: codegen/spatial.py lowers them with data and a 1f1b/gpipe or bidirectional pipeline
-    # whose first stage holds the spatial part, tensor 1, ZeRO 0 and no recompute
+    # Spatial tiles: codegen/spatial.py lowers them with data (ZeRO 0-3) and a 1f1b/gpipe or bidirectional
+    # pipeline whose first stage holds the spatial part, tensor 1 and no recompute
     # (tests/distributed/test_spatial_build.py); other spatial compositions are priced, not run.
     spatial: bool = True
     # Sub-graph parallelism: tests/distributed/test_subgraph.py runs it with data and 1f1b pipelines
@@ -48,11 +48,10 @@ class RuntimeSupport:
             extra = [what for what, bad in (
                 (f"the {config.schedule} schedule", config.schedule not in ("gpipe", "1f1b")),
                 (f"tensor {config.tensor}", config.tensor != 1),
-                (f"ZeRO stage {config.zero}", config.zero != 0),
                 (f"recompute {config.recompute!r}", config.recompute != "none")) if bad]
             if extra:
-                return (f"the runtime runs spatial tiles with gpipe/1f1b/bidirectional pipelines, tensor 1, ZeRO 0 "
-                        f"and no recompute, not with {', '.join(extra)}")
+                return (f"the runtime runs spatial tiles with gpipe/1f1b/bidirectional pipelines, tensor 1 and no "
+                        f"recompute, not with {', '.join(extra)}")
         if config.subgraph > 1:
             if not self.subgraph:
                 return "the runtime does not run sub-graph parallel plans"

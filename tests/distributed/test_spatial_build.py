@@ -1,7 +1,8 @@
 """Spatial plans lowered to per-rank Programs and run by the generated rank scripts on gloo
 processes: after 3 steps every rank's loss and parameters equal the single-process run (fp32,
 rtol 1e-4). LargeImageCNN (kernels 1, 3, 5; strides 1, 2; max pool) on 64 x 64 images, as a
-2 x 2 grid over 4 ranks, as 2 horizontal strips x data 2, as spatial 2 x a bidirectional (GEMS)
+2 x 2 grid over 4 ranks, as 2 horizontal strips x data 2 (and 2 tiles x data 2 under ZeRO-3,
+whose shards span the data x spatial lanes), as spatial 2 x a bidirectional (GEMS)
 pipeline of 2 on 4 ranks, and as the hybrid spatial 2 x pipeline 2 x data 2 on 8 ranks (the
 first stage holds the tiles, the later stage runs on the gathered activations)."""
 
@@ -18,6 +19,7 @@ KW = {"image_size": 64, "layers": [[4, 3, 1], [4, 5, 2], [4, 1, 2], [4, 3, 1]], 
 CASES = {
     "grid4": dict(spatial=4, spatial_split="grid", spatial_until="pool"),
     "strips_h2_data2": dict(data=2, spatial=2, spatial_split="strips_h", spatial_until="features.3"),
+    "grid2_data2_zero3": dict(data=2, zero=3, spatial=2, spatial_split="grid", spatial_until="features.2"),
     "grid2_bidirectional2": dict(pipeline=2, bidirectional=True, spatial=2, spatial_split="grid",
                                  spatial_until="features.2"),
 }

@@ -44,8 +44,7 @@ def test_a_spatial_part_beyond_the_first_stage_is_refused_naming_the_layer(graph
 
 
 @pytest.mark.parametrize("change,word", [(dict(pipeline=2, schedule="gpipe", recompute="selective"), "recompute"),
-                                         (dict(recompute="full"), "recompute"),
-                                         (dict(zero=1, data=2), "ZeRO stage 1")])
+                                         (dict(recompute="full"), "recompute")])
 def test_spatial_plans_the_runtime_cannot_run_are_refused(graph, change, word):
     cfg = dict(spatial=2, spatial_until="features.1")
     cfg.update(change)
