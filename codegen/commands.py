@@ -27,7 +27,8 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
         cfg = planner.ParallelConfig(data=args.data, tensor=args.tensor, pipeline=args.pipeline,
                                      micro_batch_size=args.micro_batch, schedule=args.schedule,
                                      virtual_stages=args.virtual_stages, recompute=args.recompute, zero=args.zero,
-                                     dtype=args.dtype)
+                                     dtype=args.dtype, bidirectional=args.bidirectional,
+                                     replicas_per_direction=args.replicas_per_direction, subgraph=args.subgraph)
         if args.cluster in (None, "local"):
             cluster = planner.Cluster.preset("local", devices=cfg.num_devices)
         elif args.cluster in planner.Cluster.preset_names():

@@ -176,6 +176,11 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch per data rank")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
     p.add_argument("--virtual-stages", type=int, default=1, help="chunks per device (interleaved)")
+    p.add_argument("--bidirectional", action="store_true",
+                   help="GEMS bi-directional pipeline (device r holds stages r and p-1-r)")
+    p.add_argument("--replicas-per-direction", type=int, default=1,
+                   help="MASTER's T with --bidirectional: 2T micro-batches per step")
+    p.add_argument("--subgraph", type=int, default=1, help="sub-graph parallel degree B (sub-grids per replica)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])

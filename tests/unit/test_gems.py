@@ -164,3 +164,15 @@ def test_optimized_bidirectional_plan_lowers(tiny):
     assert plan.config.bidirectional
     progs = lower(plan, tiny)
     assert sorted(progs) == [0, 1, 2, 3] and progs[0].stages == (0, 3)
+
+
+def test_codegen_command_takes_bidirectional_flags(tmp_path, capsys):
+    from planner.cli import main
+
+    out = tmp_path / "build"
+    rc = main(["codegen", "examples/models/gpt.py:build", "--arg", "preset=tiny", "--batch", "16", "--pipeline", "2",
+               "--micro-batch", "4", "--bidirectional", "--replicas-per-direction", "2", "-o", str(out)])
+    assert rc == 0
+    plan = planner.Plan.load(out / "plan.json")
+    assert plan.config.bidirectional and plan.config.replicas_per_direction == 2
+    assert "@pair" in (out / "rank_0000.py").read_text()

@@ -143,3 +143,14 @@ def test_describe_names_idle_sub_grids():
     r = split_regions(inception(), 8)[0]
     lines = describe((r,), 8)
     assert "(idle)" in lines[0]
+
+def test_codegen_command_takes_the_subgraph_degree(tmp_path, capsys):
+    from planner.cli import main
+
+    out = tmp_path / "build"
+    args = ["codegen", "examples/models/inception.py:build", *[f"--arg={k}={v}" for k, v in KW.items()],
+            "--batch", "8", "--data", "2", "--subgraph", "2", "--micro-batch", "2", "-o", str(out)]
+    assert main(args) == 0
+    plan = planner.Plan.load(out / "plan.json")
+    assert plan.config.subgraph == 2 and plan.subgraph == split_regions(inception(), 2)
+    assert "self.subgraph.region(" in (out / "rank_0001.py").read_text()
