@@ -92,7 +92,8 @@ def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), d) for d in root.iterdir() if (m := _STEP_DIR.match(d.name)) and (d / MANIFEST).is_file()]
+    found = [(int(m.group(1)), d) for d in root.iterdir()
+             if (m := _STEP_DIR.match(d.name)) and (d / MANIFEST).is_file()]
     return [d for _, d in sorted(found)]
 
 

@@ -97,7 +97,8 @@ def test_checkpoint_converts_to_the_model_state_dict(builds, six_steps, tmp_path
     assert set(sd) == set(model.state_dict()) and count == len(sd)
     model.load_state_dict(sd, strict=True)
     held = {name: t for r in p6 for name, t in p6[r].items()}
-    assert all(torch.equal(sd[name], t) for name, t in held.items()) and len(held) == len(dict(model.named_parameters()))
+    assert len(held) == len(dict(model.named_parameters()))
+    assert all(torch.equal(sd[name], t) for name, t in held.items())
 
 
 def _target_params_after_load(build: Path, rank: int, ckpt: Path) -> dict[str, torch.Tensor]:
