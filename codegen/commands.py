@@ -28,7 +28,9 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
                                      micro_batch_size=args.micro_batch, schedule=args.schedule,
                                      virtual_stages=args.virtual_stages, recompute=args.recompute, zero=args.zero,
                                      dtype=args.dtype, bidirectional=args.bidirectional,
-                                     replicas_per_direction=args.replicas_per_direction, subgraph=args.subgraph)
+                                     replicas_per_direction=args.replicas_per_direction, subgraph=args.subgraph,
+                                     spatial=args.spatial, spatial_split=args.spatial_split,
+                                     spatial_until=args.spatial_until, spatial_batchnorm=args.spatial_batchnorm)
         if args.cluster in (None, "local"):
             cluster = planner.Cluster.preset("local", devices=cfg.num_devices)
         elif args.cluster in planner.Cluster.preset_names():

@@ -181,6 +181,12 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--replicas-per-direction", type=int, default=1,
                    help="MASTER's T with --bidirectional: 2T micro-batches per step")
     p.add_argument("--subgraph", type=int, default=1, help="sub-graph parallel degree B (sub-grids per replica)")
+    p.add_argument("--spatial", type=int, default=1, help="spatial degree: tiles per image (needs --spatial-until)")
+    p.add_argument("--spatial-split", default="strips_h", choices=["strips_h", "strips_v", "grid"],
+                   help="how images are tiled: horizontal strips, vertical strips or a grid")
+    p.add_argument("--spatial-until", help="the last layer that runs on image tiles (a layer name)")
+    p.add_argument("--spatial-batchnorm", default="sync", choices=["sync", "local"],
+                   help="BatchNorm statistics over the whole image (sync, exact) or per tile")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])

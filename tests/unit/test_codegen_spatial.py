@@ -51,3 +51,20 @@ def test_spatial_plans_the_runtime_cannot_run_are_refused(graph, change, word):
     plan = _plan(graph, **cfg)
     with pytest.raises(LoweringError, match=word):
         spatial_twin(plan)
+
+
+def test_meshplan_codegen_writes_a_spatial_build(tmp_path, capsys):
+    import json
+
+    from planner.cli import main
+
+    assert main(["codegen", REF, "--arg", "image_size=64", "--arg", "num_classes=3", "--arg", "in_channels=2",
+                 "--batch", "4", "--data", "2", "--micro-batch", "2", "--spatial", "2", "--spatial-split", "grid",
+                 "--spatial-until", "features.3", "-o", str(tmp_path / "b")]) == 0
+    build = json.loads((tmp_path / "b" / "build.json").read_text())
+    assert build["world_size"] == 4
+    assert build["stages"]["0"]["spatial"] == {"degree": 2, "split": "grid", "until": "features_3_relu",
+                                               "batchnorm": "sync"}
+    assert main(["codegen", REF, "--arg", "image_size=64", "--batch", "4", "--spatial", "2",
+                 "-o", str(tmp_path / "c")]) != 0
+    assert "spatial_until" in capsys.readouterr().err
