@@ -71,9 +71,9 @@ def memory_saved_per_device(activation_bytes: float, degree: int) -> float:
 
 
 def batchnorm_sync_bytes(channels: int, elem_bytes: float = 4.0) -> tuple[float, float]:
-    """(forward, backward) all-reduce payloads of one synchronized BatchNorm: forward the per-channel
-    sum, then the sum of squared deviations (plus a count); backward the two per-channel sums that
-    the chain rule through those all-reduces needs."""
+    """(forward, backward) all-reduce payloads of one synchronized BatchNorm (runtime.spatial): forward
+    the per-channel sums with the element count, then the sums of squared deviations (two
+    all-reduces); backward the per-channel sums of g and g * xhat (one all-reduce)."""
     return (2 * channels + 1) * elem_bytes, (2 * channels + 1) * elem_bytes
 
 

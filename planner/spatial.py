@@ -141,9 +141,9 @@ class SpatialPricer:
         if config.spatial_batchnorm == "sync":
             for ch in self.geometry[layer.index].norms:
                 fb, bb = batchnorm_sync_bytes(ch)
-                # two dependent all-reduces each way (sum, then the squared deviations)
+                # forward: two dependent all-reduces (sums, then squared deviations); backward: one
                 bn_f += 2 * ev._axis(config.mesh, "spatial", "all_reduce", fb / 2)
-                bn_b += 2 * ev._axis(config.mesh, "spatial", "all_reduce", bb / 2)
+                bn_b += ev._axis(config.mesh, "spatial", "all_reduce", bb)
         gather = gather_back = 0.0
         boundary = cost.boundary / s
         if layer.index == k:  # the tiles are gathered into the full activation after this layer

@@ -620,7 +620,7 @@ class _SyncBatchNorm(torch.autograd.Function):
 
 class SpatialBatchNorm2d(nn.Module):
     """BatchNorm2d on one tile, with statistics over the whole image ("sync", exact: two all-reduces
-    forward and two backward per layer) or over the tile alone ("local", cheaper, not equal to the
+    forward and one backward per layer) or over the tile alone ("local", cheaper, not equal to the
     unsplit model). Same parameter and buffer names as the wrapped BatchNorm2d."""
 
     def __init__(self, bn: nn.BatchNorm2d, group, mode: str):
