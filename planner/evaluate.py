@@ -30,6 +30,7 @@ from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction,
 from cost_models.schedule import pipeline_time
 from planner.config import ConfigError, ParallelConfig
 from planner.graph import Layer, ModelGraph, OpInfo, dtype_size
+from planner.gems_memory import bidirectional_bounds
 from planner.ilp import Edge, RegionOption, choose_shardings
 from planner.subgraph_cost import subgraph_layer_cost
 from planner.sharding import ShardingPlan, find_sharding
@@ -344,10 +345,12 @@ class Evaluator:
         hit = self._bounds_cache.get(key)
         if hit is None:
             weights = [c.forward + c.backward + c.recompute + c.tp_forward + c.tp_backward for c in costs]
-            # (Bi-directional pairs share a device: their fit is judged by evaluate.)
             fits = self._stage_memory_check(config, costs, global_batch_size) \
                 if s > 1 and not config.bidirectional else None
-            if config.spatial > 1 and s > 1:  # the tiles are gathered before the first cut
+            if config.bidirectional:   # stage r fits together with stage p-1-r (planner/gems_memory.py)
+                hit = self._bounds_cache[key] = bidirectional_bounds(config, costs, weights, self.memory_cap,
+                                                                     balanced_partition)
+            elif config.spatial > 1 and s > 1:  # the tiles are gathered before the first cut
                 hit = self._bounds_cache[key] = self.spatial.partition(config, weights, s, fits, balanced_partition)
             else:
                 hit = self._bounds_cache[key] = balanced_partition(weights, s, fits)

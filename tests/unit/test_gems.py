@@ -176,3 +176,75 @@ def test_codegen_command_takes_bidirectional_flags(tmp_path, capsys):
     plan = planner.Plan.load(out / "plan.json")
     assert plan.config.bidirectional and plan.config.replicas_per_direction == 2
     assert "@pair" in (out / "rank_0000.py").read_text()
+
+
+# ---- stage boundaries under the pair memory constraint ---------------------------------------
+
+
+def _brute_force(weights, p, sizes, cap):
+    import itertools
+
+    from planner.gems_memory import pairs_fit
+
+    n, best = len(weights), None
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        edges = [0, *cuts, n]
+        bounds = [(edges[k], edges[k + 1]) for k in range(p)]
+        if pairs_fit(bounds, sizes, cap):
+            slow = max(sum(weights[lo:hi]) for lo, hi in bounds)
+            best = slow if best is None else min(best, slow)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_pair_aware_bounds_match_brute_force(seed):
+    import random
+    from types import SimpleNamespace
+
+    from planner.evaluate import balanced_partition
+    from planner.gems_memory import _Sizes, bidirectional_bounds, pairs_fit
+
+    rng = random.Random(seed)
+    n, p = rng.randint(4, 9), rng.choice([2, 3, 4])
+    p = min(p, n)
+    costs = [SimpleNamespace(params=rng.choice([1, 1, 2, 8]), saved=rng.choice([0, 1, 3]), working=0.0,
+                             temporary=0.0) for _ in range(n)]
+    weights = [float(rng.randint(1, 5)) for _ in range(n)]
+    cfg = ParallelConfig(pipeline=p, bidirectional=True, dtype="fp32")
+    sizes = _Sizes(cfg, costs, weights)
+    cap = rng.uniform(0.3, 1.0) * sizes.device((0, n), None)
+    want = _brute_force(weights, p, sizes, cap)
+    got = bidirectional_bounds(cfg, costs, weights, cap, balanced_partition)
+    assert [lo for lo, _ in got] == sorted(lo for lo, _ in got) and got[0][0] == 0 and got[-1][1] == n
+    assert all(hi == lo2 for (_, hi), (lo2, _) in zip(got, got[1:])) and all(lo < hi for lo, hi in got)
+    if want is None:       # nothing fits: the time-balanced split
+        assert got == balanced_partition(weights, p, None)
+    else:
+        assert pairs_fit(got, sizes, cap)
+        assert max(sum(weights[lo:hi]) for lo, hi in got) == pytest.approx(want, rel=1e-6)
+
+
+def test_evaluator_moves_stage_boundaries_until_each_pair_fits():
+    import dataclasses
+
+    from examples.models import mlp
+    from planner.evaluate import balanced_partition
+
+    with torch.device("meta"):
+        model = mlp.build(in_features=64, hidden=256, num_layers=8)
+    graph = planner.capture(model, mlp.example_inputs(batch_size=1, device="meta", in_features=64))
+    base = Cluster.preset("dgx-a100-80gb", devices=4)
+    cfg = ParallelConfig(pipeline=4, micro_batch_size=4, bidirectional=True)
+
+    def run(mib):
+        cl = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=int(mib * 2**20)))
+        ev = planner.Evaluator(graph, cl)
+        costs = [ev.layer_cost(layer, cfg) for layer in graph.layers]
+        weights = [c.forward + c.backward + c.recompute + c.tp_forward + c.tp_backward for c in costs]
+        return ev.evaluate(cfg, 8), ev.stage_bounds(cfg, costs, 8), balanced_partition(weights, 4, None)
+
+    roomy, bounds, plain = run(80 * 1024)
+    assert bounds == plain and roomy.fits            # every pair fits: the time-balanced split
+    tight, bounds, plain = run(roomy.peak_memory / 2**20 - 0.5)
+    assert bounds != plain and tight.fits             # moved so that each device's two stages fit
+    assert tight.peak_memory < roomy.peak_memory and tight.step_time >= roomy.step_time
