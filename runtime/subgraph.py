@@ -101,8 +101,8 @@ class _Region(torch.autograd.Function):
             mine = {k: paths[k](xd) for k in range(len(paths)) if owners[k] == sg.index}
         outs = []
         for k in range(len(paths)):
-            if owners[k] == sg.index:
-                buf = mine[k].detach().clone().contiguous()
+            if owners[k] == sg.index:   # in the plan's dtype (under autocast a path may compute in bf16)
+                buf = mine[k].detach().to(getattr(torch, dtypes[k])).contiguous().clone()
             else:
                 buf = torch.empty(shapes[k], dtype=getattr(torch, dtypes[k]), device=x.device)
             sg.group.broadcast(buf, sg.group.ranks[owners[k]])
@@ -115,8 +115,8 @@ class _Region(torch.autograd.Function):
         mine = ctx.mine
         ks = [k for k in sorted(mine) if mine[k].requires_grad and grads[k] is not None]
         if ks:
-            torch.autograd.backward([mine[k] for k in ks], [grads[k] for k in ks])
-        gx = ctx.xd.grad if ctx.xd.grad is not None else torch.zeros_like(ctx.xd)
+            torch.autograd.backward([mine[k] for k in ks], [grads[k].to(mine[k].dtype) for k in ks])
+        gx = ctx.xd.grad.to(ctx.xd.dtype) if ctx.xd.grad is not None else torch.zeros_like(ctx.xd)
         ctx.sg.group.all_reduce(gx)
         ctx.mine = ctx.xd = None
         return gx, None, None, None, None, None

@@ -23,9 +23,11 @@ def inception_graph():
     return capture_ref(ref, kw, batch_size=2)
 
 
-def emit_subgraph(root, name: str, *, subgraph: int, data: int = 1, pipeline: int = 1, global_batch: int = 8):
-    cfg = planner.ParallelConfig(subgraph=subgraph, data=data, pipeline=pipeline, micro_batch_size=2, dtype="fp32")
-    cluster = planner.Cluster.preset("local", devices=cfg.num_devices)
+def emit_subgraph(root, name: str, *, subgraph: int, data: int = 1, pipeline: int = 1, global_batch: int = 8,
+                  dtype: str = "fp32"):
+    cfg = planner.ParallelConfig(subgraph=subgraph, data=data, pipeline=pipeline, micro_batch_size=2, dtype=dtype)
+    # the plan is priced on a device with bf16 when asked (the run is on this machine either way)
+    cluster = planner.Cluster.preset("local" if dtype == "fp32" else "dgx-a100-80gb", devices=cfg.num_devices)
     plan = planner.make_plan(inception_graph(), cluster, cfg, global_batch_size=global_batch)
     assert plan.subgraph and {o for r in plan.subgraph for o in r.owners} == set(range(subgraph))
     ref, kw = INCEPTION

@@ -62,3 +62,12 @@ def test_each_sub_grid_holds_only_its_paths(runs):
     assert held[0] - branch[0] == held[1] - branch[1] == {"stem.conv.weight", "stem.bn.weight", "stem.bn.bias",
                                                          "fc.weight", "fc.bias"}
     assert held[0] | held[1] == {n for n, _ in inception.build(**INCEPTION[1]).named_parameters()}
+
+
+@pytest.mark.timeout(600)
+def test_mixed_precision_sub_graph_run_trains_like_the_reference(tmp_path):
+    """bf16 autocast: a path may compute in bf16 while the plan says float32; the region still
+    broadcasts and back-propagates consistently (reference under the same autocast, rtol 3e-2)."""
+    build = emit_subgraph(tmp_path, "inception_g2_bf16", subgraph=2, dtype="bf16")
+    res, = run_many([build], steps=3, backend="gloo", timeout=60, verify=True, rtol=3e-2, atol=3e-3)
+    assert_exact(res, "inception g2 bf16")
