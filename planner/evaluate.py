@@ -347,11 +347,11 @@ class Evaluator:
             weights = [c.forward + c.backward + c.recompute + c.tp_forward + c.tp_backward for c in costs]
             fits = self._stage_memory_check(config, costs, global_batch_size) \
                 if s > 1 and not config.bidirectional else None
-            if config.bidirectional:   # stage r fits together with stage p-1-r (planner/gems_memory.py)
+            if config.spatial > 1 and s > 1:  # the tiles are gathered before the first cut (also bidirectional)
+                hit = self._bounds_cache[key] = self.spatial.partition(config, weights, s, fits, balanced_partition)
+            elif config.bidirectional:   # stage r fits together with stage p-1-r (planner/gems_memory.py)
                 hit = self._bounds_cache[key] = bidirectional_bounds(config, costs, weights, self.memory_cap,
                                                                      balanced_partition)
-            elif config.spatial > 1 and s > 1:  # the tiles are gathered before the first cut
-                hit = self._bounds_cache[key] = self.spatial.partition(config, weights, s, fits, balanced_partition)
             else:
                 hit = self._bounds_cache[key] = balanced_partition(weights, s, fits)
         return hit

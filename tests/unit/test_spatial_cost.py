@@ -149,6 +149,8 @@ def test_pipelined_spatial_configs_keep_the_spatial_part_in_the_first_stage(cnn)
     cfg = ParallelConfig(pipeline=2, spatial=2, spatial_until="features.2", dtype="fp32")
     pred = ev.evaluate(cfg, 2)
     assert pred.stages[0].last_layer in ("features.2", "features.3", "pool")
+    bidi = ev.evaluate(cfg.replace(pipeline=2, bidirectional=True), 2)   # GEMS bounds keep it too
+    assert bidi.stages[0].last_layer in ("features.2", "features.3", "pool")
 
 
 def test_graphs_without_convolutions_get_no_spatial_candidates():
