@@ -82,11 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="mlp,gpt", help="comma-separated, from " + ", ".join(MODELS))
     ap.add_argument("--out", default=None, help="where builds and the cluster file go (default: a temp dir)")
     ap.add_argument("--pictures", action="store_true", help="draw predicted vs measured schedules per case")
-    ap.add_argument("--no-probe", dest="probe", action="store_false",
-                    help="price every case at the calibration's CPU share, not the one measured right before it")
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"  # the rank processes and the calibration ranks alike
-    from cost_models.calibrate import calibrate, measure_cpu_share, with_cpu_share
+    from cost_models.calibrate import calibrate
     from planner.compare import compare_build, draw
     from runtime.launcher import run_local
 
@@ -101,16 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     cases = build_suite(out, cluster, [m for m in args.models.split(",") if m])
     t1 = time.perf_counter()
     # One launch per build: a process that ran another build first still holds some of its
-    # tensors, which would count in this build's memory. Right before each, the share of a
-    # core two busy processes get is measured again: the machine's load drifts by the minute.
-    results, clusters = [], []
+    # tensors, which would count in this build's memory.
+    results = []
     for _, _, path in cases:
-        share = measure_cpu_share(2, 0.5)
-        clusters.append(with_cpu_share(cluster, share) if args.probe else cluster)
         results.append(run_local(path, steps=args.steps, backend="gloo", timeout=120.0,
                                  extra_args=["--track-memory"]))
-        print(f"  ran {path.name} (CPU share of a busy process before it {share:.2f}, before the "
-              f"calibration {dict(cluster.measurements)['calibration.probe_share']:.2f})", flush=True)
+        print(f"  ran {path.name}; {_load()}", flush=True)
     print(f"ran {len(cases)} builds x {args.steps} steps in {time.perf_counter() - t1:.1f} s; after: {_load()}")
     bad = [(c, r) for c, r in zip(cases, results) if r.returncode != 0]
     if bad:
@@ -118,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows, step_errs, mem_errs = [], [], []
     print(f"\n{'case':<22}{'measured ms':>12}{'predicted ms':>13}{'error':>8}{'worst kind':>22}{'memory err':>12}")
-    for (model, name, path), case_cluster in zip(cases, clusters):
-        cmp, predicted, measured, plan = compare_build(path, case_cluster)
+    for model, name, path in cases:
+        cmp, predicted, measured, plan = compare_build(path, cluster)
         step_errs.append(abs(cmp.step_error))
         mem = [m.error for m in cmp.memory if m.error is not None]
         mem_errs += [abs(e) for e in mem]

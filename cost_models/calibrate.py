@@ -11,9 +11,10 @@ module fits the constants and builds the Cluster:
 
 - device: peak fp32 FLOP/s = the measured GEMM rate, memory bandwidth = the
   measured copy rate (medians over the ranks), both times the share of a core
-  a busy rank got (fit.cpu_share: its CPU time over wall time while the ranks
-  computed at once; 1 on an otherwise idle machine), since the op timings are
-  medians of unpreempted runs and a step is not; fixed costs are divided by it;
+  a rank gets while it computes between collectives (fit.cpu_share: CPU time
+  over wall time, calibrate_worker.run_like_share; 1 on an otherwise idle
+  machine), since the op timings are medians of unpreempted runs and a step is
+  not; fixed costs are divided by it;
 - Efficiency (fit.eff.*, fit.overhead.*): per-kind forward/backward overheads
   (measured alone, times the slow-down of kinds alternating in a layer, fit.mix.*)
   and achieved fractions of peak (cost_models/calibrate_ops.py); the fixed cost
@@ -142,8 +143,8 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
                         statistics.median(t["backward"] for t in ts), ts[0]["flops"], ts[0]["nbytes"])
                for (kind, size), ts in sorted(by_key.items())]
     block = tuple(statistics.median(r["block"][i] for r in results) for i in range(4))
-    # Ops were timed unpreempted (medians); a rank gets only `share` of a core on a loaded
-    # machine, so every compute rate is scaled by it and every fixed cost divided by it.
+    # Ops were timed unpreempted (medians); a rank computing in a step's rhythm gets only
+    # `share` of a core on a loaded machine: compute rates times it, fixed costs divided by it.
     share = statistics.median(r["cpu_share"] for r in results)
     fit = fit_compute(timings, peak, bandwidth, block)
     fit = dataclasses.replace(fit, kernel_overhead=fit.kernel_overhead / share,
@@ -207,11 +208,8 @@ def calibrate(ranks: int | None = None, *, quick: bool = True, backend: str = "g
     if KINDS and progress:
         progress(f"calibrating with {n} rank processes ({'quick' if quick else 'full'}, {backend}) ...")
     t0 = time.perf_counter()
-    probe = measure_cpu_share(n, 0.5)  # the reference for with_cpu_share, taken the same way later
     results = run_workers(n, quick=quick, backend=backend, timeout=timeout, progress=progress)
-    cluster = build_cluster(results, backend=backend, quick=quick, seconds=time.perf_counter() - t0)
-    return dataclasses.replace(cluster, measurements={**dict(cluster.measurements),
-                                                      "calibration.probe_share": probe})
+    return build_cluster(results, backend=backend, quick=quick, seconds=time.perf_counter() - t0)
 
 
 def for_world(cluster: Cluster, world: int) -> Cluster:
@@ -225,43 +223,3 @@ def for_world(cluster: Cluster, world: int) -> Cluster:
         return cluster
     return dataclasses.replace(cluster, devices_per_node=world)
 
-
-_BUSY = ("import time\n"
-         "w0, c0 = time.perf_counter(), time.process_time()\n"
-         "while time.perf_counter() - w0 < {seconds}:\n"
-         "    sum(range(2000))\n"
-         "print((time.process_time() - c0) / (time.perf_counter() - w0))\n")
-
-
-def measure_cpu_share(processes: int = 2, seconds: float = 0.5) -> float:
-    """The share of a core each of `processes` busy processes gets now (median; 1 on an idle machine
-    with enough cores). Plain Python busy loops: a fraction of a second, no torch."""
-    code = _BUSY.format(seconds=float(seconds))
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-             for _ in range(processes)]
-    shares = []
-    for p in procs:
-        out, _ = p.communicate(timeout=seconds * 20 + 30)
-        shares.append(float(out.strip()))
-    return min(statistics.median(shares), 1.0)
-
-
-def with_cpu_share(cluster: Cluster, share: float) -> Cluster:
-    """`cluster` (calibrated) rescaled to the machine's load now, where measure_cpu_share gives
-    `share` (it gave calibration.probe_share right before the calibration): compute rates times
-    share / probe_share, fixed compute costs divided by it. Communication fits are kept (they
-    were measured as they are, waits included)."""
-    m = dict(cluster.measurements)
-    old = m.get("calibration.probe_share")
-    if not isinstance(old, (int, float)) or not 0 < share <= 1:
-        raise ValueError(f"with_cpu_share needs a calibrated cluster (calibration.probe_share) and "
-                         f"0 < share <= 1, got {cluster.name!r} and {share!r}")
-    ratio = share / old
-    for k, v in list(m.items()):
-        if k.startswith(("fit.overhead.", "fit.call.")) or k == "fit.eff.kernel_overhead":
-            m[k] = v / ratio
-    m["calibration.probe_share"] = share
-    d = cluster.device
-    device = dataclasses.replace(d, peak_flops={k: v * ratio for k, v in d.peak_flops},
-                                 memory_bandwidth=d.memory_bandwidth * ratio)
-    return dataclasses.replace(cluster, device=device, measurements=m)

@@ -8,8 +8,8 @@ the contention of W busy processes on this machine:
 
 1. compute: the per-kind op and layer timings of cost_models.calibrate_ops, and the
    peak fp32 GEMM rate and copy bandwidth of cost_models.local_machine, and the
-   share of a core the busy rank got (process CPU time / wall time: below 1
-   when other processes load the machine);
+   share of a core a rank gets while it computes in a training step's rhythm
+   (run_like_share: below 1 when other processes load the machine);
 2. communication through the runtime's own communicator (runtime.comm:
    torch.distributed gloo/NCCL, or MPI): all-reduce, all-gather,
    reduce-scatter and broadcast over the group of ranks 0..g-1 for every
@@ -126,6 +126,39 @@ def measure_comm(comm, world: int, sizes, trials: int, device, progress) -> list
     return rows
 
 
+def run_like_share(comm, seconds: float) -> float:
+    """The share of a core this rank gets while it computes, in a run's rhythm.
+
+    The op timings are medians of unpreempted runs; a step is not. On a machine with
+    more runnable processes than cores a rank computes at a fraction of a core, and
+    the fraction depends on its rhythm (the scheduler favours processes that wake from
+    waits), so this loop has a training step's: a layer's forward and backward, then
+    a small all-reduce with the other ranks. CPU time over wall time of the compute
+    segments only (the waits are not compute).
+    """
+    import torch
+
+    from cost_models.calibrate_ops import _block_case
+
+    build, _ = _block_case()
+    fwd, grad_of = build(4)
+    group = comm.group(range(comm.world_size))
+    flag = torch.zeros(1)
+    cpu = wall = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        c0, w0 = time.process_time(), time.perf_counter()
+        y = fwd()
+        torch.autograd.backward(y, grad_of(y))
+        cpu += time.process_time() - c0
+        wall += time.perf_counter() - w0
+        flag[0] = 1.0 if time.perf_counter() > deadline else 0.0
+        group.all_reduce(flag)  # every rank stops after the same round
+        if flag[0] > 0:
+            break
+    return min(cpu / wall, 1.0) if wall > 0 else 1.0
+
+
 def _fmt(n: int) -> str:
     for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
@@ -160,17 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         comm.barrier()
         progress(f"compute, per op kind ({args.world} ranks at once, 1 thread each):")
-        cpu0, wall0 = time.process_time(), time.perf_counter()
         ops = time_op_kinds(quick=not args.full, progress=progress)
         block = time_block(quick=not args.full)
         progress(f"  a layer of alternating kinds: forward {block[0] * 1e6:.1f} us, backward {block[1] * 1e6:.1f} us; "
                  f"fixed cost per call {block[2] * 1e6:.1f} / {block[3] * 1e6:.1f} us")
         comm.barrier()
         peak, bandwidth = _measure_compute_and_memory()
-        # The share of a core this busy rank got: below 1 when the machine runs more
-        # busy processes than it has cores (the medians above are of unpreempted ops).
-        share = min((time.process_time() - cpu0) / (time.perf_counter() - wall0), 1.0)
-        progress(f"  CPU share of a busy rank: {share:.2f}")
+        comm.barrier()
+        share = run_like_share(comm, 1.0 if args.full else 0.5)
+        progress(f"  CPU share of a rank while it computes between collectives: {share:.2f}")
         progress(f"  peak fp32 GEMM {peak / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s per rank")
         comm.barrier()
         progress(f"communication ({args.backend}):")

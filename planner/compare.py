@@ -147,12 +147,27 @@ def predicted_costs(build: str | Path, cluster: "Cluster"):
     mode = "all" if plan.config.tensor > 1 and \
         Evaluator(graph, cluster, sharding="all").node_roles(config) == dict(plan.shardings) else "ilp"
     pred = Evaluator(graph, cluster, sharding=mode).evaluate(config, plan.global_batch_size)
-    pred = for_runtime(pred, plan.config, train.get("optimizer") or {}, cluster)
+    pred = for_runtime(pred, plan.config, train.get("optimizer") or {}, cluster, _largest_weights(graph, plan))
     return dataclasses.replace(plan, cluster=cluster, prediction=pred), pred, ComputeCosts.from_prediction(pred, cluster), \
         progs, cluster
 
 
-def for_runtime(pred, config, optimizer: dict, cluster):
+def _largest_weights(graph, plan) -> dict[int, float]:
+    """Stage index -> bytes of its largest parameter tensor on one rank (fp32; a node's
+    parameters, split by the tensor degree where the plan shards the node)."""
+    nodes = {n.name: n for n in graph.nodes}
+    layers = {layer.name: layer for layer in graph.layers}
+    sharded = dict(plan.shardings)
+    t = plan.config.tensor
+    out = {}
+    for st in plan.stages:
+        sizes = [nodes[name].param_count * 4 / (t if name in sharded else 1)
+                 for lname in st.layers for name in layers[lname].nodes]
+        out[st.index] = max(sizes, default=0.0)
+    return out
+
+
+def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int, float] | None = None):
     """The prediction for what meshplan's runtime does, not the planner's generic model:
 
     - the optimizer step's time from the bytes the build's optimizer moves (fp32, no ZeRO);
@@ -161,7 +176,9 @@ def for_runtime(pred, config, optimizer: dict, cluster):
       one fp32 buffer per parameter, AdamW: two), where the planner assumes Adam;
     - no copy of the gradients for the data-parallel sync: the runtime all-reduces its
       flat gradient buckets in place (the gradients are views into them), where the
-      planner assumes DDP's two bucket-sized copies.
+      planner assumes DDP's two bucket-sized copies;
+    - a weight's gradient is computed into a fresh tensor and then added into its bucket
+      (or its .grad), so the largest weight of a stage is a temporary too.
     """
     from cost_models.calibrated import calibrated_efficiency
     from cost_models.compute import Efficiency
@@ -181,7 +198,9 @@ def for_runtime(pred, config, optimizer: dict, cluster):
         if config.data > 1 and config.zero <= 1:
             changes["comm_buffers"] = max(mem.comm_buffers - 2 * min(GRAD_BUCKET_BYTES, mem.gradients), 0.0)
         return dataclasses.replace(mem, **changes)
-    stages = tuple(dataclasses.replace(s, memory=fix(s.memory)) for s in pred.stages)
+    largest = largest_weight or {}
+    stages = tuple(dataclasses.replace(s, memory=dataclasses.replace(
+        fix(s.memory), temporary=max(s.memory.temporary, largest.get(s.index, 0.0)))) for s in pred.stages)
     time = pred.time
     if key in _STEP_BYTES_PER_PARAM and config.dtype == "fp32" and config.zero == 0:
         eff = calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from cost_models.calibrate import build_cluster, fit_alpha_beta, for_world, with_cpu_share
+from cost_models.calibrate import build_cluster, fit_alpha_beta, for_world
 from cost_models.calibrate_ops import BLOCK, KINDS, OpTiming, fit_compute
 from cost_models.calibrated import call_overheads, calibrated_efficiency, fitted_collective
 from cost_models.comm import collective_time
@@ -92,17 +92,6 @@ def test_uncalibrated_clusters_are_unchanged():
     assert calibrated_efficiency(cl) is None and fitted_collective(cl, "all_reduce", 2) is None
     assert call_overheads(cl) == (0.0, 0.0)
     assert collective_time(cl, "all_reduce", 1 << 20, [0, 1]).algorithm in ("ring", "tree")
-
-
-def test_with_cpu_share_rescales_compute_only():
-    cl = build_cluster(_results())
-    cl = dataclasses.replace(cl, measurements={**dict(cl.measurements), "calibration.probe_share": 0.5})
-    half = with_cpu_share(cl, 0.25)
-    assert half.device.peak("fp32") == pytest.approx(cl.device.peak("fp32") / 2)
-    assert call_overheads(half)[0] == pytest.approx(2 * call_overheads(cl)[0])
-    assert fitted_collective(half, "p2p", 2) == fitted_collective(cl, "p2p", 2)
-    with pytest.raises(ValueError, match="probe_share"):
-        with_cpu_share(Cluster.preset("dgx-a100-80gb"), 0.5)
 
 
 def test_kind_overheads_replace_kernel_overhead_and_price_views():
