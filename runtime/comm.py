@@ -482,7 +482,12 @@ class _MpiGroup:
 
     def all_gather(self, output, tensor, async_op=False):
         src = tensor.clone() if tensor.data_ptr() == output.data_ptr() else tensor
-        return self._run(self._c.Iallgather(_np(src), _np(output)), "all_gather", async_op)
+        # Gather into a buffer of our own and copy out on completion: handing `output` to numpy
+        # would mark its storage non-resizable for good, and ZeRO-3 frees and re-grows the
+        # parameter storage it gathers into between uses.
+        staging = torch.empty_like(output)
+        return self._run(self._c.Iallgather(_np(src), _np(staging)), "all_gather", async_op,
+                         after=lambda: output.copy_(staging))
 
     def reduce_scatter(self, output, tensor, async_op=False):
         from mpi4py import MPI

@@ -19,14 +19,25 @@ def builds(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(builds):
-    results = run_many(list(builds.values()), steps=3, backend="mpi", timeout=60, verify=True)
-    return dict(zip(builds, results))
+def zero3_build(tmp_path_factory):
+    return emit_case(tmp_path_factory.mktemp("mpi_zero3"), "mlp", "d4_zero3", dict(data=4, zero=3))
+
+
+@pytest.fixture(scope="module")
+def runs(builds, zero3_build):
+    names = [*builds, "mlp_zero3"]
+    results = run_many([*builds.values(), zero3_build], steps=3, backend="mpi", timeout=60, verify=True)
+    return dict(zip(names, results))
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_mpi_data_and_pipeline_equal_single_process(runs, model):
     assert_exact(runs[model], f"{model} d2 p2 over MPI")
+
+
+def test_mpi_zero3_frees_and_regathers_parameters(runs):
+    """ZeRO-3 resizes parameter storage between uses: MPI must move tensors without pinning it."""
+    assert_exact(runs["mlp_zero3"], "mlp d4 ZeRO-3 over MPI")
 
 
 def test_generated_mpirun_launcher_trains(builds):
