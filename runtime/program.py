@@ -30,7 +30,7 @@ latest point it may start. `nbytes` is the payload this rank sends or
 reduces (the full buffer for collectives), for the simulator.
 
 Mesh: axes outermost first (pipe, data, tensor); ranks are laid out
-row-major with the last axis fastest, as cost_models.comm.axis_groups does.
+row-major with the last axis fastest, as cost_models.mesh_axes.axis_groups does.
 Besides the mesh axes, a collective may name the derived axis "pair" (GEMS
 bi-directional pipelines): the ranks at pipeline positions i and p-1-i, across
 every data coordinate, with the same other coordinates.
@@ -292,7 +292,7 @@ class Program:
         return cls.from_json(text)
 
 
-# ---- mesh helpers (the same layout as cost_models.comm.axis_groups) -------------
+# ---- mesh helpers (the same layout as cost_models.mesh_axes.axis_groups) -------------
 
 
 def rank_of(mesh: Iterable[tuple[str, int]], coords: Iterable[int]) -> int:
