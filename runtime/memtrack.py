@@ -49,13 +49,15 @@ class LiveBytes(TorchDispatchMode):
         self._seen: dict[int, int] = {}   # storage data_ptr -> bytes
 
     def track(self, t: torch.Tensor) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_meta:
+        # Plain tensors and parameters only: subclasses such as FakeTensor or FunctionalTensor
+        # (left alive by tracing) claim a device but own no memory.
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu" or t.is_meta:
             return
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse or other storage-less tensors
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # sparse, fake (left by tracing) and other storage-less tensors
             return
-        key, nbytes = storage.data_ptr(), storage.nbytes()
         if nbytes == 0 or key in self._seen:
             return
         self._seen[key] = nbytes

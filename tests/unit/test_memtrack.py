@@ -39,3 +39,17 @@ def test_step_peak_counts_existing_tensors_and_a_training_step():
     assert mem.baseline >= params + x.numel() * 4
     assert mem.peak - mem.baseline >= MiB                  # the temporary was seen
     assert mem.peak - mem.baseline < MiB + 2 * params + 200 * 1024
+
+
+def test_fake_tensors_left_by_tracing_are_not_counted():
+    """FakeTensors (from torch.export / FakeTensorMode) report the CPU device but have no data:
+    track_existing walks every live tensor and must skip them, not fail."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = torch.empty(1000)
+    counter = LiveBytes()
+    counter.track(fake)
+    assert counter.live == 0
+    counter.track_existing()  # `fake` is alive here, found through the garbage collector
+    del mode
