@@ -1,10 +1,11 @@
 """How well meshplan predicts what its runtime does on this machine: step time and peak memory.
 
-    python benchmarks/accuracy.py [--steps 8] [--full] [--out /tmp/meshplan-accuracy] [--pictures]
+    python benchmarks/accuracy.py [--steps 8] [--full] [--calibrate-once] [--out DIR] [--pictures]
 
 1. Calibrates this machine (cost_models/calibrate.py: 2 rank processes, one
-   thread each), right before the runs, so calibration and runs share the
-   machine's load of the moment (the load average is printed before and after).
+   thread each) right before each run (or once, --calibrate-once), so that
+   calibration and run share the machine's load of the moment (the load
+   average is printed as it goes).
 2. Builds a suite of 2-rank plans: data, tensor and pipeline (1F1B) parallelism,
    and bidirectional (GEMS) when the runtime runs it
    (planner.capabilities.MESHPLAN_RUNTIME.bidirectional); each for an MLP and
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="mlp,gpt", help="comma-separated, from " + ", ".join(MODELS))
     ap.add_argument("--out", default=None, help="where builds and the cluster file go (default: a temp dir)")
     ap.add_argument("--pictures", action="store_true", help="draw predicted vs measured schedules per case")
+    ap.add_argument("--calibrate-once", dest="calibrate_each", action="store_false",
+                    help="calibrate once before all runs (default: again right before each run)")
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"  # the rank processes and the calibration ranks alike
     from cost_models.calibrate import calibrate
@@ -100,11 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     # One launch per build: a process that ran another build first still holds some of its
     # tensors, which would count in this build's memory.
-    results = []
-    for _, _, path in cases:
+    # With --calibrate-each (the default) the machine is calibrated again right before every
+    # run: on a shared machine the load drifts by the minute, and a step's time follows it.
+    results, clusters = [], []
+    for k, (_, _, path) in enumerate(cases):
+        if args.calibrate_each and k > 0:
+            cluster = calibrate(2, quick=not args.full, progress=None)
+        clusters.append(cluster)
+        cluster.save(path / "cluster.yaml")
         results.append(run_local(path, steps=args.steps, backend="gloo", timeout=120.0,
                                  extra_args=["--track-memory"]))
-        print(f"  ran {path.name}; {_load()}", flush=True)
+        print(f"  ran {path.name} (CPU share at its calibration "
+              f"{dict(cluster.measurements)['fit.cpu_share']:.2f}); {_load()}", flush=True)
     print(f"ran {len(cases)} builds x {args.steps} steps in {time.perf_counter() - t1:.1f} s; after: {_load()}")
     bad = [(c, r) for c, r in zip(cases, results) if r.returncode != 0]
     if bad:
@@ -112,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows, step_errs, mem_errs = [], [], []
     print(f"\n{'case':<22}{'measured ms':>12}{'predicted ms':>13}{'error':>8}{'worst kind':>22}{'memory err':>12}")
-    for model, name, path in cases:
-        cmp, predicted, measured, plan = compare_build(path, cluster)
+    for (model, name, path), case_cluster in zip(cases, clusters):
+        cmp, predicted, measured, plan = compare_build(path, case_cluster)
         step_errs.append(abs(cmp.step_error))
         mem = [m.error for m in cmp.memory if m.error is not None]
         mem_errs += [abs(e) for e in mem]
@@ -131,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if mem_errs:
         print(f"peak memory error: median {statistics.median(mem_errs):.1%}, worst {max(mem_errs):.1%} "
               f"over {len(mem_errs)} ranks (target: within 10%)")
-    print(f"details: python -m planner.cli compare {out}/<case> --cluster {out / 'cluster.yaml'}")
+    print(f"details: python -m planner.cli compare {out}/<case> --cluster {out}/<case>/cluster.yaml")
     return 0
 
 

@@ -21,8 +21,10 @@ module fits the constants and builds the Cluster:
   of one stage forward / backward call (fit.call.*, used by the simulator);
 - communication (fit.comm.<op>.g<size>.alpha/.beta): `alpha + beta * n`
   least-squares fitted to each op and group size, weighting every size by its
-  relative error (small and large messages count alike); the links are the
-  p2p fit (latency alpha, bandwidth 1 / beta);
+  relative error (small and large messages count alike), plus fit.comm.wake
+  in alpha: how much longer a small all-reduce takes right after computing
+  than back to back (waiting for the slower rank and for the wake-up on a
+  loaded machine); the links are the p2p fit (latency alpha, bandwidth 1 / beta);
 - raw.*: every measured number, so a fit can be checked or redone.
 
 The planner and the simulator read the fits back through cost_models/calibrated.py.
@@ -176,9 +178,17 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
     for op, g, n, t in comm_rows:
         m[f"raw.comm.{op}.g{g}.{n}"] = t
         points[(op, g)].append((n, t))
+    # A blocking transfer in a step comes right after computing: it waits for the slower rank
+    # and for its own wake-up, which back-to-back transfers hide. The measured excess of an
+    # 8-byte all-reduce after compute over the back-to-back one is added to every alpha.
+    sync = statistics.median(r["sync_all_reduce"] for r in results)
+    m["raw.sync.all_reduce.g2.8"] = sync
+    back_to_back = sorted((n, t) for op, g, n, t in comm_rows if op == "all_reduce" and g == 2)
+    wake = max(sync - back_to_back[0][1], 0.0) if back_to_back else 0.0
+    m["fit.comm.wake"] = wake
     for (op, g), pts in sorted(points.items()):
         a, b = fit_alpha_beta(pts)
-        m[f"fit.comm.{op}.g{g}.alpha"] = a
+        m[f"fit.comm.{op}.g{g}.alpha"] = a + wake
         m[f"fit.comm.{op}.g{g}.beta"] = b
     if ("p2p", 2) not in points:
         raise CalibrationError("the calibration measured no p2p transfers; run it again")

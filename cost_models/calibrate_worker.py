@@ -17,7 +17,7 @@ the contention of W busy processes on this machine:
    message sizes. Each figure is the median over rounds of a few back-to-back
    operations (each waited before the next), seconds per operation.
 
-Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "cpu_share", "peak_flops", "memory_bandwidth",
+Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "cpu_share", "sync_all_reduce", "peak_flops", "memory_bandwidth",
 "comm": [[op, group_size, nbytes, seconds], ...]} (communication only on rank 0).
 """
 
@@ -126,15 +126,17 @@ def measure_comm(comm, world: int, sizes, trials: int, device, progress) -> list
     return rows
 
 
-def run_like_share(comm, seconds: float) -> float:
-    """The share of a core this rank gets while it computes, in a run's rhythm.
+def run_like_share(comm, seconds: float) -> tuple[float, float]:
+    """(share, sync) in a run's rhythm: the share of a core this rank gets while it computes,
+    and the median seconds of a small all-reduce right after computing.
 
     The op timings are medians of unpreempted runs; a step is not. On a machine with
     more runnable processes than cores a rank computes at a fraction of a core, and
     the fraction depends on its rhythm (the scheduler favours processes that wake from
     waits), so this loop has a training step's: a layer's forward and backward, then
     a small all-reduce with the other ranks. CPU time over wall time of the compute
-    segments only (the waits are not compute).
+    segments only (the waits are not compute). The all-reduce after compute waits for the
+    slower rank and for this rank's wake-up, which back-to-back collectives do not show.
     """
     import torch
 
@@ -145,6 +147,7 @@ def run_like_share(comm, seconds: float) -> float:
     group = comm.group(range(comm.world_size))
     flag = torch.zeros(1)
     cpu = wall = 0.0
+    waits = []
     deadline = time.perf_counter() + seconds
     while True:
         c0, w0 = time.process_time(), time.perf_counter()
@@ -153,10 +156,12 @@ def run_like_share(comm, seconds: float) -> float:
         cpu += time.process_time() - c0
         wall += time.perf_counter() - w0
         flag[0] = 1.0 if time.perf_counter() > deadline else 0.0
+        w1 = time.perf_counter()
         group.all_reduce(flag)  # every rank stops after the same round
+        waits.append(time.perf_counter() - w1)
         if flag[0] > 0:
             break
-    return min(cpu / wall, 1.0) if wall > 0 else 1.0
+    return (min(cpu / wall, 1.0) if wall > 0 else 1.0), statistics.median(waits)
 
 
 def _fmt(n: int) -> str:
@@ -200,14 +205,15 @@ def main(argv: list[str] | None = None) -> int:
         comm.barrier()
         peak, bandwidth = _measure_compute_and_memory()
         comm.barrier()
-        share = run_like_share(comm, 1.0 if args.full else 0.5)
-        progress(f"  CPU share of a rank while it computes between collectives: {share:.2f}")
+        share, sync = run_like_share(comm, 1.0 if args.full else 0.5)
+        progress(f"  CPU share of a rank while it computes between collectives: {share:.2f}; "
+                 f"an 8-byte all-reduce after computing: {sync * 1e6:.0f} us")
         progress(f"  peak fp32 GEMM {peak / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s per rank")
         comm.barrier()
         progress(f"communication ({args.backend}):")
         rows = measure_comm(comm, args.world, FULL_SIZES if args.full else QUICK_SIZES, 25 if args.full else 9,
                             device, progress)
-        out = {"rank": rank, "ops": [dataclasses.asdict(t) for t in ops], "block": list(block), "cpu_share": share, "peak_flops": peak,
+        out = {"rank": rank, "ops": [dataclasses.asdict(t) for t in ops], "block": list(block), "cpu_share": share, "sync_all_reduce": sync, "peak_flops": peak,
                "memory_bandwidth": bandwidth, "comm": rows}
         Path(args.out, f"calib_rank_{rank:04d}.json").write_text(json.dumps(out))
         comm.barrier()
