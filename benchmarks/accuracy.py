@@ -60,19 +60,21 @@ def build_suite(out: Path, cluster, models: list[str]) -> list[tuple[str, str, P
     cases = []
     for model in models:
         ref, kw = MODELS[model]
-        graph = capture_ref(str(ROOT / ref.split(":")[0]) + ":" + ref.split(":")[1], kw, batch_size=MICRO_BATCH)
+        path, factory = ref.split(":")
+        ref = f"{ROOT / path}:{factory}"  # absolute: the builds run from their own directories
+        graph = capture_ref(ref, kw, batch_size=MICRO_BATCH)
         for name, fields in CONFIGS.items():
             if fields.get("bidirectional") and not MESHPLAN_RUNTIME.bidirectional:
                 if model == models[0]:
-                    print(f"  skipped: bidirectional, because planner.capabilities.MESHPLAN_RUNTIME.bidirectional "
+                    print("  skipped: bidirectional, because planner.capabilities.MESHPLAN_RUNTIME.bidirectional "
                           "is False (the runtime does not run GEMS pipelines yet)")
                 continue
             cfg = planner.ParallelConfig(micro_batch_size=MICRO_BATCH, dtype="fp32", **fields)
             plan = make_fixed_plan(graph, cluster, cfg, GLOBAL_BATCH)
-            path = emit(plan, str(ROOT / ref.split(":")[0]) + ":" + ref.split(":")[1], None, out / f"{model}_{name}",
+            build = emit(plan, ref, None, out / f"{model}_{name}",
                         model_kwargs=kw, graph=graph, optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9},
                         bucket_bytes=1 << 20).path
-            cases.append((model, name, path))
+            cases.append((model, name, build))
     return cases
 
 

@@ -44,7 +44,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
-from cost_models.calibrate_ops import KINDS, OpTiming, fit_compute
+from cost_models.calibrate_ops import OpTiming, fit_compute
 from cost_models.hardware import Cluster, Device, Link
 
 
@@ -215,7 +215,7 @@ def calibrate(ranks: int | None = None, *, quick: bool = True, backend: str = "g
         raise CalibrationError("NCCL calibration needs the op timings on the GPU, which calibrate does not "
                                "measure yet; use --backend gloo or mpi")
     n = ranks if ranks is not None else max(local_machine._usable_cpus(), 2)
-    if KINDS and progress:
+    if progress:
         progress(f"calibrating with {n} rank processes ({'quick' if quick else 'full'}, {backend}) ...")
     t0 = time.perf_counter()
     results = run_workers(n, quick=quick, backend=backend, timeout=timeout, progress=progress)
