@@ -25,6 +25,9 @@ module fits the constants and builds the Cluster:
   in alpha: how much longer a small all-reduce takes right after computing
   than back to back (waiting for the slower rank and for the wake-up on a
   loaded machine); the links are the p2p fit (latency alpha, bandwidth 1 / beta);
+  collectives are priced from the measured table itself (means per call, see
+  calibrated.measured_collective); fit.comm.overlap_hidden: the share of an
+  asynchronous all-reduce that compute running at the same time hides;
 - raw.*: every measured number, so a fit can be checked or redone.
 
 The planner and the simulator read the fits back through cost_models/calibrated.py.
@@ -186,6 +189,14 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
     back_to_back = sorted((n, t) for op, g, n, t in comm_rows if op == "all_reduce" and g == 2)
     wake = max(sync - back_to_back[0][1], 0.0) if back_to_back else 0.0
     m["fit.comm.wake"] = wake
+    # How much of an asynchronous all-reduce the compute running meanwhile hides (the
+    # communicator's threads compete with it for the cores): the simulator charges the rest
+    # of an overlapped gradient collective to the backward it overlaps.
+    overlaps = [r["overlap"] for r in results if r.get("overlap")]
+    if overlaps:
+        m["fit.comm.overlap_hidden"] = statistics.median(o[0] for o in overlaps)
+        for i, what in enumerate(("hidden", "compute", "all_reduce", "overlapped")):
+            m[f"raw.overlap.{what}"] = statistics.median(o[i] for o in overlaps)
     for (op, g), pts in sorted(points.items()):
         a, b = fit_alpha_beta(pts)
         m[f"fit.comm.{op}.g{g}.alpha"] = a + wake

@@ -14,10 +14,14 @@ the contention of W busy processes on this machine:
    torch.distributed gloo/NCCL, or MPI): all-reduce, all-gather,
    reduce-scatter and broadcast over the group of ranks 0..g-1 for every
    group size g, and p2p ping-pong between ranks 0 and 1, over a range of
-   message sizes. Each figure is the median over rounds of a few back-to-back
-   operations (each waited before the next), seconds per operation.
+   message sizes. Each figure is the mean over all the rounds' back-to-back
+   operations (each waited before the next), seconds per operation: on gloo
+   over loopback a call's time is bimodal (about half of the 1 KiB - 1 MiB
+   all-reduces take ~4 ms instead of ~0.4 ms on a 2-core machine), and a step
+   pays the sum of its calls, so the mean is what a run pays, not the median.
 
-Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "cpu_share", "sync_all_reduce", "peak_flops", "memory_bandwidth",
+Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "cpu_share", "sync_all_reduce",
+"overlap": [hidden, compute s, all-reduce s, overlapped s] (overlap_hidden), "peak_flops", "memory_bandwidth",
 "comm": [[op, group_size, nbytes, seconds], ...]} (communication only on rank 0).
 """
 
@@ -91,7 +95,8 @@ def measure_comm(comm, world: int, sizes, trials: int, device, progress) -> list
 
     Per op and group size, `trials` rounds each time every message size once (a few
     back-to-back operations, each waited before the next), so that a change in the
-    machine's load touches every size alike; the figure is the median over rounds.
+    machine's load touches every size alike; the figure is the mean over rounds (the
+    expected cost of one call, which is what a sum of calls in a step adds up to).
     """
     import torch
 
@@ -118,7 +123,7 @@ def measure_comm(comm, world: int, sizes, trials: int, device, progress) -> list
                         times[n].append((time.perf_counter() - t0) / repeat)
                 if comm.rank == 0:
                     for n in sizes:
-                        t = statistics.median(times[n])
+                        t = statistics.mean(times[n])
                         rows.append([op, g, n, t / 2 if op == "p2p" else t])
                     got = [r for r in rows if r[0] == op and r[1] == g]
                     progress(f"  {op:14s} group {g}: " + ", ".join(f"{_fmt(n)} {t * 1e6:.0f} us" for _, _, n, t in got))
@@ -162,6 +167,60 @@ def run_like_share(comm, seconds: float) -> tuple[float, float]:
         if flag[0] > 0:
             break
     return (min(cpu / wall, 1.0) if wall > 0 else 1.0), statistics.median(waits)
+
+
+def overlap_hidden(comm, device, nbytes: int = 1 << 20, rounds: int = 12) -> tuple[float, float, float, float]:
+    """(hidden, compute s, all-reduce s, overlapped s): how much of an asynchronous all-reduce
+    of `nbytes` over all ranks a compute running meanwhile hides, as the runtime overlaps the
+    gradient all-reduces with the backward.
+
+    On a machine with as many ranks as cores the communicator's threads compete with the
+    compute for the cores, so the overlapped total is more than max(compute, all-reduce).
+    hidden = (compute + all-reduce - overlapped) / all-reduce, clamped to [0, 1] (1: free
+    overlap). The compute is a layer's forward and backward repeated to last about three
+    all-reduces; each figure is a mean over `rounds` (every rank starts together).
+    """
+    import math
+
+    import torch
+
+    from cost_models.calibrate_ops import _block_case
+
+    build, _ = _block_case()
+    fwd, grad_of = build(4)
+    group = comm.group(range(comm.world_size))
+    buf = torch.ones(max(nbytes // 4, 1), device=device)
+
+    def layer() -> None:
+        y = fwd()
+        torch.autograd.backward(y, grad_of(y))
+
+    def mean_time(f) -> float:
+        ts = []
+        for _ in range(rounds):
+            group.all_reduce(torch.zeros(1, device=device))  # start together
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        return statistics.mean(ts)
+    one = mean_time(layer)
+    reduce_s = mean_time(lambda: group.all_reduce(buf, async_op=True).wait())
+    # every rank must repeat the layer equally often: agree on the largest count
+    count = torch.tensor([float(max(1, math.ceil(3 * reduce_s / max(one, 1e-9))))])
+    group.all_reduce(count)  # sum over ranks; the same on every rank
+    k = int(count.item())
+
+    def compute() -> None:
+        for _ in range(k):
+            layer()
+
+    def both() -> None:
+        h = group.all_reduce(buf, async_op=True)
+        compute()
+        h.wait()
+    compute_s, overlapped_s = mean_time(compute), mean_time(both)
+    hidden = (compute_s + reduce_s - overlapped_s) / reduce_s if reduce_s > 0 else 1.0
+    return min(max(hidden, 0.0), 1.0), compute_s, reduce_s, overlapped_s
 
 
 def _fmt(n: int) -> str:
@@ -208,12 +267,16 @@ def main(argv: list[str] | None = None) -> int:
         share, sync = run_like_share(comm, 1.0 if args.full else 0.5)
         progress(f"  CPU share of a rank while it computes between collectives: {share:.2f}; "
                  f"an 8-byte all-reduce after computing: {sync * 1e6:.0f} us")
+        hidden = overlap_hidden(comm, device)
+        progress(f"  an asynchronous 1 MiB all-reduce ({hidden[2] * 1e3:.2f} ms) under {hidden[1] * 1e3:.2f} ms of compute: "
+                 f"{hidden[3] * 1e3:.2f} ms together, {hidden[0]:.0%} of it hidden")
         progress(f"  peak fp32 GEMM {peak / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s per rank")
         comm.barrier()
         progress(f"communication ({args.backend}):")
         rows = measure_comm(comm, args.world, FULL_SIZES if args.full else QUICK_SIZES, 25 if args.full else 9,
                             device, progress)
-        out = {"rank": rank, "ops": [dataclasses.asdict(t) for t in ops], "block": list(block), "cpu_share": share, "sync_all_reduce": sync, "peak_flops": peak,
+        out = {"rank": rank, "ops": [dataclasses.asdict(t) for t in ops], "block": list(block), "cpu_share": share, "sync_all_reduce": sync,
+               "overlap": list(hidden), "peak_flops": peak,
                "memory_bandwidth": bandwidth, "comm": rows}
         Path(args.out, f"calib_rank_{rank:04d}.json").write_text(json.dumps(out))
         comm.barrier()

@@ -10,6 +10,15 @@ new section and an old meshplan still loads it:
     fit.call.forward / .backward                       s per stage forward / backward call (simulator)
     fit.comm.<op>.g<size>.alpha / .beta                s and s/byte: one `op` over a group of
                                                        `size` ranks of one node costs alpha + beta * n
+    raw.comm.<op>.g<size>.<n>                          s: the measured mean of one such `op` of n bytes
+    fit.comm.overlap_hidden                            share (0..1) of an asynchronous collective that
+                                                       compute running meanwhile hides (simulator)
+
+A collective's time is the measured table interpolated piecewise-linearly in the
+message size (:func:`measured_collective`), plus fit.comm.wake: on gloo over
+loopback the time of a call is not affine in n (1 KiB - 64 KiB all-reduces cost
+several times an 8-byte one and as much as 1 MiB), which a single alpha + beta n
+cannot follow. Past the largest measured size the fitted beta extends the table.
 
 The cost models use them through :func:`calibrated_efficiency` (planner.evaluate's
 default Efficiency) and :func:`fitted_collective` (cost_models.comm.collective_time).
@@ -18,6 +27,7 @@ Both are cached per measurements table, since the search asks thousands of times
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 from cost_models.compute import Efficiency
@@ -56,7 +66,51 @@ def fitted_collective(cluster, op: str, group_size: int) -> tuple[float, float] 
     return None if a is None or b is None else (a, b)
 
 
+def measured_collective(cluster, op: str, group_size: int, nbytes: float) -> float | None:
+    """Seconds of one `op` of `nbytes` over `group_size` ranks of one node, read off the measured
+    table (raw.comm.*), or None when the cluster has no table with two sizes for it.
+
+    Linear between neighbouring measured sizes, the smallest size's time below it, the largest
+    size's time plus fit beta per extra byte above it; plus fit.comm.wake (the delay of a
+    transfer issued right after computing, cost_models/calibrate.py)."""
+    table = _tables(cluster.measurements).get((op, group_size))
+    if table is None or len(table) < 2:
+        return None
+    fits = _fits(cluster.measurements)
+    wake = fits.get("comm.wake", 0.0)
+    sizes = [n for n, _ in table]
+    if nbytes <= sizes[0]:
+        return table[0][1] + wake
+    if nbytes >= sizes[-1]:
+        beta = fits.get(f"comm.{op}.g{group_size}.beta", 0.0)
+        return table[-1][1] + beta * (nbytes - sizes[-1]) + wake
+    i = bisect.bisect_right(sizes, nbytes)
+    (n0, t0), (n1, t1) = table[i - 1], table[i]
+    return t0 + (t1 - t0) * (nbytes - n0) / (n1 - n0) + wake
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(measurements: tuple[tuple[str, object], ...]) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    """{(op, group size): [(n bytes, s), ...] sorted by n} from the raw.comm.<op>.g<size>.<n> entries."""
+    out: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for k, v in measurements:
+        parts = k.split(".")
+        if len(parts) == 5 and parts[:2] == ["raw", "comm"] and parts[3][:1] == "g" and isinstance(v, (int, float)):
+            try:
+                key, n = (parts[2], int(parts[3][1:])), float(parts[4])
+            except ValueError:
+                continue
+            out.setdefault(key, []).append((n, float(v)))
+    return {key: sorted(pts) for key, pts in out.items()}
+
+
 def call_overheads(cluster) -> tuple[float, float]:
     """(forward s, backward s) of fixed cost per stage forward / backward call; (0, 0) if not calibrated."""
     fits = _fits(cluster.measurements)
     return fits.get("call.forward", 0.0), fits.get("call.backward", 0.0)
+
+
+def overlap_hidden(cluster) -> float:
+    """Share (0..1) of an asynchronous collective's time hidden by compute running meanwhile;
+    1 (free overlap) when the cluster was not calibrated."""
+    return min(max(_fits(cluster.measurements).get("comm.overlap_hidden", 1.0), 0.0), 1.0)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from cost_models.calibrated import fitted_collective
+from cost_models.calibrated import fitted_collective, measured_collective
 from cost_models.hardware import Cluster, Link
 
 # --- achievable-bandwidth efficiencies ---------------------------------------------------
@@ -586,10 +586,14 @@ def collective_time(
 
 def _measured(cluster: Cluster, op: str, nbytes: float, shape: _GroupShape,
               efficiency: Mapping[str, float] | None) -> CollectiveCost | None:
-    """The fitted alpha-beta cost when a calibrated cluster measured `op` at this group size
-    inside one node (cost_models/calibrated.py), else None (no efficiency override given)."""
+    """The measured cost when a calibrated cluster measured `op` at this group size inside one
+    node (cost_models/calibrated.py: its table interpolated, else its alpha-beta fit), else None
+    (no efficiency override given)."""
     if shape.spans_nodes or shape.size < 2 or efficiency is not None:
         return None
+    table = measured_collective(cluster, op, shape.size, nbytes) if nbytes else None
+    if table is not None:
+        return CollectiveCost(op, table, "measured", shape.size, False)
     fit = fitted_collective(cluster, op, shape.size)
     if fit is None:
         return None

@@ -7,7 +7,10 @@ its group has issued it and takes the communication model's time; WAIT
 blocks until its handle completes. Overlap is modelled where the runtime
 overlaps: gradient collectives placed right after a stage's last backward
 are issued from inside that backward as their buckets become ready (bucket j
-of n at (j + 1) / n of the way through it).
+of n at (j + 1) / n of the way through it); on a calibrated cluster the
+overlapped part of each, times the share the overlap does not hide
+(fit.comm.overlap_hidden: the communicator's threads compete with the compute
+for the cores), lengthens that backward.
 
 A set of Programs that can never finish (a RECV with no SEND, collectives
 issued in different orders) raises SimulationDeadlock naming every rank's
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cost_models.calibrated import call_overheads
+from cost_models.calibrated import call_overheads, overlap_hidden
 from cost_models.comm import collective_time
 from cost_models.hardware import Cluster
 from runtime.program import COLLECTIVE_OPS, Instr, Program
@@ -80,6 +83,7 @@ class _Rank:
     pending: dict[int, tuple] = field(default_factory=dict)      # handle -> match key
     last_backward: tuple[float, float, int] | None = None        # (start, end, stage)
     after_backward: int = 0                                      # grads collectives issued since it
+    backward_event: int = -1                                     # index in events of that backward
     events: list[Event] = field(default_factory=list)
     comm: list[tuple[int, int]] = field(default_factory=list)    # (event index, handle) of async events
 
@@ -146,6 +150,7 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
         st.events.append(Event(prog.rank, step, st.pc, name, ins.op, start, st.now))
         if ins.op == "B":
             st.last_backward, st.after_backward = (start, st.now, ins.stage), 0
+            st.backward_event = len(st.events) - 1
         else:
             st.last_backward = None
         return True
@@ -192,6 +197,8 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
         if key not in durations:
             durations[key] = collective_time(cluster, _COLLECTIVE_NAMES[ins.op], ins.nbytes, list(group)).seconds \
                 if ins.nbytes and len(group) > 1 else 0.0
+    if st.last_backward is not None and issue < st.last_backward[1]:
+        _charge_overlap(st, issue, durations[key], overlap_hidden(cluster))
     who = issued.setdefault(key, {})
     if prog.rank in who:
         raise ValueError(f"rank {prog.rank} #{st.pc}: {name} issued twice for the same transfer")
@@ -201,6 +208,18 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
     st.events.append(Event(prog.rank, step, st.pc, name, ins.op, issue, issue, track="comm"))
     st.comm.append((len(st.events) - 1, ins.handle))  # its end is known once every peer has issued
     return True
+
+
+def _charge_overlap(st: _Rank, issue: float, duration: float, hidden: float) -> None:
+    """A collective issued at `issue` inside the rank's last backward competes with it for the
+    cores: the part of its `duration` the backward overlaps, times (1 - hidden), is added to
+    that backward (hidden: the calibrated share the overlap hides, fit.comm.overlap_hidden)."""
+    if hidden >= 1.0 or duration <= 0.0:
+        return
+    extra = (1.0 - hidden) * (min(issue + duration, st.last_backward[1]) - issue)
+    st.now += extra
+    e = st.events[st.backward_event]
+    st.events[st.backward_event] = Event(e.rank, e.step, e.index, e.name, e.op, e.start, e.end + extra, e.track)
 
 
 def _grads_run_length(prog: Program, pc: int) -> int:

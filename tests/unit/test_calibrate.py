@@ -6,7 +6,7 @@ import pytest
 
 from cost_models.calibrate import build_cluster, fit_alpha_beta, for_world
 from cost_models.calibrate_ops import BLOCK, KINDS, OpTiming, fit_compute
-from cost_models.calibrated import call_overheads, calibrated_efficiency, fitted_collective
+from cost_models.calibrated import call_overheads, calibrated_efficiency, fitted_collective, overlap_hidden
 from cost_models.comm import collective_time
 from cost_models.compute import Efficiency, op_time
 from cost_models.hardware import Cluster
@@ -89,10 +89,32 @@ def test_calibrated_cluster_round_trips_and_prices_with_its_fits(tmp_path, suffi
     assert four.num_devices == 4 and collective_time(four, "all_reduce", 1024, [0, 1, 2, 3]).algorithm != "measured"
 
 
+def test_collectives_follow_the_measured_table_where_it_is_not_affine():
+    # gloo on loopback: 1 KiB - 128 KiB all-reduces cost as much as 1 MiB, far above alpha + beta n.
+    results = _results()
+    table = {8: 300e-6, 1024: 2e-3, 1 << 17: 2.2e-3, 1 << 20: 3e-3}
+    results[0]["comm"] = [r for r in results[0]["comm"] if r[0] != "all_reduce"] + \
+        [["all_reduce", 2, n, t] for n, t in table.items()]
+    results[0]["overlap"] = [0.4, 1e-2, 2e-3, 1.1e-2]
+    results[1]["overlap"] = [0.6, 1e-2, 2e-3, 1.1e-2]
+    cl = build_cluster(results)
+    wake = dict(cl.measurements)["fit.comm.wake"]
+    beta = fitted_collective(cl, "all_reduce", 2)[1]
+
+    def ar(n):
+        return collective_time(cl, "all_reduce", n, [0, 1]).seconds
+    assert ar(1024) == pytest.approx(2e-3 + wake) and ar(4) == pytest.approx(300e-6 + wake)
+    assert ar(516) == pytest.approx((300e-6 + 2e-3) / 2 + wake)           # halfway between 8 and 1024 bytes
+    assert ar(1 << 21) == pytest.approx(3e-3 + beta * (1 << 20) + wake)   # fitted beta past the table
+    assert ar(0) == 0.0
+    assert overlap_hidden(cl) == pytest.approx(0.5)                      # median over the ranks
+    assert dict(cl.measurements)["raw.overlap.overlapped"] == pytest.approx(1.1e-2)
+
+
 def test_uncalibrated_clusters_are_unchanged():
     cl = Cluster.preset("dgx-a100-80gb")
     assert calibrated_efficiency(cl) is None and fitted_collective(cl, "all_reduce", 2) is None
-    assert call_overheads(cl) == (0.0, 0.0)
+    assert call_overheads(cl) == (0.0, 0.0) and overlap_hidden(cl) == 1.0
     assert collective_time(cl, "all_reduce", 1 << 20, [0, 1]).algorithm in ("ring", "tree")
 
 

@@ -1,5 +1,7 @@
 """The Program simulator on hand-built Programs with known answers."""
 
+import dataclasses
+
 import pytest
 
 from cost_models.comm import collective_time
@@ -61,13 +63,18 @@ def test_ring_allreduce_after_backward():
     assert len(comm) == 4 and all(e.track == "comm" for e in comm)
 
 
-def test_bucketed_allreduce_overlaps_the_backward():
+def four_bucket_backward(n):
+    """Two data-parallel ranks: one backward, then four gradient all-reduces of n bytes issued from it."""
     mesh = [("pipe", 1), ("data", 2), ("tensor", 1)]
-    n = 10**8
     instrs = [I("B", stage=0, micro=0)] + \
         [I("ALLREDUCE", kind="grads", stage=0, bucket=k, axis="data", handle=k, nbytes=n) for k in range(4)] + \
         [I("WAIT", handle=k) for k in range(4)]
-    progs = [prog(r, 2, mesh, instrs) for r in range(2)]
+    return [prog(r, 2, mesh, instrs) for r in range(2)]
+
+
+def test_bucketed_allreduce_overlaps_the_backward():
+    n = 10**8
+    progs = four_bucket_backward(n)
     one = collective_time(CL, "all_reduce", n, [0, 1]).seconds
     tl = simulate(progs, ComputeCosts(forward={0: 0.0}, backward={0: 4 * one}), CL)
     # bucket k is ready at (k+1)/4 of the backward: three of four hide behind it
@@ -89,3 +96,16 @@ def test_bad_input():
         simulate(progs[:1], ComputeCosts({0: 1.0}, {0: 1.0}), CL)
     with pytest.raises(ValueError, match="no forward cost for stage 1"):
         simulate(progs, ComputeCosts({0: 1.0}, {0: 1.0}), CL)
+
+
+def test_calibrated_overlap_charges_the_unhidden_part_to_the_backward():
+    # Same Programs as above on a cluster whose calibration found a quarter of an overlapped
+    # all-reduce hidden: the three overlapped buckets lengthen the backward by 3 * 0.75 * one.
+    n = 10**8
+    progs = four_bucket_backward(n)
+    cl = dataclasses.replace(CL, measurements=(("fit.comm.overlap_hidden", 0.25),))
+    one = collective_time(cl, "all_reduce", n, [0, 1]).seconds
+    tl = simulate(progs, ComputeCosts(forward={0: 0.0}, backward={0: 4 * one}), cl)
+    assert tl.step_times()[0] == pytest.approx((4 + 3 * 0.75) * one)
+    b = [e for e in tl.events if e.op == "B"]
+    assert all(e.end - e.start == pytest.approx((4 + 3 * 0.75) * one) for e in b)
