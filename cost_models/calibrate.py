@@ -18,7 +18,8 @@ module fits the constants and builds the Cluster:
 - Efficiency (fit.eff.*, fit.overhead.*): per-kind forward/backward overheads
   (measured alone, times the slow-down of kinds alternating in a layer, fit.mix.*)
   and achieved fractions of peak (cost_models/calibrate_ops.py); the fixed cost
-  of one stage forward / backward call (fit.call.*, used by the simulator);
+  of one stage forward / backward call (fit.call.*, used by the simulator); the
+  fixed cost per parameter tensor of an optimizer step (fit.optimizer.<kind>.per_tensor);
 - communication (fit.comm.<op>.g<size>.alpha/.beta): `alpha + beta * n`
   least-squares fitted to each op and group size, weighting every size by its
   relative error (small and large messages count alike), plus fit.comm.wake
@@ -171,6 +172,10 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
         "raw.block.forward": block[0], "raw.block.backward": block[1],
         "raw.block.call_forward": block[2], "raw.block.call_backward": block[3],
     }
+    for kind in sorted({k for r in results for k in r.get("optimizer", {})}):
+        # a fixed cost, like the op overheads: divided by the CPU share
+        m[f"fit.optimizer.{kind}.per_tensor"] = statistics.median(
+            r["optimizer"][kind] for r in results if kind in r.get("optimizer", {})) / share
     for t in timings:
         m[f"raw.op.{t.kind}.{t.size}.forward"] = t.forward
         m[f"raw.op.{t.kind}.{t.size}.backward"] = t.backward

@@ -264,3 +264,35 @@ def fit_compute(timings: list[OpTiming], peak_flops: float, memory_bandwidth: fl
     return ComputeFit(matmul=eff("linear", True), conv=eff("conv", True), memory=eff("elementwise", False),
                       kernel_overhead=over["elementwise"] * mix_f, kind_overheads=overheads, mix_forward=mix_f,
                       mix_backward=mix_b, call_forward=call_f, call_backward=call_b)
+
+
+OPTIMIZER_KINDS = ("sgd", "sgd_momentum", "adamw")
+
+
+def time_optimizer_steps(*, tensors: int = 48, numel: int = 16, steps: int = 20) -> dict[str, float]:
+    """{optimizer kind: seconds per parameter tensor of one step}, for the runtime's optimizers
+    (runtime.optim.OptimizerSpec, one tensor at a time, foreach=False), on `tensors` tiny tensors
+    so the fixed cost per tensor (Python loop, a dozen small ops) dominates; the mean of
+    `steps` steps after three warm-up steps, divided by the tensor count.
+
+    The planner prices a step by the bytes it moves, which on small models misses most of it.
+    """
+    import torch
+
+    from runtime.optim import OptimizerSpec
+
+    out = {}
+    for kind in OPTIMIZER_KINDS:
+        params = [torch.nn.Parameter(torch.ones(numel)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        spec = OptimizerSpec(name="adamw" if kind == "adamw" else "sgd", lr=1e-3,
+                             **({"momentum": 0.9} if kind == "sgd_momentum" else {}))
+        opt = spec.build(params)
+        for _ in range(3):
+            opt.step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opt.step()
+        out[kind] = (time.perf_counter() - t0) / steps / tensors
+    return out

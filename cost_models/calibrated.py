@@ -8,6 +8,8 @@ new section and an old meshplan still loads it:
     fit.eff.kernel_overhead                            s per op of a kind without its own figure
     fit.overhead.<kind>.forward / .backward            s per op of that kind (Efficiency.kind_overheads)
     fit.call.forward / .backward                       s per stage forward / backward call (simulator)
+    fit.optimizer.<kind>.per_tensor                    s per parameter tensor of one optimizer step
+                                                       (kind: sgd, sgd_momentum, adamw)
     fit.comm.<op>.g<size>.alpha / .beta                s and s/byte: one `op` over a group of
                                                        `size` ranks of one node costs alpha + beta * n
     raw.comm.<op>.g<size>.<n>                          s: the measured mean of one such `op` of n bytes
@@ -114,3 +116,9 @@ def overlap_hidden(cluster) -> float:
     """Share (0..1) of an asynchronous collective's time hidden by compute running meanwhile;
     1 (free overlap) when the cluster was not calibrated."""
     return min(max(_fits(cluster.measurements).get("comm.overlap_hidden", 1.0), 0.0), 1.0)
+
+
+def optimizer_per_tensor(cluster, kind: str) -> float:
+    """Seconds of fixed cost per parameter tensor of one `kind` optimizer step (sgd,
+    sgd_momentum, adamw); 0 when the cluster was not calibrated for it."""
+    return _fits(cluster.measurements).get(f"optimizer.{kind}.per_tensor", 0.0)

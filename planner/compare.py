@@ -147,7 +147,8 @@ def predicted_costs(build: str | Path, cluster: "Cluster"):
     mode = "all" if plan.config.tensor > 1 and \
         Evaluator(graph, cluster, sharding="all").node_roles(config) == dict(plan.shardings) else "ilp"
     pred = Evaluator(graph, cluster, sharding=mode).evaluate(config, plan.global_batch_size)
-    pred = for_runtime(pred, plan.config, train.get("optimizer") or {}, cluster, _largest_weights(graph, plan))
+    pred = for_runtime(pred, plan.config, train.get("optimizer") or {}, cluster, _largest_weights(graph, plan),
+                       _param_tensors(graph, plan))
     return dataclasses.replace(plan, cluster=cluster, prediction=pred), pred, ComputeCosts.from_prediction(pred, cluster), \
         progs, cluster
 
@@ -167,10 +168,21 @@ def _largest_weights(graph, plan) -> dict[int, float]:
     return out
 
 
-def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int, float] | None = None):
+def _param_tensors(graph, plan) -> int:
+    """Parameter tensors of the stage with the most (each rank steps its stage's tensors one by one)."""
+    nodes = {n.name: n for n in graph.nodes}
+    layers = {layer.name: layer for layer in graph.layers}
+    return max((sum(len(nodes[name].param_names) for lname in st.layers for name in layers[lname].nodes)
+                for st in plan.stages), default=0)
+
+
+def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int, float] | None = None,
+                param_tensors: int = 0):
     """The prediction for what meshplan's runtime does, not the planner's generic model:
 
-    - the optimizer step's time from the bytes the build's optimizer moves (fp32, no ZeRO);
+    - the optimizer step's time from the bytes the build's optimizer moves (fp32, no ZeRO),
+      plus, on a calibrated cluster, the measured fixed cost per parameter tensor times the
+      `param_tensors` of the largest stage (the runtime steps one tensor at a time);
 
     - optimizer state of the optimizer the build trains with (SGD: none, with momentum:
       one fp32 buffer per parameter, AdamW: two), where the planner assumes Adam;
@@ -180,7 +192,7 @@ def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int
     - a weight's gradient is computed into a fresh tensor and then added into its bucket
       (or its .grad), so the largest weight of a stage is a temporary too.
     """
-    from cost_models.calibrated import calibrated_efficiency
+    from cost_models.calibrated import calibrated_efficiency, optimizer_per_tensor
     from cost_models.compute import Efficiency
     from cost_models.memory import param_bytes
     from planner.evaluate import GRAD_BUCKET_BYTES
@@ -205,7 +217,8 @@ def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int
     if key in _STEP_BYTES_PER_PARAM and config.dtype == "fp32" and config.zero == 0:
         eff = calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)
         params = max(s.memory.parameters for s in pred.stages) / 4  # fp32 weights, unsharded
-        step = params * _STEP_BYTES_PER_PARAM[key] / (cluster.device.memory_bandwidth * eff.memory)
+        step = params * _STEP_BYTES_PER_PARAM[key] / (cluster.device.memory_bandwidth * eff.memory) \
+            + param_tensors * optimizer_per_tensor(cluster, key)
         time = dataclasses.replace(time, optimizer=step)
     return dataclasses.replace(pred, stages=stages, memory=fix(pred.memory), time=time,
                                peak_memory=max(s.memory.total for s in stages))

@@ -140,3 +140,19 @@ def test_compute_costs_add_the_calibrated_call_overhead():
     costs = ComputeCosts.from_prediction(pred, cl)
     assert costs.forward[0] == pytest.approx(1e-3 + 2e-4) and costs.backward[0] == pytest.approx(2e-3 + 2.4e-4)
     assert ComputeCosts.from_prediction(pred).forward[0] == 1e-3
+
+
+def test_optimizer_fixed_cost_per_tensor_is_measured_and_priced():
+    from cost_models.calibrate_ops import OPTIMIZER_KINDS, time_optimizer_steps
+    from cost_models.calibrated import optimizer_per_tensor
+
+    measured = time_optimizer_steps(tensors=8, steps=3)
+    assert set(measured) == set(OPTIMIZER_KINDS) and all(t > 0 for t in measured.values())
+    results = _results()
+    for r, scale in zip(results, (1.0, 3.0)):
+        r["optimizer"] = {"sgd": 4e-6 * scale, "adamw": 2e-5 * scale}
+    cl = build_cluster(results)
+    # median over the ranks, divided by the CPU share (0.5) like every fixed cost
+    assert optimizer_per_tensor(cl, "adamw") == pytest.approx(2 * 2e-5 * 2)
+    assert optimizer_per_tensor(cl, "sgd_momentum") == 0.0
+    assert optimizer_per_tensor(Cluster.preset("dgx-a100-80gb"), "sgd") == 0.0
