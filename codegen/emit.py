@@ -27,6 +27,7 @@ from codegen.lower import DEFAULT_BUCKET_BYTES, lower
 from codegen.spatial import lower_spatial
 from codegen.partition import Partition, partition, stage_imports
 from codegen.pysrc import py_literal
+from planner.capture import capture_ref
 from planner.graph import ModelGraph
 from planner.plan import Plan
 from runtime.optim import OptimizerSpec
@@ -49,25 +50,6 @@ class Build:
 
     def rank_script(self, rank: int) -> Path:
         return self.path / f"rank_{rank:04d}.py"
-
-
-def capture_ref(model_ref: str, model_kwargs: dict | None = None, batch_size: int = 1) -> ModelGraph:
-    """Capture the model a factory reference builds (on meta), with its module's example_inputs."""
-    import torch
-
-    from planner.capture import capture
-    from runtime.refs import load_module, load_ref
-
-    kwargs = dict(model_kwargs or {})
-    factory = load_ref(model_ref)
-    module = load_module(model_ref.rsplit(":", 1)[0])
-    make_inputs = getattr(module, "example_inputs", None)
-    if make_inputs is None:
-        raise ValueError(f"{model_ref.rsplit(':', 1)[0]} defines no example_inputs(batch_size, device, **kwargs); "
-                         "add one, or pass the captured graph to emit(graph=...)")
-    with torch.device("meta"):
-        model = factory(**kwargs)
-    return capture(model, make_inputs(batch_size=batch_size, device="meta", **kwargs))
 
 
 def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str | os.PathLike = "build", *,

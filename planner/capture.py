@@ -109,6 +109,23 @@ def capture(
 # inputs
 
 
+def capture_ref(model_ref: str, model_kwargs: dict | None = None, batch_size: int = 1) -> ModelGraph:
+    """Capture the model a factory reference ("path/to/file.py:build") builds on meta, with
+    `batch_size` samples from its module's `example_inputs(batch_size, device, **kwargs)`."""
+    from runtime.refs import load_module, load_ref  # the runtime's reference loader; not needed at import
+
+    kwargs = dict(model_kwargs or {})
+    factory = load_ref(model_ref)
+    module_path = model_ref.rsplit(":", 1)[0]
+    make_inputs = getattr(load_module(module_path), "example_inputs", None)
+    if make_inputs is None:
+        raise ValueError(f"{module_path} defines no example_inputs(batch_size, device, **kwargs); add one so "
+                         "meshplan knows the shape of a batch (or, from Python, pass a captured graph)")
+    with torch.device("meta"):
+        model = factory(**kwargs)
+    return capture(model, make_inputs(batch_size=batch_size, device="meta", **kwargs))
+
+
 def _normalize_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
     if isinstance(example_inputs, torch.Tensor):
         args, kwargs = (example_inputs,), {}

@@ -16,6 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+# planner/__init__ already imports capture (and torch) before this module runs.
+from planner.capture import capture_ref
+
 _EPILOG_CAPTURE = """examples:
   meshplan capture examples/models/gpt.py:build --arg preset=1t --batch 1
   meshplan capture examples/models/resnet.py:build --arg depth=1001 -o resnet.json
@@ -51,24 +54,6 @@ def _parse_kv(items: Sequence[str]) -> dict[str, Any]:
         except (ValueError, SyntaxError):
             out[key] = raw
     return out
-
-
-def capture_ref(model_ref: str, kwargs: dict[str, Any], batch: int):
-    """Build the model a factory reference names on meta and capture it with its module's example_inputs."""
-    import torch
-
-    from planner.capture import capture
-    from runtime.refs import load_module, load_ref
-
-    factory = load_ref(model_ref)
-    module = load_module(model_ref.rsplit(":", 1)[0])
-    make_inputs = getattr(module, "example_inputs", None)
-    if make_inputs is None:
-        raise ValueError(f"{model_ref.rsplit(':', 1)[0]} defines no example_inputs(batch_size, device, **kwargs); "
-                         "add one so meshplan knows the shape of a batch")
-    with torch.device("meta"):
-        model = factory(**kwargs)
-    return capture(model, make_inputs(batch_size=batch, device="meta", **kwargs))
 
 
 def resolve_cluster(name: str, nodes: int | None = None, devices: int | None = None):
