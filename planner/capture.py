@@ -23,7 +23,7 @@ import inspect
 import json
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx

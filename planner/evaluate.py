@@ -104,7 +104,7 @@ class Evaluator:
     def evaluate(self, config: ParallelConfig, global_batch_size: int) -> Prediction:
         self.check(config, global_batch_size)
         m = config.micro_batches(global_batch_size)
-        p, v, t, d = config.pipeline, config.virtual_stages, config.tensor, config.data
+        p, v, d = config.pipeline, config.virtual_stages, config.data
         costs = [self.layer_cost(layer, config) for layer in self.graph.layers]
         bounds = self.stage_bounds(config, costs, global_batch_size)
         if config.bidirectional:

@@ -147,7 +147,8 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     else:
         # The launcher hosts each build's rendezvous store (as torchrun's agent does), so the
         # store outlives any rank: a failing rank 0 can still tell the others why.
-        stores = [_host_store(int(a[a.index("--master-port") + 1]), timeout) for a in per_build]
+        stores = [_host_store(  # noqa: F841  (held: the stores must outlive the ranks)
+            int(a[a.index("--master-port") + 1]), timeout) for a in per_build]
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         if not through_workers:
             cmd += ["--master-port", per_build[0][-1]]

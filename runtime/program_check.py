@@ -63,7 +63,7 @@ def check_program_dict(d: Any) -> None:
     if d["format_version"] != PROGRAM_FORMAT_VERSION or isinstance(d["format_version"], bool):
         raise _err("format_version", f"is {d['format_version']!r}; this runtime reads {PROGRAM_FORMAT_VERSION}")
     world = _int(d, "world_size", "world_size", 1)
-    rank = _int(d, "rank", "rank", 0, world - 1)
+    _int(d, "rank", "rank", 0, world - 1)  # checked; nothing below depends on it
     mesh = []
     for i, pair in enumerate(_list(d, "mesh", "mesh")):
         if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and pair[0]):
