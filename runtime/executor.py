@@ -119,11 +119,11 @@ class Executor:
         rec = self.recorder
         for idx, ins in enumerate(self.program.instrs):
             self.position = (step, idx)
-            if self.fail_at is not None and self.fail_at == (step, idx) and self.fault in ("sigkill", "hang"):
+            if self.fail_at == (step, idx) and self.fault != "sigkill-in-save":  # that one fires in the save
+                if self.fault == "raise":
+                    raise RankFailure(f"rank {self.ctx.rank} failed at step {step}, instruction {idx} '{ins}': "
+                                      "RuntimeError: injected fault (--fail-at)")
                 inject(self.fault, self.ctx.rank, f"step {step}, instruction {idx} '{ins}'")
-            if self.fail_at is not None and self.fail_at == (step, idx) and self.fault == "raise":
-                raise RankFailure(f"rank {self.ctx.rank} failed at step {step}, instruction {idx} '{ins}': "
-                                  "RuntimeError: injected fault (--fail-at)")
             start = rec.now()
             try:
                 self._exec(idx, ins, step, micro, handles, recv_act, recv_grad, out_act, out_grad, loss_buf)
