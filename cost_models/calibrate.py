@@ -20,6 +20,10 @@ module fits the constants and builds the Cluster:
   and achieved fractions of peak (cost_models/calibrate_ops.py); the fixed cost
   of one stage forward / backward call (fit.call.*, used by the simulator); the
   fixed cost per parameter tensor of an optimizer step (fit.optimizer.<kind>.per_tensor);
+  op curves (raw.curve.<family>.<size>.*: seconds per op of each family the models use at a
+  ladder of sizes, cost_models/op_curves.py), which planner.evaluate prefers over the roofline
+  for fp32 nodes of those families, and their in-layer factor from a probe transformer block
+  (fit.curve_mix.*);
 - communication (fit.comm.<op>.g<size>.alpha/.beta): `alpha + beta * n`
   least-squares fitted to each op and group size, weighting every size by its
   relative error (small and large messages count alike), plus fit.comm.wake
@@ -176,6 +180,7 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
         # a fixed cost, like the op overheads: divided by the CPU share
         m[f"fit.optimizer.{kind}.per_tensor"] = statistics.median(
             r["optimizer"][kind] for r in results if kind in r.get("optimizer", {})) / share
+    m.update(_curve_measurements(results, share, fit))
     for t in timings:
         m[f"raw.op.{t.kind}.{t.size}.forward"] = t.forward
         m[f"raw.op.{t.kind}.{t.size}.backward"] = t.backward
@@ -220,6 +225,34 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
               f"fits in measurements fit.*, raw numbers in raw.*; CPU power assumed")
     return Cluster(name=name, num_nodes=1, devices_per_node=ranks, device=device, intra_node=link,
                    inter_node=link, source=source, measurements=m)
+
+
+def _curve_measurements(results: list[dict], share: float, fit) -> dict[str, float]:
+    """raw.curve.<family>.<size>.forward/.backward (median over ranks, divided by the CPU share like
+    every unpreempted timing) and fit.curve_mix.* from the probe block; {} for results without curves."""
+    from cost_models.op_curves import fit_curve_mix
+
+    if not all(r.get("curves") and r.get("probe") for r in results):
+        return {}
+    by: dict[tuple[str, float], list[tuple[float, float]]] = defaultdict(list)
+    for r in results:
+        for family, size, f, b in r["curves"]:
+            by[(family, size)].append((f, b))
+    m: dict[str, float] = {}
+    curves: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
+    for (family, size), fb in sorted(by.items()):
+        f = statistics.median(x for x, _ in fb) / share
+        b = statistics.median(y for _, y in fb) / share
+        m[f"raw.curve.{family}.{int(size)}.forward"] = f
+        m[f"raw.curve.{family}.{int(size)}.backward"] = b
+        curves[family][0].append((size, f))
+        curves[family][1].append((size, b))
+    probe = tuple(statistics.median(r["probe"][i] for r in results) / share for i in (0, 1))
+    view = next(((f, b) for k, f, b in fit.kind_overheads if k == "view"), (0.0, 0.0))
+    mix = fit_curve_mix({k: (tuple(v[0]), tuple(v[1])) for k, v in curves.items()}, probe, view)
+    m["raw.probe.forward"], m["raw.probe.backward"] = probe
+    m["fit.curve_mix.forward"], m["fit.curve_mix.backward"] = mix
+    return m
 
 
 def calibrate(ranks: int | None = None, *, quick: bool = True, backend: str = "gloo", timeout: float = 300.0,

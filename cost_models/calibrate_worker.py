@@ -6,7 +6,8 @@ Every rank runs the same measurements at the same time, as the ranks of a
 training run do (one thread each, OMP_NUM_THREADS=1), so the figures include
 the contention of W busy processes on this machine:
 
-1. compute: the per-kind op and layer timings of cost_models.calibrate_ops, and the
+1. compute: the per-kind op and layer timings of cost_models.calibrate_ops, the op curves
+   and the probe block of cost_models.op_curves, and the
    peak fp32 GEMM rate and copy bandwidth of cost_models.local_machine, and the
    share of a core a rank gets while it computes in a training step's rhythm
    (run_like_share: below 1 when other processes load the machine);
@@ -20,7 +21,8 @@ the contention of W busy processes on this machine:
    all-reduces take ~4 ms instead of ~0.4 ms on a 2-core machine), and a step
    pays the sum of its calls, so the mean is what a run pays, not the median.
 
-Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "cpu_share", "sync_all_reduce",
+Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "curves": [[family, size, fwd s, bwd s], ...],
+"probe": [fwd s, bwd s], "cpu_share", "sync_all_reduce",
 "overlap": [hidden, compute s, all-reduce s, overlapped s] (overlap_hidden),
 "optimizer": {kind: s per parameter tensor of a step} (calibrate_ops.time_optimizer_steps), "peak_flops", "memory_bandwidth",
 "comm": [[op, group_size, nbytes, seconds], ...]} (communication only on rank 0).
@@ -244,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from cost_models.calibrate_ops import time_block, time_op_kinds, time_optimizer_steps
+    from cost_models.op_curves import time_op_curves, time_probe_block
     from cost_models.local_machine import _measure_compute_and_memory
 
     torch.set_num_threads(1)
@@ -262,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         block = time_block(quick=not args.full)
         progress(f"  a layer of alternating kinds: forward {block[0] * 1e6:.1f} us, backward {block[1] * 1e6:.1f} us; "
                  f"fixed cost per call {block[2] * 1e6:.1f} / {block[3] * 1e6:.1f} us")
+        curves = time_op_curves(quick=not args.full, progress=progress)
+        probe = time_probe_block(quick=not args.full)
+        progress(f"  probe transformer block: forward {probe[0] * 1e6:.0f} us, backward {probe[1] * 1e6:.0f} us")
         optim = time_optimizer_steps()
         progress("  optimizer step per parameter tensor: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in optim.items()))
         comm.barrier()
@@ -280,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         # size within +-30% only (64 calls per size give about +-12%)
         rows = measure_comm(comm, args.world, FULL_SIZES if args.full else QUICK_SIZES, 25 if args.full else 16,
                             device, progress)
-        out = {"rank": rank, "ops": [dataclasses.asdict(t) for t in ops], "block": list(block), "cpu_share": share, "sync_all_reduce": sync,
+        out = {"rank": rank, "ops": [dataclasses.asdict(t) for t in ops], "block": list(block), "curves": curves,
+               "probe": list(probe), "cpu_share": share, "sync_all_reduce": sync,
                "overlap": list(hidden), "optimizer": optim, "peak_flops": peak,
                "memory_bandwidth": bandwidth, "comm": rows}
         Path(args.out, f"calib_rank_{rank:04d}.json").write_text(json.dumps(out))

@@ -15,6 +15,10 @@ new section and an old meshplan still loads it:
     raw.comm.<op>.g<size>.<n>                          s: the measured mean of one such `op` of n bytes
     fit.comm.overlap_hidden                            share (0..1) of an asynchronous collective that
                                                        compute running meanwhile hides (simulator)
+    raw.curve.<family>.<size>.forward / .backward      s per op of that family at that size
+                                                       (cost_models/op_curves.py: planner.evaluate prices
+                                                       fp32 nodes of those families from them)
+    fit.curve_mix.forward / .backward                  in-layer slow-down of curve-priced ops (probe block)
 
 A collective's time is the measured table interpolated piecewise-linearly in the
 message size (:func:`measured_collective`), plus fit.comm.wake: on gloo over
@@ -122,3 +126,37 @@ def optimizer_per_tensor(cluster, kind: str) -> float:
     """Seconds of fixed cost per parameter tensor of one `kind` optimizer step (sgd,
     sgd_momentum, adamw); 0 when the cluster was not calibrated for it."""
     return _fits(cluster.measurements).get(f"optimizer.{kind}.per_tensor", 0.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _curves(measurements: tuple[tuple[str, object], ...]) -> dict[str, tuple[tuple, tuple]]:
+    """{family: ((size, forward s) points, (size, backward s) points)} from raw.curve.<family>.<size>.<pass>."""
+    table: dict[str, dict[float, dict[str, float]]] = {}
+    for k, v in measurements:
+        if not (k.startswith("raw.curve.") and isinstance(v, (int, float))):
+            continue
+        head, _, rest = k[len("raw.curve."):].partition(".")
+        size, _, which = rest.rpartition(".")
+        try:
+            n = float(size)
+        except ValueError:
+            continue
+        if which in ("forward", "backward"):
+            table.setdefault(head, {}).setdefault(n, {})[which] = float(v)
+    out = {}
+    for fam, pts in table.items():
+        full = sorted((n, p) for n, p in pts.items() if len(p) == 2)
+        if full:
+            out[fam] = (tuple((n, p["forward"]) for n, p in full), tuple((n, p["backward"]) for n, p in full))
+    return out
+
+
+def op_curves(cluster) -> dict[str, tuple[tuple, tuple]]:
+    """The calibrated op curves of `cluster` (cost_models/op_curves.py), {} when it has none."""
+    return _curves(cluster.measurements)
+
+
+def curve_mix(cluster) -> tuple[float, float]:
+    """(forward, backward) in-context factor for curve-priced ops; (1, 1) when not calibrated."""
+    fits = _fits(cluster.measurements)
+    return fits.get("curve_mix.forward", 1.0), fits.get("curve_mix.backward", 1.0)

@@ -22,8 +22,9 @@ from typing import Any
 from cost_models import gems
 from cost_models.comm import collective_time, link_models
 from cost_models.mesh_axes import axis_collective_time
-from cost_models.calibrated import calibrated_efficiency
+from cost_models.calibrated import calibrated_efficiency, curve_mix, op_curves
 from cost_models.compute import Efficiency, op_time, wave_efficiency
+from cost_models.op_curves import curve_time, node_family, uses_flops
 from cost_models.hardware import Cluster
 from cost_models.memory import DTYPE_BYTES, adam_step_bytes, live_micro_batches, param_bytes
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
@@ -86,6 +87,10 @@ class Evaluator:
         self.cluster = cluster
         # A calibrated cluster file carries its measured efficiencies (meshplan calibrate).
         self.eff = efficiency or calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)
+        # ... and its measured op curves (fp32, the dtype it was calibrated in), unless the
+        # caller fixed the efficiencies itself.
+        self.curves = op_curves(cluster) if efficiency is None else {}
+        self.curve_mix = curve_mix(cluster)
         self.fused_attention = fused_attention
         self.overlap_grad_reduce = overlap_grad_reduce
         self.grad_reduce_bytes = grad_reduce_bytes
@@ -438,11 +443,16 @@ class Evaluator:
             drop = 2.5 if (n.attr("dropout_p") or 0) > 0 else 0.0
             f_bytes += (4 + drop) * scores
             b_bytes += (6 + drop) * scores
-        waves = self._wave_efficiency(n, role if sharded else "replicate", scale, t)
-        f = op_time(n.kind, n.fwd_flops * scale / div, f_bytes, peak, bw, self.eff, shape_efficiency=waves)
-        b = op_time(n.kind, n.bwd_flops * scale / div, b_bytes, peak, bw, self.eff,
-                    kernels=2 if n.param_count or param_read else 1,
-                    shape_efficiency=waves, backward=True) if n.requires_grad else 0.0
+        measured = self._curve_times(n, scale / div, config.dtype)
+        if measured is not None:
+            f, b = measured
+            b = b if n.requires_grad else 0.0
+        else:
+            waves = self._wave_efficiency(n, role if sharded else "replicate", scale, t)
+            f = op_time(n.kind, n.fwd_flops * scale / div, f_bytes, peak, bw, self.eff, shape_efficiency=waves)
+            b = op_time(n.kind, n.bwd_flops * scale / div, b_bytes, peak, bw, self.eff,
+                        kernels=2 if n.param_count or param_read else 1,
+                        shape_efficiency=waves, backward=True) if n.requires_grad else 0.0
         tp_f = tp_b = 0.0
         if sharded:
             shard = self.sharding.roles[n.name]
@@ -462,6 +472,19 @@ class Evaluator:
         return _NodeCost(fwd=f, bwd=b, attn_fwd=f if n.kind in ("attention", "softmax") else 0.0,
                          tp_fwd=tp_f, tp_bwd=tp_b, saved=saved * scale * ds / div, params=params,
                          temp=2 * n.output_bytes * scale * ds / div)
+
+    def _curve_times(self, n: OpInfo, share: float, dtype: str) -> tuple[float, float] | None:
+        """(forward s, backward s) of node `n` read off the cluster's calibrated op curves at its
+        per-rank size (`share` of the captured node's work: micro-batch over captured batch, over
+        the tensor split), times the in-layer factor; None when no curve prices it."""
+        if not self.curves or dtype != "fp32":
+            return None
+        family = node_family(n.kind, n.target, dict(n.attrs))
+        pts = self.curves.get(family) if family else None
+        if pts is None:
+            return None
+        size = n.fwd_flops * share if uses_flops(family) else sum(m.numel for m in n.output_meta) * share
+        return (curve_time(pts[0], size) * self.curve_mix[0], curve_time(pts[1], size) * self.curve_mix[1])
 
     def sharded_regions(self, layer: Layer, config: ParallelConfig) -> frozenset[int]:
         """Regions of `layer` the ILP shards at this tensor degree.

@@ -416,6 +416,16 @@ class TorchCommunicator:
 # Above every p2p_tag (which stay below 2**29); OpenMPI's MPI_TAG_UB is 2**31 - 1.
 _ABORT_TAG = 1_500_000_000
 _ACK_TAG = 1_500_000_001
+# Seconds an MPI wait keeps its core (testing, yielding in between) before it sleeps, when the
+# node's ranks fit its cores (MpiCommunicator).
+YIELD_SPIN_S = 0.02
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 class _MpiHandle:
@@ -519,6 +529,15 @@ class MpiCommunicator:
         self._abort_reason: str | None = None
         self._failed = False
         self._group_tag = 100
+        # MPI has no progress thread: a wait must keep testing. When this node's ranks fit its
+        # cores, a wait keeps its core (yielding between tests) for up to YIELD_SPIN_S before
+        # backing off to sleeps: a sleep of 0.2 ms costs 0.2 ms to several ms on a loaded or
+        # virtualized host, far more than the microseconds a small shared-memory transfer takes.
+        # With more ranks than cores the sleeps start at once, leaving the cores to the others.
+        local = self._world.Split_type(MPI.COMM_TYPE_SHARED)
+        self._local_ranks = local.Get_size()
+        local.Free()
+        self._yield_spin_s = YIELD_SPIN_S if self._local_ranks <= _usable_cpus() else 0.0
 
     def group(self, ranks: Sequence[int]) -> Group:
         key = tuple(int(r) for r in ranks)
@@ -546,17 +565,22 @@ class MpiCommunicator:
         self._poll(self._world.Ibarrier(), "barrier")
 
     def _poll(self, req, what: str) -> None:
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline = start + self.timeout
+        spin_until = start + self._yield_spin_s
         spins = 0
         while not req.Test():
             if self._abort_req.Test():
                 self._abort_reason = pickle.loads(bytes(self._abort_buf)) if self._abort_reason is None \
                     else self._abort_reason
                 raise PeerFailure(self._abort_reason)
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise CommError(f"rank {self.rank}: {what} did not complete within {self.timeout:.0f} s")
             spins += 1
-            if spins > 200:
+            if now < spin_until:
+                os.sched_yield()
+            elif spins > 200:
                 time.sleep(min(1e-3, 1e-6 * spins))
 
     def report_failure(self, reason: str, grace: float = 3.0) -> None:
