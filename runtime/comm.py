@@ -421,11 +421,10 @@ _ACK_TAG = 1_500_000_001
 YIELD_SPIN_S = 0.02
 
 
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+def _node_cpus() -> int:
+    # The node's CPUs, not this process's affinity: mpiexec binds each rank to one core by
+    # default, and ranks bound to cores of their own do not oversubscribe the node.
+    return os.cpu_count() or 1
 
 
 class _MpiHandle:
@@ -537,7 +536,7 @@ class MpiCommunicator:
         local = self._world.Split_type(MPI.COMM_TYPE_SHARED)
         self._local_ranks = local.Get_size()
         local.Free()
-        self._yield_spin_s = YIELD_SPIN_S if self._local_ranks <= _usable_cpus() else 0.0
+        self._yield_spin_s = YIELD_SPIN_S if self._local_ranks <= _node_cpus() else 0.0
 
     def group(self, ranks: Sequence[int]) -> Group:
         key = tuple(int(r) for r in ranks)
