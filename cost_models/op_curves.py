@@ -95,6 +95,19 @@ def curve_time(points: tuple[tuple[float, float], ...], size: float) -> float:
     return math.exp(math.log(t0) + w * math.log(t1 / t0))
 
 
+def node_curve_times(node, curves: dict, mix: tuple[float, float], share: float) -> tuple[float, float] | None:
+    """(forward s, backward s) of a captured node (planner.graph.OpInfo: kind, target, attrs,
+    fwd_flops, output_meta) read off `curves` (cost_models.calibrated.op_curves) at its per-rank
+    size, `share` of the captured node's work (micro-batch over captured batch, over the tensor
+    split), times the in-layer factors `mix`; None when no curve prices it."""
+    family = node_family(node.kind, node.target, dict(node.attrs)) if curves else None
+    pts = curves.get(family) if family else None
+    if pts is None:
+        return None
+    size = (node.fwd_flops if uses_flops(family) else sum(m.numel for m in node.output_meta)) * share
+    return curve_time(pts[0], size) * mix[0], curve_time(pts[1], size) * mix[1]
+
+
 def _cases() -> list[tuple[str, float, Callable[[int], tuple]]]:
     """(family, size, build) for every ladder point; build(k) as calibrate_ops._median_times wants."""
     import torch

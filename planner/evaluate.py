@@ -24,7 +24,7 @@ from cost_models.comm import collective_time, link_models
 from cost_models.mesh_axes import axis_collective_time
 from cost_models.calibrated import calibrated_efficiency, curve_mix, op_curves
 from cost_models.compute import Efficiency, op_time, wave_efficiency
-from cost_models.op_curves import curve_time, node_family, uses_flops
+from cost_models.op_curves import node_curve_times
 from cost_models.hardware import Cluster
 from cost_models.memory import DTYPE_BYTES, adam_step_bytes, live_micro_batches, param_bytes
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
@@ -87,9 +87,7 @@ class Evaluator:
         self.cluster = cluster
         # A calibrated cluster file carries its measured efficiencies (meshplan calibrate).
         self.eff = efficiency or calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)
-        # ... and its measured op curves (fp32, the dtype it was calibrated in), unless the
-        # caller fixed the efficiencies itself.
-        self.curves = op_curves(cluster) if efficiency is None else {}
+        self.curves = op_curves(cluster) if efficiency is None else {}  # ... and its op curves (fp32)
         self.curve_mix = curve_mix(cluster)
         self.fused_attention = fused_attention
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -445,8 +443,7 @@ class Evaluator:
             b_bytes += (6 + drop) * scores
         measured = self._curve_times(n, scale / div, config.dtype)
         if measured is not None:
-            f, b = measured
-            b = b if n.requires_grad else 0.0
+            f, b = measured[0], measured[1] if n.requires_grad else 0.0
         else:
             waves = self._wave_efficiency(n, role if sharded else "replicate", scale, t)
             f = op_time(n.kind, n.fwd_flops * scale / div, f_bytes, peak, bw, self.eff, shape_efficiency=waves)
@@ -474,17 +471,8 @@ class Evaluator:
                          temp=2 * n.output_bytes * scale * ds / div)
 
     def _curve_times(self, n: OpInfo, share: float, dtype: str) -> tuple[float, float] | None:
-        """(forward s, backward s) of node `n` read off the cluster's calibrated op curves at its
-        per-rank size (`share` of the captured node's work: micro-batch over captured batch, over
-        the tensor split), times the in-layer factor; None when no curve prices it."""
-        if not self.curves or dtype != "fp32":
-            return None
-        family = node_family(n.kind, n.target, dict(n.attrs))
-        pts = self.curves.get(family) if family else None
-        if pts is None:
-            return None
-        size = n.fwd_flops * share if uses_flops(family) else sum(m.numel for m in n.output_meta) * share
-        return (curve_time(pts[0], size) * self.curve_mix[0], curve_time(pts[1], size) * self.curve_mix[1])
+        """(forward s, backward s) of `n` off the calibrated op curves (fp32 only), or None."""
+        return node_curve_times(n, self.curves, self.curve_mix, share) if dtype == "fp32" else None
 
     def sharded_regions(self, layer: Layer, config: ParallelConfig) -> frozenset[int]:
         """Regions of `layer` the ILP shards at this tensor degree.
