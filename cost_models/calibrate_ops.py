@@ -23,6 +23,7 @@ Nothing runs at import time.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import time
@@ -43,6 +44,19 @@ class OpTiming:
     backward: float
     flops: float       # forward FLOPs of one op
     nbytes: float      # forward bytes of one op (read + written)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread inside the block (one rank process under OMP_NUM_THREADS=1), restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _median_times(build: Callable[[int], tuple], reps: int, budget_s: float) -> tuple[float, float, float, float]:
@@ -165,15 +179,9 @@ def time_block(*, quick: bool = True) -> tuple[float, float, float, float]:
     """(forward, backward) seconds of one BLOCK in a chain, and (forward, backward) seconds of the
     fixed cost of one call (the chain of one block minus one block: entering the module, starting
     the autograd engine), measured on one thread."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         build, _ = _block_case()
         f1, b1, fk, bk = _median_times(build, 15 if quick else 60, 0.3 if quick else 1.2)
-    finally:
-        torch.set_num_threads(threads)
     per_f, per_b = max((fk - f1) / CHAIN, 0.0), max((bk - b1) / CHAIN, 0.0)
     return per_f, per_b, max(f1 - per_f, 0.0), max(b1 - per_b, 0.0)
 
@@ -184,13 +192,9 @@ def time_op_kinds(*, quick: bool = True, progress: Callable[[str], None] | None 
     Runs on one thread (restored afterwards). quick: fewer repeats (about 2 s in all
     on an idle core); otherwise about four times as many.
     """
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     reps, budget = (15, 0.25) if quick else (60, 1.0)
     out: list[OpTiming] = []
-    try:
+    with one_thread():
         for size, kinds in (("small", KINDS), ("medium", ("linear", "conv", "elementwise"))):
             cases = _cases(size)
             for kind in kinds:
@@ -201,8 +205,6 @@ def time_op_kinds(*, quick: bool = True, progress: Callable[[str], None] | None 
                 out.append(OpTiming(kind, size, fwd, bwd, flops, nbytes))
                 if progress:
                     progress(f"  {kind:11s} {size:6s} forward {fwd * 1e6:8.1f} us  backward {bwd * 1e6:8.1f} us")
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 

@@ -158,14 +158,10 @@ def time_op_curves(*, quick: bool = True, progress: Callable[[str], None] | None
     """[(family, size, forward s, backward s), ...] for every ladder point, on one thread.
 
     quick: about 3-5 s on an idle core; otherwise about three times as many repeats."""
-    import torch
+    from cost_models.calibrate_ops import CHAIN, _median_times, one_thread
 
-    from cost_models.calibrate_ops import CHAIN, _median_times
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     rows = []
-    try:
+    with one_thread():
         for family, size, build in _cases():
             # fewer repeats where one op takes long: the median settles sooner there
             big = size >= (1 << 17) if not uses_flops(family) else size >= 3e7
@@ -177,8 +173,6 @@ def time_op_curves(*, quick: bool = True, progress: Callable[[str], None] | None
             for family in FAMILIES:
                 pts = [(s, f, b) for fam, s, f, b in rows if fam == family]
                 progress(f"  {family:10s} " + ", ".join(f"{s:.3g}: {f * 1e6:.0f}/{b * 1e6:.0f} us" for s, f, b in pts))
-    finally:
-        torch.set_num_threads(threads)
     return rows
 
 
@@ -205,7 +199,7 @@ def time_probe_block(*, quick: bool = True) -> tuple[float, float]:
     import torch
     import torch.nn.functional as F
 
-    from cost_models.calibrate_ops import CHAIN, _chain, _median_times
+    from cost_models.calibrate_ops import CHAIN, _chain, _median_times, one_thread
 
     b, t, c, h = PROBE["batch"], PROBE["seq"], PROBE["hidden"], PROBE["heads"]
 
@@ -220,13 +214,9 @@ def time_probe_block(*, quick: bool = True) -> tuple[float, float]:
             x = x + proj(y)
             return x + out(F.gelu(fc(ln2(x))))
         return block
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         f1, b1, fk, bk = _median_times(_chain(make, lambda: torch.randn(b, t, c, requires_grad=True)),
                                        12 if quick else 40, 0.5 if quick else 2.0)
-    finally:
-        torch.set_num_threads(threads)
     return max((fk - f1) / CHAIN, 0.0), max((bk - b1) / CHAIN, 0.0)
 
 
