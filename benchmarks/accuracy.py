@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"  # the rank processes and the calibration ranks alike
     from cost_models.calibrate import calibrate
-    from planner.compare import compare_build, draw
+    from planner.compare import compare_build, draw, measured_steps
     from runtime.launcher import run_local
 
     import tempfile
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         medians = []
         for r in range(max(args.repeat, 1)):
             if r:
-                medians.append(compare_build(path, cluster)[0].measured_step)
+                medians.append(statistics.median(measured_steps(path)[1].values()))
             res = run_local(path, steps=args.steps, backend=args.backend, timeout=120.0,
                             extra_args=["--track-memory"])
             if res.returncode != 0:

@@ -228,19 +228,9 @@ def compare_build(build: str | Path, cluster: "Cluster", *, skip_steps: int = 1)
                                                                                            "Timeline", object]:
     """(Comparison, predicted Timeline, measured Timeline, plan priced on `cluster`) of a traced build."""
     from cost_models.simulate import simulate
-    from runtime.trace import Timeline
 
     build = Path(build)
-    if not (build / "timeline.json").is_file():
-        raise CompareError(f"{build} has no timeline.json: run it first with `meshplan run {build} --steps 5` "
-                           "(tracing is on unless --no-trace)")
-    measured = Timeline.load(build / "timeline.json")
-    steps = measured.step_times()
-    counted = _memory_steps(build)  # slowed down by counting memory
-    kept = {s: t for s, t in steps.items() if s >= min(steps, default=0) + skip_steps and s not in counted}
-    if not kept:
-        raise CompareError(f"{build}/timeline.json has {len(steps)} step(s); the first is warm-up and the one "
-                           f"whose memory was counted is slow: run more (meshplan run {build} --steps 6)")
+    measured, kept = measured_steps(build, skip_steps=skip_steps)
     plan, pred, costs, progs, cluster = predicted_costs(build, cluster)
     predicted = simulate(progs, costs, cluster)
     kinds = _kind_table(measured, as_observed(predicted, progs), sorted(kept))
@@ -251,6 +241,25 @@ def compare_build(build: str | Path, cluster: "Cluster", *, skip_steps: int = 1)
                      typical_step=min(kept, key=lambda s: abs(kept[s] - median)), predicted_step=predicted.step_times()[0],
                      analytic_step=pred.step_time, kinds=kinds, memory=memory)
     return cmp, predicted, measured, plan
+
+
+def measured_steps(build: str | Path, *, skip_steps: int = 1) -> tuple["Timeline", dict[int, float]]:
+    """(the traced run's Timeline, {step: seconds} of the steps compared): the first `skip_steps`
+    (warm-up) and the step whose memory was counted (slowed down by counting) are left out."""
+    from runtime.trace import Timeline
+
+    build = Path(build)
+    if not (build / "timeline.json").is_file():
+        raise CompareError(f"{build} has no timeline.json: run it first with `meshplan run {build} --steps 5` "
+                           "(tracing is on unless --no-trace)")
+    measured = Timeline.load(build / "timeline.json")
+    steps = measured.step_times()
+    counted = _memory_steps(build)
+    kept = {s: t for s, t in steps.items() if s >= min(steps, default=0) + skip_steps and s not in counted}
+    if not kept:
+        raise CompareError(f"{build}/timeline.json has {len(steps)} step(s); the first is warm-up and the one "
+                           f"whose memory was counted is slow: run more (meshplan run {build} --steps 6)")
+    return measured, kept
 
 
 def _memory_steps(build: Path) -> set[int]:
