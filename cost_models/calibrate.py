@@ -18,8 +18,11 @@ module fits the constants and builds the Cluster:
 - Efficiency (fit.eff.*, fit.overhead.*): per-kind forward/backward overheads
   (measured alone, times the slow-down of kinds alternating in a layer, fit.mix.*)
   and achieved fractions of peak (cost_models/calibrate_ops.py); the fixed cost
-  of one stage forward / backward call (fit.call.*, used by the simulator); the
-  fixed cost per parameter tensor of an optimizer step (fit.optimizer.<kind>.per_tensor);
+  of one stage forward / backward call through the runtime's StageRunner, the loss on the
+  last stage (fit.loss.*: fixed and per logits element) and zeroing gradients
+  (fit.zero_grad.*), all used by the simulator (cost_models/calibrate_stage.py); the
+  fixed cost of an optimizer step, per step and per parameter tensor
+  (fit.optimizer.<kind>.per_step / .per_tensor);
   op curves (raw.curve.<family>.<size>.*: seconds per op of each family the models use at a
   ladder of sizes, cost_models/op_curves.py), which planner.evaluate prefers over the roofline
   for fp32 nodes of those families, and their in-layer factor from a probe transformer block
@@ -180,6 +183,10 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
         # a fixed cost, like the op overheads: divided by the CPU share
         m[f"fit.optimizer.{kind}.per_tensor"] = statistics.median(
             r["optimizer"][kind] for r in results if kind in r.get("optimizer", {})) / share
+        fixed = [r["optimizer_fixed"][kind] for r in results if kind in r.get("optimizer_fixed", {})]
+        if fixed:
+            m[f"fit.optimizer.{kind}.per_step"] = statistics.median(fixed) / share
+    m.update(_runtime_measurements([r["stage"] for r in results if r.get("stage")], share))
     m.update(_curve_measurements(results, share, fit))
     for t in timings:
         m[f"raw.op.{t.kind}.{t.size}.forward"] = t.forward
@@ -225,6 +232,34 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
               f"fits in measurements fit.*, raw numbers in raw.*; CPU power assumed")
     return Cluster(name=name, num_nodes=1, devices_per_node=ranks, device=device, intra_node=link,
                    inter_node=link, source=source, measurements=m)
+
+
+def _runtime_measurements(stages: list[dict], share: float) -> dict[str, float]:
+    """fit.call.*, fit.loss.* and fit.zero_grad.* from the ranks' calibrate_stage figures (medians
+    over the ranks, divided by the CPU share like every fixed cost); {} when none were measured.
+
+    The stage call measured through the runtime's StageRunner replaces the one derived from
+    the layer chain (raw.block.call_*), which alternates chains and leaves every call's
+    caches cold: about 80 us per forward there, against ~15 us for a stage run in a row."""
+    from cost_models.calibrate_stage import fit_loss
+
+    if not stages:
+        return {}
+
+    def med(get) -> float:
+        return statistics.median(get(s) for s in stages) / share
+    m = {"fit.call.forward": med(lambda s: s["call"][0]), "fit.call.backward": med(lambda s: s["call"][1]),
+         "fit.zero_grad.per_tensor": med(lambda s: s["zero_grad"][0]),
+         "fit.zero_grad.per_byte": med(lambda s: s["zero_grad"][1])}
+    points = [[n, statistics.median(s["loss"][i][1] for s in stages), statistics.median(s["loss"][i][2] for s in stages)]
+              for i, (n, _, _) in enumerate(stages[0]["loss"])]
+    for n, f, b in points:
+        m[f"raw.loss.cross_entropy.{int(n)}.forward"] = f
+        m[f"raw.loss.cross_entropy.{int(n)}.backward"] = b
+    (f0, f1), (b0, b1) = fit_loss(points)
+    m.update({"fit.loss.forward": f0 / share, "fit.loss.forward_per_element": f1 / share,
+              "fit.loss.backward": b0 / share, "fit.loss.backward_per_element": b1 / share})
+    return m
 
 
 def _curve_measurements(results: list[dict], share: float, fit) -> dict[str, float]:

@@ -271,21 +271,22 @@ def fit_compute(timings: list[OpTiming], peak_flops: float, memory_bandwidth: fl
 OPTIMIZER_KINDS = ("sgd", "sgd_momentum", "adamw")
 
 
-def time_optimizer_steps(*, tensors: int = 48, numel: int = 16, steps: int = 20) -> dict[str, float]:
-    """{optimizer kind: seconds per parameter tensor of one step}, for the runtime's optimizers
-    (runtime.optim.OptimizerSpec, one tensor at a time, foreach=False), on `tensors` tiny tensors
-    so the fixed cost per tensor (Python loop, a dozen small ops) dominates; the mean of
-    `steps` steps after three warm-up steps, divided by the tensor count.
+def time_optimizer_steps(*, tensors: int = 48, few: int = 4, numel: int = 16,
+                         steps: int = 20) -> dict[str, tuple[float, float]]:
+    """{optimizer kind: (seconds of fixed cost per step, seconds per parameter tensor)}, for the
+    runtime's optimizers (runtime.optim.OptimizerSpec, one tensor at a time, foreach=False).
 
+    Timed on `few` and on `tensors` tiny tensors, so that the fixed costs (the step call
+    itself; per tensor a Python loop and a dozen small ops) dominate: the mean of `steps`
+    steps after three warm-up steps for each count; the line through the two gives both.
     The planner prices a step by the bytes it moves, which on small models misses most of it.
     """
     import torch
 
     from runtime.optim import OptimizerSpec
 
-    out = {}
-    for kind in OPTIMIZER_KINDS:
-        params = [torch.nn.Parameter(torch.ones(numel)) for _ in range(tensors)]
+    def mean_step(kind: str, count: int) -> float:
+        params = [torch.nn.Parameter(torch.ones(numel)) for _ in range(count)]
         for p in params:
             p.grad = torch.full_like(p, 1e-3)
         spec = OptimizerSpec(name="adamw" if kind == "adamw" else "sgd", lr=1e-3,
@@ -296,5 +297,12 @@ def time_optimizer_steps(*, tensors: int = 48, numel: int = 16, steps: int = 20)
         t0 = time.perf_counter()
         for _ in range(steps):
             opt.step()
-        out[kind] = (time.perf_counter() - t0) / steps / tensors
+        return (time.perf_counter() - t0) / steps
+
+    out = {}
+    for kind in OPTIMIZER_KINDS:
+        small, large = mean_step(kind, few), mean_step(kind, tensors)
+        # a noisy pair can tilt the line below zero; half the mean per tensor is a floor
+        per_tensor = max((large - small) / (tensors - few), large / tensors / 2)
+        out[kind] = (max(small - few * per_tensor, 0.0), per_tensor)
     return out

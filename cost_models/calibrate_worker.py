@@ -7,7 +7,8 @@ training run do (one thread each, OMP_NUM_THREADS=1), so the figures include
 the contention of W busy processes on this machine:
 
 1. compute: the per-kind op and layer timings of cost_models.calibrate_ops, the op curves
-   and the probe block of cost_models.op_curves, and the
+   and the probe block of cost_models.op_curves, the runtime's fixed costs (a stage call,
+   the loss, zeroing gradients) of cost_models.calibrate_stage, the
    peak fp32 GEMM rate and copy bandwidth of cost_models.local_machine, and the
    share of a core a rank gets while it computes in a training step's rhythm
    (run_like_share: below 1 when other processes load the machine);
@@ -24,7 +25,9 @@ the contention of W busy processes on this machine:
 Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "curves": [[family, size, fwd s, bwd s], ...],
 "probe": [fwd s, bwd s], "cpu_share", "sync_all_reduce",
 "overlap": [hidden, compute s, all-reduce s, overlapped s] (overlap_hidden),
-"optimizer": {kind: s per parameter tensor of a step} (calibrate_ops.time_optimizer_steps), "peak_flops", "memory_bandwidth",
+"optimizer": {kind: s per parameter tensor of a step}, "optimizer_fixed": {kind: s per step}
+(calibrate_ops.time_optimizer_steps), "stage": {"call": [fwd s, bwd s], "loss": [[elements, fwd s, bwd s], ...],
+"zero_grad": [s per tensor, s per byte]} (calibrate_stage), "peak_flops", "memory_bandwidth",
 "comm": [[op, group_size, nbytes, seconds], ...]} (communication only on rank 0).
 """
 
@@ -246,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from cost_models.calibrate_ops import time_block, time_op_kinds, time_optimizer_steps
+    from cost_models.calibrate_stage import time_stage_calls, time_zero_grad
     from cost_models.op_curves import time_op_curves, time_probe_block
     from cost_models.local_machine import _measure_compute_and_memory
 
@@ -269,7 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         probe = time_probe_block(quick=not args.full)
         progress(f"  probe transformer block: forward {probe[0] * 1e6:.0f} us, backward {probe[1] * 1e6:.0f} us")
         optim = time_optimizer_steps()
-        progress("  optimizer step per parameter tensor: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in optim.items()))
+        progress("  optimizer step, fixed + per parameter tensor: "
+                 + ", ".join(f"{k} {f * 1e6:.1f} + {t * 1e6:.1f} us" for k, (f, t) in optim.items()))
+        stage = time_stage_calls(quick=not args.full)
+        stage["zero_grad"] = time_zero_grad()
+        progress(f"  runtime stage call: forward {stage['call'][0] * 1e6:.1f} us, backward {stage['call'][1] * 1e6:.1f} us; "
+                 + "; ".join(f"loss over {int(n)} logits {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in stage["loss"]))
         comm.barrier()
         peak, bandwidth = _measure_compute_and_memory()
         comm.barrier()
@@ -288,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                             device, progress)
         out = {"rank": rank, "ops": [dataclasses.asdict(t) for t in ops], "block": list(block), "curves": curves,
                "probe": list(probe), "cpu_share": share, "sync_all_reduce": sync,
-               "overlap": list(hidden), "optimizer": optim, "peak_flops": peak,
+               "overlap": list(hidden), "optimizer": {k: t for k, (_, t) in optim.items()},
+               "optimizer_fixed": {k: f for k, (f, _) in optim.items()}, "stage": stage, "peak_flops": peak,
                "memory_bandwidth": bandwidth, "comm": rows}
         Path(args.out, f"calib_rank_{rank:04d}.json").write_text(json.dumps(out))
         comm.barrier()

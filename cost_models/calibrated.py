@@ -8,8 +8,11 @@ new section and an old meshplan still loads it:
     fit.eff.kernel_overhead                            s per op of a kind without its own figure
     fit.overhead.<kind>.forward / .backward            s per op of that kind (Efficiency.kind_overheads)
     fit.call.forward / .backward                       s per stage forward / backward call (simulator)
-    fit.optimizer.<kind>.per_tensor                    s per parameter tensor of one optimizer step
-                                                       (kind: sgd, sgd_momentum, adamw)
+    fit.loss.forward / .backward                       s per loss on the last stage, plus
+    fit.loss.forward_per_element / ...                 s per logits element (simulator)
+    fit.zero_grad.per_tensor / .per_byte               s of zeroing gradients (simulator)
+    fit.optimizer.<kind>.per_tensor / .per_step        s per parameter tensor / per call of one optimizer
+                                                       step (kind: sgd, sgd_momentum, adamw)
     fit.comm.<op>.g<size>.alpha / .beta                s and s/byte: one `op` over a group of
                                                        `size` ranks of one node costs alpha + beta * n
     raw.comm.<op>.g<size>.<n>                          s: the measured mean of one such `op` of n bytes
@@ -116,6 +119,23 @@ def call_overheads(cluster) -> tuple[float, float]:
     return fits.get("call.forward", 0.0), fits.get("call.backward", 0.0)
 
 
+def loss_costs(cluster, elements: float) -> tuple[float, float]:
+    """(forward s, backward s) of the runtime's loss over `elements` logits on the last stage
+    (cross-entropy, read back, scaled), beyond the stage call; (0, 0) if not calibrated."""
+    fits = _fits(cluster.measurements)
+    if "loss.forward" not in fits or elements <= 0:
+        return 0.0, 0.0
+    return (fits["loss.forward"] + fits.get("loss.forward_per_element", 0.0) * elements,
+            fits["loss.backward"] + fits.get("loss.backward_per_element", 0.0) * elements)
+
+
+def zero_grad_cost(cluster, tensors: int, nbytes: float) -> float:
+    """Seconds of one ZERO_GRAD: `tensors` gradient tensors (or flat buckets) of `nbytes` in all;
+    0 if not calibrated."""
+    fits = _fits(cluster.measurements)
+    return fits.get("zero_grad.per_tensor", 0.0) * tensors + fits.get("zero_grad.per_byte", 0.0) * nbytes
+
+
 def overlap_hidden(cluster) -> float:
     """Share (0..1) of an asynchronous collective's time hidden by compute running meanwhile;
     1 (free overlap) when the cluster was not calibrated."""
@@ -126,6 +146,11 @@ def optimizer_per_tensor(cluster, kind: str) -> float:
     """Seconds of fixed cost per parameter tensor of one `kind` optimizer step (sgd,
     sgd_momentum, adamw); 0 when the cluster was not calibrated for it."""
     return _fits(cluster.measurements).get(f"optimizer.{kind}.per_tensor", 0.0)
+
+
+def optimizer_per_step(cluster, kind: str) -> float:
+    """Seconds of fixed cost per call of one `kind` optimizer step; 0 when not calibrated for it."""
+    return _fits(cluster.measurements).get(f"optimizer.{kind}.per_step", 0.0)
 
 
 @functools.lru_cache(maxsize=64)

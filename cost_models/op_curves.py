@@ -11,6 +11,9 @@ per-rank size (piecewise linear in log(size) and log(time)):
 
     family         size unit                 built as
     linear         forward FLOPs (2 M K N)   nn.Linear(K, N) then nn.Linear(N, K), in pairs
+    linear_thin    weight elements (K N)     the same with M = 2 rows: a few rows read the whole
+                                             weight, so there the weight's size sets the time
+                                             (a linear costs the larger of the two curves)
     attention      forward FLOPs (4 B H T^2 D)  causal scaled_dot_product_attention
     layer_norm     elements                  nn.LayerNorm(256)
     gelu, relu     elements                  F.gelu, F.relu
@@ -40,11 +43,14 @@ from typing import Callable
 # calibration times every point in a few seconds on one core (largest op ~3 ms).
 LINEAR_SHAPES = ((8, 32, 32), (32, 64, 64), (64, 128, 128), (128, 128, 384), (128, 256, 512),
                  (256, 256, 512), (512, 512, 512))
+THIN_SHAPES = ((64, 64), (128, 256), (256, 256), (256, 768), (512, 1024))   # (K, N) at M = THIN_ROWS
+THIN_ROWS = 2
 ATTENTION_SEQ = (16, 32, 64, 128, 256)      # (B*H = 8, T, D = 32)
 NUMEL_LADDER = (1 << 8, 1 << 11, 1 << 14, 1 << 17, 1 << 20)
 # Families whose chained op is a pair of ops (timed per op: half the pair).
-PAIRED = ("linear",)
-FAMILIES = ("linear", "attention", "layer_norm", "gelu", "relu", "add", "embedding", "softmax", "identity")
+PAIRED = ("linear", "linear_thin")
+FAMILIES = ("linear", "linear_thin", "attention", "layer_norm", "gelu", "relu", "add", "embedding", "softmax",
+            "identity")
 
 _ELEMENTWISE_TARGETS = {
     "gelu": "gelu", "GELU": "gelu",
@@ -95,17 +101,23 @@ def curve_time(points: tuple[tuple[float, float], ...], size: float) -> float:
     return math.exp(math.log(t0) + w * math.log(t1 / t0))
 
 
-def node_curve_times(node, curves: dict, mix: tuple[float, float], share: float) -> tuple[float, float] | None:
+def node_curve_times(node, curves: dict, mix: tuple[float, float], share: float,
+                     weights: float = 0.0) -> tuple[float, float] | None:
     """(forward s, backward s) of a captured node (planner.graph.OpInfo: kind, target, attrs,
     fwd_flops, output_meta) read off `curves` (cost_models.calibrated.op_curves) at its per-rank
     size, `share` of the captured node's work (micro-batch over captured batch, over the tensor
-    split), times the in-layer factors `mix`; None when no curve prices it."""
+    split), times the in-layer factors `mix`; None when no curve prices it. `weights`: the
+    parameter elements one rank holds of a linear node (read off linear_thin, when measured)."""
     family = node_family(node.kind, node.target, dict(node.attrs)) if curves else None
     pts = curves.get(family) if family else None
     if pts is None:
         return None
     size = (node.fwd_flops if uses_flops(family) else sum(m.numel for m in node.output_meta)) * share
-    return curve_time(pts[0], size) * mix[0], curve_time(pts[1], size) * mix[1]
+    f, b = curve_time(pts[0], size), curve_time(pts[1], size)
+    thin = curves.get("linear_thin") if family == "linear" and weights > 0 else None
+    if thin is not None:  # few rows: reading the weight, not the FLOPs, sets the time
+        f, b = max(f, curve_time(thin[0], weights)), max(b, curve_time(thin[1], weights))
+    return f * mix[0], b * mix[1]
 
 
 def _cases() -> list[tuple[str, float, Callable[[int], tuple]]]:
@@ -126,6 +138,11 @@ def _cases() -> list[tuple[str, float, Callable[[int], tuple]]]:
             a, b = torch.nn.Linear(k, n), torch.nn.Linear(n, k)
             return lambda t: b(a(t))
         out.append(("linear", 2.0 * m * k * n, _chain(pair, lambda m=m, k=k: leaf(m, k))))
+    for k, n in THIN_SHAPES:
+        def thin_pair(k=k, n=n):
+            a, b = torch.nn.Linear(k, n), torch.nn.Linear(n, k)
+            return lambda t: b(a(t))
+        out.append(("linear_thin", float(k * n), _chain(thin_pair, lambda k=k: leaf(THIN_ROWS, k))))
     for t in ATTENTION_SEQ:
         out.append(("attention", 4.0 * 8 * t * t * 32,
                     _chain(lambda: (lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True)),

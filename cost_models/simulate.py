@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cost_models.calibrated import call_overheads, overlap_hidden
+from cost_models.calibrated import call_overheads, loss_costs, overlap_hidden, zero_grad_cost
 from cost_models.comm import collective_time
 from cost_models.hardware import Cluster
 from runtime.program import COLLECTIVE_OPS, Instr, Program
@@ -54,24 +54,39 @@ class ComputeCosts:
 
     forward[s], backward[s]: one micro-batch of stage s (tensor-parallel
     collectives inside the stage included, as the cost model prices them).
-    optimizer: one STEP.
+    optimizer: one STEP. zero_grad: one ZERO_GRAD.
     """
 
     forward: dict[int, float]
     backward: dict[int, float]
     optimizer: float = 0.0
+    zero_grad: float = 0.0
 
     @classmethod
-    def from_prediction(cls, prediction, cluster: Cluster | None = None) -> "ComputeCosts":
+    def from_prediction(cls, prediction, cluster: Cluster | None = None, *, loss_elements: float = 0.0,
+                        grad_tensors: int = 0, grad_bytes: float = 0.0) -> "ComputeCosts":
         """Per-stage times from a planner Prediction (its StagePrediction entries).
 
-        With a calibrated `cluster`, each stage call also pays the measured fixed cost of
-        one forward / backward call (entering the stage, starting the autograd engine),
-        which the planner's per-op sums leave out (cost_models/calibrated.py)."""
-        call_f, call_b = call_overheads(cluster) if cluster is not None else (0.0, 0.0)
-        return cls(forward={s.index: s.forward + call_f for s in prediction.stages},
-                   backward={s.index: s.backward + call_b for s in prediction.stages},
-                   optimizer=prediction.time.optimizer)
+        With a calibrated `cluster`, the runtime's fixed costs that the planner's per-op sums
+        leave out (cost_models/calibrated.py, measured by cost_models/calibrate_stage.py) are
+        added: each stage call pays the cost of one forward / backward call (entering the
+        stage, starting the autograd engine); the last stage also computes the loss over
+        `loss_elements` logits per micro-batch (this rank's share); a ZERO_GRAD zeroes
+        `grad_tensors` tensors of `grad_bytes` in all. This is why the simulated step is
+        longer than the planner's analytic one on small models."""
+        if cluster is None:
+            return cls(forward={s.index: s.forward for s in prediction.stages},
+                       backward={s.index: s.backward for s in prediction.stages},
+                       optimizer=prediction.time.optimizer)
+        call_f, call_b = call_overheads(cluster)
+        last = max(s.index for s in prediction.stages)
+        loss_f, loss_b = loss_costs(cluster, loss_elements)
+        return cls(forward={s.index: s.forward + call_f + (loss_f if s.index == last else 0.0)
+                            for s in prediction.stages},
+                   backward={s.index: s.backward + call_b + (loss_b if s.index == last else 0.0)
+                             for s in prediction.stages},
+                   optimizer=prediction.time.optimizer,
+                   zero_grad=zero_grad_cost(cluster, grad_tensors, grad_bytes))
 
 
 @dataclass
@@ -155,7 +170,7 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
             st.last_backward = None
         return True
     if ins.op in ("STEP", "ZERO_GRAD"):
-        dur = costs.optimizer if ins.op == "STEP" else 0.0
+        dur = costs.optimizer if ins.op == "STEP" else costs.zero_grad
         st.events.append(Event(prog.rank, step, st.pc, name, ins.op, st.now, st.now + dur))
         st.now += dur
         st.last_backward = None

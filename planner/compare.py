@@ -149,8 +149,21 @@ def predicted_costs(build: str | Path, cluster: "Cluster"):
     pred = Evaluator(graph, cluster, sharding=mode).evaluate(config, plan.global_batch_size)
     pred = for_runtime(pred, plan.config, train.get("optimizer") or {}, cluster, _largest_weights(graph, plan),
                        _param_tensors(graph, plan))
-    return dataclasses.replace(plan, cluster=cluster, prediction=pred), pred, ComputeCosts.from_prediction(pred, cluster), \
-        progs, cluster
+    costs = ComputeCosts.from_prediction(pred, cluster, loss_elements=_loss_elements(graph, plan),
+                                         grad_tensors=_param_tensors(graph, plan),
+                                         grad_bytes=max((s.memory.gradients for s in pred.stages), default=0.0))
+    return dataclasses.replace(plan, cluster=cluster, prediction=pred), pred, costs, progs, cluster
+
+
+def _loss_elements(graph, plan) -> float:
+    """Logits elements per micro-batch that one last-stage rank computes the loss over (the
+    model output; split by the tensor degree when its last op is column-split, vocabulary-parallel)."""
+    out = next((n for n in graph.nodes if n.kind == "output"), None)
+    if out is None or not out.input_meta:
+        return 0.0
+    sharded = dict(plan.shardings)
+    split = plan.config.tensor if out.inputs and sharded.get(out.inputs[0]) == "column" else 1
+    return out.input_meta[0].numel / split
 
 
 def _largest_weights(graph, plan) -> dict[int, float]:
@@ -182,7 +195,8 @@ def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int
 
     - the optimizer step's time from the bytes the build's optimizer moves (fp32, no ZeRO),
       plus, on a calibrated cluster, the measured fixed cost per parameter tensor times the
-      `param_tensors` of the largest stage (the runtime steps one tensor at a time);
+      `param_tensors` of the largest stage (the runtime steps one tensor at a time) and the
+      fixed cost of the step call;
 
     - optimizer state of the optimizer the build trains with (SGD: none, with momentum:
       one fp32 buffer per parameter, AdamW: two), where the planner assumes Adam;
@@ -192,7 +206,7 @@ def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int
     - a weight's gradient is computed into a fresh tensor and then added into its bucket
       (or its .grad), so the largest weight of a stage is a temporary too.
     """
-    from cost_models.calibrated import calibrated_efficiency, optimizer_per_tensor
+    from cost_models.calibrated import calibrated_efficiency, optimizer_per_step, optimizer_per_tensor
     from cost_models.compute import Efficiency
     from cost_models.memory import param_bytes
     from planner.evaluate import GRAD_BUCKET_BYTES
@@ -218,7 +232,7 @@ def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int
         eff = calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)
         params = max(s.memory.parameters for s in pred.stages) / 4  # fp32 weights, unsharded
         step = params * _STEP_BYTES_PER_PARAM[key] / (cluster.device.memory_bandwidth * eff.memory) \
-            + param_tensors * optimizer_per_tensor(cluster, key)
+            + param_tensors * optimizer_per_tensor(cluster, key) + optimizer_per_step(cluster, key)
         time = dataclasses.replace(time, optimizer=step)
     return dataclasses.replace(pred, stages=stages, memory=fix(pred.memory), time=time,
                                peak_memory=max(s.memory.total for s in stages))

@@ -441,7 +441,7 @@ class Evaluator:
             drop = 2.5 if (n.attr("dropout_p") or 0) > 0 else 0.0
             f_bytes += (4 + drop) * scores
             b_bytes += (6 + drop) * scores
-        measured = self._curve_times(n, scale / div, config.dtype)
+        measured = self._curve_times(n, scale / div, config.dtype, n.param_count / div)
         if measured is not None:
             f, b = measured[0], measured[1] if n.requires_grad else 0.0
         else:
@@ -470,9 +470,9 @@ class Evaluator:
                          tp_fwd=tp_f, tp_bwd=tp_b, saved=saved * scale * ds / div, params=params,
                          temp=2 * n.output_bytes * scale * ds / div)
 
-    def _curve_times(self, n: OpInfo, share: float, dtype: str) -> tuple[float, float] | None:
+    def _curve_times(self, n: OpInfo, share: float, dtype: str, weights: float) -> tuple[float, float] | None:
         """(forward s, backward s) of `n` off the calibrated op curves (fp32 only), or None."""
-        return node_curve_times(n, self.curves, self.curve_mix, share) if dtype == "fp32" else None
+        return node_curve_times(n, self.curves, self.curve_mix, share, weights) if dtype == "fp32" else None
 
     def sharded_regions(self, layer: Layer, config: ParallelConfig) -> frozenset[int]:
         """Regions of `layer` the ILP shards at this tensor degree.

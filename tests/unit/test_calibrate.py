@@ -144,15 +144,20 @@ def test_compute_costs_add_the_calibrated_call_overhead():
 
 def test_optimizer_fixed_cost_per_tensor_is_measured_and_priced():
     from cost_models.calibrate_ops import OPTIMIZER_KINDS, time_optimizer_steps
-    from cost_models.calibrated import optimizer_per_tensor
+    from cost_models.calibrated import optimizer_per_step, optimizer_per_tensor
 
-    measured = time_optimizer_steps(tensors=8, steps=3)
-    assert set(measured) == set(OPTIMIZER_KINDS) and all(t > 0 for t in measured.values())
+    measured = time_optimizer_steps(tensors=8, few=2, steps=3)
+    assert set(measured) == set(OPTIMIZER_KINDS)
+    assert all(fixed >= 0 and per > 0 for fixed, per in measured.values())
+    # AdamW does more per tensor than plain SGD (two state buffers, a dozen more ops)
+    assert measured["adamw"][1] > measured["sgd"][1]
     results = _results()
     for r, scale in zip(results, (1.0, 3.0)):
         r["optimizer"] = {"sgd": 4e-6 * scale, "adamw": 2e-5 * scale}
+        r["optimizer_fixed"] = {"adamw": 1e-5 * scale}
     cl = build_cluster(results)
     # median over the ranks, divided by the CPU share (0.5) like every fixed cost
     assert optimizer_per_tensor(cl, "adamw") == pytest.approx(2 * 2e-5 * 2)
-    assert optimizer_per_tensor(cl, "sgd_momentum") == 0.0
+    assert optimizer_per_step(cl, "adamw") == pytest.approx(2 * 1e-5 * 2)
+    assert optimizer_per_tensor(cl, "sgd_momentum") == 0.0 and optimizer_per_step(cl, "sgd") == 0.0
     assert optimizer_per_tensor(Cluster.preset("dgx-a100-80gb"), "sgd") == 0.0

@@ -51,6 +51,8 @@ def _curve_results():
         pts = LINEAR if fam in ("linear", "attention") else ((256, 2e-6), (1 << 20, 4e-4))
         if fam == "identity":
             pts = ((1.0, 3e-6),)
+        if fam == "linear_thin":  # far below the FLOP curve here: test_thin_linear covers it
+            pts = ((256, 1e-9), (1 << 20, 1e-8))
         rows += [[fam, s, t, 2 * t] for s, t in pts]
     curves = {fam: (tuple((s, f) for f_, s, f, _ in rows if f_ == fam), tuple((s, b) for f_, s, _, b in rows if f_ == fam))
               for fam in FAMILIES}
@@ -108,7 +110,7 @@ def test_evaluate_prices_fp32_nodes_from_the_curves():
     assert cost.fwd == pytest.approx(curve_time(tuple((s, t / 0.5) for s, t in LINEAR), flops) * mix_f)
     assert cost.bwd == pytest.approx(curve_time(tuple((s, 2 * t / 0.5) for s, t in LINEAR), flops) * mix_b)
     # only fp32 was calibrated; an explicit Efficiency turns the curves off
-    assert ev._curve_times(fc, 0.5, "bf16") is None
+    assert ev._curve_times(fc, 0.5, "bf16", fc.param_count) is None
     plain = planner.Evaluator(graph, cl, efficiency=calibrated_efficiency(cl))
     assert plain._node_cost(fc, "replicate", cfg).fwd != pytest.approx(cost.fwd)
 
@@ -122,3 +124,22 @@ def test_time_op_curves_measures_every_family_on_this_machine():
     big = max((r for r in rows if r[0] == "linear"), key=lambda r: r[1])
     small = min((r for r in rows if r[0] == "linear"), key=lambda r: r[1])
     assert big[2] > 10 * small[2]   # a 268 MFLOP GEMM costs far more than a 16 kFLOP one
+
+
+def test_thin_linear_is_priced_by_its_weight_when_that_costs_more():
+    from cost_models.op_curves import node_curve_times
+
+    node = type("N", (), {"kind": "linear", "target": "torch.nn.Linear", "attrs": (), "fwd_flops": 2 * 2 * 256 * 256,
+                          "output_meta": ()})()
+    flops_curve = ((1e3, 1e-6), (1e9, 1e-3))
+    thin = ((4096, 5e-6), (1 << 20, 5e-4))
+    curves = {"linear": (flops_curve, flops_curve), "linear_thin": (thin, thin)}
+    f_flops = curve_time(flops_curve, node.fwd_flops)
+    f_thin = curve_time(thin, 256 * 256)
+    assert f_thin > f_flops
+    # two rows through a 256 x 256 weight: the weight sets the time
+    assert node_curve_times(node, curves, (1.0, 2.0), 1.0, weights=256 * 256) == pytest.approx((f_thin, 2 * f_thin))
+    # without the weight count (or without the thin curve) the FLOP curve prices it
+    assert node_curve_times(node, curves, (1.0, 1.0), 1.0) == pytest.approx((f_flops, f_flops))
+    assert node_curve_times(node, {"linear": curves["linear"]}, (1.0, 1.0), 1.0, weights=65536) == \
+        pytest.approx((f_flops, f_flops))
