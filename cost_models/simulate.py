@@ -94,18 +94,25 @@ class _Rank:
     program: Program
     pc: int = 0
     now: float = 0.0
-    handles: dict[int, float] = field(default_factory=dict)      # handle -> completion time
-    pending: dict[int, tuple] = field(default_factory=dict)      # handle -> match key
+    rep: int = 0                                                 # which of the simulated steps
+    handles: dict[tuple, float] = field(default_factory=dict)    # (rep, handle) -> completion time
+    pending: dict[tuple, tuple] = field(default_factory=dict)    # (rep, handle) -> match key
     last_backward: tuple[float, float, int] | None = None        # (start, end, stage)
     after_backward: int = 0                                      # grads collectives issued since it
     backward_event: int = -1                                     # index in events of that backward
     events: list[Event] = field(default_factory=list)
-    comm: list[tuple[int, int]] = field(default_factory=list)    # (event index, handle) of async events
+    comm: list[tuple[int, tuple]] = field(default_factory=list)  # (event index, (rep, handle)) of async events
 
 
 def simulate(programs: dict[int, Program] | list[Program], costs: ComputeCosts, cluster: Cluster,
-             *, step: int = 0) -> Timeline:
-    """The predicted Timeline of one step of `programs` on `cluster`."""
+             *, step: int = 0, steps: int = 1) -> Timeline:
+    """The predicted Timeline of `steps` steps of `programs` on `cluster`, numbered from `step`.
+
+    With steps > 1 each rank starts its next step as soon as it finishes its last one, so a
+    rank that finishes early (a pipeline's last stage) waits inside the next step for what
+    the others still send it, as in a real run: a later step's span is the steady-state one."""
+    if steps < 1:
+        raise ValueError(f"simulate needs steps >= 1, got {steps}")
     progs = sorted(programs.values() if isinstance(programs, dict) else programs, key=lambda p: p.rank)
     if not progs:
         raise ValueError("simulate needs at least one Program")
@@ -117,6 +124,7 @@ def simulate(programs: dict[int, Program] | list[Program], costs: ComputeCosts, 
     ranks = {p.rank: _Rank(p) for p in progs}
     issued: dict[tuple, dict[int, tuple[float, int]]] = {}   # match key -> {rank: (issue time, handle)}
     members: dict[tuple, tuple[int, ...]] = {}
+    roots: dict[tuple, int] = {}                                # broadcast match key -> its root
     durations: dict[tuple, float] = {}
 
     def complete(key: tuple) -> None:
@@ -124,8 +132,12 @@ def simulate(programs: dict[int, Program] | list[Program], costs: ComputeCosts, 
         if set(who) != set(members[key]):
             return
         end = max(t for t, _ in who.values()) + durations[key]
+        root = roots.get(key)
         for r, (start, handle) in who.items():
-            ranks[r].handles[handle] = end
+            # a broadcast's root only sends: it is done once its data is out, whenever the
+            # others arrive; a receiver waits for the root
+            ranks[r].handles[handle] = start + durations[key] if r == root else \
+                max(start, who[root][0]) + durations[key] if root is not None else end
             ranks[r].pending.pop(handle, None)
         del issued[key]
 
@@ -134,10 +146,12 @@ def simulate(programs: dict[int, Program] | list[Program], costs: ComputeCosts, 
         for st in ranks.values():
             while st.pc < len(st.program.instrs):
                 ins = st.program.instrs[st.pc]
-                if not _step(st, ins, costs, cluster, issued, members, durations, complete, step):
+                if not _step(st, ins, costs, cluster, issued, members, durations, complete, step + st.rep, roots):
                     break
                 st.pc += 1
                 progressed = True
+                if st.pc == len(st.program.instrs) and st.rep + 1 < steps:
+                    st.rep, st.pc, st.last_backward = st.rep + 1, 0, None
         if all(st.pc == len(st.program.instrs) for st in ranks.values()):
             break
         if not progressed:
@@ -152,8 +166,23 @@ def simulate(programs: dict[int, Program] | list[Program], costs: ComputeCosts, 
     return Timeline(events, source="predicted")
 
 
+def simulate_steady(programs: dict[int, Program] | list[Program], costs: ComputeCosts, cluster: Cluster,
+                    *, warm: int = 2) -> Timeline:
+    """One step in steady state: the step after `warm` steps run back to back (simulate with
+    steps = warm + 1), its times from its first event's start, numbered step 0.
+
+    This is what a traced run's step after the first looks like: ranks do not start a step
+    together (a pipeline's first stage starts late, as it waits for the last stage's loss at
+    the end of the previous step), and the span of a step includes that skew."""
+    tl = simulate(programs, costs, cluster, steps=warm + 1)
+    last = [e for e in tl.events if e.step == warm]
+    t0 = min(e.start for e in last)
+    return Timeline(tuple(Event(e.rank, 0, e.index, e.name, e.op, e.start - t0, e.end - t0, e.track) for e in last),
+                    source=tl.source)
+
+
 def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, members, durations,
-          complete, step: int) -> bool:
+          complete, step: int, roots: dict) -> bool:
     """Execute one instruction on one rank; False when it must wait."""
     prog = st.program
     name = str(ins)
@@ -176,12 +205,12 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
         st.last_backward = None
         return True
     if ins.op == "WAIT":
-        if ins.handle not in st.handles:
-            if ins.handle not in st.pending:
+        if (st.rep, ins.handle) not in st.handles:
+            if (st.rep, ins.handle) not in st.pending:
                 raise ValueError(f"rank {prog.rank} #{st.pc}: WAIT h{ins.handle} on a handle never issued")
             return False
         start = st.now
-        st.now = max(st.now, st.handles[ins.handle])
+        st.now = max(st.now, st.handles[(st.rep, ins.handle)])
         st.events.append(Event(prog.rank, step, st.pc, name, "WAIT", start, st.now))
         st.last_backward = None
         return True
@@ -198,7 +227,7 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
         st.last_backward = None
     if ins.op in ("SEND", "RECV"):
         src, dst = (prog.rank, ins.peer) if ins.op == "SEND" else (ins.peer, prog.rank)
-        key = ("p2p", src, dst, ins.kind, ins.stage, ins.micro)
+        key = ("p2p", src, dst, ins.kind, ins.stage, ins.micro, st.rep)
         members[key] = (src, dst)
         if key not in durations:
             nbytes = ins.nbytes
@@ -207,8 +236,10 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
             durations[key] = collective_time(cluster, "p2p", ins.nbytes, [src, dst]).seconds
     else:
         group = prog.group(ins.axis)
-        key = (ins.op, ins.kind, ins.axis, group, ins.stage, ins.micro, ins.bucket)
+        key = (ins.op, ins.kind, ins.axis, group, ins.stage, ins.micro, ins.bucket, st.rep)
         members[key] = group
+        if ins.op == "BROADCAST":
+            roots[key] = ins.peer
         if key not in durations:
             durations[key] = collective_time(cluster, _COLLECTIVE_NAMES[ins.op], ins.nbytes, list(group)).seconds \
                 if ins.nbytes and len(group) > 1 else 0.0
@@ -217,11 +248,11 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
     who = issued.setdefault(key, {})
     if prog.rank in who:
         raise ValueError(f"rank {prog.rank} #{st.pc}: {name} issued twice for the same transfer")
-    who[prog.rank] = (issue, ins.handle)
-    st.pending[ins.handle] = key
+    who[prog.rank] = (issue, (st.rep, ins.handle))
+    st.pending[(st.rep, ins.handle)] = key
     complete(key)
     st.events.append(Event(prog.rank, step, st.pc, name, ins.op, issue, issue, track="comm"))
-    st.comm.append((len(st.events) - 1, ins.handle))  # its end is known once every peer has issued
+    st.comm.append((len(st.events) - 1, (st.rep, ins.handle)))  # its end is known once every peer has issued
     return True
 
 

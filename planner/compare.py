@@ -241,12 +241,14 @@ def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int
 def compare_build(build: str | Path, cluster: "Cluster", *, skip_steps: int = 1) -> tuple[Comparison, "Timeline",
                                                                                            "Timeline", object]:
     """(Comparison, predicted Timeline, measured Timeline, plan priced on `cluster`) of a traced build."""
-    from cost_models.simulate import simulate
+    from cost_models.simulate import simulate_steady
 
     build = Path(build)
     measured, kept = measured_steps(build, skip_steps=skip_steps)
     plan, pred, costs, progs, cluster = predicted_costs(build, cluster)
-    predicted = simulate(progs, costs, cluster)
+    # the measured steps compared are steps after the first: the steady state, where ranks do
+    # not start a step together
+    predicted = simulate_steady(progs, costs, cluster)
     kinds = _kind_table(measured, as_observed(predicted, progs), sorted(kept))
     memory = _memory_table(build, progs, pred)
     median = statistics.median(kept.values())

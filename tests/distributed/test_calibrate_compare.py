@@ -35,7 +35,7 @@ def test_calibrate_then_compare_a_traced_run(tmp_path, capsys):
     assert (build / "compare_schedule.png").stat().st_size > 10_000 and (build / "compare_schedule.svg").is_file()
 
     assert main(["simulate", str(build), "--cluster", str(cluster_file)]) == 0
-    assert "simulated step on 'local-calibrated'" in capsys.readouterr().out
+    assert "simulated step (steady state) on 'local-calibrated'" in capsys.readouterr().out
     assert (build / "predicted_timeline.json").is_file()
 
 

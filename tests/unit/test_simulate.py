@@ -109,3 +109,28 @@ def test_calibrated_overlap_charges_the_unhidden_part_to_the_backward():
     assert tl.step_times()[0] == pytest.approx((4 + 3 * 0.75) * one)
     b = [e for e in tl.events if e.op == "B"]
     assert all(e.end - e.start == pytest.approx((4 + 3 * 0.75) * one) for e in b)
+
+
+def test_steps_run_back_to_back_and_the_steady_step_includes_the_start_skew():
+    from cost_models.simulate import simulate_steady
+
+    # rank 1 (the last stage) ends its step with a loss broadcast that rank 0 waits for, so in
+    # the next step rank 0 starts late and rank 1 waits for its first activation
+    progs = two_stage_1f1b()
+    mesh = [("pipe", 2), ("data", 1), ("tensor", 1)]
+    tail0 = [I("BROADCAST", kind="loss", axis="pipe", peer=1, handle=9, nbytes=8), I("WAIT", handle=9)]
+    progs = [prog(0, 2, mesh, list(progs[0].instrs) + tail0, (0,), 2, 2),
+             prog(1, 2, mesh, list(progs[1].instrs) + tail0, (1,), 2, 2)]
+    costs = ComputeCosts(forward={0: 1.0, 1: 1.0}, backward={0: 2.0, 1: 2.0}, optimizer=0.5)
+    one = simulate(progs, costs, CL)
+    three = simulate(progs, costs, CL, steps=3)
+    assert sorted(three.step_times()) == [0, 1, 2]
+    assert three.step_times()[0] == pytest.approx(one.step_times()[0])
+    steady = simulate_steady(progs, costs, CL)
+    assert {e.step for e in steady.events} == {0} and min(e.start for e in steady.events) == 0.0
+    # every instruction of every rank once
+    assert len(steady.events) == len(one.events)
+    # the later step is no shorter than the first, where both ranks started together
+    assert steady.step_times()[0] >= one.step_times()[0] - 1e-9
+    with pytest.raises(ValueError, match="steps >= 1"):
+        simulate(progs, costs, CL, steps=0)
