@@ -147,10 +147,11 @@ def predicted_costs(build: str | Path, cluster: "Cluster"):
     mode = "all" if plan.config.tensor > 1 and \
         Evaluator(graph, cluster, sharding="all").node_roles(config) == dict(plan.shardings) else "ilp"
     pred = Evaluator(graph, cluster, sharding=mode).evaluate(config, plan.global_batch_size)
+    tensors = _param_tensors(graph, plan)
     pred = for_runtime(pred, plan.config, train.get("optimizer") or {}, cluster, _largest_weights(graph, plan),
-                       _param_tensors(graph, plan))
+                       tensors)
     costs = ComputeCosts.from_prediction(pred, cluster, loss_elements=_loss_elements(graph, plan),
-                                         grad_tensors=_param_tensors(graph, plan),
+                                         grad_tensors=tensors,
                                          grad_bytes=max((s.memory.gradients for s in pred.stages), default=0.0))
     return dataclasses.replace(plan, cluster=cluster, prediction=pred), pred, costs, progs, cluster
 
