@@ -130,19 +130,19 @@ def _cases() -> list[tuple[str, float, Callable[[int], tuple]]]:
     def leaf(*shape):
         return torch.randn(*shape, requires_grad=True)
 
-    out = []
-    for m, k, n in LINEAR_SHAPES:
+    def pair(k: int, n: int):
         # one chained "op" is a pair, (K -> N) then (N -> K), so that the chain keeps its shape:
         # time_op_curves halves its time (PAIRED)
-        def pair(k=k, n=n):
+        def make():
             a, b = torch.nn.Linear(k, n), torch.nn.Linear(n, k)
             return lambda t: b(a(t))
-        out.append(("linear", 2.0 * m * k * n, _chain(pair, lambda m=m, k=k: leaf(m, k))))
+        return make
+
+    out = []
+    for m, k, n in LINEAR_SHAPES:
+        out.append(("linear", 2.0 * m * k * n, _chain(pair(k, n), lambda m=m, k=k: leaf(m, k))))
     for k, n in THIN_SHAPES:
-        def thin_pair(k=k, n=n):
-            a, b = torch.nn.Linear(k, n), torch.nn.Linear(n, k)
-            return lambda t: b(a(t))
-        out.append(("linear_thin", float(k * n), _chain(thin_pair, lambda k=k: leaf(THIN_ROWS, k))))
+        out.append(("linear_thin", float(k * n), _chain(pair(k, n), lambda k=k: leaf(THIN_ROWS, k))))
     for t in ATTENTION_SEQ:
         out.append(("attention", 4.0 * 8 * t * t * 32,
                     _chain(lambda: (lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True)),
