@@ -187,6 +187,7 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
         if fixed:
             m[f"fit.optimizer.{kind}.per_step"] = statistics.median(fixed) / share
     m.update(_runtime_measurements([r["stage"] for r in results if r.get("stage")], share))
+    m.update(_executor_measurements([r["executor"] for r in results if r.get("executor")], share))
     m.update(_curve_measurements(results, share, fit))
     for t in timings:
         m[f"raw.op.{t.kind}.{t.size}.forward"] = t.forward
@@ -235,7 +236,7 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
 
 
 def _runtime_measurements(stages: list[dict], share: float) -> dict[str, float]:
-    """fit.call.*, fit.loss.* and fit.zero_grad.* from the ranks' calibrate_stage figures (medians
+    """fit.call.*, fit.loss.*, fit.zero_grad.* and fit.tensor_wrapper.* from the ranks' calibrate_stage figures (medians
     over the ranks, divided by the CPU share like every fixed cost); {} when none were measured.
 
     The stage call measured through the runtime's StageRunner replaces the one derived from
@@ -251,6 +252,9 @@ def _runtime_measurements(stages: list[dict], share: float) -> dict[str, float]:
     m = {"fit.call.forward": med(lambda s: s["call"][0]), "fit.call.backward": med(lambda s: s["call"][1]),
          "fit.zero_grad.per_tensor": med(lambda s: s["zero_grad"][0]),
          "fit.zero_grad.per_byte": med(lambda s: s["zero_grad"][1])}
+    if all("tensor_wrapper" in s for s in stages):
+        m["fit.tensor_wrapper.forward"] = med(lambda s: s["tensor_wrapper"][0])
+        m["fit.tensor_wrapper.backward"] = med(lambda s: s["tensor_wrapper"][1])
     points = [[n, statistics.median(s["loss"][i][1] for s in stages), statistics.median(s["loss"][i][2] for s in stages)]
               for i, (n, _, _) in enumerate(stages[0]["loss"])]
     for n, f, b in points:
@@ -259,6 +263,18 @@ def _runtime_measurements(stages: list[dict], share: float) -> dict[str, float]:
     (f0, f1), (b0, b1) = fit_loss(points)
     m.update({"fit.loss.forward": f0 / share, "fit.loss.forward_per_element": f1 / share,
               "fit.loss.backward": b0 / share, "fit.loss.backward_per_element": b1 / share})
+    return m
+
+
+def _executor_measurements(runs: list[dict], share: float) -> dict[str, float]:
+    """fit.executor.gap.<op>, .issue.<op> and .extra.<F|B> (s) from the ranks' calibrate_executor
+    figures: the median over the ranks that measured the op, divided by the CPU share like every
+    fixed cost; {} when none were measured."""
+    m = {}
+    for part in ("gap", "issue", "extra"):
+        for op in sorted({op for r in runs for op in r.get(part, {})}):
+            got = [r[part][op] for r in runs if op in r.get(part, {})]
+            m[f"fit.executor.{part}.{op}"] = statistics.median(got) / share
     return m
 
 

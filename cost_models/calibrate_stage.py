@@ -9,7 +9,10 @@ instruction has costs no op carries, and on small models they are most of a step
   scaling it before backward), which is not in the captured graph at all: `time_stage_calls`,
   as the difference between a last stage and the same modules as a middle stage, at two
   logits sizes (a fixed part and a part per logits element);
-- ZERO_GRAD: zeroing gradient tensors or flat buckets: `time_zero_grad`.
+- ZERO_GRAD: zeroing gradient tensors or flat buckets: `time_zero_grad`;
+- the tensor-parallel wrappers (runtime.tensor_parallel: the autograd functions around the
+  in-layer all-reduces of column- and row-parallel layers) without their all-reduces:
+  `time_tensor_wrappers`.
 
 Each figure is a median of repeated calls of one variant in a row, as a step repeats the
 same stage for its micro-batches (alternating variants would leave every call's caches
@@ -119,6 +122,51 @@ def time_zero_grad(*, tensors: int = 32, numel: int = 16, big_bytes: int = 4 << 
             big.zero_()
         per_byte = max((time.perf_counter() - t0) / reps - per_tensor, 0.0) / big_bytes
     return [per_tensor, per_byte]
+
+
+class _NoCommGroup:
+    """A two-rank tensor group whose collectives do nothing: what remains is the wrappers' own cost."""
+
+    size, rank, ranks = 2, 0, (0, 1)
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        return None
+
+
+def time_tensor_wrappers(*, quick: bool = True) -> list[float]:
+    """[forward s, backward s] of one tensor-parallel wrapper call, without its collective.
+
+    A column-parallel then a row-parallel Linear (runtime.tensor_parallel, a group of two whose
+    all-reduces do nothing) less the same two linears unwrapped, halved: each of the two wraps
+    its layer in an autograd function (forward: the function call, the row layer's copy of its
+    output; backward: a Python backward, the column layer's copy of its gradient). A layer
+    pays this once per in-layer all-reduce, besides the all-reduce itself."""
+    import torch
+    import torch.nn.functional as F
+
+    from runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    half = WIDTH // 2
+    w1, b1, w2, b2 = torch.randn(half, WIDTH), torch.randn(half), torch.randn(WIDTH, half), torch.randn(WIDTH)
+    group = _NoCommGroup()
+    col, row = ColumnParallelLinear(w1, b1, group), RowParallelLinear(w2, b2, group)
+    plain = [torch.nn.Parameter(t.clone()) for t in (w1, b1, w2, b2)]
+    x = torch.randn(ROWS, WIDTH, requires_grad=True)
+
+    def timed(fwd) -> Callable[[], tuple[float, float]]:
+        def once() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            y = fwd()
+            t1 = time.perf_counter()
+            y.backward(torch.ones_like(y))
+            return t1 - t0, time.perf_counter() - t1
+        return once
+    reps = 200 if quick else 800
+    with one_thread():
+        wrapped = _median_calls(timed(lambda: row(torch.relu(col(x)))), reps)
+        bare = _median_calls(timed(lambda: F.linear(torch.relu(F.linear(x, plain[0], plain[1])), plain[2], plain[3])),
+                             reps)
+    return [max(w - b, 0.0) / 2 for w, b in zip(wrapped, bare)]
 
 
 def fit_loss(points: list[list[float]]) -> tuple[tuple[float, float], tuple[float, float]]:

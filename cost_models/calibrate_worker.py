@@ -8,7 +8,8 @@ the contention of W busy processes on this machine:
 
 1. compute: the per-kind op and layer timings of cost_models.calibrate_ops, the op curves
    and the probe block of cost_models.op_curves, the runtime's fixed costs (a stage call,
-   the loss, zeroing gradients) of cost_models.calibrate_stage, the
+   the loss, zeroing gradients) of cost_models.calibrate_stage, the executor's own time per
+   instruction (cost_models.calibrate_executor: a reference pipeline run by the runtime), the
    peak fp32 GEMM rate and copy bandwidth of cost_models.local_machine, and the
    share of a core a rank gets while it computes in a training step's rhythm
    (run_like_share: below 1 when other processes load the machine);
@@ -27,7 +28,9 @@ Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "curves": [[fami
 "overlap": [hidden, compute s, all-reduce s, overlapped s] (overlap_hidden),
 "optimizer": {kind: s per parameter tensor of a step}, "optimizer_fixed": {kind: s per step}
 (calibrate_ops.time_optimizer_steps), "stage": {"call": [fwd s, bwd s], "loss": [[elements, fwd s, bwd s], ...],
-"zero_grad": [s per tensor, s per byte]} (calibrate_stage), "peak_flops", "memory_bandwidth",
+"zero_grad": [s per tensor, s per byte],
+"tensor_wrapper": [fwd s, bwd s]} (calibrate_stage),
+"executor": {"gap": {op: s}, "issue": {op: s}} (calibrate_executor), "peak_flops", "memory_bandwidth",
 "comm": [[op, group_size, nbytes, seconds], ...]} (communication only on rank 0).
 """
 
@@ -249,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from cost_models.calibrate_ops import time_block, time_op_kinds, time_optimizer_steps
-    from cost_models.calibrate_stage import time_stage_calls, time_zero_grad
+    from cost_models.calibrate_executor import time_executor
+    from cost_models.calibrate_stage import time_stage_calls, time_tensor_wrappers, time_zero_grad
     from cost_models.op_curves import time_op_curves, time_probe_block
     from cost_models.local_machine import _measure_compute_and_memory
 
@@ -277,8 +281,15 @@ def main(argv: list[str] | None = None) -> int:
                  + ", ".join(f"{k} {f * 1e6:.1f} + {t * 1e6:.1f} us" for k, (f, t) in optim.items()))
         stage = time_stage_calls(quick=not args.full)
         stage["zero_grad"] = time_zero_grad()
+        stage["tensor_wrapper"] = time_tensor_wrappers(quick=not args.full)
         progress(f"  runtime stage call: forward {stage['call'][0] * 1e6:.1f} us, backward {stage['call'][1] * 1e6:.1f} us; "
-                 + "; ".join(f"loss over {int(n)} logits {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in stage["loss"]))
+                 + "; ".join(f"loss over {int(n)} logits {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in stage["loss"])
+                 + f"; tensor-parallel wrapper {stage['tensor_wrapper'][0] * 1e6:.1f} / {stage['tensor_wrapper'][1] * 1e6:.1f} us")
+        comm.barrier()
+        executor = time_executor(comm)
+        progress("  runtime executor, between instructions: "
+                 + ", ".join(f"after {op} {t * 1e6:.1f} us" for op, t in executor["gap"].items())
+                 + "; issuing: " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in executor["issue"].items()))
         comm.barrier()
         peak, bandwidth = _measure_compute_and_memory()
         comm.barrier()
@@ -298,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         out = {"rank": rank, "ops": [dataclasses.asdict(t) for t in ops], "block": list(block), "curves": curves,
                "probe": list(probe), "cpu_share": share, "sync_all_reduce": sync,
                "overlap": list(hidden), "optimizer": {k: t for k, (_, t) in optim.items()},
-               "optimizer_fixed": {k: f for k, (f, _) in optim.items()}, "stage": stage, "peak_flops": peak,
+               "optimizer_fixed": {k: f for k, (f, _) in optim.items()}, "stage": stage, "executor": executor,
+               "peak_flops": peak,
                "memory_bandwidth": bandwidth, "comm": rows}
         Path(args.out, f"calib_rank_{rank:04d}.json").write_text(json.dumps(out))
         comm.barrier()

@@ -11,6 +11,13 @@ new section and an old meshplan still loads it:
     fit.loss.forward / .backward                       s per loss on the last stage, plus
     fit.loss.forward_per_element / ...                 s per logits element (simulator)
     fit.zero_grad.per_tensor / .per_byte               s of zeroing gradients (simulator)
+    fit.executor.gap.<op> / .issue.<op>                s the runtime's executor spends after a synchronous
+                                                       instruction / issuing an asynchronous one (simulator)
+    fit.executor.extra.F / .B                          s a forward / backward instruction takes in a run
+                                                       beyond the stage called in a row (simulator)
+    fit.tensor_wrapper.forward / .backward             s per tensor-parallel layer wrapper (the autograd
+                                                       function around an in-layer all-reduce), besides
+                                                       the all-reduce (planner.evaluate)
     fit.optimizer.<kind>.per_tensor / .per_step        s per parameter tensor / per call of one optimizer
                                                        step (kind: sgd, sgd_momentum, adamw)
     fit.comm.<op>.g<size>.alpha / .beta                s and s/byte: one `op` over a group of
@@ -127,6 +134,27 @@ def loss_costs(cluster, elements: float) -> tuple[float, float]:
         return 0.0, 0.0
     return (fits["loss.forward"] + fits.get("loss.forward_per_element", 0.0) * elements,
             fits["loss.backward"] + fits.get("loss.backward_per_element", 0.0) * elements)
+
+
+def tensor_wrapper_costs(cluster) -> tuple[float, float]:
+    """(forward s, backward s) a tensor-parallel layer pays for the wrapper around each of its
+    in-layer all-reduces, beyond the all-reduce; (0, 0) if not calibrated."""
+    fits = _fits(cluster.measurements)
+    return fits.get("tensor_wrapper.forward", 0.0), fits.get("tensor_wrapper.backward", 0.0)
+
+
+def executor_costs(cluster) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """({op: s after a synchronous instruction}, {op: s issuing an asynchronous one},
+    {"F" / "B": s a forward / backward instruction takes beyond its stage call}) of the runtime's
+    executor (cost_models/calibrate_executor.py); empty dicts if not calibrated."""
+    fits = _fits(cluster.measurements)
+    parts: tuple[dict[str, float], ...] = ({}, {}, {})
+    names = ("executor.gap", "executor.issue", "executor.extra")
+    for k, v in fits.items():
+        head, _, op = k.rpartition(".")
+        if head in names:
+            parts[names.index(head)][op] = v
+    return parts
 
 
 def zero_grad_cost(cluster, tensors: int, nbytes: float) -> float:

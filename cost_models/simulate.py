@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cost_models.calibrated import call_overheads, loss_costs, overlap_hidden, zero_grad_cost
+from cost_models.calibrated import call_overheads, executor_costs, loss_costs, overlap_hidden, zero_grad_cost
 from cost_models.comm import collective_time
 from cost_models.hardware import Cluster
 from runtime.program import COLLECTIVE_OPS, Instr, Program
@@ -55,12 +55,20 @@ class ComputeCosts:
     forward[s], backward[s]: one micro-batch of stage s (tensor-parallel
     collectives inside the stage included, as the cost model prices them).
     optimizer: one STEP. zero_grad: one ZERO_GRAD.
+    gap[op]: the executor's time after a synchronous instruction `op` before the next starts;
+    issue[op]: the time an asynchronous instruction `op` occupies its rank while it is issued
+    (a collective without its own figure takes ALLREDUCE's). Both 0 when absent.
     """
 
     forward: dict[int, float]
     backward: dict[int, float]
     optimizer: float = 0.0
     zero_grad: float = 0.0
+    gap: dict[str, float] = field(default_factory=dict)
+    issue: dict[str, float] = field(default_factory=dict)
+
+    def issue_time(self, op: str) -> float:
+        return self.issue.get(op, self.issue.get("ALLREDUCE", 0.0) if op in COLLECTIVE_OPS else 0.0)
 
     @classmethod
     def from_prediction(cls, prediction, cluster: Cluster | None = None, *, loss_elements: float = 0.0,
@@ -73,7 +81,9 @@ class ComputeCosts:
         stage, starting the autograd engine); the last stage also computes the loss over
         `loss_elements` logits per micro-batch (this rank's share); a ZERO_GRAD zeroes
         `grad_tensors` tensors of `grad_bytes` in all. This is why the simulated step is
-        longer than the planner's analytic one on small models."""
+        longer than the planner's analytic one on small models. The executor's own time per
+        instruction (gap, issue, and its extra inside a forward / backward) comes from the
+        cluster too."""
         if cluster is None:
             return cls(forward={s.index: s.forward for s in prediction.stages},
                        backward={s.index: s.backward for s in prediction.stages},
@@ -81,11 +91,13 @@ class ComputeCosts:
         call_f, call_b = call_overheads(cluster)
         last = max(s.index for s in prediction.stages)
         loss_f, loss_b = loss_costs(cluster, loss_elements)
+        gap, issue, extra = executor_costs(cluster)
+        call_f, call_b = call_f + extra.get("F", 0.0), call_b + extra.get("B", 0.0)
         return cls(forward={s.index: s.forward + call_f + (loss_f if s.index == last else 0.0)
                             for s in prediction.stages},
                    backward={s.index: s.backward + call_b + (loss_b if s.index == last else 0.0)
                              for s in prediction.stages},
-                   optimizer=prediction.time.optimizer,
+                   optimizer=prediction.time.optimizer, gap=gap, issue=issue,
                    zero_grad=zero_grad_cost(cluster, grad_tensors, grad_bytes))
 
 
@@ -193,15 +205,17 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
         start, st.now = st.now, st.now + table[ins.stage]
         st.events.append(Event(prog.rank, step, st.pc, name, ins.op, start, st.now))
         if ins.op == "B":
+            # gradient collectives issued from inside it are placed against [start, end]
             st.last_backward, st.after_backward = (start, st.now, ins.stage), 0
             st.backward_event = len(st.events) - 1
         else:
             st.last_backward = None
+        st.now += costs.gap.get(ins.op, 0.0)
         return True
     if ins.op in ("STEP", "ZERO_GRAD"):
         dur = costs.optimizer if ins.op == "STEP" else costs.zero_grad
         st.events.append(Event(prog.rank, step, st.pc, name, ins.op, st.now, st.now + dur))
-        st.now += dur
+        st.now += dur + costs.gap.get(ins.op, 0.0)
         st.last_backward = None
         return True
     if ins.op == "WAIT":
@@ -212,6 +226,7 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
         start = st.now
         st.now = max(st.now, st.handles[(st.rep, ins.handle)])
         st.events.append(Event(prog.rank, step, st.pc, name, "WAIT", start, st.now))
+        st.now += costs.gap.get("WAIT", 0.0)
         st.last_backward = None
         return True
     # asynchronous: SEND / RECV / collectives
@@ -223,8 +238,9 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
         n_after = _grads_run_length(prog, st.pc)
         st.after_backward += 1
         issue = b_start + (b_end - b_start) * min(st.after_backward, n_after) / max(n_after, 1)
-    else:
+    else:  # issued by the executor: the rank is busy issuing it
         st.last_backward = None
+        st.now += costs.issue_time(ins.op)
     if ins.op in ("SEND", "RECV"):
         src, dst = (prog.rank, ins.peer) if ins.op == "SEND" else (ins.peer, prog.rank)
         key = ("p2p", src, dst, ins.kind, ins.stage, ins.micro, st.rep)

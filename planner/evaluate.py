@@ -22,7 +22,7 @@ from typing import Any
 from cost_models import gems
 from cost_models.comm import collective_time, link_models
 from cost_models.mesh_axes import axis_collective_time
-from cost_models.calibrated import calibrated_efficiency, curve_mix, op_curves
+from cost_models.calibrated import calibrated_efficiency, curve_mix, op_curves, tensor_wrapper_costs
 from cost_models.compute import Efficiency, op_time, wave_efficiency
 from cost_models.op_curves import node_curve_times
 from cost_models.hardware import Cluster
@@ -89,6 +89,7 @@ class Evaluator:
         self.eff = efficiency or calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)
         self.curves = op_curves(cluster) if efficiency is None else {}  # ... and its op curves (fp32)
         self.curve_mix = curve_mix(cluster)
+        self.tp_wrapper = tensor_wrapper_costs(cluster)  # s per in-layer all-reduce's autograd wrapper
         self.fused_attention = fused_attention
         self.overlap_grad_reduce = overlap_grad_reduce
         self.grad_reduce_bytes = grad_reduce_bytes
@@ -403,12 +404,8 @@ class Evaluator:
             return 1.0
         shape = n.output_meta[0].shape
         split = t if role in ("column", "column_out") else 1
-        if n.kind == "conv" and len(shape) >= 3:  # implicit GEMM: (B*H*W) x out_channels
-            cols = shape[1]
-            rows = n.output_meta[0].numel // max(cols, 1)
-        else:
-            cols = shape[-1]
-            rows = n.output_meta[0].numel // max(cols, 1)
+        cols = shape[1] if n.kind == "conv" and len(shape) >= 3 else shape[-1]  # conv: (B*H*W) x out_channels
+        rows = n.output_meta[0].numel // max(cols, 1)
         return wave_efficiency(max(int(rows * scale), 1), max(cols // split, 1), units)
 
     def _input_bytes_per_layer(self) -> list[int]:
@@ -458,6 +455,8 @@ class Evaluator:
                 tp_f = self._axis(mesh, "tensor", "all_reduce", shard.fwd_allreduce * scale * ds)
             if shard.bwd_allreduce:
                 tp_b = self._axis(mesh, "tensor", "all_reduce", shard.bwd_allreduce * scale * ds)
+            if shard.fwd_allreduce or shard.bwd_allreduce:  # the autograd function around it costs both ways
+                tp_f, tp_b = tp_f + self.tp_wrapper[0], tp_b + self.tp_wrapper[1]
         saved = n.saved_bytes
         if n.kind == "attention":
             # Fused (flash) attention keeps q, k, v, the output and a row statistic;
