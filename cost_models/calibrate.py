@@ -20,7 +20,10 @@ module fits the constants and builds the Cluster:
   and achieved fractions of peak (cost_models/calibrate_ops.py); the fixed cost
   of one stage forward / backward call through the runtime's StageRunner, the loss on the
   last stage (fit.loss.*: fixed and per logits element) and zeroing gradients
-  (fit.zero_grad.*), all used by the simulator (cost_models/calibrate_stage.py); the
+  (fit.zero_grad.*), all used by the simulator (cost_models/calibrate_stage.py), and the
+  tensor-parallel wrappers (fit.tensor_wrapper.*, used by planner.evaluate); the runtime
+  executor's own time per instruction (fit.executor.gap.* / .issue.* / .extra.*, from a
+  reference pipeline run through it: cost_models/calibrate_executor.py, simulator); the
   fixed cost of an optimizer step, per step and per parameter tensor
   (fit.optimizer.<kind>.per_step / .per_tensor);
   op curves (raw.curve.<family>.<size>.*: seconds per op of each family the models use at a

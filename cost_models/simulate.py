@@ -76,8 +76,8 @@ class ComputeCosts:
         """Per-stage times from a planner Prediction (its StagePrediction entries).
 
         With a calibrated `cluster`, the runtime's fixed costs that the planner's per-op sums
-        leave out (cost_models/calibrated.py, measured by cost_models/calibrate_stage.py) are
-        added: each stage call pays the cost of one forward / backward call (entering the
+        leave out (cost_models/calibrated.py, measured by cost_models/calibrate_stage.py and
+        cost_models/calibrate_executor.py) are added: each stage call pays the cost of one forward / backward call (entering the
         stage, starting the autograd engine); the last stage also computes the loss over
         `loss_elements` logits per micro-batch (this rank's share); a ZERO_GRAD zeroes
         `grad_tensors` tensors of `grad_bytes` in all. This is why the simulated step is
