@@ -27,13 +27,11 @@ cost_models/simulate.py advances a rank's clock by these after each instruction.
 from __future__ import annotations
 
 import statistics
-import time
 
 REF_WIDTH = 128            # features of the reference stages
 REF_ROWS = 2               # samples per micro-batch
 REF_CLASSES = 16
 REF_MICRO_BATCHES = 4
-SYNC_OPS = ("F", "B", "WAIT", "STEP", "ZERO_GRAD")
 
 
 def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -148,22 +146,12 @@ def _in_run_extra(timeline, runner, data) -> dict[str, float]:
     forward / backward called in a row (as cost_models/calibrate_stage times the stage call)."""
     import torch
 
-    from cost_models.calibrate_stage import _median_calls
+    from cost_models.calibrate_stage import _median_calls, runner_calls
 
     traced = {op: statistics.median(e.duration for e in timeline.events if e.op == op and e.step >= 1)
               for op in ("F", "B")}
     x, y = data.micro_batches(0)[0] if data is not None else ((torch.randn(REF_ROWS, REF_WIDTH),), None)
-    grad = None if runner.spec.is_last else [torch.randn(REF_ROWS, REF_WIDTH)]
-
-    def once() -> tuple[float, float]:
-        t0 = time.perf_counter()
-        out = runner.forward(0, [x[0]], y if runner.spec.is_last else None)
-        if runner.spec.is_last:  # the executor reads every micro-batch's loss back
-            float(out.detach())
-        t1 = time.perf_counter()
-        runner.backward(0, grad)
-        return t1 - t0, time.perf_counter() - t1
-    row = _median_calls(once, 200)
+    row = _median_calls(runner_calls(runner, x[0], y, torch.randn(REF_ROWS, REF_WIDTH)), 200)
     return {"F": max(traced["F"] - row[0], 0.0), "B": max(traced["B"] - row[1], 0.0)}
 
 

@@ -64,17 +64,22 @@ def _stage_once(layers: int, classes: int | None, rows: int, last: bool) -> Call
     outs = () if last else (Boundary("y", (rows, width), "float32", True, "send"),)
     spec = StageSpec(0, ("ref",), (inp,), outs, ("ref",), is_last=last)
     runner = StageRunner(spec, torch.nn.Sequential(*mods), loss="cross_entropy", loss_scale=0.25)
-    x = torch.randn(rows, WIDTH)
-    y = torch.randint(0, width, (rows,))
-    g = torch.randn(rows, width)
+    return runner_calls(runner, torch.randn(rows, WIDTH), torch.randint(0, width, (rows,)), torch.randn(rows, width))
+
+
+def runner_calls(runner, x, targets, grad) -> Callable[[], tuple[float, float]]:
+    """A function timing one forward (with the loss read back on a last stage, as the executor
+    does) and one backward of `runner` on input `x`: (forward s, backward s). `targets` is used
+    on a last stage, `grad` (the output's gradient) on any other."""
+    last = runner.spec.is_last
 
     def once() -> tuple[float, float]:
         t0 = time.perf_counter()
-        out = runner.forward(0, [x], y if last else None)
+        out = runner.forward(0, [x], targets if last else None)
         if last:  # the executor reads every micro-batch's loss back
             float(out.detach())
         t1 = time.perf_counter()
-        runner.backward(0, None if last else [g])
+        runner.backward(0, None if last else [grad])
         return t1 - t0, time.perf_counter() - t1
     return once
 
