@@ -135,9 +135,10 @@ def time_executor(comm, *, steps: int = 12) -> dict[str, dict[str, float]]:
     comm.barrier()
     for step in range(steps):
         ex.run_step(step)
-    out = trace_costs(recorder.timeline(), program, skip_steps=1)
+    timeline = recorder.timeline()
+    out = trace_costs(timeline, program, skip_steps=1)
     comm.barrier()
-    out["extra"] = _in_run_extra(recorder.timeline(), ex.stages[rank], data)
+    out["extra"] = _in_run_extra(timeline, ex.stages[rank], data)
     return out
 
 

@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         stage["tensor_wrapper"] = time_tensor_wrappers(quick=not args.full)
         progress(f"  runtime stage call: forward {stage['call'][0] * 1e6:.1f} us, backward {stage['call'][1] * 1e6:.1f} us; "
                  + "; ".join(f"loss over {int(n)} logits {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in stage["loss"])
-                 + f"; tensor-parallel wrapper {stage['tensor_wrapper'][0] * 1e6:.1f} / {stage['tensor_wrapper'][1] * 1e6:.1f} us")
+                 + "; tensor-parallel wrapper {:.1f} / {:.1f} us".format(*(t * 1e6 for t in stage["tensor_wrapper"])))
         comm.barrier()
         executor = time_executor(comm)
         progress("  runtime executor, between instructions: "

@@ -77,13 +77,13 @@ class ComputeCosts:
 
         With a calibrated `cluster`, the runtime's fixed costs that the planner's per-op sums
         leave out (cost_models/calibrated.py, measured by cost_models/calibrate_stage.py and
-        cost_models/calibrate_executor.py) are added: each stage call pays the cost of one forward / backward call (entering the
-        stage, starting the autograd engine); the last stage also computes the loss over
+        cost_models/calibrate_executor.py) are added: each stage call pays the cost of one
+        forward / backward call (entering the stage, starting the autograd engine) and the
+        executor's extra inside it; the last stage also computes the loss over
         `loss_elements` logits per micro-batch (this rank's share); a ZERO_GRAD zeroes
         `grad_tensors` tensors of `grad_bytes` in all. This is why the simulated step is
-        longer than the planner's analytic one on small models. The executor's own time per
-        instruction (gap, issue, and its extra inside a forward / backward) comes from the
-        cluster too."""
+        longer than the planner's analytic one on small models. The executor's time between
+        instructions (gap) and issuing asynchronous ones (issue) comes from the cluster too."""
         if cluster is None:
             return cls(forward={s.index: s.forward for s in prediction.stages},
                        backward={s.index: s.backward for s in prediction.stages},
