@@ -44,7 +44,7 @@ from runtime.spec import StageSpec, TrainSpec
 from runtime import spatial_model
 from runtime.stage import StageRunner
 from runtime.subgraph import keep_own_paths, set_branch
-from runtime.trace import Recorder
+from runtime.trace import Recorder, shared_origin
 from runtime.watchdog import Watchdog
 
 
@@ -245,7 +245,8 @@ def connect(p: Prepared) -> RankSession:
                             p.program.mesh_dict.get("tensor", 1))
             apply_rng(p.restore, p.rank)
         comm.barrier()
-        recorder = Recorder(p.rank, enabled=not p.args.no_trace)
+        recorder = Recorder(p.rank, origin=shared_origin(_world_broadcast(comm, p.program.world_size, p.device)),
+                            enabled=not p.args.no_trace)
         ex = Executor(p.program, ctx, runners, grads, optimizer, p.data, recorder, fail_at=p.fail_at,
                       fault=p.args.fault)
         running.append(ex)
@@ -255,6 +256,16 @@ def connect(p: Prepared) -> RankSession:
         comm.report_failure(f"rank {p.rank} failed while connecting", grace=min(10.0, p.args.timeout))
         raise
     return RankSession(p, comm, ex, grads, watchdog)
+
+
+def _world_broadcast(comm, world_size: int, device):
+    """values -> rank 0's values (int64) on every rank, over all ranks (on `device`: NCCL
+    broadcasts GPU tensors only)."""
+    def broadcast(values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        comm.group(range(world_size)).broadcast(t, 0)
+        return [int(v) for v in t.tolist()]
+    return broadcast
 
 
 def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:

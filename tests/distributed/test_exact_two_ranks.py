@@ -69,3 +69,25 @@ def test_data_parallel_overlaps_gradient_all_reduce_with_backward(runs):
             last_b = max((e for e in evs if e.op == "B"), key=lambda e: e.end)
             first = min(e.start for e in evs if e.op == "ALLREDUCE" and "grads" in e.name)
             assert first < last_b.end
+
+
+def test_ranks_timelines_share_one_clock(runs):
+    """No rank sees a collective complete before every member issued it: the ranks' timelines
+    are on one clock (runtime.trace.shared_origin), not offset by a barrier's exit skew.
+    The loss all-reduces are checked: the executor notes their start before it issues them
+    (a gradient bucket's is noted by the backward hook after it is issued)."""
+    checked = 0
+    for name, res in runs.items():
+        by_call = {}
+        for e in res.timeline.events:
+            if e.track == "comm" and e.op == "ALLREDUCE" and " loss " in e.name:
+                by_call.setdefault((e.step, e.name), []).append(e)
+        for (step, call), evs in by_call.items():
+            if len(evs) == len(res.timeline.ranks) > 1:
+                checked += 1
+                last_issue = max(e.start for e in evs)
+                first_done = min(evs, key=lambda e: e.end)
+                assert first_done.end >= last_issue, (
+                    f"{name} step {step} {call}: rank {first_done.rank} saw it complete at {first_done.end:.6f} s, "
+                    f"before the last rank issued it at {last_issue:.6f} s")
+    assert checked >= 20, f"only {checked} loss all-reduces over both ranks were traced"

@@ -42,3 +42,24 @@ def test_recorder_collects_events():
     rec.add(0, 1, "STEP", "STEP", t0, rec.now())
     tl = rec.timeline()
     assert tl.ranks == (3,) and tl.events[0].duration >= 0
+
+
+def test_clock_id_is_stable_and_fits_in_int64():
+    from runtime.trace import clock_id
+
+    a, b = clock_id(), clock_id()
+    assert a == b and 0 <= a < 2 ** 63
+
+
+def test_shared_origin_takes_rank_zeros_reading_on_the_same_clock_only():
+    from runtime.trace import shared_origin
+
+    def from_root(clock, now_ns):
+        return lambda values: [clock, now_ns]
+
+    # rank 0 read 5 s on clock 7; this rank reads 9 s
+    assert shared_origin(from_root(7, 5_000_000_000), clock=7, now=9_000_000_000) == 5.0
+    assert shared_origin(from_root(7, 5_000_000_000), clock=8, now=9_000_000_000) == 9.0
+    sent = []
+    shared_origin(lambda v: sent.append(list(v)) or v, clock=3, now=42)
+    assert sent == [[3, 42]]
