@@ -92,20 +92,11 @@ def reference_programs(world: int, micro_batches: int = REF_MICRO_BATCHES) -> li
 
 
 def _runner(rank: int, world: int):
-    import torch
-
-    from runtime.spec import Boundary, StageSpec
-    from runtime.stage import StageRunner
+    from cost_models.calibrate_stage import reference_runner
 
     is_last = rank == world - 1
-    mods: list[torch.nn.Module] = [torch.nn.Linear(REF_WIDTH, REF_WIDTH), torch.nn.ReLU()]
-    if is_last:
-        mods.append(torch.nn.Linear(REF_WIDTH, REF_CLASSES))
-    inp = Boundary("x", (REF_ROWS, REF_WIDTH), "float32", rank > 0, "recv" if rank > 0 else "data", 0)
-    outs = () if is_last else (Boundary("y", (REF_ROWS, REF_WIDTH), "float32", True, "send"),)
-    spec = StageSpec(rank, (f"ref{rank}",), (inp,), outs, (f"ref{rank}",), is_last=is_last)
-    return StageRunner(spec, torch.nn.Sequential(*mods), loss="cross_entropy",
-                       loss_scale=1.0 / REF_MICRO_BATCHES)
+    return reference_runner(rank, 1, REF_WIDTH, REF_ROWS, REF_CLASSES if is_last else None, is_last,
+                            "recv" if rank > 0 else "data", 1.0 / REF_MICRO_BATCHES)
 
 
 def _batch(global_batch: int, seed: int):

@@ -50,21 +50,33 @@ def _stage_once(layers: int, classes: int | None, rows: int, last: bool) -> Call
     a Linear head to that many classes; as the last stage (cross-entropy loss) or a middle one."""
     import torch
 
+    runner = reference_runner(0, layers, WIDTH, rows, classes, last, "recv", 0.25)
+    width = classes if classes is not None else WIDTH
+    return runner_calls(runner, torch.randn(rows, WIDTH), torch.randint(0, width, (rows,)), torch.randn(rows, width))
+
+
+def reference_runner(index: int, layers: int, width: int, rows: int, classes: int | None, last: bool,
+                     source: str, loss_scale: float):
+    """A StageRunner of stage `index` over `layers` x (Linear, ReLU) of `width` features and, when
+    `classes`, a Linear head to that many classes; the last stage (cross-entropy loss) or one
+    that sends its output. Its input of `rows` samples comes from `source` ("recv" or "data")."""
+    import torch
+
     from runtime.spec import Boundary, StageSpec
     from runtime.stage import StageRunner
 
     mods: list[torch.nn.Module] = []
     for _ in range(layers):
-        mods += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
-    width = WIDTH
+        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    out_width = width
     if classes is not None:
-        mods.append(torch.nn.Linear(WIDTH, classes))
-        width = classes
-    inp = Boundary("x", (rows, WIDTH), "float32", True, "recv")
-    outs = () if last else (Boundary("y", (rows, width), "float32", True, "send"),)
-    spec = StageSpec(0, ("ref",), (inp,), outs, ("ref",), is_last=last)
-    runner = StageRunner(spec, torch.nn.Sequential(*mods), loss="cross_entropy", loss_scale=0.25)
-    return runner_calls(runner, torch.randn(rows, WIDTH), torch.randint(0, width, (rows,)), torch.randn(rows, width))
+        mods.append(torch.nn.Linear(width, classes))
+        out_width = classes
+    inp = Boundary("x", (rows, width), "float32", source != "data", source, 0 if source == "data" else -1)
+    outs = () if last else (Boundary("y", (rows, out_width), "float32", True, "send"),)
+    name = f"ref{index}"
+    spec = StageSpec(index, (name,), (inp,), outs, (name,), is_last=last)
+    return StageRunner(spec, torch.nn.Sequential(*mods), loss="cross_entropy", loss_scale=loss_scale)
 
 
 def runner_calls(runner, x, targets, grad) -> Callable[[], tuple[float, float]]:

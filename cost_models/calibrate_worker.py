@@ -30,7 +30,7 @@ Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "curves": [[fami
 (calibrate_ops.time_optimizer_steps), "stage": {"call": [fwd s, bwd s], "loss": [[elements, fwd s, bwd s], ...],
 "zero_grad": [s per tensor, s per byte],
 "tensor_wrapper": [fwd s, bwd s]} (calibrate_stage),
-"executor": {"gap": {op: s}, "issue": {op: s}} (calibrate_executor), "peak_flops", "memory_bandwidth",
+"executor": {"gap": {op: s}, "issue": {op: s}, "extra": {"F": s, "B": s}} (calibrate_executor), "peak_flops", "memory_bandwidth",
 "comm": [[op, group_size, nbytes, seconds], ...]} (communication only on rank 0).
 """
 
