@@ -20,8 +20,9 @@ module fits the constants and builds the Cluster:
   and achieved fractions of peak (cost_models/calibrate_ops.py); the fixed cost
   of one stage forward / backward call through the runtime's StageRunner, the loss on the
   last stage (fit.loss.*: fixed and per logits element) and zeroing gradients
-  (fit.zero_grad.*), all used by the simulator (cost_models/calibrate_stage.py), and the
-  tensor-parallel wrappers (fit.tensor_wrapper.*, used by planner.evaluate); the runtime
+  (fit.zero_grad.*), all used by the simulator (cost_models/calibrate_stage.py), and what
+  tensor parallelism adds besides its all-reduces (fit.tensor_wrapper.*,
+  fit.tensor_embedding.*: planner.evaluate; fit.loss.vocab_*: the simulator); the runtime
   executor's own time per instruction (fit.executor.gap.* / .issue.* / .extra.*, from a
   reference pipeline run through it: cost_models/calibrate_executor.py, simulator); the
   fixed cost of an optimizer step, per step and per parameter tensor
@@ -239,14 +240,14 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
 
 
 def _runtime_measurements(stages: list[dict], share: float) -> dict[str, float]:
-    """fit.call.*, fit.loss.*, fit.zero_grad.* and fit.tensor_wrapper.* from the ranks' calibrate_stage figures (medians
-    over the ranks, divided by the CPU share like every fixed cost); {} when none were measured.
+    """fit.call.*, fit.loss.*, fit.zero_grad.*, and fit.tensor_wrapper.*, fit.tensor_embedding.* and
+    fit.loss.vocab_* (what tensor parallelism adds, fixed and per element) from the ranks'
+    calibrate_stage figures (medians over the ranks, divided by the CPU share like every fixed
+    cost); {} when none were measured.
 
     The stage call measured through the runtime's StageRunner replaces the one derived from
     the layer chain (raw.block.call_*), which alternates chains and leaves every call's
     caches cold: about 80 us per forward there, against ~15 us for a stage run in a row."""
-    from cost_models.calibrate_stage import fit_loss
-
     if not stages:
         return {}
 
@@ -255,17 +256,32 @@ def _runtime_measurements(stages: list[dict], share: float) -> dict[str, float]:
     m = {"fit.call.forward": med(lambda s: s["call"][0]), "fit.call.backward": med(lambda s: s["call"][1]),
          "fit.zero_grad.per_tensor": med(lambda s: s["zero_grad"][0]),
          "fit.zero_grad.per_byte": med(lambda s: s["zero_grad"][1])}
-    if all("tensor_wrapper" in s for s in stages):
+    if all("tensor_wrapper" in s for s in stages):  # an older worker: the wrapper at one size
         m["fit.tensor_wrapper.forward"] = med(lambda s: s["tensor_wrapper"][0])
         m["fit.tensor_wrapper.backward"] = med(lambda s: s["tensor_wrapper"][1])
-    points = [[n, statistics.median(s["loss"][i][1] for s in stages), statistics.median(s["loss"][i][2] for s in stages)]
-              for i, (n, _, _) in enumerate(stages[0]["loss"])]
+    if all("tensor_parallel" in s for s in stages):
+        for part, prefix in (("wrapper", "tensor_wrapper."), ("vocab_embedding", "tensor_embedding."),
+                             ("vocab_loss", "loss.vocab_")):
+            m.update(_line_fits(f"fit.{prefix}", [s["tensor_parallel"][part] for s in stages], share,
+                                raw=f"raw.tensor_parallel.{part}."))
+    m.update(_line_fits("fit.loss.", [s["loss"] for s in stages], share, raw="raw.loss.cross_entropy."))
+    return m
+
+
+def _line_fits(prefix: str, per_rank: list[list[list[float]]], share: float, raw: str) -> dict[str, float]:
+    """{prefix + "forward", prefix + "forward_per_element", prefix + "backward", ...} (s, s per
+    element): calibrate_stage.fit_loss through the ranks' median [elements, forward s, backward s]
+    points, over the CPU share; and the points themselves as raw + "<elements>.forward" / ".backward"."""
+    from cost_models.calibrate_stage import fit_loss
+
+    points = [[n, statistics.median(r[i][1] for r in per_rank), statistics.median(r[i][2] for r in per_rank)]
+              for i, (n, _, _) in enumerate(per_rank[0])]
+    m = {}
     for n, f, b in points:
-        m[f"raw.loss.cross_entropy.{int(n)}.forward"] = f
-        m[f"raw.loss.cross_entropy.{int(n)}.backward"] = b
+        m[f"{raw}{int(n)}.forward"], m[f"{raw}{int(n)}.backward"] = f, b
     (f0, f1), (b0, b1) = fit_loss(points)
-    m.update({"fit.loss.forward": f0 / share, "fit.loss.forward_per_element": f1 / share,
-              "fit.loss.backward": b0 / share, "fit.loss.backward_per_element": b1 / share})
+    m.update({f"{prefix}forward": f0 / share, f"{prefix}forward_per_element": f1 / share,
+              f"{prefix}backward": b0 / share, f"{prefix}backward_per_element": b1 / share})
     return m
 
 

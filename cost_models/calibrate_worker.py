@@ -29,7 +29,7 @@ Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "curves": [[fami
 "optimizer": {kind: s per parameter tensor of a step}, "optimizer_fixed": {kind: s per step}
 (calibrate_ops.time_optimizer_steps), "stage": {"call": [fwd s, bwd s], "loss": [[elements, fwd s, bwd s], ...],
 "zero_grad": [s per tensor, s per byte],
-"tensor_wrapper": [fwd s, bwd s]} (calibrate_stage),
+"tensor_parallel": {part: [[elements, fwd s, bwd s], ...]}} (calibrate_stage),
 "executor": {"gap": {op: s}, "issue": {op: s}, "extra": {"F": s, "B": s}} (calibrate_executor), "peak_flops", "memory_bandwidth",
 "comm": [[op, group_size, nbytes, seconds], ...]} (communication only on rank 0).
 """
@@ -178,16 +178,21 @@ def run_like_share(comm, seconds: float) -> tuple[float, float]:
     return (min(cpu / wall, 1.0) if wall > 0 else 1.0), statistics.median(waits)
 
 
-def overlap_hidden(comm, device, nbytes: int = 1 << 20, rounds: int = 12) -> tuple[float, float, float, float]:
+def overlap_hidden(comm, device, nbytes: int = 1 << 20, rounds: int = 40) -> tuple[float, float, float, float]:
     """(hidden, compute s, all-reduce s, overlapped s): how much of an asynchronous all-reduce
     of `nbytes` over all ranks a compute running meanwhile hides, as the runtime overlaps the
     gradient all-reduces with the backward.
 
     On a machine with as many ranks as cores the communicator's threads compete with the
     compute for the cores, so the overlapped total is more than max(compute, all-reduce).
-    hidden = (compute + all-reduce - overlapped) / all-reduce, clamped to [0, 1] (1: free
-    overlap). The compute is a layer's forward and backward repeated to last about three
-    all-reduces; each figure is a mean over `rounds` (every rank starts together).
+    hidden = (compute + all-reduce - overlapped) / all-reduce, clamped to [-1, 1] (1: free
+    overlap; 0: as slow as one after the other; below 0: slower than that, as under MPI on this
+    VM, where a rank that computes while its request is pending progresses the request only
+    when it next tests it, and the peer waits meanwhile). The compute is a layer's forward and
+    backward repeated to last about three all-reduces; each figure is a median over `rounds`
+    (every rank starts together): one all-reduce stalled for milliseconds moves a mean of a
+    dozen rounds by a share of its own time (the share swung from -0.9 to +0.3 between
+    calibrations a minute apart with means of 12).
     """
     import math
 
@@ -204,16 +209,16 @@ def overlap_hidden(comm, device, nbytes: int = 1 << 20, rounds: int = 12) -> tup
         y = fwd()
         torch.autograd.backward(y, grad_of(y))
 
-    def mean_time(f) -> float:
+    def median_time(f) -> float:
         ts = []
         for _ in range(rounds):
             group.all_reduce(torch.zeros(1, device=device))  # start together
             t0 = time.perf_counter()
             f()
             ts.append(time.perf_counter() - t0)
-        return statistics.mean(ts)
-    one = mean_time(layer)
-    reduce_s = mean_time(lambda: group.all_reduce(buf, async_op=True).wait())
+        return statistics.median(ts)
+    one = median_time(layer)
+    reduce_s = median_time(lambda: group.all_reduce(buf, async_op=True).wait())
     # every rank must repeat the layer equally often: agree on the largest count
     count = torch.tensor([float(max(1, math.ceil(3 * reduce_s / max(one, 1e-9))))])
     group.all_reduce(count)  # sum over ranks; the same on every rank
@@ -227,9 +232,9 @@ def overlap_hidden(comm, device, nbytes: int = 1 << 20, rounds: int = 12) -> tup
         h = group.all_reduce(buf, async_op=True)
         compute()
         h.wait()
-    compute_s, overlapped_s = mean_time(compute), mean_time(both)
+    compute_s, overlapped_s = median_time(compute), median_time(both)
     hidden = (compute_s + reduce_s - overlapped_s) / reduce_s if reduce_s > 0 else 1.0
-    return min(max(hidden, 0.0), 1.0), compute_s, reduce_s, overlapped_s
+    return min(max(hidden, -1.0), 1.0), compute_s, reduce_s, overlapped_s
 
 
 def _fmt(n: int) -> str:
@@ -253,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cost_models.calibrate_ops import time_block, time_op_kinds, time_optimizer_steps
     from cost_models.calibrate_executor import time_executor
-    from cost_models.calibrate_stage import time_stage_calls, time_tensor_wrappers, time_zero_grad
+    from cost_models.calibrate_stage import time_stage_calls, time_tensor_parallel, time_zero_grad
     from cost_models.op_curves import time_op_curves, time_probe_block
     from cost_models.local_machine import _measure_compute_and_memory
 
@@ -281,10 +286,12 @@ def main(argv: list[str] | None = None) -> int:
                  + ", ".join(f"{k} {f * 1e6:.1f} + {t * 1e6:.1f} us" for k, (f, t) in optim.items()))
         stage = time_stage_calls(quick=not args.full)
         stage["zero_grad"] = time_zero_grad()
-        stage["tensor_wrapper"] = time_tensor_wrappers(quick=not args.full)
+        stage["tensor_parallel"] = time_tensor_parallel(quick=not args.full)
         progress(f"  runtime stage call: forward {stage['call'][0] * 1e6:.1f} us, backward {stage['call'][1] * 1e6:.1f} us; "
-                 + "; ".join(f"loss over {int(n)} logits {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in stage["loss"])
-                 + "; tensor-parallel wrapper {:.1f} / {:.1f} us".format(*(t * 1e6 for t in stage["tensor_wrapper"])))
+                 + "; ".join(f"loss over {int(n)} logits {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in stage["loss"]))
+        progress("  tensor parallelism besides its all-reduces: " + "; ".join(
+            f"{part.replace('_', ' ')} " + ", ".join(f"{int(n)} elements {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in pts)
+            for part, pts in stage["tensor_parallel"].items()))
         comm.barrier()
         executor = time_executor(comm)
         progress("  runtime executor, between instructions: "
@@ -298,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"an 8-byte all-reduce after computing: {sync * 1e6:.0f} us")
         hidden = overlap_hidden(comm, device)
         progress(f"  an asynchronous 1 MiB all-reduce ({hidden[2] * 1e3:.2f} ms) under {hidden[1] * 1e3:.2f} ms of compute: "
-                 f"{hidden[3] * 1e3:.2f} ms together, {hidden[0]:.0%} of it hidden")
+                 f"{hidden[3] * 1e3:.2f} ms together, " + (f"{hidden[0]:.0%} of it hidden" if hidden[0] >= 0 else
+                                                            f"{-hidden[0]:.0%} of it more than alone"))
         progress(f"  peak fp32 GEMM {peak / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s per rank")
         comm.barrier()
         progress(f"communication ({args.backend}):")

@@ -16,15 +16,21 @@ new section and an old meshplan still loads it:
     fit.executor.extra.F / .B                          s a forward / backward instruction takes in a run
                                                        beyond the stage called in a row (simulator)
     fit.tensor_wrapper.forward / .backward             s per tensor-parallel layer wrapper (the autograd
-                                                       function around an in-layer all-reduce), besides
-                                                       the all-reduce (planner.evaluate)
+      (+ _per_element)                                 function around an in-layer all-reduce), besides
+                                                       the all-reduce, plus s per element reduced
+                                                       (planner.evaluate)
+    fit.tensor_embedding.forward / ... (+ _per_element)  s a vocabulary-parallel embedding adds, plus s per
+                                                       output element (planner.evaluate)
+    fit.loss.vocab_forward / ... (+ _per_element)      s the vocabulary-parallel loss adds to the plain one,
+                                                       plus s per logits element (simulator)
     fit.optimizer.<kind>.per_tensor / .per_step        s per parameter tensor / per call of one optimizer
                                                        step (kind: sgd, sgd_momentum, adamw)
     fit.comm.<op>.g<size>.alpha / .beta                s and s/byte: one `op` over a group of
                                                        `size` ranks of one node costs alpha + beta * n
     raw.comm.<op>.g<size>.<n>                          s: the measured mean of one such `op` of n bytes
-    fit.comm.overlap_hidden                            share (0..1) of an asynchronous collective that
-                                                       compute running meanwhile hides (simulator)
+    fit.comm.overlap_hidden                            share (-1..1) of an asynchronous collective that
+                                                       compute running meanwhile hides (simulator;
+                                                       below 0: overlapping it costs extra)
     raw.curve.<family>.<size>.forward / .backward      s per op of that family at that size
                                                        (cost_models/op_curves.py: planner.evaluate prices
                                                        fp32 nodes of those families from them)
@@ -136,11 +142,33 @@ def loss_costs(cluster, elements: float) -> tuple[float, float]:
             fits["loss.backward"] + fits.get("loss.backward_per_element", 0.0) * elements)
 
 
-def tensor_wrapper_costs(cluster) -> tuple[float, float]:
-    """(forward s, backward s) a tensor-parallel layer pays for the wrapper around each of its
-    in-layer all-reduces, beyond the all-reduce; (0, 0) if not calibrated."""
+def _per_call(cluster, prefix: str, elements: float) -> tuple[float, float]:
+    """(forward s, backward s) of fit.<prefix>forward + fit.<prefix>forward_per_element x elements
+    (and backward's); (0, 0) for what the cluster was not calibrated for."""
     fits = _fits(cluster.measurements)
-    return fits.get("tensor_wrapper.forward", 0.0), fits.get("tensor_wrapper.backward", 0.0)
+    return tuple(fits.get(f"{prefix}{p}", 0.0) + fits.get(f"{prefix}{p}_per_element", 0.0) * max(elements, 0.0)
+                 for p in ("forward", "backward"))
+
+
+def tensor_wrapper_costs(cluster, elements: float = 0.0) -> tuple[float, float]:
+    """(forward s, backward s) a tensor-parallel layer pays for the wrapper around each of its
+    in-layer all-reduces of `elements` values (the copy it reduces, the bias added after it),
+    beyond the all-reduce; (0, 0) if not calibrated."""
+    return _per_call(cluster, "tensor_wrapper.", elements)
+
+
+def tensor_embedding_costs(cluster, elements: float) -> tuple[float, float]:
+    """(forward s, backward s) a vocabulary-parallel embedding with `elements` output values pays
+    beyond the plain embedding and its all-reduce (masking the ids outside its rows, zeroing
+    their rows of the output, the all-reduce's wrapper); (0, 0) if not calibrated."""
+    return _per_call(cluster, "tensor_embedding.", elements)
+
+
+def vocab_loss_costs(cluster, elements: float) -> tuple[float, float]:
+    """(forward s, backward s) the vocabulary-parallel cross-entropy over `elements` logits of
+    this rank pays beyond the plain loss on them, besides its three all-reduces; (0, 0) if not
+    calibrated."""
+    return _per_call(cluster, "loss.vocab_", elements) if elements > 0 else (0.0, 0.0)
 
 
 def executor_costs(cluster) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
@@ -165,9 +193,10 @@ def zero_grad_cost(cluster, tensors: int, nbytes: float) -> float:
 
 
 def overlap_hidden(cluster) -> float:
-    """Share (0..1) of an asynchronous collective's time hidden by compute running meanwhile;
-    1 (free overlap) when the cluster was not calibrated."""
-    return min(max(_fits(cluster.measurements).get("comm.overlap_hidden", 1.0), 0.0), 1.0)
+    """Share (-1..1) of an asynchronous collective's time hidden by compute running meanwhile
+    (below 0: overlapping costs more than running the two one after the other); 1 (free
+    overlap) when the cluster was not calibrated."""
+    return min(max(_fits(cluster.measurements).get("comm.overlap_hidden", 1.0), -1.0), 1.0)
 
 
 def optimizer_per_tensor(cluster, kind: str) -> float:

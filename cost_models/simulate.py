@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cost_models.calibrated import call_overheads, executor_costs, loss_costs, overlap_hidden, zero_grad_cost
+from cost_models.calibrated import (call_overheads, executor_costs, loss_costs, overlap_hidden, vocab_loss_costs,
+                                    zero_grad_cost)
 from cost_models.comm import collective_time
 from cost_models.hardware import Cluster
 from runtime.program import COLLECTIVE_OPS, Instr, Program
@@ -72,7 +73,8 @@ class ComputeCosts:
 
     @classmethod
     def from_prediction(cls, prediction, cluster: Cluster | None = None, *, loss_elements: float = 0.0,
-                        grad_tensors: int = 0, grad_bytes: float = 0.0) -> "ComputeCosts":
+                        grad_tensors: int = 0, grad_bytes: float = 0.0, vocab_split: tuple[float, int] | None = None
+                        ) -> "ComputeCosts":
         """Per-stage times from a planner Prediction (its StagePrediction entries).
 
         With a calibrated `cluster`, the runtime's fixed costs that the planner's per-op sums
@@ -80,7 +82,11 @@ class ComputeCosts:
         cost_models/calibrate_executor.py) are added: each stage call pays the cost of one
         forward / backward call (entering the stage, starting the autograd engine) and the
         executor's extra inside it; the last stage also computes the loss over
-        `loss_elements` logits per micro-batch (this rank's share); a ZERO_GRAD zeroes
+        `loss_elements` logits per micro-batch (this rank's share); with `vocab_split` = (rows of
+        logits, tensor degree t > 1) the logits are split by class over t ranks and the loss is
+        the vocabulary-parallel one: what it adds to the plain loss, and its three all-reduces
+        of one value per row (the row maximum, the target logit, the sum of exponentials), go
+        into the last stage's forward. A ZERO_GRAD zeroes
         `grad_tensors` tensors of `grad_bytes` in all. This is why the simulated step is
         longer than the planner's analytic one on small models. The executor's time between
         instructions (gap) and issuing asynchronous ones (issue) comes from the cluster too."""
@@ -91,6 +97,11 @@ class ComputeCosts:
         call_f, call_b = call_overheads(cluster)
         last = max(s.index for s in prediction.stages)
         loss_f, loss_b = loss_costs(cluster, loss_elements)
+        if vocab_split is not None and vocab_split[1] > 1:
+            rows, t = vocab_split
+            vf, vb = vocab_loss_costs(cluster, loss_elements)
+            reduce = collective_time(cluster, "all_reduce", 4.0 * rows, list(range(t))).seconds
+            loss_f, loss_b = loss_f + vf + 3 * reduce, loss_b + vb
         gap, issue, extra = executor_costs(cluster)
         call_f, call_b = call_f + extra.get("F", 0.0), call_b + extra.get("B", 0.0)
         return cls(forward={s.index: s.forward + call_f + (loss_f if s.index == last else 0.0)
@@ -275,7 +286,8 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
 def _charge_overlap(st: _Rank, issue: float, duration: float, hidden: float) -> None:
     """A collective issued at `issue` inside the rank's last backward competes with it for the
     cores: the part of its `duration` the backward overlaps, times (1 - hidden), is added to
-    that backward (hidden: the calibrated share the overlap hides, fit.comm.overlap_hidden)."""
+    that backward (hidden: the calibrated share the overlap hides, fit.comm.overlap_hidden;
+    below 0 when overlapping costs more than the collective alone, up to twice its time)."""
     if hidden >= 1.0 or duration <= 0.0:
         return
     extra = (1.0 - hidden) * (min(issue + duration, st.last_backward[1]) - issue)

@@ -151,20 +151,36 @@ def predicted_costs(build: str | Path, cluster: "Cluster"):
     pred = for_runtime(pred, plan.config, train.get("optimizer") or {}, cluster, _largest_weights(graph, plan),
                        tensors)
     costs = ComputeCosts.from_prediction(pred, cluster, loss_elements=_loss_elements(graph, plan),
-                                         grad_tensors=tensors,
+                                         vocab_split=_vocab_split(graph, plan), grad_tensors=tensors,
                                          grad_bytes=max((s.memory.gradients for s in pred.stages), default=0.0))
     return dataclasses.replace(plan, cluster=cluster, prediction=pred), pred, costs, progs, cluster
 
 
 def _loss_elements(graph, plan) -> float:
     """Logits elements per micro-batch that one last-stage rank computes the loss over (the
-    model output; split by the tensor degree when its last op is column-split, vocabulary-parallel)."""
+    model output; split by the tensor degree when its last op is split by class, vocabulary-parallel)."""
     out = next((n for n in graph.nodes if n.kind == "output"), None)
     if out is None or not out.input_meta:
         return 0.0
-    sharded = dict(plan.shardings)
-    split = plan.config.tensor if out.inputs and sharded.get(out.inputs[0]) == "column" else 1
-    return out.input_meta[0].numel / split
+    return out.input_meta[0].numel / (plan.config.tensor if _class_split(graph, plan) else 1)
+
+
+def _class_split(graph, plan) -> bool:
+    """Whether the model output's last op is split by class over the tensor axis (role
+    "column_out": the runtime computes a vocabulary-parallel loss on it)."""
+    out = next((n for n in graph.nodes if n.kind == "output"), None)
+    return out is not None and bool(out.inputs) and plan.config.tensor > 1 and \
+        dict(plan.shardings).get(out.inputs[0]) in ("column", "column_out")
+
+
+def _vocab_split(graph, plan) -> tuple[float, int] | None:
+    """(rows of logits per micro-batch, tensor degree) when the model output's last op is
+    column-split (the runtime's vocabulary-parallel loss), else None."""
+    out = next((n for n in graph.nodes if n.kind == "output"), None)
+    if out is None or not out.input_meta or not _class_split(graph, plan):
+        return None
+    logits = out.input_meta[0]
+    return logits.numel / max(logits.shape[-1], 1), plan.config.tensor
 
 
 def _largest_weights(graph, plan) -> dict[int, float]:

@@ -22,7 +22,8 @@ from typing import Any
 from cost_models import gems
 from cost_models.comm import collective_time, link_models
 from cost_models.mesh_axes import axis_collective_time
-from cost_models.calibrated import calibrated_efficiency, curve_mix, op_curves, tensor_wrapper_costs
+from cost_models.calibrated import (calibrated_efficiency, curve_mix, op_curves, tensor_embedding_costs,
+                                    tensor_wrapper_costs)
 from cost_models.compute import Efficiency, op_time, wave_efficiency
 from cost_models.op_curves import node_curve_times
 from cost_models.hardware import Cluster
@@ -89,7 +90,6 @@ class Evaluator:
         self.eff = efficiency or calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)
         self.curves = op_curves(cluster) if efficiency is None else {}  # ... and its op curves (fp32)
         self.curve_mix = curve_mix(cluster)
-        self.tp_wrapper = tensor_wrapper_costs(cluster)  # s per in-layer all-reduce's autograd wrapper
         self.fused_attention = fused_attention
         self.overlap_grad_reduce = overlap_grad_reduce
         self.grad_reduce_bytes = grad_reduce_bytes
@@ -455,8 +455,14 @@ class Evaluator:
                 tp_f = self._axis(mesh, "tensor", "all_reduce", shard.fwd_allreduce * scale * ds)
             if shard.bwd_allreduce:
                 tp_b = self._axis(mesh, "tensor", "all_reduce", shard.bwd_allreduce * scale * ds)
-            if shard.fwd_allreduce or shard.bwd_allreduce:  # the autograd function around it costs both ways
-                tp_f, tp_b = tp_f + self.tp_wrapper[0], tp_b + self.tp_wrapper[1]
+            if shard.fwd_allreduce or shard.bwd_allreduce:
+                # What the runtime adds around the all-reduce (calibrated; 0 otherwise): a vocabulary-
+                # parallel embedding masks the ids it does not hold and zeroes their outputs; a layer's
+                # autograd function costs both ways and copies the values it reduces.
+                elements = max(shard.fwd_allreduce, shard.bwd_allreduce) * scale / 4  # fp32 bytes
+                wf, wb = tensor_embedding_costs(self.cluster, elements) if role == "vocab" else \
+                    tensor_wrapper_costs(self.cluster, elements)
+                tp_f, tp_b = tp_f + wf, tp_b + wb
         saved = n.saved_bytes
         if n.kind == "attention":
             # Fused (flash) attention keeps q, k, v, the output and a row statistic;

@@ -2,7 +2,8 @@
 
 import pytest
 
-from cost_models.calibrated import calibrated_efficiency, executor_costs, fitted_collective, tensor_wrapper_costs
+from cost_models.calibrated import (calibrated_efficiency, executor_costs, fitted_collective, tensor_embedding_costs,
+                                    tensor_wrapper_costs, vocab_loss_costs)
 from cost_models.hardware import Cluster
 from planner.cli import main
 
@@ -19,11 +20,13 @@ def test_calibrate_then_compare_a_traced_run(tmp_path, capsys):
         assert fitted_collective(cluster, op, 2) is not None
     assert any(k.startswith("raw.comm.all_reduce.g2.") for k, _ in cluster.measurements)
     # the executor's own time per instruction, from the reference pipeline run by the runtime (gloo)
-    assert "runtime executor, between instructions" in text and "tensor-parallel wrapper" in text
+    assert "runtime executor, between instructions" in text
+    assert "tensor parallelism besides its all-reduces: wrapper" in text and "vocab loss" in text
     gap, issue, extra = executor_costs(cluster)
     assert {"F", "B", "WAIT"} <= set(gap) and {"SEND", "RECV", "BROADCAST", "ALLREDUCE"} <= set(issue)
     assert all(0 < t < 0.05 for t in issue.values()) and set(extra) == {"F", "B"}
     assert tensor_wrapper_costs(cluster)[0] > 0
+    assert vocab_loss_costs(cluster, 32768)[0] > 0 and tensor_embedding_costs(cluster, 16384)[0] > 0
 
     build = tmp_path / "build"
     assert main(["codegen", "examples/models/mlp.py:build", "--batch", "8", "--data", "2", "--micro-batch", "2",

@@ -111,6 +111,19 @@ def test_calibrated_overlap_charges_the_unhidden_part_to_the_backward():
     assert all(e.end - e.start == pytest.approx((4 + 3 * 0.75) * one) for e in b)
 
 
+def test_an_overlap_slower_than_serial_charges_more_than_the_collective():
+    # Calibrated hidden below 0 (MPI here: overlapping costs more than the two one after the
+    # other): each overlapped bucket lengthens the backward by 1.3 x its time; the fit is
+    # clamped at -1 (twice).
+    n = 10**8
+    progs = four_bucket_backward(n)
+    for fit, factor in ((-0.3, 1.3), (-5.0, 2.0)):
+        cl = dataclasses.replace(CL, measurements=(("fit.comm.overlap_hidden", fit),))
+        one = collective_time(cl, "all_reduce", n, [0, 1]).seconds
+        tl = simulate(progs, ComputeCosts(forward={0: 0.0}, backward={0: 4 * one}), cl)
+        assert tl.step_times()[0] == pytest.approx((4 + 3 * factor) * one)
+
+
 def test_steps_run_back_to_back_and_the_steady_step_includes_the_start_skew():
     from cost_models.simulate import simulate_steady
 
