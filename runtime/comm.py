@@ -428,11 +428,17 @@ def _node_cpus() -> int:
 
 
 class _MpiHandle:
-    def __init__(self, comm: "MpiCommunicator", req, what: str, after: Callable[[], None] | None = None):
+    """A pending MPI request. `keep`: the buffers MPI reads and writes until it completes; the
+    handle holds them (mpi4py does not), so that a caller's temporary tensor cannot be freed
+    and its memory reused while MPI still writes into it."""
+
+    def __init__(self, comm: "MpiCommunicator", req, what: str, after: Callable[[], None] | None = None,
+                 keep: tuple = ()):
         self._comm = comm
         self._req = req
         self._what = what
         self._after = after
+        self._keep = keep
         self._callbacks: list[Callable[[], None]] = []
         self._done = False
 
@@ -441,6 +447,7 @@ class _MpiHandle:
             return
         self._comm._poll(self._req, self._what)
         self._done = True
+        self._keep = ()
         if self._after is not None:
             self._after()
         for fn in self._callbacks:
@@ -474,8 +481,8 @@ class _MpiGroup:
     def rank(self) -> int:
         return self._c.Get_rank()
 
-    def _run(self, req, what, async_op, after=None):
-        h = _MpiHandle(self._comm, req, f"{what} on ranks {list(self.ranks)}", after)
+    def _run(self, req, what, async_op, after=None, keep=()):
+        h = _MpiHandle(self._comm, req, f"{what} on ranks {list(self.ranks)}", after, keep)
         if async_op:
             return h
         h.wait()
@@ -487,7 +494,8 @@ class _MpiGroup:
         if tensor.dtype == torch.bfloat16:
             raise ValueError("the MPI communicator cannot reduce bfloat16 tensors; use fp32 or gloo/nccl")
         mop = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
-        return self._run(self._c.Iallreduce(MPI.IN_PLACE, _np(tensor), mop), f"all_reduce({op})", async_op)
+        buf = _np(tensor)
+        return self._run(self._c.Iallreduce(MPI.IN_PLACE, buf, mop), f"all_reduce({op})", async_op, keep=(buf,))
 
     def all_gather(self, output, tensor, async_op=False):
         src = tensor.clone() if tensor.data_ptr() == output.data_ptr() else tensor
@@ -495,17 +503,19 @@ class _MpiGroup:
         # would mark its storage non-resizable for good, and ZeRO-3 frees and re-grows the
         # parameter storage it gathers into between uses.
         staging = torch.empty_like(output)
-        return self._run(self._c.Iallgather(_np(src), _np(staging)), "all_gather", async_op,
-                         after=lambda: output.copy_(staging))
+        bufs = (_np(src), _np(staging))
+        return self._run(self._c.Iallgather(*bufs), "all_gather", async_op,
+                         after=lambda: output.copy_(staging), keep=bufs)
 
     def reduce_scatter(self, output, tensor, async_op=False):
         from mpi4py import MPI
 
-        return self._run(self._c.Ireduce_scatter_block(_np(tensor), _np(output), MPI.SUM), "reduce_scatter",
-                         async_op)
+        bufs = (_np(tensor), _np(output))
+        return self._run(self._c.Ireduce_scatter_block(*bufs, MPI.SUM), "reduce_scatter", async_op, keep=bufs)
 
     def broadcast(self, tensor, src, async_op=False):
-        return self._run(self._c.Ibcast(_np(tensor), root=self.ranks.index(src)), "broadcast", async_op)
+        buf = _np(tensor)
+        return self._run(self._c.Ibcast(buf, root=self.ranks.index(src)), "broadcast", async_op, keep=(buf,))
 
 
 class MpiCommunicator:
@@ -554,11 +564,14 @@ class MpiCommunicator:
         return self._groups[key]
 
     def isend(self, tensor, peer, tag):
-        return _MpiHandle(self, self._world.Isend(_np(tensor), dest=peer, tag=tag), f"send to rank {peer} (tag {tag})")
+        buf = _np(tensor)
+        return _MpiHandle(self, self._world.Isend(buf, dest=peer, tag=tag), f"send to rank {peer} (tag {tag})",
+                          keep=(buf,))
 
     def irecv(self, tensor, peer, tag):
-        return _MpiHandle(self, self._world.Irecv(_np(tensor), source=peer, tag=tag),
-                          f"recv from rank {peer} (tag {tag})")
+        buf = _np(tensor)
+        return _MpiHandle(self, self._world.Irecv(buf, source=peer, tag=tag), f"recv from rank {peer} (tag {tag})",
+                          keep=(buf,))
 
     def barrier(self) -> None:
         self._poll(self._world.Ibarrier(), "barrier")
