@@ -40,6 +40,9 @@ module fits the constants and builds the Cluster:
   collectives are priced from the measured table itself (means per call, see
   calibrated.measured_collective); fit.comm.overlap_hidden: the share of an
   asynchronous all-reduce that compute running at the same time hides;
+  fit.after_reduce.*: seconds per byte an optimizer step reading gradients, and zeroing
+  them, cost beyond the same on a rank's own buffer right after an all-reduce went
+  through them (the slowest rank's);
 - raw.*: every measured number, so a fit can be checked or redone.
 
 The planner and the simulator read the fits back through cost_models/calibrated.py.
@@ -219,6 +222,14 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
         m["fit.comm.overlap_hidden"] = statistics.median(o[0] for o in overlaps)
         for i, what in enumerate(("hidden", "compute", "all_reduce", "overlapped")):
             m[f"raw.overlap.{what}"] = statistics.median(o[i] for o in overlaps)
+    # Reading and zeroing gradients an all-reduce has just gone through (calibrate_worker.after_reduce):
+    # the slowest rank's figure, since the step waits for it.
+    after = [r["after_reduce"] for r in results if r.get("after_reduce")]
+    if after:
+        m["fit.after_reduce.optimizer_per_byte"] = max(a[0] for a in after)
+        m["fit.after_reduce.zero_grad_per_byte"] = max(a[1] for a in after)
+        for i, what in enumerate(("optimizer", "zero_grad", "optimizer_own", "zero_grad_own")):
+            m[f"raw.after_reduce.{what}"] = max(a[2 + i] for a in after)
     for (op, g), pts in sorted(points.items()):
         a, b = fit_alpha_beta(pts)
         m[f"fit.comm.{op}.g{g}.alpha"] = a + wake

@@ -26,6 +26,7 @@ the contention of W busy processes on this machine:
 Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "curves": [[family, size, fwd s, bwd s], ...],
 "probe": [fwd s, bwd s], "cpu_share", "sync_all_reduce",
 "overlap": [hidden, compute s, all-reduce s, overlapped s] (overlap_hidden),
+"after_reduce": [optimizer s/byte, zeroing s/byte, 4 raw medians] (after_reduce),
 "optimizer": {kind: s per parameter tensor of a step}, "optimizer_fixed": {kind: s per step}
 (calibrate_ops.time_optimizer_steps), "stage": {"call": [fwd s, bwd s], "loss": [[elements, fwd s, bwd s], ...],
 "zero_grad": [s per tensor, s per byte],
@@ -138,6 +139,47 @@ def measure_comm(comm, world: int, sizes, trials: int, device, progress) -> list
                     progress(f"  {op:14s} group {g}: " + ", ".join(f"{_fmt(n)} {t * 1e6:.0f} us" for _, _, n, t in got))
         comm.barrier()
     return rows
+
+
+def after_reduce(comm, device, nbytes: int = 2 << 20, rounds: int = 16) -> list[float]:
+    """[optimizer s per byte, zeroing s per byte, ...raw medians (s)]: what reading and zeroing a
+    gradient buffer costs beyond the same on a buffer of its own, when an all-reduce over all
+    ranks has just gone through it, as the runtime's STEP and next ZERO_GRAD do.
+
+    Under MPI on one node the peer copies the buffer straight out of this rank's memory (CMA
+    single copy), so its lines sit in the peer's cache: SGD with momentum reading them fetches
+    them across cores, and zeroing them must first take them back (in some launches ~0.3-0.4
+    ns per byte on the rank whose buffer was read, against ~0.02 for a buffer of its own).
+    Each round all-reduces `nbytes` (or, for the reference, 8 bytes), runs an SGD-momentum
+    update reading it, a layer's forward and backward, then zeroes it. Medians over `rounds`."""
+    import torch
+
+    from cost_models.calibrate_ops import _block_case
+
+    build, _ = _block_case()
+    fwd, grad_of = build(2)
+    group = comm.group(range(comm.world_size))
+    n = max(nbytes // 4, 1)
+    grad, param, momentum = torch.ones(n, device=device), torch.zeros(n, device=device), torch.zeros(n, device=device)
+    small = torch.zeros(2, device=device)
+    times = []
+    for reduce in (True, False):
+        step_s, zero_s = [], []
+        for _ in range(rounds):
+            group.all_reduce(grad if reduce else small, async_op=True).wait()
+            t0 = time.perf_counter()
+            momentum.mul_(0.9).add_(grad)
+            param.add_(momentum, alpha=-1e-3)
+            t1 = time.perf_counter()
+            y = fwd()
+            torch.autograd.backward(y, grad_of(y))
+            t2 = time.perf_counter()
+            grad.zero_()
+            step_s.append(t1 - t0)
+            zero_s.append(time.perf_counter() - t2)
+            grad.fill_(1.0)
+        times += [statistics.median(step_s), statistics.median(zero_s)]
+    return [max(times[0] - times[2], 0.0) / (4 * n), max(times[1] - times[3], 0.0) / (4 * n)] + times
 
 
 def run_like_share(comm, seconds: float) -> tuple[float, float]:
@@ -307,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"  an asynchronous 1 MiB all-reduce ({hidden[2] * 1e3:.2f} ms) under {hidden[1] * 1e3:.2f} ms of compute: "
                  f"{hidden[3] * 1e3:.2f} ms together, " + (f"{hidden[0]:.0%} of it hidden" if hidden[0] >= 0 else
                                                             f"{-hidden[0]:.0%} of it more than alone"))
+        reduced = after_reduce(comm, device)
+        progress(f"  right after a 2 MiB all-reduce through it, an optimizer step reading the buffer takes "
+                 f"{reduced[2] * 1e6:.0f} us (its own: {reduced[4] * 1e6:.0f}), zeroing it {reduced[3] * 1e6:.0f} us "
+                 f"({reduced[5] * 1e6:.0f}) on rank 0")
         progress(f"  peak fp32 GEMM {peak / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s per rank")
         comm.barrier()
         progress(f"communication ({args.backend}):")
@@ -316,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                             device, progress)
         out = {"rank": rank, "ops": [dataclasses.asdict(t) for t in ops], "block": list(block), "curves": curves,
                "probe": list(probe), "cpu_share": share, "sync_all_reduce": sync,
-               "overlap": list(hidden), "optimizer": {k: t for k, (_, t) in optim.items()},
+               "overlap": list(hidden), "after_reduce": reduced, "optimizer": {k: t for k, (_, t) in optim.items()},
                "optimizer_fixed": {k: f for k, (f, _) in optim.items()}, "stage": stage, "executor": executor,
                "peak_flops": peak,
                "memory_bandwidth": bandwidth, "comm": rows}

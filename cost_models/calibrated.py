@@ -28,6 +28,9 @@ new section and an old meshplan still loads it:
     fit.comm.<op>.g<size>.alpha / .beta                s and s/byte: one `op` over a group of
                                                        `size` ranks of one node costs alpha + beta * n
     raw.comm.<op>.g<size>.<n>                          s: the measured mean of one such `op` of n bytes
+    fit.after_reduce.optimizer_per_byte / ...          s per gradient byte an optimizer step (and zeroing:
+      .zero_grad_per_byte                              zero_grad_per_byte) costs beyond its own buffer's
+                                                       right after an all-reduce went through it (simulator)
     fit.comm.overlap_hidden                            share (-1..1) of an asynchronous collective that
                                                        compute running meanwhile hides (simulator;
                                                        below 0: overlapping it costs extra)
@@ -190,6 +193,14 @@ def zero_grad_cost(cluster, tensors: int, nbytes: float) -> float:
     0 if not calibrated."""
     fits = _fits(cluster.measurements)
     return fits.get("zero_grad.per_tensor", 0.0) * tensors + fits.get("zero_grad.per_byte", 0.0) * nbytes
+
+
+def after_reduce_costs(cluster) -> tuple[float, float]:
+    """(optimizer s per byte, zeroing s per byte) that reading and zeroing gradients cost beyond
+    the same on a rank's own buffer right after an all-reduce went through them; (0, 0) if
+    not calibrated."""
+    fits = _fits(cluster.measurements)
+    return fits.get("after_reduce.optimizer_per_byte", 0.0), fits.get("after_reduce.zero_grad_per_byte", 0.0)
 
 
 def overlap_hidden(cluster) -> float:

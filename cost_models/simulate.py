@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cost_models.calibrated import (call_overheads, executor_costs, loss_costs, overlap_hidden, vocab_loss_costs,
-                                    zero_grad_cost)
+from cost_models.calibrated import (after_reduce_costs, call_overheads, executor_costs, loss_costs, overlap_hidden,
+                                    vocab_loss_costs, zero_grad_cost)
 from cost_models.comm import collective_time
 from cost_models.hardware import Cluster
 from runtime.program import COLLECTIVE_OPS, Instr, Program
@@ -73,8 +73,8 @@ class ComputeCosts:
 
     @classmethod
     def from_prediction(cls, prediction, cluster: Cluster | None = None, *, loss_elements: float = 0.0,
-                        grad_tensors: int = 0, grad_bytes: float = 0.0, vocab_split: tuple[float, int] | None = None
-                        ) -> "ComputeCosts":
+                        grad_tensors: int = 0, grad_bytes: float = 0.0, vocab_split: tuple[float, int] | None = None,
+                        reduced_grad_bytes: float = 0.0) -> "ComputeCosts":
         """Per-stage times from a planner Prediction (its StagePrediction entries).
 
         With a calibrated `cluster`, the runtime's fixed costs that the planner's per-op sums
@@ -87,7 +87,9 @@ class ComputeCosts:
         the vocabulary-parallel one: what it adds to the plain loss, and its three all-reduces
         of one value per row (the row maximum, the target logit, the sum of exponentials), go
         into the last stage's forward. A ZERO_GRAD zeroes
-        `grad_tensors` tensors of `grad_bytes` in all. This is why the simulated step is
+        `grad_tensors` tensors of `grad_bytes` in all; `reduced_grad_bytes` of them went through a
+        gradient all-reduce in the step, which makes reading them (STEP) and zeroing them cost
+        more (fit.after_reduce.*). This is why the simulated step is
         longer than the planner's analytic one on small models. The executor's time between
         instructions (gap) and issuing asynchronous ones (issue) comes from the cluster too."""
         if cluster is None:
@@ -104,12 +106,13 @@ class ComputeCosts:
             loss_f, loss_b = loss_f + vf + 3 * reduce, loss_b + vb
         gap, issue, extra = executor_costs(cluster)
         call_f, call_b = call_f + extra.get("F", 0.0), call_b + extra.get("B", 0.0)
+        read, zero = after_reduce_costs(cluster)
         return cls(forward={s.index: s.forward + call_f + (loss_f if s.index == last else 0.0)
                             for s in prediction.stages},
                    backward={s.index: s.backward + call_b + (loss_b if s.index == last else 0.0)
                              for s in prediction.stages},
-                   optimizer=prediction.time.optimizer, gap=gap, issue=issue,
-                   zero_grad=zero_grad_cost(cluster, grad_tensors, grad_bytes))
+                   optimizer=prediction.time.optimizer + read * reduced_grad_bytes, gap=gap, issue=issue,
+                   zero_grad=zero_grad_cost(cluster, grad_tensors, grad_bytes) + zero * reduced_grad_bytes)
 
 
 @dataclass

@@ -150,9 +150,11 @@ def predicted_costs(build: str | Path, cluster: "Cluster"):
     tensors = _param_tensors(graph, plan)
     pred = for_runtime(pred, plan.config, train.get("optimizer") or {}, cluster, _largest_weights(graph, plan),
                        tensors)
+    grad_bytes = max((s.memory.gradients for s in pred.stages), default=0.0)
     costs = ComputeCosts.from_prediction(pred, cluster, loss_elements=_loss_elements(graph, plan),
                                          vocab_split=_vocab_split(graph, plan), grad_tensors=tensors,
-                                         grad_bytes=max((s.memory.gradients for s in pred.stages), default=0.0))
+                                         grad_bytes=grad_bytes,
+                                         reduced_grad_bytes=grad_bytes if _reduces_grads(progs) else 0.0)
     return dataclasses.replace(plan, cluster=cluster, prediction=pred), pred, costs, progs, cluster
 
 
@@ -171,6 +173,14 @@ def _class_split(graph, plan) -> bool:
     out = next((n for n in graph.nodes if n.kind == "output"), None)
     return out is not None and bool(out.inputs) and plan.config.tensor > 1 and \
         dict(plan.shardings).get(out.inputs[0]) in ("column", "column_out")
+
+
+def _reduces_grads(progs: dict) -> bool:
+    """Whether any rank all-reduces (or reduce-scatters) gradients with other ranks in a step."""
+    from runtime.program import COLLECTIVE_OPS
+
+    return any(ins.op in COLLECTIVE_OPS and ins.kind == "grads" and len(p.group(ins.axis)) > 1
+               for p in progs.values() for ins in p.instrs)
 
 
 def _vocab_split(graph, plan) -> tuple[float, int] | None:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from cost_models.calibrated import (calibrated_efficiency, executor_costs, fitted_collective, tensor_embedding_costs,
-                                    tensor_wrapper_costs, vocab_loss_costs)
+from cost_models.calibrated import (after_reduce_costs, calibrated_efficiency, executor_costs, fitted_collective,
+                                    tensor_embedding_costs, tensor_wrapper_costs, vocab_loss_costs)
 from cost_models.hardware import Cluster
 from planner.cli import main
 
@@ -22,6 +22,9 @@ def test_calibrate_then_compare_a_traced_run(tmp_path, capsys):
     # the executor's own time per instruction, from the reference pipeline run by the runtime (gloo)
     assert "runtime executor, between instructions" in text
     assert "tensor parallelism besides its all-reduces: wrapper" in text and "vocab loss" in text
+    assert "right after a 2 MiB all-reduce through it" in text
+    assert all(t >= 0 for t in after_reduce_costs(cluster))
+    assert dict(cluster.measurements)["raw.after_reduce.zero_grad_own"] > 0
     gap, issue, extra = executor_costs(cluster)
     assert {"F", "B", "WAIT"} <= set(gap) and {"SEND", "RECV", "BROADCAST", "ALLREDUCE"} <= set(issue)
     assert all(0 < t < 0.05 for t in issue.values()) and set(extra) == {"F", "B"}
