@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"backend: {args.backend} ({why}; choose with --backend)")
     os.environ["OMP_NUM_THREADS"] = "1"  # the rank processes and the calibration ranks alike
     from cost_models.calibrate import calibrate
-    from planner.compare import compare_build, draw, measured_steps
+    from planner.compare import TRANSFER_DRIFT, compare_build, draw, measured_steps
     from runtime.launcher import run_local
 
     import tempfile
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             if r:
                 medians.append(statistics.median(measured_steps(path)[1].values()))
             res = run_local(path, steps=args.steps, backend=args.backend, timeout=120.0,
-                            extra_args=["--track-memory"])
+                            extra_args=["--track-memory", "--probe-comm"])
             if res.returncode != 0:
                 break
         results.append(res)
@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows, step_errs, mem_errs = [], [], []
     print(f"\n{'case':<22}{'measured ms':>12}{'predicted ms':>13}{'error':>8}{'worst kind':>22}{'memory err':>12}"
-          + (f"{'run to run':>12}" if args.repeat > 1 else ""))
+          f"{'1 MiB run/cal':>15}" + (f"{'run to run':>12}" if args.repeat > 1 else ""))
+    held: list[float] = []  # step errors of the cases run in the machine state they were calibrated in
     spreads = []
     for (model, name, path), case_cluster, before in zip(cases, clusters, earlier):
         cmp, predicted, measured, plan = compare_build(path, case_cluster)
@@ -183,13 +184,21 @@ def main(argv: list[str] | None = None) -> int:
             meds = before + [cmp.measured_step]
             spreads.append((max(meds) - min(meds)) / statistics.mean(meds))
             spread = f"{spreads[-1]:>12.1%}"
+        ratio = cmp.transfer_ratio
+        if ratio is not None and 1 / TRANSFER_DRIFT <= ratio <= TRANSFER_DRIFT:
+            held.append(abs(cmp.step_error))
+        xfer = f"x{ratio:.2f}" + ("" if 1 / TRANSFER_DRIFT <= ratio <= TRANSFER_DRIFT else " !") if ratio else "n/a"
         print(f"{model + ' ' + name:<22}{cmp.measured_step * 1e3:>12.2f}{cmp.predicted_step * 1e3:>13.2f}"
-              f"{cmp.step_error:>+8.1%}{wk:>22}{memtxt:>12}{spread}")
+              f"{cmp.step_error:>+8.1%}{wk:>22}{memtxt:>12}{xfer:>15}{spread}")
         rows.append(cmp)
         if args.pictures:
             draw(plan, predicted, measured, cmp.typical_step, path / "compare_schedule")
     print(f"\nstep time error: median {statistics.median(step_errs):.1%}, worst {max(step_errs):.1%} "
           f"(targets: median <= 10%, worst <= 25%)")
+    if held and len(held) < len(step_errs):
+        print(f"  of which the {len(held)} cases whose run moved data as fast as their calibration (a 1 MiB "
+              f"all-reduce within x{TRANSFER_DRIFT} of it; '!' marks the others): median "
+              f"{statistics.median(held):.1%}, worst {max(held):.1%}")
     if spreads:
         print(f"measured step of the same build, launch to launch ({args.repeat} launches): median difference "
               f"{statistics.median(spreads):.1%}, largest {max(spreads):.1%}")

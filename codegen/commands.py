@@ -84,6 +84,7 @@ def run_command(args: argparse.Namespace) -> int:
     res = run_local(args.build, steps=args.steps, backend=args.backend, timeout=args.timeout, verify=args.verify,
                     rtol=args.rtol, atol=args.atol,
                     extra_args=(["--track-memory"] if getattr(args, "track_memory", False) else [])
+                    + (["--probe-comm"] if getattr(args, "probe_comm", False) else [])
                     + checkpoint_args(args))
     errors = [ln for ln in res.output.splitlines() if "error" in ln.lower() or "stopping" in ln.lower()]
     if res.returncode != 0:

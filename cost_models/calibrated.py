@@ -91,18 +91,18 @@ def fitted_collective(cluster, op: str, group_size: int) -> tuple[float, float] 
     return None if a is None or b is None else (a, b)
 
 
-def measured_collective(cluster, op: str, group_size: int, nbytes: float) -> float | None:
+def measured_collective(cluster, op: str, group_size: int, nbytes: float, *, wake: bool = True) -> float | None:
     """Seconds of one `op` of `nbytes` over `group_size` ranks of one node, read off the measured
     table (raw.comm.*), or None when the cluster has no table with two sizes for it.
 
     Linear between neighbouring measured sizes, the smallest size's time below it, the largest
-    size's time plus fit beta per extra byte above it; plus fit.comm.wake (the delay of a
-    transfer issued right after computing, cost_models/calibrate.py)."""
+    size's time plus fit beta per extra byte above it; plus, with `wake`, fit.comm.wake (the
+    delay of a transfer issued right after computing, cost_models/calibrate.py)."""
     table = _tables(cluster.measurements).get((op, group_size))
     if table is None or len(table) < 2:
         return None
     fits = _fits(cluster.measurements)
-    wake = fits.get("comm.wake", 0.0)
+    wake = fits.get("comm.wake", 0.0) if wake else 0.0
     sizes = [n for n, _ in table]
     if nbytes <= sizes[0]:
         return table[0][1] + wake

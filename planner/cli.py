@@ -203,6 +203,9 @@ def _add_codegen_and_run(sub) -> None:
                    help="also run the single-process reference; exit 1 if loss or parameters differ")
     p.add_argument("--track-memory", action="store_true",
                    help="measure each rank's peak memory in one step, the second of 3 or more (for meshplan compare)")
+    p.add_argument("--probe-comm", action="store_true",
+                   help="time a 1 MiB all-reduce over all ranks before the first step (meshplan compare sets it "
+                        "beside the calibrated time and warns when the machine moves data at another speed)")
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--atol", type=float, default=1e-6)
     p.add_argument("--checkpoint-dir", help="save sharded checkpoints here (after the last step, or --save-every)")
@@ -274,10 +277,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 _EPILOG_COMPARE = """examples:
   meshplan calibrate --out cluster.yaml
-  meshplan run build --steps 6 --track-memory
+  meshplan run build --steps 6 --track-memory --probe-comm
   meshplan compare build --cluster cluster.yaml     # also draws build/compare_schedule.png|svg
 Prints predicted (the simulator on the build's Programs, priced on the cluster) versus
-measured step time, the error per instruction kind, and peak memory per rank."""
+measured step time, the error per instruction kind, peak memory per rank, and (after
+--probe-comm) a 1 MiB all-reduce's time in the run beside its time at calibration."""
 
 _EPILOG_SIMULATE = """examples:
   meshplan simulate build --cluster cluster.yaml

@@ -43,6 +43,9 @@ _KIND_OF_OP = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "recv", 
 # moments and writes weight and moments.
 _STATE_PER_PARAM = {"sgd": 0.0, "sgd_momentum": 4.0, "adamw": 8.0}
 _STEP_BYTES_PER_PARAM = {"sgd": 12.0, "sgd_momentum": 20.0, "adamw": 28.0}
+# A run whose probe all-reduce took more than this many times longer or shorter than at
+# calibration ran on a machine in another state (compare warns; benchmarks/accuracy.py says so).
+TRANSFER_DRIFT = 1.5
 
 
 class CompareError(ValueError):
@@ -86,6 +89,14 @@ class Comparison:
     analytic_step: float
     kinds: tuple[KindError, ...]
     memory: tuple[RankMemory, ...]
+    # (s in this run, s at calibration) of an all-reduce of 1 MiB over all ranks, when the run
+    # was started with --probe-comm and the cluster was calibrated for that group size
+    transfer: tuple[float, float] | None = None
+
+    @property
+    def transfer_ratio(self) -> float | None:
+        """How much longer the probe all-reduce took in the run than at calibration (None if unknown)."""
+        return self.transfer[0] / self.transfer[1] if self.transfer and self.transfer[1] > 0 else None
 
     @property
     def step_error(self) -> float:
@@ -106,6 +117,13 @@ class Comparison:
         for k in self.kinds:
             err = f"{k.error:+.0%}" if k.error is not None else "n/a"
             lines.append(f"  {k.op:<14}{k.measured * ms:>12.3f}{k.predicted * ms:>14.3f}{err:>9}")
+        ratio = self.transfer_ratio
+        if ratio is not None:
+            lines.append(f"  machine state: a 1 MiB all-reduce over all ranks took {self.transfer[0] * ms:.3f} ms in "
+                         f"this run, {self.transfer[1] * ms:.3f} ms at calibration (x{ratio:.2f})")
+            if not 1 / TRANSFER_DRIFT <= ratio <= TRANSFER_DRIFT:
+                lines.append("  warning: the machine moved data at a different speed than when it was calibrated; "
+                             "calibrate again right before the run (meshplan calibrate) and compare again")
         if self.memory:
             lines.append(f"  {'rank':<6}{'measured MiB':>14}{'predicted MiB':>15}{'error':>9}   (peak memory)")
             for m in self.memory:
@@ -282,8 +300,24 @@ def compare_build(build: str | Path, cluster: "Cluster", *, skip_steps: int = 1)
     cmp = Comparison(build=str(build), cluster=cluster.name, measured_step=median,
                      measured_steps=tuple(kept.values()),
                      typical_step=min(kept, key=lambda s: abs(kept[s] - median)), predicted_step=predicted.step_times()[0],
-                     analytic_step=pred.step_time, kinds=kinds, memory=memory)
+                     analytic_step=pred.step_time, kinds=kinds, memory=memory,
+                     transfer=_transfer(build, cluster, len(progs)))
     return cmp, predicted, measured, plan
+
+
+def _transfer(build: Path, cluster, world: int) -> tuple[float, float] | None:
+    """(run s, calibrated s) of the --probe-comm all-reduce, from rank 0's run record and the
+    cluster's measured table (without the wake-up it adds for transfers after compute)."""
+    from cost_models.calibrated import measured_collective
+
+    try:
+        probe = json.loads((build / "run" / "rank_0000.json").read_text()).get("probe")
+    except (OSError, ValueError):
+        return None
+    if not probe or probe.get("seconds") is None:
+        return None
+    calibrated = measured_collective(cluster, "all_reduce", world, probe["all_reduce_bytes"], wake=False)
+    return (float(probe["seconds"]), calibrated) if calibrated else None
 
 
 def measured_steps(build: str | Path, *, skip_steps: int = 1) -> tuple["Timeline", dict[int, float]]:

@@ -10,7 +10,8 @@ with it (status 1).
 
 Outputs (under --out, default the build directory):
   metrics.jsonl              one line per step from rank 0: step, loss, seconds
-  run/rank_XXXX.json         this rank's loss and seconds per step
+  run/rank_XXXX.json         this rank's loss and seconds per step (and, with --probe-comm, the
+                             time of a 1 MiB all-reduce over all ranks before the first step)
   run/timeline_rank_XXXX.json  this rank's Timeline
   run/params_rank_XXXX.pt    with --save-params: final parameters of its stages
 """
@@ -44,7 +45,7 @@ from runtime.spec import StageSpec, TrainSpec
 from runtime import spatial_model
 from runtime.stage import StageRunner
 from runtime.subgraph import keep_own_paths, set_branch
-from runtime.trace import Recorder, shared_origin
+from runtime.trace import PROBE_BYTES, Recorder, probe_all_reduce, shared_origin
 from runtime.watchdog import Watchdog
 
 
@@ -85,6 +86,10 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
     ap.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", "29500")))
     ap.add_argument("--save-params", action="store_true", help="save the final parameters of this rank's stages")
     ap.add_argument("--no-trace", action="store_true", help="do not write the Timeline")
+    ap.add_argument("--probe-comm", action="store_true",
+                    help="before the first step, time an all-reduce of 1 MiB over all ranks and record it in "
+                         "run/rank_XXXX.json, so that `meshplan compare` can tell whether this run's machine "
+                         "moved data as fast as when it was calibrated")
     ap.add_argument("--track-memory", action="store_true",
                     help="measure the peak memory of the second step (the first with at least 3 steps: live "
                          "tensor bytes on CPU, the CUDA allocator's peak on GPU)")
@@ -400,6 +405,7 @@ def _train(session: RankSession) -> None:
     if rank == 0:
         metrics.write_text("")
     losses, seconds, memory = [], [], None
+    probe = probe_all_reduce(session.comm, p.program.world_size, p.device) if args.probe_comm else None
     first = p.restore.step if p.restore is not None else 0
     # The second step is in steady state (optimizer state exists from the first step on).
     memory_step = first + 1 if args.steps >= 3 else first
@@ -425,7 +431,8 @@ def _train(session: RankSession) -> None:
                     for s, m in p.modules.items()}, run_dir / f"params_rank_{rank:04d}.pt")
     (run_dir / f"rank_{rank:04d}.json").write_text(json.dumps(
         {"rank": rank, "losses": losses, "seconds": seconds, "stages": sorted(p.specs),
-         **({"memory": {**dataclasses.asdict(memory), "step": memory_step}} if memory is not None else {})}))
+         **({"memory": {**dataclasses.asdict(memory), "step": memory_step}} if memory is not None else {}),
+         **({"probe": {"all_reduce_bytes": PROBE_BYTES, "seconds": probe}} if probe is not None else {})}))
     if not args.no_trace:
         ex.recorder.timeline().save(run_dir / f"timeline_rank_{rank:04d}.json")
     session.comm.barrier()

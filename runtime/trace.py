@@ -14,6 +14,7 @@ WAIT that blocks on it is a separate event on the "compute" track.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -149,6 +150,30 @@ def clock_id() -> int:
     except OSError:
         text = socket.gethostname()
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+PROBE_BYTES = 1 << 20
+
+
+def probe_all_reduce(comm, world_size: int, device, nbytes: int = PROBE_BYTES, rounds: int = 16) -> float | None:
+    """Median seconds of an all-reduce of `nbytes` over all `world_size` ranks (every rank calls
+    it), back to back as calibration measures it; None with one rank. On this kind of machine
+    the same transfer can take ~2.5x longer from one minute to the next (where the virtual
+    CPUs sit on the host), and a run is only comparable with a calibration taken in the same
+    state: `meshplan compare` sets this beside the calibrated time."""
+    if world_size < 2:
+        return None
+    import torch
+
+    group = comm.group(range(world_size))
+    buf = torch.zeros(max(nbytes // 4, 1), device=device)
+    group.all_reduce(buf)  # warm-up: connections, buffers
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        group.all_reduce(buf)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def shared_origin(broadcast, clock: int | None = None, now: int | None = None) -> float:

@@ -34,11 +34,13 @@ def test_calibrate_then_compare_a_traced_run(tmp_path, capsys):
     build = tmp_path / "build"
     assert main(["codegen", "examples/models/mlp.py:build", "--batch", "8", "--data", "2", "--micro-batch", "2",
                  "--cluster", str(cluster_file), "-o", str(build)]) == 0
-    assert main(["run", str(build), "--steps", "4", "--track-memory", "--timeout", "60"]) == 0
+    assert main(["run", str(build), "--steps", "4", "--track-memory", "--probe-comm", "--timeout", "60"]) == 0
     capsys.readouterr()
     assert main(["compare", str(build), "--cluster", str(cluster_file)]) == 0
     text = capsys.readouterr().out
     assert "step time: predicted" in text and "measured" in text
+    # the run's 1 MiB all-reduce beside the calibrated one
+    assert "machine state: a 1 MiB all-reduce over all ranks took" in text and "at calibration (x" in text
     for row in ("F ", "B ", "ALLREDUCE", "STEP"):
         assert f"\n  {row}" in text
     # Peak memory measured on both ranks (parameters, gradients and activations: well over 8 KiB).
