@@ -9,7 +9,16 @@ random (runtime/comm.py's gloo path blocks in work.wait(); the stall is gloo's t
 waiting for a core), so the same gloo build's measured step moves by up to ~18% from one
 launch to the next: no prediction can be checked to 10% against that. MPI ranks progress
 their requests themselves (the waiting thread tests them), and a build's measured step
-moves by a median 2-6% (largest 11-17%) between launches (three runs of --repeat 2 or 3).
+moves by a median 2-4% (largest 5-16%) between launches (three runs of --repeat 2 or 3).
+
+The VM also switches between two states of moving data between its cores (a 1 MiB
+all-reduce: 0.25-0.3 ms or 0.7-0.9 ms), from one launch or minute to the next. Each run
+records its own 1 MiB all-reduce (meshplan run --probe-comm); the table sets it beside
+the calibration's ("1 MiB run/cal", '!' beyond 1.5x) and the summary also gives the errors
+of the cases whose run kept the calibrated state.
+Measured (MPI, after the changes of 2026-11-24), three runs: median 6.8%, 8.5%, 7.6%;
+worst 13.9%, 21.6%, 21.9% (the two worst runs: cases whose transfer state changed, x2.8
+and x3.7); peak memory within 3.9%.
 
 1. Calibrates this machine (cost_models/calibrate.py: 2 rank processes, one
    thread each) right before each run (or once, --calibrate-once), so that
@@ -19,7 +28,8 @@ moves by a median 2-6% (largest 11-17%) between launches (three runs of --repeat
    and bidirectional (GEMS) when the runtime runs it
    (planner.capabilities.MESHPLAN_RUNTIME.bidirectional); each for an MLP and
    a small GPT. Runs each (2 processes over the backend, OMP_NUM_THREADS=1),
-   tracing every instruction, counting the second step's peak memory.
+   tracing every instruction, counting the second step's peak memory, timing a
+   1 MiB all-reduce before the first step.
 3. Compares each (planner/compare.py): the simulator on the same Programs with
    the calibrated cluster against the median measured step after the first,
    and the predicted peak memory of every rank against the measured one.
