@@ -82,16 +82,16 @@ class ComputeCosts:
         cost_models/calibrate_executor.py) are added: each stage call pays the cost of one
         forward / backward call (entering the stage, starting the autograd engine) and the
         executor's extra inside it; the last stage also computes the loss over
-        `loss_elements` logits per micro-batch (this rank's share); with `vocab_split` = (rows of
-        logits, tensor degree t > 1) the logits are split by class over t ranks and the loss is
-        the vocabulary-parallel one: what it adds to the plain loss, and its three all-reduces
-        of one value per row (the row maximum, the target logit, the sum of exponentials), go
-        into the last stage's forward. A ZERO_GRAD zeroes
-        `grad_tensors` tensors of `grad_bytes` in all; `reduced_grad_bytes` of them went through a
-        gradient all-reduce in the step, which makes reading them (STEP) and zeroing them cost
-        more (fit.after_reduce.*). This is why the simulated step is
-        longer than the planner's analytic one on small models. The executor's time between
-        instructions (gap) and issuing asynchronous ones (issue) comes from the cluster too."""
+        `loss_elements` logits per micro-batch (this rank's share). With `vocab_split` = (rows
+        of logits, tensor degree t > 1) the logits are split by class over t ranks and the loss
+        is the vocabulary-parallel one: what it adds to the plain loss, and its three
+        all-reduces of one value per row (the row maximum, the target logit, the sum of
+        exponentials), go into the last stage's forward. A ZERO_GRAD zeroes `grad_tensors`
+        tensors of `grad_bytes` in all; `reduced_grad_bytes` of them went through a gradient
+        all-reduce in the step, which makes reading them (STEP) and zeroing them cost more
+        (fit.after_reduce.*). This is why the simulated step is longer than the planner's
+        analytic one on small models. The executor's time between instructions (gap) and
+        issuing asynchronous ones (issue) comes from the cluster too."""
         if cluster is None:
             return cls(forward={s.index: s.forward for s in prediction.stages},
                        backward={s.index: s.backward for s in prediction.stages},

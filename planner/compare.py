@@ -182,15 +182,7 @@ def _loss_elements(graph, plan) -> float:
     out = next((n for n in graph.nodes if n.kind == "output"), None)
     if out is None or not out.input_meta:
         return 0.0
-    return out.input_meta[0].numel / (plan.config.tensor if _class_split(graph, plan) else 1)
-
-
-def _class_split(graph, plan) -> bool:
-    """Whether the model output's last op is split by class over the tensor axis (role
-    "column_out": the runtime computes a vocabulary-parallel loss on it)."""
-    out = next((n for n in graph.nodes if n.kind == "output"), None)
-    return out is not None and bool(out.inputs) and plan.config.tensor > 1 and \
-        dict(plan.shardings).get(out.inputs[0]) in ("column", "column_out")
+    return out.input_meta[0].numel / (plan.config.tensor if _vocab_split(graph, plan) else 1)
 
 
 def _reduces_grads(progs: dict) -> bool:
@@ -202,10 +194,12 @@ def _reduces_grads(progs: dict) -> bool:
 
 
 def _vocab_split(graph, plan) -> tuple[float, int] | None:
-    """(rows of logits per micro-batch, tensor degree) when the model output's last op is
-    column-split (the runtime's vocabulary-parallel loss), else None."""
+    """(rows of logits per micro-batch, tensor degree) when the model output's last op is split
+    by class over the tensor axis (role "column_out": the runtime computes a vocabulary-parallel
+    loss on it), else None."""
     out = next((n for n in graph.nodes if n.kind == "output"), None)
-    if out is None or not out.input_meta or not _class_split(graph, plan):
+    if out is None or not out.input_meta or not out.inputs or plan.config.tensor < 2 or \
+            dict(plan.shardings).get(out.inputs[0]) not in ("column", "column_out"):
         return None
     logits = out.input_meta[0]
     return logits.numel / max(logits.shape[-1], 1), plan.config.tensor

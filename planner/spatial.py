@@ -240,7 +240,7 @@ def spatial_configs(pricer: SpatialPricer, num_devices: int, cons: dict, shapes_
 
 def first_stage_partition(until: int, weights: list[float], parts: int, fits, partition) -> list[tuple[int, int]]:
     """Pipeline stages whose first stage holds layers 0..until (the spatial part, gathered before the
-    first cut): `partition` (evaluate.balanced_partition) over the spatial part merged into one layer.
+    first cut): `partition` (stage_split.balanced_partition) over the spatial part merged into one layer.
 
     fits(stage, lo, hi) and the result use real layer indices.
     """
