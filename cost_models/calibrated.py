@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+from dataclasses import dataclass
 
 from cost_models.compute import Efficiency
 
@@ -135,43 +136,59 @@ def call_overheads(cluster) -> tuple[float, float]:
     return fits.get("call.forward", 0.0), fits.get("call.backward", 0.0)
 
 
+@dataclass(frozen=True)
+class PerElementCost:
+    """A fitted cost of fixed seconds plus seconds per element, forward and backward (zeros:
+    not calibrated). Read once (per_element_cost) where it is priced many times."""
+
+    forward: float = 0.0
+    forward_per_element: float = 0.0
+    backward: float = 0.0
+    backward_per_element: float = 0.0
+
+    def at(self, elements: float) -> tuple[float, float]:
+        """(forward s, backward s) for `elements` elements; (0, 0) for none."""
+        if elements <= 0:
+            return 0.0, 0.0
+        return (self.forward + self.forward_per_element * elements,
+                self.backward + self.backward_per_element * elements)
+
+
+def per_element_cost(cluster, prefix: str) -> PerElementCost:
+    """fit.<prefix>forward, fit.<prefix>forward_per_element and the backward ones of `cluster`:
+    prefix "loss." (the runtime's loss), "loss.vocab_" (what the vocabulary-parallel loss adds),
+    "tensor_wrapper." or "tensor_embedding." (see the table above)."""
+    fits = _fits(cluster.measurements)
+    return PerElementCost(*(fits.get(f"{prefix}{p}", 0.0) for p in
+                            ("forward", "forward_per_element", "backward", "backward_per_element")))
+
+
 def loss_costs(cluster, elements: float) -> tuple[float, float]:
     """(forward s, backward s) of the runtime's loss over `elements` logits on the last stage
     (cross-entropy, read back, scaled), beyond the stage call; (0, 0) if not calibrated."""
-    fits = _fits(cluster.measurements)
-    if "loss.forward" not in fits or elements <= 0:
-        return 0.0, 0.0
-    return (fits["loss.forward"] + fits.get("loss.forward_per_element", 0.0) * elements,
-            fits["loss.backward"] + fits.get("loss.backward_per_element", 0.0) * elements)
-
-
-def _per_call(cluster, prefix: str, elements: float) -> tuple[float, float]:
-    """(forward s, backward s) of fit.<prefix>forward + fit.<prefix>forward_per_element x elements
-    (and backward's); (0, 0) for what the cluster was not calibrated for."""
-    fits = _fits(cluster.measurements)
-    return tuple(fits.get(f"{prefix}{p}", 0.0) + fits.get(f"{prefix}{p}_per_element", 0.0) * max(elements, 0.0)
-                 for p in ("forward", "backward"))
+    return per_element_cost(cluster, "loss.").at(elements)
 
 
 def tensor_wrapper_costs(cluster, elements: float = 0.0) -> tuple[float, float]:
     """(forward s, backward s) a tensor-parallel layer pays for the wrapper around each of its
     in-layer all-reduces of `elements` values (the copy it reduces, the bias added after it),
     beyond the all-reduce; (0, 0) if not calibrated."""
-    return _per_call(cluster, "tensor_wrapper.", elements)
+    fit = per_element_cost(cluster, "tensor_wrapper.")
+    return fit.at(elements) if elements > 0 else (fit.forward, fit.backward)
 
 
 def tensor_embedding_costs(cluster, elements: float) -> tuple[float, float]:
     """(forward s, backward s) a vocabulary-parallel embedding with `elements` output values pays
     beyond the plain embedding and its all-reduce (masking the ids outside its rows, zeroing
     their rows of the output, the all-reduce's wrapper); (0, 0) if not calibrated."""
-    return _per_call(cluster, "tensor_embedding.", elements)
+    return per_element_cost(cluster, "tensor_embedding.").at(elements)
 
 
 def vocab_loss_costs(cluster, elements: float) -> tuple[float, float]:
     """(forward s, backward s) the vocabulary-parallel cross-entropy over `elements` logits of
     this rank pays beyond the plain loss on them, besides its three all-reduces; (0, 0) if not
     calibrated."""
-    return _per_call(cluster, "loss.vocab_", elements) if elements > 0 else (0.0, 0.0)
+    return per_element_cost(cluster, "loss.vocab_").at(elements)
 
 
 def executor_costs(cluster) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:

@@ -22,8 +22,7 @@ from typing import Any
 from cost_models import gems
 from cost_models.comm import collective_time, link_models
 from cost_models.mesh_axes import axis_collective_time
-from cost_models.calibrated import (calibrated_efficiency, curve_mix, op_curves, tensor_embedding_costs,
-                                    tensor_wrapper_costs)
+from cost_models.calibrated import calibrated_efficiency, curve_mix, op_curves, per_element_cost
 from cost_models.compute import Efficiency, op_time, wave_efficiency
 from cost_models.op_curves import node_curve_times
 from cost_models.hardware import Cluster
@@ -91,6 +90,9 @@ class Evaluator:
         self.eff = efficiency or calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)
         self.curves = op_curves(cluster) if efficiency is None else {}  # ... and its op curves (fp32)
         self.curve_mix = curve_mix(cluster)
+        # what the tensor-parallel runtime adds around an in-layer all-reduce (0 when not calibrated)
+        self.tp_wrapper = per_element_cost(cluster, "tensor_wrapper.")
+        self.tp_embedding = per_element_cost(cluster, "tensor_embedding.")
         self.fused_attention = fused_attention
         self.overlap_grad_reduce = overlap_grad_reduce
         self.grad_reduce_bytes = grad_reduce_bytes
@@ -461,8 +463,7 @@ class Evaluator:
                 # parallel embedding masks the ids it does not hold and zeroes their outputs; a layer's
                 # autograd function costs both ways and copies the values it reduces.
                 elements = max(shard.fwd_allreduce, shard.bwd_allreduce) * scale / 4  # fp32 bytes
-                wf, wb = tensor_embedding_costs(self.cluster, elements) if role == "vocab" else \
-                    tensor_wrapper_costs(self.cluster, elements)
+                wf, wb = (self.tp_embedding if role == "vocab" else self.tp_wrapper).at(elements)
                 tp_f, tp_b = tp_f + wf, tp_b + wb
         saved = n.saved_bytes
         if n.kind == "attention":
