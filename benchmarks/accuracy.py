@@ -194,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
             meds = before + [cmp.measured_step]
             spreads.append((max(meds) - min(meds)) / statistics.mean(meds))
             spread = f"{spreads[-1]:>12.1%}"
-        ratio = cmp.transfer_ratio
-        if ratio is not None and 1 / TRANSFER_DRIFT <= ratio <= TRANSFER_DRIFT:
+        if cmp.transfer_held:
             held.append(abs(cmp.step_error))
-        xfer = f"x{ratio:.2f}" + ("" if 1 / TRANSFER_DRIFT <= ratio <= TRANSFER_DRIFT else " !") if ratio else "n/a"
+        ratio = cmp.transfer_ratio
+        xfer = f"x{ratio:.2f}" + ("" if cmp.transfer_held else " !") if ratio else "n/a"
         print(f"{model + ' ' + name:<22}{cmp.measured_step * 1e3:>12.2f}{cmp.predicted_step * 1e3:>13.2f}"
               f"{cmp.step_error:>+8.1%}{wk:>22}{memtxt:>12}{xfer:>15}{spread}")
         rows.append(cmp)

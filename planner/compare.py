@@ -99,6 +99,12 @@ class Comparison:
         return self.transfer[0] / self.transfer[1] if self.transfer and self.transfer[1] > 0 else None
 
     @property
+    def transfer_held(self) -> bool | None:
+        """Whether the run moved data at the calibrated speed (within TRANSFER_DRIFT); None if unknown."""
+        ratio = self.transfer_ratio
+        return None if ratio is None else 1 / TRANSFER_DRIFT <= ratio <= TRANSFER_DRIFT
+
+    @property
     def step_error(self) -> float:
         return (self.predicted_step - self.measured_step) / self.measured_step
 
@@ -121,7 +127,7 @@ class Comparison:
         if ratio is not None:
             lines.append(f"  machine state: a 1 MiB all-reduce over all ranks took {self.transfer[0] * ms:.3f} ms in "
                          f"this run, {self.transfer[1] * ms:.3f} ms at calibration (x{ratio:.2f})")
-            if not 1 / TRANSFER_DRIFT <= ratio <= TRANSFER_DRIFT:
+            if not self.transfer_held:
                 lines.append("  warning: the machine moved data at a different speed than when it was calibrated; "
                              "calibrate again right before the run (meshplan calibrate) and compare again")
         if self.memory:
