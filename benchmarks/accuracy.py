@@ -72,6 +72,51 @@ def _load() -> str:
     return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} CPUs"
 
 
+_LAUNCH_FILES = ("timeline.json", "run")  # what compare reads of a run (planner/compare.py)
+
+
+def _keep_launch(build: Path, k: int) -> None:
+    """Copy what `compare` reads of the launch just run to build/launches/<k>/."""
+    import shutil
+
+    dest = build / "launches" / str(k)
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for name in _LAUNCH_FILES:
+        src = build / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name)
+        elif src.is_file():
+            shutil.copy2(src, dest / name)
+
+
+def _restore_launch(build: Path, k: int) -> None:
+    """Put launch k's files back where `compare` reads them."""
+    import shutil
+
+    src = build / "launches" / str(k)
+    for name in _LAUNCH_FILES:
+        if (build / name).is_dir():
+            shutil.rmtree(build / name)
+        if (src / name).is_dir():
+            shutil.copytree(src / name, build / name)
+        elif (src / name).is_file():
+            shutil.copy2(src / name, build / name)
+
+
+def _median_launch(medians: list[float]) -> int:
+    """Index of the launch whose median step is the median of them (the lower middle one of an
+    even number: a disturbance only ever slows a launch down)."""
+    order = sorted(range(len(medians)), key=lambda i: medians[i])
+    return order[(len(order) - 1) // 2]
+
+
+def _warnings(line: str) -> None:
+    """Calibration progress: only its warnings (the benchmark prints its own progress)."""
+    if line.startswith("warning"):
+        print("  " + line, flush=True)
+
+
 def default_backend() -> tuple[str, str]:
     """("mpi" or "gloo", why): MPI when mpi4py imports and an mpiexec is found."""
     import importlib.util
@@ -122,18 +167,21 @@ def main(argv: list[str] | None = None) -> int:
                          "mpiexec are installed, else gloo)")
     ap.add_argument("--models", default="mlp,gpt", help="comma-separated, from " + ", ".join(MODELS))
     ap.add_argument("--out", default=None, help="where builds and the cluster file go (default: a temp dir)")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="launch each build this many times (>= 2: also print how much the measured step "
-                         "of the same build differs between launches, the noise floor of the comparison)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="launch each build this many times (default 3) and compare the launch with the "
+                         "median step; >= 2 also prints how much the measured step of the same build differs "
+                         "between launches, the noise floor of the comparison")
     ap.add_argument("--pictures", action="store_true", help="draw predicted vs measured schedules per case")
     ap.add_argument("--calibrate-once", dest="calibrate_each", action="store_false",
                     help="calibrate once before all runs (default: again right before each run)")
+    ap.add_argument("--no-run-probe", dest="run_probe", action="store_false",
+                    help="calibrate without the in-run probe (planner/calibrate_run.py): per-op prices only")
     args = ap.parse_args(argv)
     if args.backend is None:
         args.backend, why = default_backend()
         print(f"backend: {args.backend} ({why}; choose with --backend)")
     os.environ["OMP_NUM_THREADS"] = "1"  # the rank processes and the calibration ranks alike
-    from cost_models.calibrate import calibrate
+    from planner.calibrate_run import calibrate_machine
     from planner.compare import TRANSFER_DRIFT, compare_build, draw, measured_steps
     from runtime.launcher import run_local
 
@@ -142,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"before: {_load()}")
     t0 = time.perf_counter()
-    cluster = calibrate(2, quick=not args.full, backend=args.backend, progress=None)
+    cluster = calibrate_machine(2, quick=not args.full, backend=args.backend, run_probe=args.run_probe,
+                                progress=_warnings)
     cluster.save(out / "cluster.yaml")
     print(f"calibrated in {time.perf_counter() - t0:.1f} s -> {out / 'cluster.yaml'}")
     cases = build_suite(out, cluster, [m for m in args.models.split(",") if m])
@@ -151,25 +200,33 @@ def main(argv: list[str] | None = None) -> int:
     # tensors, which would count in this build's memory.
     # With --calibrate-each (the default) the machine is calibrated again right before every
     # run: on a shared machine the load drifts by the minute, and a step's time follows it.
-    # With --repeat N the earlier launches' median steps are kept (the last one is compared).
+    # With --repeat N each launch's trace is kept (build/launches/<k>/) and the launch whose median
+    # step is the median of the launches' is compared: one launch in a few ran while something
+    # else took the cores (once 84.9 ms for a build that measures 43 ms in its other launches).
     results, clusters, earlier = [], [], []
     for k, (_, _, path) in enumerate(cases):
         if args.calibrate_each and k > 0:
-            cluster = calibrate(2, quick=not args.full, backend=args.backend, progress=None)
+            cluster = calibrate_machine(2, quick=not args.full, backend=args.backend, run_probe=args.run_probe,
+                                        progress=_warnings)
         clusters.append(cluster)
         cluster.save(path / "cluster.yaml")
         medians = []
         for r in range(max(args.repeat, 1)):
-            if r:
-                medians.append(statistics.median(measured_steps(path)[1].values()))
             res = run_local(path, steps=args.steps, backend=args.backend, timeout=120.0,
                             extra_args=["--track-memory", "--probe-comm"])
             if res.returncode != 0:
                 break
+            medians.append(statistics.median(measured_steps(path)[1].values()))
+            _keep_launch(path, r)
+        if res.returncode == 0:
+            _restore_launch(path, _median_launch(medians))
         results.append(res)
         earlier.append(medians)
-        print(f"  ran {path.name} (CPU share at its calibration "
-              f"{dict(cluster.measurements)['fit.cpu_share']:.2f}); {_load()}", flush=True)
+        fits = dict(cluster.measurements)
+        in_run = (f", in-run factor x{fits.get('fit.in_run.forward', 1.0):.3f} forward, "
+                  f"x{fits.get('fit.in_run.backward', 1.0):.3f} backward") if args.run_probe else ""
+        print(f"  ran {path.name} (at its calibration: CPU share {fits['fit.cpu_share']:.2f}{in_run}); {_load()}",
+              flush=True)
     print(f"ran {len(cases)} builds x {args.steps} steps in {time.perf_counter() - t1:.1f} s; after: {_load()}")
     bad = [(c, r) for c, r in zip(cases, results) if r.returncode != 0]
     if bad:
@@ -190,9 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         wk = f"{worst.op} {worst.error:+.0%}" if worst else "-"
         memtxt = f"{max(mem, key=abs):+.1%}" if mem else "n/a"
         spread = ""
-        if before:  # largest difference between the launches' median steps, over their mean
-            meds = before + [cmp.measured_step]
-            spreads.append((max(meds) - min(meds)) / statistics.mean(meds))
+        if len(before) > 1:  # largest difference between the launches' median steps, over their median
+            spreads.append((max(before) - min(before)) / statistics.median(before))
             spread = f"{spreads[-1]:>12.1%}"
         if cmp.transfer_held:
             held.append(abs(cmp.step_error))

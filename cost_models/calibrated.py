@@ -38,6 +38,9 @@ new section and an old meshplan still loads it:
                                                        (cost_models/op_curves.py: planner.evaluate prices
                                                        fp32 nodes of those families from them)
     fit.curve_mix.forward / .backward                  in-layer slow-down of curve-priced ops (probe block)
+    fit.in_run.forward / .backward                     a node's time in a traced training run over its
+                                                       per-op price (planner/calibrate_run.py: a probe
+                                                       model trained through the runtime; planner.evaluate)
 
 A collective's time is the measured table interpolated piecewise-linearly in the
 message size (:func:`measured_collective`), plus fit.comm.wake: on gloo over
@@ -270,3 +273,10 @@ def curve_mix(cluster) -> tuple[float, float]:
     """(forward, backward) in-context factor for curve-priced ops; (1, 1) when not calibrated."""
     fits = _fits(cluster.measurements)
     return fits.get("curve_mix.forward", 1.0), fits.get("curve_mix.backward", 1.0)
+
+
+def in_run_factors(cluster) -> tuple[float, float]:
+    """(forward, backward) factor of a node's calibrated price in a training run over its price
+    from the per-op timings (planner/calibrate_run.py); (1, 1) when not measured."""
+    fits = _fits(cluster.measurements)
+    return fits.get("in_run.forward", 1.0), fits.get("in_run.backward", 1.0)

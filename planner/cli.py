@@ -253,21 +253,23 @@ def _add_checkpoint(sub) -> None:
 
 
 _EPILOG_CALIBRATE = """examples:
-  meshplan calibrate --out cluster.yaml                 # quick: 2 ranks on 2 cores, well under a minute
+  meshplan calibrate --out cluster.yaml                 # quick: 2 ranks on 2 cores, under a minute
   meshplan calibrate --full --ranks 4 --out cluster.json
   meshplan optimize examples/models/gpt.py:build --arg preset=tiny --cluster cluster.yaml --batch 16
 Starts RANKS processes that time the cost model's op kinds and the runtime's collectives
-and p2p, fits per-kind efficiencies and alpha-beta per group size, and writes a cluster
+and p2p, fits per-kind efficiencies and alpha-beta per group size, then trains a small
+probe transformer data-parallel through the runtime (traced, 5 launches) to fit how much
+longer forward and backward take in a run than their per-op prices, and writes a cluster
 file (fits under measurements fit.*, raw numbers under raw.*) that Cluster.load reads back."""
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from cost_models.calibrate import calibrate
+    from planner.calibrate_run import calibrate_machine
 
     if Path(args.out).suffix.lower() not in (".yaml", ".yml", ".json"):
         raise ValueError(f"--out {args.out}: name the cluster file .yaml, .yml or .json")
-    cluster = calibrate(args.ranks, quick=not args.full, backend=args.backend, timeout=args.timeout,
-                        progress=lambda line: print(line, flush=True))
+    cluster = calibrate_machine(args.ranks, quick=not args.full, backend=args.backend, timeout=args.timeout,
+                                run_probe=args.run_probe, progress=lambda line: print(line, flush=True))
     cluster.save(args.out)
     print()
     print(cluster.summary().split("\n  measurements:")[0])
@@ -339,6 +341,10 @@ def _add_calibrate(sub) -> None:
     mode.add_argument("--full", action="store_true", help="more repeats and message sizes (about 4x longer)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "mpi"])
     p.add_argument("--timeout", type=float, default=300.0, help="seconds the measurement may take")
+    p.add_argument("--no-run-probe", dest="run_probe", action="store_false",
+                   help="skip the last part: training a small probe transformer through the runtime, traced, "
+                        "to measure how much longer compute takes in a run than its per-op prices "
+                        "(fit.in_run.*; about 25 s on 2 cores)")
     p.set_defaults(func=_cmd_calibrate)
 
 

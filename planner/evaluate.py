@@ -22,7 +22,7 @@ from typing import Any
 from cost_models import gems
 from cost_models.comm import collective_time, link_models
 from cost_models.mesh_axes import axis_collective_time
-from cost_models.calibrated import calibrated_efficiency, curve_mix, op_curves, per_element_cost
+from cost_models.calibrated import calibrated_efficiency, curve_mix, in_run_factors, op_curves, per_element_cost
 from cost_models.compute import Efficiency, op_time, wave_efficiency
 from cost_models.op_curves import node_curve_times
 from cost_models.hardware import Cluster
@@ -90,6 +90,8 @@ class Evaluator:
         self.eff = efficiency or calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)
         self.curves = op_curves(cluster) if efficiency is None else {}  # ... and its op curves (fp32)
         self.curve_mix = curve_mix(cluster)
+        # a node's time in a training run over its per-op price (1, 1 unless calibrated with the probe run)
+        self.in_run = in_run_factors(cluster) if efficiency is None else (1.0, 1.0)
         # what the tensor-parallel runtime adds around an in-layer all-reduce (0 when not calibrated)
         self.tp_wrapper = per_element_cost(cluster, "tensor_wrapper.")
         self.tp_embedding = per_element_cost(cluster, "tensor_embedding.")
@@ -450,6 +452,7 @@ class Evaluator:
             b = op_time(n.kind, n.bwd_flops * scale / div, b_bytes, peak, bw, self.eff,
                         kernels=2 if n.param_count or param_read else 1,
                         shape_efficiency=waves, backward=True) if n.requires_grad else 0.0
+        f, b = f * self.in_run[0], b * self.in_run[1]
         tp_f = tp_b = 0.0
         if sharded:
             shard = self.sharding.roles[n.name]

@@ -3,7 +3,7 @@
 import pytest
 
 from cost_models.calibrated import (after_reduce_costs, calibrated_efficiency, executor_costs, fitted_collective,
-                                    tensor_embedding_costs, tensor_wrapper_costs, vocab_loss_costs)
+                                    in_run_factors, tensor_embedding_costs, tensor_wrapper_costs, vocab_loss_costs)
 from cost_models.hardware import Cluster
 from planner.cli import main
 
@@ -30,6 +30,13 @@ def test_calibrate_then_compare_a_traced_run(tmp_path, capsys):
     assert all(0 < t < 0.05 for t in issue.values()) and set(extra) == {"F", "B"}
     assert tensor_wrapper_costs(cluster)[0] > 0
     assert vocab_loss_costs(cluster, 32768)[0] > 0 and tensor_embedding_costs(cluster, 16384)[0] > 0
+    # the in-run probe: a small transformer trained through the runtime, three launches
+    assert "in-run probe 5/5: training a 2-rank data-parallel transformer" in text
+    m = dict(cluster.measurements)
+    assert all(m[f"raw.in_run.forward.launch{i}"] > 0 for i in range(5))
+    assert m["raw.in_run.forward.per_op"] < m["raw.in_run.forward.predicted"]  # fixed costs come on top
+    assert 0.7 <= in_run_factors(cluster)[0] <= 1.6 and 0.7 <= in_run_factors(cluster)[1] <= 1.6
+    assert "fit.in_run.forward" in m and "fit.in_run.backward" in m
 
     build = tmp_path / "build"
     assert main(["codegen", "examples/models/mlp.py:build", "--batch", "8", "--data", "2", "--micro-batch", "2",

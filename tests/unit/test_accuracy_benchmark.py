@@ -37,3 +37,22 @@ def test_default_backend_falls_back_to_gloo_and_names_what_is_missing(accuracy, 
     backend, why = accuracy.default_backend()
     assert backend == "gloo" and "mpi4py" in why
 
+
+
+def test_the_median_launch_is_compared_and_a_disturbed_one_is_not(accuracy):
+    assert accuracy._median_launch([43.0, 84.9, 42.1]) == 0
+    assert accuracy._median_launch([84.9, 43.0]) == 1          # even: the lower middle one
+    assert accuracy._median_launch([5.0]) == 0
+
+
+def test_each_launch_is_kept_and_the_chosen_one_restored(accuracy, tmp_path):
+    build = tmp_path / "build"
+    (build / "run").mkdir(parents=True)
+    for k in range(3):
+        (build / "timeline.json").write_text(f'{{"launch": {k}}}')
+        (build / "run" / "rank_0000.json").write_text(str(k))
+        accuracy._keep_launch(build, k)
+    accuracy._restore_launch(build, 1)
+    assert (build / "timeline.json").read_text() == '{"launch": 1}'
+    assert (build / "run" / "rank_0000.json").read_text() == "1"
+    assert sorted(p.name for p in (build / "launches").iterdir()) == ["0", "1", "2"]
