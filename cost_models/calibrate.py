@@ -45,6 +45,11 @@ module fits the constants and builds the Cluster:
   through them (the slowest rank's);
 - raw.*: every measured number, so a fit can be checked or redone.
 
+`meshplan calibrate` then trains a small probe model through the runtime for a few steps
+(planner/calibrate_run.py, which needs the planner and codegen and so lives there) and
+adds fit.in_run.*: how much longer forward and backward take in a traced run than the
+per-op prices fitted here.
+
 The planner and the simulator read the fits back through cost_models/calibrated.py.
 """
 
