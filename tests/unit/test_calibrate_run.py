@@ -82,3 +82,34 @@ def test_probe_model_runs_and_its_batches_are_a_function_of_the_seed():
     assert model(idx).shape == (3, probe_model.SEQ, probe_model.VOCAB)
     assert torch.equal(probe_model.example_batch(3, seed=5)[0][0], idx)
     assert probe_model.example_inputs(2, "meta")[0].shape == (2, probe_model.SEQ)
+
+
+def test_calibrate_machine_keeps_the_calibration_when_the_probe_fails_and_skips_it_when_asked(monkeypatch):
+    import cost_models.calibrate
+    import planner.calibrate_run as cr
+
+    results, _, _ = _curve_results()
+    base = build_cluster(results)
+    monkeypatch.setattr(cost_models.calibrate, "calibrate", lambda *a, **k: base)
+    calls = []
+
+    def failing(cluster, backend, **kw):
+        calls.append((backend, kw["launches"]))
+        raise InRunError("the probe training run failed (exit 1)")
+    monkeypatch.setattr(cr, "with_in_run", failing)
+    lines = []
+    got = cr.calibrate_machine(2, backend="mpi", progress=lines.append)
+    assert got is base and calls == [("mpi", cr.LAUNCHES)]
+    assert any(line.startswith("warning: the in-run probe gave nothing") and "exit 1" in line for line in lines)
+    calls.clear()
+    assert cr.calibrate_machine(2, quick=False, run_probe=False, progress=None) is base and calls == []
+    monkeypatch.setattr(cr, "with_in_run", lambda c, b, **kw: _with(c, forward=1.1))
+    assert in_run_factors(cr.calibrate_machine(2, quick=False, progress=None)) == (1.1, 1.0)
+
+
+def test_calibrate_command_has_a_switch_for_the_probe():
+    from planner.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["calibrate", "--out", "c.yaml"]).run_probe is True
+    assert p.parse_args(["calibrate", "--out", "c.yaml", "--no-run-probe"]).run_probe is False
