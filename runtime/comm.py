@@ -557,9 +557,10 @@ class MpiCommunicator:
         # Collectives of one group run one at a time, in the order issued (every member issues
         # them in the same order, so every member starts them in that order too). Open MPI
         # progresses several outstanding non-blocking collectives of a communicator slower than
-        # the same one after another: four gradient buckets (3.6 MiB) issued together took 2.6 ms
-        # to all-reduce on 2 ranks of the 2-core VM, one after another 0.8 ms, while the VM moved
-        # data fast; 3.6 ms against 2.9 ms while it moved data slowly (benchmarks/mpi_queue.py).
+        # the same one after another: four gradient buckets (3.6 MiB) issued together took
+        # 2.1-2.3 ms to all-reduce on 2 ranks of the 2-core VM, queued 1.25-1.3 ms, while the VM
+        # moved data fast; 3.4-3.6 ms against 2.85-2.9 ms while it moved data slowly
+        # (benchmarks/mpi_queue.py, the two ways alternating in one run).
         # Every poll, whatever it waits for, starts a group's next one once its predecessor is done.
         self._queues: dict[int, collections.deque] = {}
 
@@ -593,31 +594,32 @@ class MpiCommunicator:
 
     def _enqueue(self, group: "_MpiGroup", handle: _MpiHandle, start: Callable[[], object]) -> None:
         """Queue `handle`'s collective (begun by start()) behind `group`'s unfinished ones."""
-        q = self._queues.setdefault(id(group), collections.deque())
-        q.append((handle, start))
-        if len(q) == 1:
-            handle._req = start()
+        self._queues.setdefault(id(group), collections.deque()).append((handle, start))
+        self._advance_group(id(group))  # starts it now when the group has nothing unfinished before it
 
     def _advance(self) -> None:
         """Start each group's next queued collective once the one before it is done."""
         for key in list(self._queues):
-            q = self._queues[key]
-            while q:
-                head = q[0][0]
-                if head._req is None:
-                    head._req = q[0][1]()
-                if not head._req.Test():  # a completed request becomes MPI.REQUEST_NULL: Test() stays True
-                    break
-                q.popleft()
-            if not q:
-                del self._queues[key]
+            self._advance_group(key)
+
+    def _advance_group(self, key: int) -> None:
+        q = self._queues[key]
+        while q:
+            head = q[0][0]
+            if head._req is None:
+                head._req = q[0][1]()
+            if not head._req.Test():  # a completed request becomes MPI.REQUEST_NULL: Test() stays True
+                break
+            q.popleft()
+        if not q:
+            del self._queues[key]
 
     def _poll(self, req, what: str) -> None:
         """Wait for `req` (an MPI request, or a handle whose collective may still be queued),
         testing it and the other pending collectives, with a deadline, watching for an abort."""
         if isinstance(req, _MpiHandle):
-            handle = req
-            done = lambda: handle._req is not None and handle._req.Test()  # noqa: E731
+            def done() -> bool:
+                return req._req is not None and req._req.Test()
         else:
             done = req.Test
         start = time.monotonic()
