@@ -9,7 +9,7 @@ asynchronously and waits for all four, two ways alternating round by round:
 
 - together: four MPI Iallreduce requests outstanding at once, then waited (what the
   runtime's MPI communicator did before it queued collectives per group);
-- queued: through runtime.comm.MpiCommunicator, which starts a group's next collective
+- queued: through runtime.comm_mpi.MpiCommunicator, which starts a group's next collective
   only when the one before it is done.
 
 Prints the mean and median milliseconds of each and their ratio (together / queued).
@@ -32,7 +32,7 @@ def worker(rounds: int) -> None:
     import torch
     from mpi4py import MPI
 
-    from runtime.comm import MpiCommunicator
+    from runtime.comm_mpi import MpiCommunicator
 
     torch.set_num_threads(1)
     comm = MpiCommunicator(timeout=60.0)

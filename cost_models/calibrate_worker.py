@@ -53,7 +53,7 @@ COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 
 def _make_comm(backend: str, rank: int, world: int, port: int, timeout: float):
     if backend == "mpi":
-        from runtime.comm import MpiCommunicator
+        from runtime.comm_mpi import MpiCommunicator
 
         return MpiCommunicator(timeout=timeout)
     import torch

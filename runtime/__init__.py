@@ -5,7 +5,7 @@ and the user's model code.
     Program, Instr, Bucket          runtime.program   the instruction set
     Timeline, Event, Recorder       runtime.trace     measured / predicted timelines
     DistContext                     runtime.context   rank, world, one group per mesh axis
-    Communicator, TorchCommunicator, MpiCommunicator  runtime.comm
+    Communicator, TorchCommunicator  runtime.comm; MpiCommunicator  runtime.comm_mpi
     Executor, StageRunner, GradSync runtime.executor / stage / grads
     TrainSpec, StageSpec, OptimizerSpec               runtime.spec / optim
     run_local, run_many, verify_build                 runtime.launcher
@@ -23,7 +23,7 @@ _EXPORTS = {
     "ProgramError": "runtime.program",
     "Timeline": "runtime.trace", "Event": "runtime.trace", "Recorder": "runtime.trace",
     "DistContext": "runtime.context",
-    "Communicator": "runtime.comm", "TorchCommunicator": "runtime.comm", "MpiCommunicator": "runtime.comm",
+    "Communicator": "runtime.comm", "TorchCommunicator": "runtime.comm", "MpiCommunicator": "runtime.comm_mpi",
     "CommError": "runtime.comm", "PeerFailure": "runtime.comm",
     "Executor": "runtime.executor", "RankFailure": "runtime.executor",
     "StageRunner": "runtime.stage", "GradSync": "runtime.grads",

@@ -379,7 +379,7 @@ def _parse_fail_at(text: str | None, rank: int) -> tuple[int, int] | None:
 
 def _make_comm(backend: str, rank: int, world_size: int, args, device):
     if backend == "mpi":
-        from runtime.comm import MpiCommunicator
+        from runtime.comm_mpi import MpiCommunicator
 
         comm = MpiCommunicator(timeout=args.timeout)
         if comm.world_size != world_size:

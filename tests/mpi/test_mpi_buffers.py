@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(mpiexec_path() is None,
 # MPI write into those.
 PROBE = """
 import gc, torch
-from runtime.comm import MpiCommunicator
+from runtime.comm_mpi import MpiCommunicator
 c = MpiCommunicator(timeout=60); g = c.group(range(c.world_size)); peer = 1 - c.rank
 n = 1 << 18
 bad = 0
