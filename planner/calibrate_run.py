@@ -131,8 +131,8 @@ def _fmt(m: dict[str, float], name: str) -> str:
 def with_in_run(cluster, backend: str = "gloo", **kwargs):
     """`cluster` with the in-run probe's measurements added (see measure_in_run)."""
     got = measure_in_run(cluster, backend, **kwargs)
-    merged = {**dict(cluster.measurements), **got}
-    return dataclasses.replace(cluster, measurements=tuple(sorted(merged.items())))
+    # Cluster keeps measurements as sorted pairs whatever mapping it is given
+    return dataclasses.replace(cluster, measurements={**dict(cluster.measurements), **got})
 
 
 def calibrate_machine(ranks: int | None = None, *, quick: bool = True, backend: str = "gloo", timeout: float = 300.0,
