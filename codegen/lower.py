@@ -12,6 +12,9 @@
                  (all-reduce; reduce-scatter under ZeRO), issued from inside that
                  backward; waited before the step (bidirectional: over the "pair" group,
                  positions i and p-1-i across every data rank, higher stage first)
+    ties         a weight used by several stages (tied embeddings) has a copy in each;
+                 once the gradient collectives are done, one all-reduce per tied weight
+                 over the pipeline positions holding a copy sums the copies' gradients
     step         ZERO_GRAD first; STEP; ZeRO-1/2 parameter all-gathers; the loss
                  reduced over data and broadcast from the last stage, so every rank
                  reports the step's loss
@@ -32,7 +35,7 @@ from codegen.schedules import ScheduleError, bidirectional, bidirectional_positi
 from planner.graph import ModelGraph
 from planner.plan import Plan
 from planner.subgraph import module_owners
-from runtime.program import PAIR_AXIS, Bucket, Instr, Program, axis_group, coords_of, rank_of
+from runtime.program import PAIR_AXIS, Bucket, Instr, Program, Tie, axis_group, coords_of, rank_of, tie_axis
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
@@ -43,19 +46,25 @@ class LoweringError(ValueError):
     """A plan that cannot become Programs; the message names the reason."""
 
 
-def make_buckets(stage: int, params, data: int, cap_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+def make_buckets(stage: int, params, data: int, cap_bytes: int = DEFAULT_BUCKET_BYTES,
+                 alone: frozenset[str] = frozenset()) -> list[Bucket]:
     """Group a stage's parameters (name, shape, dtype), already in gradient-ready order,
     into buckets closed once they reach `cap_bytes` (PyTorch DDP's rule: small parameters
-    ride with the next large one instead of travelling alone)."""
+    ride with the next large one instead of travelling alone). Parameters in `alone` (the
+    copies of tied weights) get a bucket of their own: under ZeRO, each data rank then holds
+    the same slice of every copy, and the copies' gradient shards can be summed."""
     out, cur, numel, elem = [], [], 0, 4
     for name, shape, dtype in params:
         n = 1
         for s in shape:
             n *= s
+        if name in alone and cur:
+            out.append(_bucket(stage, cur, numel, elem, data))
+            cur, numel = [], 0
         elem = _DTYPE_BYTES.get(dtype, 4)
         cur.append(name)
         numel += n
-        if numel * elem >= cap_bytes:
+        if numel * elem >= cap_bytes or name in alone:
             out.append(_bucket(stage, cur, numel, elem, data))
             cur, numel = [], 0
     if cur:
@@ -174,6 +183,42 @@ def grad_sync_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bu
     return out + [Instr("WAIT", handle=h) for h in waits]
 
 
+def tie_pass(instrs: list[Instr], handles: Iterator[int], ties: list[Tie], nbytes: dict[int, int]) -> list[Instr]:
+    """One ALLREDUCE tied per tied weight this rank holds, and its WAIT, after every other
+    instruction of the step body (the gradient collectives' WAITs included): the copies'
+    gradients are complete there, and the step that follows reads their sum."""
+    out = list(instrs)
+    for tie in ties:
+        h = next(handles)
+        out += [Instr("ALLREDUCE", kind="tied", axis=tie.axis, handle=h, bucket=tie.index, nbytes=nbytes[tie.index]),
+                Instr("WAIT", handle=h)]
+    return out
+
+
+def find_ties(parts: Partition) -> dict[str, list[tuple[int, str, int]]]:
+    """Tied weights held by more than one stage: canonical name -> [(stage, local name, bytes)].
+
+    Raises LoweringError when the copies' local shapes differ (their tensor-parallel splits
+    disagree, so their gradients cannot be summed)."""
+    held: dict[str, list[tuple[int, str, int]]] = {}
+    shapes: dict[str, set] = {}
+    for sp in parts.stages:
+        for name, shape, dtype in sp.params:
+            if not any(name in g for g in sp.spec.shared):
+                continue
+            key = sp.spec.canonical(name)
+            numel = 1
+            for d in shape:
+                numel *= d
+            held.setdefault(key, []).append((sp.spec.index, name, numel * _DTYPE_BYTES.get(dtype, 4)))
+            shapes.setdefault(key, set()).add(tuple(shape))
+    for key, sh in shapes.items():
+        if len(sh) > 1 and len(held[key]) > 1:
+            raise LoweringError(f"tied weight {key} has copies of different local shapes {sorted(sh)}: the "
+                                "tensor-parallel split of its users differs, so their gradients cannot be summed")
+    return {k: v for k, v in sorted(held.items()) if len(v) > 1}
+
+
 def step_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket], zero: int, *, is_last: bool,
               data: int, pipe: int, last_rank: int, loss_sum_over_pipe: bool = False) -> list[Instr]:
     """ZERO_GRAD, the body, STEP, ZeRO-1/2 parameter gathers, and the loss to every rank.
@@ -258,6 +303,13 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
     specs = {sp.spec.index: sp for sp in parts.stages}
     act_bytes = {s: sum(b.nbytes for b in specs[s].spec.outputs) for s in range(ns)}
     grad_bytes = {s: sum(b.nbytes for b in specs[s].spec.outputs if b.requires_grad) for s in range(ns)}
+    tied = find_ties(parts)
+    alone = frozenset(name for copies in tied.values() for _s, name, _b in copies)
+    tie_bytes = {k: copies[0][2] for k, copies in enumerate(tied.values())}
+
+    def positions(stage: int) -> list[int]:
+        return sorted({stage, p - 1 - stage}) if bidi else [stage % p]
+
     programs = {}
     for rank in range(cfg.num_devices):
         coords = coords_of(mesh, rank)
@@ -274,8 +326,16 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
             stages = tuple(sorted(s for s in range(ns) if s % p == i))
             order, grad_axis, group = None, "data", d
         buckets = [b for s in (order or stages)
-                   for b in make_buckets(s, _held(specs[s].params, owners, branch), group, bucket_bytes)] \
+                   for b in make_buckets(s, _held(specs[s].params, owners, branch), group, bucket_bytes, alone)] \
             if group > 1 else []
+        ties = []
+        for k, (key, copies) in enumerate(tied.items()):
+            here = [(s, name) for s, name, _b in copies if s in stages]
+            if not here:
+                continue
+            holders = sorted({q for s, _n, _b in copies for q in positions(s)})
+            owned = tuple(s for s, _n in here if min(positions(s)) == i)
+            ties.append(Tie(k, key, tuple(here), owned, tie_axis(holders)))
         handles = itertools.count()
 
         def peer_of(s: int, micro: int, _coords=coords) -> int:
@@ -287,11 +347,12 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
             instrs = zero3_pass(instrs, handles, buckets)
         if buckets:
             instrs = grad_sync_pass(instrs, handles, buckets, zero, axis=grad_axis, order=order)
+        instrs = tie_pass(instrs, handles, ties, tie_bytes)
         instrs = step_pass(instrs, handles, buckets, zero, is_last=(ns - 1) in stages, data=d, pipe=p,
                            last_rank=rank_of(mesh, ((ns - 1) % p, *coords[1:])), loss_sum_over_pipe=bidi)
         programs[rank] = Program(rank=rank, world_size=cfg.num_devices, mesh=mesh, coords=coords, stages=stages,
                                  num_stages=ns, num_micro_batches=m, micro_batch_size=cfg.micro_batch_size,
-                                 instrs=tuple(instrs), zero=zero, buckets=tuple(buckets))
+                                 instrs=tuple(instrs), zero=zero, buckets=tuple(buckets), ties=tuple(ties))
     check_programs(programs)
     return programs
 
@@ -335,7 +396,7 @@ def check_programs(programs: dict[int, Program]) -> None:
                     group = prog.group(ins.axis)
                     seq = coll_seq.setdefault((r, group), [])
                     n = len(seq)
-                    what = (ins.op, ins.kind, ins.stage, ins.bucket)
+                    what = (ins.op, ins.kind, ins.stage, ins.bucket)   # a tied weight: its global index
                     seq.append(what)
 
                     def ready(group=group, n=n, what=what, r=r):
@@ -356,5 +417,5 @@ def check_programs(programs: dict[int, Program]) -> None:
             raise LoweringError(f"the Programs deadlock; ranks wait at: {stuck}")
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "LoweringError", "check_programs", "grad_sync_pass", "lower", "make_buckets",
-           "p2p_pass", "step_pass", "zero3_pass"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "LoweringError", "check_programs", "find_ties", "grad_sync_pass", "lower",
+           "make_buckets", "p2p_pass", "step_pass", "tie_pass", "zero3_pass"]

@@ -31,7 +31,7 @@ from codegen.subgraph import (insert_region_call, layer_regions, region_code, re
 from codegen.tensor_split import TensorSplitError, split_graph
 from planner.graph import ModelGraph
 from planner.plan import Plan
-from runtime.materialize import model_signature
+from runtime.materialize import RUN_DEVICE, model_signature
 from runtime.recompute import Recompute
 from runtime.spec import Boundary, StageSpec
 from runtime.tensor_parallel import shard_module
@@ -91,11 +91,6 @@ def partition(plan: Plan, graph: ModelGraph) -> Partition:
     Raises PartitionError / TensorSplitError (ValueErrors) naming what cannot be cut or split.
     """
     gm = graph.module
-    if graph.method != "fx":
-        raise PartitionError(
-            f"{graph.model_class} was captured with torch.{graph.method}, whose graph bakes the capture device "
-            "(meta) into its ops and names tied weights by one of their paths; code generation needs a "
-            "torch.fx capture (make forward() traceable by torch.fx.symbolic_trace)")
     if gm is None:
         raise PartitionError("the ModelGraph has no fx module (it was loaded from JSON); capture the model again "
                              "with planner.capture")
@@ -131,8 +126,13 @@ def partition(plan: Plan, graph: ModelGraph) -> Partition:
         raise PartitionError("the plan's stages must hold every layer once, in model order"
                              + (f"; missing {missing[:3]}" if missing else f"; got {order[:4]}..."))
     num_stages = len(plan.stages)
+    # A parameter or buffer read directly (get_attr) belongs to no stage: every stage that
+    # reads it holds it (a weight shared by two stages is held by both; runtime/ties.py
+    # keeps the copies equal).
     stage_of: dict[str, int] = {}
     for n in reversed(nodes):  # inserted nodes (local-size arithmetic) join their first user
+        if n.op == "get_attr":
+            continue
         if n.op == "output":
             stage_of[n.name] = num_stages - 1
             layer_of.setdefault(n.name, known[-1])
@@ -146,33 +146,38 @@ def partition(plan: Plan, graph: ModelGraph) -> Partition:
             layer_of[n.name] = layer_of[users[0].name]
     for n in nodes:
         for a in n.all_input_nodes:
-            if stage_of[a.name] > stage_of[n.name]:
+            if a.op != "get_attr" and n.op != "get_attr" and stage_of[a.name] > stage_of[n.name]:
                 raise PartitionError(f"node {n.name!r} in stage {stage_of[n.name]} reads {a.name!r} from a "
                                      f"later stage {stage_of[a.name]}")
-    last_use = {n.name: max((stage_of[u.name] for u in n.users), default=-1) for n in nodes}
+    last_use = {n.name: max((stage_of[u.name] for u in n.users), default=-1) for n in nodes if n.op != "get_attr"}
     lv, fv = res.local_values, res.full_values
 
-    def boundary(name: str, source: str, data_index: int = -1) -> Boundary:
+    def boundary(n: fx.Node, source: str, data_index: int = -1) -> Boundary:
+        name = n.name
         v = lv[name]
         if not isinstance(v, torch.Tensor):
             raise PartitionError(f"value {name!r} ({type(v).__name__}) crosses a pipeline cut; only tensors can "
                                  "be sent between stages. Choose other stage boundaries.")
+        key = str(n.target).lstrip("*") if source == "data" else ""
         return Boundary(name, tuple(v.shape), str(v.dtype).removeprefix("torch."),
-                        bool(fv[name].requires_grad and v.is_floating_point()), source, data_index)
+                        bool(fv[name].requires_grad and v.is_floating_point()), source, data_index, key)
 
     placeholders = [n.name for n in nodes if n.op == "placeholder"]
-    crossing = {s: [n.name for n in nodes if n.op != "output" and stage_of[n.name] < s <= last_use[n.name]]
+    crossing = {s: [n for n in nodes if n.op not in ("output", "get_attr") and stage_of[n.name] < s <= last_use[n.name]]
                 for s in range(num_stages)}
     local_mods = {}
     for path, sh in res.shards.items():
         local_mods[path] = shard_module(gm.get_submodule(path), sh, 0, t, None)
+    canonical = shared_names(graph)
 
     codes = region_code(plan.subgraph, lv) if plan.subgraph else []
     parts = []
     for st in sorted(plan.stages, key=lambda s: s.index):
         s = st.index
-        members = [n for n in nodes if stage_of[n.name] == s]
-        data_in = [boundary(n.name, "data", placeholders.index(n.name)) for n in members if n.op == "placeholder"]
+        own = [n for n in nodes if n.op != "get_attr" and stage_of[n.name] == s]
+        read = {a.name for n in own for a in n.all_input_nodes if a.op == "get_attr"}
+        members = [n for n in nodes if (n.op != "get_attr" and stage_of[n.name] == s) or n.name in read]
+        data_in = [boundary(n, "data", placeholders.index(n.name)) for n in members if n.op == "placeholder"]
         recv_in = [boundary(v, "recv") for v in crossing[s]]
         ins = sorted(data_in + recv_in, key=lambda b: pos[b.name])
         is_last = s == num_stages - 1
@@ -180,48 +185,61 @@ def partition(plan: Plan, graph: ModelGraph) -> Partition:
         for k, b in enumerate(outs):
             outs[k] = Boundary(b.name, b.shape, b.dtype, b.requires_grad, "send")
         modules = tuple(dict.fromkeys(str(n.target) for n in members if n.op == "call_module"))
-        attributes = tuple(dict.fromkeys(str(n.target) for n in members if n.op == "get_attr"))
+        attributes = tuple(dict.fromkeys(str(n.target) for n in members
+                                         if n.op == "get_attr" and n.target != RUN_DEVICE))
         source, globs = _stage_source(g, s, members, ins, outs, is_last, layer_of, known, cfg.recompute, codes)
+        params = _stage_params(gm, modules, attributes, local_mods, canonical)
+        held = {canonical.get(name, name) for name, _, _ in params}
+        shared = tuple(grp for grp in graph.shared_params if grp[0] in held)
         spec = StageSpec(index=s, layers=st.layers, inputs=tuple(ins), outputs=tuple(outs), modules=modules,
                          attributes=attributes, shards=tuple(res.shards[m] for m in modules if m in res.shards),
                          is_last=is_last, output_split=res.output_split if is_last else None,
-                         recompute=cfg.recompute)
-        params = []
-        for path in reversed(modules):
-            mod = local_mods[path] if path in local_mods else gm.get_submodule(path)
-            for pname, p in mod.named_parameters():
-                if p.requires_grad:
-                    params.append((f"{path}.{pname}", tuple(p.shape), str(p.dtype).removeprefix("torch.")))
-        for path in reversed(attributes):
-            obj = gm
-            for part in path.split("."):
-                obj = getattr(obj, part)
-            if isinstance(obj, torch.nn.Parameter) and obj.requires_grad:
-                params.append((path, tuple(obj.shape), str(obj.dtype).removeprefix("torch.")))
-        names = [p[0] for p in params]
-        if len(set(names)) != len(names):
-            raise PartitionError(f"stage {s} uses a parameter twice under different paths; tied weights are "
-                                 "not supported")
+                         recompute=cfg.recompute, shared=shared)
         parts.append(StagePart(spec, st.device_index, f"Stage{s}", source, globs, tuple(params)))
-    _check_no_shared_params(gm, parts)
     sd = gm.state_dict(keep_vars=True)
     return Partition(tuple(parts), t, mb, _signature_of(gm), {k: list(v.shape) for k, v in sd.items()})
 
 
+def shared_names(graph: ModelGraph) -> dict[str, str]:
+    """Every name of a parameter the model uses under several names -> its canonical (first) name."""
+    return {name: grp[0] for grp in graph.shared_params for name in grp}
+
+
+def _stage_params(gm: fx.GraphModule, modules: tuple[str, ...], attributes: tuple[str, ...], local_mods: dict,
+                  canonical: dict[str, str]) -> list[tuple[str, tuple[int, ...], str]]:
+    """The stage module's trainable parameters (name, local shape, dtype), in the order gradients
+    become ready in backward (last module first).
+
+    A parameter the stage reaches under several names (a tied weight whose two users are both
+    here) is one parameter, named as the stage module names it: the first name in the order
+    runtime.materialize attaches modules and then attributes.
+    """
+    groups: list[list[tuple[str, torch.Tensor]]] = []   # per module, then per attribute
+    for path in modules:
+        mod = local_mods[path] if path in local_mods else gm.get_submodule(path)
+        groups.append([(f"{path}.{pname}", p) for pname, p in mod.named_parameters() if p.requires_grad])
+    for path in attributes:
+        obj = gm
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        if isinstance(obj, torch.nn.Parameter) and obj.requires_grad:
+            groups.append([(path, obj)])
+    first: dict[str, str] = {}
+    for name, _p in (x for grp in groups for x in grp):
+        first.setdefault(canonical.get(name, name), name)
+    out, seen = [], set()
+    ordered = groups[:len(modules)][::-1] + groups[len(modules):][::-1]
+    for name, p in (x for grp in ordered for x in grp):
+        key = canonical.get(name, name)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append((first[key], tuple(p.shape), str(p.dtype).removeprefix("torch.")))
+    return out
+
+
 def _signature_of(gm: fx.GraphModule) -> str:
     return model_signature(gm)
-
-
-def _check_no_shared_params(gm: fx.GraphModule, parts: list[StagePart]) -> None:
-    owner: dict[int, int] = {}
-    for part in parts:
-        for path in part.spec.modules:
-            for pname, p in gm.get_submodule(path).named_parameters():
-                prev = owner.setdefault(id(p), part.spec.index)
-                if prev != part.spec.index:
-                    raise PartitionError(f"parameter {path}.{pname} is used by stages {prev} and {part.spec.index}; "
-                                         "weights shared across pipeline stages are not supported. Put both "
-                                         "users in one stage.")
 
 
 def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundary], outs: list[Boundary],
@@ -229,22 +247,24 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
                   codes: list | None = None) -> tuple[str, dict]:
     """The stage class: one method per layer and a forward chaining them."""
     # layer methods run in model (layer) order; a layer's inputs come from earlier layers or the stage's inputs
-    present = {layer_of[n.name] for n in members if n.op not in ("placeholder",)}
+    present = {layer_of[n.name] for n in members if n.op not in ("placeholder", "get_attr")}
     layers: list[str] = [L for L in layer_order if L in present]
     out_node = next((n for n in members if n.op == "output"), None)
     stage_outputs = {b.name for b in outs}
     # values read after each layer (by later layers of this stage, the stage's outputs, the model output)
-    members_by_layer = {L: [n for n in members if layer_of[n.name] == L and n.op not in ("placeholder", "output")]
-                        for L in layers}
-    produced_in = {n.name: layer_of[n.name] for n in members if n.op not in ("placeholder", "output")}
+    # parameters read directly (get_attr) are fetched again in every layer method that reads them
+    members_by_layer = {L: [n for n in members if n.op not in ("placeholder", "output", "get_attr")
+                            and layer_of[n.name] == L] for L in layers}
+    produced_in = {n.name: layer_of[n.name] for n in members if n.op not in ("placeholder", "output", "get_attr")}
     layer_idx = {L: i for i, L in enumerate(layers)}
     needed_after: dict[str, int] = {}   # value -> index of the last layer that reads it (len(layers) = stage end)
     for n in members:
-        if n.op == "placeholder":
+        if n.op in ("placeholder", "get_attr"):
             continue
         reader = len(layers) if n.op == "output" else layer_idx[layer_of[n.name]]
         for a in n.all_input_nodes:
-            needed_after[a.name] = max(needed_after.get(a.name, -1), reader)
+            if a.op != "get_attr":
+                needed_after[a.name] = max(needed_after.get(a.name, -1), reader)
     for name in stage_outputs:
         needed_after[name] = len(layers)
     methods, globs, calls = [], {}, []
@@ -278,7 +298,11 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
                     owners.update(own)
                 continue
             for a in n.all_input_nodes:
-                if a.name not in env and produced_in.get(a.name) != L:
+                if a.name in env:
+                    continue
+                if a.op == "get_attr":
+                    env[a.name] = lg.node_copy(a)
+                elif produced_in.get(a.name) != L:
                     env[a.name] = lg.placeholder(a.name)
                     inputs.append(a.name)
             env[n.name] = lg.node_copy(n, lambda x: env[x.name])

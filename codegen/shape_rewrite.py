@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from planner.ops import target_name
+from runtime.materialize import RUN_DEVICE
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ShardError, shard_module
 
 
@@ -56,7 +57,7 @@ def run_meta(gm: fx.GraphModule, graph: fx.Graph, inputs: dict[str, Any], module
             elif n.op == "get_attr":
                 obj = gm
                 for part in str(n.target).split("."):
-                    obj = getattr(obj, part)
+                    obj = getattr(obj, part, meta) if n.target == RUN_DEVICE else getattr(obj, part)
                 env[n.name] = obj
             elif n.op == "output":
                 env[n.name] = load(n.args[0])

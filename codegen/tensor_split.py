@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from planner.ops import target_name
+from codegen.specialize import debake_devices, fold_batch_sizes
 from codegen.shape_rewrite import TensorSplitError, _norm_dim, _rewrite, run_meta  # noqa: F401  (TensorSplitError re-exported)
 from runtime.tensor_parallel import FeatureSplit, ModuleShard
 
@@ -558,8 +559,8 @@ def split_graph(gm: fx.GraphModule, roles: dict[str, str], tensor: int, inputs: 
     new_graph.output(ret)
     for n in list(new_graph.nodes):
         n.type = None
-        if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
-            new_graph.erase_node(n)  # torch.export's input-shape guard: nothing to run on a rank
+    debake_devices(new_graph)             # an export graph names the capture device (meta) ...
+    fold_batch_sizes(new_graph, full)     # ... and reads its symbolic batch size
     if tensor == 1 or not any(r != "replicate" for r in roles.values()):
         return TensorSplitResult(new_graph, {}, {}, None, full, full)
     vals, uses, st = _search(gm, roles, full, tensor)

@@ -2,8 +2,10 @@
 
 Tracing: torch.fx.symbolic_trace first (it keeps leaf modules such as
 nn.Linear whole, which is what sharding wants); if that fails,
-torch.export.export(strict=False), whose ATen graph handles the control flow
-and Python tricks of real models (Hugging Face's among them). Both give an fx
+torch.export.export(strict=False) with a symbolic batch dimension, whose ATen
+graph handles the control flow and Python tricks of real models (Hugging
+Face's among them) and does not depend on the batch size (planner/export_graph.py
+also flattens export's no-grad regions and drops its checks). Both give an fx
 GraphModule; one analysis pass serves both.
 
 Analysis runs every node once on meta tensors (no memory, no arithmetic):
@@ -32,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.branches import find_branches
+from planner.export_graph import export_dynamic_batch
 from planner.graph import ModelGraph, OpInfo, TensorMeta
 from planner.layers import NodeView, find_layers
 from planner.ops import classify, target_name
@@ -89,8 +92,7 @@ def capture(
     try:
         on_meta = any(p.is_meta for p in model.parameters())
         ex_args, ex_kwargs = (meta_args, meta_kwargs) if on_meta else (args, kwargs)
-        ep = torch.export.export(model, tuple(ex_args), dict(ex_kwargs), strict=False)
-        gm = ep.module()
+        gm = export_dynamic_batch(model, tuple(ex_args), dict(ex_kwargs), batch_dim, batch_size)
         return _analyze(gm, model, "export", meta_args, meta_kwargs, batch_dim, batch_size)
     except CaptureError:
         raise
@@ -231,7 +233,7 @@ def _analyze(gm: torch.fx.GraphModule, model: nn.Module, method: str, meta_args:
     env: dict[str, Any] = {}
     infos: list[OpInfo] = []
     views: list[NodeView] = []
-    placeholders = _placeholder_values(gm, model, method, meta_args, meta_kwargs)
+    placeholders = _placeholder_values(gm, model, method, meta_args, meta_kwargs, batch_size)
 
     def pack(t: torch.Tensor):
         base = t._base if t._base is not None else t
@@ -265,8 +267,16 @@ def _analyze(gm: torch.fx.GraphModule, model: nn.Module, method: str, meta_args:
         model_class=f"{type(model).__module__}.{type(model).__qualname__}",
         method=method, batch_dim=batch_dim, batch_size=batch_size,
         nodes=infos_t, layers=layers, branches=branches,
-        fingerprint=_fingerprint(infos_t), module=gm,
+        fingerprint=_fingerprint(infos_t), module=gm, shared_params=shared_parameters(model),
     )
+
+
+def shared_parameters(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Groups of names under which the model holds one parameter (canonical name first)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return tuple(tuple(g) for g in names.values() if len(g) > 1)
 
 
 class _NodeFailure(Exception):
@@ -285,15 +295,20 @@ class _NodeFailure(Exception):
         )
 
 
-def _placeholder_values(gm, model, method, meta_args, meta_kwargs) -> dict[str, Any]:
+def _placeholder_values(gm, model, method, meta_args, meta_kwargs, batch_size) -> dict[str, Any]:
     """Values for the graph's placeholders, from the (meta) example inputs."""
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if method == "export":
-        # export flattened the inputs; each placeholder records its fake value.
+        # export flattened the inputs; each placeholder records its fake value, whose batch
+        # dimension is symbolic (export_dynamic_batch): it takes the example's batch here.
         out = {}
         for n in phs:
             v = n.meta.get("val")
-            out[n.name] = torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+            if isinstance(v, torch.Tensor):
+                shape = [batch_size if isinstance(d, torch.SymInt) else int(d) for d in v.shape]
+                out[n.name] = torch.empty(shape, dtype=v.dtype, device="meta")
+            else:
+                out[n.name] = v
         return out
     bound = inspect.signature(model.forward).bind(*meta_args, **meta_kwargs).arguments
     out = {}

@@ -149,6 +149,7 @@ class ModelGraph:
 
     `module` (not compared, not serialized) is the fx GraphModule the nodes
     name; it holds no parameter memory when the model was on meta.
+    `shared_params` lists the names of each parameter used under several names.
     """
 
     model_class: str
@@ -161,6 +162,10 @@ class ModelGraph:
     fingerprint: str
     format_version: int = GRAPH_FORMAT_VERSION
     module: Any = field(default=None, compare=False, repr=False)
+    # Parameters the model uses under several names (tied weights: GPT-2's token embedding
+    # and output layer): each group holds every name of one parameter, canonical name
+    # (the one model.named_parameters() gives) first.
+    shared_params: tuple[tuple[str, ...], ...] = ()
 
     # ---- look-ups -------------------------------------------------------
     def node(self, name: str) -> OpInfo:
@@ -275,7 +280,8 @@ class ModelGraph:
         )
         return cls(model_class=d["model_class"], method=d["method"], batch_dim=d["batch_dim"],
                    batch_size=d["batch_size"], nodes=nodes, layers=layers, branches=branches,
-                   fingerprint=d["fingerprint"], format_version=version)
+                   fingerprint=d["fingerprint"], format_version=version,
+                   shared_params=tuple(tuple(g) for g in d.get("shared_params", ())))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict()))

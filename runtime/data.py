@@ -1,7 +1,9 @@
 """Training batches for one data-parallel rank.
 
 A data factory is referenced like a model factory ("examples/models/gpt.py:example_batch")
-and called as `fn(batch_size, seed, **kwargs) -> ((inputs...), targets)`: the global batch
+and called as `fn(batch_size, seed, **kwargs) -> (inputs, targets)`, where inputs is a tuple
+of forward()'s positional tensors or a dict of its keyword tensors (Hugging Face models take
+{"input_ids": ...}), and every tensor has the batch's rows first: the global batch
 of step s is `fn(global_batch_size, data_seed + s)`. A factory that also accepts
 `start` and `stop` keywords is asked for this rank's rows only (a real dataset reads
 just its slice); otherwise the global batch is built and sliced (fine for the
@@ -20,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+Batch = tuple[Any, torch.Tensor]   # (positional tuple or keyword dict of input tensors, targets)
 
 
 class DataError(ValueError):
@@ -35,15 +37,48 @@ def _accepts_slice(fn: Callable) -> bool:
     return "start" in params and "stop" in params
 
 
+def input_values(inputs: Any) -> list:
+    """The input tensors of a batch, positional or keyword, in order."""
+    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+
+
+def map_inputs(inputs: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`fn` applied to every input tensor, keeping the tuple or dict form."""
+    if isinstance(inputs, dict):
+        return {k: fn(v) for k, v in inputs.items()}
+    return tuple(fn(x) for x in inputs)
+
+
+def call_model(model: Callable, inputs: Any):
+    """model(*inputs) for positional inputs, model(**inputs) for keyword inputs."""
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def pick_input(inputs: Any, index: int, key: str) -> torch.Tensor:
+    """One input tensor of a batch: keyword `key` of a dict batch, else positional `index`."""
+    if isinstance(inputs, dict):
+        if key not in inputs:
+            raise DataError(f"the data factory's batch has no input {key!r} (it has {sorted(inputs)}); return the "
+                            "keyword inputs the model was captured with")
+        return inputs[key]
+    if not 0 <= index < len(inputs):
+        raise DataError(f"the data factory's batch has {len(inputs)} positional input(s); the model reads input "
+                        f"#{index}" + (f" ({key!r})" if key else "") + ": return every input forward() takes")
+    return inputs[index]
+
+
 def _check(batch: Any, rows: int, where: str) -> Batch:
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], (tuple, list))
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], (tuple, list, dict))
             and isinstance(batch[1], torch.Tensor)):
-        raise DataError(f"{where} must return ((inputs...), targets) with tensors, got {type(batch).__name__}")
-    inputs, targets = tuple(batch[0]), batch[1]
-    for t in (*inputs, targets):
+        raise DataError(f"{where} must return (inputs, targets): inputs a tuple of positional tensors or a dict "
+                        f"of keyword tensors, targets a tensor; got {type(batch).__name__}")
+    inputs = dict(batch[0]) if isinstance(batch[0], dict) else tuple(batch[0])
+    targets = batch[1]
+    values = input_values(inputs)
+    for t in (*values, targets):
         if not isinstance(t, torch.Tensor) or t.shape[0] != rows:
             raise DataError(f"{where} returned a batch whose tensors do not all have {rows} rows "
-                            f"(shapes {[tuple(x.shape) for x in (*inputs, targets) if isinstance(x, torch.Tensor)]})")
+                            f"(shapes {[tuple(x.shape) for x in (*values, targets) if isinstance(x, torch.Tensor)]})")
     return inputs, targets
 
 
@@ -81,10 +116,11 @@ class DataSource:
             return _check(self.fn(self.global_batch_size, self.data_seed + step, start=lo, stop=hi,
                                   **self.kwargs), hi - lo, self.name)
         inputs, targets = self.global_batch(step)
-        return tuple(x[lo:hi] for x in inputs), targets[lo:hi]
+        return map_inputs(inputs, lambda x: x[lo:hi]), targets[lo:hi]
 
     def micro_batches(self, step: int) -> list[Batch]:
         inputs, targets = self.local_batch(step)
         mb = self.micro_batch_size
         n = targets.shape[0] // mb
-        return [(tuple(x[k * mb:(k + 1) * mb] for x in inputs), targets[k * mb:(k + 1) * mb]) for k in range(n)]
+        return [(map_inputs(inputs, lambda x, k=k: x[k * mb:(k + 1) * mb]), targets[k * mb:(k + 1) * mb])
+                for k in range(n)]

@@ -20,11 +20,12 @@ import torch
 
 from runtime.comm import Handle, PeerFailure, p2p_tag
 from runtime.context import DistContext
-from runtime.data import DataSource
+from runtime.data import DataSource, pick_input
 from runtime.faults import inject
 from runtime.grads import GradSync
 from runtime.program import Instr, Program
 from runtime.stage import StageRunner
+from runtime.ties import TieSync
 from runtime.trace import Recorder
 
 
@@ -70,6 +71,7 @@ class Executor:
         ctx: the DistContext (groups per axis, communicator).
         stages: stage index -> StageRunner for every stage in program.stages.
         grads: the GradSync of this rank's buckets (None when there is no data axis).
+        ties: the TieSync of this rank's tied-weight copies (None when it holds none).
         optimizer: steps the parameters GradSync.optimizer_params() lists.
         data: this data rank's batches (None when no stage of this rank reads data).
         recorder: where instruction times go.
@@ -85,6 +87,7 @@ class Executor:
     recorder: Recorder
     fail_at: tuple[int, int] | None = None
     fault: str = "raise"                       # what fail_at does (runtime/faults.py)
+    ties: TieSync | None = None
     position: tuple[int, int] = (-1, -1)       # (step, instruction index) now running, for the watchdog
     _attached: dict[int, list[int]] = field(default_factory=dict)
     _completions: list = field(default_factory=list)
@@ -171,7 +174,8 @@ class Executor:
             received = iter(recv_act.pop((ins.stage, ins.micro), []))
             for b in runner.spec.inputs:
                 if b.source == "data":
-                    inputs.append(micro[ins.micro][0][b.data_index].to(self.device, non_blocking=True))
+                    inputs.append(pick_input(micro[ins.micro][0], b.data_index, b.data_key)
+                                  .to(self.device, non_blocking=True))
                 else:
                     inputs.append(next(received))
             targets = micro[ins.micro][1].to(self.device) if runner.spec.is_last else None
@@ -256,6 +260,11 @@ class Executor:
         elif op == "ALLGATHER" and ins.kind == "params":
             start = self.recorder.now()
             h = self.grads.gather_params(ins.bucket)
+            handles[ins.handle] = h
+            self._record_async(step, idx, ins, h, start)
+        elif op == "ALLREDUCE" and ins.kind == "tied":
+            start = self.recorder.now()
+            h = self.ties.launch(ins.bucket)
             handles[ins.handle] = h
             self._record_async(step, idx, ins, h, start)
         elif op == "ALLREDUCE" and ins.kind == "loss":

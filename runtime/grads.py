@@ -68,7 +68,7 @@ class GradSync:
         d = group.size
         seen: set[int] = set()
         for i, b in enumerate(buckets):
-            named = dict(modules[b.stage].named_parameters())
+            named = dict(modules[b.stage].named_parameters(remove_duplicate=False))  # a tied weight: any name
             params = []
             for name in b.params:
                 if name not in named:
@@ -220,6 +220,17 @@ class GradSync:
             if (stage is None or st.bucket.stage == stage) and st.gathered:
                 st.param_flat.untyped_storage().resize_(0)
                 st.gathered = False
+
+    def shard_grad_of(self, p: nn.Parameter) -> torch.Tensor:
+        """ZeRO: the reduce-scattered gradient shard of the bucket that holds `p` alone (a copy
+        of a tied weight, runtime/ties.py)."""
+        for st in self.states:
+            if any(q is p for q in st.params):
+                if len(st.params) != 1:
+                    raise ValueError(f"a tied weight shares gradient bucket {st.index} with other parameters; "
+                                     "generate the build again")
+                return st.shard_grad
+        raise ValueError("a tied weight is in no gradient bucket; generate the build again")
 
     def buckets_of(self, stage: int) -> list[int]:
         return [st.index for st in self.states if st.bucket.stage == stage]

@@ -25,6 +25,11 @@ from runtime.spec import StageSpec, TrainSpec
 from runtime.tensor_parallel import shard_module
 
 
+# Attribute of every stage module: the torch.device its forward runs on. Generated code reads
+# it where the captured graph named a device (codegen/devices.py).
+RUN_DEVICE = "run_device"
+
+
 class MaterializeError(ValueError):
     """The model could not be built as the build asks; the message says what to change."""
 
@@ -189,9 +194,58 @@ def build_stage(stage_cls: type, sspec: StageSpec, spec: TrainSpec, tensor_rank:
             raise MaterializeError(f"{path} is read directly by the model's code (not through a module), so "
                                    "init 'per-module' cannot initialise it: use init 'seed' or a checkpoint")
         _set_path(stage, path, value, "parameter" if isinstance(value, nn.Parameter) else "buffer")
+    retie(stage, sspec)
     stage.to(device)
+    setattr(stage, RUN_DEVICE, torch.device(device))
     stage.train()
     return stage
+
+
+def _lookup(root: nn.Module, name: str) -> nn.Parameter | None:
+    owner, _, leaf = name.rpartition(".")
+    try:
+        mod = root.get_submodule(owner) if owner else root
+    except AttributeError:
+        return None
+    p = mod._parameters.get(leaf)
+    return p if isinstance(p, nn.Parameter) else None
+
+
+def retie(stage: nn.Module, sspec: StageSpec) -> None:
+    """One parameter per tied group in the stage: tensor-parallel sharding copies each module's
+    weight, so the modules that shared one (an embedding and its tied output layer) would hold
+    two; the first copy replaces the others (they are the same slice of the same weight)."""
+    for grp in sspec.shared:
+        held = [(name, p) for name in grp if (p := _lookup(stage, name)) is not None]
+        if len(held) < 2:
+            continue
+        name0, p0 = held[0]
+        for name, p in held[1:]:
+            if p is p0:
+                continue
+            if p.shape != p0.shape or not (p.is_meta or torch.equal(p.detach(), p0.detach())):
+                raise MaterializeError(f"{name} and {name0} are one tied weight, but this stage holds different "
+                                       f"slices of it ({tuple(p.shape)} and {tuple(p0.shape)}); the tensor-parallel "
+                                       "split of its two users differs: generate the build again")
+            _set_path(stage, name, p0, "parameter")
+
+
+def separate_copies(modules: dict[int, nn.Module]) -> None:
+    """Every stage a rank runs holds its own copy of a weight two of them use (a tied weight
+    whose users fall in two stages on one rank): the stages' gradients are summed across all
+    copies by runtime.ties, like copies on other ranks, and each copy is stepped alike."""
+    seen: set[int] = set()
+    for s in sorted(modules):
+        fresh: dict[int, nn.Parameter] = {}
+        for mod in modules[s].modules():
+            for leaf, p in list(mod._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) in seen and id(p) not in fresh:
+                    fresh[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                if id(p) in fresh:
+                    mod._parameters[leaf] = fresh[id(p)]
+        seen.update(id(p) for p in modules[s].parameters())
 
 
 def build_model_for_stages(spec: TrainSpec) -> nn.Module:

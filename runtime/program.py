@@ -16,6 +16,8 @@ Instructions (op, and how `str()` prints them):
     ALLREDUCE grads s1 b0 @data h2   bucket 0 of stage 1's gradients over the data axis
     REDUCESCATTER grads s1 b0 @data h2 / ALLGATHER params s1 b0 @data h3
     BROADCAST loss @pipe <- r7 h9 the step's loss, from the last stage's rank
+    ALLREDUCE tied b0 @tie:0,1 h5 the gradients of tied weight 0's copies (Program.ties), summed
+                                  over the pipeline positions holding one
     WAIT h4                       block until handle 4 completes
     ZERO_GRAD / STEP              clear gradient buffers / optimizer step
 
@@ -33,7 +35,9 @@ Mesh: axes outermost first (pipe, data, tensor); ranks are laid out
 row-major with the last axis fastest, as cost_models.mesh_axes.axis_groups does.
 Besides the mesh axes, a collective may name the derived axis "pair" (GEMS
 bi-directional pipelines): the ranks at pipeline positions i and p-1-i, across
-every data coordinate, with the same other coordinates.
+every data coordinate, with the same other coordinates; or "tie:I,J,...": the ranks at
+pipeline positions I, J, ... with the same other coordinates (the holders of a tied
+weight's copies, Megatron's embedding group).
 """
 
 from __future__ import annotations
@@ -47,12 +51,13 @@ from typing import Iterable, Mapping
 PROGRAM_FORMAT_VERSION = 1
 
 PAIR_AXIS = "pair"   # derived axis: pipeline positions {i, p-1-i} x the data axis
+TIE_AXIS = "tie:"    # derived axes "tie:I,J,...": pipeline positions I, J, ... (tied-weight copies)
 
 COMPUTE_OPS = ("F", "B")
 P2P_OPS = ("SEND", "RECV")
 COLLECTIVE_OPS = ("ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "BROADCAST")
 OPS = (*COMPUTE_OPS, *P2P_OPS, *COLLECTIVE_OPS, "WAIT", "STEP", "ZERO_GRAD")
-KINDS = ("", "act", "grad", "grads", "params", "loss")
+KINDS = ("", "act", "grad", "grads", "params", "loss", "tied")
 
 
 class ProgramError(ValueError):
@@ -153,6 +158,36 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class Tie:
+    """A weight the model uses in several stages (tied embeddings), as this rank holds it.
+
+    Every stage that uses it holds a copy; the copies start equal and, before each optimizer
+    step, every copy's gradient is replaced by the sum over all copies (each stage's gradient
+    counted once), so they stay equal. `index` numbers the model's tied weights (the same on
+    every rank; ALLREDUCE tied names it in its `bucket` field); `name` is the model's name of
+    the weight; `copies` are (stage, the stage module's parameter name) on this rank;
+    `owned` the stages whose gradient this rank adds to the sum (a stage run by several
+    ranks of the group, as GEMS runs each stage twice, is added by one of them); `axis`
+    the group ("tie:I,J": the pipeline positions holding a copy).
+    """
+
+    index: int
+    name: str
+    copies: tuple[tuple[int, str], ...]
+    owned: tuple[int, ...]
+    axis: str
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "name": self.name, "copies": [list(c) for c in self.copies],
+                "owned": list(self.owned), "axis": self.axis}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Tie":
+        return cls(int(d["index"]), str(d["name"]), tuple((int(s), str(n)) for s, n in d["copies"]),
+                   tuple(int(s) for s in d["owned"]), str(d["axis"]))
+
+
+@dataclass(frozen=True)
 class Program:
     """One rank's instructions for one training step.
 
@@ -166,6 +201,7 @@ class Program:
         zero: ZeRO stage (0-3) the collectives implement.
         buckets: gradient buckets the grads/params collectives name by index.
         instrs: the instructions, in order.
+        ties: the tied weights this rank holds copies of (see Tie).
     """
 
     rank: int
@@ -179,6 +215,7 @@ class Program:
     instrs: tuple[Instr, ...]
     zero: int = 0
     buckets: tuple[Bucket, ...] = ()
+    ties: tuple[Tie, ...] = ()
     format_version: int = PROGRAM_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -219,6 +256,13 @@ class Program:
         collective names another)."""
         return next((i.axis for i in self.instrs if i.kind == "grads"), "data")
 
+    def tie(self, index: int) -> Tie:
+        """The tied weight `index` (an ALLREDUCE tied's `bucket`)."""
+        for t in self.ties:
+            if t.index == index:
+                return t
+        raise ProgramError(f"rank {self.rank} holds no copy of tied weight {index}")
+
     def count(self, op: str) -> int:
         return sum(1 for i in self.instrs if i.op == op)
 
@@ -242,6 +286,7 @@ class Program:
             "buckets": [{"stage": b.stage, "params": list(b.params), "numel": b.numel, "nbytes": b.nbytes}
                         for b in self.buckets],
             "instrs": [i.to_dict() for i in self.instrs],
+            **({"ties": [t.to_dict() for t in self.ties]} if self.ties else {}),
         }
 
     @classmethod
@@ -264,6 +309,7 @@ class Program:
                 buckets=tuple(Bucket(int(b["stage"]), tuple(b["params"]), int(b["numel"]), int(b["nbytes"]))
                               for b in d.get("buckets", ())),
                 instrs=tuple(Instr.from_dict(i) for i in d["instrs"]),
+                ties=tuple(Tie.from_dict(t) for t in d.get("ties", ())),
                 format_version=version,
             )
         except KeyError as e:
@@ -322,6 +368,8 @@ def axis_group(mesh: Iterable[tuple[str, int]], coords: Iterable[int], axis: str
     names = [a for a, _ in mesh]
     if axis == PAIR_AXIS and axis not in names and "pipe" in names:
         return _pair_group(mesh, coords)
+    if axis.startswith(TIE_AXIS) and "pipe" in names:
+        return _tie_group(mesh, coords, axis)
     if axis not in names:
         raise ProgramError(f"unknown mesh axis {axis!r}; the mesh has {names}")
     k = names.index(axis)
@@ -343,6 +391,27 @@ def _pair_group(mesh: tuple[tuple[str, int], ...], coords: list[int]) -> tuple[i
         c[kp] = pos
         out.update(axis_group(mesh, c, "data") if "data" in names else (rank_of(mesh, c),))
     return tuple(sorted(out))
+
+
+def tie_axis(positions) -> str:
+    """The derived axis of the pipeline positions holding a tied weight's copies."""
+    return TIE_AXIS + ",".join(str(p) for p in sorted(set(positions)))
+
+
+def _tie_group(mesh: tuple[tuple[str, int], ...], coords: list[int], axis: str) -> tuple[int, ...]:
+    """Ranks at the pipeline positions an axis "tie:I,J,..." names, other coordinates as `coords`."""
+    names = [a for a, _ in mesh]
+    kp = names.index("pipe")
+    try:
+        positions = sorted({int(x) for x in axis[len(TIE_AXIS):].split(",")})
+    except ValueError:
+        raise ProgramError(f"axis {axis!r} must name pipeline positions, as 'tie:0,3'") from None
+    out = []
+    for pos in positions:
+        c = list(coords)
+        c[kp] = pos
+        out.append(rank_of(mesh, c))
+    return tuple(out)
 
 
 def all_axis_groups(mesh: Iterable[tuple[str, int]], axis: str) -> tuple[tuple[int, ...], ...]:

@@ -13,8 +13,9 @@ import math
 from typing import Any, Mapping
 
 _TOP = ("format_version", "rank", "world_size", "mesh", "coords", "stages", "num_stages", "num_micro_batches",
-        "micro_batch_size", "zero", "buckets", "instrs")
+        "micro_batch_size", "zero", "buckets", "instrs", "ties")
 _BUCKET = ("stage", "params", "numel", "nbytes")
+_TIE = ("index", "name", "copies", "owned", "axis")
 _INSTR_INT = ("stage", "micro", "peer", "handle", "bucket", "nbytes")
 _INSTR_STR = ("op", "kind", "axis")
 
@@ -59,7 +60,7 @@ def check_program_dict(d: Any) -> None:
     from runtime.program import COLLECTIVE_OPS, KINDS, OPS, P2P_OPS, PROGRAM_FORMAT_VERSION, ProgramError, \
         axis_group
 
-    _keys(d, "", _TOP, tuple(k for k in _TOP if k not in ("zero", "buckets")))
+    _keys(d, "", _TOP, tuple(k for k in _TOP if k not in ("zero", "buckets", "ties")))
     if d["format_version"] != PROGRAM_FORMAT_VERSION or isinstance(d["format_version"], bool):
         raise _err("format_version", f"is {d['format_version']!r}; this runtime reads {PROGRAM_FORMAT_VERSION}")
     world = _int(d, "world_size", "world_size", 1)
@@ -101,6 +102,7 @@ def check_program_dict(d: Any) -> None:
             raise _err(f"{f}.params", "must be a list of parameter names")
         _int(b, "numel", f"{f}.numel", 0)
         _int(b, "nbytes", f"{f}.nbytes", 0)
+    ties = _check_ties(d, stages, mesh, coords) if "ties" in d else set()
     created: set[int] = set()
     for i, ins in enumerate(_list(d, "instrs", "instrs")):
         f = f"instrs[{i}]"
@@ -134,7 +136,10 @@ def check_program_dict(d: Any) -> None:
             if op == "BROADCAST" and peer not in group:
                 raise _err(f"{f}.peer", f"is rank {peer}, not in this rank's {axis} group {list(group)}")
         bucket = ins.get("bucket", -1)
-        if bucket >= len(buckets) or (op in COLLECTIVE_OPS and kind in ("grads", "params") and bucket < 0):
+        if kind == "tied":
+            if bucket not in ties:
+                raise _err(f"{f}.bucket", f"is {bucket}; this rank holds tied weights {sorted(ties)}")
+        elif bucket >= len(buckets) or (op in COLLECTIVE_OPS and kind in ("grads", "params") and bucket < 0):
             raise _err(f"{f}.bucket", f"is {bucket}; this rank has {len(buckets)} bucket(s)")
         handle = ins.get("handle", -1)
         if op in P2P_OPS or op in COLLECTIVE_OPS:
@@ -144,3 +149,37 @@ def check_program_dict(d: Any) -> None:
                 created.add(handle)
         elif op == "WAIT" and handle >= 0 and handle not in created:
             raise _err(f"{f}.handle", f"waits on h{handle}, which no earlier instruction creates")
+
+
+def _check_ties(d: Mapping, stages: list, mesh: list, coords: list) -> set[int]:
+    """The tied weights' indices, after checking each entry of "ties"."""
+    from runtime.program import TIE_AXIS, ProgramError, axis_group
+
+    out: set[int] = set()
+    for i, t in enumerate(_list(d, "ties", "ties")):
+        f = f"ties[{i}]"
+        _keys(t, f, _TIE, _TIE)
+        index = _int(t, "index", f"{f}.index", 0)
+        if index in out:
+            raise _err(f"{f}.index", f"names tied weight {index} twice")
+        out.add(index)
+        if not isinstance(t["name"], str) or not t["name"]:
+            raise _err(f"{f}.name", "must be the weight's name")
+        for k, c in enumerate(_list(t, "copies", f"{f}.copies")):
+            if not (isinstance(c, list) and len(c) == 2 and isinstance(c[1], str) and c[1]):
+                raise _err(f"{f}.copies[{k}]", f"must be [stage, parameter name], got {c!r}")
+            s = _int({"s": c[0]}, "s", f"{f}.copies[{k}][0]")
+            if s not in stages:
+                raise _err(f"{f}.copies[{k}][0]", f"is {s}, not one of this rank's stages {stages}")
+        held = {c[0] for c in t["copies"]}
+        for k, s in enumerate(_list(t, "owned", f"{f}.owned")):
+            if s not in held:
+                raise _err(f"{f}.owned[{k}]", f"is stage {s}, which holds no copy here")
+        axis = t["axis"]
+        if not (isinstance(axis, str) and axis.startswith(TIE_AXIS)):
+            raise _err(f"{f}.axis", f"must be a 'tie:I,J' axis, got {axis!r}")
+        try:
+            axis_group(mesh, coords, axis)
+        except ProgramError:
+            raise _err(f"{f}.axis", f"is {axis!r}, which names no pipeline positions of the mesh") from None
+    return out

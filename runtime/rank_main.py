@@ -38,13 +38,14 @@ from runtime.executor import Executor, RankFailure
 from runtime.faults import FAULTS, inject
 from runtime.grads import GradSync
 from runtime.materialize import (build_model_for_stages, build_stage, load_factory, meta_model, model_signature,
-                                 set_tensor_group, signature_mismatch)
+                                 separate_copies, set_tensor_group, signature_mismatch)
 from runtime.memtrack import measure_step_memory
 from runtime.program import Program
 from runtime.spec import StageSpec, TrainSpec
 from runtime import spatial_model
 from runtime.stage import StageRunner
 from runtime.subgraph import keep_own_paths, set_branch
+from runtime.ties import TieSync
 from runtime.trace import PROBE_BYTES, Recorder, probe_all_reduce, shared_origin
 from runtime.watchdog import Watchdog
 
@@ -197,6 +198,7 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     specs = {int(s): StageSpec.from_dict(d) for s, (_c, d) in stages.items()}
     modules = {s: build_stage(stages[s][0], specs[s], spec, tcoord, tsize, device, full_model=full)
                for s in sorted(specs)}
+    separate_copies(modules)
     del full
     branch = prog.coord("branch") if "branch" in prog.mesh_dict else 0
     for m in modules.values():  # sub-graph parallelism: hold only this sub-grid's paths (runtime/subgraph.py)
@@ -252,8 +254,9 @@ def connect(p: Prepared) -> RankSession:
         comm.barrier()
         recorder = Recorder(p.rank, origin=shared_origin(_world_broadcast(comm, p.program.world_size, p.device)),
                             enabled=not p.args.no_trace)
+        ties = TieSync(p.program.ties, p.modules, ctx.groups, grads) if p.program.ties else None
         ex = Executor(p.program, ctx, runners, grads, optimizer, p.data, recorder, fail_at=p.fail_at,
-                      fault=p.args.fault)
+                      fault=p.args.fault, ties=ties)
         running.append(ex)
     except BaseException:
         if watchdog is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.data import DataSource
+from runtime.data import DataSource, call_model
 from runtime.losses import compute_loss
 from runtime.materialize import build_model, load_factory
 from runtime.spec import StageSpec, TrainSpec
@@ -48,7 +48,7 @@ def reference_run(spec: TrainSpec, steps: int, micro_batch_size: int | None = No
         total = 0.0
         for inputs, targets in chunks:
             with cast:
-                loss = compute_loss(spec.loss, model(*inputs), targets)
+                loss = compute_loss(spec.loss, call_model(model, inputs), targets)
             (loss / len(chunks)).backward()
             total += float(loss.detach()) / len(chunks)
         opt.step()
@@ -112,7 +112,8 @@ def compare(ref: ReferenceRun, rank_losses: dict[int, list[float]],
     for r, stages in rank_params.items():
         for s, params in stages.items():
             shards = {sh.path: sh for sh in stage_specs[s].shards}
-            for name, value in params.items():
+            for local_name, value in params.items():
+                name = stage_specs[s].canonical(local_name)   # a tied weight: the model's first name
                 if name not in ref.params:
                     ok = False
                     worst = f"{name} (not in the model)"

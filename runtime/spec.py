@@ -120,8 +120,9 @@ class TrainSpec:
 class Boundary:
     """A tensor crossing into or out of a stage, for one micro-batch, as this rank holds it.
 
-    source: for a stage input, "recv" (from the previous stage) or "data" (the model's
-    positional input `data_index`, read from the data factory); "send" for a stage output.
+    source: for a stage input, "recv" (from the previous stage) or "data" (read from the data
+    factory: the model's positional input `data_index`, or its keyword input `data_key` when
+    the factory's batches are dicts); "send" for a stage output.
     requires_grad: a gradient travels back for it.
     """
 
@@ -131,6 +132,7 @@ class Boundary:
     requires_grad: bool
     source: str = "recv"
     data_index: int = -1
+    data_key: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -158,6 +160,9 @@ class StageSpec:
             over the tensor axis (vocabulary-parallel logits), else None.
         recompute: "none", "selective" or "full" (the generated code applies it).
         spatial: how the stage splits images into tiles (runtime.spatial.SpatialSpec), or None.
+        shared: the model's names of each parameter this stage holds that the model uses under
+            several names (tied weights), canonical name first. The stage module holds one
+            copy, under one of those names; other stages may hold copies too (runtime/ties.py).
     """
 
     index: int
@@ -171,6 +176,14 @@ class StageSpec:
     output_split: FeatureSplit | None = None
     recompute: str = "none"
     spatial: SpatialSpec | None = None
+    shared: tuple[tuple[str, ...], ...] = ()
+
+    def canonical(self, name: str) -> str:
+        """The model's canonical name of this stage's parameter `name` (itself unless tied)."""
+        for grp in self.shared:
+            if name in grp:
+                return grp[0]
+        return name
 
     def to_dict(self) -> dict:
         return {
@@ -181,6 +194,7 @@ class StageSpec:
             "output_split": self.output_split.to_list() if self.output_split else None,
             "recompute": self.recompute,
             "spatial": self.spatial.to_dict() if self.spatial else None,
+            "shared": [list(g) for g in self.shared],
         }
 
     @classmethod
@@ -194,14 +208,15 @@ class StageSpec:
             output_split=FeatureSplit.from_list(d["output_split"]) if d.get("output_split") else None,
             recompute=d.get("recompute", "none"),
             spatial=SpatialSpec.from_dict(d["spatial"]) if d.get("spatial") else None,
+            shared=tuple(tuple(str(n) for n in g) for g in d.get("shared", ())),
         )
 
 
 def _bdict(b: Boundary) -> dict:
     return {"name": b.name, "shape": list(b.shape), "dtype": b.dtype, "requires_grad": b.requires_grad,
-            "source": b.source, "data_index": b.data_index}
+            "source": b.source, "data_index": b.data_index, "data_key": b.data_key}
 
 
 def _bload(d: dict) -> Boundary:
     return Boundary(d["name"], tuple(d["shape"]), d["dtype"], bool(d["requires_grad"]), d.get("source", "recv"),
-                    int(d.get("data_index", -1)))
+                    int(d.get("data_index", -1)), str(d.get("data_key", "")))

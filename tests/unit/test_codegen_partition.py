@@ -89,11 +89,3 @@ def test_generated_code_is_plain_python_importing_only_torch_and_runtime():
 def test_plan_for_another_graph_is_refused():
     with pytest.raises(PartitionError, match="another model"):
         partition(plan_for("gpt", pipeline=2), graph_of("mlp"))
-
-
-def test_graphs_captured_by_torch_export_are_refused_clearly():
-    import dataclasses
-
-    graph = dataclasses.replace(graph_of("mlp"), method="export")
-    with pytest.raises(PartitionError, match="torch.fx capture"):
-        partition(plan_for("mlp", pipeline=2), graph)
