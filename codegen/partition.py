@@ -31,7 +31,7 @@ from codegen.subgraph import (insert_region_call, layer_regions, region_code, re
 from codegen.tensor_split import TensorSplitError, split_graph
 from planner.graph import ModelGraph
 from planner.plan import Plan
-from runtime.materialize import RUN_DEVICE, model_signature
+from runtime.materialize import RUNTIME_ATTRS, model_signature
 from runtime.recompute import Recompute
 from runtime.spec import Boundary, StageSpec
 from runtime.tensor_parallel import shard_module
@@ -186,15 +186,16 @@ def partition(plan: Plan, graph: ModelGraph) -> Partition:
             outs[k] = Boundary(b.name, b.shape, b.dtype, b.requires_grad, "send")
         modules = tuple(dict.fromkeys(str(n.target) for n in members if n.op == "call_module"))
         attributes = tuple(dict.fromkeys(str(n.target) for n in members
-                                         if n.op == "get_attr" and n.target != RUN_DEVICE))
+                                         if n.op == "get_attr" and n.target not in RUNTIME_ATTRS))
         source, globs = _stage_source(g, s, members, ins, outs, is_last, layer_of, known, cfg.recompute, codes)
-        params = _stage_params(gm, modules, attributes, local_mods, canonical)
+        params = _stage_params(gm, modules, attributes, local_mods, canonical, res.param_shards, t)
         held = {canonical.get(name, name) for name, _, _ in params}
         shared = tuple(grp for grp in graph.shared_params if grp[0] in held)
         spec = StageSpec(index=s, layers=st.layers, inputs=tuple(ins), outputs=tuple(outs), modules=modules,
                          attributes=attributes, shards=tuple(res.shards[m] for m in modules if m in res.shards),
                          is_last=is_last, output_split=res.output_split if is_last else None,
-                         recompute=cfg.recompute, shared=shared)
+                         recompute=cfg.recompute, shared=shared,
+                         param_shards=tuple(res.param_shards[a] for a in attributes if a in res.param_shards))
         parts.append(StagePart(spec, st.device_index, f"Stage{s}", source, globs, tuple(params)))
     sd = gm.state_dict(keep_vars=True)
     return Partition(tuple(parts), t, mb, _signature_of(gm), {k: list(v.shape) for k, v in sd.items()})
@@ -206,7 +207,7 @@ def shared_names(graph: ModelGraph) -> dict[str, str]:
 
 
 def _stage_params(gm: fx.GraphModule, modules: tuple[str, ...], attributes: tuple[str, ...], local_mods: dict,
-                  canonical: dict[str, str]) -> list[tuple[str, tuple[int, ...], str]]:
+                  canonical: dict[str, str], param_shards: dict, tensor: int) -> list[tuple[str, tuple[int, ...], str]]:
     """The stage module's trainable parameters (name, local shape, dtype), in the order gradients
     become ready in backward (last module first).
 
@@ -223,6 +224,11 @@ def _stage_params(gm: fx.GraphModule, modules: tuple[str, ...], attributes: tupl
         for part in path.split("."):
             obj = getattr(obj, part)
         if isinstance(obj, torch.nn.Parameter) and obj.requires_grad:
+            if path in param_shards:   # this rank's shard of it
+                ps = param_shards[path]
+                shape = list(obj.shape)
+                shape[ps.dim] = ps.split.local_size(tensor)
+                obj = torch.empty(shape, dtype=obj.dtype, device="meta")
             groups.append([(path, obj)])
     first: dict[str, str] = {}
     for name, _p in (x for grp in groups for x in grp):

@@ -18,8 +18,8 @@ import torch.fx as fx
 from torch import nn
 
 from planner.ops import target_name
-from runtime.materialize import RUN_DEVICE
-from runtime.tensor_parallel import FeatureSplit, ModuleShard, ShardError, shard_module
+from runtime.materialize import RUN_DEVICE, RUNTIME_ATTRS
+from runtime.tensor_parallel import FeatureSplit, ModuleShard, ShapeGroup, ShardError, shard_module
 
 
 class TensorSplitError(ShardError):
@@ -36,8 +36,11 @@ def _norm_dim(d: int, ndim: int) -> int:
 
 
 def run_meta(gm: fx.GraphModule, graph: fx.Graph, inputs: dict[str, Any], modules: dict[str, nn.Module],
-             on_node: Callable[[fx.Node, dict], None] | None = None) -> dict[str, Any]:
-    """Run `graph` node by node on meta tensors; modules[path] replaces gm's submodule."""
+             on_node: Callable[[fx.Node, dict], None] | None = None,
+             attrs: dict[str, Any] | None = None, tensor: int = 1) -> dict[str, Any]:
+    """Run `graph` node by node on meta tensors; modules[path] replaces gm's submodule and
+    attrs[target] the value of a get_attr (a weight's local shard); the stage's tensor group
+    is a stand-in of `tensor` ranks (this run sees rank 0's shapes)."""
     env: dict[str, Any] = {}
 
     def load(a):
@@ -55,9 +58,15 @@ def run_meta(gm: fx.GraphModule, graph: fx.Graph, inputs: dict[str, Any], module
             if n.op == "placeholder":
                 env[n.name] = inputs[n.name]
             elif n.op == "get_attr":
+                if attrs and n.target in attrs:
+                    env[n.name] = attrs[n.target]
+                    continue
+                if n.target in RUNTIME_ATTRS:   # set on the stage module by the runtime
+                    env[n.name] = meta if n.target == RUN_DEVICE else (ShapeGroup(tensor) if tensor > 1 else None)
+                    continue
                 obj = gm
                 for part in str(n.target).split("."):
-                    obj = getattr(obj, part, meta) if n.target == RUN_DEVICE else getattr(obj, part)
+                    obj = getattr(obj, part)
                 env[n.name] = obj
             elif n.op == "output":
                 env[n.name] = load(n.args[0])
@@ -92,11 +101,11 @@ def _local_modules(gm: fx.GraphModule, shards: dict[str, ModuleShard], t: int) -
 def _expected(full_val, split: tuple[int, FeatureSplit] | None, t: int):
     shape = list(full_val.shape)
     if split is not None:
-        shape[split[0]] //= t
+        shape[split[0]] = split[1].local_size(t)
     return tuple(shape)
 
 
-def _rewrite(gm, graph: fx.Graph, shards, value_splits, t, inputs, full) -> dict[str, Any]:
+def _rewrite(gm, graph: fx.Graph, shards, value_splits, t, inputs, full, attrs=None) -> dict[str, Any]:
     modules = _local_modules(gm, shards, t)
 
     def fix_node(n: fx.Node, env: dict) -> None:
@@ -131,6 +140,8 @@ def _rewrite(gm, graph: fx.Graph, shards, value_splits, t, inputs, full) -> dict
         # called before each node runs: verify the previous nodes' shapes lazily
         for a in n.all_input_nodes:
             v = env.get(a.name)
+            if a.op == "get_attr":
+                continue   # a weight: its local shard (ParamShard), not an activation
             if isinstance(v, torch.Tensor) and isinstance(full.get(a.name), torch.Tensor):
                 want = _expected(full[a.name], value_splits.get(a.name), t)
                 if tuple(v.shape) != want:
@@ -143,7 +154,7 @@ def _rewrite(gm, graph: fx.Graph, shards, value_splits, t, inputs, full) -> dict
         fix_node(n, env)
 
     try:
-        return run_meta(gm, graph, inputs, modules, on_node)
+        return run_meta(gm, graph, inputs, modules, on_node, attrs, t)
     except TensorSplitError:
         raise
     except Exception as e:
@@ -161,10 +172,13 @@ def _fix_size(graph: fx.Graph, n: fx.Node, a, pos: int, want, full_shape, dim: i
         return a
     if pos == dim and v == full_shape[pos]:
         if isinstance(a, fx.Node):
+            if v % t:
+                raise TensorSplitError(f"node {n.name!r}: shape argument {pos} ({v}) is computed at run time and "
+                                       f"{t} does not divide it; the padded local size cannot be derived")
             with graph.inserting_before(n):
                 q = graph.call_function(operator.floordiv, (a, t))
             env[q.name] = v // t  # the meta run has passed this point already
             return q
-        return v // t
+        return want[pos]
     raise TensorSplitError(f"node {n.name!r}: shape argument {pos} is {v}, which is neither the local size "
                            f"{want[pos]} nor the full size {full_shape[pos]} of the split dimension")

@@ -14,9 +14,12 @@ the graph op by op:
   by q/k/v, so it fails and H is taken). The column weight is then
   partitioned per part: each rank holds its heads of q, of k and of v.
 * views, permutes, transposes and integer indexing move the split dimension;
-  elementwise ops and attention keep it (attention over heads); a reduction,
-  softmax, contraction or slice across it, or a full-size tensor meeting it,
-  is an error naming the node (the planner must not choose that sharding).
+  elementwise ops and attention keep it (attention over heads); a replicated
+  tensor meeting it (T5's per-head position bias, a mask per head) is cut to
+  the rank's part where it is read (`scatter_to_group`: every tensor rank
+  computes a replicated value alike; its gradient is all-reduced); a
+  reduction, softmax, contraction or slice across it is an error naming the
+  node (the planner must not choose that sharding).
 * a row op's input features are partitioned the way its input is split; a
   per-channel norm (BatchNorm) between column and row keeps its channels.
 * a column_out op (the last projection) leaves the model output split on its
@@ -41,8 +44,9 @@ from torch.utils._pytree import tree_flatten
 
 from planner.ops import target_name
 from codegen.specialize import debake_devices, fold_batch_sizes
+from codegen.weight_ops import rewrite as rewrite_weight_ops, weight_op
 from codegen.shape_rewrite import TensorSplitError, _norm_dim, _rewrite, run_meta  # noqa: F401  (TensorSplitError re-exported)
-from runtime.tensor_parallel import FeatureSplit, ModuleShard
+from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard
 
 
 
@@ -94,6 +98,7 @@ class TensorSplitResult:
     value_splits: node name -> (dim, FeatureSplit) for every split value.
     output_split: FeatureSplit of the model output's last dimension (vocab-parallel), or None.
     local_values / full_values: node name -> meta value (local run, full-size run).
+    param_shards: get_attr target -> ParamShard for every weight an ATen op reads split.
     """
 
     graph: fx.Graph
@@ -102,6 +107,7 @@ class TensorSplitResult:
     output_split: FeatureSplit | None
     local_values: dict[str, Any]
     full_values: dict[str, Any]
+    param_shards: dict[str, ParamShard] = field(default_factory=dict)
 
 
 class _NeedsChoice(Exception):
@@ -119,6 +125,9 @@ class _State:
     t: int
     choices: dict[str, int]
     taken: list[tuple[str, int, int]] = field(default_factory=list)   # (node, chosen, candidates)
+    param_uses: list[tuple[str, str, Any]] = field(default_factory=list)  # (ATen weight op, role, Split / rows)
+    # a replicated tensor meeting a split one: (reading node, tensor, its dimension, the split it meets)
+    scatters: list[tuple[str, str, int, Split]] = field(default_factory=list)
     decided: dict[str, FeatureSplit] = field(default_factory=dict)    # origin root -> partition
     parent: dict[str, str] = field(default_factory=dict)              # union-find of origins
 
@@ -298,9 +307,12 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
         if n.op == "output":
             res = n.args[0]
             if sharded:
+                if isinstance(res, (tuple, list)) and res and isinstance(res[0], fx.Node) and \
+                        all(split_of(r) is None for r in res[1:]):
+                    res = res[0]   # (logits, ...): the loss reads the first output
                 if not isinstance(res, fx.Node):
-                    raise _Fail(name, "the model returns several values and one of them is split over the "
-                                      "tensor axis; only a single split output (the logits) is supported")
+                    raise _Fail(name, "the model returns several values and one of them other than the first is "
+                                      "split over the tensor axis; only the first (the logits) may be")
                 s = split_of(res)
                 if s.dim != len(full[res.name].shape) - 1:
                     raise _Fail(res.name, "the model output is split on a dimension other than the last")
@@ -309,6 +321,9 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
         mod = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
         tname = target_name(n, mod) if n.op != "call_module" else type(mod).__name__
         base = tname.rsplit(".", 1)[-1]
+        if role in ("column", "column_out", "row", "vocab") and n.op == "call_function":
+            vals[name] = _weight_role(n, role, tname, full, sharded, st)
+            continue
         if role in ("column", "column_out"):
             if sharded:
                 raise _Fail(name, f"column-parallel {tname} reads a tensor that is already split")
@@ -346,6 +361,38 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
             raise _Fail(name, f"{tname} reads a tensor split over the tensor axis but the plan replicates it")
         vals[name] = _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of)
     return vals, uses
+
+
+def _weight_role(n, role, tname, full, sharded, st) -> Split | None:
+    """The split of an ATen weight op's output (codegen/weight_ops.py) under its role."""
+    name = n.name
+    op = weight_op(n)
+    if op is None:
+        raise _Fail(name, f"{tname} is not a linear, matmul, convolution or embedding reading its weight "
+                          f"directly, so it cannot be {role}-parallel")
+    x_split = next((s for a, s in sharded if a is op.x), None)
+    if role == "vocab":
+        if op.kind != "embedding" or sharded:
+            raise _Fail(name, f"{tname} cannot be split by vocabulary")
+        st.param_uses.append((name, role, int(full[op.weight.name].shape[0])))
+        return None
+    out = full[name]
+    dim = op.feature_dim % out.dim()
+    if role in ("column", "column_out"):
+        if sharded or op.kind == "embedding":
+            raise _Fail(name, f"column-parallel {tname} reads a tensor that is already split")
+        split = Split(dim, (out.shape[dim],), None, name)
+        st.parent.setdefault(name, name)
+        st.param_uses.append((name, role, split))
+        return split
+    if len(sharded) != 1 or x_split is None:
+        raise _Fail(name, f"row-parallel {tname} must read exactly one split tensor, its input")
+    want = op.feature_dim % full[op.x.name].dim()
+    if x_split.dim != want:
+        raise _Fail(name, f"row-parallel {tname} reads a tensor split on dimension {x_split.dim}, not on its "
+                          f"input features (dimension {want})")
+    st.param_uses.append((name, "row", x_split))
+    return None
 
 
 def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
@@ -393,6 +440,18 @@ def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
         return Split(1 - s.dim, s.factors, s.split, s.origin) if len(in_shape) == 2 else s
     if base == "getitem":
         return _index_map(name, len(in_shape), n.args[1], s)
+    if base in ("slice", "narrow"):   # aten.slice(x, dim, start, end, step), narrow(x, dim, start, length)
+        d = _norm_dim(n.args[1] if len(n.args) > 1 else 0, len(in_shape))
+        if d == s.dim and tuple(out.shape) != in_shape:
+            raise _Fail(name, f"{base} along the tensor-parallel dimension")
+        return s
+    if base == "select":              # aten.select(x, dim, index): drops dim
+        d = _norm_dim(n.args[1], len(in_shape))
+        if d == s.dim:
+            raise _Fail(name, "select along the tensor-parallel dimension")
+        return Split(s.dim - (1 if d < s.dim else 0), s.factors, s.split, s.origin)
+    if base in ("alias", "lift_fresh_copy", "_to_copy"):
+        return s
     if base in ("split", "chunk", "unbind", "split_with_sizes"):
         dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
         dim = _norm_dim(dim, len(in_shape))
@@ -438,8 +497,8 @@ def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
             if isinstance(a, fx.Node) and split_of(a) is None and isinstance(full.get(a.name), torch.Tensor):
                 m = full[a.name]
                 aligned = nd - 3 - (nd - m.dim())
-                if aligned >= 0 and m.shape[aligned] != 1:
-                    raise _Fail(name, "an attention mask with a full heads dimension meets split heads")
+                if aligned >= 0 and m.shape[aligned] != 1:   # a mask or bias per head: this rank's heads of it
+                    st.scatters.append((name, a.name, aligned, qkv[0]))
         return _resolve(qkv[0], st)
     if base in ("matmul", "bmm", "baddbmm") or (base == "matmul" and n.op == "call_function"):
         a, b = n.args[0], n.args[1]
@@ -489,12 +548,21 @@ def _unify(name: str, splits: list[Split], st: _State) -> None:
     if decided:
         d0 = decided[0]
         for s in decided[1:]:
-            if (s.factors, s.split) != (d0.factors, d0.split):
+            if (s.factors, s.split) != (d0.factors, d0.split) and not _same_partition(s, d0, st.t):
                 raise _Fail(name, f"tensors split differently meet ({s.factors}/{s.split} vs {d0.factors}/{d0.split})")
         for s in undecided:
             if s.size != d0.size:
                 raise _Fail(name, "tensors split with different sizes meet")
             st.decided[st.root(s.origin)] = FeatureSplit(d0.factors, d0.split)
+
+
+def _same_partition(a: Split, b: Split, t: int) -> bool:
+    """Whether two splits give every rank the same indices: (4,)/0 and (2, 2)/0 both give each
+    of 2 ranks two consecutive heads (Llama's query heads beside its repeated key heads)."""
+    if a.size != b.size or a.factors[a.split] % t or b.factors[b.split] % t:
+        return False
+    fa, fb = FeatureSplit(a.factors, a.split), FeatureSplit(b.factors, b.split)
+    return all(torch.equal(fa.indices(r, t), fb.indices(r, t)) for r in range(t))
 
 
 def _elementwise(name, n, out, sharded, tensor_args, full, st) -> Split:
@@ -514,8 +582,10 @@ def _elementwise(name, n, out, sharded, tensor_args, full, st) -> Split:
         m = full[a.name]
         k = d - (nd - m.dim())
         if 0 <= k < m.dim() and m.shape[k] != 1:
-            raise _Fail(name, f"a full-size tensor ({a.name}, {tuple(m.shape)}) meets a tensor split on "
-                              f"dimension {d}; the planner must not split this region")
+            if m.shape[k] != aligned[0].size:
+                raise _Fail(name, f"a tensor ({a.name}, {tuple(m.shape)}) meets a tensor split on dimension {d} "
+                                  f"with another size there ({m.shape[k]}, not {aligned[0].size})")
+            st.scatters.append((name, a.name, k, aligned[0]))   # replicated: every rank takes its part
     return _resolve(aligned[0], st)
 
 
@@ -584,9 +654,62 @@ def split_graph(gm: fx.GraphModule, roles: dict[str, str], tensor: int, inputs: 
         if path in shards and shards[path] != sh:
             raise TensorSplitError(f"module {path} is called twice and would be split two different ways")
         shards[path] = sh
+    param_shards = _param_shards(gm, st, tensor)
     value_splits = {}
     for k, v in vals.items():
         if isinstance(v, Split):
             value_splits[k] = (v.dim, _feature_split(v, st))
-    local = _rewrite(gm, new_graph, shards, value_splits, tensor, inputs, full)
-    return TensorSplitResult(new_graph, shards, value_splits, output_split, local, full)
+    by_role: dict[str, list[str]] = {"column": [], "row": [], "vocab": []}
+    for node, role, _x in st.param_uses:
+        by_role["column" if role == "column_out" else role].append(node)
+    rewrite_weight_ops(new_graph, by_role["column"], by_role["row"], by_role["vocab"],
+                       [(node, x, dim, _feature_split(sp, st)) for node, x, dim, sp in st.scatters])
+    attrs = {}
+    for target, ps in param_shards.items():
+        full_attr = gm
+        for part in target.split("."):
+            full_attr = getattr(full_attr, part)
+        shape = list(full_attr.shape)
+        shape[ps.dim] = ps.split.local_size(tensor)
+        attrs[target] = torch.empty(shape, dtype=full_attr.dtype, device="meta", requires_grad=full_attr.requires_grad)
+    local = _rewrite(gm, new_graph, shards, value_splits, tensor, inputs, full, attrs)
+    return TensorSplitResult(new_graph, shards, value_splits, output_split, local, full, param_shards)
+
+
+def _param_shards(gm: fx.GraphModule, st: _State, tensor: int) -> dict[str, ParamShard]:
+    """How each weight read by a split ATen op is split (one way, whichever ops read it)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out: dict[str, ParamShard] = {}
+
+    def add(target: str, dim: int, fs: FeatureSplit, node: str) -> None:
+        fs.check(tensor)
+        ps = ParamShard(target, dim, fs)
+        if target in out and out[target] != ps:
+            raise TensorSplitError(f"weight {target} is read by {node!r} and by another op that split it "
+                                   f"differently ({out[target].dim}/{out[target].split.to_list()} vs "
+                                   f"{dim}/{fs.to_list()}); a tied weight's users must split it alike")
+        out[target] = ps
+
+    for node, role, x in st.param_uses:
+        op = weight_op(nodes[node])
+        if role == "vocab":
+            add(str(op.weight.target), 0, FeatureSplit((x,), 0), node)
+            continue
+        fs = _feature_split(x, st)
+        if role in ("column", "column_out"):
+            add(str(op.weight.target), op.out_dim, fs, node)
+            if op.bias is not None:
+                add(str(op.bias.target), 0, fs, node)
+        else:
+            add(str(op.weight.target), op.in_dim, fs, node)
+    split_users = {node for node, _r, _x in st.param_uses}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and str(n.target) in out:
+            for u in n.users:
+                if u.name not in split_users:
+                    from planner.export_graph import module_path_of
+
+                    raise TensorSplitError(f"weight {n.target} is split over the tensor axis, but {u.name!r} "
+                                           f"({target_name(u, None)}) at {module_path_of(u) or 'the top level'} "
+                                           "reads it whole; split both users of a tied weight, or neither")
+    return out

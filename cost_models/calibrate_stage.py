@@ -218,7 +218,8 @@ def time_tensor_parallel(*, quick: bool = True) -> dict[str, list]:
             logits = torch.randn(rows, classes, requires_grad=True)
             targets = torch.randint(0, 2 * classes, (rows,))
             local = targets % classes
-            out["vocab_loss"].append(extra(lambda: compute_loss("cross_entropy", logits, targets, class_split=(0, group)),
+            split = (0, group, classes)
+            out["vocab_loss"].append(extra(lambda: compute_loss("cross_entropy", logits, targets, class_split=split),
                                            lambda: compute_loss("cross_entropy", logits, local), rows * classes))
     return out
 

@@ -380,7 +380,8 @@ def _infeasible_message(search: _Search, cluster: Cluster, cons: dict) -> str:
 
 
 def _no_base_message(ev: Evaluator, cluster: Cluster, batch: int, cons: dict) -> str:
+    hard = [f"{w} = {s}" for w, s, pad in ev.sharding.constraints if not pad][:3]
     return (f"no mesh shape of {cluster.num_devices} devices suits this model and global batch {batch} "
             f"under constraints {cons}: the data degree must divide the batch, the tensor degree must divide "
-            f"{', '.join(f'{w} = {s}' for w, s in ev.sharding.constraints[:3]) or 'the split sizes'}, and the "
+            f"{', '.join(hard) or 'the split sizes'}, and the "
             f"pipeline cannot exceed {len(ev.graph.layers)} layers. Change the batch size, device count or constraints.")

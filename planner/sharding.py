@@ -13,8 +13,9 @@ reaches the model's output (the vocabulary projection) is column-parallel
 with a vocabulary-parallel loss. Embeddings split their vocabulary and
 all-reduce their output. Everything else is replicated on the t ranks.
 
-Roles do not depend on t; `ShardingPlan.constraints` lists the sizes t
-must divide (heads, features, channels, vocabulary).
+Roles do not depend on t; `ShardingPlan.constraints` lists the split sizes
+(heads, features, channels, vocabulary): t must divide the heads; a vocabulary or a
+feature count that t does not divide is padded to a multiple of t (runtime/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ class NodeShard:
 @dataclass(frozen=True)
 class ShardingPlan:
     roles: dict  # node name -> NodeShard (a dict for speed; treat as read-only)
-    constraints: tuple[tuple[str, int], ...]  # (what, size) pairs the tensor degree must divide
+    # (what, size, paddable): split sizes; the tensor degree must divide those not paddable
+    constraints: tuple[tuple[str, int, bool], ...]
 
     def check(self, tensor: int) -> None:
-        """ValueError naming the first size that `tensor` does not divide."""
-        for what, size in self.constraints:
-            if size % tensor:
+        """ValueError naming the first size that `tensor` must divide and does not."""
+        for what, size, paddable in self.constraints:
+            if size % tensor and not paddable:
                 raise ValueError(f"tensor degree {tensor} does not divide {what} = {size}; "
                                  f"pick a tensor degree that divides {size}")
 
@@ -73,16 +75,16 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
     anc = _weight_ancestry(graph)
     next_region = 0
     roles: dict[str, NodeShard] = {}
-    constraints: list[tuple[str, int]] = []
+    constraints: list[tuple[str, int, bool]] = []
     for n in graph.nodes:
         if n.name in roles:
             continue
-        if n.kind == "embedding" and n.param_count and _indexed_by_input(n, by_name):
-            vocab = _param_rows(n)
+        if n.kind == "embedding" and _has_weight(n, by_name) and _indexed_by_input(n, by_name):
+            vocab = _param_rows(n, by_name)
             roles[n.name] = NodeShard("vocab", fwd_allreduce=n.output_bytes, region=next_region)
             next_region += 1
-            constraints.append((f"the vocabulary of {n.module_path or n.name}", vocab))
-        elif n.kind in _WEIGHT and _has_weight(n):
+            constraints.append((f"the vocabulary of {n.module_path or n.name}", vocab, True))
+        elif n.kind in _WEIGHT and _has_weight(n, by_name):
             region = _grow_region(n, by_name, users, roles, anc)
             if region is None:
                 continue
@@ -94,12 +96,13 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
             for k, c in enumerate(sorted(cols, key=_order(graph))):
                 roles[c] = NodeShard("column_out" if to_output else "column",
                                      bwd_allreduce=bwd_bytes if k == 0 else 0, region=region)
-                constraints.append((f"the output features of {by_name[c].module_path or c}", _out_features(by_name[c])))
+                constraints.append((f"the output features of {by_name[c].module_path or c}", _out_features(by_name[c]),
+                                    True))
             for i in inner:
                 roles[i] = NodeShard("inner", region=region)
                 if by_name[i].kind == "attention" and by_name[i].input_meta:
                     constraints.append((f"the heads of {by_name[i].module_path or i}",
-                                        by_name[i].input_meta[0].shape[1]))
+                                        by_name[i].input_meta[0].shape[1], False))
             for r in rows:
                 roles[r] = NodeShard("row", fwd_allreduce=by_name[r].output_bytes, region=region)
     for n in graph.nodes:
@@ -112,8 +115,12 @@ def _order(graph: ModelGraph):
     return pos.__getitem__
 
 
-def _has_weight(n: OpInfo) -> bool:
-    return n.param_count > 0 or n.op == "call_module" or any(True for _ in n.param_names)
+def _has_weight(n: OpInfo, by_name: dict | None = None) -> bool:
+    """A weight op: it owns parameters, is a module, or reads a parameter directly (a tied
+    weight's second user owns none: GPT-2's output layer reads the token embedding's)."""
+    if n.param_count > 0 or n.op == "call_module" or any(True for _ in n.param_names):
+        return True
+    return by_name is not None and any(by_name[i].kind == "param" for i in n.inputs if i in by_name)
 
 
 def _is_activation(n: OpInfo | None) -> bool:
@@ -127,8 +134,9 @@ def _weight_ancestry(graph: ModelGraph) -> dict[str, bool]:
     constants as far as tensor parallelism goes: any split tensor may meet them.
     """
     anc: dict[str, bool] = {}
+    by_name = {n.name: n for n in graph.nodes}
     for n in graph.nodes:
-        anc[n.name] = (n.kind in _WEIGHT and _has_weight(n)) or n.kind == "embedding" or \
+        anc[n.name] = (n.kind in _WEIGHT and _has_weight(n, by_name)) or n.kind == "embedding" or \
             any(anc.get(i, False) for i in n.inputs)
     return anc
 
@@ -141,7 +149,7 @@ def _grow_region(start: OpInfo, by_name, users, roles, anc):
     queue = [start.name]
 
     def is_weight(n: OpInfo) -> bool:
-        return n.kind in _WEIGHT and _has_weight(n)
+        return n.kind in _WEIGHT and _has_weight(n, by_name)
 
     def transparent(n: OpInfo) -> bool:
         return n.kind in _TRANSPARENT or (n.kind == "norm" and "atch" in n.target)
@@ -232,8 +240,12 @@ def _out_features(n: OpInfo) -> int:
     return shape[1] if n.kind == "conv" else shape[-1]
 
 
-def _param_rows(n: OpInfo) -> int:
-    """Rows of an embedding table: bytes / (row bytes) from the output's last dim."""
+def _param_rows(n: OpInfo, by_name: dict) -> int:
+    """Rows of an embedding table: bytes / (row bytes) from the output's last dim, or the
+    shape of the table it reads directly (a tied table's second user owns no parameters)."""
+    if not n.param_count:
+        table = next((by_name[i] for i in n.inputs if i in by_name and by_name[i].kind == "param"), None)
+        return table.output_meta[0].shape[0] if table is not None and table.output_meta else 0
     dim = n.output_meta[0].shape[-1]
     elem = n.param_bytes // max(n.param_count, 1)
     return n.param_bytes // max(dim * elem, 1)

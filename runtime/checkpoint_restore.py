@@ -28,7 +28,6 @@ from runtime.checkpoint import (CheckpointError, Manifest, atomic_write, layout_
                                 read_rank_file, resolve_checkpoint)
 from runtime.reference import local_slice
 from runtime.spec import StageSpec
-from runtime.tensor_parallel import ModuleShard
 
 
 @dataclass
@@ -40,81 +39,91 @@ class LogicalState:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer: dict[str, dict[str, Any]] = field(default_factory=dict)  # param name -> state key -> value
     rng: dict[int, torch.Tensor] = field(default_factory=dict)          # old rank -> CPU RNG state
+    aliases: dict[str, str] = field(default_factory=dict)               # other name of a tied weight -> canonical
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers under every name the model has for them (a tied weight under
+        each of its names, one tensor): what model.load_state_dict(strict=True) reads."""
+        sd = {**self.params, **self.buffers}
+        sd.update({alias: sd[key] for alias, key in self.aliases.items() if key in sd})
+        return sd
 
 
-def _shard_of(specs: dict[int, StageSpec], stage: int, name: str) -> ModuleShard | None:
-    path = name.rsplit(".", 1)[0]
-    return next((sh for sh in specs[stage].shards if sh.path == path), None)
+def _split_of(specs: dict[int, StageSpec], stage: int, name: str, ndim: int):
+    """(dimension, FeatureSplit) of stage `stage`'s tensor `name`, or None (see StageSpec.split_of)."""
+    return specs[stage].split_of(name, ndim)
 
 
-def unshard(name: str, pieces: dict[int, torch.Tensor], shard: ModuleShard | None, num: int) -> torch.Tensor:
-    """The whole tensor from each tensor rank's slice (the inverse of runtime.reference.local_slice)."""
+def unshard(name: str, pieces: dict[int, torch.Tensor], split, num: int) -> torch.Tensor:
+    """The whole tensor from each tensor rank's slice (the inverse of runtime.reference.local_slice;
+    the padding of a padded split is dropped)."""
     p0 = pieces[0]
-    if shard is None or num == 1 or not isinstance(p0, torch.Tensor) or p0.dim() == 0:
+    if split is None or num == 1 or not isinstance(p0, torch.Tensor) or p0.dim() == 0:
         return p0
-    leaf = name.rsplit(".", 1)[-1]
-    if shard.role in ("column", "column_out", "vocab", "channels"):
-        dim = 0
-    elif shard.role == "row" and leaf == "weight":
-        dim = 1
-    else:
-        return p0
+    dim, fs = split
     missing = sorted(set(range(num)) - set(pieces))
     if missing:
         raise CheckpointError(f"{name}: the slices of tensor rank(s) {missing} are missing from the checkpoint")
     shape = list(p0.shape)
-    shape[dim] = shard.split.size
+    shape[dim] = fs.size
     full = p0.new_empty(shape)
     for t in range(num):
-        full.index_copy_(dim, shard.split.indices(t, num), pieces[t])
+        fs.put(full, dim, t, num, pieces[t])
     return full
 
 
-def _local(value: Any, name: str, shard: ModuleShard | None, t: int, num: int) -> Any:
+def _local(value: Any, split, t: int, num: int) -> Any:
     if isinstance(value, torch.Tensor) and value.dim() >= 1:
-        return local_slice(value, name, shard, t, num).clone()
+        return local_slice(value, split, t, num).clone()
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def assemble(ckpt: Path, manifest: Manifest) -> LogicalState:
-    """The logical state of a complete checkpoint (reads every rank's file)."""
+    """The logical state of a complete checkpoint (reads every rank's file), by the model's
+    canonical names (a tied weight once, whichever stages held copies of it)."""
     axes = [a for a, _ in manifest.mesh]
     tsize = dict(manifest.mesh).get("tensor", 1)
     params: dict[str, dict[int, torch.Tensor]] = {}
     buffers: dict[str, dict[int, torch.Tensor]] = {}
     opt: dict[str, dict[str, dict[int, Any]]] = {}
-    shards: dict[str, ModuleShard | None] = {}
-    flat: dict[tuple, dict[int, dict]] = {}   # (coords but data, bucket) -> data coord -> optimizer state
+    splits: dict[str, Any] = {}
+    flat: dict[tuple, dict[int, tuple]] = {}   # (coords but data, bucket) -> data coord -> optimizer state
     out = LogicalState(manifest.step)
     for r in range(manifest.world_size):
         f = read_rank_file(ckpt, r, manifest)
         coords = dict(zip(axes, f["coords"]))
         d, t = coords.get("data", 0), coords.get("tensor", 0)
         specs = {int(s): StageSpec.from_dict(json.loads(x)) for s, x in f["stage_specs"].items()}
+        for sp in specs.values():
+            for grp in sp.shared:
+                out.aliases.update({alias: grp[0] for alias in grp[1:]})
         out.rng[r] = f["rng"]
-        local_shape = {}
+        local: dict[tuple[int, str], tuple[str, torch.Size]] = {}   # (stage, name) -> (canonical, local shape)
         for s, named in f["params"].items():
             for name, v in named.items():
-                local_shape[name] = v.shape
-                shards[name] = _shard_of(specs, int(s), name)
+                key = specs[int(s)].canonical(name)
+                local[(int(s), name)] = (key, v.shape)
+                splits[key] = _split_of(specs, int(s), name, v.dim())
                 if d == 0:
-                    params.setdefault(name, {})[t] = v
+                    params.setdefault(key, {})[t] = v
         if d == 0:
             for s, named in f["buffers"].items():
                 for name, v in named.items():
-                    shards.setdefault(name, _shard_of(specs, int(s), name))
-                    buffers.setdefault(name, {})[t] = v
+                    key = specs[int(s)].canonical(name)
+                    splits.setdefault(key, _split_of(specs, int(s), name, v.dim()))
+                    buffers.setdefault(key, {})[t] = v
         state = (f["optimizer"] or {}).get("state", {})
-        for i, key in enumerate(f["optimizer_params"]):
-            kind, _, what = key.partition("/")
+        for i, entry in enumerate(f["optimizer_params"]):
+            kind, _, what = entry.partition("/")
             if kind != "bucket":
                 if d == 0:
+                    key = local[(int(kind), what)][0]
                     for k, v in state.get(i, {}).items():
-                        opt.setdefault(what, {}).setdefault(k, {})[t] = v
+                        opt.setdefault(key, {}).setdefault(k, {})[t] = v
                 continue
             b = f["buckets"][int(what)]
             group = tuple(c for a, c in coords.items() if a != "data") + (int(what),)
-            flat.setdefault(group, {})[d] = (state.get(i, {}), [(n, local_shape[n]) for n in b["params"]], t)
+            flat.setdefault(group, {})[d] = (state.get(i, {}), [local[(b["stage"], n)] for n in b["params"]], t)
     for group, by_data in flat.items():
         first_state, names, t = by_data[0]
         for k, v0 in first_state.items():
@@ -128,9 +137,9 @@ def assemble(ckpt: Path, manifest: Manifest) -> LogicalState:
             else:
                 for name, _ in names:
                     opt.setdefault(name, {}).setdefault(k, {})[t] = v0
-    out.params = {n: unshard(n, p, shards.get(n), tsize) for n, p in params.items()}
-    out.buffers = {n: unshard(n, p, shards.get(n), tsize) for n, p in buffers.items()}
-    out.optimizer = {n: {k: unshard(n, p, shards.get(n), tsize) for k, p in st.items()} for n, st in opt.items()}
+    out.params = {n: unshard(n, p, splits.get(n), tsize) for n, p in params.items()}
+    out.buffers = {n: unshard(n, p, splits.get(n), tsize) for n, p in buffers.items()}
+    out.optimizer = {n: {k: unshard(n, p, splits.get(n), tsize) for k, p in st.items()} for n, st in opt.items()}
     return out
 
 
@@ -142,7 +151,7 @@ def to_state_dict(path: str | os.PathLike, out: str | os.PathLike) -> tuple[Path
     ckpt = resolve_checkpoint(path)
     man = Manifest.load(ckpt)
     state = assemble(ckpt, man)
-    sd = {**state.params, **state.buffers}
+    sd = state.state_dict()
     import io
 
     buf = io.BytesIO()
@@ -204,8 +213,9 @@ def apply_params(r: Restore, modules: dict, stage_specs: dict, tcoord: int, tsiz
                     if r.own is not None:
                         src = r.own[kind].get(str(s), {}).get(name)
                     else:
-                        whole = (r.logical.params if kind == "params" else r.logical.buffers).get(name)
-                        src = None if whole is None else _local(whole, name, _shard_of(stage_specs, s, name),
+                        key = stage_specs[s].canonical(name)
+                        whole = (r.logical.params if kind == "params" else r.logical.buffers).get(key)
+                        src = None if whole is None else _local(whole, _split_of(stage_specs, s, name, t.dim()),
                                                                 tcoord, tsize)
                     if src is None:
                         raise CheckpointError(f"checkpoint {r.ckpt} has no tensor {name!r} (stage {s}); it was "
@@ -230,28 +240,32 @@ def apply_optimizer(r: Restore, modules: dict, stage_specs: dict, grads, optimiz
     full = r.logical.optimizer
     state: dict[int, dict] = {}
     if grads is None or grads.zero == 0:
-        for i, key in enumerate(names):
-            s, _, name = key.partition("/")
-            if name in full:
-                shard = _shard_of(stage_specs, int(s), name)
-                state[i] = {k: _local(v, name, shard, tcoord, tsize) for k, v in full[name].items()}
+        params = {f"{s}/{n}": p for s, m in modules.items() for n, p in m.named_parameters()}
+        for i, entry in enumerate(names):
+            s, _, name = entry.partition("/")
+            key = stage_specs[int(s)].canonical(name)
+            if key in full:
+                split = _split_of(stage_specs, int(s), name, params[entry].dim())
+                state[i] = {k: _local(v, split, tcoord, tsize) for k, v in full[key].items()}
     else:
         for i, st in enumerate(grads.states):
+            spec = stage_specs[st.bucket.stage]
             pnames = list(st.bucket.params)
-            if not pnames or pnames[0] not in full:
+            keys = [spec.canonical(n) for n in pnames]
+            if not pnames or keys[0] not in full:
                 continue
             k_len = st.grad_flat.numel() // grads.group.size
             lo = grads.group.rank * k_len
             entry = {}
-            for k, v0 in full[pnames[0]].items():
+            for k, v0 in full[keys[0]].items():
                 if isinstance(v0, torch.Tensor) and v0.dim() >= 1:
-                    flat = torch.cat([_local(full[n][k], n, _shard_of(stage_specs, st.bucket.stage, n), tcoord,
-                                             tsize).reshape(-1) for n in pnames])
+                    flat = torch.cat([_local(full[key][k], _split_of(stage_specs, st.bucket.stage, n, p.dim()), tcoord,
+                                             tsize).reshape(-1) for n, key, p in zip(pnames, keys, st.params)])
                     padded = torch.zeros(st.grad_flat.numel(), dtype=flat.dtype)
                     padded[:flat.numel()] = flat
                     entry[k] = padded[lo:lo + k_len].clone()
                 else:
-                    entry[k] = _local(v0, pnames[0], None, 0, 1)
+                    entry[k] = _local(v0, None, 0, 1)
             state[i] = entry
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 

@@ -43,11 +43,12 @@ def model_output(out):
 
 
 def compute_loss(name: str, output, targets: torch.Tensor, *,
-                 class_split: tuple[int, Group] | None = None) -> torch.Tensor:
+                 class_split: tuple[int, Group, int] | None = None) -> torch.Tensor:
     """Mean loss (a 0-dim tensor).
 
-    class_split: (first class index held here, tensor group) when the output's last
-    dimension is split over the tensor axis (vocabulary-parallel logits).
+    class_split: (first class index held here, tensor group, how many of the classes held
+    here are real) when the output's last dimension is split over the tensor axis
+    (vocabulary-parallel logits; the classes past the real ones pad the vocabulary).
     """
     out = model_output(output)
     if name == "cross_entropy":
@@ -55,8 +56,8 @@ def compute_loss(name: str, output, targets: torch.Tensor, *,
             if tuple(out.shape[:-1]) != tuple(targets.shape):
                 raise LossError(f"vocabulary-parallel cross-entropy needs logits (..., C) and targets (...), "
                                 f"got {tuple(out.shape)} and {tuple(targets.shape)}")
-            start, group = class_split
-            return vocab_parallel_cross_entropy(out, targets, start, group).mean()
+            start, group, valid = class_split
+            return vocab_parallel_cross_entropy(out, targets, start, group, valid).mean()
         if tuple(out.shape[:-1]) == tuple(targets.shape):
             return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1))
         return F.cross_entropy(out.float(), targets)

@@ -22,12 +22,15 @@ from torch import nn
 
 from runtime.refs import RefError, load_ref
 from runtime.spec import StageSpec, TrainSpec
-from runtime.tensor_parallel import shard_module
+from runtime.tensor_parallel import mask_padding, shard_module
 
 
-# Attribute of every stage module: the torch.device its forward runs on. Generated code reads
-# it where the captured graph named a device (codegen/devices.py).
+# Attributes of every stage module that generated code reads: the torch.device its forward
+# runs on (where the captured graph named a device, codegen/specialize.py), and the tensor-
+# parallel group (for the functions codegen/weight_ops.py calls; None until connected).
 RUN_DEVICE = "run_device"
+TENSOR_GROUP = "tensor_group"
+RUNTIME_ATTRS = (RUN_DEVICE, TENSOR_GROUP)
 
 
 class MaterializeError(ValueError):
@@ -182,6 +185,7 @@ def build_stage(stage_cls: type, sspec: StageSpec, spec: TrainSpec, tensor_rank:
         if path in shards:
             module = shard_module(module, shards[path], tensor_rank, tensor_size, None)
         _set_path(stage, path, module, "module")
+    param_shards = {ps.name: ps for ps in sspec.param_shards}
     for path in sspec.attributes:
         owner, _, name = path.rpartition(".")
         holder = full_model.get_submodule(owner) if owner else full_model
@@ -193,10 +197,18 @@ def build_stage(stage_cls: type, sspec: StageSpec, spec: TrainSpec, tensor_rank:
         elif spec.init == "per-module" and isinstance(value, torch.Tensor) and value.is_meta:
             raise MaterializeError(f"{path} is read directly by the model's code (not through a module), so "
                                    "init 'per-module' cannot initialise it: use init 'seed' or a checkpoint")
+        if path in param_shards:   # this tensor rank's slice (runtime/tensor_parallel.py)
+            ps = param_shards[path]
+            local = ps.split.take(value, ps.dim, tensor_rank, tensor_size)
+            if isinstance(value, nn.Parameter):
+                local = nn.Parameter(local, requires_grad=value.requires_grad)
+                mask_padding(local, ps.dim, ps.split, tensor_rank, tensor_size)
+            value = local
         _set_path(stage, path, value, "parameter" if isinstance(value, nn.Parameter) else "buffer")
     retie(stage, sspec)
     stage.to(device)
     setattr(stage, RUN_DEVICE, torch.device(device))
+    setattr(stage, TENSOR_GROUP, None)
     stage.train()
     return stage
 
@@ -258,7 +270,8 @@ def build_model_for_stages(spec: TrainSpec) -> nn.Module:
 
 
 def set_tensor_group(module: nn.Module, group) -> None:
-    """Give every tensor-parallel module of `module` its communication group."""
+    """Give every tensor-parallel module of `module`, and the stage itself, its communication group."""
+    setattr(module, TENSOR_GROUP, group)
     for m in module.modules():
         if hasattr(m, "group") and type(m).__module__ == "runtime.tensor_parallel":
             m.group = group

@@ -235,7 +235,9 @@ def connect(p: Prepared) -> RankSession:
                 set_branch(p.modules[s], ctx.coord("branch"), ctx.group("branch"))
             class_split = None
             if sp.is_last and sp.output_split is not None and tgroup is not None and tgroup.size > 1:
-                class_split = (sp.output_split.contiguous_start(tgroup.rank, tgroup.size), tgroup)
+                split = sp.output_split
+                class_split = (split.contiguous_start(tgroup.rank, tgroup.size), tgroup,
+                               len(split.indices(tgroup.rank, tgroup.size)))
             runners[s] = StageRunner(sp, p.modules[s], loss=p.spec.loss, class_split=class_split,
                                      loss_scale=1.0 / (p.program.num_micro_batches * d), dtype=p.spec.dtype,
                                      device=p.device)

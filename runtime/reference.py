@@ -20,7 +20,7 @@ from runtime.data import DataSource, call_model
 from runtime.losses import compute_loss
 from runtime.materialize import build_model, load_factory
 from runtime.spec import StageSpec, TrainSpec
-from runtime.tensor_parallel import ModuleShard
+from runtime.tensor_parallel import FeatureSplit
 
 
 @dataclass
@@ -56,17 +56,13 @@ def reference_run(spec: TrainSpec, steps: int, micro_batch_size: int | None = No
     return ReferenceRun(losses, {k: v.detach().clone() for k, v in model.named_parameters()})
 
 
-def local_slice(full: torch.Tensor, name: str, shard: ModuleShard | None, rank: int, num: int) -> torch.Tensor:
-    """The part of a full parameter that tensor rank `rank` of `num` holds (as shard_module splits it)."""
-    if shard is None or num == 1:
+def local_slice(full: torch.Tensor, split: tuple[int, FeatureSplit] | None, rank: int, num: int) -> torch.Tensor:
+    """The part of a whole tensor that tensor rank `rank` of `num` holds: its slice along the
+    split dimension, padded as the runtime pads it (StageSpec.split_of gives `split`)."""
+    if split is None or num == 1 or full.dim() == 0:
         return full
-    idx = shard.split.indices(rank, num)
-    leaf = name.rsplit(".", 1)[-1]
-    if shard.role in ("column", "column_out", "vocab", "channels"):
-        return full.index_select(0, idx) if full.dim() >= 1 else full
-    if shard.role == "row":
-        return full.index_select(1, idx) if leaf == "weight" else full
-    raise ValueError(f"unknown shard role {shard.role}")
+    dim, fs = split
+    return fs.take(full, dim, rank, num)
 
 
 @dataclass
@@ -111,15 +107,15 @@ def compare(ref: ReferenceRun, rank_losses: dict[int, list[float]],
     n = 0
     for r, stages in rank_params.items():
         for s, params in stages.items():
-            shards = {sh.path: sh for sh in stage_specs[s].shards}
+            spec = stage_specs[s]
             for local_name, value in params.items():
-                name = stage_specs[s].canonical(local_name)   # a tied weight: the model's first name
+                name = spec.canonical(local_name)   # a tied weight: the model's first name
                 if name not in ref.params:
                     ok = False
                     worst = f"{name} (not in the model)"
                     continue
-                path = name.rsplit(".", 1)[0]
-                want = local_slice(ref.params[name], name, shards.get(path), tensor_coord[r], tensor_size)
+                want = local_slice(ref.params[name], spec.split_of(local_name, value.dim()), tensor_coord[r],
+                                   tensor_size)
                 if tuple(want.shape) != tuple(value.shape):
                     ok, worst = False, f"{name} (shape {tuple(value.shape)} vs {tuple(want.shape)})"
                     continue

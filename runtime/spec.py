@@ -31,7 +31,7 @@ from typing import Any
 
 from runtime.optim import OptimizerSpec
 from runtime.spatial import SpatialSpec
-from runtime.tensor_parallel import FeatureSplit, ModuleShard
+from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, shard_dim
 
 INITS = ("seed", "per-module", "checkpoint")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -156,6 +156,7 @@ class StageSpec:
         modules: model module paths its code calls; attributes: parameter and buffer
             paths it reads directly (get_attr).
         shards: tensor-parallel splits of its modules (empty without tensor parallelism).
+        param_shards: tensor-parallel splits of the attributes it reads directly (ATen graphs).
         output_split: on the last stage, how the model output's last dimension is split
             over the tensor axis (vocabulary-parallel logits), else None.
         recompute: "none", "selective" or "full" (the generated code applies it).
@@ -177,6 +178,20 @@ class StageSpec:
     recompute: str = "none"
     spatial: SpatialSpec | None = None
     shared: tuple[tuple[str, ...], ...] = ()
+    param_shards: tuple[ParamShard, ...] = ()
+
+    def split_of(self, name: str, ndim: int) -> tuple[int, FeatureSplit] | None:
+        """(dimension, FeatureSplit) of this stage's tensor `name` (a parameter or buffer of
+        `ndim` dimensions) under tensor parallelism, or None when every tensor rank holds it whole."""
+        for ps in self.param_shards:
+            if ps.name == name:
+                return ps.dim, ps.split
+        path, _, leaf = name.rpartition(".")
+        for sh in self.shards:
+            if sh.path == path:
+                dim = shard_dim(sh.role, leaf, ndim)
+                return None if dim is None else (dim, sh.split)
+        return None
 
     def canonical(self, name: str) -> str:
         """The model's canonical name of this stage's parameter `name` (itself unless tied)."""
@@ -195,6 +210,7 @@ class StageSpec:
             "recompute": self.recompute,
             "spatial": self.spatial.to_dict() if self.spatial else None,
             "shared": [list(g) for g in self.shared],
+            "param_shards": [p.to_dict() for p in self.param_shards],
         }
 
     @classmethod
@@ -209,6 +225,7 @@ class StageSpec:
             recompute=d.get("recompute", "none"),
             spatial=SpatialSpec.from_dict(d["spatial"]) if d.get("spatial") else None,
             shared=tuple(tuple(str(n) for n in g) for g in d.get("shared", ())),
+            param_shards=tuple(ParamShard.from_dict(p) for p in d.get("param_shards", ())),
         )
 
 

@@ -8,6 +8,18 @@ holds the r-th contiguous block). GPT's fused qkv projection, whose 3C
 outputs are read as (3, heads, head_dim), is `FeatureSplit((3, H, D), 1)`:
 each rank holds its heads of q, of k and of v, so attention stays local.
 
+A plain split of a size the ranks do not divide (GPT-2's 50257-token vocabulary over 2
+ranks) is padded, as Megatron pads the vocabulary: every rank holds ceil(n / t) entries,
+the last ones zeros that the model never reads (the padded classes of vocabulary-parallel
+logits are masked out of the loss, and the padded part of a weight's gradient is zeroed),
+so the logits, the loss and the weights the user sees keep their size n. A split factor
+among several (heads in (3, H, D)) must be divisible.
+
+Modules split as wholes (fx captures: nn.Linear, nn.Embedding, ...) become the modules
+below; a weight an ATen graph reads directly (torch.export captures) is split by a
+`ParamShard`, and the generated code calls the functions `copy_to_group`,
+`reduce_from_group` and `vocab_parallel_embedding` with the stage's `tensor_group`.
+
 Collectives (Megatron-LM's pattern):
   column op:   forward identity on the input, backward all-reduce of its gradient
   row op:      forward all-reduce of the partial output (bias added once, after)
@@ -52,18 +64,27 @@ class FeatureSplit:
     def size(self) -> int:
         return math.prod(self.factors)
 
+    def padded(self, num: int) -> bool:
+        """Whether `num` ranks split it with padding (a plain split that `num` does not divide)."""
+        return len(self.factors) == 1 and self.size % num != 0
+
     def check(self, num: int) -> None:
-        if self.factors[self.split] % num:
+        if len(self.factors) > 1 and self.factors[self.split] % num:
             raise ShardError(f"a split over {num} ranks needs {num} to divide {self.factors[self.split]} "
                              f"(factor {self.split} of {self.factors})")
 
     def local_size(self, num: int) -> int:
+        """Entries each rank holds (padding included)."""
         self.check(num)
-        return self.size // num
+        return -(-self.size // num)
 
     def indices(self, rank: int, num: int) -> torch.Tensor:
-        """The full-dimension indices rank `rank` of `num` holds, ascending (int64)."""
+        """The full-dimension indices rank `rank` of `num` holds, ascending (int64); a padded
+        split's last ranks hold fewer (their padding is not an index)."""
         self.check(num)
+        if len(self.factors) == 1:
+            block = self.local_size(num)
+            return torch.arange(min(rank * block, self.size), min((rank + 1) * block, self.size))
         idx = torch.arange(self.size)
         stride = math.prod(self.factors[self.split + 1:])
         digit = (idx // stride) % self.factors[self.split]
@@ -74,8 +95,24 @@ class FeatureSplit:
     def contiguous_start(self, rank: int, num: int) -> int | None:
         """First index of rank's block when its indices are one contiguous block, else None."""
         if math.prod(self.factors[: self.split]) == 1:
-            return rank * (self.size // num)
+            return rank * self.local_size(num)
         return None
+
+    def take(self, t: torch.Tensor, dim: int, rank: int, num: int) -> torch.Tensor:
+        """Rank's slice of `t` along `dim` (a copy), zero-padded to local_size."""
+        idx = self.indices(rank, num).to(t.device)
+        out = t.detach().index_select(dim, idx)
+        pad = self.local_size(num) - len(idx)
+        if pad:
+            shape = list(out.shape)
+            shape[dim] = pad
+            out = torch.cat([out, out.new_zeros(shape)], dim)
+        return out.clone()
+
+    def put(self, full: torch.Tensor, dim: int, rank: int, num: int, piece: torch.Tensor) -> None:
+        """Write rank's slice `piece` (as take gives it) back into `full`, dropping the padding."""
+        idx = self.indices(rank, num).to(full.device)
+        full.index_copy_(dim, idx, piece.narrow(dim, 0, len(idx)))
 
     def to_list(self) -> list:
         return [list(self.factors), self.split]
@@ -83,6 +120,23 @@ class FeatureSplit:
     @classmethod
     def from_list(cls, x) -> "FeatureSplit":
         return cls(tuple(x[0]), int(x[1]))
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """How a parameter or buffer the generated code reads directly (get_attr) is split:
+    along dimension `dim`, as `split` (ATen graphs of torch.export captures)."""
+
+    name: str
+    dim: int
+    split: FeatureSplit
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "dim": self.dim, "split": self.split.to_list()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ParamShard":
+        return cls(str(d["name"]), int(d["dim"]), FeatureSplit.from_list(d["split"]))
 
 
 @dataclass(frozen=True)
@@ -108,6 +162,16 @@ class ModuleShard:
     @classmethod
     def from_dict(cls, d: dict) -> "ModuleShard":
         return cls(d["path"], d["role"], FeatureSplit.from_list(d["split"]))
+
+
+class ShapeGroup:
+    """A stand-in tensor group for shape-only (meta) runs: rank 0 of `size`, no communication."""
+
+    def __init__(self, size: int):
+        self.size, self.rank = int(size), 0
+
+    def all_reduce(self, tensor, op: str = "sum", async_op: bool = False):
+        return None
 
 
 # ---------------------------------------------------------------------------
@@ -144,15 +208,43 @@ class _ReduceFromGroup(torch.autograd.Function):
 
 
 def copy_to_group(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """Identity; the gradient is all-reduced over `group` (the input of column-parallel ops)."""
     if group is None or group.size == 1:
         return x
     return _CopyToGroup.apply(x, group)
 
 
 def reduce_from_group(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """The sum over `group` of every rank's partial `x` (the output of row-parallel ops)."""
     if group is None or group.size == 1:
         return x
     return _ReduceFromGroup.apply(x, group)
+
+
+def scatter_to_group(x: torch.Tensor, dim: int, factors: tuple[int, ...], split: int,
+                     group: Group | None) -> torch.Tensor:
+    """This rank's part of a replicated tensor along `dim`, split as FeatureSplit(factors, split):
+    where a replicated value (a per-head bias) meets a split one. Every rank computes the
+    replicated value alike; backward all-reduces its gradient, whose parts each rank computes."""
+    if group is None or group.size == 1:
+        return x
+    fs = FeatureSplit(tuple(factors), split)
+    idx = fs.indices(group.rank, group.size).to(x.device)
+    out = copy_to_group(x, group).index_select(dim, idx)
+    pad = fs.local_size(group.size) - len(idx)
+    if pad:
+        shape = list(out.shape)
+        shape[dim] = pad
+        out = torch.cat([out, out.new_zeros(shape)], dim)
+    return out
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, group: Group | None,
+                             padding_idx: int | None = None) -> torch.Tensor:
+    """embedding(weight, ids, padding_idx) for a table split by rows over `group`: this rank
+    holds rows [rank * n, (rank + 1) * n) of it (n = weight.shape[0], padding included)."""
+    rank = group.rank if group is not None else 0
+    return _vocab_lookup(ids, weight, rank * weight.shape[0], group, padding_idx)
 
 
 # ---------------------------------------------------------------------------
@@ -221,6 +313,19 @@ class RowParallelConv(_ParallelConv):
         return y
 
 
+def _vocab_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int, group: Group | None,
+                  padding_idx: int | None = None) -> torch.Tensor:
+    n = weight.shape[0]
+    outside = (ids < start) | (ids >= start + n)
+    local = (ids - start).masked_fill(outside, 0)
+    # the padding row (it takes no gradient) if this rank holds it; rows looked up from outside
+    # are masked below, and a masked row's gradient is zero anyway
+    pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + n else None
+    out = F.embedding(local, weight, padding_idx=pad)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_group(out, group)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + n) of the table; ids outside give zeros; outputs all-reduced."""
 
@@ -231,21 +336,27 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
 
     def forward(self, ids):
-        n = self.weight.shape[0]
-        outside = (ids < self.start) | (ids >= self.start + n)
-        local = (ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_group(out, self.group)
+        return _vocab_lookup(ids, self.weight, self.start, self.group)
 
     def extra_repr(self) -> str:
         return f"rows={self.start}..{self.start + self.weight.shape[0]}, dim={self.weight.shape[1]}"
 
 
-def _take(t: torch.Tensor | None, dim: int, idx: torch.Tensor) -> torch.Tensor | None:
-    if t is None:
-        return None
-    return t.detach().index_select(dim, idx.to(t.device)).clone()
+def _take(t: torch.Tensor | None, dim: int, split: FeatureSplit, rank: int, num: int) -> torch.Tensor | None:
+    return None if t is None else split.take(t, dim, rank, num)
+
+
+def mask_padding(p: torch.Tensor, dim: int, split: FeatureSplit, rank: int, num: int) -> None:
+    """Zero the padded part of `p`'s gradient as it arrives, so the padding stays zero."""
+    keep = len(split.indices(rank, num))
+    if keep == p.shape[dim] or not p.requires_grad:
+        return
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        g.narrow(dim, keep, g.shape[dim] - keep).zero_()
+        return g
+    p.register_hook(hook)
 
 
 def shard_module(module: nn.Module, shard: ModuleShard, rank: int, num: int, group: Group | None) -> nn.Module:
@@ -254,50 +365,68 @@ def shard_module(module: nn.Module, shard: ModuleShard, rank: int, num: int, gro
     Raises ShardError naming the module when it is of a kind that cannot be split so.
     """
     split, role, path = shard.split, shard.role, shard.path
-    idx = split.indices(rank, num)
     requires_grad = any(p.requires_grad for p in module.parameters())
 
     def finish(m: nn.Module) -> nn.Module:
         for p in m.parameters():
             p.requires_grad_(requires_grad)
+        for name, p in m.named_parameters():
+            dim = shard_dim(role, name, p.dim())
+            if dim is not None:
+                mask_padding(p, dim, split, rank, num)
         m.train(module.training)
         return m
+
+    def take(t, dim):
+        return _take(t, dim, split, rank, num)
 
     if isinstance(module, nn.Linear):
         if role in ("column", "column_out"):
             if split.size != module.out_features:
                 raise ShardError(f"{path}: split of size {split.size} does not match out_features {module.out_features}")
-            return finish(ColumnParallelLinear(_take(module.weight, 0, idx), _take(module.bias, 0, idx), group))
+            return finish(ColumnParallelLinear(take(module.weight, 0), take(module.bias, 0), group))
         if role == "row":
             if split.size != module.in_features:
                 raise ShardError(f"{path}: split of size {split.size} does not match in_features {module.in_features}")
             b = module.bias.detach().clone() if module.bias is not None else None
-            return finish(RowParallelLinear(_take(module.weight, 1, idx), b, group))
+            return finish(RowParallelLinear(take(module.weight, 1), b, group))
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
             raise ShardError(f"{path}: only convolutions with groups=1, zero padding and numeric padding "
                              f"can be split over the tensor axis (got groups={module.groups}, "
                              f"padding={module.padding!r}, padding_mode={module.padding_mode!r})")
         if role in ("column", "column_out"):
-            return finish(ColumnParallelConv(module, _take(module.weight, 0, idx), _take(module.bias, 0, idx), group))
+            return finish(ColumnParallelConv(module, take(module.weight, 0), take(module.bias, 0), group))
         if role == "row":
             b = module.bias.detach().clone() if module.bias is not None else None
-            return finish(RowParallelConv(module, _take(module.weight, 1, idx), b, group))
+            return finish(RowParallelConv(module, take(module.weight, 1), b, group))
     if isinstance(module, nn.Embedding) and role == "vocab":
         if module.padding_idx is not None or module.max_norm is not None or module.sparse:
             raise ShardError(f"{path}: a vocabulary-parallel embedding cannot have padding_idx, max_norm or sparse")
         start = split.contiguous_start(rank, num)
         if start is None:
             raise ShardError(f"{path}: vocabulary rows must be split in contiguous blocks")
-        return finish(VocabParallelEmbedding(_take(module.weight, 0, idx), start, group))
+        return finish(VocabParallelEmbedding(take(module.weight, 0), start, group))
     if role == "channels":
-        return finish(shard_channels(module, split, idx, path))
+        return finish(shard_channels(module, split, rank, num, path))
     raise ShardError(f"{path}: cannot split a {type(module).__name__} as {role!r}; tensor parallelism splits "
                      "nn.Linear, nn.Conv1d/2d/3d, nn.Embedding and per-channel norms (BatchNorm)")
 
 
-def shard_channels(module: nn.Module, split: FeatureSplit, idx: torch.Tensor, path: str = "") -> nn.Module:
-    """A copy of a per-channel module (BatchNorm) holding only the channels in `idx`."""
+def shard_dim(role: str, leaf: str, ndim: int) -> int | None:
+    """The dimension a module shard of `role` splits its tensor `leaf` ("weight", "bias",
+    "running_mean", ...) along, or None when that tensor is whole on every rank."""
+    if ndim == 0:
+        return None
+    if role in ("column", "column_out", "vocab", "channels"):
+        return 0
+    if role == "row" and leaf == "weight":
+        return 1
+    return None
+
+
+def shard_channels(module: nn.Module, split: FeatureSplit, rank: int, num: int, path: str = "") -> nn.Module:
+    """A copy of a per-channel module (BatchNorm) holding only rank's channels (padded with zeros)."""
     if any(True for _ in module.children()):
         raise ShardError(f"{path}: only leaf modules can be split per channel")
     m = copy.copy(module)
@@ -307,16 +436,16 @@ def shard_channels(module: nn.Module, split: FeatureSplit, idx: torch.Tensor, pa
         if p is not None and p.dim() >= 1:
             if p.shape[0] != split.size:
                 raise ShardError(f"{path}.{name}: {tuple(p.shape)} is not per-channel over {split.size} channels")
-            m._parameters[name] = nn.Parameter(_take(p, 0, idx), requires_grad=p.requires_grad)
+            m._parameters[name] = nn.Parameter(_take(p, 0, split, rank, num), requires_grad=p.requires_grad)
     for name, b in module._buffers.items():
         if b is not None and b.dim() >= 1:
             if b.shape[0] != split.size:
                 raise ShardError(f"{path}.{name}: {tuple(b.shape)} is not per-channel over {split.size} channels")
-            m._buffers[name] = _take(b, 0, idx)
+            m._buffers[name] = _take(b, 0, split, rank, num)
         elif b is not None:
             m._buffers[name] = b.detach().clone()
     if hasattr(m, "num_features"):
-        m.num_features = len(idx)
+        m.num_features = split.local_size(num)
     return m
 
 
@@ -326,9 +455,13 @@ def shard_channels(module: nn.Module, split: FeatureSplit, idx: torch.Tensor, pa
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, start, group):
-        # logits (N, V/t) this rank's classes [start, start + V/t); target (N,) global ids
+    def forward(ctx, logits, target, start, group, valid):
+        # logits (N, V/t) this rank's classes [start, start + V/t), the first `valid` of them
+        # real (the rest pad a vocabulary t does not divide); target (N,) global ids
         logits = logits.float()
+        if valid < logits.shape[-1]:
+            logits = logits.clone()
+            logits[:, valid:] = torch.finfo(logits.dtype).min
         vmax = logits.max(dim=-1).values
         group.all_reduce(vmax, op="max")
         shifted = logits - vmax.unsqueeze(-1)
@@ -350,12 +483,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax.clone()
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local] -= (~outside).to(grad.dtype)
-        return grad * grad_loss.unsqueeze(-1), None, None, None
+        return grad * grad_loss.unsqueeze(-1), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, start: int,
-                                 group: Group) -> torch.Tensor:
-    """Per-element cross-entropy of class-split logits (..., V/t) against global targets (...)."""
+                                 group: Group, valid: int | None = None) -> torch.Tensor:
+    """Per-element cross-entropy of class-split logits (..., V/t) against global targets (...).
+
+    valid: how many of this rank's classes are real (the rest pad the vocabulary); all if None.
+    """
     flat = logits.reshape(-1, logits.shape[-1])
-    loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), int(start), group)
+    n = flat.shape[-1] if valid is None else int(valid)
+    loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), int(start), group, n)
     return loss.reshape(target.shape)

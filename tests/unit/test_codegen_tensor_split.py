@@ -14,7 +14,7 @@ from codegen.tensor_split import TensorSplitError, split_graph
 from planner.sharding import find_sharding
 from runtime.losses import compute_loss
 from runtime.reference import local_slice
-from runtime.tensor_parallel import FeatureSplit, shard_module
+from runtime.tensor_parallel import FeatureSplit, shard_dim, shard_module
 from tests.tp_threads import run_ranks
 
 
@@ -99,7 +99,8 @@ def _run_tp(res, init, x, target):
             owner = local.get_submodule(parent) if parent else local
             setattr(owner, leaf, shard_module(local.get_submodule(path), sh, r, 2, group))
         gm = fx.GraphModule(local, res.graph)
-        split = (res.output_split.contiguous_start(r, 2), group) if res.output_split else None
+        split = (res.output_split.contiguous_start(r, 2), group, len(res.output_split.indices(r, 2))) \
+            if res.output_split else None
         loss = compute_loss("cross_entropy", gm(x), target, class_split=split)
         loss.backward()
         return float(loss.detach()), {k: p.grad.clone() for k, p in gm.named_parameters()}
@@ -110,8 +111,11 @@ def _check(res, full, loss, outs):
     for r, (lo, grads) in enumerate(outs):
         assert lo == pytest.approx(float(loss.detach()), rel=1e-5)
         for name, g in grads.items():
-            path = name.rsplit(".", 1)[0]
-            want = local_slice(dict(full.named_parameters())[name].grad, name, res.shards.get(path), r, 2)
+            path, _, leaf = name.rpartition(".")
+            sh = res.shards.get(path)
+            dim = shard_dim(sh.role, leaf, g.dim()) if sh is not None else None
+            want = local_slice(dict(full.named_parameters())[name].grad, None if dim is None else (dim, sh.split),
+                               r, 2)
             torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} on rank {r}: {m}")
 
 

@@ -1,0 +1,153 @@
+"""Tensor parallelism for ATen ops that read their weight directly (torch.export graphs).
+
+An fx capture keeps nn.Linear whole: a call_module node the runtime swaps for a
+ColumnParallelLinear. A torch.export capture has `linear(x, W, b)`, `addmm(b, x, W)`
+(Hugging Face's Conv1D), `mm(x, W)`, `convolution(x, W, b, ...)` and `embedding(W, ids)`,
+with W read by a get_attr node. Here:
+
+* `weight_op` reads such a node: its activation input, weight and bias, and which
+  dimension of the weight holds the output and the input features;
+* `rewrite` changes the graph as the module swap would: a column op reads its input
+  through copy_to_group (one per input, shared by the columns that read it, so backward
+  all-reduces that input's gradient once, as for Megatron's fused qkv), a row op drops its
+  bias, all-reduces its partial output (reduce_from_group) and adds the bias once, and a
+  vocabulary-split embedding becomes vocab_parallel_embedding. The weights themselves are
+  split by runtime.tensor_parallel.ParamShard.
+
+The generated code passes the stage module's `tensor_group` attribute (runtime.materialize
+sets it when the process groups exist) to those functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from runtime.materialize import TENSOR_GROUP
+from runtime.tensor_parallel import (FeatureSplit, copy_to_group, reduce_from_group, scatter_to_group,
+                                     vocab_parallel_embedding)
+
+_CONV = ("conv1d", "conv2d", "conv3d", "convolution")
+
+
+@dataclass(frozen=True)
+class WeightOp:
+    """An ATen op with a weight read by get_attr.
+
+    kind: linear, addmm, mm, conv or embedding. x: the activation input (the ids of an
+    embedding). out_dim / in_dim: the weight's dimensions of output / input features.
+    feature_dim: the dimension of the op's input and output that holds the features.
+    """
+
+    kind: str
+    x: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    out_dim: int
+    in_dim: int
+    feature_dim: int
+
+
+def _base(n: fx.Node) -> str:
+    packet = getattr(n.target, "_overloadpacket", None)
+    return packet.__name__ if packet is not None else ""
+
+
+def _attr(a) -> fx.Node | None:
+    return a if isinstance(a, fx.Node) and a.op == "get_attr" else None
+
+
+def weight_op(n: fx.Node) -> WeightOp | None:
+    """The WeightOp `n` is, or None (not one of the ops above, or its weight is not a get_attr)."""
+    if n.op != "call_function":
+        return None
+    base, args = _base(n), n.args
+    if base == "linear" and len(args) >= 2 and _attr(args[1]):
+        bias = _attr(args[2]) if len(args) > 2 else _attr(n.kwargs.get("bias"))
+        return WeightOp("linear", args[0], args[1], bias, 0, 1, -1)
+    if base == "addmm" and len(args) >= 3 and _attr(args[2]) and not n.kwargs:
+        return WeightOp("addmm", args[1], args[2], _attr(args[0]), 1, 0, -1)
+    if base in ("mm", "matmul") and len(args) == 2 and _attr(args[1]):
+        return WeightOp("mm", args[0], args[1], None, 1, 0, -1)
+    if base in _CONV and len(args) >= 2 and _attr(args[1]):
+        groups = args[-1] if base == "convolution" else (args[6] if len(args) > 6 else 1)
+        transposed = base == "convolution" and len(args) > 6 and args[6]
+        if groups != 1 or transposed:
+            return None
+        return WeightOp("conv", args[0], args[1], _attr(args[2]) if len(args) > 2 else None, 0, 1, 1)
+    if base == "embedding" and len(args) >= 2 and _attr(args[0]):
+        return WeightOp("embedding", args[1], args[0], None, 0, 1, -1)
+    return None
+
+
+def rewrite(graph: fx.Graph, columns: list[str], rows: list[str], vocabs: list[str],
+            scatters: list[tuple[str, str, int, FeatureSplit]] = ()) -> None:
+    """Insert the tensor-parallel communication around the named nodes of `graph`, in place.
+
+    scatters: (node, replicated input, dimension, split): `node` reads this rank's part of
+    the input instead (scatter_to_group), one cut per input and split however many read it.
+    """
+    nodes = {n.name: n for n in graph.nodes}
+    if not (columns or rows or vocabs or scatters):
+        return
+    first = next(iter(graph.nodes))
+    with graph.inserting_before(first):
+        group = graph.get_attr(TENSOR_GROUP)
+    copies: dict[str, fx.Node] = {}
+    for name in columns:
+        n = nodes[name]
+        op = weight_op(n)
+        x = op.x
+        if x.name not in copies:
+            with graph.inserting_after(x):
+                copies[x.name] = _like(graph.call_function(copy_to_group, (x, group)), n)
+        n.replace_input_with(x, copies[x.name])
+    for name in rows:
+        n = nodes[name]
+        op = weight_op(n)
+        users = list(n.users)
+        if op.kind == "linear":
+            n.args, n.kwargs = (op.x, op.weight), {}
+        elif op.kind == "addmm":
+            n.target, n.args = torch.ops.aten.mm.default, (op.x, op.weight)
+        elif op.kind == "conv":
+            n.args = (n.args[0], n.args[1], None, *n.args[3:])
+        with graph.inserting_after(n):
+            total = _like(graph.call_function(reduce_from_group, (n, group)), n)
+        out = total
+        if op.bias is not None:
+            bias = op.bias
+            with graph.inserting_after(total):
+                if op.kind == "conv":
+                    spatial = len(n.meta["val"].shape) - 2 if "val" in n.meta else 2
+                    bias = _like(graph.call_function(torch.ops.aten.view.default, (op.bias, [-1] + [1] * spatial)), n)
+            with graph.inserting_after(bias if bias is not op.bias else total):
+                out = _like(graph.call_function(torch.ops.aten.add.Tensor, (total, bias)), n)
+        for u in users:
+            u.replace_input_with(n, out)
+    cuts: dict[tuple, fx.Node] = {}
+    for name, x_name, dim, split in scatters:
+        n, x = nodes[name], nodes[x_name]
+        key = (x_name, dim, split)
+        if key not in cuts:
+            with graph.inserting_after(x):
+                cuts[key] = _like(graph.call_function(
+                    scatter_to_group, (x, dim, split.factors, split.split, group)), n)
+        n.replace_input_with(x, cuts[key])
+    for name in vocabs:
+        n = nodes[name]
+        op = weight_op(n)
+        pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
+        n.target, n.args, n.kwargs = vocab_parallel_embedding, (op.x, op.weight, group), {}
+        if pad is not None and pad >= 0:
+            n.kwargs = {"padding_idx": pad}
+
+
+def _like(new: fx.Node, model: fx.Node) -> fx.Node:
+    """`new` with the module path and source line of `model` (for the generated code's comments)."""
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in model.meta:
+            new.meta[key] = model.meta[key]
+    return new
