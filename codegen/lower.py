@@ -195,6 +195,17 @@ def tie_pass(instrs: list[Instr], handles: Iterator[int], ties: list[Tie], nbyte
     return out
 
 
+def _stats_bytes(graph: ModelGraph, names: tuple[str, ...]) -> int:
+    """Bytes of the running statistics `names` (float32, sized from the module that holds them)."""
+    total = 0
+    for name in names:
+        obj = graph.module
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        total += obj.numel() * obj.element_size()
+    return total
+
+
 def find_ties(parts: Partition) -> dict[str, list[tuple[int, str, int]]]:
     """Tied weights held by more than one stage: canonical name -> [(stage, local name, bytes)].
 
@@ -217,6 +228,18 @@ def find_ties(parts: Partition) -> dict[str, list[tuple[int, str, int]]]:
             raise LoweringError(f"tied weight {key} has copies of different local shapes {sorted(sh)}: the "
                                 "tensor-parallel split of its users differs, so their gradients cannot be summed")
     return {k: v for k, v in sorted(held.items()) if len(v) > 1}
+
+
+def stats_pass(instrs: list[Instr], handles: Iterator[int], stats: dict[int, int], axis: str) -> list[Instr]:
+    """After the step, one ALLREDUCE stats per stage with BatchNorm running statistics
+    (stats: stage -> bytes), over the gradient axis, and their WAITs: every rank then holds
+    the mean of the data ranks' statistics."""
+    out, waits = list(instrs), []
+    for stage, nbytes in sorted(stats.items()):
+        h = next(handles)
+        out.append(Instr("ALLREDUCE", stage, kind="stats", axis=axis, handle=h, nbytes=nbytes))
+        waits.append(Instr("WAIT", handle=h))
+    return out + waits
 
 
 def step_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket], zero: int, *, is_last: bool,
@@ -303,6 +326,7 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
     specs = {sp.spec.index: sp for sp in parts.stages}
     act_bytes = {s: sum(b.nbytes for b in specs[s].spec.outputs) for s in range(ns)}
     grad_bytes = {s: sum(b.nbytes for b in specs[s].spec.outputs if b.requires_grad) for s in range(ns)}
+    stats_bytes = {sp.spec.index: _stats_bytes(graph, sp.spec.running_stats) for sp in parts.stages}
     tied = find_ties(parts)
     alone = frozenset(name for copies in tied.values() for _s, name, _b in copies)
     tie_bytes = {k: copies[0][2] for k, copies in enumerate(tied.values())}
@@ -350,6 +374,9 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
         instrs = tie_pass(instrs, handles, ties, tie_bytes)
         instrs = step_pass(instrs, handles, buckets, zero, is_last=(ns - 1) in stages, data=d, pipe=p,
                            last_rank=rank_of(mesh, ((ns - 1) % p, *coords[1:])), loss_sum_over_pipe=bidi)
+        if group > 1:
+            instrs = stats_pass(instrs, handles, {s: stats_bytes[s] for s in (order or stages) if stats_bytes[s]},
+                                grad_axis)
         programs[rank] = Program(rank=rank, world_size=cfg.num_devices, mesh=mesh, coords=coords, stages=stages,
                                  num_stages=ns, num_micro_batches=m, micro_batch_size=cfg.micro_batch_size,
                                  instrs=tuple(instrs), zero=zero, buckets=tuple(buckets), ties=tuple(ties))
@@ -418,4 +445,4 @@ def check_programs(programs: dict[int, Program]) -> None:
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "LoweringError", "check_programs", "find_ties", "grad_sync_pass", "lower",
-           "make_buckets", "p2p_pass", "step_pass", "tie_pass", "zero3_pass"]
+           "make_buckets", "p2p_pass", "stats_pass", "step_pass", "tie_pass", "zero3_pass"]

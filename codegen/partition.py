@@ -195,10 +195,32 @@ def partition(plan: Plan, graph: ModelGraph) -> Partition:
                          attributes=attributes, shards=tuple(res.shards[m] for m in modules if m in res.shards),
                          is_last=is_last, output_split=res.output_split if is_last else None,
                          recompute=cfg.recompute, shared=shared,
-                         param_shards=tuple(res.param_shards[a] for a in attributes if a in res.param_shards))
+                         param_shards=tuple(res.param_shards[a] for a in attributes if a in res.param_shards),
+                         running_stats=_running_stats(g, gm, members))
         parts.append(StagePart(spec, st.device_index, f"Stage{s}", source, globs, tuple(params)))
     sd = gm.state_dict(keep_vars=True)
     return Partition(tuple(parts), t, mb, _signature_of(gm), {k: list(v.shape) for k, v in sd.items()})
+
+
+_BATCH_NORM_OPS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+                   "_native_batch_norm_legit_functional", "cudnn_batch_norm")
+
+
+def _running_stats(g: fx.Graph, gm: fx.GraphModule, members: list[fx.Node]) -> tuple[str, ...]:
+    """The BatchNorm running statistics the stage updates: of BatchNorm modules it calls, and
+    buffers an ATen batch_norm reads directly."""
+    out: list[str] = []
+    for n in members:
+        if n.op == "call_module":
+            mod = gm.get_submodule(str(n.target))
+            if isinstance(mod, torch.nn.modules.batchnorm._NormBase) and mod.track_running_stats:
+                out += [f"{n.target}.running_mean", f"{n.target}.running_var"]
+        elif n.op == "call_function" and getattr(getattr(n.target, "_overloadpacket", None), "__name__", "") \
+                in _BATCH_NORM_OPS:
+            for a in n.all_input_nodes:
+                if a.op == "get_attr" and str(a.target).rsplit(".", 1)[-1] in ("running_mean", "running_var"):
+                    out.append(str(a.target))
+    return tuple(dict.fromkeys(out))
 
 
 def shared_names(graph: ModelGraph) -> dict[str, str]:
@@ -339,7 +361,8 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
         lhs = ", ".join(outputs)
         call = f"self.{method}({', '.join(inputs)})"
         if recompute == "full":
-            call = f"checkpoint(self.{method}, {', '.join(inputs)}, use_reentrant=False)"
+            call = f"checkpoint(self.{method}, {', '.join(inputs)}, use_reentrant=False, " \
+                   "context_fn=keep_statistics(self))"
         calls.append(f"        {lhs} = {call}" if outputs else f"        {call}")
     methods += region_src
     if region_src:   # the stage splits something: it needs its SubgraphContext
@@ -402,6 +425,7 @@ def stage_imports(parts: list[StagePart]) -> list[str]:
     lines.insert(0, "import torch")
     if any(p.spec.recompute == "full" for p in parts):
         lines.append("from torch.utils.checkpoint import checkpoint")
+        lines.append("from runtime.recompute import keep_statistics")
     return lines
 
 

@@ -613,7 +613,37 @@ def _search(gm, roles, full, t):
             choices = {node: c for node, c, _ in taken[:-1]}
             node, c, _ = taken[-1]
             choices[node] = c + 1
-    raise TensorSplitError(f"tensor parallelism cannot split node {first_error.node!r}: {first_error}")
+    err = TensorSplitError(f"tensor parallelism cannot split node {first_error.node!r}{_where(gm, first_error.node)}: "
+                           f"{first_error}")
+    err.node = first_error.node
+    raise err
+
+
+def _where(gm: fx.GraphModule, name: str) -> str:
+    """" (aten.addmm at transformer.h.0.attn)": what a node calls and its module path, for messages."""
+    from planner.export_graph import module_path_of
+
+    node = next((n for n in gm.graph.nodes if n.name == name), None)
+    if node is None:
+        return ""
+    mod = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+    path = str(node.target) if node.op == "call_module" else module_path_of(node)
+    return f" ({target_name(node, mod)} at {path or 'the top level'})"
+
+
+def unsplittable(graph, roles: dict[str, str], tensor: int) -> TensorSplitError | None:
+    """Why the tensor-parallel roles cannot be carried out on `tensor` ranks (the error, whose
+    `node` names where), or None. Shapes come from the captured graph's figures, so this costs
+    no run of the model: the planner asks it for every tensor degree it considers."""
+    full: dict[str, Any] = {}
+    for n in graph.nodes:
+        metas = [torch.empty(m.shape, dtype=getattr(torch, m.dtype), device="meta") for m in n.output_meta]
+        full[n.name] = metas[0] if len(metas) == 1 else (tuple(metas) if metas else None)
+    try:
+        _search(graph.module, roles, full, tensor)
+    except TensorSplitError as e:
+        return e
+    return None
 
 
 def split_graph(gm: fx.GraphModule, roles: dict[str, str], tensor: int, inputs: dict[str, Any]) -> TensorSplitResult:

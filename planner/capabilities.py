@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.config import ParallelConfig
+from planner.sharding import ShardingPlan, without_regions
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,58 @@ class RuntimeSupport:
         if config.dtype not in self.dtypes:
             return f"the runtime does not train in {config.dtype} (no loss scaling); use bf16 or fp32"
         return None
+
+
+    def splittable(self, graph, sharding: ShardingPlan, degrees) -> ShardingPlan:
+        """`sharding` without the tensor-parallel regions the code generator cannot split for any of
+        the tensor `degrees` (codegen/tensor_split.py, on the captured graph's shapes: no model run).
+
+        A region that fails is replicated together with its copies in every layer of the same
+        signature (a model's repeated blocks fail alike). The code generator is asked, not imported,
+        at planner import time: this is the one question the planner puts to it while searching.
+        """
+        if graph.module is None:
+            return sharding
+        from codegen.tensor_split import unsplittable
+
+        key = _region_keys(graph, sharding)
+        for t in sorted({int(t) for t in degrees if t > 1}):
+            for _ in range(len(key) + 1):
+                roles = {n: r.role for n, r in sharding.roles.items() if r.sharded}
+                err = unsplittable(graph, roles, t) if roles else None
+                if err is None:
+                    break
+                bad = _failing_regions(graph, sharding, getattr(err, "node", None))
+                if not bad:   # cannot tell which region: replicate them all for this degree
+                    bad = set(key)
+                sharding = without_regions(sharding, {r for r in key if key[r] in {key[b] for b in bad}})
+        return sharding
+
+
+def _region_keys(graph, sharding: ShardingPlan) -> dict[int, tuple]:
+    """Region -> (layer signature, position of its first node in the layer): equal for the same
+    region of repeated blocks."""
+    where = {}
+    for layer in graph.layers:
+        for k, name in enumerate(layer.nodes):
+            where[name] = (layer.signature, k)
+    keys: dict[int, tuple] = {}
+    for name, r in sharding.roles.items():
+        if r.sharded and r.region >= 0:
+            keys.setdefault(r.region, where.get(name, ("", r.region)))
+    return keys
+
+
+def _failing_regions(graph, sharding: ShardingPlan, node: str | None) -> set[int]:
+    """The regions the failing node belongs to or reads from."""
+    if node is None or node not in sharding.roles:
+        return set()
+    own = sharding.roles[node].region
+    if own >= 0:
+        return {own}
+    info = next((n for n in graph.nodes if n.name == node), None)
+    return {sharding.roles[i].region for i in (info.inputs if info else ()) if i in sharding.roles
+            and sharding.roles[i].region >= 0}
 
 
 MESHPLAN_RUNTIME = RuntimeSupport()

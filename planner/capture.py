@@ -261,22 +261,26 @@ def _analyze(gm: torch.fx.GraphModule, model: nn.Module, method: str, meta_args:
                                   owner=_owner(node), module_path=_module_path(node)))
 
     infos_t = tuple(infos)
+    shared = shared_parameters(model)
     layers = find_layers(infos_t, views)
     branches = find_branches(infos_t, views)
     return ModelGraph(
         model_class=f"{type(model).__module__}.{type(model).__qualname__}",
         method=method, batch_dim=batch_dim, batch_size=batch_size,
         nodes=infos_t, layers=layers, branches=branches,
-        fingerprint=_fingerprint(infos_t), module=gm, shared_params=shared_parameters(model),
+        fingerprint=_fingerprint(infos_t), module=gm, shared_params=tuple(g for g, _n in shared),
+        shared_numel=tuple(n for _g, n in shared),
     )
 
 
-def shared_parameters(model: nn.Module) -> tuple[tuple[str, ...], ...]:
-    """Groups of names under which the model holds one parameter (canonical name first)."""
+def shared_parameters(model: nn.Module) -> list[tuple[tuple[str, ...], int]]:
+    """(names, elements) of each parameter the model holds under several names (canonical first)."""
     names: dict[int, list[str]] = {}
+    numel: dict[int, int] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    return tuple(tuple(g) for g in names.values() if len(g) > 1)
+        numel[id(p)] = p.numel()
+    return [(tuple(g), numel[k]) for k, g in names.items() if len(g) > 1]
 
 
 class _NodeFailure(Exception):

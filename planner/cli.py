@@ -206,8 +206,10 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--probe-comm", action="store_true",
                    help="time a 1 MiB all-reduce over all ranks before the first step (meshplan compare sets it "
                         "beside the calibrated time and warns when the machine moves data at another speed)")
-    p.add_argument("--rtol", type=float, default=1e-4)
-    p.add_argument("--atol", type=float, default=1e-6)
+    p.add_argument("--rtol", type=float, default=None,
+                   help="--verify: relative tolerance of each step's loss and gradients (default: from the dtype)")
+    p.add_argument("--atol", type=float, default=None,
+                   help="--verify: absolute gradient tolerance, per rms of the gradients (default: from the dtype)")
     p.add_argument("--checkpoint-dir", help="save sharded checkpoints here (after the last step, or --save-every)")
     p.add_argument("--save-every", type=int, help="also save every N steps")
     p.add_argument("--resume", metavar="CHECKPOINT",

@@ -36,6 +36,7 @@ from planner.ilp import Edge, RegionOption, choose_shardings
 from planner.subgraph_cost import subgraph_layer_cost
 from planner.sharding import ShardingPlan, find_sharding
 from planner.stage_split import balanced_partition
+from planner.ties import tied_weights
 from planner.spatial import SpatialPricer
 
 # Data-parallel gradients are reduced in buckets as backward produces them;
@@ -108,6 +109,7 @@ class Evaluator:
         self._layer_inputs = self._input_bytes_per_layer()
         self.tokens_per_sample = _tokens_per_sample(graph)
         self.spatial = SpatialPricer(graph)
+        self.ties = tied_weights(graph)
 
     # ---- public ---------------------------------------------------------
     def evaluate(self, config: ParallelConfig, global_batch_size: int) -> Prediction:
@@ -125,6 +127,7 @@ class Evaluator:
         slots, parts, mems, stages = [], [], [], []
         pb = param_bytes(config.dtype, config.zero, d)
         p2p = self.p2p_seconds(config)
+        tie_params, tie_seconds = self._tie_costs(config, bounds)
         for i in range(p):
             chunks = [bounds[c] for c in range(i, config.num_stages, p)]
             cs = [c for lo, hi in chunks for c in costs[lo:hi]]
@@ -135,7 +138,7 @@ class Evaluator:
             pp = sum(2 * p2p(costs[hi - 1].boundary) for lo, hi in chunks if p > 1)
             slots.append(fwd + bwd + rc + tp + pp)
             parts.append((fwd, bwd, rc, tp, pp))
-            params = sum(c.params for c in cs)
+            params = sum(c.params for c in cs) + tie_params.get(i, 0.0)
             live = live_micro_batches(config.schedule, i, p, m, v)
             if config.recompute == "full":
                 acts = live * sum(c.saved for c in cs) + max((c.working for c in cs), default=0.0)
@@ -186,6 +189,7 @@ class Evaluator:
                     self._axis(mesh, "data", "reduce_scatter", grad_bytes)
                 zero_comm = m * per_mb
         data_comm += self.spatial.grad_sync_seconds(config, self)  # tile weight gradients summed
+        data_comm += tie_seconds  # a tied weight's copies summed after the gradient sync
         opt_params = params_crit / (d if config.zero >= 1 else 1)
         optimizer = opt_params * adam_step_bytes(config.dtype) / (dev.memory_bandwidth * self.eff.memory)
 
@@ -274,6 +278,30 @@ class Evaluator:
         return self._prediction(config, global_batch_size, m, costs, stages, time,
                                 max((mem for mem, _ in mems), key=lambda x: x.total),
                                 busy=busy[crit] + optimizer)
+
+    def _tie_costs(self, config: ParallelConfig, bounds: list[tuple[int, int]]) -> tuple[dict[int, float], float]:
+        """Tied weights whose readers fall in several stages: the extra copies' parameters per
+        pipeline position (the graph counts one, at the first reader) and the seconds of the
+        all-reduces that sum the copies' gradients over the positions holding them."""
+        p = config.pipeline
+        stage_of = {layer: k for k, (lo, hi) in enumerate(bounds) for layer in range(lo, hi)}
+        extra: dict[int, float] = {}
+        seconds = 0.0
+        for tie in self.ties:
+            held = sorted({stage_of[layer] for layer in tie.layers if layer in stage_of})
+            if len(held) < 2:
+                continue
+            shards = [self.sharding.roles[n] for n in tie.nodes if self.sharding.roles[n].sharded]
+            per_rank = tie.numel / (shards[0].divisor(config.tensor) if shards else 1.0)
+            for s in held[1:]:
+                extra[s % p] = extra.get(s % p, 0.0) + per_rank
+            positions = sorted({s % p for s in held})
+            if len(positions) > 1:
+                stride = config.num_devices // p
+                nbytes = per_rank * (self.grad_reduce_bytes or DTYPE_BYTES[config.dtype])
+                seconds += collective_time(self.cluster, "all_reduce", nbytes,
+                                           [pos * stride for pos in positions]).seconds
+        return extra, seconds
 
     def _pair_allreduce(self, config: ParallelConfig, device: int, params: float) -> float:
         """Seconds to all-reduce a device's gradients with its pair over every data replica."""
@@ -427,7 +455,8 @@ class Evaluator:
         dev = self.cluster.device
         t = config.tensor
         sharded = role != "replicate" and t > 1
-        div = t if sharded else 1
+        # a padded split (a vocabulary t does not divide) leaves each rank ceil(size / t) of it
+        div = self.sharding.roles[n.name].divisor(t) if sharded else 1
         scale = config.micro_batch_size / self.graph.batch_size
         ds = _dtype_scale(n, config.dtype)
         peak, bw = dev.peak(config.dtype), dev.memory_bandwidth
@@ -475,7 +504,7 @@ class Evaluator:
             saved = act_in + n.output_bytes + (0 if self.fused_attention else _score_bytes(n))
         if config.recompute == "selective" and n.kind in ("attention", "softmax"):
             saved = 0
-        params = _params_per_rank(n, role if sharded else "replicate", t) if n.param_count else 0.0
+        params = _params_per_rank(n, role if sharded else "replicate", div) if n.param_count else 0.0
         return _NodeCost(fwd=f, bwd=b, attn_fwd=f if n.kind in ("attention", "softmax") else 0.0,
                          tp_fwd=tp_f, tp_bwd=tp_b, saved=saved * scale * ds / div, params=params,
                          temp=2 * n.output_bytes * scale * ds / div)
@@ -576,11 +605,12 @@ class _NodeCost:
     temp: float
 
 
-def _params_per_rank(n: OpInfo, role: str, t: int) -> float:
+def _params_per_rank(n: OpInfo, role: str, t: float) -> float:
     """Parameters of one node held by one tensor-parallel rank.
 
-    Split ops hold 1/t of their weights; a row-parallel op's bias is added
-    after the all-reduce and stays whole on every rank (Megatron's layout).
+    Split ops hold 1/t of their weights (t: the divisor, below the tensor degree where a split
+    is padded); a row-parallel op's bias is added after the all-reduce and stays whole on every
+    rank (Megatron's layout).
     """
     if role == "replicate" or t == 1:
         return float(n.param_count)

@@ -166,6 +166,7 @@ class ModelGraph:
     # and output layer): each group holds every name of one parameter, canonical name
     # (the one model.named_parameters() gives) first.
     shared_params: tuple[tuple[str, ...], ...] = ()
+    shared_numel: tuple[int, ...] = ()   # elements of each shared parameter (same order)
 
     # ---- look-ups -------------------------------------------------------
     def node(self, name: str) -> OpInfo:
@@ -281,7 +282,8 @@ class ModelGraph:
         return cls(model_class=d["model_class"], method=d["method"], batch_dim=d["batch_dim"],
                    batch_size=d["batch_size"], nodes=nodes, layers=layers, branches=branches,
                    fingerprint=d["fingerprint"], format_version=version,
-                   shared_params=tuple(tuple(g) for g in d.get("shared_params", ())))
+                   shared_params=tuple(tuple(g) for g in d.get("shared_params", ())),
+                   shared_numel=tuple(int(x) for x in d.get("shared_numel", ())))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict()))

@@ -85,6 +85,10 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
     graph = as_graph(model_or_graph, example_inputs)
     ev = Evaluator(graph, cluster, **evaluator_options)
     ev.memory_cap = cluster.device.memory_bytes * cons.get("max_memory_fraction", 1.0)
+    if runtime is not None:   # price only the tensor-parallel regions the code generator can split
+        degrees = [cons["tensor"]] if "tensor" in cons else \
+            [t for t in range(2, cluster.num_devices + 1) if cluster.num_devices % t == 0]
+        ev.sharding = runtime.splittable(graph, ev.sharding, degrees)
     search = _Search()
     dtypes = runtime.dtypes if runtime is not None else ("bf16", "fp16", "fp32")
     bases = _enumerate(ev, cluster, global_batch_size, cons, dtypes)
@@ -380,7 +384,7 @@ def _infeasible_message(search: _Search, cluster: Cluster, cons: dict) -> str:
 
 
 def _no_base_message(ev: Evaluator, cluster: Cluster, batch: int, cons: dict) -> str:
-    hard = [f"{w} = {s}" for w, s, pad in ev.sharding.constraints if not pad][:3]
+    hard = [f"{w} = {s}" for w, s, pad, _r in ev.sharding.constraints if not pad][:3]
     return (f"no mesh shape of {cluster.num_devices} devices suits this model and global batch {batch} "
             f"under constraints {cons}: the data degree must divide the batch, the tensor degree must divide "
             f"{', '.join(hard) or 'the split sizes'}, and the "

@@ -44,21 +44,30 @@ class NodeShard:
     fwd_allreduce: int = 0
     bwd_allreduce: int = 0
     region: int = -1  # the column->row region (or vocab embedding) this node belongs to; -1 if none
+    split_size: int = 0  # the size its region splits (vocabulary, features); 0 if unknown
 
     @property
     def sharded(self) -> bool:
         return self.role != "replicate"
 
+    def divisor(self, tensor: int) -> float:
+        """What the node's work and weights are divided by on `tensor` ranks: `tensor`, or less where
+        a split size `tensor` does not divide is padded (each rank holds ceil(size / tensor))."""
+        size = self.split_size
+        if tensor > 1 and size and size % tensor:
+            return size / -(-size // tensor)
+        return float(tensor)
+
 
 @dataclass(frozen=True)
 class ShardingPlan:
     roles: dict  # node name -> NodeShard (a dict for speed; treat as read-only)
-    # (what, size, paddable): split sizes; the tensor degree must divide those not paddable
-    constraints: tuple[tuple[str, int, bool], ...]
+    # (what, size, paddable, region): split sizes; the tensor degree must divide those not paddable
+    constraints: tuple[tuple[str, int, bool, int], ...]
 
     def check(self, tensor: int) -> None:
         """ValueError naming the first size that `tensor` must divide and does not."""
-        for what, size, paddable in self.constraints:
+        for what, size, paddable, _region in self.constraints:
             if size % tensor and not paddable:
                 raise ValueError(f"tensor degree {tensor} does not divide {what} = {size}; "
                                  f"pick a tensor degree that divides {size}")
@@ -75,15 +84,15 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
     anc = _weight_ancestry(graph)
     next_region = 0
     roles: dict[str, NodeShard] = {}
-    constraints: list[tuple[str, int, bool]] = []
+    constraints: list[tuple[str, int, bool, int]] = []
     for n in graph.nodes:
         if n.name in roles:
             continue
         if n.kind == "embedding" and _has_weight(n, by_name) and _indexed_by_input(n, by_name):
             vocab = _param_rows(n, by_name)
-            roles[n.name] = NodeShard("vocab", fwd_allreduce=n.output_bytes, region=next_region)
+            roles[n.name] = NodeShard("vocab", fwd_allreduce=n.output_bytes, region=next_region, split_size=vocab)
             next_region += 1
-            constraints.append((f"the vocabulary of {n.module_path or n.name}", vocab, True))
+            constraints.append((f"the vocabulary of {n.module_path or n.name}", vocab, True, next_region - 1))
         elif n.kind in _WEIGHT and _has_weight(n, by_name):
             region = _grow_region(n, by_name, users, roles, anc)
             if region is None:
@@ -93,18 +102,20 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
             bwd_bytes = sum(by_name[i].output_bytes for i in bwd_inputs)
             region = next_region
             next_region += 1
+            has_heads = any(by_name[i].kind == "attention" for i in inner)
+            size = 0 if has_heads else max(_out_features(by_name[c]) for c in cols)
             for k, c in enumerate(sorted(cols, key=_order(graph))):
                 roles[c] = NodeShard("column_out" if to_output else "column",
-                                     bwd_allreduce=bwd_bytes if k == 0 else 0, region=region)
+                                     bwd_allreduce=bwd_bytes if k == 0 else 0, region=region, split_size=size)
                 constraints.append((f"the output features of {by_name[c].module_path or c}", _out_features(by_name[c]),
-                                    True))
+                                    True, region))
             for i in inner:
-                roles[i] = NodeShard("inner", region=region)
+                roles[i] = NodeShard("inner", region=region, split_size=size)
                 if by_name[i].kind == "attention" and by_name[i].input_meta:
                     constraints.append((f"the heads of {by_name[i].module_path or i}",
-                                        by_name[i].input_meta[0].shape[1], False))
+                                        by_name[i].input_meta[0].shape[1], False, region))
             for r in rows:
-                roles[r] = NodeShard("row", fwd_allreduce=by_name[r].output_bytes, region=region)
+                roles[r] = NodeShard("row", fwd_allreduce=by_name[r].output_bytes, region=region, split_size=size)
     for n in graph.nodes:
         roles.setdefault(n.name, NodeShard("replicate"))
     return ShardingPlan(roles=roles, constraints=tuple(dict.fromkeys(constraints)))
@@ -249,3 +260,11 @@ def _param_rows(n: OpInfo, by_name: dict) -> int:
     dim = n.output_meta[0].shape[-1]
     elem = n.param_bytes // max(n.param_count, 1)
     return n.param_bytes // max(dim * elem, 1)
+
+
+def without_regions(plan: ShardingPlan, regions: set[int]) -> ShardingPlan:
+    """`plan` with the nodes of `regions` replicated (and their size constraints gone)."""
+    if not regions:
+        return plan
+    roles = {n: (NodeShard("replicate") if r.region in regions else r) for n, r in plan.roles.items()}
+    return ShardingPlan(roles=roles, constraints=tuple(c for c in plan.constraints if c[3] not in regions))

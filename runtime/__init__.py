@@ -8,7 +8,8 @@ and the user's model code.
     Communicator, TorchCommunicator  runtime.comm; MpiCommunicator  runtime.comm_mpi
     Executor, StageRunner, GradSync runtime.executor / stage / grads
     TrainSpec, StageSpec, OptimizerSpec               runtime.spec / optim
-    run_local, run_many, verify_build                 runtime.launcher
+    run_local, run_many             runtime.launcher
+    verify_build                    runtime.verify (the check behind meshplan run --verify)
     reference_run                   runtime.reference the single-process reference
 
 Names are imported on first use, so `import runtime` stays cheap.
@@ -30,7 +31,7 @@ _EXPORTS = {
     "TrainSpec": "runtime.spec", "StageSpec": "runtime.spec", "Boundary": "runtime.spec",
     "OptimizerSpec": "runtime.optim",
     "FeatureSplit": "runtime.tensor_parallel", "ModuleShard": "runtime.tensor_parallel",
-    "run_local": "runtime.launcher", "run_many": "runtime.launcher", "verify_build": "runtime.launcher",
+    "run_local": "runtime.launcher", "run_many": "runtime.launcher", "verify_build": "runtime.verify",
     "reference_run": "runtime.reference",
     "load_ref": "runtime.refs",
 }

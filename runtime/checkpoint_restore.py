@@ -81,24 +81,41 @@ def _local(value: Any, split, t: int, num: int) -> Any:
 def assemble(ckpt: Path, manifest: Manifest) -> LogicalState:
     """The logical state of a complete checkpoint (reads every rank's file), by the model's
     canonical names (a tied weight once, whichever stages held copies of it)."""
-    axes = [a for a, _ in manifest.mesh]
-    tsize = dict(manifest.mesh).get("tensor", 1)
+    return assemble_files([read_rank_file(ckpt, r, manifest) for r in range(manifest.world_size)],
+                          manifest.mesh, manifest.step)
+
+
+def assemble_files(files: list[dict], mesh, step: int = 0) -> LogicalState:
+    """The logical state of every rank's saved state (a checkpoint's rank files, or the per-step
+    records of a --verify run, runtime/step_record.py): tensor-parallel slices joined, ZeRO flat
+    shards concatenated over the data axis and cut back into parameters.
+
+    Each file holds "coords", "stage_specs", "params" and "buffers" (stage -> name -> tensor),
+    "optimizer" (a state_dict, or None), "optimizer_params" (checkpoint.optimizer_param_names),
+    "buckets" and "rng"; "shapes" ("STAGE/NAME" -> local shape) where "params" is empty.
+    """
+    axes = [a for a, _ in mesh]
+    tsize = dict(mesh).get("tensor", 1)
     params: dict[str, dict[int, torch.Tensor]] = {}
     buffers: dict[str, dict[int, torch.Tensor]] = {}
     opt: dict[str, dict[str, dict[int, Any]]] = {}
     splits: dict[str, Any] = {}
     flat: dict[tuple, dict[int, tuple]] = {}   # (coords but data, bucket) -> data coord -> optimizer state
-    out = LogicalState(manifest.step)
-    for r in range(manifest.world_size):
-        f = read_rank_file(ckpt, r, manifest)
+    out = LogicalState(step)
+    for r, f in enumerate(files):
         coords = dict(zip(axes, f["coords"]))
         d, t = coords.get("data", 0), coords.get("tensor", 0)
         specs = {int(s): StageSpec.from_dict(json.loads(x)) for s, x in f["stage_specs"].items()}
         for sp in specs.values():
             for grp in sp.shared:
                 out.aliases.update({alias: grp[0] for alias in grp[1:]})
-        out.rng[r] = f["rng"]
+        if f.get("rng") is not None:
+            out.rng[r] = f["rng"]
         local: dict[tuple[int, str], tuple[str, torch.Size]] = {}   # (stage, name) -> (canonical, local shape)
+        for entry, shape in f.get("shapes", {}).items():
+            s, _, name = entry.partition("/")
+            local[(int(s), name)] = (specs[int(s)].canonical(name), torch.Size(shape))
+            splits[specs[int(s)].canonical(name)] = _split_of(specs, int(s), name, len(shape))
         for s, named in f["params"].items():
             for name, v in named.items():
                 key = specs[int(s)].canonical(name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -25,6 +26,7 @@ from runtime.faults import inject
 from runtime.grads import GradSync
 from runtime.program import Instr, Program
 from runtime.stage import StageRunner
+from runtime.running_stats import RunningStats
 from runtime.ties import TieSync
 from runtime.trace import Recorder
 
@@ -72,6 +74,7 @@ class Executor:
         stages: stage index -> StageRunner for every stage in program.stages.
         grads: the GradSync of this rank's buckets (None when there is no data axis).
         ties: the TieSync of this rank's tied-weight copies (None when it holds none).
+        stats: the RunningStats of this rank's BatchNorm statistics (None when it has none).
         optimizer: steps the parameters GradSync.optimizer_params() lists.
         data: this data rank's batches (None when no stage of this rank reads data).
         recorder: where instruction times go.
@@ -88,6 +91,8 @@ class Executor:
     fail_at: tuple[int, int] | None = None
     fault: str = "raise"                       # what fail_at does (runtime/faults.py)
     ties: TieSync | None = None
+    stats: RunningStats | None = None          # BatchNorm running statistics averaged over the grad axis
+    on_step: Callable[[], None] | None = None  # called at STEP, before the optimizer (runtime/step_record.py)
     position: tuple[int, int] = (-1, -1)       # (step, instruction index) now running, for the watchdog
     _attached: dict[int, list[int]] = field(default_factory=dict)
     _completions: list = field(default_factory=list)
@@ -278,8 +283,15 @@ class Executor:
             handles[ins.handle] = h
             self._record_async(step, idx, ins, h, start)
         elif op == "STEP":
+            if self.on_step is not None:
+                self.on_step()
             if self.optimizer is not None:
                 self.optimizer.step()
+        elif op == "ALLREDUCE" and ins.kind == "stats":
+            start = self.recorder.now()
+            h = self.stats.launch(ins.stage)
+            handles[ins.handle] = h
+            self._record_async(step, idx, ins, h, start)
         elif op == "ZERO_GRAD":
             if self.grads is not None:
                 self.grads.zero_grad()

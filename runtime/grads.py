@@ -65,6 +65,7 @@ class GradSync:
         self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.states: list[_BucketState] = []
         self._queue: list[_BucketState] = []    # armed buckets, in the order they must be issued
+        self.dropped: set[int] = set()           # testing (--sabotage drop-bucket): reduced, result discarded
         d = group.size
         seen: set[int] = set()
         for i, b in enumerate(buckets):
@@ -169,11 +170,16 @@ class GradSync:
 
     def _launch(self, st: _BucketState) -> Handle:
         st.armed = st.ready = False
+        dropped = st.index in self.dropped
         with self._stream():
             if self.zero >= 1:
-                h = self.group.reduce_scatter(st.shard_grad, st.grad_flat, async_op=True)
+                out = st.shard_grad.clone() if dropped else st.shard_grad
+                h = self.group.reduce_scatter(out, st.grad_flat.clone() if dropped else st.grad_flat, async_op=True)
+                if dropped:   # the shard keeps this rank's own (unreduced) part
+                    k = st.shard_grad.numel()
+                    st.shard_grad.copy_(st.grad_flat[self.group.rank * k:(self.group.rank + 1) * k])
             else:
-                h = self.group.all_reduce(st.grad_flat, async_op=True)
+                h = self.group.all_reduce(st.grad_flat.clone() if dropped else st.grad_flat, async_op=True)
         st.launched = h
         if st.on_launch is not None:
             st.on_launch(h)

@@ -25,12 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from runtime.program import Program
-from runtime.reference import Comparison, compare, reference_run
-from runtime.spec import StageSpec, TrainSpec
 from runtime.trace import Timeline
+from runtime.verify import Comparison, verify_build
 
 
 class BuildError(ValueError):
@@ -80,14 +76,16 @@ def mpiexec_args(n: int) -> list[str]:
 
 
 def run_local(build: str | os.PathLike, steps: int = 1, backend: str = "gloo", *, timeout: float = 120.0,
-              verify: bool = False, rtol: float = 1e-4, atol: float = 1e-6, extra_args: list[str] | None = None,
+              verify: bool = False, rtol: float | None = None, atol: float | None = None,
+              extra_args: list[str] | None = None,
               world_size: int | None = None, grace: float = 15.0, wall_timeout: float | None = None,
               quiet: bool = True) -> RunResult:
     """Run the build's ranks on this machine for `steps` steps (through build/run_rank.py).
 
     Args:
         backend: gloo, nccl or mpi. timeout: seconds any single communication may take.
-        verify: also run the single-process reference and compare (adds --save-params).
+        verify: also check against the single-process reference (runtime/verify.py; adds --save-steps and
+            --save-params); rtol/atol override its per-step tolerances (None: from the dtype).
         world_size: start this many processes instead of the plan's (to see the error).
         extra_args: more rank-script options (e.g. ["--fail-at", "1:0:5"]).
         wall_timeout: seconds for the whole run (default: generous from `timeout`).
@@ -98,7 +96,8 @@ def run_local(build: str | os.PathLike, steps: int = 1, backend: str = "gloo", *
 
 
 def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gloo", *, timeout: float = 120.0,
-             verify: bool = False, rtol: float = 1e-4, atol: float = 1e-6, extra_args: list[str] | None = None,
+             verify: bool = False, rtol: float | None = None, atol: float | None = None,
+             extra_args: list[str] | None = None,
              world_size: int | None = None, grace: float = 15.0, wall_timeout: float | None = None,
              quiet: bool = True, through_workers: bool = True) -> list[RunResult]:
     """Run several builds with the same number of ranks, one after the other.
@@ -114,8 +113,8 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
         raise BuildError(f"run_many needs builds of one world size, got {sorted(worlds)}")
     world = int(world_size or worlds.pop())
     base = ["--steps", str(steps), "--backend", backend, "--timeout", str(timeout), *(extra_args or [])]
-    if verify and "--save-params" not in base:
-        base.append("--save-params")
+    if verify:
+        base += [flag for flag in ("--save-params", "--save-steps") if flag not in base]
     first_step = _resumed_step(base) if verify else 0  # before the run saves newer checkpoints
     for b in builds:
         if (b / "run").exists():
@@ -249,32 +248,3 @@ def _wait_all(procs: list[subprocess.Popen], wall: float, grace: float,
                 exits.setdefault(r, (p.wait(), time.time()))
             return 124 if failed_at is None else next(c for c in codes if c not in (None, 0))
         time.sleep(0.02)
-
-
-def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[float]], *, rtol: float = 1e-4,
-                 atol: float = 1e-6, first_step: int = 0) -> Comparison:
-    """Run the reference for the build and compare every rank's losses and parameters.
-
-    `first_step`: the run resumed from a checkpoint of that step, so its `steps` losses are the
-    reference's steps first_step .. first_step + steps - 1.
-    """
-    build = Path(build)
-    info = read_build(build)
-    spec = TrainSpec.from_dict(info["train"])
-    programs = {int(r): Program.from_dict(d) for r, d in json.loads((build / "programs.json").read_text()).items()}
-    mb = programs[0].micro_batch_size
-    ref = reference_run(spec, first_step + steps, micro_batch_size=mb)
-    ref.losses = ref.losses[first_step:]
-    stage_specs = {int(s): StageSpec.from_dict(d) for s, d in info["stages"].items()}
-    params = {}
-    for r in programs:
-        f = build / "run" / f"params_rank_{r:04d}.pt"
-        if f.is_file():
-            params[r] = torch.load(f, weights_only=True)
-    tcoord = {r: (p.coord("tensor") if "tensor" in p.mesh_dict else 0) for r, p in programs.items()}
-    tsize = programs[0].mesh_dict.get("tensor", 1)
-    cmp = compare(ref, losses, params, stage_specs, tcoord, tsize, rtol=rtol, atol=atol)
-    if len(params) != len(programs):
-        cmp.ok = False
-        cmp.worst_param = f"parameters of {len(programs) - len(params)} rank(s) missing"
-    return cmp

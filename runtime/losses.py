@@ -42,6 +42,11 @@ def model_output(out):
                     "a tuple whose first item is one, or a dict with 'logits'")
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """16-bit logits in float32 (the loss is summed over many elements); wider ones as they are."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def compute_loss(name: str, output, targets: torch.Tensor, *,
                  class_split: tuple[int, Group, int] | None = None) -> torch.Tensor:
     """Mean loss (a 0-dim tensor).
@@ -59,11 +64,11 @@ def compute_loss(name: str, output, targets: torch.Tensor, *,
             start, group, valid = class_split
             return vocab_parallel_cross_entropy(out, targets, start, group, valid).mean()
         if tuple(out.shape[:-1]) == tuple(targets.shape):
-            return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets.reshape(-1))
-        return F.cross_entropy(out.float(), targets)
+            return F.cross_entropy(_wide(out.reshape(-1, out.shape[-1])), targets.reshape(-1))
+        return F.cross_entropy(_wide(out), targets)
     if name == "mse":
         if class_split is not None:
             raise LossError("mse cannot read an output split over the tensor axis; the planner must "
                             "not split the last op for an mse model")
-        return F.mse_loss(out.float(), targets.float())
+        return F.mse_loss(_wide(out), targets.to(_wide(out).dtype))
     raise LossError(f"unknown loss {name!r}; known: {', '.join(LOSSES)}")

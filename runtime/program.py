@@ -18,6 +18,7 @@ Instructions (op, and how `str()` prints them):
     BROADCAST loss @pipe <- r7 h9 the step's loss, from the last stage's rank
     ALLREDUCE tied b0 @tie:0,1 h5 the gradients of tied weight 0's copies (Program.ties), summed
                                   over the pipeline positions holding one
+    ALLREDUCE stats s0 @data h8   stage 0's BatchNorm running statistics, averaged over data
     WAIT h4                       block until handle 4 completes
     ZERO_GRAD / STEP              clear gradient buffers / optimizer step
 
@@ -57,7 +58,7 @@ COMPUTE_OPS = ("F", "B")
 P2P_OPS = ("SEND", "RECV")
 COLLECTIVE_OPS = ("ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "BROADCAST")
 OPS = (*COMPUTE_OPS, *P2P_OPS, *COLLECTIVE_OPS, "WAIT", "STEP", "ZERO_GRAD")
-KINDS = ("", "act", "grad", "grads", "params", "loss", "tied")
+KINDS = ("", "act", "grad", "grads", "params", "loss", "tied", "stats")
 
 
 class ProgramError(ValueError):

@@ -45,6 +45,9 @@ from runtime.spec import StageSpec, TrainSpec
 from runtime import spatial_model
 from runtime.stage import StageRunner
 from runtime.subgraph import keep_own_paths, set_branch
+from runtime.running_stats import RunningStats
+from runtime.sabotage import SABOTAGE, sabotage
+from runtime.step_record import StepRecorder
 from runtime.ties import TieSync
 from runtime.trace import PROBE_BYTES, Recorder, probe_all_reduce, shared_origin
 from runtime.watchdog import Watchdog
@@ -86,6 +89,12 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
     ap.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"))
     ap.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", "29500")))
     ap.add_argument("--save-params", action="store_true", help="save the final parameters of this rank's stages")
+    ap.add_argument("--save-steps", action="store_true",
+                    help="record every step's parameters, gradients and buffers (for meshplan run --verify)")
+    ap.add_argument("--sabotage", choices=SABOTAGE, default=None,
+                    help="(testing) break the run on purpose, to show that --verify notices: drop-bucket (bucket 0's "
+                         "gradients are not reduced), skip-tied-sum (tied copies keep their own gradients), "
+                         "drop-halo-grad (spatial tiles ignore their neighbours' halo gradients)")
     ap.add_argument("--no-trace", action="store_true", help="do not write the Timeline")
     ap.add_argument("--probe-comm", action="store_true",
                     help="before the first step, time an all-reduce of 1 MiB over all ranks and record it in "
@@ -161,6 +170,7 @@ class RankSession:
     executor: Executor
     grads: GradSync | None
     watchdog: Watchdog | None = None
+    recorder: StepRecorder | None = None
 
     def close(self) -> None:
         if self.watchdog is not None:
@@ -257,15 +267,21 @@ def connect(p: Prepared) -> RankSession:
         recorder = Recorder(p.rank, origin=shared_origin(_world_broadcast(comm, p.program.world_size, p.device)),
                             enabled=not p.args.no_trace)
         ties = TieSync(p.program.ties, p.modules, ctx.groups, grads) if p.program.ties else None
+        stats = RunningStats(p.specs, p.modules, ctx.group(p.program.grad_axis)) \
+            if any(sp.running_stats for sp in p.specs.values()) else None
+        sabotage(p.args.sabotage, grads, ties, p.modules)
         ex = Executor(p.program, ctx, runners, grads, optimizer, p.data, recorder, fail_at=p.fail_at,
-                      fault=p.args.fault, ties=ties)
+                      fault=p.args.fault, ties=ties, stats=stats)
+        steps = StepRecorder(p.program, p.specs, p.modules, grads, params) if p.args.save_steps else None
+        if steps is not None:
+            ex.on_step = steps.before_step
         running.append(ex)
     except BaseException:
         if watchdog is not None:
             watchdog.stopping()
         comm.report_failure(f"rank {p.rank} failed while connecting", grace=min(10.0, p.args.timeout))
         raise
-    return RankSession(p, comm, ex, grads, watchdog)
+    return RankSession(p, comm, ex, grads, watchdog, steps)
 
 
 def _world_broadcast(comm, world_size: int, device):
@@ -414,11 +430,16 @@ def _train(session: RankSession) -> None:
     first = p.restore.step if p.restore is not None else 0
     # The second step is in steady state (optimizer state exists from the first step on).
     memory_step = first + 1 if args.steps >= 3 else first
+    steps = session.recorder
     for step in range(first, first + args.steps):
+        if steps is not None:
+            steps.start(step)
         if args.track_memory and step == memory_step:  # counting slows ops: one step only
             r, memory = measure_step_memory(p.device, lambda: ex.run_step(step))
         else:
             r = ex.run_step(step)
+        if steps is not None:
+            steps.end(r.loss)
         losses.append(r.loss)
         seconds.append(r.seconds)
         if rank == 0:
@@ -438,6 +459,8 @@ def _train(session: RankSession) -> None:
         {"rank": rank, "losses": losses, "seconds": seconds, "stages": sorted(p.specs),
          **({"memory": {**dataclasses.asdict(memory), "step": memory_step}} if memory is not None else {}),
          **({"probe": {"all_reduce_bytes": PROBE_BYTES, "seconds": probe}} if probe is not None else {})}))
+    if steps is not None:
+        steps.save(run_dir / f"steps_rank_{rank:04d}.pt")
     if not args.no_trace:
         ex.recorder.timeline().save(run_dir / f"timeline_rank_{rank:04d}.json")
     session.comm.barrier()

@@ -5,15 +5,45 @@ The code generator replaces an attention (or softmax) call in a stage's code by
 its output and internals are not kept for backward but recomputed from its
 inputs (Megatron-LM's selective recomputation of the attention core). Full
 recomputation checkpoints whole layers instead (the stage's forward calls
-torch.utils.checkpoint around each layer method).
+torch.utils.checkpoint around each layer method, with `keep_statistics(self)`
+as its context_fn: a recomputed forward must not update BatchNorm's running
+statistics a second time).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+
+class _RestoreStatistics:
+    """Restores the running statistics of `modules` after the block it wraps (the recomputation)."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self._modules = modules
+
+    def __enter__(self):
+        self._saved = [[b.detach().clone() for b in m.buffers(recurse=False)] for m in self._modules]
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for m, saved in zip(self._modules, self._saved):
+                for b, v in zip(m.buffers(recurse=False), saved):
+                    b.copy_(v)
+        return False
+
+
+def keep_statistics(module: nn.Module) -> Callable:
+    """A torch.utils.checkpoint context_fn: the forward runs as usual; the recomputation in backward
+    leaves the running statistics of `module`'s BatchNorm layers as the forward left them."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    if not norms:
+        return lambda: (contextlib.nullcontext(), contextlib.nullcontext())
+    return lambda: (contextlib.nullcontext(), _RestoreStatistics(norms))
 
 
 class Recompute(nn.Module):

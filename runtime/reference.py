@@ -1,4 +1,4 @@
-"""The single-process reference a parallel run must equal, and the comparison.
+"""The single-process reference a parallel run must equal.
 
 The reference builds the whole model exactly as the build's `init` says,
 reads the same global batches (same data factory, same seeds), walks each
@@ -6,20 +6,31 @@ batch in the same micro-batch chunks the data ranks use (so that BatchNorm
 sees the same samples together; for models without batch-coupled layers
 the chunking changes nothing but rounding), scales each chunk's mean loss
 by 1/chunks, and takes one optimizer step per global batch.
+
+BatchNorm running statistics: the parallel run updates them on each data rank
+from that rank's micro-batches, then averages them over the ranks
+(runtime/running_stats.py). The reference does the same in one process: each
+`stats_group` (the chunks one rank runs, in order) starts from the step's
+statistics, and the groups' results are averaged.
+
+It runs with as many threads as a rank (OMP_NUM_THREADS, 1 under `meshplan
+run`): torch picks kernels by thread count, and two kernels round differently.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+from torch import nn
 
 from runtime.data import DataSource, call_model
 from runtime.losses import compute_loss
 from runtime.materialize import build_model, load_factory
-from runtime.spec import StageSpec, TrainSpec
+from runtime.spec import TrainSpec
 from runtime.tensor_parallel import FeatureSplit
 
 
@@ -27,33 +38,112 @@ from runtime.tensor_parallel import FeatureSplit
 class ReferenceRun:
     losses: list[float]              # mean loss over the global batch, per step
     params: dict[str, torch.Tensor]  # final parameters by name
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)   # final buffers by name
 
 
-def reference_run(spec: TrainSpec, steps: int, micro_batch_size: int | None = None) -> ReferenceRun:
-    """Train the whole model in this process for `steps` steps."""
-    model = build_model(spec)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = spec.optimizer.build(params)
-    data = DataSource(load_factory(spec.data_ref, spec.root, "data factory"), dict(spec.data_kwargs),
+@contextlib.contextmanager
+def rank_threads():
+    """Run with the thread count a rank process has (OMP_NUM_THREADS, default 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def autocast_for(spec: TrainSpec):
+    return contextlib.nullcontext() if spec.dtype == "fp32" else \
+        torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype])
+
+
+def _stat_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+
+
+def _stats_state(mods: list[nn.Module]) -> list[list[torch.Tensor]]:
+    return [[b.detach().clone() for b in m.buffers(recurse=False)] for m in mods]
+
+
+def _load_stats(mods: list[nn.Module], state: list[list[torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for m, saved in zip(mods, state):
+            for b, v in zip(m.buffers(recurse=False), saved):
+                b.copy_(v)
+
+
+def reference_step(model: nn.Module, spec: TrainSpec, chunks: list, stats_groups: list[int] | None = None) -> float:
+    """Forward and backward of one global batch (gradients accumulate into .grad); the mean loss.
+
+    stats_groups[c]: which rank runs chunk c (None: one rank); BatchNorm statistics are
+    updated per group from the step's starting values, then averaged over the groups.
+    """
+    mods = _stat_modules(model)
+    groups = stats_groups or [0] * len(chunks)
+    if len(groups) != len(chunks):
+        raise ValueError(f"{len(chunks)} chunks but BatchNorm groups for {len(groups)}; the reference's micro-batch "
+                         "size differs from the run's")
+    start = _stats_state(mods)
+    state = {g: start for g in dict.fromkeys(groups)}
+    total = 0.0
+    cast = autocast_for(spec)
+    for c, (inputs, targets) in enumerate(chunks):
+        if mods:
+            _load_stats(mods, state[groups[c]])
+        with cast:
+            loss = compute_loss(spec.loss, call_model(model, inputs), targets)
+        (loss / len(chunks)).backward()
+        total += float(loss.detach()) / len(chunks)
+        if mods:
+            state[groups[c]] = _stats_state(mods)
+    if mods and len(state) > 1:
+        mean = []
+        for k, m in enumerate(mods):
+            vals = []
+            for j, b in enumerate(m.buffers(recurse=False)):
+                if b.is_floating_point():
+                    acc = state[groups[0]][k][j].clone()
+                    for g in list(state)[1:]:
+                        acc += state[g][k][j]
+                    vals.append(acc / len(state))
+                else:
+                    vals.append(state[groups[0]][k][j])
+            mean.append(vals)
+        _load_stats(mods, mean)
+    elif mods:
+        _load_stats(mods, state[groups[0]])
+    return total
+
+
+def reference_data(spec: TrainSpec, micro_batch_size: int | None = None) -> DataSource:
+    return DataSource(load_factory(spec.data_ref, spec.root, "data factory"), dict(spec.data_kwargs),
                       spec.global_batch_size, micro_batch_size or spec.global_batch_size, 0, 1, spec.data_seed,
                       name=f"data factory {spec.data_ref}")
-    cast = contextlib.nullcontext() if spec.dtype == "fp32" else \
-        torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype])
-    losses = []
-    for step in range(steps):
-        for p in params:
-            p.grad = None
-        chunks = data.micro_batches(step)
-        total = 0.0
-        for inputs, targets in chunks:
-            with cast:
-                loss = compute_loss(spec.loss, call_model(model, inputs), targets)
-            (loss / len(chunks)).backward()
-            total += float(loss.detach()) / len(chunks)
-        opt.step()
-        losses.append(total)
-    return ReferenceRun(losses, {k: v.detach().clone() for k, v in model.named_parameters()})
+
+
+def reference_run(spec: TrainSpec, steps: int, micro_batch_size: int | None = None, *,
+                  stats_groups: list[int] | None = None,
+                  perturb: Callable[[nn.Module], None] | None = None) -> ReferenceRun:
+    """Train the whole model in this process for `steps` steps (see the module docstring).
+
+    perturb: applied to the freshly built model (the rounding-level twin of runtime/verify.py).
+    """
+    with rank_threads():
+        model = build_model(spec)
+        if perturb is not None:
+            perturb(model)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = spec.optimizer.build(params)
+        data = reference_data(spec, micro_batch_size)
+        losses = []
+        for step in range(steps):
+            for p in params:
+                p.grad = None
+            losses.append(reference_step(model, spec, data.micro_batches(step), stats_groups))
+            opt.step()
+    return ReferenceRun(losses, {k: v.detach().clone() for k, v in model.named_parameters()},
+                        {k: v.detach().clone() for k, v in model.named_buffers()})
 
 
 def local_slice(full: torch.Tensor, split: tuple[int, FeatureSplit] | None, rank: int, num: int) -> torch.Tensor:
@@ -63,68 +153,3 @@ def local_slice(full: torch.Tensor, split: tuple[int, FeatureSplit] | None, rank
         return full
     dim, fs = split
     return fs.take(full, dim, rank, num)
-
-
-@dataclass
-class Comparison:
-    """Largest differences between a parallel run and the reference."""
-
-    max_loss_diff: float
-    max_loss_rel: float
-    max_param_diff: float
-    max_param_rel: float
-    worst_param: str
-    params_compared: int
-    ok: bool
-
-    def summary(self) -> str:
-        return (f"loss: max |diff| {self.max_loss_diff:.3g} (relative {self.max_loss_rel:.3g}); "
-                f"parameters: {self.params_compared} compared, max |diff| {self.max_param_diff:.3g} "
-                f"(relative {self.max_param_rel:.3g}, worst {self.worst_param or '-'}): "
-                + ("OK" if self.ok else "MISMATCH"))
-
-
-def compare(ref: ReferenceRun, rank_losses: dict[int, list[float]],
-            rank_params: dict[int, dict[int, dict[str, torch.Tensor]]], stage_specs: dict[int, StageSpec],
-            tensor_coord: dict[int, int], tensor_size: int, rtol: float = 1e-4, atol: float = 1e-6) -> Comparison:
-    """Compare every rank's losses and every parameter it holds with the reference.
-
-    A value passes when |a - b| <= atol + rtol |b| (fp32 runs differ from the reference by
-    summation order only).
-    """
-    ok = True
-    lmax = lrel = 0.0
-    for r, losses in rank_losses.items():
-        if len(losses) != len(ref.losses):
-            ok = False
-            continue
-        for a, b in zip(losses, ref.losses):
-            d = abs(a - b)
-            lmax, lrel = max(lmax, d), max(lrel, d / max(abs(b), 1e-12))
-            ok &= math.isfinite(a) and d <= atol + rtol * abs(b)
-    pmax = prel = 0.0
-    worst = ""
-    n = 0
-    for r, stages in rank_params.items():
-        for s, params in stages.items():
-            spec = stage_specs[s]
-            for local_name, value in params.items():
-                name = spec.canonical(local_name)   # a tied weight: the model's first name
-                if name not in ref.params:
-                    ok = False
-                    worst = f"{name} (not in the model)"
-                    continue
-                want = local_slice(ref.params[name], spec.split_of(local_name, value.dim()), tensor_coord[r],
-                                   tensor_size)
-                if tuple(want.shape) != tuple(value.shape):
-                    ok, worst = False, f"{name} (shape {tuple(value.shape)} vs {tuple(want.shape)})"
-                    continue
-                diff = (value.double() - want.double()).abs()
-                d = float(diff.max()) if diff.numel() else 0.0
-                rel = float((diff / want.double().abs().clamp_min(atol)).max()) if diff.numel() else 0.0
-                n += 1
-                if d > pmax:
-                    pmax, worst = d, f"{name} on rank {r}"
-                prel = max(prel, rel)
-                ok &= bool(torch.all(diff <= atol + rtol * want.double().abs()))
-    return Comparison(lmax, lrel, pmax, prel, worst, n, ok)

@@ -225,6 +225,7 @@ class _AxisExchange:
     prev: int
     nxt: int
     tag: int
+    halo_grads: bool = True   # False only to show that --verify notices (runtime/sabotage.py)
 
     def _block(self, like: torch.Tensor, rows: int) -> torch.Tensor:
         shape = list(like.shape)
@@ -296,7 +297,8 @@ class _AxisExchange:
             handles.append(comm.irecv(buf, self.nxt, tag + 1))
             got.append((length - plan.send_hi, buf))
         _wait(handles)
-        _AxisExchange.add_borrowed(gx, got, dim)
+        if self.halo_grads:
+            _AxisExchange.add_borrowed(gx, got, dim)
         return gx
 
     @staticmethod
@@ -448,6 +450,7 @@ class TileExchange:
     h: AxisHalo
     w: AxisHalo
     tag: int
+    halo_grads: bool = True   # False only to show that --verify notices (runtime/sabotage.py)
 
     @classmethod
     def plan(cls, comm, layout: TileLayout, in_hw: tuple[int, int], out_hw: tuple[int, int],
@@ -468,7 +471,7 @@ class TileExchange:
                 continue
             prev = L.rank_at(*before) if min(before) >= 0 else -1
             nxt = L.rank_at(*after) if after[0] < L.rows and after[1] < L.cols else -1
-            out.append(_AxisExchange(self.comm, plan, dim, prev, nxt, tag))
+            out.append(_AxisExchange(self.comm, plan, dim, prev, nxt, tag, self.halo_grads))
         return tuple(out)
 
 

@@ -157,6 +157,8 @@ class StageSpec:
             paths it reads directly (get_attr).
         shards: tensor-parallel splits of its modules (empty without tensor parallelism).
         param_shards: tensor-parallel splits of the attributes it reads directly (ATen graphs).
+        running_stats: its BatchNorm running statistics (buffer names), averaged over the data
+            ranks after every step (runtime/running_stats.py).
         output_split: on the last stage, how the model output's last dimension is split
             over the tensor axis (vocabulary-parallel logits), else None.
         recompute: "none", "selective" or "full" (the generated code applies it).
@@ -179,6 +181,7 @@ class StageSpec:
     spatial: SpatialSpec | None = None
     shared: tuple[tuple[str, ...], ...] = ()
     param_shards: tuple[ParamShard, ...] = ()
+    running_stats: tuple[str, ...] = ()
 
     def split_of(self, name: str, ndim: int) -> tuple[int, FeatureSplit] | None:
         """(dimension, FeatureSplit) of this stage's tensor `name` (a parameter or buffer of
@@ -211,6 +214,7 @@ class StageSpec:
             "spatial": self.spatial.to_dict() if self.spatial else None,
             "shared": [list(g) for g in self.shared],
             "param_shards": [p.to_dict() for p in self.param_shards],
+            "running_stats": list(self.running_stats),
         }
 
     @classmethod
@@ -226,6 +230,7 @@ class StageSpec:
             spatial=SpatialSpec.from_dict(d["spatial"]) if d.get("spatial") else None,
             shared=tuple(tuple(str(n) for n in g) for g in d.get("shared", ())),
             param_shards=tuple(ParamShard.from_dict(p) for p in d.get("param_shards", ())),
+            running_stats=tuple(str(n) for n in d.get("running_stats", ())),
         )
 
 

@@ -20,18 +20,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from runtime.comm import Group, Handle
+from runtime.comm import DoneHandle, Group, Handle
 from runtime.program import Tie
-
-
-class _Done:
-    """A handle that is already complete."""
-
-    def wait(self) -> None:
-        return None
-
-    def on_complete(self, fn: Callable[[], None]) -> None:
-        fn()
 
 
 class _WriteBack:
@@ -88,7 +78,7 @@ class TieSync:
         tie = self._ties[index]
         views = [self._gradient(p) for _s, p in self._copies[index]]
         if self.skip_sum:
-            return _Done()
+            return DoneHandle()
         total = torch.zeros_like(views[0])
         for (stage, _p), v in zip(self._copies[index], views):
             if stage in tie.owned:
@@ -97,5 +87,5 @@ class TieSync:
         if group.size == 1:
             for v in views:
                 v.copy_(total)
-            return _Done()
+            return DoneHandle()
         return _WriteBack(group.all_reduce(total, async_op=True), total, views)

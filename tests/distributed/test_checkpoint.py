@@ -17,7 +17,8 @@ import torch
 
 from runtime.checkpoint import CheckpointError, complete_checkpoints, resolve_checkpoint, step_dir
 from runtime.checkpoint_restore import to_state_dict
-from runtime.launcher import read_build, run_local, run_many, verify_build
+from runtime.launcher import read_build, run_local, run_many
+from runtime.verify import verify_build
 from runtime.materialize import build_model
 from runtime.reference import local_slice
 from runtime.spec import StageSpec, TrainSpec
@@ -134,7 +135,8 @@ def test_reshard_on_load(builds, root, tmp_path):
             assert torch.equal(t, want), f"rank {rank} {name}"
     # and training continues as the single process would: 3 more steps equal steps 3-5 of the reference
     targets = [builds["d2p2"], builds["d2t2"]]
-    results = run_many(targets, steps=3, timeout=60, extra_args=["--resume", str(ckpt), "--save-params"])
+    results = run_many(targets, steps=3, timeout=60, extra_args=["--resume", str(ckpt), "--save-params",
+                                                                  "--save-steps"])
     for b, res in zip(targets, results):
         _ok(res, f"resume {b.name} from data 4")
         cmp = verify_build(b, 3, res.losses, first_step=3)
@@ -158,7 +160,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(builds, root):
     # resume on the same plan, and on tensor 2 (AdamW state out of ZeRO-3 flat shards into split tensors)
     targets = [b, builds["mlp_t2"]]
     for t, res in zip(targets, run_many(targets, steps=2, timeout=20, extra_args=["--resume", str(ckpt),
-                                                                                "--save-params"])):
+                                                                                "--save-params", "--save-steps"])):
         _ok(res, f"{t.name}: resume after the interrupted save")
         cmp = verify_build(t, 2, res.losses, first_step=2)
         assert cmp.ok and cmp.params_compared > 0, f"{t.name}: {cmp.summary()}"

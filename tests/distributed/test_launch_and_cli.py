@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from planner.cli import main
-from runtime.launcher import verify_build
+from runtime.verify import verify_build
 from runtime.trace import Timeline
 from tests.parallel_cases import CONFIGS, emit_case
 
@@ -19,7 +19,7 @@ def test_torchrun_launch_script_trains_and_matches_reference(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHRUN=str(torchrun))
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    proc = subprocess.run(["bash", str(build / "launch_torchrun.sh"), "--steps", "3", "--save-params",
+    proc = subprocess.run(["bash", str(build / "launch_torchrun.sh"), "--steps", "3", "--save-params", "--save-steps",
                            "--timeout", "60"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = [json.loads(x) for x in (build / "metrics.jsonl").read_text().splitlines()]
@@ -52,7 +52,8 @@ def test_cli_codegen_then_run_verify(tmp_path, capsys):
                  "--momentum", "0.9", "--bucket-mb", "0.001", "-o", str(out)]) == 0
     assert main(["run", str(out), "--steps", "3", "--verify", "--timeout", "60"]) == 0
     text = capsys.readouterr().out
-    assert "step 2: loss" in text and "OK" in text and "largest difference: loss" in text
+    assert "step 2: loss" in text and "single-process reference: OK" in text
+    assert "per step from the run's parameters" in text and "trajectory" in text
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
     tl = Timeline.load(out / "timeline.json")
     assert set(tl.ranks) == {0, 1} and any(e.op == "F" for e in tl.events)

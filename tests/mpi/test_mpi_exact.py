@@ -5,7 +5,8 @@ import subprocess
 
 import pytest
 
-from runtime.launcher import mpiexec_path, run_local, run_many, verify_build
+from runtime.launcher import mpiexec_path, run_local, run_many
+from runtime.verify import verify_build
 from tests.parallel_cases import CONFIGS, MODELS, assert_exact, emit_case
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None,
@@ -46,7 +47,7 @@ def test_generated_mpirun_launcher_trains(builds):
                MPIRUN=mpiexec_path(), MPIRUN_ARGS="--oversubscribe" + (" --allow-run-as-root" if os.geteuid() == 0 else ""))
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(["bash", str(build / "launch_mpirun.sh"), "--steps", "3", "--save-params", "--timeout", "60"],
+    proc = subprocess.run(["bash", str(build / "launch_mpirun.sh"), "--steps", "3", "--save-params", "--save-steps", "--timeout", "60"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = (build / "metrics.jsonl").read_text().splitlines()

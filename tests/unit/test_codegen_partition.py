@@ -81,7 +81,7 @@ def test_generated_code_is_plain_python_importing_only_torch_and_runtime():
     assert all(ln.split()[1].split(".")[0] in ("torch", "math", "runtime") or ln.startswith("NoneType")
                for ln in lines), lines
     src = parts.stages[0].source
-    assert "checkpoint(self.layer_blocks_0, drop, use_reentrant=False)" in src
+    assert "checkpoint(self.layer_blocks_0, drop, use_reentrant=False, context_fn=keep_statistics(self))" in src
     assert "def layer_wte(self, idx):" in src
     compile(src, "stage0", "exec")
 

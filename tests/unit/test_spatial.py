@@ -3,6 +3,7 @@ input-gradient borders included), with ranks as threads over an in-memory commun
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 
@@ -241,8 +242,15 @@ def test_synchronized_batchnorm_equals_whole_image_batchnorm():
     nn.init.uniform_(bn.weight)
     x = torch.randn(2, 3, 12, 10) * 3 + 1
 
+    tiles = []
+
     def make(comm, group, layout, hw, ohw):
-        return SpatialBatchNorm2d(bn, group, "sync")
+        # each tile its own running statistics (the tiles run as threads: shared buffers would race),
+        # the same weight and bias
+        own = copy.copy(bn)
+        own._buffers = {k: v.clone() for k, v in bn._buffers.items()}
+        tiles.append(SpatialBatchNorm2d(own, group, "sync"))
+        return tiles[-1]
 
     ref = nn.BatchNorm2d(3)
     ref.load_state_dict(bn.state_dict())
@@ -252,9 +260,12 @@ def test_synchronized_batchnorm_equals_whole_image_batchnorm():
     # weight gradients: per-tile partial sums that add up to the whole-image gradient
     assert bn.weight.grad is not None
     torch.testing.assert_close(bn.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
-    # running statistics updated once per tile (4 tiles share the module here), each time by the
-    # whole image's mean
-    assert int(bn.num_batches_tracked) == 4
+    # every tile's running statistics updated once, by the whole image's statistics
+    assert len(tiles) == 4
+    for t in tiles:
+        assert int(t.num_batches_tracked) == 1
+        torch.testing.assert_close(t.running_mean, ref.running_mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(t.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
 
 
 def test_local_batchnorm_uses_the_tile_statistics():

@@ -1,0 +1,346 @@
+"""`meshplan run --verify`: does the parallel run compute what the single-process run computes?
+
+Two checks, both against the single-process reference (runtime/reference.py):
+
+1. Step by step, from the same parameters. Every rank records, at each optimizer step, the
+   parameters the step began with and their complete gradients (runtime/step_record.py),
+   and its BatchNorm statistics. For each step the reference model is given those
+   parameters and statistics, runs the same global batch in the same chunks, and must
+   produce the same loss, the same gradient of every parameter (each tensor's difference
+   measured against its own size: |g - g_ref| <= rtol |g_ref| + atol sqrt(n) rms(G_ref))
+   and the same running statistics. Rounding cannot accumulate here, so the tolerances are
+   tight, and a gradient the run lost (a bucket not reduced, tied copies not summed, halo
+   gradients dropped) shows at once.
+
+2. The trajectory: the free-running reference trained from the start, against the run's
+   losses and final parameters. Two correct runs part ways as rounding differences grow
+   through training, faster in some models than others (a ReLU network near a sign flip, a
+   BatchNorm over few samples). How fast is measured, not guessed: a twin of the reference
+   whose every parameter starts a rounding step away (one float32 ulp; half a bf16/fp16 ulp
+   under 16-bit autocast) is trained alongside, and the run may stray from the reference by
+   at most MARGIN times the twin's largest distance so far (with a floor of the dtype's
+   precision, relative to how far training moved the tensor).
+
+The tolerances come from the dtype (fp32 or a 16-bit autocast); --rtol/--atol override the
+per-step ones. A model that draws random numbers in training (dropout with p > 0) cannot
+equal the single-process run sample by sample: the check says so instead of failing on it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.checkpoint_restore import assemble_files
+from runtime.data import map_inputs
+from runtime.materialize import build_model
+from runtime.program import Program
+from runtime.reference import local_slice, rank_threads, reference_data, reference_run, reference_step
+from runtime.spatial_model import data_shard
+from runtime.spec import StageSpec, TrainSpec
+from runtime.step_record import load_records, step_files
+
+# per dtype: loss (relative), gradient (relative / absolute per rms), statistics (relative), trajectory floor
+TOLERANCES = {
+    "fp32": {"loss": 1e-6, "grad_rtol": 1e-4, "grad_atol": 1e-6, "stats": 1e-5, "floor": 1e-4},
+    "bf16": {"loss": 2e-2, "grad_rtol": 5e-2, "grad_atol": 1e-3, "stats": 2e-2, "floor": 2e-2},
+    "fp16": {"loss": 5e-3, "grad_rtol": 2e-2, "grad_atol": 5e-4, "stats": 5e-3, "floor": 5e-3},
+}
+MARGIN = 10.0   # how much further than rounding-level twins a run may stray from the reference
+ROUNDING_SAMPLES = 3   # per-step noise: the reference in the run's dtype and 2 rounding-level twins
+
+
+@dataclass
+class Comparison:
+    """What --verify found; `ok` when every check passed."""
+
+    ok: bool = True
+    steps: int = 0
+    problems: list[str] = field(default_factory=list)
+    # per step, from the run's own parameters
+    max_step_loss_rel: float = 0.0
+    max_grad_rel: float = 0.0      # largest |g - g_exact| / (its allowance), 1.0 = at the tolerance
+    worst_grad: str = ""
+    max_grad_err: float = 0.0      # largest relative distance of a step's whole gradient from the exact one
+    grad_noise: float = 0.0        # ... and how far rounding alone moved it (the check's resolution)
+    max_stats_rel: float = 0.0
+    grads_compared: int = 0
+    # trajectory
+    max_loss_diff: float = 0.0
+    max_loss_rel: float = 0.0
+    max_param_diff: float = 0.0
+    max_param_rel: float = 0.0     # largest tensor difference / its allowance
+    worst_param: str = ""
+    params_compared: int = 0
+    twin_loss_diff: float = 0.0    # the rounding-level twin's largest loss distance from the reference
+
+    def fail(self, problem: str) -> None:
+        self.ok = False
+        if len(self.problems) < 12:
+            self.problems.append(problem)
+
+    def summary(self) -> str:
+        head = "OK" if self.ok else "MISMATCH"
+        lines = [f"{head}: {self.steps} step(s); per step from the run's parameters: loss within "
+                 f"{self.max_step_loss_rel:.2g} (relative), gradients within {self.max_grad_err:.2g} of exact "
+                 f"(rounding alone moves them {self.grad_noise:.2g}; {self.grads_compared} tensors, the worst at "
+                 f"{self.max_grad_rel:.2g} of its tolerance: {self.worst_grad or '-'}), BatchNorm "
+                 f"statistics within {self.max_stats_rel:.2g}; trajectory: loss |diff| {self.max_loss_diff:.3g} "
+                 f"(a rounding-level twin of the reference strays {self.twin_loss_diff:.3g}), {self.params_compared} "
+                 f"parameters within {self.max_param_rel:.2g} of their tolerance (worst {self.worst_param or '-'})"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def _double(t: torch.Tensor) -> torch.Tensor:
+    return t.double() if t.is_floating_point() else t
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(t.double().norm()) if t.numel() else 0.0
+
+
+# A rounding-level nudge in each dtype: one float32 ulp, or half a 16-bit ulp (relative), since 16-bit
+# autocast rounds a smaller nudge of the float32 weights away.
+NUDGE = {"bf16": 2.0 ** -9, "fp16": 2.0 ** -12}
+
+
+def one_ulp(model: nn.Module, seed: int = 12345, dtype: str = "fp32") -> None:
+    """Move every parameter by a rounding-level step of `dtype`, up or down at random (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            up = torch.rand(p.shape, generator=g) < 0.5
+            if dtype in NUDGE:
+                p.mul_(torch.where(up, 1 + NUDGE[dtype], 1 - NUDGE[dtype]))
+            else:
+                away = torch.where(up, torch.full_like(p, math.inf), torch.full_like(p, -math.inf))
+                p.copy_(torch.nextafter(p, away))
+
+
+def stats_groups(programs: dict[int, Program], specs: dict[int, StageSpec], bidirectional: bool) -> list[int]:
+    """For each chunk of a global batch (data shard r's micro-batches, in order), the group of
+    ranks whose BatchNorm statistics it updates: its data shard (and, for GEMS, its direction).
+    The tiles of one image (spatial stages) share a data shard (runtime.spatial_model.data_shard)."""
+    p0 = programs[0]
+    _, shards = data_shard(0, p0.mesh_dict.get("data", 1), specs)
+    m = p0.num_micro_batches
+    return [r * 2 + (j % 2) if bidirectional else r for r in range(shards) for j in range(m)]
+
+
+def random_ops_problem(info: dict) -> str | None:
+    ops = info.get("random_ops") or []
+    if not ops:
+        return None
+    return (f"the model draws random numbers in training ({', '.join(ops[:3])}{' ...' if len(ops) > 3 else ''}): "
+            "every rank draws its own, so the run cannot equal the single-process run sample by sample. Set "
+            "dropout to 0 to verify the parallel arithmetic, then train with it")
+
+
+def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[float]], *,
+                 rtol: float | None = None, atol: float | None = None, first_step: int = 0) -> Comparison:
+    """Check a finished `--save-steps --save-params` run of `build` (see the module docstring).
+
+    `losses`: rank -> its loss per step; `first_step`: the run resumed from a checkpoint of that
+    step, so its steps are the reference's first_step .. first_step + steps - 1.
+    """
+    build = Path(build)
+    info = json.loads((build / "build.json").read_text())
+    spec = TrainSpec.from_dict(info["train"])
+    programs = {int(r): Program.from_dict(d) for r, d in json.loads((build / "programs.json").read_text()).items()}
+    specs = {int(s): StageSpec.from_dict(d) for s, d in info["stages"].items()}
+    tol = dict(TOLERANCES.get(spec.dtype, TOLERANCES["fp32"]))
+    if rtol is not None:
+        tol.update(grad_rtol=rtol, loss=rtol, stats=rtol, floor=rtol)
+    if atol is not None:
+        tol["grad_atol"] = atol
+    cmp = Comparison(steps=steps)
+    problem = random_ops_problem(info)
+    if problem:
+        cmp.fail(problem)
+        return cmp
+    mb = programs[0].micro_batch_size
+    groups = stats_groups(programs, specs, _bidirectional(build))
+    _check_steps(cmp, build, spec, programs, mb, groups, steps, first_step, losses, tol)
+    _check_trajectory(cmp, build, spec, programs, specs, mb, groups, steps, first_step, losses, tol)
+    return cmp
+
+
+def _bidirectional(build: Path) -> bool:
+    plan = json.loads((build / "plan.json").read_text())
+    return bool(plan.get("config", {}).get("bidirectional"))
+
+
+def _evaluate(model: nn.Module, spec: TrainSpec, state, start, chunks: list, groups: list[int],
+              perturb_seed: int | None = None) -> tuple[float, dict, dict]:
+    """(loss, gradients, buffers after) of one step of `model` from the run's parameters (`state`)
+    and statistics (`start`), moved one ulp when `perturb_seed` is given."""
+    named, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    with torch.no_grad():
+        for name, st in state.optimizer.items():
+            if name in named:
+                named[name].copy_(st["value"].view_as(named[name]))
+        for name, b in start.buffers.items():
+            if name in buffers:
+                buffers[name].copy_(b)
+    if perturb_seed is not None:
+        one_ulp(model, perturb_seed, spec.dtype)
+    for p in named.values():
+        p.grad = None
+    loss = reference_step(model, spec, chunks, groups)
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double() for n, p in named.items()}
+    return loss, grads, {n: b.detach().double() for n, b in buffers.items() if b.is_floating_point()}
+
+
+def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[int, Program], mb: int,
+                 groups: list[int], steps: int, first_step: int, losses: dict[int, list[float]], tol: dict) -> None:
+    """Check 1: each step's loss, gradients and statistics from the run's own parameters.
+
+    Each is measured against the step computed exactly (float64, no autocast); the run may be
+    off by the dtype's floor plus MARGIN times the farthest of ROUNDING_SAMPLES rounding-level
+    computations of the same step (the reference in the run's dtype, and rounding-level twins),
+    which is how far rounding alone moves this step of this model.
+    """
+    try:
+        records = load_records(build / "run", len(programs))
+    except FileNotFoundError as e:
+        cmp.fail(f"{e}; run with --verify (it records the steps)")
+        return
+    mesh = programs[0].mesh
+    exact_spec = spec.replace(dtype="fp32")
+    with rank_threads():
+        model = build_model(spec)
+        model.train()
+        exact = copy.deepcopy(model).double()
+        data = reference_data(spec, mb)
+        for k in range(steps):
+            step = first_step + k
+            if any(len(rec["steps"]) <= k for rec in records):
+                cmp.fail(f"step {step}: a rank recorded only {min(len(r['steps']) for r in records)} steps")
+                return
+            files = step_files(records, k)
+            state = assemble_files(files, mesh)
+            start = assemble_files([{**f, "buffers": rec["steps"][k]["buffers_start"]}
+                                    for f, rec in zip(files, records)], mesh)
+            chunks = data.micro_batches(step)
+            loss64, g64, b64 = _evaluate(exact, exact_spec, state, start,
+                                         [(map_inputs(i, _double), t) for i, t in chunks], groups)
+            samples = [_evaluate(model, spec, state, start, chunks, groups, seed)
+                       for seed in [None, *range(1, ROUNDING_SAMPLES)]]
+            got = losses.get(0, [])[k] if k < len(losses.get(0, [])) else float("nan")
+            scale = max(abs(loss64), 1e-12)
+            noise = max(abs(lo - loss64) for lo, _g, _b in samples) / scale
+            rel = abs(got - loss64) / scale
+            allow = tol["loss"] + MARGIN * noise
+            cmp.max_step_loss_rel = max(cmp.max_step_loss_rel, rel)
+            if not rel <= allow:
+                cmp.fail(f"step {step}: loss {got:.7g}; computed exactly from the same parameters {loss64:.7g} "
+                         f"(relative difference {rel:.2g}, allowed {allow:.2g})")
+            rms = math.sqrt(sum(_norm(g) ** 2 for g in g64.values()) / max(1, sum(g.numel() for g in g64.values())))
+            names = [n for n in state.optimizer if n in g64]
+            for name in state.optimizer:
+                if name not in g64:
+                    cmp.fail(f"step {step}: the run steps {name!r}, which the model does not have")
+            spread = {n: max(_norm(sg[n] - g64[n]) for _l, sg, _b in samples) for n in names}
+            total = math.sqrt(sum(_norm(g64[n]) ** 2 for n in names)) or 1e-30
+            # rounding's effect spreads over every tensor (a flipped ReLU changes all the gradients
+            # before it): each tensor may move by the step's relative noise, as well as its own
+            step_noise = math.sqrt(sum(v ** 2 for v in spread.values())) / total
+            errs = {}
+            for name in names:
+                want = g64[name]
+                err = errs[name] = _norm(state.optimizer[name]["grad"].view_as(want).double() - want)
+                allow = tol["grad_rtol"] * _norm(want) + tol["grad_atol"] * math.sqrt(want.numel()) * rms \
+                    + MARGIN * max(spread[name], step_noise * _norm(want))
+                ratio = err / max(allow, 1e-30)
+                cmp.grads_compared += 1
+                if ratio > cmp.max_grad_rel:
+                    cmp.max_grad_rel, cmp.worst_grad = ratio, f"{name} at step {step}"
+                if not ratio <= 1.0:
+                    cmp.fail(f"step {step}: the gradient of {name} is {err:.3g} from the exact one from the same "
+                             f"parameters (norm {_norm(want):.3g}; rounding moves this step's gradients "
+                             f"{step_noise:.2g} (relative); allowed {allow:.3g})")
+            cmp.grad_noise = max(cmp.grad_noise, step_noise)
+            cmp.max_grad_err = max(cmp.max_grad_err, math.sqrt(sum(e ** 2 for e in errs.values())) / total)
+            for name, b in state.buffers.items():
+                if name not in b64 or not b.is_floating_point():
+                    continue
+                want = b64[name]
+                scale = max(_norm(want), 1e-12)
+                rel = _norm(b.double() - want) / scale
+                spread = max(_norm(sb[name] - want) for _l, _g, sb in samples) / scale
+                allow = tol["stats"] + MARGIN * spread
+                cmp.max_stats_rel = max(cmp.max_stats_rel, rel)
+                if not rel <= allow:
+                    cmp.fail(f"step {step}: buffer {name} after the step is {rel:.2g} (relative) from the exact one "
+                             f"(allowed {allow:.2g})")
+
+
+def _check_trajectory(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[int, Program],
+                      specs: dict[int, StageSpec], mb: int, groups: list[int], steps: int, first_step: int,
+                      losses: dict[int, list[float]], tol: dict) -> None:
+    """Check 2: the run's losses and final parameters against the free-running reference."""
+    total = first_step + steps
+    ref = reference_run(spec, total, micro_batch_size=mb, stats_groups=groups)
+    twin = reference_run(spec, total, micro_batch_size=mb, stats_groups=groups,
+                         perturb=lambda m: one_ulp(m, dtype=spec.dtype))
+    with rank_threads():
+        init = dict(build_model(spec).named_parameters())
+    ref_losses, twin_losses = ref.losses[first_step:], twin.losses[first_step:]
+    envelope = 0.0
+    for r, run in sorted(losses.items()):
+        if len(run) != steps:
+            cmp.fail(f"rank {r} reported {len(run)} losses for {steps} steps")
+            continue
+        envelope = 0.0
+        for k, (a, b, c) in enumerate(zip(run, ref_losses, twin_losses)):
+            envelope = max(envelope, abs(c - b))
+            d = abs(a - b)
+            cmp.max_loss_diff = max(cmp.max_loss_diff, d)
+            cmp.max_loss_rel = max(cmp.max_loss_rel, d / max(abs(b), 1e-12))
+            allow = max(tol["floor"] * abs(b), MARGIN * envelope)
+            if not (math.isfinite(a) and d <= allow):
+                cmp.fail(f"rank {r}, step {first_step + k}: loss {a:.7g}, the reference's {b:.7g} (|diff| {d:.3g} > "
+                         f"{allow:.3g}: {MARGIN:g} x the rounding-level twin's {envelope:.3g}, at least "
+                         f"{tol['floor']:.0e} relative)")
+    cmp.twin_loss_diff = envelope
+    tsize = programs[0].mesh_dict.get("tensor", 1)
+    for r, prog in programs.items():
+        f = build / "run" / f"params_rank_{r:04d}.pt"
+        if not f.is_file():
+            cmp.fail(f"rank {r} saved no final parameters ({f.name})")
+            continue
+        tcoord = prog.coord("tensor") if "tensor" in prog.mesh_dict else 0
+        for s, params in torch.load(f, weights_only=True).items():
+            sp = specs[s]
+            for local_name, value in params.items():
+                name = sp.canonical(local_name)
+                if name not in ref.params:
+                    cmp.fail(f"rank {r} holds {local_name!r}, which the model does not have")
+                    continue
+                split = sp.split_of(local_name, value.dim())
+                want = local_slice(ref.params[name], split, tcoord, tsize)
+                other = local_slice(twin.params[name], split, tcoord, tsize)
+                start = local_slice(init[name].detach(), split, tcoord, tsize)
+                if tuple(want.shape) != tuple(value.shape):
+                    cmp.fail(f"{local_name} on rank {r} is {tuple(value.shape)}, the reference's slice "
+                             f"{tuple(want.shape)}")
+                    continue
+                d = _norm(value.double() - want.double())
+                # the floor scales with how far training moved the tensor (a bias starts at zero)
+                allow = max(tol["floor"] * _norm(want.double() - start.double()),
+                            MARGIN * _norm(other.double() - want.double()), 1e-12)
+                cmp.params_compared += 1
+                cmp.max_param_diff = max(cmp.max_param_diff, d)
+                if d / allow > cmp.max_param_rel:
+                    cmp.max_param_rel, cmp.worst_param = d / allow, f"{local_name} on rank {r}"
+                if not d <= allow:
+                    cmp.fail(f"{local_name} on rank {r} after {steps} step(s) differs from the reference's by {d:.3g} "
+                             f"(allowed {allow:.3g})")
