@@ -57,14 +57,45 @@ def import_line(name: str, obj: Any) -> str | None:
 
 
 def graph_method(graph: fx.Graph, method: str, indent: str = "    ") -> tuple[str, dict[str, Any]]:
-    """Source of a method `method(self, <placeholders>)` running `graph`, and its globals."""
+    """Source of a method `method(self, <placeholders>)` running `graph`, and its globals.
+
+    Where the module a line belongs to changes, a comment names it, its class and the line of
+    the model's own source the op came from (torch.export and fx record both on each node).
+    """
     for n in graph.nodes:
         n.type = None
     pc = graph.python_code(root_module="self")
     src = pc.src.strip("\n")
     src = re.sub(r"^def forward\(", f"def {method}(", src, count=1)
-    lines = [indent + ln if ln.strip() else "" for ln in src.splitlines()]
+    notes = {n.name: _origin(n) for n in graph.nodes if n.op in ("call_function", "call_method")}
+    lines, last = [], (None, None)
+    for ln in src.splitlines():
+        m = re.match(r"\s*(\w+) = ", ln)
+        origin = notes.get(m.group(1)) if m else None
+        if origin is not None and origin[0] and origin != last:
+            path, cls, code = origin
+            if path != last[0]:
+                lines.append(f"{indent}    # {path}{f' ({cls})' if cls else ''}")
+            if code:
+                lines.append(f"{indent}    #   {code}")
+            last = origin
+        lines.append(indent + ln if ln.strip() else "")
     return "\n".join(lines).rstrip() + "\n", dict(pc.globals)
+
+
+def _origin(node: fx.Node) -> tuple[str, str, str] | None:
+    """(module path, class name, source line) a node was traced from, or None."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    path, cls = list(stack.values())[-1]
+    path = str(path)
+    for prefix in ("L['self'].", "L__self__.", "self."):
+        path = path.removeprefix(prefix)
+    cls = cls if isinstance(cls, str) else getattr(cls, "__qualname__", "")
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    code = trace[-1].strip() if trace and not trace[-1].lstrip().startswith("File ") else ""
+    return path, cls.rsplit(".", 1)[-1], code[:100]
 
 
 def import_block(globals_: dict[str, Any]) -> list[str]:
