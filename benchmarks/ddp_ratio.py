@@ -97,15 +97,15 @@ def make_build(preset: str, batch: int, bucket_mb: float, out: Path) -> Path:
                 optimizer={"name": "sgd", "lr": 0.01, "momentum": 0.9}, bucket_bytes=int(bucket_mb * 2**20)).path
 
 
-def run_pair(code: str) -> dict:
-    """Run `code` as ranks 0 and 1; the dict rank 0 prints after RESULT."""
+def run_pair(code: str, world: int = 2) -> dict:
+    """Run `code` as ranks 0 .. world-1; the dict rank 0 prints after RESULT."""
     from runtime.launcher import free_port
 
     ports = dict(MASTER_PORT=str(free_port()), OURS_PORT=str(free_port()))
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                                  OMP_NUM_THREADS="1", **ports))
-             for r in range(2)]
+                              text=True, env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world),
+                                                  MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", **ports))
+             for r in range(world)]
     outs = [p.communicate(timeout=900)[0] for p in procs]
     for p, o in zip(procs, outs):
         if p.returncode:

@@ -71,6 +71,7 @@ class Comparison:
     max_grad_err: float = 0.0      # largest relative distance of a step's whole gradient from the exact one
     grad_noise: float = 0.0        # ... and how far rounding alone moved it (the check's resolution)
     max_stats_rel: float = 0.0
+    stats_compared: int = 0
     grads_compared: int = 0
     # trajectory
     max_loss_diff: float = 0.0
@@ -91,8 +92,10 @@ class Comparison:
         lines = [f"{head}: {self.steps} step(s); per step from the run's parameters: loss within "
                  f"{self.max_step_loss_rel:.2g} (relative), gradients within {self.max_grad_err:.2g} of exact "
                  f"(rounding alone moves them {self.grad_noise:.2g}; {self.grads_compared} tensors, the worst at "
-                 f"{self.max_grad_rel:.2g} of its tolerance: {self.worst_grad or '-'}), BatchNorm "
-                 f"statistics within {self.max_stats_rel:.2g}; trajectory: loss |diff| {self.max_loss_diff:.3g} "
+                 f"{self.max_grad_rel:.2g} of its tolerance: {self.worst_grad or '-'}), "
+                 + (f"BatchNorm statistics within {self.max_stats_rel:.2g}" if self.stats_compared
+                    else "no BatchNorm statistics")
+                 + f"; trajectory: loss |diff| {self.max_loss_diff:.3g} "
                  f"(a rounding-level twin of the reference strays {self.twin_loss_diff:.3g}), {self.params_compared} "
                  f"parameters within {self.max_param_rel:.2g} of their tolerance (worst {self.worst_param or '-'})"]
         lines += [f"  - {p}" for p in self.problems]
@@ -277,6 +280,7 @@ def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[i
                 rel = _norm(b.double() - want) / scale
                 spread = max(_norm(sb[name] - want) for _l, _g, sb in samples) / scale
                 allow = tol["stats"] + MARGIN * spread
+                cmp.stats_compared += 1
                 cmp.max_stats_rel = max(cmp.max_stats_rel, rel)
                 if not rel <= allow:
                     cmp.fail(f"step {step}: buffer {name} after the step is {rel:.2g} (relative) from the exact one "

@@ -9,8 +9,9 @@ The models are transformers' own classes, unchanged: GPT-2 (tied input and outpu
 embeddings), Llama and Qwen2 (grouped-query attention, rotary positions), BERT for masked
 language modelling (tied prediction head), T5 (encoder-decoder, tied head) and ViT (image
 classification). `preset` picks a size: "tiny" (the tests' size: a few layers, odd
-vocabularies where the architecture has one) or the published base size ("gpt2", "llama",
-...; see PRESETS). Any keyword the config accepts overrides the preset (for example
+vocabularies where the architecture has one), "small" (GPT-2 and Llama: 4 layers of width
+256, trained on a CPU in the examples and benchmarks; GPT-2 keeps its 50257-token
+vocabulary) or the published base size ("gpt2", "llama-7b", ...; see PRESETS). Any keyword the config accepts overrides the preset (for example
 `--arg n_layer=4`); `seq_len` and `image_size` set the example batch.
 
 Every preset sets dropout to 0, so that a run can be checked against the single-process run
@@ -37,12 +38,15 @@ _TINY_TEXT = {"vocab_size": 1001}
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {
         "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 64, **_TINY_TEXT},
+        "small": {"n_layer": 4, "n_embd": 256, "n_head": 8, "n_positions": 256, "vocab_size": 50257},
         "gpt2": {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024, "vocab_size": 50257},
         "gpt2-medium": {"n_layer": 24, "n_embd": 1024, "n_head": 16, "n_positions": 1024, "vocab_size": 50257},
     },
     "llama": {
         "tiny": {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
                  "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 64},
+        "small": {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4,
+                  "intermediate_size": 688, "vocab_size": 32000, "max_position_embeddings": 256},
         "llama-1b": {"num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32,
                      "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 128256},
         "llama-7b": {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
