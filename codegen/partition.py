@@ -98,6 +98,7 @@ def partition(plan: Plan, graph: ModelGraph) -> Partition:
         raise PartitionError(f"the plan was made for another model (graph fingerprint "
                              f"{plan.graph_fingerprint[:12]}, this graph is {graph.fingerprint[:12]}); "
                              "make the plan again for this graph")
+    _check_runnable(gm)
     cfg = plan.config
     t, mb = cfg.tensor, cfg.micro_batch_size
     roles = {k: v for k, v in plan.shardings} if t > 1 else {}
@@ -221,6 +222,18 @@ def _running_stats(g: fx.Graph, gm: fx.GraphModule, members: list[fx.Node]) -> t
                 if a.op == "get_attr" and str(a.target).rsplit(".", 1)[-1] in ("running_mean", "running_var"):
                     out.append(str(a.target))
     return tuple(dict.fromkeys(out))
+
+
+def _check_runnable(gm: fx.GraphModule) -> None:
+    """PartitionError naming the op and module path of anything generated code cannot call."""
+    from planner.export_graph import module_path_of
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
+            raise PartitionError(f"node {n.name!r} at {module_path_of(n) or 'the top level'} is torch.export's "
+                                 f"{n.target.name()} region, which code generation cannot run (a torch.autocast "
+                                 "block inside the model's forward()); remove that block, and set the run's dtype "
+                                 "with the plan instead")
 
 
 def shared_names(graph: ModelGraph) -> dict[str, str]:
