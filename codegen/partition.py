@@ -228,7 +228,16 @@ def _check_runnable(gm: fx.GraphModule) -> None:
     """PartitionError naming the op and module path of anything generated code cannot call."""
     from planner.export_graph import module_path_of
 
+    state = {*dict(gm.named_parameters(remove_duplicate=False)), *dict(gm.named_buffers(remove_duplicate=False))}
     for n in gm.graph.nodes:
+        if n.op == "get_attr" and str(n.target) not in state and str(n.target) not in RUNTIME_ATTRS:
+            obj = gm
+            for part in str(n.target).split("."):
+                obj = getattr(obj, part, None)
+            if isinstance(obj, torch.Tensor):
+                raise PartitionError(f"node {n.name!r} at {module_path_of(n) or 'the top level'} reads {n.target!r}, "
+                                     "a tensor forward() creates that torch.export lifted out of it and that the "
+                                     "model does not hold; make it a registered buffer of the module")
         if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
             raise PartitionError(f"node {n.name!r} at {module_path_of(n) or 'the top level'} is torch.export's "
                                  f"{n.target.name()} region, which code generation cannot run (a torch.autocast "
