@@ -93,6 +93,9 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
     else:
         parts = partition(plan, graph)
         programs = lower(plan, graph, bucket_bytes=bucket_bytes, parts=parts)
+    # every rank script is written (and compiled) before any file is: a failure leaves no half build
+    scripts = {rank: rank_script(rank, prog, parts, train, plan, model_ref, model_kwargs)
+               for rank, prog in programs.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     world = len(programs)
@@ -106,9 +109,9 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
         "random_ops": random_ops(graph),
     }, indent=1))
     (out / "programs.json").write_text(json.dumps({str(r): p.to_dict() for r, p in programs.items()}))
-    for rank, prog in programs.items():
+    for rank, text in scripts.items():
         path = out / f"rank_{rank:04d}.py"
-        path.write_text(rank_script(rank, prog, parts, train, plan, model_ref, model_kwargs))
+        path.write_text(text)
         _executable(path)
     (out / "run_rank.py").write_text(_RUN_RANK.replace("@WORLD@", str(world)))
     for name, text in _launchers(plan, world, str(out.resolve())).items():

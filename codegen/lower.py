@@ -283,7 +283,7 @@ def _held(params, owners: dict[str, int], branch: int) -> list:
     parallelism, not those of paths another sub-grid runs."""
     if not owners:
         return list(params)
-    return [q for q in params if owners.get(q[0].rsplit(".", 1)[0], branch) == branch]
+    return [q for q in params if owners.get(q[0], owners.get(q[0].rsplit(".", 1)[0], branch)) == branch]
 
 
 # ---------------------------------------------------------------------------

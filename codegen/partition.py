@@ -382,7 +382,7 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
         globs.update(gl)
         lhs = ", ".join(outputs)
         call = f"self.{method}({', '.join(inputs)})"
-        if recompute == "full":
+        if recompute == "full" and inputs:   # (a layer with no inputs has nothing to recompute from)
             call = f"checkpoint(self.{method}, {', '.join(inputs)}, use_reentrant=False, " \
                    "context_fn=keep_statistics(self))"
         calls.append(f"        {lhs} = {call}" if outputs else f"        {call}")
@@ -420,7 +420,8 @@ _RECOMPUTED = ("scaled_dot_product_attention", "softmax", "_softmax", "_safe_sof
 def _recomputed(n: fx.Node) -> bool:
     """The attention core selective recomputation drops: fused attention and softmax calls."""
     if n.op == "call_function":
-        return getattr(n.target, "__name__", "") in _RECOMPUTED
+        packet = getattr(n.target, "_overloadpacket", None)   # an ATen op (torch.export): its base name
+        return getattr(packet or n.target, "__name__", "") in _RECOMPUTED
     return n.op == "call_method" and n.target in _RECOMPUTED
 
 

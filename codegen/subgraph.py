@@ -85,7 +85,7 @@ def insert_region_call(lg: fx.Graph, env: dict, code: RegionCode, nodes: dict[st
 
 
 def region_methods(code: RegionCode, nodes: dict[str, fx.Node]) -> tuple[list[str], dict, dict[str, int]]:
-    """(method sources, their globals, module path -> owning sub-grid) for one region."""
+    """(method sources, their globals, module path or directly read weight -> owning sub-grid) for one region."""
     r = code.region
     if r.kind == "heads":
         return _heads_method(code, nodes[r.fork])
@@ -105,6 +105,9 @@ def region_methods(code: RegionCode, nodes: dict[str, fx.Node]) -> tuple[list[st
             env[x] = pg.node_copy(n, arg)
             if n.op == "call_module":
                 owners[str(n.target)] = r.owners[k]
+            for a in n.all_input_nodes:   # a weight the path reads directly (torch.export) is its own too
+                if a.op == "get_attr":
+                    owners[str(a.target)] = r.owners[k]
         pg.output(env[exit_])
         name = f"{code.name}_path_{k}"
         src, gl = graph_method(pg, name)

@@ -162,7 +162,8 @@ def check_splittable(graph: ModelGraph, sub_grids: int) -> tuple[Region, ...]:
 
 
 def module_owners(graph: ModelGraph, regions: tuple[Region, ...]) -> dict[str, int]:
-    """Module path -> the sub-grid that holds it, for every module called inside a split path."""
+    """Module path (or, for a weight an ATen graph reads directly, its name) -> the sub-grid that
+    holds it, for everything called or read inside a split path."""
     info = {n.name: n for n in graph.nodes}
     out: dict[str, int] = {}
     for r in regions:
@@ -170,6 +171,9 @@ def module_owners(graph: ModelGraph, regions: tuple[Region, ...]) -> dict[str, i
             for x in path:
                 if info[x].op == "call_module" and info[x].module_path:
                     out[info[x].module_path] = owner
+                for i in info[x].inputs:   # torch.export: the op reads its weight through a get_attr
+                    if i in info and info[i].op == "get_attr" and info[i].kind == "param":
+                        out[info[i].target] = owner
     return out
 
 

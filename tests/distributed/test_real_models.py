@@ -25,6 +25,17 @@ from runtime.verify import MARGIN, one_ulp, stats_groups
 from tests.real_models import CONFIGS, HF, HF_ARCHS, assert_verified, emit_fixed, emit_optimized
 
 TWO_RANKS = ("d2", "d2_zero3", "t2", "p2_interleaved")
+# the other knobs, each on a model where it matters: (model kwargs, config, micro-batch)
+EXTRA_TWO = {
+    "llama_t2_recompute_full": ({"arch": "llama"}, dict(tensor=2, recompute="full"), 2),
+    "t5_p2_recompute_selective": ({"arch": "t5"}, dict(pipeline=2, recompute="selective"), 2),
+    "llama_subgraph2": ({"arch": "llama"}, dict(subgraph=2), 2),          # SwiGLU's gate and up paths apart
+    "gpt2_p2_bidirectional": ({"arch": "gpt2"}, dict(pipeline=2, bidirectional=True), 4),   # tie in the pair
+}
+EXTRA_FOUR = {
+    "gpt2_d2p2_zero3": ({"arch": "gpt2"}, dict(data=2, pipeline=2, zero=3), 2),   # tie summed over ZeRO shards
+    "bert_d2t2": ({"arch": "bert"}, dict(data=2, tensor=2), 2),                  # odd vocabulary padded, tied head
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +47,7 @@ def root(tmp_path_factory):
 def two_rank_runs(root):
     builds = {f"{a}_{c}": emit_fixed(root, HF, {"arch": a}, f"{a}_{c}", CONFIGS[c]) for a in HF_ARCHS
               for c in TWO_RANKS}
+    builds.update({name: emit_fixed(root, HF, kw, name, cfg, micro=mb) for name, (kw, cfg, mb) in EXTRA_TWO.items()})
     return dict(zip(builds, run_many(list(builds.values()), steps=3, timeout=60, verify=True)))
 
 
@@ -43,6 +55,7 @@ def two_rank_runs(root):
 def four_rank_runs(root):
     builds = {f"{a}_d2p2": emit_fixed(root, HF, {"arch": a}, f"{a}_d2p2", CONFIGS["d2p2"]) for a in HF_ARCHS}
     builds.update({f"{a}_optimized": emit_optimized(root, HF, {"arch": a}, f"{a}_optimized") for a in HF_ARCHS})
+    builds.update({name: emit_fixed(root, HF, kw, name, cfg, micro=mb) for name, (kw, cfg, mb) in EXTRA_FOUR.items()})
     return dict(zip(builds, run_many(list(builds.values()), steps=3, timeout=60, verify=True)))
 
 
@@ -56,6 +69,16 @@ def test_hugging_face_model_on_two_ranks_equals_single_process(two_rank_runs, ar
 @pytest.mark.parametrize("config", ("d2p2", "optimized"))
 def test_hugging_face_model_on_four_ranks_equals_single_process(four_rank_runs, arch, config):
     assert_verified(four_rank_runs[f"{arch}_{config}"], f"{arch} {config}")
+
+
+@pytest.mark.parametrize("name", sorted(EXTRA_TWO))
+def test_recompute_subgraph_and_bidirectional_on_two_ranks(two_rank_runs, name):
+    assert_verified(two_rank_runs[name], name)
+
+
+@pytest.mark.parametrize("name", sorted(EXTRA_FOUR))
+def test_zero3_ties_and_padded_tensor_parallelism_on_four_ranks(four_rank_runs, name):
+    assert_verified(four_rank_runs[name], name)
 
 
 def test_tied_weight_across_stages_is_summed_and_converted_tied(root, tmp_path):
