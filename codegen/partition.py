@@ -30,6 +30,7 @@ from codegen.subgraph import (insert_region_call, layer_regions, region_code, re
                               skipped_nodes, subgraph_init)
 from codegen.tensor_split import TensorSplitError, split_graph
 from planner.graph import ModelGraph
+from planner.ops import module_path_of, op_base
 from planner.plan import Plan
 from runtime.materialize import RUNTIME_ATTRS, model_signature
 from runtime.recompute import Recompute
@@ -216,8 +217,7 @@ def _running_stats(g: fx.Graph, gm: fx.GraphModule, members: list[fx.Node]) -> t
             mod = gm.get_submodule(str(n.target))
             if isinstance(mod, torch.nn.modules.batchnorm._NormBase) and mod.track_running_stats:
                 out += [f"{n.target}.running_mean", f"{n.target}.running_var"]
-        elif n.op == "call_function" and getattr(getattr(n.target, "_overloadpacket", None), "__name__", "") \
-                in _BATCH_NORM_OPS:
+        elif n.op == "call_function" and op_base(n.target) in _BATCH_NORM_OPS:
             for a in n.all_input_nodes:
                 if a.op == "get_attr" and str(a.target).rsplit(".", 1)[-1] in ("running_mean", "running_var"):
                     out.append(str(a.target))
@@ -226,8 +226,6 @@ def _running_stats(g: fx.Graph, gm: fx.GraphModule, members: list[fx.Node]) -> t
 
 def _check_runnable(gm: fx.GraphModule) -> None:
     """PartitionError naming the op and module path of anything generated code cannot call."""
-    from planner.export_graph import module_path_of
-
     state = {*dict(gm.named_parameters(remove_duplicate=False)), *dict(gm.named_buffers(remove_duplicate=False))}
     for n in gm.graph.nodes:
         if n.op == "get_attr" and str(n.target) not in state and str(n.target) not in RUNTIME_ATTRS:
@@ -420,8 +418,7 @@ _RECOMPUTED = ("scaled_dot_product_attention", "softmax", "_softmax", "_safe_sof
 def _recomputed(n: fx.Node) -> bool:
     """The attention core selective recomputation drops: fused attention and softmax calls."""
     if n.op == "call_function":
-        packet = getattr(n.target, "_overloadpacket", None)   # an ATen op (torch.export): its base name
-        return getattr(packet or n.target, "__name__", "") in _RECOMPUTED
+        return op_base(n.target) in _RECOMPUTED
     return n.op == "call_method" and n.target in _RECOMPUTED
 
 

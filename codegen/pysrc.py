@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from planner.ops import module_stack
+
 # Globals fx always provides, and how to write them in a standalone file.
 _STANDARD = {
     "torch": "import torch",
@@ -85,14 +87,10 @@ def graph_method(graph: fx.Graph, method: str, indent: str = "    ") -> tuple[st
 
 def _origin(node: fx.Node) -> tuple[str, str, str] | None:
     """(module path, class name, source line) a node was traced from, or None."""
-    stack = node.meta.get("nn_module_stack") or {}
+    stack = module_stack(node)
     if not stack:
         return None
-    path, cls = list(stack.values())[-1]
-    path = str(path)
-    for prefix in ("L['self'].", "L__self__.", "self."):
-        path = path.removeprefix(prefix)
-    cls = cls if isinstance(cls, str) else getattr(cls, "__qualname__", "")
+    path, cls = stack[-1]
     trace = (node.meta.get("stack_trace") or "").strip().splitlines()
     code = trace[-1].strip() if trace and not trace[-1].lstrip().startswith("File ") else ""
     return path, cls.rsplit(".", 1)[-1], code[:100]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from planner.ops import op_base
 from runtime.materialize import RUN_DEVICE
 
 _INT_OPS = {"sym_size", "mul", "add", "sub", "floordiv", "truediv", "mod", "neg", "sym_max", "sym_min",
@@ -48,11 +49,6 @@ def debake_devices(graph: fx.Graph) -> int:
     return count
 
 
-def _base(target) -> str:
-    packet = getattr(target, "_overloadpacket", None)
-    return packet.__name__ if packet is not None else getattr(target, "__name__", str(target))
-
-
 def fold_batch_sizes(graph: fx.Graph, values: dict) -> int:
     """Replace `aten.sym_size.int` reads, and integer arithmetic on nothing but them and
     constants, by their values in `values` (node name -> value of a run at the build's
@@ -61,7 +57,7 @@ def fold_batch_sizes(graph: fx.Graph, values: dict) -> int:
     for n in list(graph.nodes):
         if n.op != "call_function" or not isinstance(values.get(n.name), int) or isinstance(values[n.name], bool):
             continue
-        base = _base(n.target)
+        base = op_base(n.target)
         ins = n.all_input_nodes
         if base == "sym_size" or (base in _INT_OPS and ins and all(a.name in folded for a in ins)):
             n.replace_all_uses_with(values[n.name])

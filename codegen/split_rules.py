@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from codegen.shape_rewrite import TensorSplitError, _norm_dim
 from codegen.weight_ops import weight_op
-from planner.ops import target_name
+from planner.ops import module_path_of, target_name
 from runtime.tensor_parallel import FeatureSplit
 
 
@@ -565,8 +565,6 @@ def _search(gm, roles, full, t):
 
 def _where(gm: fx.GraphModule, name: str) -> str:
     """" (aten.addmm at transformer.h.0.attn)": what a node calls and its module path, for messages."""
-    from planner.export_graph import module_path_of
-
     node = next((n for n in gm.graph.nodes if n.name == name), None)
     if node is None:
         return ""

@@ -43,7 +43,7 @@ from codegen.shape_rewrite import TensorSplitError, _rewrite, run_meta  # noqa: 
 from codegen.specialize import debake_devices, fold_batch_sizes
 from codegen.split_rules import Split, _feature_split, _search, _State
 from codegen.weight_ops import rewrite as rewrite_weight_ops, weight_op
-from planner.ops import target_name
+from planner.ops import module_path_of, target_name
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard
 
 
@@ -175,9 +175,7 @@ def _param_shards(gm: fx.GraphModule, st: _State, tensor: int) -> dict[str, Para
         if n.op == "get_attr" and str(n.target) in out:
             for u in n.users:
                 if u.name not in split_users:
-                    from planner.export_graph import module_path_of
-
-                    raise TensorSplitError(f"weight {n.target} is split over the tensor axis, but {u.name!r} "
+                                    raise TensorSplitError(f"weight {n.target} is split over the tensor axis, but {u.name!r} "
                                            f"({target_name(u, None)}) at {module_path_of(u) or 'the top level'} "
                                            "reads it whole; split both users of a tied weight, or neither")
     return out

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from planner.ops import op_base
 from runtime.materialize import TENSOR_GROUP
 from runtime.tensor_parallel import (FeatureSplit, copy_to_group, reduce_from_group, scatter_to_group,
                                      vocab_parallel_embedding)
@@ -50,11 +51,6 @@ class WeightOp:
     feature_dim: int
 
 
-def _base(n: fx.Node) -> str:
-    packet = getattr(n.target, "_overloadpacket", None)
-    return packet.__name__ if packet is not None else ""
-
-
 def _attr(a) -> fx.Node | None:
     return a if isinstance(a, fx.Node) and a.op == "get_attr" else None
 
@@ -63,7 +59,7 @@ def weight_op(n: fx.Node) -> WeightOp | None:
     """The WeightOp `n` is, or None (not one of the ops above, or its weight is not a get_attr)."""
     if n.op != "call_function":
         return None
-    base, args = _base(n), n.args
+    base, args = op_base(n.target), n.args
     if base == "linear" and len(args) >= 2 and _attr(args[1]):
         bias = _attr(args[2]) if len(args) > 2 else _attr(n.kwargs.get("bias"))
         return WeightOp("linear", args[0], args[1], bias, 0, 1, -1)

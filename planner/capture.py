@@ -37,7 +37,7 @@ from planner.branches import find_branches
 from planner.export_graph import export_dynamic_batch
 from planner.graph import ModelGraph, OpInfo, TensorMeta
 from planner.layers import NodeView, find_layers
-from planner.ops import classify, target_name
+from planner.ops import classify, module_path_of, module_stack, target_name
 
 
 class CaptureError(ValueError):
@@ -557,25 +557,10 @@ def _bwd_flops(node, module, env, st: _State, fwd_flops: int) -> int:
 # module paths and fingerprint
 
 
-def _stack(node) -> list[tuple[str, str]]:
-    """The node's module stack, outermost first, as (path, class name)."""
-    raw = node.meta.get("nn_module_stack") or {}
-    out = []
-    for path, cls in raw.values():
-        path = str(path)
-        for prefix in ("L['self'].", "L__self__.", "self."):
-            if path.startswith(prefix):
-                path = path[len(prefix):]
-        cls_name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
-        out.append((path, cls_name))
-    return out
-
-
 def _module_path(node) -> str:
     if node.op == "call_module":
         return str(node.target)
-    st = _stack(node)
-    return st[-1][0] if st else ""
+    return module_path_of(node)
 
 
 _CONTAINERS = ("Sequential", "ModuleList", "ModuleDict")
@@ -587,7 +572,7 @@ def _owner(node) -> str:
     The shallowest module on the stack whose path ends in an index and which
     is not a container: transformer blocks, ResNet blocks, Sequential items.
     """
-    stack = _stack(node)
+    stack = module_stack(node)
     if node.op == "call_module":
         stack = stack + [(str(node.target), "")]
     for path, cls in stack:

@@ -34,29 +34,14 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+from planner.ops import module_path_of, op_base
+
 _CHECKS = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range", "sym_constrain_range_for_size",
            "_assert_async")
 
 
 class ExportGraphError(ValueError):
     """Something in a torch.export graph that meshplan cannot flatten; names the op and module path."""
-
-
-def _op_name(target: Any) -> str:
-    packet = getattr(target, "_overloadpacket", None)
-    return packet.__name__ if packet is not None else getattr(target, "__name__", str(target))
-
-
-def module_path_of(node: fx.Node) -> str:
-    """The innermost module path of a node ("" for the top level)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = str(list(stack.values())[-1][0])
-    for prefix in ("L['self'].", "L__self__.", "self."):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
-    return path
 
 
 def tidy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -67,7 +52,7 @@ def tidy(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if n.op == "call_module" and n.target == "_guards_fn":
             graph.erase_node(n)
-        elif n.op == "call_function" and _op_name(n.target) in _CHECKS:
+        elif n.op == "call_function" and op_base(n.target) in _CHECKS:
             graph.erase_node(n)
     for n in list(graph.nodes):
         if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):

@@ -79,6 +79,33 @@ for _kind, _names in {
         _NAME_KINDS[_n] = _kind
 
 
+def op_base(target) -> str:
+    """The base name of what a call_function node calls: "addmm" for aten.addmm.default, the
+    function's __name__ otherwise."""
+    packet = getattr(target, "_overloadpacket", None)
+    return packet.__name__ if packet is not None else getattr(target, "__name__", str(target))
+
+
+def module_stack(node) -> list[tuple[str, str]]:
+    """The node's module stack (fx and torch.export record it), outermost first, as (path, class name)."""
+    raw = node.meta.get("nn_module_stack") or {}
+    out = []
+    for path, cls in raw.values():
+        path = str(path)
+        for prefix in ("L['self'].", "L__self__.", "self."):
+            if path.startswith(prefix):
+                path = path[len(prefix):]
+        cls_name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+        out.append((path, cls_name))
+    return out
+
+
+def module_path_of(node) -> str:
+    """The innermost module path of a node ("" for the top level)."""
+    stack = module_stack(node)
+    return stack[-1][0] if stack else ""
+
+
 def target_name(node, module: nn.Module | None) -> str:
     """A stable, readable name for what a node calls.
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from runtime.running_stats import batchnorm_modules, load_statistics, statistics
 
 
 class _RestoreStatistics:
@@ -27,20 +28,17 @@ class _RestoreStatistics:
         self._modules = modules
 
     def __enter__(self):
-        self._saved = [[b.detach().clone() for b in m.buffers(recurse=False)] for m in self._modules]
+        self._saved = statistics(self._modules)
 
     def __exit__(self, *exc):
-        with torch.no_grad():
-            for m, saved in zip(self._modules, self._saved):
-                for b, v in zip(m.buffers(recurse=False), saved):
-                    b.copy_(v)
+        load_statistics(self._modules, self._saved)
         return False
 
 
 def keep_statistics(module: nn.Module) -> Callable:
     """A torch.utils.checkpoint context_fn: the forward runs as usual; the recomputation in backward
     leaves the running statistics of `module`'s BatchNorm layers as the forward left them."""
-    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    norms = batchnorm_modules(module)
     if not norms:
         return lambda: (contextlib.nullcontext(), contextlib.nullcontext())
     return lambda: (contextlib.nullcontext(), _RestoreStatistics(norms))

@@ -30,6 +30,7 @@ from torch import nn
 from runtime.data import DataSource, call_model
 from runtime.losses import compute_loss
 from runtime.materialize import build_model, load_factory
+from runtime.running_stats import batchnorm_modules, load_statistics, statistics
 from runtime.spec import TrainSpec
 from runtime.tensor_parallel import FeatureSplit
 
@@ -57,45 +58,30 @@ def autocast_for(spec: TrainSpec):
         torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype])
 
 
-def _stat_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
-
-
-def _stats_state(mods: list[nn.Module]) -> list[list[torch.Tensor]]:
-    return [[b.detach().clone() for b in m.buffers(recurse=False)] for m in mods]
-
-
-def _load_stats(mods: list[nn.Module], state: list[list[torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for m, saved in zip(mods, state):
-            for b, v in zip(m.buffers(recurse=False), saved):
-                b.copy_(v)
-
-
 def reference_step(model: nn.Module, spec: TrainSpec, chunks: list, stats_groups: list[int] | None = None) -> float:
     """Forward and backward of one global batch (gradients accumulate into .grad); the mean loss.
 
     stats_groups[c]: which rank runs chunk c (None: one rank); BatchNorm statistics are
     updated per group from the step's starting values, then averaged over the groups.
     """
-    mods = _stat_modules(model)
+    mods = batchnorm_modules(model)
     groups = stats_groups or [0] * len(chunks)
     if len(groups) != len(chunks):
         raise ValueError(f"{len(chunks)} chunks but BatchNorm groups for {len(groups)}; the reference's micro-batch "
                          "size differs from the run's")
-    start = _stats_state(mods)
+    start = statistics(mods)
     state = {g: start for g in dict.fromkeys(groups)}
     total = 0.0
     cast = autocast_for(spec)
     for c, (inputs, targets) in enumerate(chunks):
         if mods:
-            _load_stats(mods, state[groups[c]])
+            load_statistics(mods, state[groups[c]])
         with cast:
             loss = compute_loss(spec.loss, call_model(model, inputs), targets)
         (loss / len(chunks)).backward()
         total += float(loss.detach()) / len(chunks)
         if mods:
-            state[groups[c]] = _stats_state(mods)
+            state[groups[c]] = statistics(mods)
     if mods and len(state) > 1:
         mean = []
         for k, m in enumerate(mods):
@@ -109,9 +95,9 @@ def reference_step(model: nn.Module, spec: TrainSpec, chunks: list, stats_groups
                 else:
                     vals.append(state[groups[0]][k][j])
             mean.append(vals)
-        _load_stats(mods, mean)
+        load_statistics(mods, mean)
     elif mods:
-        _load_stats(mods, state[groups[0]])
+        load_statistics(mods, state[groups[0]])
     return total
 
 

@@ -17,6 +17,24 @@ from torch import nn
 from runtime.comm import DoneHandle, Group, Handle
 
 
+def batchnorm_modules(module: nn.Module) -> list[nn.Module]:
+    """The BatchNorm layers of `module` that keep running statistics."""
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+
+
+def statistics(mods: list[nn.Module]) -> list[list[torch.Tensor]]:
+    """A copy of each layer's buffers (running mean, variance, batches tracked)."""
+    return [[b.detach().clone() for b in m.buffers(recurse=False)] for m in mods]
+
+
+def load_statistics(mods: list[nn.Module], state: list[list[torch.Tensor]]) -> None:
+    """Put buffers saved by `statistics` back."""
+    with torch.no_grad():
+        for m, saved in zip(mods, state):
+            for b, v in zip(m.buffers(recurse=False), saved):
+                b.copy_(v)
+
+
 class _Average:
     def __init__(self, handle: Handle, flat: torch.Tensor, tensors: list[torch.Tensor], size: int):
         self._handle, self._flat, self._tensors, self._size = handle, flat, tensors, size
