@@ -115,7 +115,7 @@ def _norm(t: torch.Tensor) -> float:
 NUDGE = {"bf16": 2.0 ** -9, "fp16": 2.0 ** -12}
 
 
-def one_ulp(model: nn.Module, seed: int = 12345, dtype: str = "fp32") -> None:
+def nudge(model: nn.Module, seed: int = 12345, dtype: str = "fp32") -> None:
     """Move every parameter by a rounding-level step of `dtype`, up or down at random (seeded)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -194,7 +194,7 @@ def _evaluate(model: nn.Module, spec: TrainSpec, state, start, chunks: list, gro
             if name in buffers:
                 buffers[name].copy_(b)
     if perturb_seed is not None:
-        one_ulp(model, perturb_seed, spec.dtype)
+        nudge(model, perturb_seed, spec.dtype)
     for p in named.values():
         p.grad = None
     loss = reference_step(model, spec, chunks, groups)
@@ -294,7 +294,7 @@ def _check_trajectory(cmp: Comparison, build: Path, spec: TrainSpec, programs: d
     total = first_step + steps
     ref = reference_run(spec, total, micro_batch_size=mb, stats_groups=groups)
     twin = reference_run(spec, total, micro_batch_size=mb, stats_groups=groups,
-                         perturb=lambda m: one_ulp(m, dtype=spec.dtype))
+                         perturb=lambda m: nudge(m, dtype=spec.dtype))
     with rank_threads():
         init = dict(build_model(spec).named_parameters())
     ref_losses, twin_losses = ref.losses[first_step:], twin.losses[first_step:]

@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 from runtime.recompute import keep_statistics
 from runtime.reference import reference_step
 from runtime.spec import TrainSpec
-from runtime.verify import NUDGE, one_ulp
+from runtime.verify import NUDGE, nudge
 
 
 class BN(nn.Module):
@@ -63,12 +63,12 @@ def test_rounding_level_twin_moves_every_parameter_by_one_step():
     torch.manual_seed(0)
     model = nn.Linear(5, 7)
     before = [p.detach().clone() for p in model.parameters()]
-    one_ulp(model, seed=1)
+    nudge(model, seed=1)
     for p, b in zip(model.parameters(), before):
         up, down = torch.nextafter(b, torch.tensor(float("inf"))), torch.nextafter(b, torch.tensor(-float("inf")))
         assert torch.all((p == up) | (p == down))
     model = nn.Linear(5, 7)
     before = [p.detach().clone() for p in model.parameters()]
-    one_ulp(model, seed=1, dtype="bf16")
+    nudge(model, seed=1, dtype="bf16")
     for p, b in zip(model.parameters(), before):
         torch.testing.assert_close((p - b).abs(), b.abs() * NUDGE["bf16"])
