@@ -47,7 +47,31 @@ def test_export_graph_is_flat():
     targets = [str(n.target) for n in gm.graph.nodes]
     assert not any("higher_order" in t or "wrap_with" in t for t in targets)     # no-grad rotary inlined
     assert "_guards_fn" not in targets and not any("_assert" in t for t in targets)
-    assert any(n.target == torch.ops.aten.detach.default for n in gm.graph.nodes)
+
+
+class _NoGradScale(nn.Module):
+    """A no-grad region (as transformers' rotary embeddings used to have) between two layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            s = h.abs().amax(dim=-1, keepdim=True) + 1.0
+        return self.b(h / s)
+
+
+def test_no_grad_region_is_inlined_with_detached_outputs():
+    from planner.export_graph import export_dynamic_batch
+    torch.manual_seed(0)
+    model = _NoGradScale()
+    x = torch.randn(3, 4)
+    gm = export_dynamic_batch(model, (x,), {}, batch_dim=0, batch_size=3)
+    targets = [str(n.target) for n in gm.graph.nodes]
+    assert not any("wrap_with" in t or "higher_order" in t for t in targets)
+    assert sum(n.target == torch.ops.aten.detach.default for n in gm.graph.nodes) == 1
 
 
 def test_tied_weight_is_held_by_both_stages_and_summed_over_their_positions():
