@@ -79,15 +79,21 @@ def checkpoint_args(args: argparse.Namespace) -> list[str]:
 
 def run_command(args: argparse.Namespace) -> int:
     from runtime.launcher import read_build, run_local
+    from runtime.lifetime import Interrupted
 
     info = read_build(args.build)
     print(f"running {args.build}: {info['world_size']} processes ({args.backend}), {args.steps} step(s)",
           flush=True)
-    res = run_local(args.build, steps=args.steps, backend=args.backend, timeout=args.timeout, verify=args.verify,
-                    rtol=args.rtol, atol=args.atol,
-                    extra_args=(["--track-memory"] if getattr(args, "track_memory", False) else [])
-                    + (["--probe-comm"] if getattr(args, "probe_comm", False) else [])
-                    + checkpoint_args(args))
+    try:
+        res = run_local(args.build, steps=args.steps, backend=args.backend, timeout=args.timeout,
+                        verify=args.verify, rtol=args.rtol, atol=args.atol,
+                        extra_args=(["--track-memory"] if getattr(args, "track_memory", False) else [])
+                        + (["--probe-comm"] if getattr(args, "probe_comm", False) else [])
+                        + ["--heartbeat-timeout", str(getattr(args, "heartbeat_timeout", 30.0))]
+                        + checkpoint_args(args))
+    except Interrupted as e:
+        print(f"meshplan run: {e}; every rank was stopped (logs in {Path(args.build) / 'run'})", file=sys.stderr)
+        return 128 + e.signum
     errors = [ln for ln in res.output.splitlines() if "error" in ln.lower() or "stopping" in ln.lower()]
     if res.returncode != 0:
         print(f"meshplan run: the run failed (exit status {res.returncode}):", file=sys.stderr)

@@ -106,6 +106,7 @@ def run_workers(ranks: int, *, quick: bool = True, backend: str = "gloo", timeou
                 progress: Callable[[str], None] | None = print) -> list[dict]:
     """Start `ranks` calibration processes on this machine and return each rank's results."""
     from runtime.launcher import free_port, mpiexec_args
+    from runtime.lifetime import Children
 
     if ranks < 2:
         raise CalibrationError(f"calibration needs at least 2 ranks to measure communication, got {ranks}")
@@ -116,28 +117,29 @@ def run_workers(ranks: int, *, quick: bool = True, backend: str = "gloo", timeou
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        if backend == "mpi":
-            procs = [subprocess.Popen([*mpiexec_args(ranks), "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",
-                                       *base, "--rank", "0"], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)]
-        else:
-            procs = [subprocess.Popen([*base, "--rank", str(r)], env=env, text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT) for r in range(ranks)]
-        lines: list[str] = []
-        try:
-            for line in procs[0].stdout:  # rank 0 reports progress line by line
-                lines.append(line.rstrip())
-                if progress:
-                    progress(line.rstrip())
-            deadline = time.monotonic() + timeout
-            codes = [p.wait(timeout=max(deadline - time.monotonic(), 1.0)) for p in procs]
-        except subprocess.TimeoutExpired:
-            codes = [124]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        with Children() as children:  # no calibration process outlives this one (runtime/lifetime.py)
+            if backend == "mpi":
+                procs = [children.popen([*mpiexec_args(ranks), "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",
+                                         *base, "--rank", "0"], env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, direct=False)]
+            else:
+                procs = [children.popen([*base, "--rank", str(r)], env=env, text=True, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT) for r in range(ranks)]
+            lines: list[str] = []
+            try:
+                for line in procs[0].stdout:  # rank 0 reports progress line by line
+                    lines.append(line.rstrip())
+                    if progress:
+                        progress(line.rstrip())
+                deadline = time.monotonic() + timeout
+                codes = [p.wait(timeout=max(deadline - time.monotonic(), 1.0)) for p in procs]
+            except subprocess.TimeoutExpired:
+                codes = [124]
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
         others = [p.stdout.read() for p in procs[1:]]
         if any(codes):
             tail = "\n".join((lines + [ln for o in others for ln in o.splitlines()])[-15:])

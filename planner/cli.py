@@ -199,6 +199,9 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl", "mpi"])
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any communication may take")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                   help="seconds without a heartbeat after which a rank is named as not responding (stopped, "
+                        "hung or dead) and the run stops; independent of --timeout (default 30)")
     p.add_argument("--verify", action="store_true",
                    help="also run the single-process reference; exit 1 if loss or parameters differ")
     p.add_argument("--track-memory", action="store_true",

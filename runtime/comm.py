@@ -26,14 +26,38 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import sys
 import time
 from typing import Callable, Protocol, Sequence
 
 import torch
 
+from runtime.jobauth import SECRET_ENV, Signer, shown
+from runtime.store_host import StoreBindError, host_store
+
 ABORT_KEY = "meshplan/abort"
 ACK_KEY = "meshplan/abort_acks"
 REDUCE_OPS = ("sum", "max", "min")
+
+
+def read_abort(store, signer: Signer, rank: int) -> str | None:
+    """The failure reason published on `store` (under ABORT_KEY), if one was signed with this
+    job's secret. A value that fails verification is logged, removed (so the real reason can be
+    published) and ignored."""
+    if not store.check([ABORT_KEY]):
+        return None
+    value = store.get(ABORT_KEY)
+    reason = signer.verify(value)
+    if reason is None:
+        print(f"meshplan rank {rank}: warning: ignored a failure message on the rendezvous store that fails "
+              f"authentication ({shown(value)}): not from this job's ranks (wrong or missing {SECRET_ENV})",
+              file=sys.stderr, flush=True)
+        try:
+            store.compare_set(ABORT_KEY, value, "")
+            store.delete_key(ABORT_KEY)
+        except Exception:
+            pass
+    return reason or None
 
 
 class CommError(RuntimeError):
@@ -248,11 +272,13 @@ class TorchCommunicator:
         master_addr, master_port: where the TCPStore lives (rank 0 hosts it unless
             `use_agent_store`, as under torchrun, where the launcher's agent does).
         timeout: seconds before a rendezvous or collective gives up.
+        signer: signs and checks the failure reasons on the store (runtime/jobauth.py).
+            A store this rank hosts listens on `master_addr` only (runtime/store_host.py).
     """
 
     def __init__(self, backend: str, rank: int, world_size: int, master_addr: str, master_port: int,
                  timeout: float = 300.0, use_agent_store: bool = False, device: torch.device | None = None,
-                 prefix: str = "meshplan"):
+                 prefix: str = "meshplan", signer: Signer | None = None):
         import torch.distributed as dist
 
         if backend not in ("gloo", "nccl"):
@@ -271,9 +297,13 @@ class TorchCommunicator:
         if backend == "nccl":
             torch.cuda.set_device(device)
         self._hosts_store = rank == 0 and not use_agent_store
+        self.signer = signer or Signer()
         try:
-            raw = dist.TCPStore(master_addr, int(master_port), world_size, self._hosts_store, timeout=self._td,
-                                wait_for_workers=False)
+            raw = host_store(master_addr, int(master_port), self.timeout, world_size).store if self._hosts_store \
+                else dist.TCPStore(master_addr, int(master_port), world_size, False, timeout=self._td,
+                                   wait_for_workers=False)
+        except StoreBindError:
+            raise
         except Exception as e:
             raise CommError(f"rank {rank}: cannot reach the rendezvous store at {master_addr}:{master_port} "
                             f"within {self.timeout:.0f} s ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
@@ -330,7 +360,7 @@ class TorchCommunicator:
         connections, so every peer waiting on it fails and reads the reason."""
         self._failed = True
         try:
-            self.store.compare_set(ABORT_KEY, "", reason)
+            self.store.compare_set(ABORT_KEY, "", self.signer.sign(reason))
         except Exception:
             pass
         self._linger(grace)
@@ -350,8 +380,9 @@ class TorchCommunicator:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if self.store.check([ABORT_KEY]):
-                    return self.store.get(ABORT_KEY).decode()
+                reason = read_abort(self.store, self.signer, self.rank)
+                if reason:
+                    return reason
             except Exception:  # the store is gone (its host exited)
                 return None
             if time.monotonic() >= deadline:
@@ -378,7 +409,7 @@ class TorchCommunicator:
         found = self.diagnose()
         if found:
             try:
-                self.store.compare_set(ABORT_KEY, "", found)
+                self.store.compare_set(ABORT_KEY, "", self.signer.sign(found))
             except Exception:
                 return found
         return self.failure_reason(timeout=0.5 if found else 2.0) or found

@@ -1,12 +1,14 @@
 """Test-only fault injection: make one rank fail in a chosen way at a chosen point.
 
-    --fail-at RANK:STEP:INSTR --fault raise|sigkill|hang
+    --fail-at RANK:STEP:INSTR --fault raise|sigkill|hang|sigstop
     --fail-at RANK:STEP:0 --fault sigkill-in-save
 
 raise:           the instruction raises (the rank reports its reason and exits);
 sigkill:         the process kills itself with SIGKILL (no reason is published,
                  nothing is cleaned up: what a crashed host or the OOM killer does);
 hang:            the rank stops responding inside the instruction (sleeps forever);
+sigstop:         the process stops itself with SIGSTOP (alive, but nothing in it runs:
+                 not even its watchdog; what a frozen host or a debugger does);
 sigkill-in-save: SIGKILL when half of the rank's file of the checkpoint saved
                  after step STEP is on disk.
 
@@ -21,7 +23,7 @@ import signal
 import sys
 import time
 
-FAULTS = ("raise", "sigkill", "hang", "sigkill-in-save")
+FAULTS = ("raise", "sigkill", "hang", "sigstop", "sigkill-in-save")
 
 
 class InjectedFault(RuntimeError):
@@ -40,6 +42,9 @@ def inject(kind: str, rank: int, where: str) -> None:
     announce(rank, f"{kind} in {where}")
     if kind in ("sigkill", "sigkill-in-save"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     if kind == "hang":
         while True:
             time.sleep(3600)

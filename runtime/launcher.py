@@ -4,8 +4,15 @@ gloo / nccl: one process per rank, started directly with the environment
 torchrun would give them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT); mpi: `mpiexec -n N` from the Python environment. If a rank
 exits with an error, the others get `grace` seconds to exit with the
-reason (they normally do at once) before they are killed: nothing is left
-running.
+reason (they normally do at once) before they are killed (a stopped rank at
+once): nothing is left running. Nothing outlives the launcher either
+(runtime/lifetime.py): the ranks run in a session of their own, get the
+signal that stops the launcher, and die with it if it is killed.
+
+Network: the launcher hosts each build's rendezvous store on 127.0.0.1 only
+(runtime/store_host.py), gloo and NCCL sockets use the loopback interface,
+and the run's failure messages and heartbeats are signed with a secret made
+for this run and passed to the ranks in their environment (runtime/jobauth.py).
 
 Afterwards the per-rank Timelines are merged into build/timeline.json and
 build/trace.json (open in ui.perfetto.dev); `verify` runs the
@@ -25,6 +32,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.jobauth import SECRET_ENV, new_secret
+from runtime.lifetime import HEARTBEAT_STORE_ENV, Children, process_state
+from runtime.store_host import LOOPBACK, host_store
 from runtime.trace import Timeline
 from runtime.verify import Comparison, verify_build
 
@@ -121,11 +131,12 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
             shutil.rmtree(b / "run")
         (b / "run").mkdir(parents=True)
     log_dir = builds[0] / "run"
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONUNBUFFERED"] = "1"
+    env = local_env(dict(os.environ))
     wall = wall_timeout or len(builds) * (timeout * 3 + 60 * steps)
-    per_build = [[*base, "--master-port", str(free_port())] for _ in builds]
+    # The launcher hosts each build's rendezvous store (as torchrun's agent does), so the store
+    # outlives any rank: a failing rank 0 can still tell the others why. MPI runs use one for heartbeats.
+    stores = [host_store(LOOPBACK, 0, timeout) for _ in (builds if backend != "mpi" else builds[:1])]
+    per_build = [[*base, "--master-port", str(st.port)] for st in stores] if backend != "mpi" else [base]
     if through_workers:
         cmd = [sys.executable, "-m", "runtime.worker"]
         for b, a in zip(builds, per_build):
@@ -133,43 +144,47 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     else:
         cmd = [sys.executable, str(builds[0] / "run_rank.py"), *base]
     if backend == "mpi":
-        cmd = [*mpiexec_args(world), "-x", "OMP_NUM_THREADS", *cmd]
+        env[HEARTBEAT_STORE_ENV] = f"{LOOPBACK}:{stores[0].port}"
+        cmd = [*mpiexec_args(world), *[x for k in ("OMP_NUM_THREADS", SECRET_ENV, HEARTBEAT_STORE_ENV)
+                                       for x in ("-x", k)], *cmd]
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(k, None)
         log = log_dir / "mpiexec.log"
-        with log.open("w") as f:
+        with log.open("w") as f, Children() as children:
+            proc = children.popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, direct=False)
             try:
-                rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=wall).returncode
+                rc = proc.wait(timeout=wall)
             except subprocess.TimeoutExpired:
                 rc = 124
         output = log.read_text()
     else:
-        # The launcher hosts each build's rendezvous store (as torchrun's agent does), so the
-        # store outlives any rank: a failing rank 0 can still tell the others why.
-        stores = [_host_store(  # noqa: F841  (held: the stores must outlive the ranks)
-            int(a[a.index("--master-port") + 1]), timeout) for a in per_build]
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         if not through_workers:
             cmd += ["--master-port", per_build[0][-1]]
         port = int(per_build[0][-1])
-        procs, logs = [], []
-        for r in range(world):
-            e = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            log = (log_dir / f"log_rank_{r:04d}.txt").open("w")
-            logs.append(log)
-            procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT))
+        logs = []
         exits: dict[int, tuple[int, float]] = {}
-        rc = _wait_all(procs, wall, grace, exits)
-        for log in logs:
-            log.close()
+        notes: dict[int, str] = {}
+        try:
+            with Children() as children:
+                for r in range(world):
+                    e = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                             MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port))
+                    log = (log_dir / f"log_rank_{r:04d}.txt").open("w")
+                    logs.append(log)
+                    children.popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT)
+                rc = _wait_all(children.procs, wall, grace, exits, notes)
+        finally:
+            for log in logs:
+                log.close()
         for r, (code, _t) in sorted(exits.items()):
             if code < 0:
                 with (log_dir / f"log_rank_{r:04d}.txt").open("a") as f:
-                    f.write(f"meshplan launcher: rank {r} was killed by signal {_signal_name(-code)}\n")
-        del stores
+                    f.write(f"meshplan launcher: rank {r} {notes[r]} (signal {_signal_name(-code)})\n" if r in notes
+                            else f"meshplan launcher: rank {r} was killed by signal {_signal_name(-code)}\n")
         output = "\n".join(f"[rank {r}] {line}" for r in range(world)
                            for line in (log_dir / f"log_rank_{r:04d}.txt").read_text().splitlines())
+    del stores
     if not quiet:
         print(output)
     results = []
@@ -205,13 +220,16 @@ def _resumed_step(args: list[str]) -> int:
     return Manifest.load(resolve_checkpoint(args[args.index("--resume") + 1])).step
 
 
-def _host_store(port: int, timeout: float):
-    import datetime
-
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=timeout),
-                         wait_for_workers=False)
+def local_env(env: dict) -> dict:
+    """The environment of a local run's ranks: one thread each, unbuffered output, a fresh job secret,
+    and gloo/NCCL sockets on the loopback interface (unless the user chose one)."""
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env[SECRET_ENV] = new_secret()
+    if Path("/sys/class/net/lo").exists():
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    return env
 
 
 def _signal_name(n: int) -> str:
@@ -224,11 +242,13 @@ def _signal_name(n: int) -> str:
 
 
 def _wait_all(procs: list[subprocess.Popen], wall: float, grace: float,
-              exits: dict[int, tuple[int, float]] | None = None) -> int:
-    """Wait for every process; `exits` receives rank -> (exit status, unix time seen)."""
+              exits: dict[int, tuple[int, float]] | None = None, notes: dict[int, str] | None = None) -> int:
+    """Wait for every process; `exits` receives rank -> (exit status, unix time seen), `notes`
+    rank -> how the launcher ended it, for the ranks it killed."""
     deadline = time.monotonic() + wall
     failed_at = None
     exits = {} if exits is None else exits
+    notes = {} if notes is None else notes
     while True:
         codes = [p.poll() for p in procs]
         for r, c in enumerate(codes):
@@ -240,9 +260,17 @@ def _wait_all(procs: list[subprocess.Popen], wall: float, grace: float,
         if failed_at is None and any(c not in (None, 0) for c in codes):
             failed_at = time.monotonic()
         now = time.monotonic()
+        if failed_at is not None:  # a stopped rank cannot exit by itself: end it now
+            for r, p in enumerate(procs):
+                if p.poll() is None and process_state(p.pid) == "stopped":
+                    notes[r] = f"(process {p.pid}) was alive but stopped when the run failed; killed by the launcher"
+                    p.kill()
         if now > deadline or (failed_at is not None and now - failed_at > grace):
-            for p in procs:
+            for r, p in enumerate(procs):
                 if p.poll() is None:
+                    notes.setdefault(r, f"(process {p.pid}) was still running "
+                                        + ("at the run's time limit" if failed_at is None else
+                                           f"{grace:.0f} s after another rank failed") + "; killed by the launcher")
                     p.kill()
             for r, p in enumerate(procs):
                 exits.setdefault(r, (p.wait(), time.time()))

@@ -36,6 +36,8 @@ from runtime.context import DistContext
 from runtime.data import DataSource
 from runtime.executor import Executor, RankFailure
 from runtime.faults import FAULTS, inject
+from runtime.jobauth import signer_from_env
+from runtime.lifetime import HEARTBEAT_STORE_ENV, die_with_launcher
 from runtime.grads import GradSync
 from runtime.materialize import (build_model_for_stages, build_stage, load_factory, meta_model, model_signature,
                                  separate_copies, set_tensor_group, signature_mismatch)
@@ -86,6 +88,9 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=1, help="optimizer steps to run")
     ap.add_argument("--out", default=default_out, help="where metrics and traces go (default: the build dir)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds any rendezvous or communication may take")
+    ap.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                    help="seconds without a heartbeat after which a rank is named as not responding and the run "
+                         "stops (independent of --timeout; default 30)")
     ap.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"))
     ap.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", "29500")))
     ap.add_argument("--save-params", action="store_true", help="save the final parameters of this rank's stages")
@@ -116,6 +121,9 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.steps < 1:
         raise LaunchError(f"--steps must be at least 1, got {args.steps}")
+    if not args.timeout > 0 or not args.heartbeat_timeout > 0:
+        raise LaunchError(f"--timeout and --heartbeat-timeout must be positive seconds, got {args.timeout} and "
+                          f"{args.heartbeat_timeout}")
     if args.save_every < 0 or (args.save_every and not args.checkpoint_dir):
         raise LaunchError("--save-every needs --checkpoint-dir and a count of at least 1")
     return args
@@ -295,9 +303,15 @@ def _world_broadcast(comm, world_size: int, device):
 
 
 def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
-    """Heartbeats and the abort watcher (runtime/watchdog.py), for the torch.distributed backends."""
+    """Heartbeats and the abort watcher (runtime/watchdog.py) on the rendezvous store; under MPI on the
+    store `meshplan run` hosts for them (HEARTBEAT_STORE_ENV), else none (the collective timeout)."""
     if p.backend == "mpi":
-        return None
+        where = os.environ.get(HEARTBEAT_STORE_ENV, "")
+        if not where:
+            return None
+        host, _, port = where.rpartition(":")
+    else:
+        host, port = p.args.master_addr, p.args.master_port
     instrs = p.program.instrs
 
     def position() -> tuple[int, int, str, str]:
@@ -307,12 +321,13 @@ def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
         ins = instrs[idx] if 0 <= idx < len(instrs) else None
         return step, idx, str(ins) if ins else "", ins.op if ins else ""
     try:
-        wd = Watchdog(p.rank, p.program.world_size, p.args.master_addr, p.args.master_port, position,
-                      grace=min(3.0, p.args.timeout)).start()
+        wd = Watchdog(p.rank, p.program.world_size, host, int(port), position, grace=min(3.0, p.args.timeout),
+                      heartbeat_timeout=p.args.heartbeat_timeout, signer=signer_from_env()).start()
     except Exception as e:  # no watchdog: failures are still reported, only less precisely
         print(f"meshplan rank {p.rank}: warning: no watchdog ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         return None
-    comm.diagnose = wd.diagnose
+    if p.backend != "mpi":
+        comm.diagnose = wd.diagnose
     return wd
 
 
@@ -326,6 +341,7 @@ def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: 
     process with status 1 (when exit_on_failure) after telling the other ranks.
     """
     local_threads_hint()
+    die_with_launcher()
     tag = f"meshplan rank {rank}"
     try:
         prep = prepare(rank=rank, program=program, stages=stages, train=train, signature=signature, argv=argv,
@@ -413,7 +429,7 @@ def _make_comm(backend: str, rank: int, world_size: int, args, device):
 
     return TorchCommunicator(backend, rank, world_size, args.master_addr, args.master_port, timeout=args.timeout,
                              use_agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                             device=device)
+                             device=device, signer=signer_from_env())
 
 
 def _train(session: RankSession) -> None:

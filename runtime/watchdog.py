@@ -1,22 +1,31 @@
-"""Heartbeats and an abort watcher, so that a dead or stuck rank is named and nobody waits for it.
+"""Heartbeats and an abort watcher, so that a dead, stopped or stuck rank is named and nobody waits for it.
 
-Each rank of a torch.distributed run starts one `Watchdog` thread (its own
-client of the rendezvous TCPStore). Every `interval` seconds it publishes the
-rank's heartbeat: a counter and the instruction the rank is on. It serves two
-purposes:
+Each rank starts one `Watchdog` thread (its own client of the rendezvous
+TCPStore; under MPI, of the store `meshplan run` hosts for heartbeats). Every
+`interval` seconds it publishes the rank's heartbeat: a counter, the wall time
+and the instruction the rank is on, signed with the job secret
+(runtime/jobauth.py). It serves four purposes:
 
+* Finding a hung rank. Each rank watches the next one in a ring (rank r
+  watches r + 1 mod world: one store read per interval each, whatever the
+  world size). A rank whose heartbeat has not changed for `heartbeat_timeout`
+  seconds (its process was stopped, hangs holding the interpreter, or died) is
+  named in the run's failure reason, independently of the collective timeout.
+  Watching starts with the neighbour's first heartbeat: a rank that never
+  comes is the rendezvous timeout's to report.
 * Naming the culprit. When a communication fails or times out and no rank
   published a reason (a rank killed with SIGKILL cannot), `diagnose()` reads
   every other rank's heartbeat twice, `window` seconds apart: a counter that
-  did not move is a dead process; a moving counter on an instruction that
-  computes (not a wait or a communication) that has not changed is a rank that
-  stopped responding. The diagnosis is published as the run's failure reason.
+  did not move is a rank that died or stopped; a moving counter on an
+  instruction that computes (not a wait or a communication) that has not
+  changed is a rank that is alive but makes no progress.
 * Ending stuck ranks. Once a failure reason is published, a rank whose main
   thread has not started to stop within `grace` seconds (it is stuck in a
   computation, or blocked on a peer with a long timeout) prints the reason and
   exits with status 1 from this thread.
-
-MPI runs have no store; there mpiexec ends the job when a process dies.
+* Outliving nobody. When the store has not answered for `heartbeat_timeout`
+  seconds, its host (the launcher, torchrun's agent, or rank 0) is gone: the
+  rank stops rather than train on with nobody to stop it.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ import threading
 import time
 from typing import Callable
 
-from runtime.comm import ABORT_KEY
+from runtime.comm import ABORT_KEY, read_abort
+from runtime.jobauth import SECRET_ENV, Signer, shown
 
 # A rank on one of these is waiting for others; every other instruction (compute, and issuing an
 # asynchronous communication, which returns at once) should finish by itself.
@@ -49,10 +59,14 @@ class Watchdog:
         position: returns (step, instruction index, instruction text, op) of the main thread now.
         interval: seconds between heartbeats; grace: seconds a rank may take to stop after a
             failure was published before this thread ends it.
+        heartbeat_timeout: seconds without a heartbeat after which the watched neighbour is named
+            as not responding (and without an answer from the store after which this rank stops).
+        signer: signs this rank's heartbeats and checks the others' and the failure reason.
     """
 
     def __init__(self, rank: int, world_size: int, host: str, port: int, position: Callable[[], tuple],
-                 *, prefix: str = "meshplan", interval: float = 0.5, grace: float = 3.0):
+                 *, prefix: str = "meshplan", interval: float = 0.5, grace: float = 3.0,
+                 heartbeat_timeout: float = 30.0, signer: Signer | None = None):
         import torch.distributed as dist
 
         self.rank = rank
@@ -60,6 +74,8 @@ class Watchdog:
         self.position = position
         self.interval = float(interval)
         self.grace = float(grace)
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self.signer = signer or Signer()
         raw = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10),
                             wait_for_workers=False)
         self._store = dist.PrefixStore(prefix, raw)
@@ -67,6 +83,10 @@ class Watchdog:
         self._stop = threading.Event()
         self._stopping = False
         self._beat = 0
+        self._watched = (rank + 1) % world_size if world_size > 1 else None
+        self._seen: tuple[int, float] | None = None   # (the watched rank's beat, monotonic time it changed)
+        self._store_lost_at: float | None = None
+        self._warned: set[str] = set()
         self._thread = threading.Thread(target=self._run, name=f"meshplan-watchdog-{rank}", daemon=True)
 
     def start(self) -> "Watchdog":
@@ -88,9 +108,10 @@ class Watchdog:
     def _publish(self) -> None:
         step, idx, text, op = self.position()
         self._beat += 1
-        value = json.dumps({"beat": self._beat, "step": step, "instr": idx, "text": text, "op": op})
+        value = json.dumps({"beat": self._beat, "time": time.time(), "step": step, "instr": idx, "text": text,
+                            "op": op})
         with self._lock:
-            self._store.set(_hb_key(self.rank), value)
+            self._store.set(_hb_key(self.rank), self.signer.sign(value))
 
     def _run(self) -> None:
         aborted_at = None
@@ -98,17 +119,53 @@ class Watchdog:
             try:
                 self._publish()
                 with self._lock:
-                    failed = self._store.check([ABORT_KEY])
-                if failed and not self._stopping:
+                    reason = read_abort(self._store, self.signer, self.rank)
+                self._store_lost_at = None
+                if reason and not self._stopping:
                     aborted_at = aborted_at or time.monotonic()
                     if time.monotonic() - aborted_at > self.grace:
-                        self._end_stuck_rank()
-            except Exception:  # the store is gone (its host exited): nothing left to publish or read
-                return
+                        self._end_stuck_rank(reason)
+                elif not reason and not self._stopping:
+                    self._watch_neighbour()
+            except Exception as e:  # the store does not answer: its host may be gone
+                if self._stopping:
+                    return
+                now = time.monotonic()
+                self._store_lost_at = self._store_lost_at or now
+                if now - self._store_lost_at > self.heartbeat_timeout:
+                    self._end(f"the rendezvous store has not answered for {now - self._store_lost_at:.0f} s "
+                              f"({type(e).__name__}): the launcher, or the rank that hosts the store, is gone")
 
-    def _end_stuck_rank(self) -> None:
-        with self._lock:
-            reason = self._store.get(ABORT_KEY).decode()
+    def _watch_neighbour(self) -> None:
+        """Name the watched rank once its heartbeat has not changed for heartbeat_timeout seconds."""
+        if self._watched is None:
+            return
+        hb = self._read_one(self._watched)
+        now = time.monotonic()
+        if hb is None:
+            if self._seen is None:
+                return  # not started yet: the rendezvous timeout covers a rank that never comes
+            beat = self._seen[0]
+        else:
+            beat = hb["beat"]
+        if self._seen is None or self._seen[0] != beat:
+            self._seen = (beat, now)
+            return
+        if now - self._seen[1] > self.heartbeat_timeout:
+            reason = (f"rank {self._watched} stopped responding: no heartbeat for {now - self._seen[1]:.0f} s "
+                      f"(--heartbeat-timeout {self.heartbeat_timeout:g}; its process was stopped, hangs, or died)"
+                      + _where(hb, last=True))
+            with self._lock:
+                self._store.compare_set(ABORT_KEY, "", self.signer.sign(reason))
+            self._seen = (beat, now)  # once
+
+    def _end(self, why: str) -> None:
+        step, idx, text, _op = self.position()
+        print(f"meshplan rank {self.rank}: stopping: {why} (this rank was at step {step}, instruction {idx} "
+              f"'{text}'; ended by its watchdog)", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def _end_stuck_rank(self, reason: str) -> None:
         step, idx, text, _op = self.position()
         print(f"meshplan rank {self.rank}: stopping because the run failed: {reason} "
               f"(this rank was stuck at step {step}, instruction {idx} '{text}' for over {self.grace:.0f} s after "
@@ -116,16 +173,31 @@ class Watchdog:
         os._exit(1)
 
     # ---- diagnosis ---------------------------------------------------------------
+    def _read_one(self, r: int) -> dict | None:
+        """Rank r's last heartbeat, or None (none yet, or one that fails authentication: logged once)."""
+        with self._lock:
+            if not self._store.check([_hb_key(r)]):
+                return None
+            value = self._store.get(_hb_key(r))
+        text = self.signer.verify(value)
+        if text is None:
+            if f"hb{r}" not in self._warned:
+                self._warned.add(f"hb{r}")
+                print(f"meshplan rank {self.rank}: warning: ignored rank {r}'s heartbeat: it fails authentication "
+                      f"({shown(value)}); rank {r} runs with another {SECRET_ENV}, or someone else writes to the "
+                      "store", file=sys.stderr, flush=True)
+            return None
+        return json.loads(text)
+
     def _read(self) -> dict[int, dict | None]:
         out = {}
-        with self._lock:
-            for r in range(self.world_size):
-                if r == self.rank:
-                    continue
-                try:
-                    out[r] = json.loads(self._store.get(_hb_key(r))) if self._store.check([_hb_key(r)]) else None
-                except Exception:
-                    out[r] = None
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            try:
+                out[r] = self._read_one(r)
+            except Exception:
+                out[r] = None
         return out
 
     def diagnose(self, window: float | None = None) -> str | None:
@@ -139,8 +211,8 @@ class Watchdog:
             return None
         dead = [r for r in after if after[r] is None or (before[r] or {}).get("beat") == after[r]["beat"]]
         if dead:
-            return "; ".join(f"rank {r} died (no heartbeat for {window:.1f} s: its process is gone)"
-                             + _where(after[r] or before[r], last=True) for r in dead)
+            return "; ".join(f"rank {r} stopped responding (no heartbeat for {window:.1f} s: its process died, "
+                             "was stopped, or hangs)" + _where(after[r] or before[r], last=True) for r in dead)
         stuck = [r for r in after if after[r]["op"] not in WAITING_OPS and before[r] is not None
                  and (before[r]["step"], before[r]["instr"]) == (after[r]["step"], after[r]["instr"])
                  and after[r]["instr"] >= 0]
@@ -155,7 +227,8 @@ def _where(hb: dict | None, last: bool = False) -> str:
     interval old)."""
     if not hb:
         return ""
+    ago = f", {max(0.0, time.time() - hb['time']):.0f} s ago" if "time" in hb else ""
     if hb.get("instr", -1) < 0:
-        return f" (last heartbeat: {hb.get('text') or 'starting'})" if last else ""
+        return f" (last heartbeat{ago}: {hb.get('text') or 'starting'})" if last else ""
     at = f"step {hb['step']}, instruction {hb['instr']} '{hb['text']}'"
-    return f" (last heartbeat: {at})" if last else f" at {at}"
+    return f" (last heartbeat{ago}: {at})" if last else f" at {at}"

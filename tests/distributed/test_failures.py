@@ -144,7 +144,7 @@ def test_a_rank_killed_with_sigkill_mid_step(mlp_p2):
     waited = res.exit_times[0] - killed
     print(f"rank 0 exited {waited:.2f} s after rank 1 was killed (--timeout {TIMEOUT:.0f} s)")
     assert waited < TIMEOUT + 10
-    assert "meshplan rank 0: stopping because another rank failed: rank 1 died" in res.output, res.output[-3000:]
+    assert "meshplan rank 0: stopping because another rank failed: rank 1 stopped responding (no heartbeat" in res.output, res.output[-3000:]
     assert "(rank 0 was at step 2, instruction" in res.output
     assert "rank 1 was killed by signal SIGKILL" in res.output
     _no_processes_left(mlp_p2)
@@ -159,7 +159,7 @@ def test_sigkill_on_four_ranks_stops_the_ranks_that_never_talk_to_it(tmp_path):
     waited = max(t for r, t in res.exit_times.items() if r != 3) - killed
     print(f"ranks 0-2 exited {waited:.2f} s after rank 3 was killed (--timeout {TIMEOUT:.0f} s)")
     assert waited < TIMEOUT + 10
-    _every_rank_says(res.output, 3, "stopping because another rank failed: rank 3 died")
+    _every_rank_says(res.output, 3, "stopping because another rank failed: rank 3 stopped responding (no heartbeat")
     _no_processes_left(build)
 
 
