@@ -24,7 +24,8 @@ def mlp_d2(tmp_path_factory):
 
 
 def rank_processes(build: Path) -> dict[int, list[str]]:
-    """pid -> command line of every live process running this build's rank script."""
+    """pid -> command line of every live Python process running this build's rank script (not
+    mpiexec, whose command line names the script too)."""
     found = {}
     script = str(build / "run_rank.py")
     for d in Path("/proc").iterdir():
@@ -35,7 +36,7 @@ def rank_processes(build: Path) -> dict[int, list[str]]:
         except OSError:
             continue
         args = [c.decode(errors="replace") for c in cmd if c]
-        if script in args and process_state(int(d.name)) not in (None, "zombie"):
+        if args[1:2] == [script] and process_state(int(d.name)) not in (None, "zombie"):
             found[int(d.name)] = args
     return found
 

