@@ -172,7 +172,7 @@ def rank_script(rank: int, prog: Program, parts: Partition, train: TrainSpec, pl
     # each goes through doc_text (it cannot close the docstring; TRAIN below holds the values)
     summary = [
         f"Model: {model_ref} {model_kwargs or ''}".rstrip(),
-        f"Plan:  " + " x ".join(f"{a} {s}" for a, s in prog.mesh)
+        "Plan:  " + " x ".join(f"{a} {s}" for a, s in prog.mesh)
         + f", {cfg.schedule}" + (f" (v={cfg.virtual_stages})" if cfg.schedule == "interleaved" else "")
         + f", {prog.num_micro_batches} micro-batches of {prog.micro_batch_size}, recompute {cfg.recompute}, "
         f"ZeRO {prog.zero}, {cfg.dtype}",

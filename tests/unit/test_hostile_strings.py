@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from codegen.emit import GRAPH_FILE, emit
+from codegen.partition import partition
 from codegen.pysrc import SourceError, comment_text, doc_text, import_line
+from cost_models.hardware import Cluster
+from cost_models.simulate import simulate
 from planner.capture import capture, capture_ref
 from planner.cli import main
 from planner.compare import CompareError, predicted_costs
@@ -29,7 +32,6 @@ from planner.make_plan import make_plan
 from runtime.optim import OptimizerSpec
 from tests.hostile_cases import (HOSTILE, HOSTILE_DIR, MARKER, fake_launchers, hostile_kwargs, launch_args,
                                  load_rank_script, markers, parse_all, write_model)
-from cost_models.hardware import Cluster
 
 SGD = OptimizerSpec(name="sgd", lr=0.1)
 
@@ -118,8 +120,6 @@ def test_model_module_names_land_only_in_comments(tmp_path, monkeypatch):
         def forward(self, x):
             return self.blocks["out"](torch.relu(self.blocks[self.key](x)))
 
-    from codegen.partition import partition
-
     ok = f"x $(touch {MARKER}); `touch {MARKER}` # open('{MARKER}', 'w')"
     with torch.device("meta"):
         net = Net(ok)
@@ -145,13 +145,11 @@ def test_readers_of_a_build_never_import_its_model(hostile_build, tmp_path, monk
     import: they read graph.json, plan.json and programs.json only."""
     root, model, ref, kwargs, build = hostile_build
     copy = tmp_path / "build"
-    import shutil
     shutil.copytree(build.path, copy)
     # the graph the build carries is the one capture gives
     assert ModelGraph.load(copy / GRAPH_FILE) == capture_ref(ref, kwargs, batch_size=2)
     cluster = Cluster.preset("local", devices=build.world_size)
     _plan_, _pred, costs, progs, cl = predicted_costs(copy, cluster)
-    from cost_models.simulate import simulate
     simulate(progs, costs, cl, steps=4).save(copy / "timeline.json")   # a "measured" run for compare
 
     poisoned = tmp_path / "model.py"
@@ -172,7 +170,6 @@ def test_readers_of_a_build_never_import_its_model(hostile_build, tmp_path, monk
 
 def test_a_build_without_its_graph_is_a_clear_error(hostile_build, tmp_path, capsys):
     root, *_, build = hostile_build
-    import shutil
     old = tmp_path / "old"
     shutil.copytree(build.path, old)
     (old / GRAPH_FILE).unlink()
