@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
     print(plan.summary())
     print(f"\nwrote {build.path}/: plan.json, build.json, programs.json, {build.world_size} rank scripts, "
           "run_rank.py, launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh")
-    print(f"run it here with:  meshplan run {build.path} --steps 10")
+    print(f"run it here with:  meshplan run {shlex.quote(str(build.path))} --steps 10")
     return 0
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from codegen.pysrc import graph_method, import_block
+from codegen.pysrc import comment_text, doc_text, graph_method, import_block
 from codegen.subgraph import (insert_region_call, layer_regions, region_code, region_inputs, region_methods,
                               skipped_nodes, subgraph_init)
 from codegen.tensor_split import TensorSplitError, split_graph
@@ -376,7 +376,7 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
             method += "_"
         used_names.add(method)
         src, gl = graph_method(lg, method)
-        methods.append(f"    # ---- layer {L} ----\n" + src)
+        methods.append(f"    # ---- layer {comment_text(L)} ----\n" + src)  # L: the model's module path
         globs.update(gl)
         lhs = ", ".join(outputs)
         call = f"self.{method}({', '.join(inputs)})"
@@ -396,7 +396,7 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
     else:
         ret_src = "(" + ", ".join(b.name for b in outs) + ("," if len(outs) == 1 else "") + ")"
     forward = [f"    def forward({args}):"] + calls + [f"        return {ret_src}"]
-    doc = (f'    """Stage {s}: layers {layers[0]} .. {layers[-1]}.\n\n'
+    doc = (f'    """Stage {s}: layers {doc_text(layers[0])} .. {doc_text(layers[-1])}.\n\n'
            f'    Inputs (one micro-batch, this rank\'s shapes): '
            + ", ".join(f"{b.name} {list(b.shape)} {b.dtype}{' (data)' if b.source == 'data' else ''}" for b in ins)
            + ".\n    Returns: "

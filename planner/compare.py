@@ -11,6 +11,9 @@ trains with (the planner's default prices Adam's state). The measurement is
 the run's merged Timeline (build/timeline.json, written by `meshplan run`)
 and, with `meshplan run --track-memory`, each rank's measured peak memory.
 
+Reading a build never imports the model's code: what the prediction needs from the
+model is the captured graph the build was generated from (build/graph.json).
+
 Step time: the median over the measured steps after the first (warm-up),
 leaving out the one whose memory was counted, against the simulated step. Per instruction
 kind: on every rank, the summed duration of that kind's instructions in a
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from cost_models.hardware import Cluster
+    from planner.graph import ModelGraph
     from runtime.trace import Timeline
 
 _KIND_OF_OP = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "recv", "ALLREDUCE": "collective",
@@ -148,9 +152,27 @@ def _load_json(path: Path, what: str, fix: str):
         raise CompareError(f"{path} cannot be read ({e}); {fix}") from None
 
 
+def build_graph(build: Path, plan) -> "ModelGraph":
+    """The captured graph a build was generated from (its graph.json), checked against its plan;
+    read as data, so no code of the model runs."""
+    from codegen.emit import GRAPH_FILE
+    from planner.graph import ModelGraph
+
+    path = build / GRAPH_FILE
+    fix = f"generate the build again with `meshplan codegen ... -o {build}`"
+    data = _load_json(path, "the model's captured graph, which builds made before meshplan wrote it lack", fix)
+    try:
+        graph = ModelGraph.from_dict(data)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CompareError(f"{path} cannot be read ({e}); {fix}") from None
+    if graph.fingerprint != plan.graph_fingerprint:
+        raise CompareError(f"{path} is the graph of another model (fingerprint {graph.fingerprint[:12]}, the plan "
+                           f"is bound to {plan.graph_fingerprint[:12]}); {fix}")
+    return graph
+
+
 def predicted_costs(build: str | Path, cluster: "Cluster"):
     """(plan priced on `cluster`, its Prediction, ComputeCosts, Programs) for the build's configuration."""
-    from codegen.emit import capture_ref
     from cost_models.calibrate import for_world
     from cost_models.simulate import ComputeCosts
     from planner.evaluate import Evaluator
@@ -165,7 +187,7 @@ def predicted_costs(build: str | Path, cluster: "Cluster"):
     world = len(progs)
     cluster = for_world(cluster, world)
     train = info["train"]
-    graph = capture_ref(train["model_ref"], train.get("model_kwargs") or {}, batch_size=plan.config.micro_batch_size)
+    graph = build_graph(build, plan)
     bounds = tuple(st.layers[0] for st in plan.stages[1:])
     config = dataclasses.replace(plan.config, stage_boundaries=bounds or None)
     mode = "all" if plan.config.tensor > 1 and \
