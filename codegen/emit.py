@@ -297,6 +297,13 @@ HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 WORLD_SIZE={world}
 NNODES="${{NNODES:-1}}"
 NPROC_PER_NODE="${{NPROC_PER_NODE:-$((WORLD_SIZE / NNODES))}}"
+if [ "$NNODES" -gt 1 ]; then
+  # Every node must sign with the same secret: set it on each (e.g. from a file only you can read).
+  : "${{MESHPLAN_JOB_SECRET:?set the same MESHPLAN_JOB_SECRET on every node}}"
+fi
+# meshplan signs its failure messages and heartbeats with a job secret passed in the environment
+# (never on a command line); one is made here unless MESHPLAN_JOB_SECRET is set.
+export MESHPLAN_JOB_SECRET="${{MESHPLAN_JOB_SECRET:-$("${{PYTHON:-python3}}" -c 'import secrets; print(secrets.token_hex(32))')}}"
 if [ "$NNODES" -eq 1 ]; then
   exec "${{TORCHRUN:-torchrun}}" --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \\
     "$HERE/run_rank.py" "$@"
@@ -310,7 +317,11 @@ exec "${{TORCHRUN:-torchrun}}" --nnodes="$NNODES" --node-rank="${{NODE_RANK:?set
 #   ./launch_mpirun.sh --steps 10          (extra mpirun options in MPIRUN_ARGS, e.g. "--hostfile hosts")
 set -euo pipefail
 HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+# meshplan signs its failure messages and heartbeats with a job secret passed in the environment
+# (never on a command line); one is made here unless MESHPLAN_JOB_SECRET is set.
+export MESHPLAN_JOB_SECRET="${{MESHPLAN_JOB_SECRET:-$("${{PYTHON:-python3}}" -c 'import secrets; print(secrets.token_hex(32))')}}"
 exec "${{MPIRUN:-mpirun}}" -n {world} ${{MPIRUN_ARGS:-}} -x OMP_NUM_THREADS="${{OMP_NUM_THREADS:-1}}" \\
+  -x MESHPLAN_JOB_SECRET \\
   "${{PYTHON:-python3}}" "$HERE/run_rank.py" --backend mpi "$@"
 '''
     srun = f'''#!/usr/bin/env bash
@@ -327,6 +338,9 @@ HERE="${{MESHPLAN_BUILD:-}}"
 export MASTER_ADDR="${{MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}"
 export MASTER_PORT="${{MASTER_PORT:-29500}}"
 export WORLD_SIZE={world}
+# meshplan signs its failure messages and heartbeats with a job secret passed in the environment
+# (never on a command line); one is made here unless MESHPLAN_JOB_SECRET is set.
+export MESHPLAN_JOB_SECRET="${{MESHPLAN_JOB_SECRET:-$("${{PYTHON:-python3}}" -c 'import secrets; print(secrets.token_hex(32))')}}"
 exec srun --ntasks={world} bash -c 'RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID exec "${{PYTHON:-python3}}" \\
   "$0/run_rank.py" --backend "${{BACKEND:-{"nccl" if gpu else "gloo"}}}" "$@"' "$HERE" "$@"
 '''

@@ -112,3 +112,37 @@ def test_parent_death_signal_is_set_on_linux():
     out = subprocess.run([sys.executable, "-c", "from runtime.lifetime import set_parent_death_signal as s; "
                           "print(s())"], capture_output=True, text=True, timeout=60).stdout.strip()
     assert out == str(sys.platform.startswith("linux"))
+
+
+def test_launch_scripts_pass_a_job_secret_in_the_environment_only(tmp_path):
+    import os
+    import subprocess
+
+    from tests.parallel_cases import emit_case
+
+    build = emit_case(tmp_path, "mlp", "d2", dict(data=2))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("torchrun", "mpirun", "srun", "scontrol"):
+        (bin_dir / name).write_text('#!/bin/sh\necho "SECRET=${MESHPLAN_JOB_SECRET:-}"\necho "ARGS=$*"\n')
+        (bin_dir / name).chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, "NNODES", "MESHPLAN_BUILD")}
+    base.update(PATH=f"{bin_dir}{os.pathsep}{base.get('PATH', '')}", MASTER_ADDR="127.0.0.1")
+
+    def launch(script, **env):
+        p = subprocess.run(["bash", str(build / script), "--steps", "1"], env={**base, **env}, capture_output=True,
+                           text=True, timeout=60)
+        return p.returncode, p.stdout, p.stderr
+
+    secrets_seen = set()
+    for script in ("launch_torchrun.sh", "launch_mpirun.sh", "launch_srun.sh"):
+        rc, out, err = launch(script)
+        assert rc == 0, err
+        secret = out.split("SECRET=")[1].split()[0]
+        assert len(secret) == 64 and secret not in out.split("ARGS=")[1], script
+        secrets_seen.add(secret)
+        assert launch(script, MESHPLAN_JOB_SECRET="mine")[1].startswith("SECRET=mine\n"), script
+    assert len(secrets_seen) == 3, "a fresh secret per job"
+    assert "-x MESHPLAN_JOB_SECRET" in launch("launch_mpirun.sh")[1]
+    rc, _out, err = launch("launch_torchrun.sh", NNODES="2", NODE_RANK="0")
+    assert rc != 0 and "set the same MESHPLAN_JOB_SECRET on every node" in err
