@@ -193,6 +193,15 @@ class MpiCommunicator:
         return _MpiHandle(self, self._world.Irecv(buf, source=peer, tag=tag), f"recv from rank {peer} (tag {tag})",
                           keep=(buf,))
 
+    @property
+    def single_node(self) -> bool:
+        """Every rank runs on this node (shared memory reaches them all)."""
+        return self._local_ranks == self.world_size
+
+    def share(self, value, root: int = 0):
+        """`root`'s `value` (a small picklable object) on every rank; a collective over all ranks."""
+        return self._world.bcast(value, root=root)
+
     def barrier(self) -> None:
         self._poll(self._world.Ibarrier(), "barrier")
 

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import socket
 import sys
 import traceback
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from runtime.executor import Executor, RankFailure
 from runtime.faults import FAULTS, inject
 from runtime.jobauth import signer_from_env
 from runtime.lifetime import HEARTBEAT_STORE_ENV, die_with_launcher
+from runtime.store_host import LOOPBACK, host_store
 from runtime.grads import GradSync
 from runtime.materialize import (build_model_for_stages, build_stage, load_factory, meta_model, model_signature,
                                  separate_copies, set_tensor_group, signature_mismatch)
@@ -305,11 +307,21 @@ def _world_broadcast(comm, world_size: int, device):
 def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
     """Heartbeats and the abort watcher (runtime/watchdog.py) on the rendezvous store; under MPI on the
     store `meshplan run` hosts for them (HEARTBEAT_STORE_ENV), else none (the collective timeout)."""
+    hosted = None
     if p.backend == "mpi":
         where = os.environ.get(HEARTBEAT_STORE_ENV, "")
-        if not where:
-            return None
-        host, _, port = where.rpartition(":")
+        if where:
+            host, _, port = where.rpartition(":")
+        else:  # started by mpirun directly: rank 0 hosts one (on loopback when every rank is on its node)
+            try:
+                if comm.rank == 0:
+                    addr = LOOPBACK if comm.single_node else os.environ.get("MASTER_ADDR") or socket.gethostname()
+                    hosted = host_store(addr, 0, p.args.timeout)
+                host, port = comm.share((hosted.address, hosted.port) if hosted else None)
+            except Exception as e:
+                print(f"meshplan rank {p.rank}: warning: no heartbeat store ({type(e).__name__}: {e})",
+                      file=sys.stderr, flush=True)
+                return None
     else:
         host, port = p.args.master_addr, p.args.master_port
     instrs = p.program.instrs
@@ -326,6 +338,7 @@ def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
     except Exception as e:  # no watchdog: failures are still reported, only less precisely
         print(f"meshplan rank {p.rank}: warning: no watchdog ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         return None
+    wd.hosted_store = hosted   # held as long as the watchdog runs
     if p.backend != "mpi":
         comm.diagnose = wd.diagnose
     return wd

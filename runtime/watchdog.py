@@ -1,10 +1,10 @@
 """Heartbeats and an abort watcher, so that a dead, stopped or stuck rank is named and nobody waits for it.
 
 Each rank starts one `Watchdog` thread (its own client of the rendezvous
-TCPStore; under MPI, of the store `meshplan run` hosts for heartbeats). Every
-`interval` seconds it publishes the rank's heartbeat: a counter, the wall time
-and the instruction the rank is on, signed with the job secret
-(runtime/jobauth.py). It serves four purposes:
+TCPStore; under MPI, of the store `meshplan run` hosts for heartbeats, or else
+of one rank 0 hosts). Every `interval` seconds it publishes the rank's
+heartbeat: a counter, the wall time and the instruction the rank is on, signed
+with the job secret (runtime/jobauth.py). It serves four purposes:
 
 * Finding a hung rank. Each rank watches the next one in a ring (rank r
   watches r + 1 mod world: one store read per interval each, whatever the
@@ -87,6 +87,7 @@ class Watchdog:
         self._seen: tuple[int, float] | None = None   # (the watched rank's beat, monotonic time it changed)
         self._store_lost_at: float | None = None
         self._warned: set[str] = set()
+        self.hosted_store = None   # a store this rank hosts for the heartbeats (MPI), kept alive here
         self._thread = threading.Thread(target=self._run, name=f"meshplan-watchdog-{rank}", daemon=True)
 
     def start(self) -> "Watchdog":

@@ -2,6 +2,7 @@
 the launcher."""
 
 import signal
+import sys
 import time
 
 import pytest
@@ -47,3 +48,27 @@ def test_no_mpi_rank_outlives_a_killed_launcher(mlp_d2):
         if launcher.poll() is None:
             launcher.kill()
         launcher.communicate(timeout=30)
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_rank_is_named_under_plain_mpirun(mlp_d2):
+    """launch_mpirun.sh, no `meshplan run`: rank 0 hosts the heartbeat store."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from runtime.launcher import mpiexec_args
+
+    mpirun = mpiexec_args(2)
+    env = dict(os.environ, MPIRUN=mpirun[0], MPIRUN_ARGS=" ".join(mpirun[3:]), PYTHON=sys.executable,
+               OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", str(Path(mlp_d2) / "launch_mpirun.sh"), "--steps", "6", "--timeout", "300",
+                           "--fail-at", "1:3:2", "--fault", "sigstop", "--heartbeat-timeout", "4", "--no-trace"],
+                          env=env, capture_output=True, text=True, timeout=200)
+    took = time.monotonic() - t0
+    print(f"mpirun: a 6-step run with rank 1 stopped ended after {took:.1f} s (collective timeout 300 s)")
+    assert proc.returncode != 0
+    assert "rank 1 stopped responding: no heartbeat for" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert took < 150
+    assert not rank_processes(mlp_d2)
