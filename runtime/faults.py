@@ -1,7 +1,7 @@
 """Test-only fault injection: make one rank fail in a chosen way at a chosen point.
 
     --fail-at RANK:STEP:INSTR --fault raise|sigkill|hang
-    --fail-at RANK:STEP:0 --fault sigkill-in-save
+    --fail-at RANK:STEP:0 --fault sigkill-in-save|disk-full-in-save
 
 raise:           the instruction raises (the rank reports its reason and exits);
 sigkill:         the process kills itself with SIGKILL (no reason is published,
@@ -9,6 +9,7 @@ sigkill:         the process kills itself with SIGKILL (no reason is published,
 hang:            the rank stops responding inside the instruction (sleeps forever);
 sigkill-in-save: SIGKILL when half of the rank's file of the checkpoint saved
                  after step STEP is on disk.
+disk-full-in-save: the write of that file fails there with ENOSPC, as on a full disk.
 
 Each prints one line with the wall-clock time first, so tests can measure how long
 the other ranks take to exit.
@@ -16,12 +17,14 @@ the other ranks take to exit.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
 import time
 
-FAULTS = ("raise", "sigkill", "hang", "sigkill-in-save")
+SAVE_FAULTS = ("sigkill-in-save", "disk-full-in-save")  # fire in the checkpoint save, not in an instruction
+FAULTS = ("raise", "sigkill", "hang", *SAVE_FAULTS)
 
 
 class InjectedFault(RuntimeError):
@@ -40,6 +43,8 @@ def inject(kind: str, rank: int, where: str) -> None:
     announce(rank, f"{kind} in {where}")
     if kind in ("sigkill", "sigkill-in-save"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "disk-full-in-save":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if kind == "hang":
         while True:
             time.sleep(3600)

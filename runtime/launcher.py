@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.dir_lock import lock_directories
 from runtime.trace import Timeline
 from runtime.verify import Comparison, verify_build
 
@@ -108,6 +109,8 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     """
     builds = [Path(b) for b in builds]
     infos = [read_build(b) for b in builds]
+    # Held until run_many returns (runtime/dir_lock.py): a second run of a build is refused at once.
+    held = lock_directories(builds, "build")  # noqa: F841
     worlds = {int(i["world_size"]) for i in infos}
     if len(worlds) != 1:
         raise BuildError(f"run_many needs builds of one world size, got {sorted(worlds)}")
