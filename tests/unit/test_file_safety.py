@@ -172,7 +172,7 @@ def _checkpoint(root: Path, step: int, run_id: str) -> Manifest:
 def test_which_run_may_write_a_checkpoint_directory(tmp_path):
     a, b, empty = tmp_path / "a", tmp_path / "b", tmp_path / "empty"
     man_a = _checkpoint(a, 3, "aaaa")
-    man_b = _checkpoint(b, 2, "bbbb")
+    _checkpoint(b, 2, "bbbb")
     assert man_a.run_id == "aaaa"
     assert run_to_continue(empty, None, None, allow_other_run=False) is None         # a new run
     assert run_to_continue(empty, man_a, a, allow_other_run=False) == "aaaa"         # continued elsewhere
