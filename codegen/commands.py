@@ -75,7 +75,7 @@ def checkpoint_args(args: argparse.Namespace) -> list[str]:
                         ("--save-every", getattr(args, "save_every", None)), ("--resume", getattr(args, "resume", None))):
         if value:
             out += [flag, str(value)]
-    return out
+    return out + (["--resume-from-other-run"] if getattr(args, "resume_from_other_run", False) else [])
 
 
 def run_command(args: argparse.Namespace) -> int:

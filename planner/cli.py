@@ -217,6 +217,9 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--save-every", type=int, help="also save every N steps")
     p.add_argument("--resume", metavar="CHECKPOINT",
                    help="continue from a checkpoint (a step_XXXXXXXX directory, or the newest under a checkpoint dir)")
+    p.add_argument("--resume-from-other-run", action="store_true",
+                   help="allow --resume from a checkpoint of another run than the one whose checkpoints "
+                        "--checkpoint-dir holds (that run continues from this state)")
     p.set_defaults(func=_cmd_run)
     _add_checkpoint(sub)
 

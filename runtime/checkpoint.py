@@ -8,11 +8,20 @@ Layout under a checkpoint root (`--checkpoint-dir`):
     ROOT/step_00000003/rank_0000.json   sha256 and size of rank_0000.pt, and its layout hash
     ROOT/step_00000003/manifest.json    written last, by rank 0, once every rank's file is in place
 
-Every file is written to a temporary name, fsync'ed and renamed over its final
-name (os.replace is atomic), so a crash in the middle of a save leaves at most
-a temporary file and a step directory without a manifest: a checkpoint is
-complete iff its manifest exists, and `resolve_checkpoint(ROOT)` takes the
-newest complete one. Earlier checkpoints are never touched by a later save.
+    ROOT/meshplan.lock                  rank 0's lock while a run writes ROOT (runtime/checkpoint_run.py)
+
+Every file is written through runtime/files.py: an exclusive temporary with an
+unpredictable name, fsync'ed and renamed over its final name (os.replace is
+atomic), so a crash in the middle of a save leaves at most a temporary file and
+a step directory without a manifest: a checkpoint is complete iff its manifest
+exists, and `resolve_checkpoint(ROOT)` takes the newest complete one. Earlier
+checkpoints are never touched by a later save. A save that fails with an error
+(a full disk, a file-size limit) removes what it wrote: each rank its own files
+(and the step directory once it is empty), rank 0 the whole step directory if
+the manifest cannot be written; the error names the file and the cause.
+
+Each manifest records the run id of the run that saved it (runtime/checkpoint_run.py
+says what "the same run" means and when a run may write into ROOT).
 
 The step stored is the next step to run: a checkpoint saved after steps 0..2
 holds step 3, and a resumed run continues with step 3's batch (the data
@@ -32,11 +41,14 @@ import io
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from runtime.files import make_dirs, write_atomic
 
 CHECKPOINT_FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -52,39 +64,6 @@ class CheckpointError(ValueError):
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
-
-
-def atomic_write(path: Path, data: bytes, *, interrupt: Callable[[], None] | None = None) -> None:
-    """Write `data` to `path` so that `path` holds either its old content or all of `data`.
-
-    `interrupt` (fault injection for tests) is called when half of the data is on disk.
-    """
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        half = len(data) // 2
-        f.write(data[:half])
-        if interrupt is not None:
-            f.flush()
-            os.fsync(f.fileno())
-            interrupt()
-        f.write(data[half:])
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
@@ -140,6 +119,7 @@ class Manifest:
     layouts: dict[int, str]
     files: dict[int, dict]
     format_version: int = CHECKPOINT_FORMAT_VERSION
+    run_id: str = ""                # the run that saved it ("": saved before run ids existed)
 
     @property
     def samples(self) -> int:
@@ -151,7 +131,7 @@ class Manifest:
                 "model_ref": self.model_ref, "optimizer": self.optimizer,
                 "global_batch_size": self.global_batch_size, "data_seed": self.data_seed,
                 "layouts": {str(r): h for r, h in self.layouts.items()},
-                "files": {str(r): f for r, f in self.files.items()}}
+                "files": {str(r): f for r, f in self.files.items()}, "run_id": self.run_id}
 
     @classmethod
     def load(cls, ckpt: Path) -> "Manifest":
@@ -167,7 +147,7 @@ class Manifest:
                     global_batch_size=int(d["global_batch_size"]), data_seed=int(d["data_seed"]),
                     layouts={int(r): str(h) for r, h in d["layouts"].items()},
                     files={int(r): {"sha256": str(f["sha256"]), "bytes": int(f["bytes"])}
-                           for r, f in d["files"].items()})
+                           for r, f in d["files"].items()}, run_id=str(d.get("run_id", "")))
         except CheckpointError:
             raise
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -232,6 +212,7 @@ class RankState:
     grads: object = None            # GradSync or None
     optimizer: torch.optim.Optimizer | None = None
     barrier: Callable[[], None] = field(default=lambda: None)
+    run_id: str = ""                # rank 0: the run id its manifests record (runtime/checkpoint_run.py)
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, st: RankState, *,
@@ -239,10 +220,11 @@ def save_checkpoint(root: str | os.PathLike, step: int, st: RankState, *,
     """Save this rank's state as checkpoint `step` (the next step to run); every rank calls it.
 
     Collective: ranks meet at a barrier once their files are in place, then rank 0
-    writes the manifest. Returns the checkpoint directory.
+    writes the manifest. Returns the checkpoint directory. On an error (WriteError for a
+    file that cannot be written, or a peer's failure at the barrier) this rank removes the
+    files it wrote before re-raising; see the module docstring.
     """
     ckpt = step_dir(root, step)
-    ckpt.mkdir(parents=True, exist_ok=True)
     grads = st.grads
     if grads is not None and grads.zero >= 3:  # full (tensor-parallel local) parameters exist only in use
         for b in grads.states:
@@ -267,22 +249,53 @@ def save_checkpoint(root: str | os.PathLike, step: int, st: RankState, *,
     torch.save(state, buf)
     data = buf.getvalue()
     layout = layout_hash(st.program, st.stage_specs)
-    atomic_write(ckpt / f"rank_{st.rank:04d}.pt", data, interrupt=interrupt)
-    atomic_write(ckpt / f"rank_{st.rank:04d}.json", json.dumps(
-        {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "layout": layout}).encode())
-    st.barrier()
+    own = [ckpt / f"rank_{st.rank:04d}.pt", ckpt / f"rank_{st.rank:04d}.json"]
+    try:
+        make_dirs(ckpt)
+        write_atomic(own[0], data, interrupt=interrupt)
+        write_atomic(own[1], json.dumps(
+            {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "layout": layout}).encode())
+        st.barrier()
+    except BaseException:
+        # Other ranks may still be writing into ckpt: remove only this rank's files; the last
+        # rank out removes the then empty directory.
+        _discard(own, ckpt)
+        raise
     if st.rank == 0:
-        world = st.program.world_size
-        sides = {}
-        for r in range(world):
-            f = ckpt / f"rank_{r:04d}.json"
-            if not f.is_file():
-                raise CheckpointError(f"rank {r} did not write {f.name} before the barrier")
-            sides[r] = json.loads(f.read_text())
-        tr = st.train
-        man = Manifest(step=step, world_size=world, mesh=tuple(st.program.mesh), signature=st.signature,
-                       model_ref=tr.model_ref, optimizer=tr.optimizer.name, global_batch_size=tr.global_batch_size,
-                       data_seed=tr.data_seed, layouts={r: s["layout"] for r, s in sides.items()},
-                       files={r: {"sha256": s["sha256"], "bytes": s["bytes"]} for r, s in sides.items()})
-        atomic_write(ckpt / MANIFEST, json.dumps(man.to_dict(), indent=1).encode())
+        try:
+            _write_manifest(ckpt, step, st)
+        except BaseException:
+            # Past the barrier every rank's files are in place and nobody writes here any more.
+            shutil.rmtree(ckpt, ignore_errors=True)
+            raise
     return ckpt
+
+
+def _write_manifest(ckpt: Path, step: int, st: RankState) -> None:
+    world = st.program.world_size
+    sides = {}
+    for r in range(world):
+        f = ckpt / f"rank_{r:04d}.json"
+        if not f.is_file():
+            raise CheckpointError(f"rank {r} did not write {f.name} before the barrier")
+        sides[r] = json.loads(f.read_text())
+    tr = st.train
+    man = Manifest(step=step, world_size=world, mesh=tuple(st.program.mesh), signature=st.signature,
+                   model_ref=tr.model_ref, optimizer=tr.optimizer.name, global_batch_size=tr.global_batch_size,
+                   data_seed=tr.data_seed, layouts={r: s["layout"] for r, s in sides.items()},
+                   files={r: {"sha256": s["sha256"], "bytes": s["bytes"]} for r, s in sides.items()},
+                   run_id=st.run_id)
+    write_atomic(ckpt / MANIFEST, json.dumps(man.to_dict(), indent=1).encode())
+
+
+def _discard(files: list[Path], ckpt: Path) -> None:
+    """Remove `files` (those that exist), then `ckpt` if nothing else is left in it."""
+    for f in files:
+        try:
+            f.unlink()
+        except OSError:
+            pass
+    try:
+        ckpt.rmdir()
+    except OSError:  # other ranks' files are still there (they remove them), or it was never made
+        pass

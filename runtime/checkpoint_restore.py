@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from runtime.checkpoint import (CheckpointError, Manifest, atomic_write, layout_hash, optimizer_param_names,
-                                read_rank_file, resolve_checkpoint)
+from runtime.checkpoint import (CheckpointError, Manifest, layout_hash, optimizer_param_names, read_rank_file,
+                                resolve_checkpoint)
+from runtime.files import atomic_file, make_dirs
 from runtime.reference import local_slice
 from runtime.spec import StageSpec
 
@@ -163,18 +164,19 @@ def assemble_files(files: list[dict], mesh, step: int = 0) -> LogicalState:
 def to_state_dict(path: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, Manifest, int]:
     """Write the checkpoint's model as one plain state_dict file (torch.save; original names).
 
-    Returns (checkpoint directory, its manifest, number of tensors written).
+    `out` is a file path (its directory is created if missing; an existing directory is refused
+    before any work). The file is written through runtime/files.py: nothing but `out` is left
+    behind, whatever fails. Returns (checkpoint directory, its manifest, number of tensors written).
     """
+    out = Path(out)
+    if out.is_dir():
+        raise CheckpointError(f"-o {out} is a directory; give the state_dict file to write, e.g. {out / 'model.pt'}")
     ckpt = resolve_checkpoint(path)
     man = Manifest.load(ckpt)
-    state = assemble(ckpt, man)
-    sd = state.state_dict()
-    import io
-
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(Path(out), buf.getvalue())
+    sd = assemble(ckpt, man).state_dict()
+    make_dirs(out.parent)
+    with atomic_file(out) as f:
+        torch.save(sd, f)
     return ckpt, man, len(sd)
 
 

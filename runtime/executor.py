@@ -22,7 +22,7 @@ import torch
 from runtime.comm import Handle, PeerFailure, p2p_tag
 from runtime.context import DistContext
 from runtime.data import DataSource, pick_input
-from runtime.faults import inject
+from runtime.faults import SAVE_FAULTS, inject
 from runtime.grads import GradSync
 from runtime.program import Instr, Program
 from runtime.stage import StageRunner
@@ -127,7 +127,7 @@ class Executor:
         rec = self.recorder
         for idx, ins in enumerate(self.program.instrs):
             self.position = (step, idx)
-            if self.fail_at == (step, idx) and self.fault != "sigkill-in-save":  # that one fires in the save
+            if self.fail_at == (step, idx) and self.fault not in SAVE_FAULTS:  # those fire in the save
                 if self.fault == "raise":
                     raise RankFailure(f"rank {self.ctx.rank} failed at step {step}, instruction {idx} '{ins}': "
                                       "RuntimeError: injected fault (--fail-at)")

@@ -1,7 +1,7 @@
 """Test-only fault injection: make one rank fail in a chosen way at a chosen point.
 
     --fail-at RANK:STEP:INSTR --fault raise|sigkill|hang|sigstop
-    --fail-at RANK:STEP:0 --fault sigkill-in-save
+    --fail-at RANK:STEP:0 --fault sigkill-in-save|disk-full-in-save
 
 raise:           the instruction raises (the rank reports its reason and exits);
 sigkill:         the process kills itself with SIGKILL (no reason is published,
@@ -11,6 +11,7 @@ sigstop:         the process stops itself with SIGSTOP (alive, but nothing in it
                  not even its watchdog; what a frozen host or a debugger does);
 sigkill-in-save: SIGKILL when half of the rank's file of the checkpoint saved
                  after step STEP is on disk.
+disk-full-in-save: the write of that file fails there with ENOSPC, as on a full disk.
 
 Each prints one line with the wall-clock time first, so tests can measure how long
 the other ranks take to exit.
@@ -18,12 +19,14 @@ the other ranks take to exit.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
 import time
 
-FAULTS = ("raise", "sigkill", "hang", "sigstop", "sigkill-in-save")
+SAVE_FAULTS = ("sigkill-in-save", "disk-full-in-save")  # fire in the checkpoint save, not in an instruction
+FAULTS = ("raise", "sigkill", "hang", "sigstop", *SAVE_FAULTS)
 
 
 class InjectedFault(RuntimeError):
@@ -45,6 +48,8 @@ def inject(kind: str, rank: int, where: str) -> None:
     if kind == "sigstop":
         os.kill(os.getpid(), signal.SIGSTOP)
         return
+    if kind == "disk-full-in-save":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if kind == "hang":
         while True:
             time.sleep(3600)

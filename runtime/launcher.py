@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.dir_lock import lock_directories
 from runtime.jobauth import SECRET_ENV, new_secret
 from runtime.lifetime import HEARTBEAT_STORE_ENV, Children, process_state
 from runtime.store_host import LOOPBACK, host_store
@@ -118,6 +119,8 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     """
     builds = [Path(b) for b in builds]
     infos = [read_build(b) for b in builds]
+    # Held until run_many returns (runtime/dir_lock.py): a second run of a build is refused at once.
+    held = lock_directories(builds, "build")  # noqa: F841
     worlds = {int(i["world_size"]) for i in infos}
     if len(worlds) != 1:
         raise BuildError(f"run_many needs builds of one world size, got {sorted(worlds)}")

@@ -32,11 +32,12 @@ import torch
 
 from runtime.checkpoint import RankState, save_checkpoint
 from runtime.checkpoint_restore import Restore, apply_optimizer, apply_params, apply_rng, open_restore
+from runtime.checkpoint_run import CheckpointClaim, claim_checkpoint_dir, run_to_continue
 from runtime.comm import CommError, PeerFailure, local_threads_hint
 from runtime.context import DistContext
 from runtime.data import DataSource
 from runtime.executor import Executor, RankFailure
-from runtime.faults import FAULTS, inject
+from runtime.faults import FAULTS, SAVE_FAULTS, inject
 from runtime.jobauth import signer_from_env
 from runtime.lifetime import HEARTBEAT_STORE_ENV, die_with_launcher
 from runtime.store_host import LOOPBACK, host_store
@@ -113,13 +114,17 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
     ap.add_argument("--fail-at", default=None, metavar="RANK:STEP:INSTR",
                     help="(testing) make RANK fail at this step and instruction index")
     ap.add_argument("--fault", choices=FAULTS, default="raise",
-                    help="(testing) how --fail-at fails: raise, sigkill, hang, or sigkill-in-save (during the "
-                         "checkpoint saved after STEP)")
+                    help="(testing) how --fail-at fails: raise, sigkill, hang, or (in the checkpoint saved after STEP) "
+                         "sigkill-in-save or disk-full-in-save")
     ap.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints under this directory")
     ap.add_argument("--save-every", type=int, default=0,
                     help="save a checkpoint every N steps (0: only after the last step); needs --checkpoint-dir")
     ap.add_argument("--resume", default=None, metavar="CHECKPOINT",
                     help="continue from a checkpoint directory, or the newest complete one under a --checkpoint-dir")
+    ap.add_argument("--resume-from-other-run", action="store_true",
+                    help="allow --resume from a checkpoint of another run than the one whose checkpoints "
+                         "--checkpoint-dir holds (that run then continues from this state; see "
+                         "runtime/checkpoint_run.py)")
     args = ap.parse_args(argv)
     if args.steps < 1:
         raise LaunchError(f"--steps must be at least 1, got {args.steps}")
@@ -128,6 +133,9 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
                           f"{args.heartbeat_timeout}")
     if args.save_every < 0 or (args.save_every and not args.checkpoint_dir):
         raise LaunchError("--save-every needs --checkpoint-dir and a count of at least 1")
+    if args.resume_from_other_run and not (args.resume and args.checkpoint_dir):
+        raise LaunchError("--resume-from-other-run applies to a run that resumes (--resume) and saves "
+                          "(--checkpoint-dir); give both, or leave it out")
     return args
 
 
@@ -140,11 +148,26 @@ def _save(session: RankSession, next_step: int) -> None:
     p = session.prepared
     fa = p.args.fail_at
     kill = None
-    if p.args.fault == "sigkill-in-save" and p.fail_at is not None and p.fail_at[0] == next_step - 1:
-        kill = lambda: inject("sigkill-in-save", p.rank, f"the checkpoint of step {next_step} ({fa})")  # noqa: E731
+    if p.args.fault in SAVE_FAULTS and p.fail_at is not None and p.fail_at[0] == next_step - 1:
+        kill = lambda: inject(p.args.fault, p.rank, f"the checkpoint of step {next_step} ({fa})")  # noqa: E731
+    claim = session.checkpoint_claim
     st = RankState(p.rank, p.program, p.specs, p.modules, p.spec, p.signature, session.grads,
-                   session.executor.optimizer, barrier=session.comm.barrier)
+                   session.executor.optimizer, barrier=session.comm.barrier,
+                   run_id=claim.run_id if claim is not None else "")
     save_checkpoint(p.args.checkpoint_dir, next_step, st, interrupt=kill)
+
+
+def _claim_checkpoint_dir(session: RankSession) -> None:
+    """Rank 0 locks --checkpoint-dir for this run (runtime/checkpoint_run.py); a refusal is its failure."""
+    p = session.prepared
+    if p.rank != 0 or not p.args.checkpoint_dir:
+        return
+    resumed = p.restore.manifest if p.restore is not None else None
+    try:
+        session.checkpoint_claim = claim_checkpoint_dir(p.args.checkpoint_dir, resumed, p.args.resume,
+                                                        allow_other_run=p.args.resume_from_other_run)
+    except ValueError as e:  # reported to every rank like any other failure, without a traceback
+        raise RankFailure(f"rank 0: {e}") from None
 
 
 def _exit_hard(code: int) -> None:
@@ -181,8 +204,11 @@ class RankSession:
     grads: GradSync | None
     watchdog: Watchdog | None = None
     recorder: StepRecorder | None = None
+    checkpoint_claim: CheckpointClaim | None = None   # rank 0 with --checkpoint-dir: its lock and run id
 
     def close(self) -> None:
+        if self.checkpoint_claim is not None:
+            self.checkpoint_claim.release()
         if self.watchdog is not None:
             self.watchdog.close()
         self.comm.shutdown()
@@ -228,6 +254,9 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
         restore = open_restore(args.resume, rank=rank, program=prog, stage_specs=specs, train=spec,
                                signature=signature["hash"])
         apply_params(restore, modules, specs, tcoord, tsize)
+    if args.checkpoint_dir:  # may this run write there? (rank 0 checks again under the lock)
+        run_to_continue(args.checkpoint_dir, restore.manifest if restore is not None else None, args.resume,
+                        allow_other_run=args.resume_from_other_run)
     data = None
     if any(b.source == "data" for sp in specs.values() for b in sp.inputs) or any(sp.is_last for sp in specs.values()):
         shard, shards = spatial_model.data_shard(prog.coord("data"), prog.mesh_dict["data"], specs)
@@ -373,6 +402,7 @@ def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: 
         return _stop(exit_on_failure)
     comm = session.comm
     try:
+        _claim_checkpoint_dir(session)
         _train(session)
     except PeerFailure as e:
         _stopping(session)

@@ -8,14 +8,20 @@ bit-exactly for a resume on the same plan, which the MLP with AdamW also shows).
 """
 
 import json
+import os
 import runpy
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from runtime.checkpoint import CheckpointError, complete_checkpoints, resolve_checkpoint, step_dir
+from runtime.checkpoint import CheckpointError, Manifest, complete_checkpoints, resolve_checkpoint, step_dir
+from runtime.dir_lock import LOCK_NAME, Holder
 from runtime.checkpoint_restore import to_state_dict
 from runtime.launcher import read_build, run_local, run_many
 from runtime.verify import verify_build
@@ -25,6 +31,7 @@ from runtime.spec import StageSpec, TrainSpec
 from tests.parallel_cases import emit_case
 
 ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.1}
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -150,9 +157,9 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(builds, root):
         "--checkpoint-dir", str(ckpt), "--save-every", "2", "--fail-at", "1:3:0", "--fault", "sigkill-in-save"])
     assert res.returncode != 0 and res.returncodes[1] == -9
     assert "injecting fault: sigkill-in-save in the checkpoint of step 4" in res.output
-    assert "meshplan rank 0: stopping because another rank failed: rank 1 died" in res.output, res.output[-3000:]
+    assert "meshplan rank 0: stopping because another rank failed: rank 1 stopped responding (no heartbeat" in res.output, res.output[-3000:]
     assert complete_checkpoints(ckpt) == [step_dir(ckpt, 2)]
-    assert list(step_dir(ckpt, 4).glob("rank_0001.pt.tmp*")), "rank 1 was killed half-way through its file"
+    assert list(step_dir(ckpt, 4).glob(".rank_0001.pt.*.tmp")), "rank 1 was killed half-way through its file"
     assert not (step_dir(ckpt, 4) / "rank_0001.pt").exists()
     with pytest.raises(CheckpointError, match="save was interrupted"):
         resolve_checkpoint(step_dir(ckpt, 4))
@@ -214,7 +221,119 @@ def test_command_line(builds, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step_00000003: step 3 (24 samples), 2 ranks, mesh pipe 1 x data 1 x tensor 2" in out, out
     assert main(["checkpoint", "convert", str(ckpt), "-o", str(tmp_path / "m.pt")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cli_ckpt", "m.pt"]  # no temporary left anywhere
+    assert not [p for p in ckpt.rglob("*") if p.name.endswith(".tmp")]
+    assert main(["checkpoint", "convert", str(ckpt), "-o", str(tmp_path)]) == 2
+    assert f"-o {tmp_path} is a directory" in capsys.readouterr().err
+    assert not [p for p in tmp_path.parent.iterdir() if p.name.endswith(".tmp")]
     spec = TrainSpec.from_dict(read_build(builds["mlp_t2"])["train"])
     build_model(spec).load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True), strict=True)
     assert main(["checkpoint", "show", str(tmp_path / "nothing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_full_disk_during_a_save_is_a_clear_error_that_leaves_the_previous_checkpoint(builds, root):
+    """Rank 1's write of its checkpoint file fails with ENOSPC half-way: every rank stops with that
+    reason (naming the file), the step directory is gone, and the previous checkpoint resumes."""
+    b, ckpt = builds["mlp_d2"], root / "c_full"
+    res = run_local(b, steps=4, timeout=20, wall_timeout=150, extra_args=[
+        "--checkpoint-dir", str(ckpt), "--save-every", "2", "--fail-at", "1:3:0", "--fault", "disk-full-in-save"])
+    assert res.returncode != 0
+    reason = f"rank 1 failed: WriteError: cannot write {step_dir(ckpt, 4) / 'rank_0001.pt'}: disk full (ENOSPC)"
+    assert f"[rank 1] meshplan rank 1: error: {reason}" in res.output, res.output[-3000:]
+    assert any(line.startswith("[rank 0] meshplan rank 0: stopping") and reason in line
+               for line in res.output.splitlines()), res.output[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == [LOCK_NAME, "step_00000002"]  # no partial files
+    res = run_local(b, steps=2, timeout=20, verify=True, extra_args=["--resume", str(ckpt), "--checkpoint-dir",
+                                                                     str(ckpt)])
+    _ok(res, "resume after the failed save")
+    assert res.comparison.ok and res.comparison.params_compared > 0, res.comparison.summary()
+    assert complete_checkpoints(ckpt) == [step_dir(ckpt, 2), step_dir(ckpt, 4)]
+
+
+def _wait_for_holder(lock: Path, proc: subprocess.Popen, ready) -> Holder:
+    """The holder recorded in `lock` once `ready(holder)` (fails if `proc` ends first)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        holder = Holder.parse(lock.read_bytes()) if lock.is_file() else None
+        if holder is not None and ready(holder):
+            return holder
+        assert proc.poll() is None, f"the first run ended (exit status {proc.returncode}) before it was seen running"
+        time.sleep(0.05)
+    raise AssertionError(f"{lock} named no running holder within 300 s")
+
+
+def _start_run(build: Path, *extra: str) -> subprocess.Popen:
+    """`meshplan run BUILD --steps 2000` in its own process group (so that the test can end all of it)."""
+    return subprocess.Popen([sys.executable, "-m", "planner.cli", "run", str(build), "--steps", "2000",
+                             "--timeout", "60", *extra], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+
+
+def _end(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=120)
+
+
+def test_two_runs_on_one_checkpoint_directory_the_second_is_refused(builds, root):
+    """A live run holds its checkpoint directory (rank 0's lock, stopped with SIGSTOP so that it is
+    certainly still running); another build's run into that directory stops on every rank naming it."""
+    ckpt = root / "c_shared"
+    first = _start_run(builds["mlp_t2"], "--checkpoint-dir", str(ckpt))
+    try:
+        holder = _wait_for_holder(ckpt / LOCK_NAME, first, lambda h: bool(h.run_id))
+        os.kill(holder.pid, signal.SIGSTOP)
+        res = run_local(builds["mlp_d2"], steps=1, timeout=30, extra_args=["--checkpoint-dir", str(ckpt)])
+    finally:
+        _end(first)
+    assert res.returncode != 0
+    busy = f"rank 0: checkpoint directory {ckpt} is in use by run {holder.run_id} (host {holder.host}, " \
+           f"pid {holder.pid}, started "
+    assert f"[rank 0] meshplan rank 0: error: {busy}" in res.output, res.output[-3000:]
+    assert f"[rank 1] meshplan rank 1: stopping because another rank failed: {busy}" in res.output, \
+        res.output[-3000:]
+    assert not complete_checkpoints(ckpt)
+
+
+def test_two_concurrent_runs_of_one_build_the_second_is_refused(builds, capsys):
+    from planner.cli import main
+
+    build = builds["mlp_t2"]
+    first = _start_run(build)
+    try:
+        holder = _wait_for_holder(build / LOCK_NAME, first, lambda h: h.pid == first.pid)
+        os.kill(first.pid, signal.SIGSTOP)  # the launcher holds the lock: keep it from finishing
+        capsys.readouterr()
+        assert main(["run", str(build), "--steps", "1", "--timeout", "30"]) == 2
+        err = capsys.readouterr().err
+        assert f"build {build.resolve()} is in use by (host {holder.host}, pid {first.pid}, started " in err, err
+        assert (build / "run").is_dir(), "the refused run must not clear the running one's outputs"
+    finally:
+        _end(first)
+
+
+def test_resume_from_another_runs_checkpoint_needs_the_flag(builds, tmp_path, capsys):
+    from planner.cli import main
+
+    b = str(builds["mlp_t2"])
+    run = ["run", b, "--steps", "1", "--timeout", "30"]
+    dir_a, dir_b = tmp_path / "run_a", tmp_path / "run_b"
+    for d in (dir_a, dir_b):
+        assert main([*run, "--checkpoint-dir", str(d)]) == 0
+    id_a, id_b = (Manifest.load(resolve_checkpoint(d)).run_id for d in (dir_a, dir_b))
+    assert id_a and id_b and id_a != id_b
+    capsys.readouterr()
+    assert main([*run, "--checkpoint-dir", str(dir_a)]) == 1     # a new run into run a's directory
+    assert f"--checkpoint-dir {dir_a} holds the checkpoints of another run" in capsys.readouterr().err
+    assert main([*run, "--resume", str(dir_a), "--checkpoint-dir", str(dir_b)]) == 1
+    err = capsys.readouterr().err
+    assert f"checkpoint {dir_a} belongs to run {id_a}, but --checkpoint-dir {dir_b} holds the checkpoints of run " \
+           f"{id_b}" in err and "--resume-from-other-run" in err, err
+    assert complete_checkpoints(dir_b) == [step_dir(dir_b, 1)]
+    assert main([*run, "--resume", str(dir_a), "--checkpoint-dir", str(dir_b), "--resume-from-other-run"]) == 0
+    assert complete_checkpoints(dir_b) == [step_dir(dir_b, 1), step_dir(dir_b, 2)]
+    assert Manifest.load(step_dir(dir_b, 2)).run_id == id_b   # run b continues, from run a's state
