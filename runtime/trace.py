@@ -23,6 +23,9 @@ from itertools import accumulate
 from typing import Iterable
 
 TIMELINE_FORMAT_VERSION = 1
+# Steps a run traces unless told otherwise (`--trace`: all, `--no-trace`: none): enough for
+# `meshplan compare` (warm-up plus steady state), while a long run's trace stays a few MB.
+TRACE_WINDOW_STEPS = 100
 
 
 @dataclass(frozen=True)
