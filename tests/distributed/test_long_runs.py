@@ -58,3 +58,31 @@ def test_a_nan_loss_stops_every_rank_at_its_step(tmp_path):
     assert "the loss is nan at step 2" in res.output.split("meshplan rank 0: stopping")[1].splitlines()[0]
     assert _metric_steps(build) == [0, 1, 2]
     assert "Traceback" not in res.output
+
+
+def test_adamw_data_parallel_verifies_and_nan_is_named_not_diffed(tmp_path):
+    import math
+
+    import torch
+
+    from runtime.verify import verify_build
+
+    build = tmp_path / "build"
+    assert main(["codegen", "examples/models/gpt.py:build", "--arg", "preset=tiny", "--batch", "4", "--data", "2",
+                 "--optimizer", "adamw", "-o", str(build)]) == 0
+    res = run_local(build, steps=3, timeout=60, verify=True)
+    assert res.returncode == 0 and res.comparison.ok, res.comparison.summary()
+    # the same run's records with a NaN put in: each named where it is, never as a difference
+    nan_loss = {r: [math.nan, *ls[1:]] for r, ls in res.losses.items()}
+    cmp = verify_build(build, 3, nan_loss)
+    assert not cmp.ok and "NaN in the run's loss at step 0" in cmp.summary()
+    assert "NaN in rank 0's loss at step 0" in cmp.summary() and "diff" not in cmp.summary()
+    params = build / "run" / "params_rank_0001.pt"
+    saved = torch.load(params, weights_only=True)
+    stage, tensors = next(iter(saved.items()))
+    name = next(iter(tensors))
+    tensors[name].view(-1)[0] = math.inf
+    torch.save(saved, params)
+    cmp = verify_build(build, 3, res.losses)
+    assert not cmp.ok and f"inf in parameter {name} on rank 1 after step 2" in cmp.summary()
+    assert "differs from the reference" not in cmp.summary()
