@@ -78,6 +78,13 @@ def checkpoint_args(args: argparse.Namespace) -> list[str]:
     return out + (["--resume-from-other-run"] if getattr(args, "resume_from_other_run", False) else [])
 
 
+def trace_args(args: argparse.Namespace) -> list[str]:
+    """The rank-script option for `meshplan run --trace/--no-trace` (neither: the first steps' window)."""
+    if getattr(args, "trace", False):
+        return ["--trace"]
+    return ["--no-trace"] if getattr(args, "no_trace", False) else []
+
+
 def run_command(args: argparse.Namespace) -> int:
     from runtime.launcher import read_build, run_local
     from runtime.lifetime import Interrupted
@@ -91,7 +98,7 @@ def run_command(args: argparse.Namespace) -> int:
                         extra_args=(["--track-memory"] if getattr(args, "track_memory", False) else [])
                         + (["--probe-comm"] if getattr(args, "probe_comm", False) else [])
                         + ["--heartbeat-timeout", str(getattr(args, "heartbeat_timeout", 30.0))]
-                        + checkpoint_args(args))
+                        + trace_args(args) + checkpoint_args(args))
     except Interrupted as e:
         print(f"meshplan run: {e}; every rank was stopped (logs in {Path(args.build) / 'run'})", file=sys.stderr)
         return 128 + e.signum
@@ -101,11 +108,15 @@ def run_command(args: argparse.Namespace) -> int:
         for ln in errors[-20:] or res.output.splitlines()[-20:]:
             print("  " + ln, file=sys.stderr)
         return 1
-    losses = res.losses.get(0, [])
-    for step, loss in enumerate(losses):
-        secs = res.seconds.get(0, [0.0] * len(losses))[step]
-        print(f"step {step}: loss {loss:.6f}  ({secs * 1e3:.1f} ms)")
-    print(f"wrote {Path(args.build) / 'metrics.jsonl'}, timeline.json and trace.json (ui.perfetto.dev)")
+    if res.resumed_from:
+        print(f"resumed from checkpoint {res.resumed_from} (step {res.first_step})")
+    losses, seconds = res.losses.get(0, []), res.seconds.get(0, [])
+    for k, loss in enumerate(losses):
+        secs = seconds[k] if k < len(seconds) else 0.0
+        print(f"step {res.first_step + k}: loss {loss:.6f}  ({secs * 1e3:.1f} ms)")
+    build = Path(args.build)
+    print(f"wrote {build / 'metrics.jsonl'}"
+          + (", timeline.json and trace.json (ui.perfetto.dev)" if res.timeline is not None else " (no trace)"))
     if res.timeline is not None:
         frac = res.timeline.overlap_fraction()
         if frac is not None:

@@ -133,7 +133,10 @@ _EPILOG_RUN = """examples:
   meshplan run build --steps 3 --verify
   meshplan run build --steps 10 --backend mpi
   meshplan run build --steps 10 --checkpoint-dir ckpt --save-every 5; meshplan run build --steps 10 --resume ckpt
-Writes build/metrics.jsonl (loss per step), build/timeline.json and build/trace.json."""
+  meshplan run build --steps 20000 --no-trace
+Writes build/metrics.jsonl (loss per step, as the steps end), build/timeline.json and build/trace.json
+(the first {window} steps; every step with --trace, none with --no-trace). A NaN or infinite loss stops
+the run at the step where it appears (exit 1, naming the step)."""
 
 
 def _cmd_codegen(args: argparse.Namespace) -> int:
@@ -150,6 +153,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _add_codegen_and_run(sub) -> None:
+    from runtime.trace import TRACE_WINDOW_STEPS  # the runtime's default; a constant, no work
+
     p = sub.add_parser("codegen", help="generate per-rank programs, rank scripts and launchers for a plan",
                        epilog=_EPILOG_CODEGEN, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL_REF", help="factory reference, e.g. examples/models/gpt.py:build")
@@ -194,7 +199,8 @@ def _add_codegen_and_run(sub) -> None:
     p.set_defaults(func=_cmd_codegen)
 
     p = sub.add_parser("run", help="run a generated build on this machine (optionally verify it)",
-                       epilog=_EPILOG_RUN, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=_EPILOG_RUN.format(window=TRACE_WINDOW_STEPS),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("build", metavar="BUILD_DIR")
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl", "mpi"])
@@ -216,10 +222,16 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--checkpoint-dir", help="save sharded checkpoints here (after the last step, or --save-every)")
     p.add_argument("--save-every", type=int, help="also save every N steps")
     p.add_argument("--resume", metavar="CHECKPOINT",
-                   help="continue from a checkpoint (a step_XXXXXXXX directory, or the newest under a checkpoint dir)")
+                   help="continue from a checkpoint (a step_XXXXXXXX directory, or the newest under a checkpoint dir): "
+                        "steps are numbered on from the checkpoint's, and metrics.jsonl keeps the earlier steps")
     p.add_argument("--resume-from-other-run", action="store_true",
                    help="allow --resume from a checkpoint of another run than the one whose checkpoints "
                         "--checkpoint-dir holds (that run continues from this state)")
+    trace = p.add_mutually_exclusive_group()
+    trace.add_argument("--trace", action="store_true",
+                       help=f"trace every step into timeline.json and trace.json (default: the first "
+                            f"{TRACE_WINDOW_STEPS} steps of the run, so that a long run's trace stays small)")
+    trace.add_argument("--no-trace", action="store_true", help="trace no step (no timeline.json, trace.json)")
     p.set_defaults(func=_cmd_run)
     _add_checkpoint(sub)
 

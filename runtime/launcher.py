@@ -14,8 +14,10 @@ Network: the launcher hosts each build's rendezvous store on 127.0.0.1 only
 and the run's failure messages and heartbeats are signed with a secret made
 for this run and passed to the ranks in their environment (runtime/jobauth.py).
 
-Afterwards the per-rank Timelines are merged into build/timeline.json and
-build/trace.json (open in ui.perfetto.dev); `verify` runs the
+Afterwards the per-rank Timelines (the steps the ranks traced: the first
+TRACE_WINDOW_STEPS by default, every step with --trace, none with --no-trace) are
+merged into build/timeline.json and build/trace.json (open in ui.perfetto.dev),
+in time O(n log n) in the events; `verify` runs the
 single-process reference on the same data and seed and compares every
 rank's loss and every parameter it holds.
 """
@@ -55,6 +57,8 @@ class RunResult:
     comparison: Comparison | None = None
     returncodes: dict[int, int] = field(default_factory=dict)   # rank -> exit status (gloo/nccl; -N: signal N)
     exit_times: dict[int, float] = field(default_factory=dict)  # rank -> unix time its exit was seen
+    first_step: int = 0                # the run's first step: the checkpoint's step when it resumed
+    resumed_from: str | None = None    # the checkpoint directory it resumed from
 
 
 def free_port() -> int:
@@ -203,15 +207,26 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
                 d = json.loads(f.read_text())
                 result.losses[r] = d["losses"]
                 result.seconds[r] = d["seconds"]
-        tls = [Timeline.load(p) for p in sorted(run_dir.glob("timeline_rank_*.json"))]
-        if tls:
-            result.timeline = Timeline.merge(tls)
-            result.timeline.save(b / "timeline.json")
-            result.timeline.save_chrome(b / "trace.json")
+                result.first_step = d.get("first_step", 0)
+                result.resumed_from = d.get("resumed_from")
+        _merge_timelines(b, result)
         if verify and rc == 0:
             result.comparison = verify_build(b, steps, result.losses, rtol=rtol, atol=atol, first_step=first_step)
         results.append(result)
     return results
+
+
+def _merge_timelines(build: Path, result: RunResult) -> None:
+    """build/timeline.json and trace.json from the ranks' Timelines (O(n log n) in the events);
+    a run that traced nothing (--no-trace) removes those of an earlier run, which would pass for its own."""
+    tls = [Timeline.load(p) for p in sorted((build / "run").glob("timeline_rank_*.json"))]
+    if tls:
+        result.timeline = Timeline.merge(tls)
+        result.timeline.save(build / "timeline.json")
+        result.timeline.save_chrome(build / "trace.json")
+    else:
+        for name in ("timeline.json", "trace.json"):
+            (build / name).unlink(missing_ok=True)
 
 
 def _resumed_step(args: list[str]) -> int:

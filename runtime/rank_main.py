@@ -9,10 +9,11 @@ publishes its reason (Communicator.report_failure) and the other ranks exit
 with it (status 1).
 
 Outputs (under --out, default the build directory):
-  metrics.jsonl              one line per step from rank 0: step, loss, seconds
+  metrics.jsonl              one line per step from rank 0: step, loss, seconds (written as the steps
+                             end; a resumed run appends to the history before its checkpoint)
   run/rank_XXXX.json         this rank's loss and seconds per step (and, with --probe-comm, the
                              time of a 1 MiB all-reduce over all ranks before the first step)
-  run/timeline_rank_XXXX.json  this rank's Timeline
+  run/timeline_rank_XXXX.json  this rank's Timeline (the first TRACE_WINDOW_STEPS steps; all with --trace)
   run/params_rank_XXXX.pt    with --save-params: final parameters of its stages
 """
 
@@ -54,7 +55,8 @@ from runtime.running_stats import RunningStats
 from runtime.sabotage import SABOTAGE, sabotage
 from runtime.step_record import StepRecorder
 from runtime.ties import TieSync
-from runtime.trace import PROBE_BYTES, Recorder, probe_all_reduce, shared_origin
+from runtime.metrics import check_loss, open_metrics, write_metrics
+from runtime.trace import PROBE_BYTES, TRACE_WINDOW_STEPS, Recorder, probe_all_reduce, shared_origin
 from runtime.watchdog import Watchdog
 
 
@@ -103,7 +105,11 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
                     help="(testing) break the run on purpose, to show that --verify notices: drop-bucket (bucket 0's "
                          "gradients are not reduced), skip-tied-sum (tied copies keep their own gradients), "
                          "drop-halo-grad (spatial tiles ignore their neighbours' halo gradients)")
-    ap.add_argument("--no-trace", action="store_true", help="do not write the Timeline")
+    trace = ap.add_mutually_exclusive_group()
+    trace.add_argument("--trace", action="store_true",
+                       help=f"record the Timeline of every step (default: of the first {TRACE_WINDOW_STEPS} steps "
+                            "of the run, so that a long run's trace stays small)")
+    trace.add_argument("--no-trace", action="store_true", help="do not record or write the Timeline")
     ap.add_argument("--probe-comm", action="store_true",
                     help="before the first step, time an all-reduce of 1 MiB over all ranks and record it in "
                          "run/rank_XXXX.json, so that `meshplan compare` can tell whether this run's machine "
@@ -481,16 +487,53 @@ def _train(session: RankSession) -> None:
     out = Path(args.out)
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = out / "metrics.jsonl"
-    if rank == 0:
-        metrics.write_text("")
-    losses, seconds, memory = [], [], None
-    probe = probe_all_reduce(session.comm, p.program.world_size, p.device) if args.probe_comm else None
     first = p.restore.step if p.restore is not None else 0
+    if p.restore is not None and rank == 0:
+        print(f"meshplan rank 0: resumed from checkpoint {p.restore.ckpt} (step {first}): this run trains steps "
+              f"{first} to {first + args.steps - 1}", flush=True)
+    probe = probe_all_reduce(session.comm, p.program.world_size, p.device) if args.probe_comm else None
+    metrics = open_metrics(out / "metrics.jsonl", first) if rank == 0 else None
+    try:
+        losses, seconds, memory, memory_step = _train_steps(session, first, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    grads = session.grads
+    if args.save_params:
+        if grads is not None and grads.zero >= 3:
+            for st in grads.states:
+                grads.gather_params(st.index).wait()
+        torch.save({s: {k: v.detach().cpu().clone() for k, v in m.named_parameters()}
+                    for s, m in p.modules.items()}, run_dir / f"params_rank_{rank:04d}.pt")
+    (run_dir / f"rank_{rank:04d}.json").write_text(json.dumps(
+        {"rank": rank, "losses": losses, "seconds": seconds, "stages": sorted(p.specs), "first_step": first,
+         **({"resumed_from": str(p.restore.ckpt)} if p.restore is not None else {}),
+         **({"memory": {**dataclasses.asdict(memory), "step": memory_step}} if memory is not None else {}),
+         **({"probe": {"all_reduce_bytes": PROBE_BYTES, "seconds": probe}} if probe is not None else {})}))
+    if session.recorder is not None:
+        session.recorder.save(run_dir / f"steps_rank_{rank:04d}.pt")
+    if not args.no_trace:
+        ex.recorder.timeline().save(run_dir / f"timeline_rank_{rank:04d}.json")
+    session.comm.barrier()
+
+
+def _train_steps(session: RankSession, first: int, metrics) -> tuple[list[float], list[float], object, int]:
+    """Steps first .. first + --steps - 1: (losses, seconds, peak memory or None, the step it was measured in).
+
+    Traces the first TRACE_WINDOW_STEPS steps (every step with --trace, none with --no-trace); rank 0
+    writes each step's line to `metrics` as it ends. The ranks that hold the last stage check the loss
+    (every rank has the step's loss, but one check suffices): a NaN or infinite loss raises there, and the
+    others learn it through the failure reporting of run_rank."""
+    p, ex = session.prepared, session.executor
+    args = p.args
+    traced = 0 if args.no_trace else args.steps if args.trace else TRACE_WINDOW_STEPS
+    checks_loss = any(sp.is_last for sp in p.specs.values())
+    losses, seconds, memory = [], [], None
     # The second step is in steady state (optimizer state exists from the first step on).
     memory_step = first + 1 if args.steps >= 3 else first
     steps = session.recorder
     for step in range(first, first + args.steps):
+        ex.recorder.enabled = step - first < traced
         if steps is not None:
             steps.start(step)
         if args.track_memory and step == memory_step:  # counting slows ops: one step only
@@ -501,25 +544,11 @@ def _train(session: RankSession) -> None:
             steps.end(r.loss)
         losses.append(r.loss)
         seconds.append(r.seconds)
-        if rank == 0:
-            with metrics.open("a") as f:
-                f.write(json.dumps({"step": step, "loss": r.loss, "seconds": r.seconds}) + "\n")
+        if metrics is not None:
+            write_metrics(metrics, step, r.loss, r.seconds)
+        if checks_loss:
+            check_loss(r.loss, step, p.rank)
         last = step == first + args.steps - 1
         if args.checkpoint_dir and (last or (args.save_every and (step + 1) % args.save_every == 0)):
             _save(session, step + 1)
-    grads = session.grads
-    if args.save_params:
-        if grads is not None and grads.zero >= 3:
-            for st in grads.states:
-                grads.gather_params(st.index).wait()
-        torch.save({s: {k: v.detach().cpu().clone() for k, v in m.named_parameters()}
-                    for s, m in p.modules.items()}, run_dir / f"params_rank_{rank:04d}.pt")
-    (run_dir / f"rank_{rank:04d}.json").write_text(json.dumps(
-        {"rank": rank, "losses": losses, "seconds": seconds, "stages": sorted(p.specs),
-         **({"memory": {**dataclasses.asdict(memory), "step": memory_step}} if memory is not None else {}),
-         **({"probe": {"all_reduce_bytes": PROBE_BYTES, "seconds": probe}} if probe is not None else {})}))
-    if steps is not None:
-        steps.save(run_dir / f"steps_rank_{rank:04d}.pt")
-    if not args.no_trace:
-        ex.recorder.timeline().save(run_dir / f"timeline_rank_{rank:04d}.json")
-    session.comm.barrier()
+    return losses, seconds, memory, memory_step

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import json
 import statistics
+from bisect import bisect_left, bisect_right
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from itertools import accumulate
 from typing import Iterable
 
 TIMELINE_FORMAT_VERSION = 1
+# Steps a run traces unless told otherwise (`--trace`: all, `--no-trace`: none): enough for
+# `meshplan compare` (warm-up plus steady state), while a long run's trace stays a few MB.
+TRACE_WINDOW_STEPS = 100
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,9 @@ class Event:
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+
+_EVENT_FIELDS = tuple(f.name for f in fields(Event))   # dataclasses.asdict deep-copies: 20x slower
 
 
 @dataclass(frozen=True)
@@ -72,22 +80,29 @@ class Timeline:
         """Fraction of the time spent in `op` collectives that ran while the same rank
         was busy in `behind` instructions (backward): 1.0 is fully hidden.
 
-        None when there is no such collective.
+        None when there is no such collective. O(n log n) in the number of events: each
+        collective is measured against the sorted, disjoint busy intervals through prefix sums
+        (a long run has as many collectives as backward intervals; pairing them all was quadratic).
         """
         total = hidden = 0.0
-        for rank in self.ranks:
-            evs = [e for e in self.events if e.rank == rank]
+        by_rank: dict[int, list[Event]] = {}
+        for e in self.events:
+            by_rank.setdefault(e.rank, []).append(e)
+        for evs in by_rank.values():
             busy = _union([(e.start, e.end) for e in evs if e.op in behind])
+            starts = [lo for lo, _hi in busy]
+            ends = [hi for _lo, hi in busy]
+            covered = list(accumulate((hi - lo for lo, hi in busy), initial=0.0))
             for e in evs:
                 if e.op == op and name_contains in e.name and e.track == "comm":
                     total += e.duration
-                    hidden += sum(max(0.0, min(e.end, hi) - max(e.start, lo)) for lo, hi in busy)
+                    hidden += _covered(starts, ends, covered, e.start, e.end)
         return hidden / total if total > 0 else None
 
     # ---- JSON -----------------------------------------------------------
     def to_dict(self) -> dict:
         return {"format_version": self.format_version, "source": self.source,
-                "events": [asdict(e) for e in self.events]}
+                "events": [{k: getattr(e, k) for k in _EVENT_FIELDS} for e in self.events]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Timeline":
@@ -125,6 +140,21 @@ class Timeline:
 
     def save_chrome(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_chrome()))
+
+
+def _covered(starts: list[float], ends: list[float], prefix: list[float], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] inside the disjoint sorted intervals (starts[i], ends[i]); prefix[i] is
+    the total length of the first i intervals."""
+    if hi <= lo:
+        return 0.0
+    first = bisect_right(ends, lo)     # the first interval that ends after lo
+    last = bisect_left(starts, hi)     # intervals [first, last) start before hi
+    if first >= last:
+        return 0.0
+    inside = prefix[last] - prefix[first]
+    inside -= max(0.0, lo - starts[first])     # the part of the first interval before lo
+    inside -= max(0.0, ends[last - 1] - hi)    # the part of the last interval after hi
+    return inside
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

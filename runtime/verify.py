@@ -21,6 +21,16 @@ Two checks, both against the single-process reference (runtime/reference.py):
    at most MARGIN times the twin's largest distance so far (with a floor of the dtype's
    precision, relative to how far training moved the tensor).
 
+Adam and AdamW normalize their update per element (about lr whatever the gradient's size), so
+where a gradient element is itself at rounding level, rounding moves its parameter by a part of
+lr that a twin summing in the reference's order does not show: under them a tensor may also
+differ by a small fraction of lr per element per step (adam_allowance), the unit the optimizer
+moves it in. Gradient errors stay caught by check 1, which Adam's normalization does not reach.
+
+NaN or infinity anywhere (a loss, a gradient, a parameter, the run's or the reference's) fails
+with its own message ("NaN in the gradient of fc.weight at step 3"), never as a large or zero
+difference.
+
 The tolerances come from the dtype (fp32 or a 16-bit autocast); --rtol/--atol override the
 per-step ones. A model that draws random numbers in training (dropout with p > 0) cannot
 equal the single-process run sample by sample: the check says so instead of failing on it.
@@ -47,12 +57,17 @@ from runtime.spatial_model import data_shard
 from runtime.spec import StageSpec, TrainSpec
 from runtime.step_record import load_records, step_files
 
-# per dtype: loss (relative), gradient (relative / absolute per rms), statistics (relative), trajectory floor
+# per dtype: loss (relative), gradient (relative / absolute per rms), statistics (relative), trajectory floor,
+# and for Adam-family optimizers the trajectory's parameter difference in Adam's own units ("adam_steps":
+# the rms difference per element, as a fraction of lr x sqrt(steps); see adam_allowance)
 TOLERANCES = {
-    "fp32": {"loss": 1e-6, "grad_rtol": 1e-4, "grad_atol": 1e-6, "stats": 1e-5, "floor": 1e-4},
-    "bf16": {"loss": 2e-2, "grad_rtol": 5e-2, "grad_atol": 1e-3, "stats": 2e-2, "floor": 2e-2},
-    "fp16": {"loss": 5e-3, "grad_rtol": 2e-2, "grad_atol": 5e-4, "stats": 5e-3, "floor": 5e-3},
+    "fp32": {"loss": 1e-6, "grad_rtol": 1e-4, "grad_atol": 1e-6, "stats": 1e-5, "floor": 1e-4, "adam_steps": 1e-3},
+    "bf16": {"loss": 2e-2, "grad_rtol": 5e-2, "grad_atol": 1e-3, "stats": 2e-2, "floor": 2e-2, "adam_steps": 2e-2},
+    "fp16": {"loss": 5e-3, "grad_rtol": 2e-2, "grad_atol": 5e-4, "stats": 5e-3, "floor": 5e-3, "adam_steps": 1e-2},
 }
+# optimizers whose update is normalized per element (m / (sqrt(v) + eps)): a gradient element that is
+# rounding-level itself (a sum that cancels, a unit barely alive) still moves its parameter by up to lr
+NORMALIZED_OPTIMIZERS = ("adamw", "adam")
 MARGIN = 10.0   # how much further than rounding-level twins a run may stray from the reference
 ROUNDING_SAMPLES = 3   # per-step noise: the reference in the run's dtype and 2 rounding-level twins
 
@@ -81,13 +96,22 @@ class Comparison:
     worst_param: str = ""
     params_compared: int = 0
     twin_loss_diff: float = 0.0    # the rounding-level twin's largest loss distance from the reference
+    non_finite: bool = False       # a NaN or infinity was found (the figures above mean nothing then)
 
     def fail(self, problem: str) -> None:
         self.ok = False
         if len(self.problems) < 12:
             self.problems.append(problem)
 
+    def fail_non_finite(self, problem: str) -> None:
+        """A NaN or infinity: no difference means anything, so the summary gives none."""
+        self.non_finite = True
+        self.fail(problem)
+
     def summary(self) -> str:
+        if self.non_finite:
+            return "\n".join([f"FAILED: non-finite values in {self.steps} step(s), nothing to compare"]
+                             + [f"  - {p}" for p in self.problems])
         head = "OK" if self.ok else "MISMATCH"
         lines = [f"{head}: {self.steps} step(s); per step from the run's parameters: loss within "
                  f"{self.max_step_loss_rel:.2g} (relative), gradients within {self.max_grad_err:.2g} of exact "
@@ -100,6 +124,42 @@ class Comparison:
                  f"parameters within {self.max_param_rel:.2g} of their tolerance (worst {self.worst_param or '-'})"]
         lines += [f"  - {p}" for p in self.problems]
         return "\n".join(lines)
+
+
+ADAM_REACH = 2.0   # a rounding-decided Adam update moves its element by up to about lr either way
+
+
+def adam_sensitive(exact: torch.Tensor, noise: torch.Tensor, fraction: float, eps: float) -> int:
+    """Elements of one step's gradient whose Adam update rounding decides: those where the gradient's
+    rounding noise (per element) is more than `fraction` of |g| + eps (Adam's update there moves by
+    about lr x noise / (|g| + eps))."""
+    return int(((exact.abs() + eps) * fraction < noise).sum())
+
+
+def adam_allowance(optimizer, steps: int, numel: int, fraction: float, sensitive: float = 0.0) -> float:
+    """How far (L2 norm over a tensor of `numel` elements) rounding may move a tensor in `steps` steps
+    of an Adam-family optimizer; 0 for others (SGD's update is proportional to the gradient: the
+    rounding-level twin measures it).
+
+    Adam's update is lr * m / (sqrt(v) + eps) per element, about lr whatever the gradient's size.
+    Where an element's gradient is itself at rounding level (a sum that cancels; an attention key
+    bias, whose exact gradient is 0), two correct summation orders give it different signs and the
+    parameter moves by up to ~lr: `sensitive` counts such (element, step) pairs (adam_sensitive),
+    each allowed ADAM_REACH x lr. Every other element may move by `fraction` of lr per step. Steps
+    add up as a random walk."""
+    if getattr(optimizer, "name", None) not in NORMALIZED_OPTIMIZERS:
+        return 0.0
+    return optimizer.lr * math.sqrt(fraction ** 2 * max(steps, 1) * max(numel, 1) + ADAM_REACH ** 2 * sensitive)
+
+
+def non_finite(t: torch.Tensor | float) -> str | None:
+    """"NaN" or "inf" when `t` holds one (NaN first), else None."""
+    t = torch.as_tensor(t)
+    if not t.is_floating_point():
+        return None
+    if torch.isnan(t).any():
+        return "NaN"
+    return "inf" if torch.isinf(t).any() else None
 
 
 def _double(t: torch.Tensor) -> torch.Tensor:
@@ -171,8 +231,8 @@ def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[fl
         return cmp
     mb = programs[0].micro_batch_size
     groups = stats_groups(programs, specs, _bidirectional(build))
-    _check_steps(cmp, build, spec, programs, mb, groups, steps, first_step, losses, tol)
-    _check_trajectory(cmp, build, spec, programs, specs, mb, groups, steps, first_step, losses, tol)
+    sensitive = _check_steps(cmp, build, spec, programs, mb, groups, steps, first_step, losses, tol)
+    _check_trajectory(cmp, build, spec, programs, specs, mb, groups, steps, first_step, losses, tol, sensitive)
     return cmp
 
 
@@ -203,19 +263,25 @@ def _evaluate(model: nn.Module, spec: TrainSpec, state, start, chunks: list, gro
 
 
 def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[int, Program], mb: int,
-                 groups: list[int], steps: int, first_step: int, losses: dict[int, list[float]], tol: dict) -> None:
+                 groups: list[int], steps: int, first_step: int, losses: dict[int, list[float]],
+                 tol: dict) -> dict[str, int]:
     """Check 1: each step's loss, gradients and statistics from the run's own parameters.
+
+    Returns, for an Adam-family optimizer, per parameter the number of (element, step) pairs whose
+    update rounding decides (adam_sensitive; for the trajectory's allowance); else {}.
 
     Each is measured against the step computed exactly (float64, no autocast); the run may be
     off by the dtype's floor plus MARGIN times the farthest of ROUNDING_SAMPLES rounding-level
     computations of the same step (the reference in the run's dtype, and rounding-level twins),
     which is how far rounding alone moves this step of this model.
     """
+    adam = spec.optimizer if spec.optimizer.name in NORMALIZED_OPTIMIZERS else None
+    sensitive: dict[str, int] = {}
     try:
         records = load_records(build / "run", len(programs))
     except FileNotFoundError as e:
         cmp.fail(f"{e}; run with --verify (it records the steps)")
-        return
+        return sensitive
     mesh = programs[0].mesh
     exact_spec = spec.replace(dtype="fp32")
     with rank_threads():
@@ -227,7 +293,7 @@ def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[i
             step = first_step + k
             if any(len(rec["steps"]) <= k for rec in records):
                 cmp.fail(f"step {step}: a rank recorded only {min(len(r['steps']) for r in records)} steps")
-                return
+                return sensitive
             files = step_files(records, k)
             state = assemble_files(files, mesh)
             start = assemble_files([{**f, "buffers": rec["steps"][k]["buffers_start"]}
@@ -237,7 +303,16 @@ def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[i
                                          [(map_inputs(i, _double), t) for i, t in chunks], groups)
             samples = [_evaluate(model, spec, state, start, chunks, groups, seed)
                        for seed in [None, *range(1, ROUNDING_SAMPLES)]]
-            got = losses.get(0, [])[k] if k < len(losses.get(0, [])) else float("nan")
+            if k >= len(losses.get(0, [])):
+                cmp.fail(f"step {step}: rank 0 reported no loss for it")
+                return sensitive
+            got = losses[0][k]
+            bad = non_finite(got) or non_finite(loss64)
+            if bad:
+                whose = "the run's loss" if non_finite(got) else "the exact loss from the run's parameters"
+                cmp.fail_non_finite(f"{bad} in {whose} at step {step}: the run diverged or its data holds {bad}; a "
+                         "non-finite run cannot be compared (lower --lr, check the data)")
+                return sensitive
             scale = max(abs(loss64), 1e-12)
             noise = max(abs(lo - loss64) for lo, _g, _b in samples) / scale
             rel = abs(got - loss64) / scale
@@ -252,6 +327,10 @@ def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[i
                 if name not in g64:
                     cmp.fail(f"step {step}: the run steps {name!r}, which the model does not have")
             spread = {n: max(_norm(sg[n] - g64[n]) for _l, sg, _b in samples) for n in names}
+            if adam is not None:
+                for n in names:
+                    noise = MARGIN * torch.stack([(sg[n] - g64[n]).abs() for _l, sg, _b in samples]).amax(0)
+                    sensitive[n] = sensitive.get(n, 0) + adam_sensitive(g64[n], noise, tol["adam_steps"], adam.eps)
             total = math.sqrt(sum(_norm(g64[n]) ** 2 for n in names)) or 1e-30
             # rounding's effect spreads over every tensor (a flipped ReLU changes all the gradients
             # before it): each tensor may move by the step's relative noise, as well as its own
@@ -259,6 +338,11 @@ def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[i
             errs = {}
             for name in names:
                 want = g64[name]
+                bad = non_finite(state.optimizer[name]["grad"])
+                if bad:
+                    cmp.fail_non_finite(f"{bad} in the gradient of {name} at step {step} (the run's)")
+                    errs[name] = math.inf
+                    continue
                 err = errs[name] = _norm(state.optimizer[name]["grad"].view_as(want).double() - want)
                 allow = tol["grad_rtol"] * _norm(want) + tol["grad_atol"] * math.sqrt(want.numel()) * rms \
                     + MARGIN * max(spread[name], step_noise * _norm(want))
@@ -285,12 +369,16 @@ def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[i
                 if not rel <= allow:
                     cmp.fail(f"step {step}: buffer {name} after the step is {rel:.2g} (relative) from the exact one "
                              f"(allowed {allow:.2g})")
+    return sensitive
 
 
 def _check_trajectory(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[int, Program],
                       specs: dict[int, StageSpec], mb: int, groups: list[int], steps: int, first_step: int,
-                      losses: dict[int, list[float]], tol: dict) -> None:
-    """Check 2: the run's losses and final parameters against the free-running reference."""
+                      losses: dict[int, list[float]], tol: dict, sensitive: dict[str, int]) -> None:
+    """Check 2: the run's losses and final parameters against the free-running reference.
+
+    sensitive: from check 1 (Adam-family optimizers), per parameter the (element, step) pairs whose
+    update rounding decides; scaled to this rank's slice and to the steps before a resumed run."""
     total = first_step + steps
     ref = reference_run(spec, total, micro_batch_size=mb, stats_groups=groups)
     twin = reference_run(spec, total, micro_batch_size=mb, stats_groups=groups,
@@ -305,6 +393,12 @@ def _check_trajectory(cmp: Comparison, build: Path, spec: TrainSpec, programs: d
             continue
         envelope = 0.0
         for k, (a, b, c) in enumerate(zip(run, ref_losses, twin_losses)):
+            bad = non_finite(a) or non_finite(b)
+            if bad:
+                whose = f"rank {r}'s loss" if non_finite(a) else "the single-process reference's loss"
+                cmp.fail_non_finite(f"{bad} in {whose} at step {first_step + k}: a non-finite run cannot be compared "
+                         "(lower --lr, check the data)")
+                break
             envelope = max(envelope, abs(c - b))
             d = abs(a - b)
             cmp.max_loss_diff = max(cmp.max_loss_diff, d)
@@ -337,10 +431,20 @@ def _check_trajectory(cmp: Comparison, build: Path, spec: TrainSpec, programs: d
                     cmp.fail(f"{local_name} on rank {r} is {tuple(value.shape)}, the reference's slice "
                              f"{tuple(want.shape)}")
                     continue
+                bad = non_finite(value) or non_finite(want)
+                if bad:
+                    whose = f"parameter {local_name} on rank {r}" if non_finite(value) else \
+                        f"the single-process reference's {name}"
+                    cmp.fail_non_finite(f"{bad} in {whose} after step {total - 1}")
+                    continue
                 d = _norm(value.double() - want.double())
-                # the floor scales with how far training moved the tensor (a bias starts at zero)
+                # the floor scales with how far training moved the tensor (a bias starts at zero); under
+                # Adam, rounding reaches the parameters through its normalized update (adam_allowance)
                 allow = max(tol["floor"] * _norm(want.double() - start.double()),
-                            MARGIN * _norm(other.double() - want.double()), 1e-12)
+                            MARGIN * _norm(other.double() - want.double()),
+                            adam_allowance(spec.optimizer, total, value.numel(), tol["adam_steps"],
+                                           sensitive.get(name, 0) * total / max(steps, 1)
+                                           * value.numel() / max(ref.params[name].numel(), 1)), 1e-12)
                 cmp.params_compared += 1
                 cmp.max_param_diff = max(cmp.max_param_diff, d)
                 if d / allow > cmp.max_param_rel:

@@ -72,3 +72,60 @@ def test_rounding_level_twin_moves_every_parameter_by_one_step():
     nudge(model, seed=1, dtype="bf16")
     for p, b in zip(model.parameters(), before):
         torch.testing.assert_close((p - b).abs(), b.abs() * NUDGE["bf16"])
+
+
+def _adamw_trajectory(grads: list[torch.Tensor], lr: float = 0.1) -> torch.Tensor:
+    """The parameter after one AdamW step per gradient in `grads`, from zeros."""
+    from runtime.optim import OptimizerSpec
+
+    p = nn.Parameter(torch.zeros_like(grads[0]))
+    opt = OptimizerSpec(name="adamw", lr=lr).build([p])
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach()
+
+
+def test_adam_turns_rounding_level_gradients_into_a_part_of_lr_and_the_allowance_covers_it():
+    """A gradient element that cancels to 0 in one summation order and to a rounding residue in another
+    moves its AdamW parameter by a sizeable part of lr (SGD would move it by lr x 1e-9): the
+    allowance counts such elements from their measured noise and allows them Adam's step; a
+    gradient that is really different still exceeds it."""
+    from runtime.optim import OptimizerSpec
+    from runtime.verify import MARGIN, TOLERANCES, adam_allowance, adam_sensitive
+
+    torch.manual_seed(0)
+    steps, n, adamw = 5, 64, OptimizerSpec(name="adamw", lr=0.1)
+    fraction = TOLERANCES["fp32"]["adam_steps"]
+    grads = [torch.randn(n) for _ in range(steps)]
+    for g in grads:
+        g[:4] = 0.0                      # cancelled exactly in the reference's order (an attention key bias)
+    rounded = [g.clone() for g in grads]
+    for g in rounded:
+        g[:4] = 1e-9                     # a rounding residue in the run's order
+    ref, run = _adamw_trajectory(grads), _adamw_trajectory(rounded)
+    diff = float((run - ref).norm())
+    assert diff > 0.1 * 0.1              # a tenth of lr: far beyond the parameter's own rounding (~1e-8)
+    # what check 1 measures: rounding-level twins' gradients scatter ~1e-9 around the exact one
+    noise = MARGIN * torch.full((n,), 1e-9)
+    sensitive = sum(adam_sensitive(g, noise, fraction, adamw.eps) for g in grads)
+    assert sensitive == 4 * steps        # only the cancelled elements: the others' |g| ~ 1 dwarfs the noise
+    allow = adam_allowance(adamw, steps, n, fraction, sensitive)
+    assert diff <= allow
+    assert adam_allowance(adamw, steps, n, fraction) < diff      # without them, the false MISMATCH
+    wrong = [g.clone() for g in grads]
+    for g in wrong:
+        g[n // 2:] = -g[n // 2:]         # half the gradient wrong (a bucket from another rank, say)
+    assert float((_adamw_trajectory(wrong) - ref).norm()) > 2 * allow
+    assert adam_allowance(OptimizerSpec(name="sgd", lr=0.1), steps, n, fraction, sensitive) == 0.0
+
+
+def test_non_finite_names_nan_before_inf():
+    import math
+
+    from runtime.verify import non_finite
+
+    assert non_finite(torch.tensor([1.0, math.inf, math.nan])) == "NaN"
+    assert non_finite(torch.tensor([1.0, -math.inf])) == "inf"
+    assert non_finite(math.nan) == "NaN" and non_finite(2.0) is None
+    assert non_finite(torch.tensor([1, 2])) is None
