@@ -21,6 +21,8 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
     if args.plan:
         plan = planner.Plan.load(args.plan)
         graph = capture_ref(args.model, kwargs, batch_size=plan.config.micro_batch_size)
+        if graph.fingerprint == plan.graph_fingerprint:  # else emit names the other model
+            plan.check_layers([layer.name for layer in graph.layers])
     else:
         if args.batch is None:
             raise ValueError("give --plan PLAN.json, or the configuration with at least --batch (global batch size)")
@@ -31,6 +33,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
                                      replicas_per_direction=args.replicas_per_direction, subgraph=args.subgraph,
                                      spatial=args.spatial, spatial_split=args.spatial_split,
                                      spatial_until=args.spatial_until, spatial_batchnorm=args.spatial_batchnorm)
+        check_fixed_config(cfg, args.batch)
         if args.cluster in (None, "local"):
             cluster = planner.Cluster.preset("local", devices=cfg.num_devices)
         elif args.cluster in planner.Cluster.preset_names():
@@ -48,6 +51,21 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
           "run_rank.py, launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh")
     print(f"run it here with:  meshplan run {build.path} --steps 10")
     return 0
+
+
+def check_fixed_config(cfg, global_batch_size: int) -> None:
+    """ConfigError before any capture when the configuration cannot run whatever the model:
+    more devices than a plan may have, or a batch its micro-batches and data ranks do not split."""
+    from planner.config import ConfigError
+    from planner.plan import MAX_WORLD
+
+    if cfg.num_devices > MAX_WORLD:
+        raise ConfigError(f"the configuration needs {cfg.num_devices} devices (the product of the degrees); "
+                          f"meshplan plans at most {MAX_WORLD}")
+    if cfg.data > global_batch_size:
+        raise ConfigError(f"--data {cfg.data} is more data ranks than the {global_batch_size} samples of --batch; "
+                          f"use --data {global_batch_size} or fewer")
+    cfg.micro_batches(global_batch_size)
 
 
 def make_fixed_plan(graph, cluster, cfg, global_batch_size: int):
@@ -81,6 +99,10 @@ def run_command(args: argparse.Namespace) -> int:
     from runtime.launcher import read_build, run_local
 
     info = read_build(args.build)
+    world = info.get("world_size")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"{Path(args.build) / 'build.json'}: world_size is {world!r}, not a number of processes "
+                         ">= 1; the file was edited or damaged: run meshplan codegen again")
     print(f"running {args.build}: {info['world_size']} processes ({args.backend}), {args.steps} step(s)",
           flush=True)
     res = run_local(args.build, steps=args.steps, backend=args.backend, timeout=args.timeout, verify=args.verify,
