@@ -95,14 +95,24 @@ def checkpoint_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def run_command(args: argparse.Namespace) -> int:
-    from runtime.launcher import read_build, run_local
+def read_checked_build(build: str) -> dict:
+    """build.json of a build directory, refused (ValueError) when its world size is not a
+    number of processes from 1 to MAX_WORLD (a hand-edited or damaged file)."""
+    from planner.plan import MAX_WORLD
+    from runtime.launcher import read_build
 
-    info = read_build(args.build)
-    world = info.get("world_size")
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"{Path(args.build) / 'build.json'}: world_size is {world!r}, not a number of processes "
-                         ">= 1; the file was edited or damaged: run meshplan codegen again")
+    info = read_build(build)
+    world = info.get("world_size") if isinstance(info, dict) else None
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"{Path(build) / 'build.json'}: world_size is {world!r}, not a number of processes "
+                         f"from 1 to {MAX_WORLD}; the file was edited or damaged: run meshplan codegen again")
+    return info
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from runtime.launcher import run_local
+
+    info = read_checked_build(args.build)
     print(f"running {args.build}: {info['world_size']} processes ({args.backend}), {args.steps} step(s)",
           flush=True)
     res = run_local(args.build, steps=args.steps, backend=args.backend, timeout=args.timeout, verify=args.verify,

@@ -332,8 +332,10 @@ Writes build/predicted_timeline.json and build/predicted_trace.json (ui.perfetto
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    from codegen.commands import read_checked_build
     from planner.compare import compare_build, draw
 
+    read_checked_build(args.build)
     cluster = resolve_cluster(args.cluster)
     cmp, predicted, measured, plan = compare_build(args.build, cluster)
     print(cmp.report())
@@ -344,9 +346,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    from codegen.commands import read_checked_build
     from cost_models.simulate import simulate_steady
     from planner.compare import predicted_costs
 
+    read_checked_build(args.build)
     _plan, pred, costs, progs, cluster = predicted_costs(args.build, resolve_cluster(args.cluster))
     tl = simulate_steady(progs, costs, cluster)  # a step after the first, as `compare` measures
     out = Path(args.build)
