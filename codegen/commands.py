@@ -13,6 +13,11 @@ import sys
 from pathlib import Path
 
 
+# Rank scripts one codegen writes (each is lowered, checked and compiled: about 30 s for
+# 4096 on 2 cores); plans may be larger (planner.plan.MAX_WORLD) to be priced, not generated.
+MAX_CODEGEN_WORLD = 4096
+
+
 def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | None) -> int:
     import planner
     from codegen.emit import capture_ref, emit
@@ -20,6 +25,9 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
 
     if args.plan:
         plan = planner.Plan.load(args.plan)
+        if plan.config.num_devices > MAX_CODEGEN_WORLD:
+            raise ValueError(f"plan {args.plan} has {plan.config.num_devices} devices; meshplan codegen writes at "
+                             f"most {MAX_CODEGEN_WORLD} rank scripts")
         graph = capture_ref(args.model, kwargs, batch_size=plan.config.micro_batch_size)
         if graph.fingerprint == plan.graph_fingerprint:  # else emit names the other model
             plan.check_layers([layer.name for layer in graph.layers])
@@ -57,11 +65,10 @@ def check_fixed_config(cfg, global_batch_size: int) -> None:
     """ConfigError before any capture when the configuration cannot run whatever the model:
     more devices than a plan may have, or a batch its micro-batches and data ranks do not split."""
     from planner.config import ConfigError
-    from planner.plan import MAX_WORLD
 
-    if cfg.num_devices > MAX_WORLD:
+    if cfg.num_devices > MAX_CODEGEN_WORLD:
         raise ConfigError(f"the configuration needs {cfg.num_devices} devices (the product of the degrees); "
-                          f"meshplan plans at most {MAX_WORLD}")
+                          f"meshplan codegen writes at most {MAX_CODEGEN_WORLD} rank scripts")
     if cfg.data > global_batch_size:
         raise ConfigError(f"--data {cfg.data} is more data ranks than the {global_batch_size} samples of --batch; "
                           f"use --data {global_batch_size} or fewer")
