@@ -48,7 +48,8 @@ _TINY = ("import torch\n"
          "    return (torch.empty(batch_size, 4, device=device),)\n")
 BROKEN_MODELS = {
     "syntax.py": "import torch\ndef build(:\n    pass\n",
-    "missing_import.py": "import no_such_module_meshplan\n" + _TINY + "def build():\n    return torch.nn.Linear(4, 2)\n",
+    "missing_import.py": ("import no_such_module_meshplan\n" + _TINY
+                          + "def build():\n    return torch.nn.Linear(4, 2)\n"),
     "raises.py": _TINY + "def build():\n    raise RuntimeError('the factory broke')\n",
     "exits.py": "import sys\n" + _TINY + "def build():\n    sys.exit(3)\n",
     "not_callable.py": _TINY + "build = 3\n",
@@ -139,7 +140,8 @@ def make_fixtures(tmp: Path, cli: Callable[[Sequence[str]], int]) -> Fixtures:
 
 
 def _numeric(verb_argv: tuple[str, ...], flag: str, values: Sequence[str], tag: str) -> list[Case]:
-    return [Case(f"{tag} {flag} {v if len(v) < 12 or not v.isdigit() else 'huge'}", verb_argv + (flag, v)) for v in values]
+    return [Case(f"{tag} {flag} {v if len(v) < 12 or not v.isdigit() else 'huge'}", verb_argv + (flag, v))
+            for v in values]
 
 
 def cases(fx: Fixtures) -> list[Case]:
@@ -148,8 +150,10 @@ def cases(fx: Fixtures) -> list[Case]:
     gpt = ("examples/models/gpt.py:build", "--arg", "preset=tiny")
     mlp = "examples/models/mlp.py:build"
     out_file = lambda name: str(fx.tmp / "out" / name)  # noqa: E731 - a fresh target
-    bad_outs = {"missing dir": str(fx.tmp / "no" / "such" / "dir" / "x.json"), "a directory": str(fx.a_dir),
+    def outs(verb: str) -> dict[str, str]:  # a missing directory of its own per verb: an earlier case creates it
+        return {CREATED: str(fx.tmp / f"no_{verb}" / "such" / "x.json"), "a directory": str(fx.a_dir),
                 "under a file": str(fx.a_file / "x.json"), "unwritable": "/proc/meshplan_fuzz/x.json"}
+
     refs = {"syntax error": f"{m}/syntax.py:build", "missing import": f"{m}/missing_import.py:build",
             "factory raises": f"{m}/raises.py:build", "sys.exit": f"{m}/exits.py:build",
             "not callable": f"{m}/not_callable.py:build", "inputs raise": f"{m}/inputs_raise.py:build",
@@ -164,7 +168,7 @@ def cases(fx: Fixtures) -> list[Case]:
     out += [Case(f"capture ref {k}", ("capture", r)) for k, r in refs.items()]
     out.append(Case("capture unknown --arg", ("capture", mlp, "--arg", "nosuch=1")))
     out.append(Case("capture Ctrl-C in factory", ("capture", f"{m}/interrupts.py:build")))
-    out += [Case(f"capture -o {k}", cap + ("-o", p), must_fail=k != CREATED) for k, p in bad_outs.items()]
+    out += [Case(f"capture -o {k}", cap + ("-o", p), must_fail=k != CREATED) for k, p in outs("capture").items()]
     # optimize
     opt = ("optimize", *gpt, "--cluster", "local", "--devices", "2", "--quiet", "-o", out_file("p.json"))
     out += _numeric(opt, "--batch", ["0", "-1", "x", HUGE, str(2 ** 31 + 1)], "optimize")
@@ -178,19 +182,20 @@ def cases(fx: Fixtures) -> list[Case]:
                                             "max_memory_fraction=abc", "max_memory_fraction=-1"], "optimize")
     out += [Case(f"optimize ref {k}", ("optimize", r, "--cluster", "local", "--batch", "4", "--quiet",
                                        "-o", out_file("p.json"))) for k, r in refs.items() if k != "no colon"]
-    out += [Case(f"optimize -o {k}", opt_b[:-2] + ("-o", p), must_fail=k != CREATED) for k, p in bad_outs.items()]
+    out += [Case(f"optimize -o {k}", opt_b[:-2] + ("-o", p), must_fail=k != CREATED)
+            for k, p in outs("optimize").items()]
     # show
     out += [Case(f"show plan {k}", ("show", str(fx.tmp / f"plan_{k}.json"), "-o", out_file(f"show_{k}")))
             for k in ("swapped", "micro3", "batch1e30", "world0", "product", "gap")]
     out += [Case("show missing plan", ("show", str(fx.tmp / "nope.json"))),
             Case("show a directory", ("show", str(fx.a_dir)))]
     out += [Case(f"show -o {k}", ("show", str(fx.plan), "-o", p[:-5]), must_fail=k != CREATED)
-            for k, p in bad_outs.items() if k != "a directory"]
+            for k, p in outs("show").items() if k != "a directory"]
     # cluster
     out += _numeric(("cluster", "dgx-a100-80gb"), "--nodes", ["0", "-1", HUGE, "x"], "cluster")
     out += _numeric(("cluster", "local"), "--devices", ["0", "-1", HUGE], "cluster")
     out += [Case(f"cluster -o {k}", ("cluster", "local", "-o", p), must_fail=k != CREATED)
-            for k, p in bad_outs.items()]
+            for k, p in outs("cluster").items()]
     # codegen
     cg = ("codegen", mlp, "-o", out_file("build"))
     out += _numeric(cg, "--batch", ["0", "-1", HUGE], "codegen")
@@ -210,7 +215,7 @@ def cases(fx: Fixtures) -> list[Case]:
             for k, r in refs.items()]
     out.append(Case("codegen unknown --arg", cg4 + ("--arg", "nosuch=1")))
     out += [Case(f"codegen -o {k}", ("codegen", mlp, "--batch", "4", "-o", p[:-5] if k != "a directory"
-                                     else str(fx.a_file)), must_fail=k != CREATED) for k, p in bad_outs.items()]
+                                     else str(fx.a_file)), must_fail=k != CREATED) for k, p in outs("codegen").items()]
     # run
     run = ("run", str(fx.build))
     out += _numeric(run, "--steps", ["0", "-1", "x"], "run")
@@ -236,7 +241,7 @@ def cases(fx: Fixtures) -> list[Case]:
     out += _numeric(cal + ("-o", out_file("c.yaml")), "--timeout", ["0", "-1", "nan"], "calibrate")
     out += _numeric(cal + ("-o", out_file("c.yaml")), "--ranks", ["0", "-1", "1", "100000"], "calibrate")
     out += [Case(f"calibrate --out {k}", cal + ("--out", p[:-5] + ".yaml" if k != "a directory" else str(fx.a_dir)))
-            for k, p in bad_outs.items() if k != CREATED]  # a created directory would start the measurement
+            for k, p in outs("calibrate").items() if k != CREATED]  # a created directory would start the measurement
     out.append(Case("calibrate --out bad suffix", cal + ("--out", out_file("c.txt"))))
     # compare / simulate
     for verb in ("compare", "simulate"):

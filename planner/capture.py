@@ -127,7 +127,8 @@ def capture_ref(model_ref: str, model_kwargs: dict | None = None, batch_size: in
     with torch.device("meta"):
         model = call_factory(factory, kwargs, ref=model_ref)
     if not isinstance(model, nn.Module):
-        raise RefError(f"model factory {model_ref} returned a value of type {type(model).__name__}, not a torch.nn.Module; "
+        raise RefError(f"model factory {model_ref} returned a value of type {type(model).__name__}, "
+                       "not a torch.nn.Module; "
                        "return the model")
     inputs = call_factory(make_inputs, kwargs, ref=f"{module_path}:example_inputs", what="example inputs",
                           batch_size=batch_size, device="meta")

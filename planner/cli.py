@@ -223,7 +223,8 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--momentum", type=nonnegative_number, default=0.0)
     p.add_argument("--weight-decay", type=nonnegative_number, default=0.0)
     p.add_argument("--seed", type=count(0, 2 ** 32), default=0, help="parameter initialisation seed")
-    p.add_argument("--data-seed", type=count(0, 2 ** 32), default=1000, help="step s reads the batch of seed data_seed + s")
+    p.add_argument("--data-seed", type=count(0, 2 ** 32), default=1000,
+                   help="step s reads the batch of seed data_seed + s")
     p.add_argument("--init", default="seed", choices=["seed", "per-module", "checkpoint"])
     p.add_argument("--checkpoint", help="state_dict file for --init checkpoint")
     p.add_argument("--bucket-mb", type=positive_number, default=25.0, help="gradient bucket size in MiB")

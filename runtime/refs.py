@@ -106,7 +106,8 @@ def load_callable(ref: str, root: str | Path | None = None, what: str = "model f
     except RefError as e:
         raise RefError(f"{what} {ref!r}: {e}") from None
     if not callable(fn):
-        raise RefError(f"{what} {ref!r} names a value of type {type(fn).__name__}, not a callable; point the reference at "
+        raise RefError(f"{what} {ref!r} names a value of type {type(fn).__name__}, not a callable; "
+                       "point the reference at "
                        "a function or class (path/to/file.py:NAME)")
     return fn
 
