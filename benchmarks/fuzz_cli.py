@@ -6,7 +6,7 @@ Every case runs `python -m planner.cli ...` in a subprocess of its own (PYTHONPA
 checkout, or the one in $PYTHONPATH when set) under a wall-clock limit (seconds), and
 ends as one of:
 
-    clear error   exit 2 (exit 130 "interrupted" for Ctrl-C), no traceback, the last line on
+    clear error   exit 2 (exit 130 "interrupted" after Ctrl-C), no traceback, the last line on
                   stderr says "error:" (argparse's usage line before it is fine)
     success       exit 0 where the input is allowed (a value at a documented cap)
     SILENT WRONG  exit 0 for an input that cannot be right (world size 0, a batch the
@@ -269,7 +269,7 @@ def classify(case: Case, returncode: int | None, stderr: str) -> str:
     last = lines[-1] if lines else ""
     if returncode == 2 and "error:" in last:
         return "clear error"
-    if returncode == 130 and case.sigint_after is not None and "interrupted" in last:
+    if returncode == 130 and "interrupted" in last:  # Ctrl-C, sent or raised by a factory
         return "clear error"
     return "UNCLEAR"
 

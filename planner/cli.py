@@ -183,6 +183,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
                              "use --backend gloo or mpi on CPUs")
     if args.checkpoint_dir:
         output_dir(args.checkpoint_dir, "--checkpoint-dir")
+    if args.resume:  # here, not after every rank has started and built its model
+        from runtime.checkpoint import resolve_checkpoint
+
+        resolve_checkpoint(args.resume)
     return run_command(args)
 
 

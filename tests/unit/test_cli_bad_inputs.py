@@ -35,7 +35,7 @@ SAMPLE = (
     "run --rtol -1", "run world size 0", "run --checkpoint-dir under a file", "run --checkpoint-dir onto a file",
     "calibrate --timeout 0", "calibrate --ranks 0", "calibrate --ranks 100000", "calibrate --out a directory",
     "calibrate --out under a file", "calibrate --out unwritable",
-    "simulate world size 0", "compare world size 0",
+    "run --resume missing", "simulate world size 0", "compare world size 0",
 )
 
 
