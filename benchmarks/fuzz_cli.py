@@ -182,7 +182,7 @@ def cases(fx: Fixtures) -> list[Case]:
                                             "max_memory_fraction=abc", "max_memory_fraction=-1"], "optimize")
     out += [Case(f"optimize ref {k}", ("optimize", r, "--cluster", "local", "--batch", "4", "--quiet",
                                        "-o", out_file("p.json"))) for k, r in refs.items() if k != "no colon"]
-    out += [Case(f"optimize -o {k}", opt_b[:-2] + ("-o", p), must_fail=k != CREATED)
+    out += [Case(f"optimize -o {k}", opt[:-2] + ("--batch", "4", "-o", p), must_fail=k != CREATED)
             for k, p in outs("optimize").items()]
     # show
     out += [Case(f"show plan {k}", ("show", str(fx.tmp / f"plan_{k}.json"), "-o", out_file(f"show_{k}")))
