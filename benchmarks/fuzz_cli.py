@@ -274,11 +274,18 @@ def classify(case: Case, returncode: int | None, stderr: str) -> str:
     return "UNCLEAR"
 
 
+def _default_sigint() -> None:
+    """In the child: SIGINT as in a terminal's foreground job. A shell starts background jobs
+    (`fuzz_cli.py &`) with SIGINT ignored, children inherit that, and Ctrl-C would then test nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_case(case: Case, env: dict[str, str], cwd: Path, limit: float) -> tuple[str, float, str]:
     """(outcome, seconds, last stderr line) of one case in its own process group."""
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "planner.cli", *case.argv], cwd=cwd, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_default_sigint)
     try:
         if case.sigint_after is not None:
             try:
