@@ -14,6 +14,11 @@ import sys
 from pathlib import Path
 
 
+# Rank scripts one codegen writes (each is lowered, checked and compiled: the MLP at data 1024 takes
+# 20 s, at 4096 140 s on 2 busy cores); plans may be larger (planner.plan.MAX_WORLD): priced, not generated.
+MAX_CODEGEN_WORLD = 4096
+
+
 def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | None) -> int:
     import planner
     from codegen.emit import capture_ref, emit
@@ -21,7 +26,12 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
 
     if args.plan:
         plan = planner.Plan.load(args.plan)
+        if plan.config.num_devices > MAX_CODEGEN_WORLD:
+            raise ValueError(f"plan {args.plan} has {plan.config.num_devices} devices; meshplan codegen writes at "
+                             f"most {MAX_CODEGEN_WORLD} rank scripts")
         graph = capture_ref(args.model, kwargs, batch_size=plan.config.micro_batch_size)
+        if graph.fingerprint == plan.graph_fingerprint:  # else emit names the other model
+            plan.check_layers([layer.name for layer in graph.layers])
     else:
         if args.batch is None:
             raise ValueError("give --plan PLAN.json, or the configuration with at least --batch (global batch size)")
@@ -32,6 +42,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
                                      replicas_per_direction=args.replicas_per_direction, subgraph=args.subgraph,
                                      spatial=args.spatial, spatial_split=args.spatial_split,
                                      spatial_until=args.spatial_until, spatial_batchnorm=args.spatial_batchnorm)
+        check_fixed_config(cfg, args.batch)
         if args.cluster in (None, "local"):
             cluster = planner.Cluster.preset("local", devices=cfg.num_devices)
         elif args.cluster in planner.Cluster.preset_names():
@@ -49,6 +60,20 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
           "run_rank.py, launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh")
     print(f"run it here with:  meshplan run {shlex.quote(str(build.path))} --steps 10")
     return 0
+
+
+def check_fixed_config(cfg, global_batch_size: int) -> None:
+    """ConfigError before any capture when the configuration cannot run whatever the model:
+    more devices than a plan may have, or a batch its micro-batches and data ranks do not split."""
+    from planner.config import ConfigError
+
+    if cfg.num_devices > MAX_CODEGEN_WORLD:
+        raise ConfigError(f"the configuration needs {cfg.num_devices} devices (the product of the degrees); "
+                          f"meshplan codegen writes at most {MAX_CODEGEN_WORLD} rank scripts")
+    if cfg.data > global_batch_size:
+        raise ConfigError(f"--data {cfg.data} is more data ranks than the {global_batch_size} samples of --batch; "
+                          f"use --data {global_batch_size} or fewer")
+    cfg.micro_batches(global_batch_size)
 
 
 def make_fixed_plan(graph, cluster, cfg, global_batch_size: int):
@@ -85,11 +110,25 @@ def trace_args(args: argparse.Namespace) -> list[str]:
     return ["--no-trace"] if getattr(args, "no_trace", False) else []
 
 
+def read_checked_build(build: str) -> dict:
+    """build.json of a build directory, refused (ValueError) when its world size is not a
+    number of processes from 1 to MAX_WORLD (a hand-edited or damaged file)."""
+    from planner.plan import MAX_WORLD
+    from runtime.launcher import read_build
+
+    info = read_build(build)
+    world = info.get("world_size") if isinstance(info, dict) else None
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"{Path(build) / 'build.json'}: world_size is {world!r}, not a number of processes "
+                         f"from 1 to {MAX_WORLD}; the file was edited or damaged: run meshplan codegen again")
+    return info
+
+
 def run_command(args: argparse.Namespace) -> int:
-    from runtime.launcher import read_build, run_local
+    from runtime.launcher import run_local
     from runtime.lifetime import Interrupted
 
-    info = read_build(args.build)
+    info = read_checked_build(args.build)
     print(f"running {args.build}: {info['world_size']} processes ({args.backend}), {args.steps} step(s)",
           flush=True)
     try:

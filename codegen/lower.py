@@ -397,7 +397,8 @@ def check_programs(programs: dict[int, Program]) -> None:
     """
     pcs = {r: 0 for r in programs}
     sent: set[tuple] = set()
-    coll_seq: dict[tuple[int, tuple], list] = {}   # (rank, group) -> issued collectives in order
+    coll_seq: dict[tuple[int, int], list] = {}   # (rank, group id) -> issued collectives in order
+    group_ids: dict[tuple, tuple[int, tuple]] = {}  # group's ranks -> (group id, group's ranks)
     pending: dict[tuple[int, int], Callable[[], bool]] = {}
     remaining = sum(len(p.instrs) for p in programs.values())
     while remaining:
@@ -420,20 +421,24 @@ def check_programs(programs: dict[int, Program]) -> None:
                     key = (ins.peer, r, ins.kind, ins.stage, ins.micro)
                     pending[(r, ins.handle)] = lambda key=key: key in sent
                 elif ins.is_async:
+                    # Keyed by a small id: hashing the group's tuple of ranks on every look-up made
+                    # this check cubic in the world size (minutes at 1024 ranks).
                     group = prog.group(ins.axis)
-                    seq = coll_seq.setdefault((r, group), [])
+                    group = group_ids.setdefault(group, (len(group_ids), group))
+                    seq = coll_seq.setdefault((r, group[0]), [])
                     n = len(seq)
                     what = (ins.op, ins.kind, ins.stage, ins.bucket)   # a tied weight: its global index
                     seq.append(what)
 
                     def ready(group=group, n=n, what=what, r=r):
-                        for q in group:
-                            s = coll_seq.get((q, group), [])
+                        gid, members = group
+                        for q in members:
+                            s = coll_seq.get((q, gid), [])
                             if len(s) <= n:
                                 return False
                             if s[n] != what:
                                 raise LoweringError(f"ranks {r} and {q} disagree on collective #{n} of group "
-                                                    f"{list(group)}: {what} vs {s[n]}")
+                                                    f"{list(members)}: {what} vs {s[n]}")
                         return True
                     pending[(r, ins.handle)] = ready
                 pcs[r] += 1

@@ -114,18 +114,25 @@ def capture(
 def capture_ref(model_ref: str, model_kwargs: dict | None = None, batch_size: int = 1) -> ModelGraph:
     """Capture the model a factory reference ("path/to/file.py:build") builds on meta, with
     `batch_size` samples from its module's `example_inputs(batch_size, device, **kwargs)`."""
-    from runtime.refs import load_module, load_ref  # the runtime's reference loader; not needed at import
+    # the runtime's reference loader (RefError names the file and line of any failure); not needed at import
+    from runtime.refs import RefError, call_factory, load_callable, load_module
 
     kwargs = dict(model_kwargs or {})
-    factory = load_ref(model_ref)
+    factory = load_callable(model_ref)
     module_path = model_ref.rsplit(":", 1)[0]
     make_inputs = getattr(load_module(module_path), "example_inputs", None)
     if make_inputs is None:
         raise ValueError(f"{module_path} defines no example_inputs(batch_size, device, **kwargs); add one so "
                          "meshplan knows the shape of a batch (or, from Python, pass a captured graph)")
     with torch.device("meta"):
-        model = factory(**kwargs)
-    return capture(model, make_inputs(batch_size=batch_size, device="meta", **kwargs))
+        model = call_factory(factory, kwargs, ref=model_ref)
+    if not isinstance(model, nn.Module):
+        raise RefError(f"model factory {model_ref} returned a value of type {type(model).__name__}, "
+                       "not a torch.nn.Module; "
+                       "return the model")
+    inputs = call_factory(make_inputs, kwargs, ref=f"{module_path}:example_inputs", what="example inputs",
+                          batch_size=batch_size, device="meta")
+    return capture(model, inputs)
 
 
 def _normalize_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:

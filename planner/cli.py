@@ -18,6 +18,15 @@ from typing import Any, Sequence
 
 # planner/__init__ already imports capture (and torch) before this module runs.
 from planner.capture import capture_ref
+from planner.cli_args import (MAX_BATCH, MAX_WORLD, check_constraints, count, nonnegative_number, output_dir,
+                              output_file, positive_number)
+
+# Bounds of the numeric options (argparse refuses anything outside in one line).
+BATCH = count(1, MAX_BATCH, " samples")
+DEGREE = count(1, MAX_WORLD, " devices")
+STEPS = count(1, 2 ** 40)
+MAX_RANKS = 1024  # calibration processes on one machine
+INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
 
 _EPILOG_CAPTURE = """examples:
   meshplan capture examples/models/gpt.py:build --arg preset=1t --batch 1
@@ -56,6 +65,12 @@ def _parse_kv(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _check_world(devices: int, what: str) -> None:
+    if devices > MAX_WORLD:
+        raise ValueError(f"{what} has {devices} devices; meshplan plans at most {MAX_WORLD}: "
+                         "use fewer --nodes/--devices")
+
+
 def resolve_cluster(name: str, nodes: int | None = None, devices: int | None = None):
     """A preset name (with nodes/devices) or a cluster file path."""
     from pathlib import Path
@@ -73,6 +88,8 @@ def resolve_cluster(name: str, nodes: int | None = None, devices: int | None = N
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:
+    if args.output:
+        output_file(args.output)
     graph = capture_ref(args.model, _parse_kv(args.arg), args.batch)
     print(graph.summary(max_layers=args.max_layers))
     if args.output:
@@ -84,10 +101,13 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 def _cmd_optimize(args: argparse.Namespace) -> int:
     from planner.optimize import explain, optimize
 
+    output_file(args.output)
+    constraints = check_constraints(_parse_kv(args.constraint))
     cluster = resolve_cluster(args.cluster, args.nodes, args.devices)
+    _check_world(cluster.num_devices, "the cluster")
     graph = capture_ref(args.model, _parse_kv(args.arg), 1)
     plan = optimize(graph, cluster, global_batch_size=args.batch, objective=args.objective,
-                    constraints=_parse_kv(args.constraint), progress=False if args.quiet else None)
+                    constraints=constraints, progress=False if args.quiet else None)
     print(plan.summary())
     print()
     print(explain(plan))
@@ -103,10 +123,14 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from planner.visualize import visualize
 
     plan = Plan.load(args.plan)
+    out = args.output or str(Path(args.plan).with_suffix(""))
+    if out.endswith("/"):  # a directory: the pictures go inside it
+        output_dir(out)
+    else:
+        output_file(f"{out}_report.html")
     print(plan.summary())
     print()
     print(explain(plan))
-    out = args.output or str(Path(args.plan).with_suffix(""))
     files = visualize(plan, out)
     report = write_report(plan, f"{out}_report.html" if not out.endswith("/") else f"{out}report.html")
     print(f"\nwrote {len(files)} pictures ({files[0].parent}/{files[0].name.rsplit('_', 1)[0]}_*.png|svg) "
@@ -115,7 +139,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
+    if args.output:
+        output_file(args.output)
     cluster = resolve_cluster(args.name, args.nodes, args.devices)
+    _check_world(cluster.num_devices, "the cluster")
     print(cluster.summary())
     if args.output:
         cluster.save(args.output)
@@ -143,12 +170,26 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
     from codegen.commands import codegen_command
 
     data_kwargs = _parse_kv(args.data_arg) if args.data_arg else None
+    output_dir(args.output)
     return codegen_command(args, _parse_kv(args.arg), data_kwargs)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from codegen.commands import run_command
 
+    if args.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--backend nccl needs CUDA GPUs, and torch sees none here "
+                             f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); "
+                             "use --backend gloo or mpi on CPUs")
+    if args.checkpoint_dir:
+        output_dir(args.checkpoint_dir, "--checkpoint-dir")
+    if args.resume:  # here, not after every rank has started and built its model
+        from runtime.checkpoint import resolve_checkpoint
+
+        resolve_checkpoint(args.resume)
     return run_command(args)
 
 
@@ -160,18 +201,18 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("model", metavar="MODEL_REF", help="factory reference, e.g. examples/models/gpt.py:build")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="factory keyword (repeatable)")
     p.add_argument("--plan", help="a plan file (from meshplan optimize); otherwise give the configuration below")
-    p.add_argument("--batch", type=int, help="global batch size (samples per optimizer step)")
+    p.add_argument("--batch", type=BATCH, help="global batch size (samples per optimizer step)")
     for name in ("data", "tensor", "pipeline"):
-        p.add_argument(f"--{name}", type=int, default=1, help=f"{name} degree (default 1)")
-    p.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch per data rank")
+        p.add_argument(f"--{name}", type=DEGREE, default=1, help=f"{name} degree (default 1)")
+    p.add_argument("--micro-batch", type=BATCH, default=1, help="samples per micro-batch per data rank")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
-    p.add_argument("--virtual-stages", type=int, default=1, help="chunks per device (interleaved)")
+    p.add_argument("--virtual-stages", type=DEGREE, default=1, help="chunks per device (interleaved)")
     p.add_argument("--bidirectional", action="store_true",
                    help="GEMS bi-directional pipeline (device r holds stages r and p-1-r)")
-    p.add_argument("--replicas-per-direction", type=int, default=1,
+    p.add_argument("--replicas-per-direction", type=BATCH, default=1,
                    help="MASTER's T with --bidirectional: 2T micro-batches per step")
-    p.add_argument("--subgraph", type=int, default=1, help="sub-graph parallel degree B (sub-grids per replica)")
-    p.add_argument("--spatial", type=int, default=1, help="spatial degree: tiles per image (needs --spatial-until)")
+    p.add_argument("--subgraph", type=DEGREE, default=1, help="sub-graph parallel degree B (sub-grids per replica)")
+    p.add_argument("--spatial", type=DEGREE, default=1, help="spatial degree: tiles per image (needs --spatial-until)")
     p.add_argument("--spatial-split", default="strips_h", choices=["strips_h", "strips_v", "grid"],
                    help="how images are tiled: horizontal strips, vertical strips or a grid")
     p.add_argument("--spatial-until", help="the last layer that runs on image tiles (a layer name)")
@@ -181,20 +222,21 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--cluster", help="cluster preset or file the plan is priced on (default: local)")
-    p.add_argument("--nodes", type=int, help="nodes of a preset cluster")
+    p.add_argument("--nodes", type=DEGREE, help="nodes of a preset cluster")
     p.add_argument("--data-ref", help="batch factory (default: example_batch in the model's file)")
     p.add_argument("--data-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="batch factory keyword (default: the model's --arg values)")
     p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"])
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--momentum", type=float, default=0.0)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
-    p.add_argument("--data-seed", type=int, default=1000, help="step s reads the batch of seed data_seed + s")
+    p.add_argument("--lr", type=positive_number, default=0.1)
+    p.add_argument("--momentum", type=nonnegative_number, default=0.0)
+    p.add_argument("--weight-decay", type=nonnegative_number, default=0.0)
+    p.add_argument("--seed", type=count(0, 2 ** 32), default=0, help="parameter initialisation seed")
+    p.add_argument("--data-seed", type=count(0, 2 ** 32), default=1000,
+                   help="step s reads the batch of seed data_seed + s")
     p.add_argument("--init", default="seed", choices=["seed", "per-module", "checkpoint"])
     p.add_argument("--checkpoint", help="state_dict file for --init checkpoint")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB")
+    p.add_argument("--bucket-mb", type=positive_number, default=25.0, help="gradient bucket size in MiB")
     p.add_argument("-o", "--output", default="build", help="build directory (default build)")
     p.set_defaults(func=_cmd_codegen)
 
@@ -202,10 +244,10 @@ def _add_codegen_and_run(sub) -> None:
                        epilog=_EPILOG_RUN.format(window=TRACE_WINDOW_STEPS),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("build", metavar="BUILD_DIR")
-    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--steps", type=STEPS, default=1, help="training steps (default 1)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl", "mpi"])
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any communication may take")
-    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
+    p.add_argument("--timeout", type=positive_number, default=120.0, help="seconds any communication may take")
+    p.add_argument("--heartbeat-timeout", type=positive_number, default=30.0,
                    help="seconds without a heartbeat after which a rank is named as not responding (stopped, "
                         "hung or dead) and the run stops; independent of --timeout (default 30)")
     p.add_argument("--verify", action="store_true",
@@ -215,12 +257,12 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--probe-comm", action="store_true",
                    help="time a 1 MiB all-reduce over all ranks before the first step (meshplan compare sets it "
                         "beside the calibrated time and warns when the machine moves data at another speed)")
-    p.add_argument("--rtol", type=float, default=None,
+    p.add_argument("--rtol", type=nonnegative_number, default=None,
                    help="--verify: relative tolerance of each step's loss and gradients (default: from the dtype)")
-    p.add_argument("--atol", type=float, default=None,
+    p.add_argument("--atol", type=nonnegative_number, default=None,
                    help="--verify: absolute gradient tolerance, per rms of the gradients (default: from the dtype)")
     p.add_argument("--checkpoint-dir", help="save sharded checkpoints here (after the last step, or --save-every)")
-    p.add_argument("--save-every", type=int, help="also save every N steps")
+    p.add_argument("--save-every", type=STEPS, help="also save every N steps")
     p.add_argument("--resume", metavar="CHECKPOINT",
                    help="continue from a checkpoint (a step_XXXXXXXX directory, or the newest under a checkpoint dir): "
                         "steps are numbered on from the checkpoint's, and metrics.jsonl keeps the earlier steps")
@@ -250,6 +292,7 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     if args.action == "convert":
         from runtime.checkpoint_restore import to_state_dict
 
+        output_file(args.output)
         ckpt, man, n = to_state_dict(args.checkpoint, args.output)
         print(f"wrote {args.output}: {n} tensors of {man.model_ref} at step {man.step} (from {ckpt})")
         return 0
@@ -288,6 +331,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     if Path(args.out).suffix.lower() not in (".yaml", ".yml", ".json"):
         raise ValueError(f"--out {args.out}: name the cluster file .yaml, .yml or .json")
+    output_file(args.out, "--out")  # before minutes of measuring
     cluster = calibrate_machine(args.ranks, quick=not args.full, backend=args.backend, timeout=args.timeout,
                                 run_probe=args.run_probe, progress=lambda line: print(line, flush=True))
     cluster.save(args.out)
@@ -311,8 +355,10 @@ Writes build/predicted_timeline.json and build/predicted_trace.json (ui.perfetto
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    from codegen.commands import read_checked_build
     from planner.compare import compare_build, draw
 
+    read_checked_build(args.build)
     cluster = resolve_cluster(args.cluster)
     cmp, predicted, measured, plan = compare_build(args.build, cluster)
     print(cmp.report())
@@ -323,9 +369,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    from codegen.commands import read_checked_build
     from cost_models.simulate import simulate_steady
     from planner.compare import predicted_costs
 
+    read_checked_build(args.build)
     _plan, pred, costs, progs, cluster = predicted_costs(args.build, resolve_cluster(args.cluster))
     tl = simulate_steady(progs, costs, cluster)  # a step after the first, as `compare` measures
     out = Path(args.build)
@@ -355,12 +403,13 @@ def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="measure this machine with the runtime and write a calibrated cluster file",
                        epilog=_EPILOG_CALIBRATE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", "-o", required=True, help="cluster file to write (.yaml, .yml or .json)")
-    p.add_argument("--ranks", type=int, help="rank processes (default: one per usable CPU, at least 2)")
+    p.add_argument("--ranks", type=count(2, MAX_RANKS, " (processes on this machine)"),
+                   help="rank processes (default: one per usable CPU, at least 2)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="few repeats and message sizes (the default)")
     mode.add_argument("--full", action="store_true", help="more repeats and message sizes (about 4x longer)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "mpi"])
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds the measurement may take")
+    p.add_argument("--timeout", type=positive_number, default=300.0, help="seconds the measurement may take")
     p.add_argument("--no-run-probe", dest="run_probe", action="store_false",
                    help="skip the last part: training a small probe transformer through the runtime, traced, "
                         "to measure how much longer compute takes in a run than its per-op prices "
@@ -377,8 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL_REF", help="factory reference, e.g. examples/models/gpt.py:build")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for the factory and example_inputs (repeatable)")
-    p.add_argument("--batch", type=int, default=1, help="samples in the example batch (default 1)")
-    p.add_argument("--max-layers", type=int, default=12, help="layers listed in the summary (default 12)")
+    p.add_argument("--batch", type=BATCH, default=1, help="samples in the example batch (default 1)")
+    p.add_argument("--max-layers", type=count(0), default=12, help="layers listed in the summary (default 12)")
     p.add_argument("-o", "--output", help="also write the ModelGraph as JSON here")
     p.set_defaults(func=_cmd_capture)
 
@@ -386,9 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=_EPILOG_OPTIMIZE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL_REF", help="factory reference, e.g. examples/models/gpt.py:build")
     p.add_argument("--cluster", required=True, metavar="PRESET_OR_FILE", help="cluster preset or file")
-    p.add_argument("--nodes", type=int, help="nodes of a preset cluster")
-    p.add_argument("--devices", type=int, help="devices of a preset cluster (for 'local', processes)")
-    p.add_argument("--batch", type=int, required=True, help="global batch size (samples per step)")
+    p.add_argument("--nodes", type=DEGREE, help="nodes of a preset cluster")
+    p.add_argument("--devices", type=DEGREE, help="devices of a preset cluster (for 'local', processes)")
+    p.add_argument("--batch", type=BATCH, required=True, help="global batch size (samples per step)")
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for the factory and example_inputs (repeatable)")
     p.add_argument("--objective", choices=["time", "energy"], default="time")
@@ -407,8 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cluster", help="show a preset or a cluster file, optionally save it",
                        epilog=_EPILOG_CLUSTER, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", metavar="PRESET_OR_FILE")
-    p.add_argument("--nodes", type=int, help="number of nodes (presets only)")
-    p.add_argument("--devices", type=int, help="devices (presets only; for 'local', processes)")
+    p.add_argument("--nodes", type=DEGREE, help="number of nodes (presets only)")
+    p.add_argument("--devices", type=DEGREE, help="devices (presets only; for 'local', processes)")
     p.add_argument("-o", "--output", help="write the cluster as YAML or JSON (by suffix)")
     p.set_defaults(func=_cmd_cluster)
 
@@ -419,12 +468,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("meshplan: interrupted", file=sys.stderr)
+        return INTERRUPTED
     try:
         return args.func(args)
     except ValueError as e:  # user errors: one clear line, no traceback
         print(f"meshplan {args.verb}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was written stays; one line, the shell's status
+        print(f"meshplan {args.verb}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ pruning never loses the optimum within the cost model.
 from __future__ import annotations
 
 import difflib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,7 +193,9 @@ def _options(cons: dict, key: str, default: tuple) -> tuple:
 
 
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of n, ascending, in O(sqrt n) steps (n may be a batch of 2**31)."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return small + [n // k for k in reversed(small) if k * k != n]
 
 
 def _best_dtype(cluster: Cluster, allowed: tuple[str, ...]) -> str:

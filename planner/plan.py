@@ -20,6 +20,10 @@ from planner.subgraph import Region, describe
 from planner.validate import FieldError, Fields
 
 PLAN_FORMAT_VERSION = 1
+# The largest global batch (samples per step) and world (devices) a plan may have: far past
+# any real run, and small enough that searching, checking and lowering one stays bounded.
+MAX_BATCH = 2 ** 31
+MAX_WORLD = 65536
 
 
 class PlanFileError(ValueError):
@@ -169,6 +173,20 @@ class Plan:
         except OSError as e:
             raise PlanFileError(f"cannot write plan file {p}: {e.strerror or e}") from None
 
+    def check_layers(self, layer_names: list[str]) -> None:
+        """PlanFileError unless the stages, in order, hold exactly `layer_names` (the graph's
+        layers in model order), each once: what make_plan produces and codegen needs."""
+        held = [name for st in self.stages for name in st.layers]
+        if held == list(layer_names):
+            return
+        k = next((i for i, (a, b) in enumerate(zip(held, layer_names)) if a != b), min(len(held), len(layer_names)))
+        where = next(i for i, st in enumerate(self.stages) if sum(len(s.layers) for s in self.stages[:i + 1]) > k) \
+            if k < len(held) else len(self.stages) - 1
+        want = layer_names[k] if k < len(layer_names) else "no more layers"
+        got = held[k] if k < len(held) else "nothing"
+        raise PlanFileError(f"plan: stages[{where}] holds {got} where the model has {want} (layer {k}); the stages "
+                            f"must hold the model's {len(layer_names)} layers in order, each once. Make the plan again")
+
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         p = Path(path)
@@ -200,6 +218,15 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
     config = ParallelConfig.read(f.sub("config"))
     if config.num_devices != cluster.num_devices:
         raise f.error("config", f"uses {config.num_devices} devices but the plan's cluster has {cluster.num_devices}")
+    if config.num_devices > MAX_WORLD:
+        raise f.error("config", f"uses {config.num_devices} devices; meshplan plans at most {MAX_WORLD}")
+    batch = f.integer("global_batch_size", minimum=1)
+    if batch > MAX_BATCH:
+        raise f.error("global_batch_size", f"is {batch}; meshplan plans batches of at most {MAX_BATCH} samples")
+    try:
+        config.micro_batches(batch)
+    except ConfigError as e:
+        raise f.error("global_batch_size", f"does not fit the config: {e}") from None
     stages = tuple(f.each("stages", lambda s: Stage(s.integer("index", minimum=0), s.integer("device_index", minimum=0),
                                                      tuple(s.strings("layers")))))
     if len(stages) != config.num_stages:
@@ -226,6 +253,13 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
     prediction = _read_prediction(f.sub("prediction"))
     if len(prediction.stages) != len(stages):
         raise f.error("prediction.stages", f"has {len(prediction.stages)} entries for {len(stages)} stages")
+    for k, (st, sp) in enumerate(zip(stages, prediction.stages)):
+        # The prediction was made for these stages: an edit of one without the other (layers moved,
+        # reordered or dropped) leaves a plan that describes one model split and prices another.
+        if (st.layers[0], st.layers[-1], len(st.layers)) != (sp.first_layer, sp.last_layer, sp.num_layers):
+            raise f.error(f"stages[{k}].layers", f"runs {st.layers[0]}..{st.layers[-1]} ({len(st.layers)} layers) "
+                          f"but the prediction priced {sp.first_layer}..{sp.last_layer} ({sp.num_layers}); "
+                          "make the plan again (meshplan optimize, or codegen with the configuration)")
     search = f.sub("search", {})
     regions = tuple(f.each("subgraph", Region.read, []))
     if (config.subgraph > 1) != bool(regions):
@@ -236,7 +270,7 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
             raise f.error(f"subgraph[{k}]", f"gives a path to sub-grid {max(r.owners)}; there are {config.subgraph}")
     return Plan(
         format_version=version, model_class=f.text("model_class"), graph_fingerprint=f.text("graph_fingerprint"),
-        cluster=cluster, config=config, global_batch_size=f.integer("global_batch_size", minimum=1),
+        cluster=cluster, config=config, global_batch_size=batch,
         stages=stages, shardings=tuple(sorted(roles.data.items())), prediction=prediction,
         search=tuple(search.data.items()),
         alternatives=tuple(f.each("alternatives", Alternative.read, [])), subgraph=regions,

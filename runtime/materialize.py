@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from runtime.refs import RefError, load_ref
+from runtime.refs import call_factory, load_callable
 from runtime.spec import StageSpec, TrainSpec
 from runtime.tensor_parallel import mask_padding, shard_module
 
@@ -38,21 +38,21 @@ class MaterializeError(ValueError):
 
 
 def load_factory(ref: str, root: str = "", what: str = "model factory") -> Callable:
-    """The callable a "path.py:NAME" reference names (relative paths: from here, else from `root`)."""
-    try:
-        fn = load_ref(ref, root or None)
-    except RefError as e:
-        raise RefError(f"{what} {ref!r}: {e}") from None
-    if not callable(fn):
-        raise RefError(f"{what} {ref!r} is a {type(fn).__name__}, not a callable")
-    return fn
+    """The callable a "path.py:NAME" reference names (relative paths: from here, else from `root`);
+    RefError naming the file and line when importing it fails (syntax error, missing import, ...)."""
+    return load_callable(ref, root or None, what)
+
+
+def _build(factory: Callable, spec: TrainSpec) -> nn.Module:
+    """The model factory's model; RefError naming the file and line when the factory fails."""
+    return call_factory(factory, spec.model_kwargs, ref=spec.model_ref)
 
 
 def meta_model(spec: TrainSpec) -> nn.Module:
     """The model on the meta device (no memory), for shapes and signatures."""
     factory = load_factory(spec.model_ref, spec.root)
     with torch.device("meta"):
-        model = factory(**spec.model_kwargs)
+        model = _build(factory, spec)
     if not isinstance(model, nn.Module):
         raise MaterializeError(f"model factory {spec.model_ref!r} returned a {type(model).__name__}, not an nn.Module")
     return model
@@ -134,7 +134,7 @@ def build_model(spec: TrainSpec) -> nn.Module:
     factory = load_factory(spec.model_ref, spec.root)
     if spec.init == "seed":
         torch.manual_seed(spec.seed)
-        return factory(**spec.model_kwargs)
+        return _build(factory, spec)
     model = meta_model(spec)
     if spec.init == "per-module":
         _leaf_reset(model, "", spec.seed)
@@ -265,7 +265,7 @@ def build_model_for_stages(spec: TrainSpec) -> nn.Module:
     if spec.init == "seed":
         factory = load_factory(spec.model_ref, spec.root)
         torch.manual_seed(spec.seed)
-        return factory(**spec.model_kwargs)
+        return _build(factory, spec)
     return meta_model(spec)
 
 
