@@ -33,7 +33,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from runtime.jobauth import SECRET_ENV, Signer, shown
-from runtime.store_host import StoreBindError, host_store
+from runtime.store_host import StoreBindError, host_store, listen_address
 
 ABORT_KEY = "meshplan/abort"
 ACK_KEY = "meshplan/abort_acks"
@@ -299,7 +299,8 @@ class TorchCommunicator:
         self._hosts_store = rank == 0 and not use_agent_store
         self.signer = signer or Signer()
         try:
-            raw = host_store(master_addr, int(master_port), self.timeout, world_size).store if self._hosts_store \
+            raw = host_store(listen_address(master_addr), int(master_port), self.timeout, world_size).store \
+                if self._hosts_store \
                 else dist.TCPStore(master_addr, int(master_port), world_size, False, timeout=self._td,
                                    wait_for_workers=False)
         except StoreBindError:

@@ -41,7 +41,7 @@ from runtime.executor import Executor, RankFailure
 from runtime.faults import FAULTS, SAVE_FAULTS, inject
 from runtime.jobauth import signer_from_env
 from runtime.lifetime import HEARTBEAT_STORE_ENV, die_with_launcher
-from runtime.store_host import LOOPBACK, host_store
+from runtime.store_host import LOOPBACK, host_store, listen_address
 from runtime.grads import GradSync
 from runtime.materialize import (build_model_for_stages, build_stage, load_factory, meta_model, model_signature,
                                  separate_copies, set_tensor_group, signature_mismatch)
@@ -351,8 +351,8 @@ def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
             try:
                 if comm.rank == 0:
                     addr = LOOPBACK if comm.single_node else os.environ.get("MASTER_ADDR") or socket.gethostname()
-                    hosted = host_store(addr, 0, p.args.timeout)
-                host, port = comm.share((hosted.address, hosted.port) if hosted else None)
+                    hosted = host_store(listen_address(addr), 0, p.args.timeout)
+                host, port = comm.share((addr, hosted.port) if hosted else None)
             except Exception as e:
                 print(f"meshplan rank {p.rank}: warning: no heartbeat store ({type(e).__name__}: {e})",
                       file=sys.stderr, flush=True)

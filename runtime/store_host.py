@@ -14,6 +14,9 @@ import socket
 from dataclasses import dataclass
 
 LOOPBACK = "127.0.0.1"
+ALL_INTERFACES = "0.0.0.0"
+BIND_ENV = "MESHPLAN_STORE_BIND"   # where a rank that hosts the store listens (default: MASTER_ADDR)
+_LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 
 
 class StoreBindError(ValueError):
@@ -47,6 +50,29 @@ def bound_socket(address: str, port: int) -> socket.socket:
                              "choose another port (--master-port / MASTER_PORT) or address") from None
     sock.set_inheritable(False)
     return sock
+
+
+def listen_address(master_addr: str, environ: dict | None = None) -> str:
+    """Where a rank that hosts the store listens: MESHPLAN_STORE_BIND if set, else `master_addr`.
+
+    A host name that resolves to a loopback address on this node (Debian's /etc/hosts maps the
+    machine's own name to 127.0.1.1) while other nodes reach it by its real address cannot be
+    bound: then every interface is used, as torch does (the messages stay authenticated).
+    """
+    import os
+
+    env = os.environ if environ is None else environ
+    if env.get(BIND_ENV):
+        return env[BIND_ENV]
+    if master_addr in _LOOPBACK_NAMES:
+        return master_addr
+    try:
+        resolved = {i[4][0] for i in socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)}
+    except socket.gaierror:
+        return master_addr  # bound_socket names the error
+    if any(a.startswith("127.") or a == "::1" for a in resolved):
+        return ALL_INTERFACES
+    return master_addr
 
 
 def host_store(address: str, port: int, timeout: float, world_size: int | None = None) -> HostedStore:

@@ -146,3 +146,17 @@ def test_launch_scripts_pass_a_job_secret_in_the_environment_only(tmp_path):
     assert "-x MESHPLAN_JOB_SECRET" in launch("launch_mpirun.sh")[1]
     rc, _out, err = launch("launch_torchrun.sh", NNODES="2", NODE_RANK="0")
     assert rc != 0 and "set the same MESHPLAN_JOB_SECRET on every node" in err
+
+
+def test_a_rank_hosting_the_store_listens_where_the_launcher_says():
+    from runtime.store_host import ALL_INTERFACES, BIND_ENV, listen_address
+
+    assert listen_address("127.0.0.1", {}) == "127.0.0.1"
+    assert listen_address("localhost", {}) == "localhost"
+    assert listen_address("node7", {BIND_ENV: "10.1.2.3"}) == "10.1.2.3"
+    assert listen_address("192.0.2.10", {}) == "192.0.2.10"
+    # a name that resolves to loopback here but is how other nodes reach this one: every interface
+    name = socket.gethostname()
+    resolved = {i[4][0] for i in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)}
+    expected = ALL_INTERFACES if any(a.startswith("127.") or a == "::1" for a in resolved) else name
+    assert listen_address(name, {}) == expected
