@@ -143,7 +143,8 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     # The launcher hosts each build's rendezvous store (as torchrun's agent does), so the store
     # outlives any rank: a failing rank 0 can still tell the others why. MPI runs use one for heartbeats.
     stores = [host_store(LOOPBACK, 0, timeout) for _ in (builds if backend != "mpi" else builds[:1])]
-    per_build = [[*base, "--master-port", str(st.port)] for st in stores] if backend != "mpi" else [base]
+    per_build = [[*base, "--master-port", str(st.port)] for st in stores] if backend != "mpi" \
+        else [list(base) for _ in builds]
     if through_workers:
         cmd = [sys.executable, "-m", "runtime.worker"]
         for b, a in zip(builds, per_build):

@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -43,7 +44,7 @@ def test_mpi_zero3_frees_and_regathers_parameters(runs):
 
 def test_generated_mpirun_launcher_trains(builds):
     build = builds["gpt"]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable,
                MPIRUN=mpiexec_path(), MPIRUN_ARGS="--oversubscribe" + (" --allow-run-as-root" if os.geteuid() == 0 else ""))
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
