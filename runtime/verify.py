@@ -97,6 +97,7 @@ class Comparison:
     params_compared: int = 0
     twin_loss_diff: float = 0.0    # the rounding-level twin's largest loss distance from the reference
     non_finite: bool = False       # a NaN or infinity was found (the figures above mean nothing then)
+    incomplete: bool = False       # some rank left no results
 
     def fail(self, problem: str) -> None:
         self.ok = False
@@ -108,7 +109,14 @@ class Comparison:
         self.non_finite = True
         self.fail(problem)
 
+    def fail_incomplete(self, problem: str) -> None:
+        """Ranks left no results: there is nothing to compare, so the summary gives no figures."""
+        self.incomplete = True
+        self.fail(problem)
+
     def summary(self) -> str:
+        if self.incomplete:
+            return "\n".join(["FAILED: the run left no results to compare"] + [f"  - {p}" for p in self.problems])
         if self.non_finite:
             return "\n".join([f"FAILED: non-finite values in {self.steps} step(s), nothing to compare"]
                              + [f"  - {p}" for p in self.problems])
@@ -228,6 +236,13 @@ def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[fl
     problem = random_ops_problem(info)
     if problem:
         cmp.fail(problem)
+        return cmp
+    missing = [r for r in sorted(programs) if r not in losses
+               or not (build / "run" / f"steps_rank_{r:04d}.pt").is_file()]
+    if missing:
+        cmp.fail_incomplete(f"rank(s) {', '.join(map(str, missing))} left no results in {build / 'run'} (rank_XXXX.json with "
+                 "their losses, steps_rank_XXXX.pt with their steps): they did not run or did not finish; see "
+                 "their logs")
         return cmp
     mb = programs[0].micro_batch_size
     groups = stats_groups(programs, specs, _bidirectional(build))

@@ -129,3 +129,16 @@ def test_non_finite_names_nan_before_inf():
     assert non_finite(torch.tensor([1.0, -math.inf])) == "inf"
     assert non_finite(math.nan) == "NaN" and non_finite(2.0) is None
     assert non_finite(torch.tensor([1, 2])) is None
+
+
+def test_a_run_whose_ranks_left_no_results_fails_saying_so(tmp_path):
+    from pathlib import Path
+
+    from runtime.verify import verify_build
+    from tests.parallel_cases import emit_case
+
+    build = Path(emit_case(tmp_path, "mlp", "d2", dict(data=2)))
+    (build / "run").mkdir(exist_ok=True)
+    cmp = verify_build(build, 3, {0: [1.0, 1.0, 1.0]})
+    assert not cmp.ok and cmp.summary().startswith("FAILED: the run left no results to compare")
+    assert "rank(s) 0, 1 left no results" in cmp.summary()
