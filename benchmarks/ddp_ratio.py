@@ -50,6 +50,21 @@ dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.ti
 train = TrainSpec.from_dict(ns["TRAIN"])
 '''
 
+# The end of a worker whose torch side is `torch_step(step) -> seconds`: both sides alternate
+# steps (which goes first alternates too), and rank 0 prints both lists of step times.
+ALTERNATE_STEPS = r'''
+ours, theirs = [], []
+for step in range({steps}):
+    if step % 2 == 0:
+        ours.append(ex.run_step(step).seconds); theirs.append(torch_step(step))
+    else:
+        theirs.append(torch_step(step)); ours.append(ex.run_step(step).seconds)
+if rank == 0:
+    print("RESULT " + json.dumps({{"ours": ours, "torch": theirs}}))
+dist.destroy_process_group()
+session.close()
+'''
+
 _WORKER = WORKER_PREAMBLE + r'''
 from torch.nn.parallel import DistributedDataParallel as DDP
 model = build_model(train)

@@ -33,23 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ddp_ratio import WORKER_PREAMBLE, run_pair  # noqa: E402
+from ddp_ratio import ALTERNATE_STEPS, WORKER_PREAMBLE, run_pair  # noqa: E402
 
 HF = str(ROOT / "examples/models/hf.py") + ":build"
 SGD = {"name": "sgd", "lr": 0.01, "momentum": 0.9}
-
-_ALTERNATE = r'''
-ours, theirs = [], []
-for step in range({steps}):
-    if step % 2 == 0:
-        ours.append(ex.run_step(step).seconds); theirs.append(torch_step(step))
-    else:
-        theirs.append(torch_step(step)); ours.append(ex.run_step(step).seconds)
-if rank == 0:
-    print("RESULT " + json.dumps({{"ours": ours, "torch": theirs}}))
-dist.destroy_process_group()
-session.close()
-'''
 
 _DDP = WORKER_PREAMBLE + r'''
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -70,7 +57,7 @@ def torch_step(step):
     opt.step()
     loss.item()
     return time.perf_counter() - t0
-''' + _ALTERNATE
+''' + ALTERNATE_STEPS
 
 _PIPELINE = WORKER_PREAMBLE + r'''
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, SplitPoint, pipeline
@@ -106,7 +93,7 @@ def torch_step(step):
     dist.all_reduce(tied.grad, group=pp)                      # the tied copies' gradients summed
     opt.step()
     return time.perf_counter() - t0
-''' + _ALTERNATE
+''' + ALTERNATE_STEPS
 
 
 def _build(kind: str, args, out: Path) -> Path:

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ddp_ratio import WORKER_PREAMBLE, run_pair  # noqa: E402
+from ddp_ratio import ALTERNATE_STEPS, WORKER_PREAMBLE, run_pair  # noqa: E402
 
 _WORKER = WORKER_PREAMBLE + r'''
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -47,18 +47,7 @@ def torch_step(step):
         sched.step(target=y, losses=[])
     opt.step()
     return time.perf_counter() - t0
-
-ours, theirs = [], []
-for step in range({steps}):
-    if step % 2 == 0:
-        ours.append(ex.run_step(step).seconds); theirs.append(torch_step(step))
-    else:
-        theirs.append(torch_step(step)); ours.append(ex.run_step(step).seconds)
-if rank == 0:
-    print("RESULT " + json.dumps({{"ours": ours, "torch": theirs}}))
-dist.destroy_process_group()
-session.close()
-'''
+''' + ALTERNATE_STEPS
 
 
 def make_build(preset: str, batch: int, micro: int, out: Path) -> Path:

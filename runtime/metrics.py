@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import TextIO
 
 from runtime.executor import RankFailure
+from runtime.files import write_atomic
 
 
 class NonFiniteLoss(RankFailure):
@@ -44,14 +43,7 @@ def open_metrics(path: Path, first_step: int) -> TextIO:
         return path.open("w", encoding="utf-8")
     kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
             if _step_of(line) is not None and _step_of(line) < first_step]
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, "".join(line if line.endswith("\n") else line + "\n" for line in kept).encode("utf-8"))
     return path.open("a", encoding="utf-8")
 
 
