@@ -16,11 +16,15 @@ single-process reference walks through.
 
 from __future__ import annotations
 
+import enum
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from runtime.spec import TrainSpec
 
 Batch = tuple[Any, torch.Tensor]   # (positional tuple or keyword dict of input tensors, targets)
 
@@ -124,3 +128,29 @@ class DataSource:
         n = targets.shape[0] // mb
         return [(map_inputs(inputs, lambda x, k=k: x[k * mb:(k + 1) * mb]), targets[k * mb:(k + 1) * mb])
                 for k in range(n)]
+
+
+class Split(enum.Enum):
+    """Which batches a source gives: the training steps', or the held-out evaluation batches."""
+
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+# Evaluation batch j of a batch factory is fn(global_batch_size, data_seed + EVAL_SEED_OFFSET + j):
+# seeds no training step of fewer than a billion steps reaches, so the batches are held out.
+EVAL_SEED_OFFSET = 10 ** 9
+
+
+def open_data(spec: "TrainSpec", micro_batch_size: int, data_rank: int = 0, data_size: int = 1,
+              split: Split = Split.TRAIN) -> DataSource:
+    """This data rank's source of `split` batches for the build's training setup.
+
+    The one place rank processes, the single-process reference and --verify get their batches from
+    (data_size 1: the whole global batch, for the reference)."""
+    from runtime.materialize import load_factory
+
+    seed = spec.data_seed + (EVAL_SEED_OFFSET if split is Split.EVAL else 0)
+    return DataSource(load_factory(spec.data_ref, spec.root, "data factory"), dict(spec.data_kwargs),
+                      spec.global_batch_size, micro_batch_size, data_rank, data_size, seed,
+                      name=f"data factory {spec.data_ref}")

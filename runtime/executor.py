@@ -59,9 +59,19 @@ class _Multi:
 
 @dataclass
 class StepResult:
+    """One step's outcome on this rank. loss: the global batch's mean loss; seconds: wall time of the step;
+    lr: the learning rate the optimizer stepped with (None on a rank without one); grad_norm: the global
+    gradient norm over the whole model, before clipping (None when not computed); loss_scale: the fp16
+    loss scale the step's backward used (None without loss scaling); skipped: the optimizer step was
+    skipped on every rank (fp16 overflow)."""
+
     step: int
     loss: float
     seconds: float
+    lr: float | None = None
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    skipped: bool = False
 
 
 @dataclass

@@ -36,14 +36,14 @@ from runtime.checkpoint_restore import Restore, apply_optimizer, apply_params, a
 from runtime.checkpoint_run import CheckpointClaim, claim_checkpoint_dir, run_to_continue
 from runtime.comm import CommError, PeerFailure, local_threads_hint
 from runtime.context import DistContext
-from runtime.data import DataSource
+from runtime.data import DataSource, open_data
 from runtime.executor import Executor, RankFailure
 from runtime.faults import FAULTS, SAVE_FAULTS, inject
 from runtime.jobauth import signer_from_env
 from runtime.lifetime import HEARTBEAT_STORE_ENV, die_with_launcher
 from runtime.store_host import LOOPBACK, host_store, listen_address
 from runtime.grads import GradSync
-from runtime.materialize import (build_model_for_stages, build_stage, load_factory, meta_model, model_signature,
+from runtime.materialize import (build_model_for_stages, build_stage, meta_model, model_signature,
                                  separate_copies, set_tensor_group, signature_mismatch)
 from runtime.memtrack import measure_step_memory
 from runtime.program import Program
@@ -266,9 +266,7 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     data = None
     if any(b.source == "data" for sp in specs.values() for b in sp.inputs) or any(sp.is_last for sp in specs.values()):
         shard, shards = spatial_model.data_shard(prog.coord("data"), prog.mesh_dict["data"], specs)
-        data = DataSource(load_factory(spec.data_ref, spec.root, "data factory"), dict(spec.data_kwargs),
-                          spec.global_batch_size, prog.micro_batch_size, shard,
-                          shards, spec.data_seed, name=f"data factory {spec.data_ref}")
+        data = open_data(spec, prog.micro_batch_size, shard, shards)
     return Prepared(rank, prog, spec, args, backend, device, specs, modules, data, fail_at, restore, signature["hash"])
 
 

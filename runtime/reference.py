@@ -27,9 +27,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from runtime.data import DataSource, call_model
+from runtime.data import DataSource, call_model, open_data
 from runtime.losses import compute_loss
-from runtime.materialize import build_model, load_factory
+from runtime.materialize import build_model
 from runtime.running_stats import batchnorm_modules, load_statistics, statistics
 from runtime.spec import TrainSpec
 from runtime.tensor_parallel import FeatureSplit
@@ -102,9 +102,7 @@ def reference_step(model: nn.Module, spec: TrainSpec, chunks: list, stats_groups
 
 
 def reference_data(spec: TrainSpec, micro_batch_size: int | None = None) -> DataSource:
-    return DataSource(load_factory(spec.data_ref, spec.root, "data factory"), dict(spec.data_kwargs),
-                      spec.global_batch_size, micro_batch_size or spec.global_batch_size, 0, 1, spec.data_seed,
-                      name=f"data factory {spec.data_ref}")
+    return open_data(spec, micro_batch_size or spec.global_batch_size)
 
 
 def reference_run(spec: TrainSpec, steps: int, micro_batch_size: int | None = None, *,
