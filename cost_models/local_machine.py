@@ -4,6 +4,9 @@ The ``local`` preset prices a plan that runs as N CPU processes on this machine
 (talking through gloo over loopback TCP). Its figures are measured, never guessed:
 
 - fp32 FLOP/s of one process: a 1024 x 1024 fp32 ``torch.mm`` on one thread.
+- bf16 and fp16 FLOP/s of one process: the same ``torch.mm`` in that dtype, on a 256 x 256
+  product first and 512 x 512 when that is quick (a CPU without 16-bit kernels runs them
+  dozens of times slower than fp32; the figure says so, and the planner then keeps fp32).
 - memory bandwidth (B/s) of one process: a 64 MiB tensor copy on one thread,
   counting the bytes read plus the bytes written.
 - loopback TCP link: latency (s) from a 1-byte ping-pong, bandwidth (B/s) from a
@@ -34,11 +37,13 @@ from typing import Any
 CACHE_FILE_NAME = "local_machine.json"
 CACHE_DIR_ENV = "MESHPLAN_CACHE_DIR"
 # Bump when the meaning or the set of cached figures changes: older files re-measure.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 
 # The figures a cache entry must hold, each a positive number, for it to be used.
 _POSITIVE_FIGURES = (
     "fp32_flops",  # FLOP/s, one process on one thread
+    "bf16_flops",  # FLOP/s, one process on one thread, bf16 torch.mm
+    "fp16_flops",  # FLOP/s, one process on one thread, fp16 torch.mm
     "memory_bandwidth",  # B/s, one process on one thread, read + write bytes
     "memory_bytes",  # bytes, the whole machine
     "link_bandwidth",  # B/s, loopback TCP, one direction
@@ -82,7 +87,8 @@ def measure_local_machine() -> dict[str, Any]:
 
     Keys (units): ``hostname``, ``cpu_count`` (``os.cpu_count()``), ``usable_cpus``
     (CPUs this process may run on), ``torch_version``, ``cpu_model``,
-    ``fp32_flops`` (FLOP/s, one process on one thread), ``memory_bandwidth`` (B/s,
+    ``fp32_flops`` (FLOP/s, one process on one thread), ``bf16_flops`` and ``fp16_flops``
+    (FLOP/s of a 16-bit ``torch.mm``, one process on one thread), ``memory_bandwidth`` (B/s,
     one thread, read + write bytes), ``memory_bytes`` (bytes, whole machine),
     ``link_bandwidth`` (B/s, loopback TCP, one direction), ``link_latency`` (s,
     loopback TCP, one way), ``measured_at`` (UTC, ISO 8601), ``measure_seconds`` (s,
@@ -97,6 +103,7 @@ def measure_local_machine() -> dict[str, Any]:
     figures["cpu_model"] = _cpu_model()
     figures["memory_bytes"] = _total_memory_bytes()
     figures["fp32_flops"], figures["memory_bandwidth"] = _measure_compute_and_memory()
+    figures["bf16_flops"], figures["fp16_flops"] = _measure_low_precision()
     figures["link_latency"], figures["link_bandwidth"] = _measure_loopback_tcp()
     figures["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     figures["measure_seconds"] = time.perf_counter() - start
@@ -250,6 +257,32 @@ def _measure_compute_and_memory() -> tuple[float, float]:
     finally:
         torch.set_num_threads(threads)
     return flops, bandwidth
+
+
+def _measure_low_precision() -> tuple[float, float]:
+    """(bf16 FLOP/s, fp16 FLOP/s) of one process on one thread.
+
+    A 256 x 256 product first: some CPUs have no fp16 kernels, and a 1024 x 1024 fp16 product
+    there takes seconds. When one 256 product takes under 2 ms, a 512 product is timed instead,
+    closer to the fp32 figure's size."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates = []
+        for dtype in (torch.bfloat16, torch.float16):
+            n = 256
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            seconds = _best_time(lambda: torch.mm(a, b), repeats=3, budget_s=0.15)
+            if seconds < 2e-3:
+                n = 512
+                a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+                seconds = _best_time(lambda: torch.mm(a, b), repeats=3, budget_s=0.2)
+            rates.append(2 * n**3 / seconds)
+    finally:
+        torch.set_num_threads(threads)
+    return rates[0], rates[1]
 
 
 def _measure_loopback_tcp() -> tuple[float, float]:

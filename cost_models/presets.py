@@ -155,7 +155,8 @@ def local_cluster(devices: int | None) -> Cluster:
         device=Device(
             name=f"cpu process ({m['cpu_model']})",
             kind="cpu",
-            peak_flops={"fp32": m["fp32_flops"] * share},
+            peak_flops={"fp32": m["fp32_flops"] * share, "bf16": m["bf16_flops"] * share,
+                        "fp16": m["fp16_flops"] * share},
             memory_bytes=int(m["memory_bytes"]) // n,
             memory_bandwidth=m["memory_bandwidth"] * share,
             active_watts=_CPU_ACTIVE_WATTS_PER_CORE * share,

@@ -20,8 +20,8 @@ class RuntimeSupport:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     bidirectional: bool = True   # GEMS MAST/MASTER: tests/distributed/test_bidirectional.py
-    # fp16 needs loss scaling, which the runtime does not do yet; bf16 and fp32 need none.
-    dtypes: tuple[str, ...] = ("fp32", "bf16")
+    # fp16 trains with dynamic loss scaling (runtime/loss_scale.py); bf16 and fp32 need none.
+    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
     # Spatial tiles: codegen/spatial.py lowers them with data (ZeRO 0-3) and a 1f1b/gpipe or bidirectional
     # pipeline whose first stage holds the spatial part, tensor 1 and no recompute
     # (tests/distributed/test_spatial_build.py); other spatial compositions are priced, not run.
@@ -59,7 +59,7 @@ class RuntimeSupport:
             if config.zero != 0:
                 return f"the runtime runs sub-graph parallelism with ZeRO 0, not ZeRO stage {config.zero}"
         if config.dtype not in self.dtypes:
-            return f"the runtime does not train in {config.dtype} (no loss scaling); use bf16 or fp32"
+            return f"the runtime does not train in {config.dtype}; use one of {', '.join(self.dtypes)}"
         return None
 
 

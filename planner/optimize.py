@@ -199,12 +199,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def _best_dtype(cluster: Cluster, allowed: tuple[str, ...]) -> str:
-    """The fastest training dtype the device has and the runtime trains in (16-bit before fp32)."""
-    have = cluster.device.dtypes
-    for dt in ("bf16", "fp16", "fp32"):
-        if dt in have and dt in allowed:
-            return dt
-    raise ValueError(f"device {cluster.device.name} has none of {', '.join(allowed)} in its peak table")
+    """The training dtype with the highest peak FLOP/s that the device has and the runtime trains in;
+    on a tie bf16, then fp16, then fp32 (bf16 needs no loss scaling). A V100 (no bf16) trains in fp16;
+    a CPU whose fp16 products are slower than fp32 keeps fp32."""
+    order = ("bf16", "fp16", "fp32")
+    have = [dt for dt in order if dt in cluster.device.dtypes and dt in allowed]
+    if not have:
+        raise ValueError(f"device {cluster.device.name} has none of {', '.join(allowed)} in its peak table")
+    return max(have, key=lambda dt: (cluster.device.peak(dt), -order.index(dt)))
 
 
 def _enumerate(ev: Evaluator, cluster: Cluster, batch: int, cons: dict,

@@ -191,12 +191,17 @@ def test_progress_bar_only_when_asked():
     assert quiet.getvalue() == ""
 
 
-def test_search_trains_only_in_dtypes_the_runtime_runs():
-    """V100s have fp16 but no bf16: the runtime has no loss scaling, so the plan trains in fp32;
-    a what-if search (runtime=None) may pick fp16."""
+def test_search_picks_the_fastest_dtype_the_device_and_runtime_have():
+    """V100s (Summit) have fp16 but no bf16: the runtime trains fp16 with loss scaling, so the plan does;
+    a runtime without fp16 keeps fp32; an A100 ties bf16 and fp16 and takes bf16 (no loss scaling)."""
     from examples.models import resnet
+    from planner.capabilities import RuntimeSupport
     graph = _graph(resnet, batch=2, depth=20)
     summit = dataclasses.replace(Cluster.preset("summit"), num_nodes=2)
-    assert planner.optimize(graph, summit, global_batch_size=64, progress=False).config.dtype == "fp32"
-    what_if = planner.optimize(graph, summit, global_batch_size=64, progress=False, runtime=None)
-    assert what_if.config.dtype == "fp16"
+    assert planner.optimize(graph, summit, global_batch_size=64, progress=False).config.dtype == "fp16"
+    no_fp16 = RuntimeSupport(dtypes=("fp32", "bf16"))
+    assert planner.optimize(graph, summit, global_batch_size=64, progress=False,
+                            runtime=no_fp16).config.dtype == "fp32"
+    a100 = dataclasses.replace(Cluster.preset("dgx-a100-80gb"), num_nodes=1)
+    assert a100.device.peak("bf16") == a100.device.peak("fp16")
+    assert planner.optimize(graph, a100, global_batch_size=64, progress=False).config.dtype == "bf16"

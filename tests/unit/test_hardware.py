@@ -43,6 +43,8 @@ def fake_figures(**overrides):
         "cpu_model": "test cpu",
         "memory_bytes": 16 * GiB,
         "fp32_flops": 100e9,
+        "bf16_flops": 200e9,
+        "fp16_flops": 2e9,
         "memory_bandwidth": 20e9,
         "link_bandwidth": 5e9,
         "link_latency": 10e-6,
@@ -417,6 +419,8 @@ def test_local_measured_figures_are_plausible(measured_cache):
     cache_dir, m = measured_cache
     assert m["measure_seconds"] < 3.0
     assert 1e8 < m["fp32_flops"] < 1e13  # one core: 0.1 GFLOP/s .. 10 TFLOP/s
+    # 16-bit products: measured, never assumed; a CPU without fp16 kernels may be far below 0.1 GFLOP/s
+    assert 1e6 < m["bf16_flops"] < 1e14 and 1e6 < m["fp16_flops"] < 1e14
     assert 1e8 < m["memory_bandwidth"] < 1e12
     assert 1e7 < m["link_bandwidth"] < 1e12
     assert 1e-7 < m["link_latency"] < 1e-2
@@ -431,9 +435,10 @@ def test_local_preset_two_devices(local_env):
     c = Cluster.preset("local", devices=2)
     assert (c.name, c.num_nodes, c.devices_per_node) == ("local", 1, 2)
     d = c.device
-    assert d.kind == "cpu" and d.dtypes == ("fp32",)
+    assert d.kind == "cpu" and d.dtypes == ("bf16", "fp16", "fp32")
     share = min(1.0, m["usable_cpus"] / 2)
     assert d.peak("fp32") == m["fp32_flops"] * share
+    assert (d.peak("bf16"), d.peak("fp16")) == (m["bf16_flops"] * share, m["fp16_flops"] * share)
     assert d.memory_bandwidth == m["memory_bandwidth"] * share
     assert d.memory_bytes == m["memory_bytes"] // 2
     assert c.intra_node == c.inter_node == Link(m["link_bandwidth"], m["link_latency"])
