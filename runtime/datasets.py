@@ -88,6 +88,13 @@ class DatasetSpec:
         if not isinstance(self.ref, str) or ":" not in self.ref:
             raise DataError(f"dataset reference {self.ref!r} has no ':NAME' part; write it like "
                             "'examples/data/tokens.py:TokenFile'")
+        for name in ("kwargs", "collate_kwargs") + (("eval_kwargs",) if self.eval_kwargs is not None else ()):
+            if not isinstance(getattr(self, name), dict):
+                raise DataError(f"dataset {name} must be a dict of keyword arguments, got {getattr(self, name)!r}")
+        if not (self.collate_ref is None or isinstance(self.collate_ref, str)):
+            raise DataError(f"dataset collate_ref must be a reference 'file.py:NAME' or None, got {self.collate_ref!r}")
+        if not isinstance(self.shuffle, bool):
+            raise DataError(f"dataset shuffle must be true or false, got {self.shuffle!r}")
         if not isinstance(self.last_batch, LastBatch):
             raise DataError(f"dataset last_batch {self.last_batch!r} is not one of "
                             f"{[m.value for m in LastBatch]}")

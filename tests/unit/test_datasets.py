@@ -218,3 +218,10 @@ def test_codegen_dataset_flags_need_dataset_and_exclude_the_factory(tmp_path, ca
     assert "--dataset replaces the batch factory" in capsys.readouterr().err
     assert main(base + ["--dataset", "tests/dataset_cases.py:TensorOnly"]) == 2
     assert "returned a sample of type Tensor" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value", [("kwargs", [1]), ("eval_kwargs", "val"), ("shuffle", "yes"),
+                                          ("collate_ref", 3), ("workers", -1), ("holdout", 1.0)])
+def test_a_damaged_dataset_entry_in_the_build_file_is_refused(field, value):
+    with pytest.raises(DataError, match=field.replace("_ref", "")):
+        DatasetSpec.from_dict({"ref": IDX, field: value})
