@@ -21,9 +21,11 @@ MAX_CODEGEN_WORLD = 4096
 
 def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | None) -> int:
     import planner
+    from codegen.dataset_flags import check_dataset, dataset_spec
     from codegen.emit import capture_ref, emit
     from runtime.optim import OptimizerSpec
 
+    dataset = dataset_spec(args)  # its flags are checked before the (slow) capture
     if args.plan:
         plan = planner.Plan.load(args.plan)
         if plan.config.num_devices > MAX_CODEGEN_WORLD:
@@ -52,7 +54,10 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
         graph = capture_ref(args.model, kwargs, batch_size=cfg.micro_batch_size)
         plan = make_fixed_plan(graph, cluster, cfg, args.batch)
     opt = OptimizerSpec(name=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    if dataset is not None:
+        check_dataset(dataset, plan.global_batch_size)
     build = emit(plan, args.model, args.data_ref, args.output, model_kwargs=kwargs, data_kwargs=data_kwargs,
+                 dataset=dataset,
                  graph=graph, loss=args.loss, optimizer=opt, seed=args.seed, data_seed=args.data_seed,
                  init=args.init, checkpoint=args.checkpoint, bucket_bytes=int(args.bucket_mb * 2**20))
     print(plan.summary())

@@ -38,6 +38,7 @@ from codegen.pysrc import comment_text, doc_text, py_literal
 from planner.capture import capture_ref
 from planner.graph import ModelGraph
 from planner.plan import Plan
+from runtime.datasets import DatasetSpec
 from runtime.optim import OptimizerSpec
 from runtime.program import Program
 from runtime.spec import TrainSpec
@@ -69,7 +70,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
          model_kwargs: dict | None = None, data_kwargs: dict | None = None, graph: ModelGraph | None = None,
          loss: str = "cross_entropy", optimizer: OptimizerSpec | dict | None = None, seed: int = 0,
          data_seed: int = 1000, init: str = "seed", checkpoint: str | None = None,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES, root: str | None = None) -> Build:
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, root: str | None = None,
+         dataset: DatasetSpec | None = None) -> Build:
     """Write the build directory for `plan` (see module docstring).
 
     Args:
@@ -79,12 +81,14 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
         graph: the captured graph the plan was made from (captured again from model_ref if None).
         loss, optimizer, seed, data_seed, init, checkpoint: the training setup (runtime/spec.py).
         bucket_bytes: gradient bucket size for the data-parallel reduction.
+        dataset: a torch Dataset by reference (runtime.datasets.DatasetSpec), read instead of a batch
+            factory; give it without data_ref.
 
     Raises PlanMismatchError when model_ref builds another model than the plan's, and
     ValueErrors (PartitionError, LoweringError, TensorSplitError) for plans the runtime cannot run.
     """
     model_kwargs = dict(model_kwargs or {})
-    if data_ref is None:
+    if data_ref is None and dataset is None:
         data_ref = f"{model_ref.rsplit(':', 1)[0]}:example_batch"
         if data_kwargs is None:
             data_kwargs = dict(model_kwargs)
@@ -97,8 +101,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
             "make the plan again for this model")
     if isinstance(optimizer, dict):
         optimizer = OptimizerSpec.from_dict(optimizer)
-    train = TrainSpec(model_ref=model_ref, data_ref=data_ref, global_batch_size=plan.global_batch_size,
-                      model_kwargs=model_kwargs, data_kwargs=dict(data_kwargs or {}), seed=seed,
+    train = TrainSpec(model_ref=model_ref, data_ref=data_ref or "", global_batch_size=plan.global_batch_size,
+                      dataset=dataset, model_kwargs=model_kwargs, data_kwargs=dict(data_kwargs or {}), seed=seed,
                       data_seed=data_seed, loss=loss, optimizer=optimizer or OptimizerSpec(), init=init,
                       checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()))
     if plan.config.spatial > 1:  # image tiles: codegen/spatial.py

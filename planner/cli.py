@@ -170,6 +170,8 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
     from codegen.commands import codegen_command
 
     data_kwargs = _parse_kv(args.data_arg) if args.data_arg else None
+    args.dataset_kwargs = _parse_kv(args.dataset_arg)
+    args.eval_dataset_kwargs = _parse_kv(args.eval_dataset_arg) if args.eval_dataset_arg else None
     output_dir(args.output)
     return codegen_command(args, _parse_kv(args.arg), data_kwargs)
 
@@ -194,6 +196,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _add_codegen_and_run(sub) -> None:
+    from codegen.dataset_flags import add_dataset_flags
     from runtime.trace import TRACE_WINDOW_STEPS  # the runtime's default; a constant, no work
 
     p = sub.add_parser("codegen", help="generate per-rank programs, rank scripts and launchers for a plan",
@@ -226,6 +229,7 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--data-ref", help="batch factory (default: example_batch in the model's file)")
     p.add_argument("--data-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="batch factory keyword (default: the model's --arg values)")
+    add_dataset_flags(p)
     p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"])
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
     p.add_argument("--lr", type=positive_number, default=0.1)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:
+    from runtime.datasets import DatasetSource
     from runtime.spec import TrainSpec
 
 Batch = tuple[Any, torch.Tensor]   # (positional tuple or keyword dict of input tensors, targets)
@@ -71,7 +72,8 @@ def pick_input(inputs: Any, index: int, key: str) -> torch.Tensor:
     return inputs[index]
 
 
-def _check(batch: Any, rows: int, where: str) -> Batch:
+def check_batch(batch: Any, rows: int, where: str) -> Batch:
+    """`batch` as (tuple-or-dict inputs, targets) with `rows` rows everywhere; DataError naming `where` otherwise."""
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], (tuple, list, dict))
             and isinstance(batch[1], torch.Tensor)):
         raise DataError(f"{where} must return (inputs, targets): inputs a tuple of positional tensors or a dict "
@@ -112,12 +114,12 @@ class DataSource:
 
     def global_batch(self, step: int) -> Batch:
         g = self.global_batch_size
-        return _check(self.fn(g, self.data_seed + step, **self.kwargs), g, self.name)
+        return check_batch(self.fn(g, self.data_seed + step, **self.kwargs), g, self.name)
 
     def local_batch(self, step: int) -> Batch:
         lo, hi = self.rows
         if self._slices:
-            return _check(self.fn(self.global_batch_size, self.data_seed + step, start=lo, stop=hi,
+            return check_batch(self.fn(self.global_batch_size, self.data_seed + step, start=lo, stop=hi,
                                   **self.kwargs), hi - lo, self.name)
         inputs, targets = self.global_batch(step)
         return map_inputs(inputs, lambda x: x[lo:hi]), targets[lo:hi]
@@ -143,11 +145,18 @@ EVAL_SEED_OFFSET = 10 ** 9
 
 
 def open_data(spec: "TrainSpec", micro_batch_size: int, data_rank: int = 0, data_size: int = 1,
-              split: Split = Split.TRAIN) -> DataSource:
-    """This data rank's source of `split` batches for the build's training setup.
+              split: Split = Split.TRAIN) -> "DataSource | DatasetSource":
+    """This data rank's source of `split` batches for the build's training setup: a DataSource for a
+    batch factory (data_ref), a runtime.datasets.DatasetSource for a dataset (spec.dataset); both
+    answer micro_batches(step) and global_batch(step).
 
     The one place rank processes, the single-process reference and --verify get their batches from
     (data_size 1: the whole global batch, for the reference)."""
+    if spec.dataset is not None:  # a torch Dataset by reference: runtime/datasets.py
+        from runtime.datasets import open_dataset
+
+        return open_dataset(spec.dataset, spec.global_batch_size, micro_batch_size, data_rank, data_size,
+                            spec.data_seed, split, spec.root)
     from runtime.materialize import load_factory
 
     seed = spec.data_seed + (EVAL_SEED_OFFSET if split is Split.EVAL else 0)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.datasets import DatasetSpec
 from runtime.optim import OptimizerSpec
 from runtime.spatial import SpatialSpec
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, shard_dim
@@ -49,6 +50,8 @@ class TrainSpec:
     Attributes:
         model_ref / model_kwargs: factory ("examples/models/gpt.py:build") and its arguments.
         data_ref / data_kwargs: batch factory fn(batch_size, seed, **kw) -> ((inputs...), targets).
+        dataset: a torch Dataset by reference (runtime.datasets.DatasetSpec), read instead of the
+            batch factory when set.
         global_batch_size: samples per optimizer step over all data ranks.
         seed: parameter initialisation seed; data_seed + step seeds each step's batch.
         loss: "cross_entropy" or "mse"; optimizer: OptimizerSpec.
@@ -70,6 +73,7 @@ class TrainSpec:
     checkpoint: str | None = None
     dtype: str = "fp32"
     root: str = ""
+    dataset: DatasetSpec | None = None
 
     def __post_init__(self) -> None:
         if self.init not in INITS:
@@ -90,6 +94,7 @@ class TrainSpec:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["optimizer"] = self.optimizer.to_dict()
+        d["dataset"] = self.dataset.to_dict() if self.dataset is not None else None
         return d
 
     @classmethod
@@ -100,6 +105,7 @@ class TrainSpec:
             raise SpecError(f"unknown build field(s) {unknown}; known: {sorted(known)}")
         d = dict(d)
         d["optimizer"] = OptimizerSpec.from_dict(d.get("optimizer", {}))
+        d["dataset"] = DatasetSpec.from_dict(d["dataset"]) if d.get("dataset") is not None else None
         try:
             return cls(**d)
         except TypeError as e:
