@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.evaluation import EvalSpec
 from runtime.optim import OptimizerSpec
 from runtime.spatial import SpatialSpec
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, shard_dim
@@ -55,6 +56,7 @@ class TrainSpec:
         init: "seed", "per-module" or "checkpoint" (see module docstring); checkpoint: its file.
         dtype: "fp32", or "bf16"/"fp16" for autocast mixed precision (fp32 master weights).
         root: directory that relative refs and paths are resolved against.
+        eval: held-out evaluation during training (runtime/evaluation.py), or None.
     """
 
     model_ref: str
@@ -70,6 +72,7 @@ class TrainSpec:
     checkpoint: str | None = None
     dtype: str = "fp32"
     root: str = ""
+    eval: EvalSpec | None = None
 
     def __post_init__(self) -> None:
         if self.init not in INITS:
@@ -90,6 +93,7 @@ class TrainSpec:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["optimizer"] = self.optimizer.to_dict()
+        d["eval"] = self.eval.to_dict() if self.eval is not None else None
         return d
 
     @classmethod
@@ -100,6 +104,7 @@ class TrainSpec:
             raise SpecError(f"unknown build field(s) {unknown}; known: {sorted(known)}")
         d = dict(d)
         d["optimizer"] = OptimizerSpec.from_dict(d.get("optimizer", {}))
+        d["eval"] = EvalSpec.from_dict(d["eval"]) if d.get("eval") is not None else None
         try:
             return cls(**d)
         except TypeError as e:
