@@ -129,18 +129,6 @@ class Executor:
         self._names = [str(i) for i in instrs]   # printed once; the recorder stores them per event
 
     # ------------------------------------------------------------------
-    def run_step(self, step: int) -> StepResult:
-        t0 = time.perf_counter()
-        micro = self.data.micro_batches(step) if self.data is not None else None
-        loss_buf = self._loss_buffer(1)
-        self._walk(range(len(self.program.instrs)), step, micro, loss_buf)
-        if self.grads is not None:
-            self.grads.finish()
-        self._flush_completions()
-        for runner in self.stages.values():
-            runner.losses.clear()
-        return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0)
-
     def evaluate_batch(self, step: int, j: int) -> torch.Tensor:
         """Held-out batch j, forward only, after training step `step` (runtime/evaluation.py): the
         Program's forward part, untraced; the caller puts the modules in eval() mode. Returns
@@ -170,6 +158,7 @@ class Executor:
         for idx in indices:
             ins = self.program.instrs[idx]
             self.position = (step, idx)
+            # SAVE_FAULTS fire in the save; an evaluation is not a training step's instruction
             if self.fail_at == (step, idx) and self.fault not in SAVE_FAULTS and not self._evaluating:
                 if self.fault == "raise":
                     raise RankFailure(f"rank {self.ctx.rank} failed at step {step}, instruction {idx} '{ins}': "
@@ -190,6 +179,18 @@ class Executor:
             end = rec.now()
             if not ins.is_async:
                 rec.add(step, idx, self._names[idx], ins.op, start, end)
+
+    def run_step(self, step: int) -> StepResult:
+        t0 = time.perf_counter()
+        micro = self.data.micro_batches(step) if self.data is not None else None
+        loss_buf = self._loss_buffer(1)
+        self._walk(range(len(self.program.instrs)), step, micro, loss_buf)
+        if self.grads is not None:
+            self.grads.finish()
+        self._flush_completions()
+        for runner in self.stages.values():
+            runner.losses.clear()
+        return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0)
 
     # ------------------------------------------------------------------
     def _record_async(self, step: int, idx: int, ins: Instr, h: Handle, start: float) -> None:

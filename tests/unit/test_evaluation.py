@@ -11,7 +11,7 @@ from torch import nn
 
 from codegen.lower import lower
 from planner.cli import main
-from runtime.evaluation import (EvalError, EvalResult, EvalSpec, check_supported, compare_evals, count_correct,
+from runtime.evaluation import (EvalError, EvalResult, EvalSpec, check_program, check_supported, compare_evals, count_correct,
                                 eval_setting, evaluate, forward_only)
 from runtime.program import Program
 from runtime.spec import TrainSpec
@@ -59,6 +59,13 @@ def test_plans_evaluation_does_not_run_on_are_refused_by_name(axes, bidirectiona
     check_supported(("pipe", "data", "tensor"), False)
 
 
+def test_the_ranks_refuse_a_bidirectional_program_by_name():
+    plan = lower(plan_for("mlp", global_batch=4, micro_batch=2, pipeline=2, bidirectional=True), graph_of("mlp"))
+    with pytest.raises(EvalError, match="bi-directional"):
+        check_program(plan[0])
+    check_program(_programs(CASES["d2p2"])[0])
+
+
 def _cli(argv) -> tuple[int, str]:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -89,14 +96,15 @@ def test_run_refuses_eval_flags_the_build_cannot_use_before_starting_ranks(tmp_p
     plain = _fake_build(tmp_path / "plain", {"pipe": 1, "data": 2, "tensor": 1})
     code, err = _cli(["run", str(plain), "--eval-batches", "2"])
     assert code == 2 and "--eval-batches needs --eval-every" in err
-    tiles = _fake_build(tmp_path / "tiles", {"pipe": 1, "data": 1, "spatial": 2, "tensor": 1}, {"every": 1, "batches": 1})
+    tiles = _fake_build(tmp_path / "tiles", {"pipe": 1, "data": 1, "spatial": 2, "tensor": 1},
+                        {"every": 1, "batches": 1})
     code, err = _cli(["run", str(tiles), "--steps", "1"])
     assert code == 2 and "spatial parallelism" in err
 
 
 def test_codegen_refuses_evaluation_of_a_bidirectional_pipeline(tmp_path):
-    code, err = _cli(["codegen", "examples/models/mlp.py:build", "--batch", "4", "--micro-batch", "2", "--pipeline", "2", "--bidirectional",
-                      "--eval-every", "1", "-o", str(tmp_path / "b")])
+    code, err = _cli(["codegen", "examples/models/mlp.py:build", "--batch", "4", "--micro-batch", "2",
+                      "--pipeline", "2", "--bidirectional", "--eval-every", "1", "-o", str(tmp_path / "b")])
     assert code == 2 and "bi-directional" in err and not (tmp_path / "b" / "build.json").exists()
 
 
