@@ -23,6 +23,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
     import planner
     from codegen.dataset_flags import check_dataset, dataset_spec
     from codegen.emit import capture_ref, emit
+    from runtime.evaluation import eval_setting
     from runtime.optim import OptimizerSpec
 
     dataset = dataset_spec(args)  # its flags are checked before the (slow) capture
@@ -56,10 +57,12 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
     opt = OptimizerSpec(name=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     if dataset is not None:
         check_dataset(dataset, plan.global_batch_size)
+    evaluation = eval_setting(None, args.eval_every, args.eval_batches)
     build = emit(plan, args.model, args.data_ref, args.output, model_kwargs=kwargs, data_kwargs=data_kwargs,
                  dataset=dataset,
                  graph=graph, loss=args.loss, optimizer=opt, seed=args.seed, data_seed=args.data_seed,
-                 init=args.init, checkpoint=args.checkpoint, bucket_bytes=int(args.bucket_mb * 2**20))
+                 init=args.init, checkpoint=args.checkpoint, bucket_bytes=int(args.bucket_mb * 2**20),
+                 evaluation=evaluation)
     print(plan.summary())
     print(f"\nwrote {build.path}/: plan.json, build.json, programs.json, {build.world_size} rank scripts, "
           "run_rank.py, launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh")
@@ -108,6 +111,16 @@ def checkpoint_args(args: argparse.Namespace) -> list[str]:
     return out + (["--resume-from-other-run"] if getattr(args, "resume_from_other_run", False) else [])
 
 
+def eval_args(args: argparse.Namespace) -> list[str]:
+    """The rank-script options for `meshplan run --eval-every/--eval-batches` (they override the build's)."""
+    out = []
+    for flag, value in (("--eval-every", getattr(args, "eval_every", None)),
+                        ("--eval-batches", getattr(args, "eval_batches", None))):
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
 def trace_args(args: argparse.Namespace) -> list[str]:
     """The rank-script option for `meshplan run --trace/--no-trace` (neither: the first steps' window)."""
     if getattr(args, "trace", False):
@@ -129,11 +142,28 @@ def read_checked_build(build: str) -> dict:
     return info
 
 
+def check_run_eval(build: str, info: dict, every: int | None, batches: int | None) -> None:
+    """EvalError before any rank starts when `meshplan run --eval-every/--eval-batches` with the build's
+    own setting asks for an evaluation the build cannot do (the ranks check it again)."""
+    import json
+
+    from runtime.evaluation import EvalSpec, check_supported, eval_setting
+
+    train = info.get("train") if isinstance(info.get("train"), dict) else {}
+    own = EvalSpec.from_dict(train["eval"]) if train.get("eval") is not None else None
+    if eval_setting(own, every, batches) is None:
+        return
+    plan = Path(build) / "plan.json"
+    config = json.loads(plan.read_text()).get("config", {}) if plan.is_file() else {}
+    check_supported(dict(info.get("mesh") or {}), bool(config.get("bidirectional")))
+
+
 def run_command(args: argparse.Namespace) -> int:
     from runtime.launcher import run_local
     from runtime.lifetime import Interrupted
 
     info = read_checked_build(args.build)
+    check_run_eval(args.build, info, getattr(args, "eval_every", None), getattr(args, "eval_batches", None))
     print(f"running {args.build}: {info['world_size']} processes ({args.backend}), {args.steps} step(s)",
           flush=True)
     try:
@@ -142,7 +172,7 @@ def run_command(args: argparse.Namespace) -> int:
                         extra_args=(["--track-memory"] if getattr(args, "track_memory", False) else [])
                         + (["--probe-comm"] if getattr(args, "probe_comm", False) else [])
                         + ["--heartbeat-timeout", str(getattr(args, "heartbeat_timeout", 30.0))]
-                        + trace_args(args) + checkpoint_args(args))
+                        + trace_args(args) + checkpoint_args(args) + eval_args(args))
     except Interrupted as e:
         print(f"meshplan run: {e}; every rank was stopped (logs in {Path(args.build) / 'run'})", file=sys.stderr)
         return 128 + e.signum
@@ -158,6 +188,8 @@ def run_command(args: argparse.Namespace) -> int:
     for k, loss in enumerate(losses):
         secs = seconds[k] if k < len(seconds) else 0.0
         print(f"step {res.first_step + k}: loss {loss:.6f}  ({secs * 1e3:.1f} ms)")
+    for ev in res.evals:
+        print(ev.line())
     build = Path(args.build)
     print(f"wrote {build / 'metrics.jsonl'}"
           + (", timeline.json and trace.json (ui.perfetto.dev)" if res.timeline is not None else " (no trace)"))

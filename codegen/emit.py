@@ -39,6 +39,7 @@ from planner.capture import capture_ref
 from planner.graph import ModelGraph
 from planner.plan import Plan
 from runtime.datasets import DatasetSpec
+from runtime.evaluation import EvalSpec, check_supported
 from runtime.optim import OptimizerSpec
 from runtime.program import Program
 from runtime.spec import TrainSpec
@@ -71,7 +72,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
          loss: str = "cross_entropy", optimizer: OptimizerSpec | dict | None = None, seed: int = 0,
          data_seed: int = 1000, init: str = "seed", checkpoint: str | None = None,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, root: str | None = None,
-         dataset: DatasetSpec | None = None) -> Build:
+         dataset: DatasetSpec | None = None,
+         evaluation: EvalSpec | None = None) -> Build:
     """Write the build directory for `plan` (see module docstring).
 
     Args:
@@ -104,7 +106,10 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
     train = TrainSpec(model_ref=model_ref, data_ref=data_ref or "", global_batch_size=plan.global_batch_size,
                       dataset=dataset, model_kwargs=model_kwargs, data_kwargs=dict(data_kwargs or {}), seed=seed,
                       data_seed=data_seed, loss=loss, optimizer=optimizer or OptimizerSpec(), init=init,
-                      checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()))
+                      checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()),
+                      eval=evaluation)
+    if evaluation is not None:
+        check_supported(plan.config.mesh, plan.config.bidirectional)
     if plan.config.spatial > 1:  # image tiles: codegen/spatial.py
         parts, programs = lower_spatial(plan, graph, bucket_bytes=bucket_bytes)
     else:

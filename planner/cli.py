@@ -241,6 +241,7 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--init", default="seed", choices=["seed", "per-module", "checkpoint"])
     p.add_argument("--checkpoint", help="state_dict file for --init checkpoint")
     p.add_argument("--bucket-mb", type=positive_number, default=25.0, help="gradient bucket size in MiB")
+    _add_eval_flags(p, "")
     p.add_argument("-o", "--output", default="build", help="build directory (default build)")
     p.set_defaults(func=_cmd_codegen)
 
@@ -273,6 +274,7 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--resume-from-other-run", action="store_true",
                    help="allow --resume from a checkpoint of another run than the one whose checkpoints "
                         "--checkpoint-dir holds (that run continues from this state)")
+    _add_eval_flags(p, " (default: the build's)")
     trace = p.add_mutually_exclusive_group()
     trace.add_argument("--trace", action="store_true",
                        help=f"trace every step into timeline.json and trace.json (default: the first "
@@ -280,6 +282,14 @@ def _add_codegen_and_run(sub) -> None:
     trace.add_argument("--no-trace", action="store_true", help="trace no step (no timeline.json, trace.json)")
     p.set_defaults(func=_cmd_run)
     _add_checkpoint(sub)
+
+
+def _add_eval_flags(p, default: str) -> None:
+    p.add_argument("--eval-every", type=STEPS, metavar="N",
+                   help="after every N-th training step, evaluate on held-out batches (forward only): their "
+                        "loss and, for class targets, accuracy" + default)
+    p.add_argument("--eval-batches", type=STEPS, metavar="K",
+                   help="held-out global batches per evaluation" + (default or " (default 1)"))
 
 
 _EPILOG_CHECKPOINT = """examples:

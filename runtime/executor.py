@@ -22,6 +22,7 @@ import torch
 from runtime.comm import Handle, PeerFailure, p2p_tag
 from runtime.context import DistContext
 from runtime.data import DataSource, pick_input
+from runtime.evaluation import forward_only
 from runtime.faults import SAVE_FAULTS, inject
 from runtime.grads import GradSync
 from runtime.program import Instr, Program
@@ -72,6 +73,7 @@ class StepResult:
     grad_norm: float | None = None
     loss_scale: float | None = None
     skipped: bool = False
+    evaluation: dict | None = None   # after an evaluation step: eval_loss, eval_accuracy (runtime/evaluation.py)
 
 
 @dataclass
@@ -104,6 +106,8 @@ class Executor:
     stats: RunningStats | None = None          # BatchNorm running statistics averaged over the grad axis
     on_step: Callable[[], None] | None = None  # called at STEP, before the optimizer (runtime/step_record.py)
     position: tuple[int, int] = (-1, -1)       # (step, instruction index) now running, for the watchdog
+    eval_data: DataSource | None = None        # held-out batches (runtime/evaluation.py; None: no stage reads data)
+    _evaluating: bool = False                  # evaluate_batch is walking the Program's forward part
     _attached: dict[int, list[int]] = field(default_factory=dict)
     _completions: list = field(default_factory=list)
 
@@ -121,23 +125,41 @@ class Executor:
                 self._attached.setdefault(i, []).append(j)
                 j += 1
         self.device = self.ctx.device
+        self._forward = forward_only(self.program)
         self._names = [str(i) for i in instrs]   # printed once; the recorder stores them per event
 
     # ------------------------------------------------------------------
-    def run_step(self, step: int) -> StepResult:
-        t0 = time.perf_counter()
-        micro = self.data.micro_batches(step) if self.data is not None else None
+    def evaluate_batch(self, step: int, j: int) -> torch.Tensor:
+        """Held-out batch j, forward only, after training step `step` (runtime/evaluation.py): the
+        Program's forward part, untraced; the caller puts the modules in eval() mode. Returns
+        (global-batch mean loss, correct predictions, target elements counted), the same on every rank."""
+        micro = self.eval_data.micro_batches(j) if self.eval_data is not None else None
+        buf = self._loss_buffer(3)
+        traced, self.recorder.enabled = self.recorder.enabled, False
+        self._evaluating = True
+        try:
+            self._walk(self._forward, step, micro, buf)
+        finally:
+            self._evaluating = False
+            self.recorder.enabled = traced
+        return buf
+
+    def _loss_buffer(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.float64 if self.device.type == "cpu" else torch.float32, device=self.device)
+
+    def _walk(self, indices, step: int, micro, loss_buf: torch.Tensor) -> None:
+        """Run the instructions at `indices` of the Program (all of them for a training step)."""
         handles: dict[int, Handle] = {}
         recv_act: dict[tuple[int, int], list[torch.Tensor]] = {}
         recv_grad: dict[tuple[int, int], list[torch.Tensor]] = {}
         out_act: dict[tuple[int, int], list[torch.Tensor]] = {}
         out_grad: dict[tuple[int, int], list[torch.Tensor | None]] = {}
-        loss_buf = torch.zeros(1, dtype=torch.float64 if self.device.type == "cpu" else torch.float32,
-                               device=self.device)
         rec = self.recorder
-        for idx, ins in enumerate(self.program.instrs):
+        for idx in indices:
+            ins = self.program.instrs[idx]
             self.position = (step, idx)
-            if self.fail_at == (step, idx) and self.fault not in SAVE_FAULTS:  # those fire in the save
+            # SAVE_FAULTS fire in the save; an evaluation is not a training step's instruction
+            if self.fail_at == (step, idx) and self.fault not in SAVE_FAULTS and not self._evaluating:
                 if self.fault == "raise":
                     raise RankFailure(f"rank {self.ctx.rank} failed at step {step}, instruction {idx} '{ins}': "
                                       "RuntimeError: injected fault (--fail-at)")
@@ -157,6 +179,12 @@ class Executor:
             end = rec.now()
             if not ins.is_async:
                 rec.add(step, idx, self._names[idx], ins.op, start, end)
+
+    def run_step(self, step: int) -> StepResult:
+        t0 = time.perf_counter()
+        micro = self.data.micro_batches(step) if self.data is not None else None
+        loss_buf = self._loss_buffer(1)
+        self._walk(range(len(self.program.instrs)), step, micro, loss_buf)
         if self.grads is not None:
             self.grads.finish()
         self._flush_completions()
@@ -194,11 +222,15 @@ class Executor:
                 else:
                     inputs.append(next(received))
             targets = micro[ins.micro][1].to(self.device) if runner.spec.is_last else None
-            out = runner.forward(ins.micro, inputs, targets)
-            if runner.spec.is_last:
-                loss_buf += float(out.detach()) / (self.program.num_micro_batches * self.ctx.size("data"))
-            else:
+            share = self.program.num_micro_batches * self.ctx.size("data")
+            out = runner.evaluate(inputs, targets) if self._evaluating else runner.forward(ins.micro, inputs, targets)
+            if not runner.spec.is_last:
                 out_act[(ins.stage, ins.micro)] = out
+            elif self._evaluating:   # (loss, correct, counted): the counts add up over the data ranks
+                loss, correct, counted = out
+                loss_buf += torch.tensor([loss / share, correct, counted], dtype=loss_buf.dtype, device=self.device)
+            else:
+                loss_buf += float(out.detach()) / share
             if self.grads is not None and self.grads.zero >= 3:
                 self.grads.release_params(ins.stage)
         elif op == "B":

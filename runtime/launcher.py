@@ -38,6 +38,7 @@ from runtime.dir_lock import lock_directories
 from runtime.jobauth import SECRET_ENV, new_secret
 from runtime.lifetime import HEARTBEAT_STORE_ENV, Children, process_state
 from runtime.store_host import LOOPBACK, host_store
+from runtime.evaluation import EvalResult
 from runtime.trace import Timeline
 from runtime.verify import Comparison, verify_build
 
@@ -59,6 +60,7 @@ class RunResult:
     exit_times: dict[int, float] = field(default_factory=dict)  # rank -> unix time its exit was seen
     first_step: int = 0                # the run's first step: the checkpoint's step when it resumed
     resumed_from: str | None = None    # the checkpoint directory it resumed from
+    evals: list[EvalResult] = field(default_factory=list)   # rank 0's held-out evaluations (runtime/evaluation.py)
 
 
 def free_port() -> int:
@@ -210,6 +212,8 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
                 result.seconds[r] = d["seconds"]
                 result.first_step = d.get("first_step", 0)
                 result.resumed_from = d.get("resumed_from")
+                if r == 0:
+                    result.evals = [EvalResult.from_dict(e) for e in d.get("evals", ())]
         _merge_timelines(b, result)
         if verify and rc == 0:
             result.comparison = verify_build(b, steps, result.losses, rtol=rtol, atol=atol, first_step=first_step)

@@ -12,7 +12,8 @@ Outputs (under --out, default the build directory):
   metrics.jsonl              one line per step from rank 0: step, loss, seconds (written as the steps
                              end; a resumed run appends to the history before its checkpoint)
   run/rank_XXXX.json         this rank's loss and seconds per step (and, with --probe-comm, the
-                             time of a 1 MiB all-reduce over all ranks before the first step)
+                             time of a 1 MiB all-reduce over all ranks before the first step; with
+                             evaluation, its setting "eval" and results "evals": runtime/evaluation.py)
   run/timeline_rank_XXXX.json  this rank's Timeline (the first TRACE_WINDOW_STEPS steps; all with --trace)
   run/params_rank_XXXX.pt    with --save-params: final parameters of its stages
 """
@@ -36,7 +37,8 @@ from runtime.checkpoint_restore import Restore, apply_optimizer, apply_params, a
 from runtime.checkpoint_run import CheckpointClaim, claim_checkpoint_dir, run_to_continue
 from runtime.comm import CommError, PeerFailure, local_threads_hint
 from runtime.context import DistContext
-from runtime.data import DataSource, open_data
+from runtime.data import DataSource, Split, open_data
+from runtime.evaluation import EvalResult, EvalSpec, check_program, eval_setting, evaluate
 from runtime.executor import Executor, RankFailure
 from runtime.faults import FAULTS, SAVE_FAULTS, inject
 from runtime.jobauth import signer_from_env
@@ -131,6 +133,10 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
                     help="allow --resume from a checkpoint of another run than the one whose checkpoints "
                          "--checkpoint-dir holds (that run then continues from this state; see "
                          "runtime/checkpoint_run.py)")
+    ap.add_argument("--eval-every", type=int, default=None, metavar="N",
+                    help="evaluate on held-out batches after every N-th step (default: as the build says)")
+    ap.add_argument("--eval-batches", type=int, default=None, metavar="K",
+                    help="held-out global batches per evaluation (default: as the build says, else 1)")
     args = ap.parse_args(argv)
     if args.steps < 1:
         raise LaunchError(f"--steps must be at least 1, got {args.steps}")
@@ -198,6 +204,8 @@ class Prepared:
     fail_at: tuple[int, int] | None
     restore: Restore | None = None
     signature: str = ""        # model_signature the build was made for
+    evaluation: EvalSpec | None = None   # held-out evaluation (runtime/evaluation.py)
+    eval_data: DataSource | None = None
 
 
 @dataclass
@@ -231,6 +239,9 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     prog = Program.from_dict(program)
     spec = TrainSpec.from_dict(train)
     _check_launch(rank, prog, args)
+    evaluation = eval_setting(spec.eval, args.eval_every, args.eval_batches)
+    if evaluation is not None:
+        check_program(prog)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     model = meta_model(spec)
     if model_signature(model) != signature["hash"]:
@@ -267,7 +278,10 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     if any(b.source == "data" for sp in specs.values() for b in sp.inputs) or any(sp.is_last for sp in specs.values()):
         shard, shards = spatial_model.data_shard(prog.coord("data"), prog.mesh_dict["data"], specs)
         data = open_data(spec, prog.micro_batch_size, shard, shards)
-    return Prepared(rank, prog, spec, args, backend, device, specs, modules, data, fail_at, restore, signature["hash"])
+    eval_data = open_data(spec, prog.micro_batch_size, shard, shards, split=Split.EVAL) \
+        if data is not None and evaluation is not None else None
+    return Prepared(rank, prog, spec, args, backend, device, specs, modules, data, fail_at, restore, signature["hash"],
+                    evaluation, eval_data)
 
 
 def connect(p: Prepared) -> RankSession:
@@ -314,7 +328,7 @@ def connect(p: Prepared) -> RankSession:
             if any(sp.running_stats for sp in p.specs.values()) else None
         sabotage(p.args.sabotage, grads, ties, p.modules)
         ex = Executor(p.program, ctx, runners, grads, optimizer, p.data, recorder, fail_at=p.fail_at,
-                      fault=p.args.fault, ties=ties, stats=stats)
+                      fault=p.args.fault, ties=ties, stats=stats, eval_data=p.eval_data)
         steps = StepRecorder(p.program, p.specs, p.modules, grads, params) if p.args.save_steps else None
         if steps is not None:
             ex.on_step = steps.before_step
@@ -491,8 +505,9 @@ def _train(session: RankSession) -> None:
               f"{first} to {first + args.steps - 1}", flush=True)
     probe = probe_all_reduce(session.comm, p.program.world_size, p.device) if args.probe_comm else None
     metrics = open_metrics(out / "metrics.jsonl", first) if rank == 0 else None
+    evals: list[EvalResult] = []
     try:
-        losses, seconds, memory, memory_step = _train_steps(session, first, metrics)
+        losses, seconds, memory, memory_step = _train_steps(session, first, metrics, evals)
     finally:
         if metrics is not None:
             metrics.close()
@@ -506,6 +521,7 @@ def _train(session: RankSession) -> None:
     (run_dir / f"rank_{rank:04d}.json").write_text(json.dumps(
         {"rank": rank, "losses": losses, "seconds": seconds, "stages": sorted(p.specs), "first_step": first,
          **({"resumed_from": str(p.restore.ckpt)} if p.restore is not None else {}),
+         **({"eval": p.evaluation.to_dict(), "evals": [e.to_dict() for e in evals]} if p.evaluation else {}),
          **({"memory": {**dataclasses.asdict(memory), "step": memory_step}} if memory is not None else {}),
          **({"probe": {"all_reduce_bytes": PROBE_BYTES, "seconds": probe}} if probe is not None else {})}))
     if session.recorder is not None:
@@ -515,8 +531,10 @@ def _train(session: RankSession) -> None:
     session.comm.barrier()
 
 
-def _train_steps(session: RankSession, first: int, metrics) -> tuple[list[float], list[float], object, int]:
-    """Steps first .. first + --steps - 1: (losses, seconds, peak memory or None, the step it was measured in).
+def _train_steps(session: RankSession, first: int, metrics,
+                 evals: list[EvalResult]) -> tuple[list[float], list[float], object, int]:
+    """Steps first .. first + --steps - 1: (losses, seconds, peak memory or None, the step it was measured in);
+    the held-out evaluations after the steps that have one are appended to `evals` (rank 0 prints them).
 
     Traces the first TRACE_WINDOW_STEPS steps (every step with --trace, none with --no-trace); rank 0
     writes each step's line to `metrics` as it ends. The ranks that hold the last stage check the loss
@@ -540,6 +558,12 @@ def _train_steps(session: RankSession, first: int, metrics) -> tuple[list[float]
             r = ex.run_step(step)
         if steps is not None:
             steps.end(r.loss)
+        if p.evaluation is not None and p.evaluation.due(step):
+            ev = evaluate(ex, p.evaluation, step)
+            evals.append(ev)
+            r.evaluation = ev.metrics()
+            if p.rank == 0:
+                print(f"meshplan rank 0: {ev.line()}", flush=True)
         losses.append(r.loss)
         seconds.append(r.seconds)
         if metrics is not None:

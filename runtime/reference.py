@@ -27,7 +27,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from runtime.data import DataSource, call_model, open_data
+from runtime.data import DataSource, Split, call_model, open_data
+from runtime.evaluation import EvalResult, EvalSpec, count_correct
 from runtime.losses import compute_loss
 from runtime.materialize import build_model
 from runtime.running_stats import batchnorm_modules, load_statistics, statistics
@@ -40,6 +41,7 @@ class ReferenceRun:
     losses: list[float]              # mean loss over the global batch, per step
     params: dict[str, torch.Tensor]  # final parameters by name
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)   # final buffers by name
+    evals: list[EvalResult] = field(default_factory=list)            # held-out evaluations, by step
 
 
 @contextlib.contextmanager
@@ -101,16 +103,42 @@ def reference_step(model: nn.Module, spec: TrainSpec, chunks: list, stats_groups
     return total
 
 
-def reference_data(spec: TrainSpec, micro_batch_size: int | None = None) -> DataSource:
-    return open_data(spec, micro_batch_size or spec.global_batch_size)
+def reference_data(spec: TrainSpec, micro_batch_size: int | None = None, split: Split = Split.TRAIN) -> DataSource:
+    return open_data(spec, micro_batch_size or spec.global_batch_size, split=split)
+
+
+def evaluate_model(model: nn.Module, spec: TrainSpec, data: DataSource, batches: int, step: int) -> EvalResult:
+    """The held-out evaluation a run does after `step` (runtime/evaluation.py), in one process: the
+    model in eval() mode under torch.no_grad, batches 0 .. batches - 1 of `data` (Split.EVAL) in the
+    run's micro-batch chunks, each chunk's mean loss scaled by 1/chunks."""
+    was = model.training
+    model.eval()
+    per_batch = []
+    try:
+        with torch.no_grad():
+            for j in range(batches):
+                chunks = data.micro_batches(j)
+                loss, correct, counted = 0.0, 0, 0
+                for inputs, targets in chunks:
+                    with autocast_for(spec):
+                        out = call_model(model, inputs)
+                        loss += float(compute_loss(spec.loss, out, targets)) / len(chunks)
+                    c, n = count_correct(spec.loss, out, targets)
+                    correct, counted = correct + c, counted + n
+                per_batch.append((loss, correct, counted))
+    finally:
+        model.train(was)
+    return EvalResult.combine(step, per_batch)
 
 
 def reference_run(spec: TrainSpec, steps: int, micro_batch_size: int | None = None, *,
                   stats_groups: list[int] | None = None,
-                  perturb: Callable[[nn.Module], None] | None = None) -> ReferenceRun:
+                  perturb: Callable[[nn.Module], None] | None = None,
+                  evaluation: EvalSpec | None = None) -> ReferenceRun:
     """Train the whole model in this process for `steps` steps (see the module docstring).
 
     perturb: applied to the freshly built model (the rounding-level twin of runtime/verify.py).
+    evaluation: evaluate after the steps it names, as the run does (evaluate_model).
     """
     with rank_threads():
         model = build_model(spec)
@@ -120,14 +148,17 @@ def reference_run(spec: TrainSpec, steps: int, micro_batch_size: int | None = No
         params = [p for p in model.parameters() if p.requires_grad]
         opt = spec.optimizer.build(params)
         data = reference_data(spec, micro_batch_size)
-        losses = []
+        held_out = reference_data(spec, micro_batch_size, Split.EVAL) if evaluation is not None else None
+        losses, evals = [], []
         for step in range(steps):
             for p in params:
                 p.grad = None
             losses.append(reference_step(model, spec, data.micro_batches(step), stats_groups))
             opt.step()
+            if evaluation is not None and evaluation.due(step):
+                evals.append(evaluate_model(model, spec, held_out, evaluation.batches, step))
     return ReferenceRun(losses, {k: v.detach().clone() for k, v in model.named_parameters()},
-                        {k: v.detach().clone() for k, v in model.named_buffers()})
+                        {k: v.detach().clone() for k, v in model.named_buffers()}, evals)
 
 
 def local_slice(full: torch.Tensor, split: tuple[int, FeatureSplit] | None, rank: int, num: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.datasets import DatasetSpec
+from runtime.evaluation import EvalSpec
 from runtime.optim import OptimizerSpec
 from runtime.spatial import SpatialSpec
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, shard_dim
@@ -58,6 +59,7 @@ class TrainSpec:
         init: "seed", "per-module" or "checkpoint" (see module docstring); checkpoint: its file.
         dtype: "fp32", or "bf16"/"fp16" for autocast mixed precision (fp32 master weights).
         root: directory that relative refs and paths are resolved against.
+        eval: held-out evaluation during training (runtime/evaluation.py), or None.
     """
 
     model_ref: str
@@ -74,6 +76,7 @@ class TrainSpec:
     dtype: str = "fp32"
     root: str = ""
     dataset: DatasetSpec | None = None
+    eval: EvalSpec | None = None
 
     def __post_init__(self) -> None:
         if self.init not in INITS:
@@ -95,6 +98,7 @@ class TrainSpec:
         d = dataclasses.asdict(self)
         d["optimizer"] = self.optimizer.to_dict()
         d["dataset"] = self.dataset.to_dict() if self.dataset is not None else None
+        d["eval"] = self.eval.to_dict() if self.eval is not None else None
         return d
 
     @classmethod
@@ -106,6 +110,7 @@ class TrainSpec:
         d = dict(d)
         d["optimizer"] = OptimizerSpec.from_dict(d.get("optimizer", {}))
         d["dataset"] = DatasetSpec.from_dict(d["dataset"]) if d.get("dataset") is not None else None
+        d["eval"] = EvalSpec.from_dict(d["eval"]) if d.get("eval") is not None else None
         try:
             return cls(**d)
         except TypeError as e:

@@ -14,6 +14,7 @@ import contextlib
 import torch
 from torch import nn
 
+from runtime.evaluation import count_correct
 from runtime.losses import compute_loss
 from runtime.spec import StageSpec
 
@@ -66,11 +67,29 @@ class StageRunner:
             self.losses[micro] = float(loss.detach())
             self._saved[micro] = (args, loss)
             return loss
+        outs = self._outputs(out)
+        self._saved[micro] = (args, outs)
+        return outs
+
+    def evaluate(self, inputs: list[torch.Tensor], targets: torch.Tensor | None = None):
+        """Forward only, keeping no graph (held-out evaluation; the caller sets eval() mode): the tensors
+        to send (non-last stage), or on the last stage (mean loss, correct predictions, target elements
+        counted) of the micro-batch (runtime.evaluation.count_correct)."""
+        with torch.no_grad():
+            with self._autocast():
+                out = self.module(*inputs)
+            if not self.spec.is_last:
+                return self._outputs(out)
+            with self._autocast():
+                loss = compute_loss(self.loss_name, out, targets, class_split=self.class_split)
+            correct, counted = count_correct(self.loss_name, out, targets, self.class_split)
+        return float(loss), correct, counted
+
+    def _outputs(self, out) -> list[torch.Tensor]:
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         if len(outs) != len(self.spec.outputs):
             raise RuntimeError(f"stage {self.spec.index} returned {len(outs)} tensors, its spec sends "
                                f"{len(self.spec.outputs)}")
-        self._saved[micro] = (args, outs)
         return outs
 
     def backward(self, micro: int, grads: list[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:

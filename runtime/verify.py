@@ -50,6 +50,7 @@ from torch import nn
 
 from runtime.checkpoint_restore import assemble_files
 from runtime.data import map_inputs
+from runtime.evaluation import compare_evals, read_run_evals
 from runtime.materialize import build_model
 from runtime.program import Program
 from runtime.reference import local_slice, rank_threads, reference_data, reference_run, reference_step
@@ -96,6 +97,8 @@ class Comparison:
     worst_param: str = ""
     params_compared: int = 0
     twin_loss_diff: float = 0.0    # the rounding-level twin's largest loss distance from the reference
+    evals_compared: int = 0        # held-out evaluations compared with the reference's (runtime/evaluation.py)
+    max_eval_rel: float = 0.0      # their largest difference / its allowance
     non_finite: bool = False       # a NaN or infinity was found (the figures above mean nothing then)
     incomplete: bool = False       # some rank left no results
 
@@ -129,7 +132,9 @@ class Comparison:
                     else "no BatchNorm statistics")
                  + f"; trajectory: loss |diff| {self.max_loss_diff:.3g} "
                  f"(a rounding-level twin of the reference strays {self.twin_loss_diff:.3g}), {self.params_compared} "
-                 f"parameters within {self.max_param_rel:.2g} of their tolerance (worst {self.worst_param or '-'})"]
+                 f"parameters within {self.max_param_rel:.2g} of their tolerance (worst {self.worst_param or '-'})"
+                 + (f"; {self.evals_compared} evaluation(s) within {self.max_eval_rel:.2g} of their tolerance"
+                    if self.evals_compared else "")]
         lines += [f"  - {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -395,9 +400,16 @@ def _check_trajectory(cmp: Comparison, build: Path, spec: TrainSpec, programs: d
     sensitive: from check 1 (Adam-family optimizers), per parameter the (element, step) pairs whose
     update rounding decides; scaled to this rank's slice and to the steps before a resumed run."""
     total = first_step + steps
-    ref = reference_run(spec, total, micro_batch_size=mb, stats_groups=groups)
+    evaluation, run_evals = read_run_evals(build / "run")
+    ref = reference_run(spec, total, micro_batch_size=mb, stats_groups=groups, evaluation=evaluation)
     twin = reference_run(spec, total, micro_batch_size=mb, stats_groups=groups,
-                         perturb=lambda m: nudge(m, dtype=spec.dtype))
+                         perturb=lambda m: nudge(m, dtype=spec.dtype), evaluation=evaluation)
+    if evaluation is not None:
+        problems, cmp.max_eval_rel = compare_evals(run_evals, [e for e in ref.evals if e.step >= first_step],
+                                                   twin.evals, tol["floor"], MARGIN)
+        cmp.evals_compared = len(run_evals)
+        for problem in problems:
+            cmp.fail(problem)
     with rank_threads():
         init = dict(build_model(spec).named_parameters())
     ref_losses, twin_losses = ref.losses[first_step:], twin.losses[first_step:]
