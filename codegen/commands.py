@@ -22,7 +22,7 @@ MAX_CODEGEN_WORLD = 4096
 def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | None) -> int:
     import planner
     from codegen.emit import capture_ref, emit
-    from runtime.optim import OptimizerSpec
+    from codegen.train_flags import optimizer_and_schedule
 
     if args.plan:
         plan = planner.Plan.load(args.plan)
@@ -51,10 +51,11 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
             cluster = planner.Cluster.load(args.cluster)
         graph = capture_ref(args.model, kwargs, batch_size=cfg.micro_batch_size)
         plan = make_fixed_plan(graph, cluster, cfg, args.batch)
-    opt = OptimizerSpec(name=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    opt, schedule = optimizer_and_schedule(args)
     build = emit(plan, args.model, args.data_ref, args.output, model_kwargs=kwargs, data_kwargs=data_kwargs,
                  graph=graph, loss=args.loss, optimizer=opt, seed=args.seed, data_seed=args.data_seed,
-                 init=args.init, checkpoint=args.checkpoint, bucket_bytes=int(args.bucket_mb * 2**20))
+                 init=args.init, checkpoint=args.checkpoint, bucket_bytes=int(args.bucket_mb * 2**20),
+                 schedule=schedule)
     print(plan.summary())
     print(f"\nwrote {build.path}/: plan.json, build.json, programs.json, {build.world_size} rank scripts, "
           "run_rank.py, launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh")

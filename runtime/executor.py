@@ -24,6 +24,7 @@ from runtime.context import DistContext
 from runtime.data import DataSource, pick_input
 from runtime.faults import SAVE_FAULTS, inject
 from runtime.grads import GradSync
+from runtime.lr_schedule import current_lr
 from runtime.program import Instr, Program
 from runtime.stage import StageRunner
 from runtime.running_stats import RunningStats
@@ -86,6 +87,7 @@ class Executor:
         ties: the TieSync of this rank's tied-weight copies (None when it holds none).
         stats: the RunningStats of this rank's BatchNorm statistics (None when it has none).
         optimizer: steps the parameters GradSync.optimizer_params() lists.
+        scheduler: its lr scheduler, stepped after every optimizer step (runtime/lr_schedule.py).
         data: this data rank's batches (None when no stage of this rank reads data).
         recorder: where instruction times go.
         fail_at: (step, instruction index) at which to raise, for failure tests.
@@ -103,9 +105,11 @@ class Executor:
     ties: TieSync | None = None
     stats: RunningStats | None = None          # BatchNorm running statistics averaged over the grad axis
     on_step: Callable[[], None] | None = None  # called at STEP, before the optimizer (runtime/step_record.py)
+    scheduler: object = None                   # torch.optim.lr_scheduler.LRScheduler, with `optimizer`
     position: tuple[int, int] = (-1, -1)       # (step, instruction index) now running, for the watchdog
     _attached: dict[int, list[int]] = field(default_factory=dict)
     _completions: list = field(default_factory=list)
+    _lr: float | None = None
 
     def __post_init__(self) -> None:
         # Gradient collectives that directly follow a stage's last backward are issued by it.
@@ -127,6 +131,7 @@ class Executor:
     def run_step(self, step: int) -> StepResult:
         t0 = time.perf_counter()
         micro = self.data.micro_batches(step) if self.data is not None else None
+        self._lr = None
         handles: dict[int, Handle] = {}
         recv_act: dict[tuple[int, int], list[torch.Tensor]] = {}
         recv_grad: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -162,7 +167,7 @@ class Executor:
         self._flush_completions()
         for runner in self.stages.values():
             runner.losses.clear()
-        return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0)
+        return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0, lr=self._lr)
 
     # ------------------------------------------------------------------
     def _record_async(self, step: int, idx: int, ins: Instr, h: Handle, start: float) -> None:
@@ -296,7 +301,10 @@ class Executor:
             if self.on_step is not None:
                 self.on_step()
             if self.optimizer is not None:
+                self._lr = current_lr(self.optimizer)   # the lr this step uses
                 self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
         elif op == "ALLREDUCE" and ins.kind == "stats":
             start = self.recorder.now()
             h = self.stats.launch(ins.stage)

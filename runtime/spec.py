@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.lr_schedule import ScheduleSpec
 from runtime.optim import OptimizerSpec
 from runtime.spatial import SpatialSpec
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, shard_dim
@@ -51,7 +52,7 @@ class TrainSpec:
         data_ref / data_kwargs: batch factory fn(batch_size, seed, **kw) -> ((inputs...), targets).
         global_batch_size: samples per optimizer step over all data ranks.
         seed: parameter initialisation seed; data_seed + step seeds each step's batch.
-        loss: "cross_entropy" or "mse"; optimizer: OptimizerSpec.
+        loss: "cross_entropy" or "mse"; optimizer: OptimizerSpec; schedule: its lr schedule (ScheduleSpec).
         init: "seed", "per-module" or "checkpoint" (see module docstring); checkpoint: its file.
         dtype: "fp32", or "bf16"/"fp16" for autocast mixed precision (fp32 master weights).
         root: directory that relative refs and paths are resolved against.
@@ -70,8 +71,10 @@ class TrainSpec:
     checkpoint: str | None = None
     dtype: str = "fp32"
     root: str = ""
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
 
     def __post_init__(self) -> None:
+        self.schedule.check_lr(self.optimizer.lr)
         if self.init not in INITS:
             raise SpecError(f"unknown init {self.init!r}; known: {', '.join(INITS)}")
         if self.init == "checkpoint" and not self.checkpoint:
@@ -90,6 +93,7 @@ class TrainSpec:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["optimizer"] = self.optimizer.to_dict()
+        d["schedule"] = self.schedule.to_dict()
         return d
 
     @classmethod
@@ -100,6 +104,7 @@ class TrainSpec:
             raise SpecError(f"unknown build field(s) {unknown}; known: {sorted(known)}")
         d = dict(d)
         d["optimizer"] = OptimizerSpec.from_dict(d.get("optimizer", {}))
+        d["schedule"] = ScheduleSpec.from_dict(d.get("schedule", {}))
         try:
             return cls(**d)
         except TypeError as e:
