@@ -24,7 +24,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
     from codegen.dataset_flags import check_dataset, dataset_spec
     from codegen.emit import capture_ref, emit
     from runtime.evaluation import eval_setting
-    from runtime.optim import OptimizerSpec
+    from codegen.train_flags import optimizer_and_schedule
 
     dataset = dataset_spec(args)  # its flags are checked before the (slow) capture
     if args.plan:
@@ -54,7 +54,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
             cluster = planner.Cluster.load(args.cluster)
         graph = capture_ref(args.model, kwargs, batch_size=cfg.micro_batch_size)
         plan = make_fixed_plan(graph, cluster, cfg, args.batch)
-    opt = OptimizerSpec(name=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    opt, schedule = optimizer_and_schedule(args)
     if dataset is not None:
         check_dataset(dataset, plan.global_batch_size)
     evaluation = eval_setting(None, args.eval_every, args.eval_batches)
@@ -62,7 +62,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
                  dataset=dataset,
                  graph=graph, loss=args.loss, optimizer=opt, seed=args.seed, data_seed=args.data_seed,
                  init=args.init, checkpoint=args.checkpoint, bucket_bytes=int(args.bucket_mb * 2**20),
-                 evaluation=evaluation)
+                 evaluation=evaluation, schedule=schedule)
     print(plan.summary())
     print(f"\nwrote {build.path}/: plan.json, build.json, programs.json, {build.world_size} rank scripts, "
           "run_rank.py, launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh")

@@ -40,6 +40,7 @@ from planner.graph import ModelGraph
 from planner.plan import Plan
 from runtime.datasets import DatasetSpec
 from runtime.evaluation import EvalSpec, check_supported
+from runtime.lr_schedule import ScheduleSpec
 from runtime.optim import OptimizerSpec
 from runtime.program import Program
 from runtime.spec import TrainSpec
@@ -73,7 +74,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
          data_seed: int = 1000, init: str = "seed", checkpoint: str | None = None,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, root: str | None = None,
          dataset: DatasetSpec | None = None,
-         evaluation: EvalSpec | None = None) -> Build:
+         evaluation: EvalSpec | None = None,
+         schedule: ScheduleSpec | None = None) -> Build:
     """Write the build directory for `plan` (see module docstring).
 
     Args:
@@ -81,7 +83,7 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
         data_ref: the batch factory fn(batch_size, seed, **data_kwargs) -> ((inputs...), targets);
             default: example_batch in the model's file (with the model's kwargs).
         graph: the captured graph the plan was made from (captured again from model_ref if None).
-        loss, optimizer, seed, data_seed, init, checkpoint: the training setup (runtime/spec.py).
+        loss, optimizer, seed, data_seed, init, checkpoint, schedule: the training setup (runtime/spec.py).
         bucket_bytes: gradient bucket size for the data-parallel reduction.
         dataset: a torch Dataset by reference (runtime.datasets.DatasetSpec), read instead of a batch
             factory; give it without data_ref.
@@ -107,14 +109,16 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
                       dataset=dataset, model_kwargs=model_kwargs, data_kwargs=dict(data_kwargs or {}), seed=seed,
                       data_seed=data_seed, loss=loss, optimizer=optimizer or OptimizerSpec(), init=init,
                       checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()),
-                      eval=evaluation)
+                      eval=evaluation,
+                      schedule=schedule or ScheduleSpec())
+    decay_of = train.optimizer.decays if train.optimizer.splits_decay else None   # buckets: one class each
     if evaluation is not None:
         check_supported(plan.config.mesh, plan.config.bidirectional)
     if plan.config.spatial > 1:  # image tiles: codegen/spatial.py
-        parts, programs = lower_spatial(plan, graph, bucket_bytes=bucket_bytes)
+        parts, programs = lower_spatial(plan, graph, bucket_bytes=bucket_bytes, decay_of=decay_of)
     else:
         parts = partition(plan, graph)
-        programs = lower(plan, graph, bucket_bytes=bucket_bytes, parts=parts)
+        programs = lower(plan, graph, bucket_bytes=bucket_bytes, parts=parts, decay_of=decay_of)
     # every rank script is written (and compiled) before any file is: a failure leaves no half build
     scripts = {rank: rank_script(rank, prog, parts, train, plan, model_ref, model_kwargs)
                for rank, prog in programs.items()}

@@ -47,34 +47,39 @@ class LoweringError(ValueError):
 
 
 def make_buckets(stage: int, params, data: int, cap_bytes: int = DEFAULT_BUCKET_BYTES,
-                 alone: frozenset[str] = frozenset()) -> list[Bucket]:
+                 alone: frozenset[str] = frozenset(), decay_of: Callable[[int], bool] | None = None) -> list[Bucket]:
     """Group a stage's parameters (name, shape, dtype), already in gradient-ready order,
     into buckets closed once they reach `cap_bytes` (PyTorch DDP's rule: small parameters
     ride with the next large one instead of travelling alone). Parameters in `alone` (the
     copies of tied weights) get a bucket of their own: under ZeRO, each data rank then holds
-    the same slice of every copy, and the copies' gradient shards can be summed."""
-    out, cur, numel, elem = [], [], 0, 4
+    the same slice of every copy, and the copies' gradient shards can be summed.
+
+    decay_of(ndim): the parameter's weight-decay class (runtime.optim.OptimizerSpec.decays), when
+    the classes step differently: a bucket then holds one class only (a ZeRO flat shard of it is
+    one optimizer group's), recorded as Bucket.decay; None: one class (Bucket.decay True)."""
+    out, cur, numel, elem, cls = [], [], 0, 4, True
     for name, shape, dtype in params:
         n = 1
         for s in shape:
             n *= s
-        if name in alone and cur:
-            out.append(_bucket(stage, cur, numel, elem, data))
+        this = decay_of(len(shape)) if decay_of is not None else True
+        if cur and (name in alone or this != cls):
+            out.append(_bucket(stage, cur, numel, elem, data, cls))
             cur, numel = [], 0
-        elem = _DTYPE_BYTES.get(dtype, 4)
+        elem, cls = _DTYPE_BYTES.get(dtype, 4), this
         cur.append(name)
         numel += n
         if numel * elem >= cap_bytes or name in alone:
-            out.append(_bucket(stage, cur, numel, elem, data))
+            out.append(_bucket(stage, cur, numel, elem, data, cls))
             cur, numel = [], 0
     if cur:
-        out.append(_bucket(stage, cur, numel, elem, data))
+        out.append(_bucket(stage, cur, numel, elem, data, cls))
     return out
 
 
-def _bucket(stage, names, numel, elem, data) -> Bucket:
+def _bucket(stage, names, numel, elem, data, decay: bool = True) -> Bucket:
     padded = -(-numel // data) * data
-    return Bucket(stage, tuple(names), numel, padded * elem)
+    return Bucket(stage, tuple(names), numel, padded * elem, decay)
 
 
 # ---------------------------------------------------------------------------
@@ -291,8 +296,11 @@ def _held(params, owners: dict[str, int], branch: int) -> list:
 
 
 def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-          parts: Partition | None = None) -> dict[int, Program]:
+          parts: Partition | None = None, decay_of: Callable[[int], bool] | None = None) -> dict[int, Program]:
     """One Program per rank for `plan` (ranks laid out pipe x data x tensor, tensor fastest).
+
+    decay_of: the weight-decay class of a parameter by its dims, when buckets must not mix them
+    (make_buckets).
 
     Raises LoweringError / PartitionError (ValueErrors) for plans that cannot run.
     """
@@ -350,7 +358,8 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
             stages = tuple(sorted(s for s in range(ns) if s % p == i))
             order, grad_axis, group = None, "data", d
         buckets = [b for s in (order or stages)
-                   for b in make_buckets(s, _held(specs[s].params, owners, branch), group, bucket_bytes, alone)] \
+                   for b in make_buckets(s, _held(specs[s].params, owners, branch), group, bucket_bytes, alone,
+                                          decay_of)] \
             if group > 1 else []
         ties = []
         for k, (key, copies) in enumerate(tied.items()):

@@ -34,7 +34,8 @@ def spatial_twin(plan: Plan) -> Plan:
     return dataclasses.replace(plan, config=twin, global_batch_size=plan.global_batch_size * c.spatial)
 
 
-def lower_spatial(plan: Plan, graph: ModelGraph, *, bucket_bytes: int) -> tuple[Partition, dict[int, Program]]:
+def lower_spatial(plan: Plan, graph: ModelGraph, *, bucket_bytes: int,
+                  decay_of=None) -> tuple[Partition, dict[int, Program]]:
     """(stage modules with their SpatialSpec, one Program per rank) for a plan with spatial > 1."""
     c = plan.config
     twin = spatial_twin(plan)
@@ -53,4 +54,4 @@ def lower_spatial(plan: Plan, graph: ModelGraph, *, bucket_bytes: int) -> tuple[
 
     parts = dataclasses.replace(parts, stages=tuple(
         dataclasses.replace(sp, spec=dataclasses.replace(sp.spec, spatial=spec_of(sp))) for sp in parts.stages))
-    return parts, lower(twin, graph, bucket_bytes=bucket_bytes, parts=parts)
+    return parts, lower(twin, graph, bucket_bytes=bucket_bytes, parts=parts, decay_of=decay_of)

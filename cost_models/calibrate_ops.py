@@ -274,7 +274,7 @@ OPTIMIZER_KINDS = ("sgd", "sgd_momentum", "adamw")
 def time_optimizer_steps(*, tensors: int = 48, few: int = 4, numel: int = 16,
                          steps: int = 20) -> dict[str, tuple[float, float]]:
     """{optimizer kind: (seconds of fixed cost per step, seconds per parameter tensor)}, for the
-    runtime's optimizers (runtime.optim.OptimizerSpec, one tensor at a time, foreach=False).
+X
 
     Timed on `few` and on `tensors` tiny tensors, so that the fixed costs (the step call
     itself; per tensor a Python loop and a dozen small ops) dominate: the mean of `steps`

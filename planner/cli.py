@@ -235,6 +235,9 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--lr", type=positive_number, default=0.1)
     p.add_argument("--momentum", type=nonnegative_number, default=0.0)
     p.add_argument("--weight-decay", type=nonnegative_number, default=0.0)
+    from codegen.train_flags import add_flags   # optimizer implementation, decay groups, lr schedule
+
+    add_flags(p, count, nonnegative_number)
     p.add_argument("--seed", type=count(0, 2 ** 32), default=0, help="parameter initialisation seed")
     p.add_argument("--data-seed", type=count(0, 2 ** 32), default=1000,
                    help="step s reads the batch of seed data_seed + s")

@@ -49,6 +49,8 @@ from typing import Callable
 import torch
 
 from runtime.files import make_dirs, write_atomic
+from runtime.lr_schedule import scheduler_state
+from runtime.optim import optimizer_order
 
 CHECKPOINT_FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -183,20 +185,26 @@ def layout_hash(program, stage_specs: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def optimizer_param_names(modules: dict, grads) -> list[str]:
+def optimizer_param_names(modules: dict, grads, order: list | None = None) -> list[str]:
     """What each optimizer parameter is, in optimizer order: "STAGE/NAME", or "bucket/I" (ZeRO shards).
 
-    Mirrors GradSync.optimizer_params and rank_main.connect's parameter list.
+    Mirrors GradSync.optimizer_params and rank_main.connect's parameter list; `order`: the
+    optimizer's own parameter order (runtime.optim.optimizer_order: its weight-decay groups one
+    after the other), which the names then follow.
     """
     if grads is not None and grads.zero >= 1:
-        return [f"bucket/{st.index}" for st in grads.states]
-    out, seen = [], set()
-    for s in sorted(modules):
-        for name, p in modules[s].named_parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(f"{s}/{name}")
-    return out
+        out = [(f"bucket/{st.index}", st.shard) for st in grads.states]
+    else:
+        out, seen = [], set()
+        for s in sorted(modules):
+            for name, p in modules[s].named_parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((f"{s}/{name}", p))
+    if order:
+        rank = {id(p): k for k, p in enumerate(order)}
+        out.sort(key=lambda e: rank[id(e[1])])
+    return [name for name, _p in out]
 
 
 @dataclass
@@ -212,7 +220,12 @@ class RankState:
     grads: object = None            # GradSync or None
     optimizer: torch.optim.Optimizer | None = None
     barrier: Callable[[], None] = field(default=lambda: None)
+    scheduler: object = None        # the optimizer's lr scheduler (runtime/lr_schedule.py) or None
     run_id: str = ""                # rank 0: the run id its manifests record (runtime/checkpoint_run.py)
+
+
+def _order(optimizer) -> list | None:
+    return optimizer_order(optimizer) if optimizer is not None else None
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, st: RankState, *,
@@ -239,7 +252,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, st: RankState, *,
         "buffers": {str(s): {k: v.detach().cpu().clone() for k, v in m.named_buffers()}
                     for s, m in st.modules.items()},
         "optimizer": st.optimizer.state_dict() if st.optimizer is not None else None,
-        "optimizer_params": optimizer_param_names(st.modules, grads),
+        "optimizer_params": optimizer_param_names(st.modules, grads, _order(st.optimizer)),
+        "schedule": scheduler_state(st.scheduler, st.optimizer) if st.scheduler is not None else None,
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }

@@ -27,6 +27,8 @@ import torch
 from runtime.checkpoint import (CheckpointError, Manifest, layout_hash, optimizer_param_names, read_rank_file,
                                 resolve_checkpoint)
 from runtime.files import atomic_file, make_dirs
+from runtime.lr_schedule import load_scheduler_state
+from runtime.optim import optimizer_order
 from runtime.reference import local_slice
 from runtime.spec import StageSpec
 
@@ -41,6 +43,7 @@ class LogicalState:
     optimizer: dict[str, dict[str, Any]] = field(default_factory=dict)  # param name -> state key -> value
     rng: dict[int, torch.Tensor] = field(default_factory=dict)          # old rank -> CPU RNG state
     aliases: dict[str, str] = field(default_factory=dict)               # other name of a tied weight -> canonical
+    schedule: dict | None = None                                         # runtime.lr_schedule.scheduler_state
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers under every name the model has for them (a tied weight under
@@ -112,6 +115,8 @@ def assemble_files(files: list[dict], mesh, step: int = 0) -> LogicalState:
                 out.aliases.update({alias: grp[0] for alias in grp[1:]})
         if f.get("rng") is not None:
             out.rng[r] = f["rng"]
+        if out.schedule is None and f.get("schedule") is not None:
+            out.schedule = f["schedule"]
         local: dict[tuple[int, str], tuple[str, torch.Size]] = {}   # (stage, name) -> (canonical, local shape)
         for entry, shape in f.get("shapes", {}).items():
             s, _, name = entry.partition("/")
@@ -250,7 +255,7 @@ def apply_optimizer(r: Restore, modules: dict, stage_specs: dict, grads, optimiz
     """Load the optimizer state: the saved state_dict (same layout) or one re-sliced from the logical state."""
     if optimizer is None:
         return
-    names = optimizer_param_names(modules, grads)
+    names = optimizer_param_names(modules, grads, optimizer_order(optimizer))
     if r.own is not None:
         if r.own["optimizer_params"] != names:
             raise CheckpointError(f"checkpoint {r.ckpt}: the optimizer's parameters differ from this rank's")
@@ -267,7 +272,8 @@ def apply_optimizer(r: Restore, modules: dict, stage_specs: dict, grads, optimiz
                 split = _split_of(stage_specs, int(s), name, params[entry].dim())
                 state[i] = {k: _local(v, split, tcoord, tsize) for k, v in full[key].items()}
     else:
-        for i, st in enumerate(grads.states):
+        for st in grads.states:
+            i = names.index(f"bucket/{st.index}")   # its place in the optimizer's groups
             spec = stage_specs[st.bucket.stage]
             pnames = list(st.bucket.params)
             keys = [spec.canonical(n) for n in pnames]
@@ -287,6 +293,23 @@ def apply_optimizer(r: Restore, modules: dict, stage_specs: dict, grads, optimiz
                     entry[k] = _local(v0, None, 0, 1)
             state[i] = entry
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
+def apply_schedule(r: Restore, scheduler, optimizer, schedule) -> None:
+    """Continue the lr schedule where the checkpoint left it: the scheduler's state and the groups' lr
+    (the same on every rank of the old run; on another plan, taken from any of its ranks that had an
+    optimizer). A checkpoint from before schedules were saved carries none: it resumes only a build
+    without one (constant lr, no warm-up)."""
+    if scheduler is None:
+        return
+    saved = r.own.get("schedule") if r.own is not None else r.logical.schedule
+    if saved is None:
+        if not schedule.is_constant:
+            raise CheckpointError(f"checkpoint {r.ckpt} holds no lr schedule state, and this build has a "
+                                  f"{schedule.kind.value} schedule with {schedule.warmup_steps} warm-up step(s): "
+                                  "resume it with the build it was saved from")
+        return
+    load_scheduler_state(scheduler, optimizer, saved)
 
 
 def apply_rng(r: Restore, rank: int) -> None:

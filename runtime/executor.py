@@ -25,6 +25,7 @@ from runtime.data import DataSource, pick_input
 from runtime.evaluation import forward_only
 from runtime.faults import SAVE_FAULTS, inject
 from runtime.grads import GradSync
+from runtime.lr_schedule import current_lr
 from runtime.program import Instr, Program
 from runtime.stage import StageRunner
 from runtime.running_stats import RunningStats
@@ -88,6 +89,7 @@ class Executor:
         ties: the TieSync of this rank's tied-weight copies (None when it holds none).
         stats: the RunningStats of this rank's BatchNorm statistics (None when it has none).
         optimizer: steps the parameters GradSync.optimizer_params() lists.
+        scheduler: its lr scheduler, stepped after every optimizer step (runtime/lr_schedule.py).
         data: this data rank's batches (None when no stage of this rank reads data).
         recorder: where instruction times go.
         fail_at: (step, instruction index) at which to raise, for failure tests.
@@ -105,11 +107,13 @@ class Executor:
     ties: TieSync | None = None
     stats: RunningStats | None = None          # BatchNorm running statistics averaged over the grad axis
     on_step: Callable[[], None] | None = None  # called at STEP, before the optimizer (runtime/step_record.py)
+    scheduler: object = None                   # torch.optim.lr_scheduler.LRScheduler, with `optimizer`
     position: tuple[int, int] = (-1, -1)       # (step, instruction index) now running, for the watchdog
     eval_data: DataSource | None = None        # held-out batches (runtime/evaluation.py; None: no stage reads data)
     _evaluating: bool = False                  # evaluate_batch is walking the Program's forward part
     _attached: dict[int, list[int]] = field(default_factory=dict)
     _completions: list = field(default_factory=list)
+    _lr: float | None = None
 
     def __post_init__(self) -> None:
         # Gradient collectives that directly follow a stage's last backward are issued by it.
@@ -183,6 +187,7 @@ class Executor:
     def run_step(self, step: int) -> StepResult:
         t0 = time.perf_counter()
         micro = self.data.micro_batches(step) if self.data is not None else None
+        self._lr = None
         loss_buf = self._loss_buffer(1)
         self._walk(range(len(self.program.instrs)), step, micro, loss_buf)
         if self.grads is not None:
@@ -190,7 +195,7 @@ class Executor:
         self._flush_completions()
         for runner in self.stages.values():
             runner.losses.clear()
-        return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0)
+        return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0, lr=self._lr)
 
     # ------------------------------------------------------------------
     def _record_async(self, step: int, idx: int, ins: Instr, h: Handle, start: float) -> None:
@@ -328,7 +333,10 @@ class Executor:
             if self.on_step is not None:
                 self.on_step()
             if self.optimizer is not None:
+                self._lr = current_lr(self.optimizer)   # the lr this step uses
                 self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
         elif op == "ALLREDUCE" and ins.kind == "stats":
             start = self.recorder.now()
             h = self.stats.launch(ins.stage)

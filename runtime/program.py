@@ -149,13 +149,16 @@ class Bucket:
 
     `params` are the stage module's parameter names (tensor-parallel local
     shapes); `numel` is their total element count; `nbytes` the bytes of the
-    gradient buffer (padded to a multiple of the data degree).
+    gradient buffer (padded to a multiple of the data degree); `decay`: its parameters are
+    in the weight-decayed optimizer group (runtime/optim.py; a bucket never mixes the groups
+    where they differ, so a ZeRO shard of it belongs to one).
     """
 
     stage: int
     params: tuple[str, ...]
     numel: int
     nbytes: int
+    decay: bool = True
 
 
 @dataclass(frozen=True)
@@ -284,8 +287,8 @@ class Program:
             "stages": list(self.stages), "num_stages": self.num_stages,
             "num_micro_batches": self.num_micro_batches, "micro_batch_size": self.micro_batch_size,
             "zero": self.zero,
-            "buckets": [{"stage": b.stage, "params": list(b.params), "numel": b.numel, "nbytes": b.nbytes}
-                        for b in self.buckets],
+            "buckets": [{"stage": b.stage, "params": list(b.params), "numel": b.numel, "nbytes": b.nbytes,
+                         **({} if b.decay else {"decay": False})} for b in self.buckets],
             "instrs": [i.to_dict() for i in self.instrs],
             **({"ties": [t.to_dict() for t in self.ties]} if self.ties else {}),
         }
@@ -307,8 +310,8 @@ class Program:
                 stages=tuple(int(s) for s in d["stages"]), num_stages=int(d["num_stages"]),
                 num_micro_batches=int(d["num_micro_batches"]), micro_batch_size=int(d["micro_batch_size"]),
                 zero=int(d.get("zero", 0)),
-                buckets=tuple(Bucket(int(b["stage"]), tuple(b["params"]), int(b["numel"]), int(b["nbytes"]))
-                              for b in d.get("buckets", ())),
+                buckets=tuple(Bucket(int(b["stage"]), tuple(b["params"]), int(b["numel"]), int(b["nbytes"]),
+                                     bool(b.get("decay", True))) for b in d.get("buckets", ())),
                 instrs=tuple(Instr.from_dict(i) for i in d["instrs"]),
                 ties=tuple(Tie.from_dict(t) for t in d.get("ties", ())),
                 format_version=version,

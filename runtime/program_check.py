@@ -15,6 +15,7 @@ from typing import Any, Mapping
 _TOP = ("format_version", "rank", "world_size", "mesh", "coords", "stages", "num_stages", "num_micro_batches",
         "micro_batch_size", "zero", "buckets", "instrs", "ties")
 _BUCKET = ("stage", "params", "numel", "nbytes")
+_BUCKET_KEYS = _BUCKET + ("decay",)   # decay: optional (default true)
 _TIE = ("index", "name", "copies", "owned", "axis")
 _INSTR_INT = ("stage", "micro", "peer", "handle", "bucket", "nbytes")
 _INSTR_STR = ("op", "kind", "axis")
@@ -93,7 +94,9 @@ def check_program_dict(d: Any) -> None:
     buckets = _list(d, "buckets", "buckets") if "buckets" in d else []
     for i, b in enumerate(buckets):
         f = f"buckets[{i}]"
-        _keys(b, f, _BUCKET, _BUCKET)
+        _keys(b, f, _BUCKET_KEYS, _BUCKET)
+        if not isinstance(b.get("decay", True), bool):
+            raise _err(f"{f}.decay", "must be true or false")
         s = _int(b, "stage", f"{f}.stage")
         if s not in stages:
             raise _err(f"{f}.stage", f"is {s}, not one of this rank's stages {stages}")

@@ -11,9 +11,10 @@ with it (status 1).
 Outputs (under --out, default the build directory):
   metrics.jsonl              one line per step from rank 0: step, loss, seconds (written as the steps
                              end; a resumed run appends to the history before its checkpoint)
-  run/rank_XXXX.json         this rank's loss and seconds per step (and, with --probe-comm, the
-                             time of a 1 MiB all-reduce over all ranks before the first step; with
-                             evaluation, its setting "eval" and results "evals": runtime/evaluation.py)
+  run/rank_XXXX.json         this rank's loss and seconds per step, its resolved optimizer implementation
+                             ("optimizer_impl", runtime/optim.py; null without an optimizer), with
+                             --probe-comm the time of a 1 MiB all-reduce over all ranks before the first step,
+                             and with evaluation its setting "eval" and results "evals" (runtime/evaluation.py)
   run/timeline_rank_XXXX.json  this rank's Timeline (the first TRACE_WINDOW_STEPS steps; all with --trace)
   run/params_rank_XXXX.pt    with --save-params: final parameters of its stages
 """
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 from runtime.checkpoint import RankState, save_checkpoint
-from runtime.checkpoint_restore import Restore, apply_optimizer, apply_params, apply_rng, open_restore
+from runtime.checkpoint_restore import Restore, apply_optimizer, apply_params, apply_rng, apply_schedule, open_restore
 from runtime.checkpoint_run import CheckpointClaim, claim_checkpoint_dir, run_to_continue
 from runtime.comm import CommError, PeerFailure, local_threads_hint
 from runtime.context import DistContext
@@ -48,6 +49,7 @@ from runtime.grads import GradSync
 from runtime.materialize import (build_model_for_stages, build_stage, meta_model, model_signature,
                                  separate_copies, set_tensor_group, signature_mismatch)
 from runtime.memtrack import measure_step_memory
+from runtime.optim import optimizer_order, rank_optimizer
 from runtime.program import Program
 from runtime.spec import StageSpec, TrainSpec
 from runtime import spatial_model
@@ -164,7 +166,7 @@ def _save(session: RankSession, next_step: int) -> None:
         kill = lambda: inject(p.args.fault, p.rank, f"the checkpoint of step {next_step} ({fa})")  # noqa: E731
     claim = session.checkpoint_claim
     st = RankState(p.rank, p.program, p.specs, p.modules, p.spec, p.signature, session.grads,
-                   session.executor.optimizer, barrier=session.comm.barrier,
+                   session.executor.optimizer, barrier=session.comm.barrier, scheduler=session.executor.scheduler,
                    run_id=claim.run_id if claim is not None else "")
     save_checkpoint(p.args.checkpoint_dir, next_step, st, interrupt=kill)
 
@@ -315,10 +317,14 @@ def connect(p: Prepared) -> RankSession:
             grads.release_params()
         else:
             params = [q for s in sorted(p.modules) for q in p.modules[s].parameters() if q.requires_grad]
-        optimizer = p.spec.optimizer.build(params) if params else None
+        optimizer = rank_optimizer(p.spec.optimizer, params, grads, p.device) if params else None
+        scheduler = p.spec.schedule.build(optimizer) if optimizer is not None else None
+        if optimizer is not None:
+            params = optimizer_order(optimizer)   # weight-decay groups: the order of its state_dict
         if p.restore is not None:
             apply_optimizer(p.restore, p.modules, p.specs, grads, optimizer, tcoord_of(p.program),
                             p.program.mesh_dict.get("tensor", 1))
+            apply_schedule(p.restore, scheduler, optimizer, p.spec.schedule)
             apply_rng(p.restore, p.rank)
         comm.barrier()
         recorder = Recorder(p.rank, origin=shared_origin(_world_broadcast(comm, p.program.world_size, p.device)),
@@ -328,7 +334,8 @@ def connect(p: Prepared) -> RankSession:
             if any(sp.running_stats for sp in p.specs.values()) else None
         sabotage(p.args.sabotage, grads, ties, p.modules)
         ex = Executor(p.program, ctx, runners, grads, optimizer, p.data, recorder, fail_at=p.fail_at,
-                      fault=p.args.fault, ties=ties, stats=stats, eval_data=p.eval_data)
+                      fault=p.args.fault, ties=ties, stats=stats, eval_data=p.eval_data,
+                      scheduler=scheduler)
         steps = StepRecorder(p.program, p.specs, p.modules, grads, params) if p.args.save_steps else None
         if steps is not None:
             ex.on_step = steps.before_step
@@ -520,6 +527,7 @@ def _train(session: RankSession) -> None:
                     for s, m in p.modules.items()}, run_dir / f"params_rank_{rank:04d}.pt")
     (run_dir / f"rank_{rank:04d}.json").write_text(json.dumps(
         {"rank": rank, "losses": losses, "seconds": seconds, "stages": sorted(p.specs), "first_step": first,
+         "optimizer_impl": p.spec.optimizer.resolve_impl(p.device).value if ex.optimizer is not None else None,
          **({"resumed_from": str(p.restore.ckpt)} if p.restore is not None else {}),
          **({"eval": p.evaluation.to_dict(), "evals": [e.to_dict() for e in evals]} if p.evaluation else {}),
          **({"memory": {**dataclasses.asdict(memory), "step": memory_step}} if memory is not None else {}),

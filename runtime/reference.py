@@ -13,6 +13,10 @@ from that rank's micro-batches, then averages them over the ranks
 `stats_group` (the chunks one rank runs, in order) starts from the step's
 statistics, and the groups' results are averaged.
 
+The optimizer is the build's (runtime/optim.py) over the whole model: the same weight-decay
+groups, decided by each parameter's dims, and the implementation the ranks resolved
+(`like_the_ranks`); its lr schedule (runtime/lr_schedule.py) steps after every optimizer step.
+
 It runs with as many threads as a rank (OMP_NUM_THREADS, 1 under `meshplan
 run`): torch picks kernels by thread count, and two kernels round differently.
 """
@@ -20,7 +24,9 @@ run`): torch picks kernels by thread count, and two kernels round differently.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -147,6 +153,7 @@ def reference_run(spec: TrainSpec, steps: int, micro_batch_size: int | None = No
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         opt = spec.optimizer.build(params)
+        scheduler = spec.schedule.build(opt)
         data = reference_data(spec, micro_batch_size)
         held_out = reference_data(spec, micro_batch_size, Split.EVAL) if evaluation is not None else None
         losses, evals = [], []
@@ -155,10 +162,22 @@ def reference_run(spec: TrainSpec, steps: int, micro_batch_size: int | None = No
                 p.grad = None
             losses.append(reference_step(model, spec, data.micro_batches(step), stats_groups))
             opt.step()
+            scheduler.step()
             if evaluation is not None and evaluation.due(step):
                 evals.append(evaluate_model(model, spec, held_out, evaluation.batches, step))
     return ReferenceRun(losses, {k: v.detach().clone() for k, v in model.named_parameters()},
                         {k: v.detach().clone() for k, v in model.named_buffers()}, evals)
+
+
+def like_the_ranks(spec: TrainSpec, run_dir: str | os.PathLike) -> TrainSpec:
+    """`spec` with the optimizer implementation the ranks of a finished run resolved and used (each
+    records it in run_dir/rank_XXXX.json as "optimizer_impl"), so that the reference steps like
+    with like; unchanged when no rank recorded one."""
+    for f in sorted(Path(run_dir).glob("rank_*.json")):
+        impl = json.loads(f.read_text()).get("optimizer_impl")
+        if impl:
+            return spec.replace(optimizer=spec.optimizer.with_impl(impl))
+    return spec
 
 
 def local_slice(full: torch.Tensor, split: tuple[int, FeatureSplit] | None, rank: int, num: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ from typing import Any
 
 from runtime.datasets import DatasetSpec
 from runtime.evaluation import EvalSpec
+from runtime.lr_schedule import ScheduleSpec
 from runtime.optim import OptimizerSpec
 from runtime.spatial import SpatialSpec
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, shard_dim
@@ -55,7 +56,7 @@ class TrainSpec:
             batch factory when set.
         global_batch_size: samples per optimizer step over all data ranks.
         seed: parameter initialisation seed; data_seed + step seeds each step's batch.
-        loss: "cross_entropy" or "mse"; optimizer: OptimizerSpec.
+        loss: "cross_entropy" or "mse"; optimizer: OptimizerSpec; schedule: its lr schedule (ScheduleSpec).
         init: "seed", "per-module" or "checkpoint" (see module docstring); checkpoint: its file.
         dtype: "fp32", or "bf16"/"fp16" for autocast mixed precision (fp32 master weights).
         root: directory that relative refs and paths are resolved against.
@@ -77,8 +78,10 @@ class TrainSpec:
     root: str = ""
     dataset: DatasetSpec | None = None
     eval: EvalSpec | None = None
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
 
     def __post_init__(self) -> None:
+        self.schedule.check_lr(self.optimizer.lr)
         if self.init not in INITS:
             raise SpecError(f"unknown init {self.init!r}; known: {', '.join(INITS)}")
         if self.init == "checkpoint" and not self.checkpoint:
@@ -99,6 +102,7 @@ class TrainSpec:
         d["optimizer"] = self.optimizer.to_dict()
         d["dataset"] = self.dataset.to_dict() if self.dataset is not None else None
         d["eval"] = self.eval.to_dict() if self.eval is not None else None
+        d["schedule"] = self.schedule.to_dict()
         return d
 
     @classmethod
@@ -111,6 +115,7 @@ class TrainSpec:
         d["optimizer"] = OptimizerSpec.from_dict(d.get("optimizer", {}))
         d["dataset"] = DatasetSpec.from_dict(d["dataset"]) if d.get("dataset") is not None else None
         d["eval"] = EvalSpec.from_dict(d["eval"]) if d.get("eval") is not None else None
+        d["schedule"] = ScheduleSpec.from_dict(d.get("schedule", {}))
         try:
             return cls(**d)
         except TypeError as e:

@@ -35,7 +35,7 @@ class StepRecorder:
         self._modules = modules
         self._grads = grads
         self._params = params
-        self._names = optimizer_param_names(modules, grads)
+        self._names = optimizer_param_names(modules, grads, params)
         named = {f"{s}/{n}": p for s, m in modules.items() for n, p in m.named_parameters()}
         self._header = {
             "coords": list(program.coords), "stage_specs": {str(s): json.dumps(specs[s].to_dict()) for s in specs},

@@ -53,7 +53,7 @@ from runtime.data import map_inputs
 from runtime.evaluation import compare_evals, read_run_evals
 from runtime.materialize import build_model
 from runtime.program import Program
-from runtime.reference import local_slice, rank_threads, reference_data, reference_run, reference_step
+from runtime.reference import like_the_ranks, local_slice, rank_threads, reference_data, reference_run, reference_step
 from runtime.spatial_model import data_shard
 from runtime.spec import StageSpec, TrainSpec
 from runtime.step_record import load_records, step_files
@@ -249,6 +249,7 @@ def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[fl
                  "their losses, steps_rank_XXXX.pt with their steps): they did not run or did not finish; see "
                  "their logs")
         return cmp
+    spec = like_the_ranks(spec, build / "run")   # the optimizer implementation the ranks used
     mb = programs[0].micro_batch_size
     groups = stats_groups(programs, specs, _bidirectional(build))
     sensitive = _check_steps(cmp, build, spec, programs, mb, groups, steps, first_step, losses, tol)
