@@ -22,6 +22,7 @@ MAX_CODEGEN_WORLD = 4096
 def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | None) -> int:
     import planner
     from codegen.emit import capture_ref, emit
+    from runtime.loss_scale import loss_scale_for
     from runtime.optim import OptimizerSpec
 
     if args.plan:
@@ -52,9 +53,12 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
         graph = capture_ref(args.model, kwargs, batch_size=cfg.micro_batch_size)
         plan = make_fixed_plan(graph, cluster, cfg, args.batch)
     opt = OptimizerSpec(name=args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    scaling = loss_scale_for(plan.config.dtype, args.loss_scale_init, args.loss_scale_growth_interval,
+                             enabled=not args.no_loss_scale)
     build = emit(plan, args.model, args.data_ref, args.output, model_kwargs=kwargs, data_kwargs=data_kwargs,
                  graph=graph, loss=args.loss, optimizer=opt, seed=args.seed, data_seed=args.data_seed,
-                 init=args.init, checkpoint=args.checkpoint, bucket_bytes=int(args.bucket_mb * 2**20))
+                 init=args.init, checkpoint=args.checkpoint, bucket_bytes=int(args.bucket_mb * 2**20),
+                 clip_grad=args.clip_grad, loss_scale=scaling)
     print(plan.summary())
     print(f"\nwrote {build.path}/: plan.json, build.json, programs.json, {build.world_size} rank scripts, "
           "run_rank.py, launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh")

@@ -40,6 +40,7 @@ from planner.graph import ModelGraph
 from planner.plan import Plan
 from runtime.optim import OptimizerSpec
 from runtime.program import Program
+from runtime.loss_scale import LossScaleSpec
 from runtime.spec import TrainSpec
 
 
@@ -69,7 +70,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
          model_kwargs: dict | None = None, data_kwargs: dict | None = None, graph: ModelGraph | None = None,
          loss: str = "cross_entropy", optimizer: OptimizerSpec | dict | None = None, seed: int = 0,
          data_seed: int = 1000, init: str = "seed", checkpoint: str | None = None,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES, root: str | None = None) -> Build:
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, root: str | None = None, clip_grad: float | None = None,
+         loss_scale: LossScaleSpec | None = None) -> Build:
     """Write the build directory for `plan` (see module docstring).
 
     Args:
@@ -77,7 +79,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
         data_ref: the batch factory fn(batch_size, seed, **data_kwargs) -> ((inputs...), targets);
             default: example_batch in the model's file (with the model's kwargs).
         graph: the captured graph the plan was made from (captured again from model_ref if None).
-        loss, optimizer, seed, data_seed, init, checkpoint: the training setup (runtime/spec.py).
+        loss, optimizer, seed, data_seed, init, checkpoint, clip_grad, loss_scale: the training setup
+            (runtime/spec.py; loss_scale: fp16 dynamic loss scaling, runtime/loss_scale.py, None: none).
         bucket_bytes: gradient bucket size for the data-parallel reduction.
 
     Raises PlanMismatchError when model_ref builds another model than the plan's, and
@@ -100,7 +103,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
     train = TrainSpec(model_ref=model_ref, data_ref=data_ref, global_batch_size=plan.global_batch_size,
                       model_kwargs=model_kwargs, data_kwargs=dict(data_kwargs or {}), seed=seed,
                       data_seed=data_seed, loss=loss, optimizer=optimizer or OptimizerSpec(), init=init,
-                      checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()))
+                      checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()),
+                      clip_grad=clip_grad, loss_scale=loss_scale)
     if plan.config.spatial > 1:  # image tiles: codegen/spatial.py
         parts, programs = lower_spatial(plan, graph, bucket_bytes=bucket_bytes)
     else:

@@ -213,6 +213,7 @@ class RankState:
     optimizer: torch.optim.Optimizer | None = None
     barrier: Callable[[], None] = field(default=lambda: None)
     run_id: str = ""                # rank 0: the run id its manifests record (runtime/checkpoint_run.py)
+    loss_scale: dict | None = None  # the fp16 loss scaler's state (runtime/loss_scale.py), the same on every rank
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, st: RankState, *,
@@ -240,6 +241,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, st: RankState, *,
                     for s, m in st.modules.items()},
         "optimizer": st.optimizer.state_dict() if st.optimizer is not None else None,
         "optimizer_params": optimizer_param_names(st.modules, grads),
+        "loss_scale": st.loss_scale,
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }

@@ -24,6 +24,7 @@ from runtime.context import DistContext
 from runtime.data import DataSource, pick_input
 from runtime.faults import SAVE_FAULTS, inject
 from runtime.grads import GradSync
+from runtime.grad_step import GradientStep
 from runtime.program import Instr, Program
 from runtime.stage import StageRunner
 from runtime.running_stats import RunningStats
@@ -103,6 +104,7 @@ class Executor:
     ties: TieSync | None = None
     stats: RunningStats | None = None          # BatchNorm running statistics averaged over the grad axis
     on_step: Callable[[], None] | None = None  # called at STEP, before the optimizer (runtime/step_record.py)
+    guard: GradientStep | None = None          # unscale, norm, skip or clip at STEP (runtime/grad_step.py)
     position: tuple[int, int] = (-1, -1)       # (step, instruction index) now running, for the watchdog
     _attached: dict[int, list[int]] = field(default_factory=dict)
     _completions: list = field(default_factory=list)
@@ -135,6 +137,8 @@ class Executor:
         loss_buf = torch.zeros(1, dtype=torch.float64 if self.device.type == "cpu" else torch.float32,
                                device=self.device)
         rec = self.recorder
+        if self.guard is not None:
+            self.guard.begin(self.stages)
         for idx, ins in enumerate(self.program.instrs):
             self.position = (step, idx)
             if self.fail_at == (step, idx) and self.fault not in SAVE_FAULTS:  # those fire in the save
@@ -162,7 +166,11 @@ class Executor:
         self._flush_completions()
         for runner in self.stages.values():
             runner.losses.clear()
-        return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0)
+        if self.guard is None:
+            return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0)
+        out = self.guard.finish(step)
+        return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0, grad_norm=out.grad_norm,
+                          loss_scale=out.loss_scale, skipped=out.skipped)
 
     # ------------------------------------------------------------------
     def _record_async(self, step: int, idx: int, ins: Instr, h: Handle, start: float) -> None:
@@ -293,9 +301,13 @@ class Executor:
             handles[ins.handle] = h
             self._record_async(step, idx, ins, h, start)
         elif op == "STEP":
-            if self.on_step is not None:
-                self.on_step()
-            if self.optimizer is not None:
+            if self.guard is not None:
+                skip = self.guard.prepare(step, self.on_step)
+            else:
+                skip = False
+                if self.on_step is not None:
+                    self.on_step()
+            if self.optimizer is not None and not skip:
                 self.optimizer.step()
         elif op == "ALLREDUCE" and ins.kind == "stats":
             start = self.recorder.now()

@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from runtime.checkpoint import RankState, save_checkpoint
-from runtime.checkpoint_restore import Restore, apply_optimizer, apply_params, apply_rng, open_restore
+from runtime.checkpoint_restore import (Restore, apply_loss_scale, apply_optimizer, apply_params, apply_rng,
+                                        open_restore)
 from runtime.checkpoint_run import CheckpointClaim, claim_checkpoint_dir, run_to_continue
 from runtime.comm import CommError, PeerFailure, local_threads_hint
 from runtime.context import DistContext
@@ -43,6 +44,7 @@ from runtime.jobauth import signer_from_env
 from runtime.lifetime import HEARTBEAT_STORE_ENV, die_with_launcher
 from runtime.store_host import LOOPBACK, host_store, listen_address
 from runtime.grads import GradSync
+from runtime.grad_step import make_gradient_step, outcome_record, scaler_state
 from runtime.materialize import (build_model_for_stages, build_stage, meta_model, model_signature,
                                  separate_copies, set_tensor_group, signature_mismatch)
 from runtime.memtrack import measure_step_memory
@@ -159,7 +161,7 @@ def _save(session: RankSession, next_step: int) -> None:
     claim = session.checkpoint_claim
     st = RankState(p.rank, p.program, p.specs, p.modules, p.spec, p.signature, session.grads,
                    session.executor.optimizer, barrier=session.comm.barrier,
-                   run_id=claim.run_id if claim is not None else "")
+                   run_id=claim.run_id if claim is not None else "", loss_scale=scaler_state(session.executor.guard))
     save_checkpoint(p.args.checkpoint_dir, next_step, st, interrupt=kill)
 
 
@@ -211,6 +213,7 @@ class RankSession:
     watchdog: Watchdog | None = None
     recorder: StepRecorder | None = None
     checkpoint_claim: CheckpointClaim | None = None   # rank 0 with --checkpoint-dir: its lock and run id
+    results: list = dataclasses.field(default_factory=list)   # every step's StepResult, in order
 
     def close(self) -> None:
         if self.checkpoint_claim is not None:
@@ -309,12 +312,16 @@ def connect(p: Prepared) -> RankSession:
         comm.barrier()
         recorder = Recorder(p.rank, origin=shared_origin(_world_broadcast(comm, p.program.world_size, p.device)),
                             enabled=not p.args.no_trace)
+        guard = make_gradient_step(comm.group(range(p.program.world_size)), p.device, p.modules, p.specs, grads,
+                                   params, tcoord_of(p.program), p.spec, p.rank)
+        if p.restore is not None:
+            apply_loss_scale(p.restore, guard.scaler)
         ties = TieSync(p.program.ties, p.modules, ctx.groups, grads) if p.program.ties else None
         stats = RunningStats(p.specs, p.modules, ctx.group(p.program.grad_axis)) \
             if any(sp.running_stats for sp in p.specs.values()) else None
         sabotage(p.args.sabotage, grads, ties, p.modules)
         ex = Executor(p.program, ctx, runners, grads, optimizer, p.data, recorder, fail_at=p.fail_at,
-                      fault=p.args.fault, ties=ties, stats=stats)
+                      fault=p.args.fault, ties=ties, stats=stats, guard=guard)
         steps = StepRecorder(p.program, p.specs, p.modules, grads, params) if p.args.save_steps else None
         if steps is not None:
             ex.on_step = steps.before_step
@@ -505,6 +512,7 @@ def _train(session: RankSession) -> None:
                     for s, m in p.modules.items()}, run_dir / f"params_rank_{rank:04d}.pt")
     (run_dir / f"rank_{rank:04d}.json").write_text(json.dumps(
         {"rank": rank, "losses": losses, "seconds": seconds, "stages": sorted(p.specs), "first_step": first,
+         **outcome_record(session.results),
          **({"resumed_from": str(p.restore.ckpt)} if p.restore is not None else {}),
          **({"memory": {**dataclasses.asdict(memory), "step": memory_step}} if memory is not None else {}),
          **({"probe": {"all_reduce_bytes": PROBE_BYTES, "seconds": probe}} if probe is not None else {})}))
@@ -540,6 +548,7 @@ def _train_steps(session: RankSession, first: int, metrics) -> tuple[list[float]
             r = ex.run_step(step)
         if steps is not None:
             steps.end(r.loss)
+        session.results.append(r)
         losses.append(r.loss)
         seconds.append(r.seconds)
         if metrics is not None:

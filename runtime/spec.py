@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.loss_scale import LossScaleSpec
 from runtime.optim import OptimizerSpec
 from runtime.spatial import SpatialSpec
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, shard_dim
@@ -54,6 +55,8 @@ class TrainSpec:
         loss: "cross_entropy" or "mse"; optimizer: OptimizerSpec.
         init: "seed", "per-module" or "checkpoint" (see module docstring); checkpoint: its file.
         dtype: "fp32", or "bf16"/"fp16" for autocast mixed precision (fp32 master weights).
+        clip_grad: clip the global gradient norm to this (None: no clipping; runtime/grad_step.py).
+        loss_scale: fp16 dynamic loss scaling (runtime/loss_scale.py), or None.
         root: directory that relative refs and paths are resolved against.
     """
 
@@ -70,6 +73,8 @@ class TrainSpec:
     checkpoint: str | None = None
     dtype: str = "fp32"
     root: str = ""
+    clip_grad: float | None = None
+    loss_scale: LossScaleSpec | None = None
 
     def __post_init__(self) -> None:
         if self.init not in INITS:
@@ -80,6 +85,12 @@ class TrainSpec:
             raise SpecError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPES)}")
         if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
             raise SpecError(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
+        if self.clip_grad is not None and not (isinstance(self.clip_grad, (int, float)) and
+                                               0 < self.clip_grad < float("inf")):
+            raise SpecError(f"clip_grad must be a positive finite norm, got {self.clip_grad!r}")
+        if self.loss_scale is not None and self.dtype != "fp16":
+            raise SpecError(f"loss scaling is for dtype fp16 (float16's narrow range), this build is {self.dtype}; "
+                            "leave loss_scale out")
         from runtime.losses import check_loss
 
         check_loss(self.loss)
@@ -90,6 +101,7 @@ class TrainSpec:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["optimizer"] = self.optimizer.to_dict()
+        d["loss_scale"] = self.loss_scale.to_dict() if self.loss_scale is not None else None
         return d
 
     @classmethod
@@ -100,6 +112,8 @@ class TrainSpec:
             raise SpecError(f"unknown build field(s) {unknown}; known: {sorted(known)}")
         d = dict(d)
         d["optimizer"] = OptimizerSpec.from_dict(d.get("optimizer", {}))
+        if d.get("loss_scale") is not None:
+            d["loss_scale"] = LossScaleSpec.from_dict(d["loss_scale"])
         try:
             return cls(**d)
         except TypeError as e:
