@@ -61,11 +61,11 @@ class LossScaleSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "LossScaleSpec":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise LossScaleError(f"unknown loss_scale field(s) {unknown}; known: {sorted(known)}")
-        return cls(**d)
+        try:
+            return cls(**d)
+        except TypeError as e:   # a field this runtime does not know
+            raise LossScaleError(f"build.json loss_scale: {e}; known fields: "
+                                 f"{[f.name for f in dataclasses.fields(cls)]}") from None
 
     def grad_scaler(self) -> torch.amp.GradScaler:
         """PyTorch's own scaler with these settings (the single-process reference uses it)."""

@@ -284,3 +284,16 @@ def test_codegen_flags_turn_fp16_loss_scaling_on_by_default():
     for bad in (dict(init_scale=0.0), dict(growth_interval=0), dict(backoff_factor=1.0), dict(growth_factor=1.0)):
         with pytest.raises(LossScaleError):
             LossScaleSpec(**bad)
+
+
+def test_codegen_refuses_a_loss_scale_without_fp16_in_one_line(capsys, tmp_path):
+    from planner.cli import main
+
+    rc = main(["codegen", "examples/models/mlp.py:build", "--batch", "8", "--loss-scale-init", "1024",
+               "-o", str(tmp_path / "b")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "--loss-scale-init" in err and "fp16" in err
+    assert not (tmp_path / "b" / "build.json").exists()
+    with pytest.raises(SystemExit) as e:   # argparse: a clip norm must be a positive number
+        main(["codegen", "examples/models/mlp.py:build", "--batch", "8", "--clip-grad", "0"])
+    assert e.value.code == 2
