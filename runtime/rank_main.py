@@ -11,8 +11,9 @@ with it (status 1).
 Outputs (under --out, default the build directory):
   metrics.jsonl              one line per step from rank 0: step, loss, seconds (written as the steps
                              end; a resumed run appends to the history before its checkpoint)
-  run/rank_XXXX.json         this rank's loss and seconds per step (and, with --probe-comm, the
-                             time of a 1 MiB all-reduce over all ranks before the first step)
+  run/rank_XXXX.json         this rank's loss and seconds per step, the global gradient norm, loss scale
+                             and skip flag per step (runtime/grad_step.py), and, with --probe-comm, the
+                             time of a 1 MiB all-reduce over all ranks before the first step
   run/timeline_rank_XXXX.json  this rank's Timeline (the first TRACE_WINDOW_STEPS steps; all with --trace)
   run/params_rank_XXXX.pt    with --save-params: final parameters of its stages
 """
