@@ -70,7 +70,8 @@ def _loss_scaling(args: argparse.Namespace, dtype: str):
     checked before any capture."""
     from runtime.loss_scale import loss_scale_for
 
-    return loss_scale_for(dtype, args.loss_scale_init, args.loss_scale_growth_interval, enabled=not args.no_loss_scale)
+    return loss_scale_for(dtype, args.loss_scale_init, args.loss_scale_growth_interval,
+                          enabled=not args.no_loss_scale)
 
 
 def check_fixed_config(cfg, global_batch_size: int) -> None:

@@ -103,7 +103,8 @@ class Executor:
     fault: str = "raise"                       # what fail_at does (runtime/faults.py)
     ties: TieSync | None = None
     stats: RunningStats | None = None          # BatchNorm running statistics averaged over the grad axis
-    on_step: Callable[[], None] | None = None  # called at STEP, before the optimizer (runtime/step_record.py)
+    on_step: Callable[[], None] | None = None  # called at STEP after fp16 unscaling, before clipping and the
+                                               # optimizer (runtime/step_record.py)
     guard: GradientStep | None = None          # unscale, norm, skip or clip at STEP (runtime/grad_step.py)
     position: tuple[int, int] = (-1, -1)       # (step, instruction index) now running, for the watchdog
     _attached: dict[int, list[int]] = field(default_factory=dict)

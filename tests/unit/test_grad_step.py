@@ -1,7 +1,5 @@
 """Global gradient norm ownership, fp16 loss scaling and clipping at STEP, against PyTorch's own API."""
 
-import copy
-import itertools
 import math
 import random
 
@@ -75,7 +73,7 @@ def test_every_element_is_counted_exactly_once_whatever_the_overlaps():
         sizes = {k: rng.randint(1, 12) for k in "abc"}
         world = []
         for _r in range(rng.randint(1, 5)):
-            pieces, at = [], 0
+            pieces = []
             for i in range(rng.randint(0, 4)):
                 key = rng.choice("abc")
                 lo = rng.randint(0, sizes[key] - 1)
@@ -133,6 +131,16 @@ def test_norm_equals_clip_grad_norm_total_and_counts_only_owned_ranges():
     w = model[0].weight.grad.reshape(-1)
     part = _norm_of(model, [(0, 5, 9)]).compute()
     assert part == pytest.approx(float(w[5:9].double().norm()), rel=1e-12)
+
+
+def test_connect_exchanges_pieces_and_counts_a_tied_copy_once():
+    model = _model()
+    _backward(model)
+    params = list(model.parameters())
+    # the last tensor declared twice (two copies of one weight on this rank): counted once
+    pieces = [Piece(f"p{i}", 0, p.numel(), i, 0) for i, p in enumerate(params)] + [Piece("p0", 0, 32, 0, 0)]
+    got = GlobalGradNorm.connect(params, pieces, SoloGroup(0), "cpu").compute()
+    assert got == pytest.approx(float(torch.nn.utils.get_total_norm([p.grad for p in params])), rel=1e-6)
 
 
 def test_norm_of_a_gradient_holding_inf_is_not_finite():
