@@ -32,6 +32,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
         if plan.config.num_devices > MAX_CODEGEN_WORLD:
             raise ValueError(f"plan {args.plan} has {plan.config.num_devices} devices; meshplan codegen writes at "
                              f"most {MAX_CODEGEN_WORLD} rank scripts")
+        scaling = _loss_scaling(args, plan.config.dtype)
         graph = capture_ref(args.model, kwargs, batch_size=plan.config.micro_batch_size)
         if graph.fingerprint == plan.graph_fingerprint:  # else emit names the other model
             plan.check_layers([layer.name for layer in graph.layers])
@@ -46,6 +47,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
                                      spatial=args.spatial, spatial_split=args.spatial_split,
                                      spatial_until=args.spatial_until, spatial_batchnorm=args.spatial_batchnorm)
         check_fixed_config(cfg, args.batch)
+        scaling = _loss_scaling(args, cfg.dtype)
         if args.cluster in (None, "local"):
             cluster = planner.Cluster.preset("local", devices=cfg.num_devices)
         elif args.cluster in planner.Cluster.preset_names():
@@ -62,12 +64,21 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
                  dataset=dataset,
                  graph=graph, loss=args.loss, optimizer=opt, seed=args.seed, data_seed=args.data_seed,
                  init=args.init, checkpoint=args.checkpoint, bucket_bytes=int(args.bucket_mb * 2**20),
-                 evaluation=evaluation, schedule=schedule)
+                 evaluation=evaluation, schedule=schedule, clip_grad=args.clip_grad, loss_scale=scaling)
     print(plan.summary())
     print(f"\nwrote {build.path}/: plan.json, build.json, programs.json, {build.world_size} rank scripts, "
           "run_rank.py, launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh")
     print(f"run it here with:  meshplan run {shlex.quote(str(build.path))} --steps 10")
     return 0
+
+
+def _loss_scaling(args: argparse.Namespace, dtype: str):
+    """The build's LossScaleSpec (or None) from --loss-scale-init/--loss-scale-growth-interval/--no-loss-scale,
+    checked before any capture."""
+    from runtime.loss_scale import loss_scale_for
+
+    return loss_scale_for(dtype, args.loss_scale_init, args.loss_scale_growth_interval,
+                          enabled=not args.no_loss_scale)
 
 
 def check_fixed_config(cfg, global_batch_size: int) -> None:

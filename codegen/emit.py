@@ -43,6 +43,7 @@ from runtime.evaluation import EvalSpec, check_supported
 from runtime.lr_schedule import ScheduleSpec
 from runtime.optim import OptimizerSpec
 from runtime.program import Program
+from runtime.loss_scale import LossScaleSpec
 from runtime.spec import TrainSpec
 
 
@@ -75,7 +76,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, root: str | None = None,
          dataset: DatasetSpec | None = None,
          evaluation: EvalSpec | None = None,
-         schedule: ScheduleSpec | None = None) -> Build:
+         schedule: ScheduleSpec | None = None,
+         clip_grad: float | None = None, loss_scale: LossScaleSpec | None = None) -> Build:
     """Write the build directory for `plan` (see module docstring).
 
     Args:
@@ -83,7 +85,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
         data_ref: the batch factory fn(batch_size, seed, **data_kwargs) -> ((inputs...), targets);
             default: example_batch in the model's file (with the model's kwargs).
         graph: the captured graph the plan was made from (captured again from model_ref if None).
-        loss, optimizer, seed, data_seed, init, checkpoint, schedule: the training setup (runtime/spec.py).
+        loss, optimizer, seed, data_seed, init, checkpoint, schedule, clip_grad, loss_scale: the training setup
+            (runtime/spec.py; loss_scale: fp16 dynamic loss scaling, runtime/loss_scale.py, None: none).
         bucket_bytes: gradient bucket size for the data-parallel reduction.
         dataset: a torch Dataset by reference (runtime.datasets.DatasetSpec), read instead of a batch
             factory; give it without data_ref.
@@ -110,7 +113,7 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
                       data_seed=data_seed, loss=loss, optimizer=optimizer or OptimizerSpec(), init=init,
                       checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()),
                       eval=evaluation,
-                      schedule=schedule or ScheduleSpec())
+                      schedule=schedule or ScheduleSpec(), clip_grad=clip_grad, loss_scale=loss_scale)
     decay_of = train.optimizer.decays if train.optimizer.splits_decay else None   # buckets: one class each
     if evaluation is not None:
         check_supported(plan.config.mesh, plan.config.bidirectional)

@@ -307,9 +307,6 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
     cfg = plan.config
     p, d, v = cfg.pipeline, cfg.data, cfg.virtual_stages
     bidi = cfg.bidirectional
-    if cfg.dtype == "fp16":
-        raise LoweringError("dtype fp16 needs loss scaling, which the runtime does not implement; "
-                            "use bf16 (or fp32)")
     try:
         m = cfg.micro_batches(plan.global_batch_size)
     except ValueError as e:

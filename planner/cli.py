@@ -245,6 +245,15 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--checkpoint", help="state_dict file for --init checkpoint")
     p.add_argument("--bucket-mb", type=positive_number, default=25.0, help="gradient bucket size in MiB")
     _add_eval_flags(p, "")
+    p.add_argument("--clip-grad", type=positive_number, default=None, metavar="MAX_NORM",
+                   help="clip the global gradient norm (the whole model's, every plan alike) to MAX_NORM before "
+                        "each optimizer step, as torch.nn.utils.clip_grad_norm_ (default: no clipping)")
+    p.add_argument("--loss-scale-init", type=positive_number, default=None, metavar="SCALE",
+                   help="--dtype fp16: the first dynamic loss scale (default 65536, GradScaler's)")
+    p.add_argument("--loss-scale-growth-interval", type=count(1, 2 ** 31), default=None, metavar="STEPS",
+                   help="--dtype fp16: double the loss scale after this many steps without overflow (default 2000)")
+    p.add_argument("--no-loss-scale", action="store_true",
+                   help="--dtype fp16 without dynamic loss scaling (on by default for fp16)")
     p.add_argument("-o", "--output", default="build", help="build directory (default build)")
     p.set_defaults(func=_cmd_codegen)
 

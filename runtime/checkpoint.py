@@ -222,6 +222,7 @@ class RankState:
     barrier: Callable[[], None] = field(default=lambda: None)
     scheduler: object = None        # the optimizer's lr scheduler (runtime/lr_schedule.py) or None
     run_id: str = ""                # rank 0: the run id its manifests record (runtime/checkpoint_run.py)
+    loss_scale: dict | None = None  # the fp16 loss scaler's state (runtime/loss_scale.py), the same on every rank
 
 
 def _order(optimizer) -> list | None:
@@ -254,6 +255,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, st: RankState, *,
         "optimizer": st.optimizer.state_dict() if st.optimizer is not None else None,
         "optimizer_params": optimizer_param_names(st.modules, grads, _order(st.optimizer)),
         "schedule": scheduler_state(st.scheduler, st.optimizer) if st.scheduler is not None else None,
+        "loss_scale": st.loss_scale,
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }

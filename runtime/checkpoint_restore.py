@@ -44,6 +44,7 @@ class LogicalState:
     rng: dict[int, torch.Tensor] = field(default_factory=dict)          # old rank -> CPU RNG state
     aliases: dict[str, str] = field(default_factory=dict)               # other name of a tied weight -> canonical
     schedule: dict | None = None                                         # runtime.lr_schedule.scheduler_state
+    loss_scale: dict | None = None                                      # the loss scaler's state (any rank's)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers under every name the model has for them (a tied weight under
@@ -117,6 +118,8 @@ def assemble_files(files: list[dict], mesh, step: int = 0) -> LogicalState:
             out.rng[r] = f["rng"]
         if out.schedule is None and f.get("schedule") is not None:
             out.schedule = f["schedule"]
+        if f.get("loss_scale") is not None:
+            out.loss_scale = f["loss_scale"]
         local: dict[tuple[int, str], tuple[str, torch.Size]] = {}   # (stage, name) -> (canonical, local shape)
         for entry, shape in f.get("shapes", {}).items():
             s, _, name = entry.partition("/")
@@ -320,3 +323,13 @@ def apply_rng(r: Restore, rank: int) -> None:
             torch.cuda.set_rng_state(r.own["cuda_rng"])
     elif rank in r.logical.rng:
         torch.set_rng_state(r.logical.rng[rank])
+
+
+def apply_loss_scale(r: Restore, scaler) -> None:
+    """The fp16 loss scale and growth tracker at the save (every rank saved the same); a checkpoint
+    saved without loss scaling leaves `scaler` at its initial scale. No-op without a scaler."""
+    if scaler is None:
+        return
+    state = r.own.get("loss_scale") if r.own is not None else r.logical.loss_scale
+    if state is not None:
+        scaler.load_state_dict(state)

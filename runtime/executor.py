@@ -26,6 +26,7 @@ from runtime.evaluation import forward_only
 from runtime.faults import SAVE_FAULTS, inject
 from runtime.grads import GradSync
 from runtime.lr_schedule import current_lr
+from runtime.grad_step import GradientStep
 from runtime.program import Instr, Program
 from runtime.stage import StageRunner
 from runtime.running_stats import RunningStats
@@ -106,7 +107,9 @@ class Executor:
     fault: str = "raise"                       # what fail_at does (runtime/faults.py)
     ties: TieSync | None = None
     stats: RunningStats | None = None          # BatchNorm running statistics averaged over the grad axis
-    on_step: Callable[[], None] | None = None  # called at STEP, before the optimizer (runtime/step_record.py)
+    on_step: Callable[[], None] | None = None  # called at STEP after fp16 unscaling, before clipping and the
+                                               # optimizer (runtime/step_record.py)
+    guard: GradientStep | None = None          # unscale, norm, skip or clip at STEP (runtime/grad_step.py)
     scheduler: object = None                   # torch.optim.lr_scheduler.LRScheduler, with `optimizer`
     position: tuple[int, int] = (-1, -1)       # (step, instruction index) now running, for the watchdog
     eval_data: DataSource | None = None        # held-out batches (runtime/evaluation.py; None: no stage reads data)
@@ -189,13 +192,19 @@ class Executor:
         micro = self.data.micro_batches(step) if self.data is not None else None
         self._lr = None
         loss_buf = self._loss_buffer(1)
+        if self.guard is not None:
+            self.guard.begin(self.stages)
         self._walk(range(len(self.program.instrs)), step, micro, loss_buf)
         if self.grads is not None:
             self.grads.finish()
         self._flush_completions()
         for runner in self.stages.values():
             runner.losses.clear()
-        return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0, lr=self._lr)
+        if self.guard is None:
+            return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0, lr=self._lr)
+        out = self.guard.finish(step)
+        return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0, lr=self._lr,
+                          grad_norm=out.grad_norm, loss_scale=out.loss_scale, skipped=out.skipped)
 
     # ------------------------------------------------------------------
     def _record_async(self, step: int, idx: int, ins: Instr, h: Handle, start: float) -> None:
@@ -330,11 +339,17 @@ class Executor:
             handles[ins.handle] = h
             self._record_async(step, idx, ins, h, start)
         elif op == "STEP":
-            if self.on_step is not None:
-                self.on_step()
+            if self.guard is not None:   # unscale, record (--verify), norm; skip on overflow or clip
+                skip = self.guard.prepare(step, self.on_step)
+            else:
+                skip = False
+                if self.on_step is not None:
+                    self.on_step()
             if self.optimizer is not None:
-                self._lr = current_lr(self.optimizer)   # the lr this step uses
-                self.optimizer.step()
+                self._lr = current_lr(self.optimizer)   # the lr this step uses (a skipped step's too)
+                if not skip:
+                    self.optimizer.step()
+                # the schedule follows the step count, skipped steps included (PyTorch's AMP recipe)
                 if self.scheduler is not None:
                     self.scheduler.step()
         elif op == "ALLREDUCE" and ins.kind == "stats":

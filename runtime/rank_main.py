@@ -11,10 +11,11 @@ with it (status 1).
 Outputs (under --out, default the build directory):
   metrics.jsonl              one line per step from rank 0: step, loss, seconds (written as the steps
                              end; a resumed run appends to the history before its checkpoint)
-  run/rank_XXXX.json         this rank's loss and seconds per step, its resolved optimizer implementation
-                             ("optimizer_impl", runtime/optim.py; null without an optimizer), with
-                             --probe-comm the time of a 1 MiB all-reduce over all ranks before the first step,
-                             and with evaluation its setting "eval" and results "evals" (runtime/evaluation.py)
+  run/rank_XXXX.json         this rank's loss and seconds per step, the global gradient norm, loss scale
+                             and skip flag per step (runtime/grad_step.py), its resolved optimizer
+                             implementation ("optimizer_impl", runtime/optim.py; null without an optimizer),
+                             with --probe-comm the time of a 1 MiB all-reduce over all ranks before the first
+                             step, and with evaluation its setting "eval" and results "evals" (runtime/evaluation.py)
   run/timeline_rank_XXXX.json  this rank's Timeline (the first TRACE_WINDOW_STEPS steps; all with --trace)
   run/params_rank_XXXX.pt    with --save-params: final parameters of its stages
 """
@@ -34,7 +35,8 @@ from pathlib import Path
 import torch
 
 from runtime.checkpoint import RankState, save_checkpoint
-from runtime.checkpoint_restore import Restore, apply_optimizer, apply_params, apply_rng, apply_schedule, open_restore
+from runtime.checkpoint_restore import (Restore, apply_loss_scale, apply_optimizer, apply_params, apply_rng,
+                                        apply_schedule, open_restore)
 from runtime.checkpoint_run import CheckpointClaim, claim_checkpoint_dir, run_to_continue
 from runtime.comm import CommError, PeerFailure, local_threads_hint
 from runtime.context import DistContext
@@ -46,6 +48,7 @@ from runtime.jobauth import signer_from_env
 from runtime.lifetime import HEARTBEAT_STORE_ENV, die_with_launcher
 from runtime.store_host import LOOPBACK, host_store, listen_address
 from runtime.grads import GradSync
+from runtime.grad_step import make_gradient_step, outcome_record, scaler_state
 from runtime.materialize import (build_model_for_stages, build_stage, meta_model, model_signature,
                                  separate_copies, set_tensor_group, signature_mismatch)
 from runtime.memtrack import measure_step_memory
@@ -167,7 +170,7 @@ def _save(session: RankSession, next_step: int) -> None:
     claim = session.checkpoint_claim
     st = RankState(p.rank, p.program, p.specs, p.modules, p.spec, p.signature, session.grads,
                    session.executor.optimizer, barrier=session.comm.barrier, scheduler=session.executor.scheduler,
-                   run_id=claim.run_id if claim is not None else "")
+                   run_id=claim.run_id if claim is not None else "", loss_scale=scaler_state(session.executor.guard))
     save_checkpoint(p.args.checkpoint_dir, next_step, st, interrupt=kill)
 
 
@@ -221,6 +224,7 @@ class RankSession:
     watchdog: Watchdog | None = None
     recorder: StepRecorder | None = None
     checkpoint_claim: CheckpointClaim | None = None   # rank 0 with --checkpoint-dir: its lock and run id
+    results: list = dataclasses.field(default_factory=list)   # every step's StepResult, in order
 
     def close(self) -> None:
         if self.checkpoint_claim is not None:
@@ -329,13 +333,17 @@ def connect(p: Prepared) -> RankSession:
         comm.barrier()
         recorder = Recorder(p.rank, origin=shared_origin(_world_broadcast(comm, p.program.world_size, p.device)),
                             enabled=not p.args.no_trace)
+        guard = make_gradient_step(comm.group(range(p.program.world_size)), p.device, p.modules, p.specs, grads,
+                                   params, tcoord_of(p.program), p.spec, p.rank)
+        if p.restore is not None:
+            apply_loss_scale(p.restore, guard.scaler)
         ties = TieSync(p.program.ties, p.modules, ctx.groups, grads) if p.program.ties else None
         stats = RunningStats(p.specs, p.modules, ctx.group(p.program.grad_axis)) \
             if any(sp.running_stats for sp in p.specs.values()) else None
         sabotage(p.args.sabotage, grads, ties, p.modules)
         ex = Executor(p.program, ctx, runners, grads, optimizer, p.data, recorder, fail_at=p.fail_at,
                       fault=p.args.fault, ties=ties, stats=stats, eval_data=p.eval_data,
-                      scheduler=scheduler)
+                      scheduler=scheduler, guard=guard)
         steps = StepRecorder(p.program, p.specs, p.modules, grads, params) if p.args.save_steps else None
         if steps is not None:
             ex.on_step = steps.before_step
@@ -528,6 +536,7 @@ def _train(session: RankSession) -> None:
     (run_dir / f"rank_{rank:04d}.json").write_text(json.dumps(
         {"rank": rank, "losses": losses, "seconds": seconds, "stages": sorted(p.specs), "first_step": first,
          "optimizer_impl": p.spec.optimizer.resolve_impl(p.device).value if ex.optimizer is not None else None,
+         **outcome_record(session.results),
          **({"resumed_from": str(p.restore.ckpt)} if p.restore is not None else {}),
          **({"eval": p.evaluation.to_dict(), "evals": [e.to_dict() for e in evals]} if p.evaluation else {}),
          **({"memory": {**dataclasses.asdict(memory), "step": memory_step}} if memory is not None else {}),
@@ -572,6 +581,7 @@ def _train_steps(session: RankSession, first: int, metrics,
             r.evaluation = ev.metrics()
             if p.rank == 0:
                 print(f"meshplan rank 0: {ev.line()}", flush=True)
+        session.results.append(r)
         losses.append(r.loss)
         seconds.append(r.seconds)
         if metrics is not None:

@@ -48,6 +48,9 @@ class ReferenceRun:
     params: dict[str, torch.Tensor]  # final parameters by name
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)   # final buffers by name
     evals: list[EvalResult] = field(default_factory=list)            # held-out evaluations, by step
+    grad_norms: list[float] = field(default_factory=list)    # per step, clip_grad_norm_'s total (unscaled)
+    loss_scales: list[float | None] = field(default_factory=list)   # per step, the scale its backward used
+    skipped: list[bool] = field(default_factory=list)        # per step, GradScaler skipped the optimizer step
 
 
 @contextlib.contextmanager
@@ -66,11 +69,13 @@ def autocast_for(spec: TrainSpec):
         torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype])
 
 
-def reference_step(model: nn.Module, spec: TrainSpec, chunks: list, stats_groups: list[int] | None = None) -> float:
+def reference_step(model: nn.Module, spec: TrainSpec, chunks: list, stats_groups: list[int] | None = None,
+                   scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
     """Forward and backward of one global batch (gradients accumulate into .grad); the mean loss.
 
     stats_groups[c]: which rank runs chunk c (None: one rank); BatchNorm statistics are
     updated per group from the step's starting values, then averaged over the groups.
+    scale: what each chunk's loss goes through before backward (GradScaler.scale), or None.
     """
     mods = batchnorm_modules(model)
     groups = stats_groups or [0] * len(chunks)
@@ -86,7 +91,8 @@ def reference_step(model: nn.Module, spec: TrainSpec, chunks: list, stats_groups
             load_statistics(mods, state[groups[c]])
         with cast:
             loss = compute_loss(spec.loss, call_model(model, inputs), targets)
-        (loss / len(chunks)).backward()
+        part = loss / len(chunks)
+        (scale(part) if scale is not None else part).backward()
         total += float(loss.detach()) / len(chunks)
         if mods:
             state[groups[c]] = statistics(mods)
@@ -156,17 +162,22 @@ def reference_run(spec: TrainSpec, steps: int, micro_batch_size: int | None = No
         scheduler = spec.schedule.build(opt)
         data = reference_data(spec, micro_batch_size)
         held_out = reference_data(spec, micro_batch_size, Split.EVAL) if evaluation is not None else None
-        losses, evals = [], []
+        scaler = spec.loss_scale.grad_scaler() if spec.loss_scale is not None else None
+        losses, evals, norms, scales, skipped = [], [], [], [], []
         for step in range(steps):
             for p in params:
                 p.grad = None
-            losses.append(reference_step(model, spec, data.micro_batches(step), stats_groups))
-            opt.step()
+            scales.append(scaler.get_scale() if scaler is not None else None)
+            losses.append(reference_step(model, spec, data.micro_batches(step), stats_groups,
+                                         scaler.scale if scaler is not None else None))
+            norm, skip = _optimizer_step(opt, params, spec.clip_grad, scaler)
+            norms.append(norm)
+            skipped.append(skip)
             scheduler.step()
             if evaluation is not None and evaluation.due(step):
                 evals.append(evaluate_model(model, spec, held_out, evaluation.batches, step))
     return ReferenceRun(losses, {k: v.detach().clone() for k, v in model.named_parameters()},
-                        {k: v.detach().clone() for k, v in model.named_buffers()}, evals)
+                        {k: v.detach().clone() for k, v in model.named_buffers()}, evals, norms, scales, skipped)
 
 
 def like_the_ranks(spec: TrainSpec, run_dir: str | os.PathLike) -> TrainSpec:
@@ -178,6 +189,24 @@ def like_the_ranks(spec: TrainSpec, run_dir: str | os.PathLike) -> TrainSpec:
         if impl:
             return spec.replace(optimizer=spec.optimizer.with_impl(impl))
     return spec
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, params: list[nn.Parameter], clip: float | None,
+                    scaler: torch.amp.GradScaler | None) -> tuple[float, bool]:
+    """PyTorch's own loop: unscale_, clip_grad_norm_ (or only the norm), step, update.
+    (The total norm before clipping, whether the scaler skipped the step.)"""
+    if scaler is not None:
+        scaler.unscale_(opt)
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = float(torch.nn.utils.clip_grad_norm_(params, clip) if clip is not None
+                 else torch.nn.utils.get_total_norm(grads))
+    if scaler is None:
+        opt.step()
+        return norm, False
+    before = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    return norm, scaler.get_scale() < before   # GradScaler backs off exactly when it skipped
 
 
 def local_slice(full: torch.Tensor, split: tuple[int, FeatureSplit] | None, rank: int, num: int) -> torch.Tensor:

@@ -32,6 +32,7 @@ from typing import Any
 from runtime.datasets import DatasetSpec
 from runtime.evaluation import EvalSpec
 from runtime.lr_schedule import ScheduleSpec
+from runtime.loss_scale import LossScaleSpec
 from runtime.optim import OptimizerSpec
 from runtime.spatial import SpatialSpec
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, shard_dim
@@ -59,6 +60,8 @@ class TrainSpec:
         loss: "cross_entropy" or "mse"; optimizer: OptimizerSpec; schedule: its lr schedule (ScheduleSpec).
         init: "seed", "per-module" or "checkpoint" (see module docstring); checkpoint: its file.
         dtype: "fp32", or "bf16"/"fp16" for autocast mixed precision (fp32 master weights).
+        clip_grad: clip the global gradient norm to this (None: no clipping; runtime/grad_step.py).
+        loss_scale: fp16 dynamic loss scaling (runtime/loss_scale.py), or None.
         root: directory that relative refs and paths are resolved against.
         eval: held-out evaluation during training (runtime/evaluation.py), or None.
     """
@@ -79,6 +82,8 @@ class TrainSpec:
     dataset: DatasetSpec | None = None
     eval: EvalSpec | None = None
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    clip_grad: float | None = None
+    loss_scale: LossScaleSpec | None = None
 
     def __post_init__(self) -> None:
         self.schedule.check_lr(self.optimizer.lr)
@@ -90,6 +95,12 @@ class TrainSpec:
             raise SpecError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPES)}")
         if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
             raise SpecError(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
+        if self.clip_grad is not None and not (isinstance(self.clip_grad, (int, float)) and
+                                               0 < self.clip_grad < float("inf")):
+            raise SpecError(f"clip_grad must be a positive finite norm, got {self.clip_grad!r}")
+        if self.loss_scale is not None and self.dtype != "fp16":
+            raise SpecError(f"loss scaling is for dtype fp16 (float16's narrow range), this build is {self.dtype}; "
+                            "leave loss_scale out")
         from runtime.losses import check_loss
 
         check_loss(self.loss)
@@ -103,6 +114,7 @@ class TrainSpec:
         d["dataset"] = self.dataset.to_dict() if self.dataset is not None else None
         d["eval"] = self.eval.to_dict() if self.eval is not None else None
         d["schedule"] = self.schedule.to_dict()
+        d["loss_scale"] = self.loss_scale.to_dict() if self.loss_scale is not None else None
         return d
 
     @classmethod
@@ -116,6 +128,8 @@ class TrainSpec:
         d["dataset"] = DatasetSpec.from_dict(d["dataset"]) if d.get("dataset") is not None else None
         d["eval"] = EvalSpec.from_dict(d["eval"]) if d.get("eval") is not None else None
         d["schedule"] = ScheduleSpec.from_dict(d.get("schedule", {}))
+        if d.get("loss_scale") is not None:
+            d["loss_scale"] = LossScaleSpec.from_dict(d["loss_scale"])
         try:
             return cls(**d)
         except TypeError as e:

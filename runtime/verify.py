@@ -57,6 +57,7 @@ from runtime.reference import like_the_ranks, local_slice, rank_threads, referen
 from runtime.spatial_model import data_shard
 from runtime.spec import StageSpec, TrainSpec
 from runtime.step_record import load_records, step_files
+from runtime.verify_grad_step import check_norm, check_skip, check_trajectory_outcomes, read_outcomes
 
 # per dtype: loss (relative), gradient (relative / absolute per rms), statistics (relative), trajectory floor,
 # and for Adam-family optimizers the trajectory's parameter difference in Adam's own units ("adam_steps":
@@ -100,6 +101,9 @@ class Comparison:
     evals_compared: int = 0        # held-out evaluations compared with the reference's (runtime/evaluation.py)
     max_eval_rel: float = 0.0      # their largest difference / its allowance
     non_finite: bool = False       # a NaN or infinity was found (the figures above mean nothing then)
+    norms_compared: int = 0        # steps whose global gradient norm was checked (runtime/verify_grad_step.py)
+    max_norm_rel: float = 0.0      # ... the largest relative distance from the exact norm
+    skips_compared: int = 0        # steps whose skip (fp16 overflow) was checked against the reference
     incomplete: bool = False       # some rank left no results
 
     def fail(self, problem: str) -> None:
@@ -130,6 +134,10 @@ class Comparison:
                  f"{self.max_grad_rel:.2g} of its tolerance: {self.worst_grad or '-'}), "
                  + (f"BatchNorm statistics within {self.max_stats_rel:.2g}" if self.stats_compared
                     else "no BatchNorm statistics")
+                 + (f", global gradient norms within {self.max_norm_rel:.2g} of exact ({self.norms_compared} steps)"
+                    if self.norms_compared else "")
+                 + (f", fp16 overflow skips as the reference's ({self.skips_compared} steps)"
+                    if self.skips_compared else "")
                  + f"; trajectory: loss |diff| {self.max_loss_diff:.3g} "
                  f"(a rounding-level twin of the reference strays {self.twin_loss_diff:.3g}), {self.params_compared} "
                  f"parameters within {self.max_param_rel:.2g} of their tolerance (worst {self.worst_param or '-'})"
@@ -263,9 +271,10 @@ def _bidirectional(build: Path) -> bool:
 
 
 def _evaluate(model: nn.Module, spec: TrainSpec, state, start, chunks: list, groups: list[int],
-              perturb_seed: int | None = None) -> tuple[float, dict, dict]:
+              perturb_seed: int | None = None, scale: float | None = None) -> tuple[float, dict, dict]:
     """(loss, gradients, buffers after) of one step of `model` from the run's parameters (`state`)
-    and statistics (`start`), moved one ulp when `perturb_seed` is given."""
+    and statistics (`start`), moved one ulp when `perturb_seed` is given; with `scale` (fp16 loss
+    scaling) each loss is multiplied by it before backward and the gradients divided after."""
     named, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     with torch.no_grad():
         for name, st in state.optimizer.items():
@@ -278,8 +287,9 @@ def _evaluate(model: nn.Module, spec: TrainSpec, state, start, chunks: list, gro
         nudge(model, perturb_seed, spec.dtype)
     for p in named.values():
         p.grad = None
-    loss = reference_step(model, spec, chunks, groups)
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double() for n, p in named.items()}
+    loss = reference_step(model, spec, chunks, groups, (lambda t: t * scale) if scale is not None else None)
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().double() / (scale or 1.0)
+             for n, p in named.items()}
     return loss, grads, {n: b.detach().double() for n, b in buffers.items() if b.is_floating_point()}
 
 
@@ -304,7 +314,8 @@ def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[i
         cmp.fail(f"{e}; run with --verify (it records the steps)")
         return sensitive
     mesh = programs[0].mesh
-    exact_spec = spec.replace(dtype="fp32")
+    exact_spec = spec.replace(dtype="fp32", loss_scale=None)
+    outcomes = read_outcomes(build / "run")
     with rank_threads():
         model = build_model(spec)
         model.train()
@@ -322,7 +333,8 @@ def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[i
             chunks = data.micro_batches(step)
             loss64, g64, b64 = _evaluate(exact, exact_spec, state, start,
                                          [(map_inputs(i, _double), t) for i, t in chunks], groups)
-            samples = [_evaluate(model, spec, state, start, chunks, groups, seed)
+            loss_scale = outcomes.scale(k)
+            samples = [_evaluate(model, spec, state, start, chunks, groups, seed, loss_scale)
                        for seed in [None, *range(1, ROUNDING_SAMPLES)]]
             if k >= len(losses.get(0, [])):
                 cmp.fail(f"step {step}: rank 0 reported no loss for it")
@@ -342,6 +354,11 @@ def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[i
             if not rel <= allow:
                 cmp.fail(f"step {step}: loss {got:.7g}; computed exactly from the same parameters {loss64:.7g} "
                          f"(relative difference {rel:.2g}, allowed {allow:.2g})")
+            if loss_scale is not None:   # fp16: the same scale overflows in the reference, or neither does
+                overflowed = any(non_finite(g) for g in samples[0][1].values())
+                check_skip(cmp, step, outcomes.was_skipped(k), overflowed, loss_scale)
+                if overflowed or outcomes.was_skipped(k):
+                    continue   # a skipped step's gradients hold inf: nothing else to compare
             rms = math.sqrt(sum(_norm(g) ** 2 for g in g64.values()) / max(1, sum(g.numel() for g in g64.values())))
             names = [n for n in state.optimizer if n in g64]
             for name in state.optimizer:
@@ -376,6 +393,9 @@ def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[i
                              f"parameters (norm {_norm(want):.3g}; rounding moves this step's gradients "
                              f"{step_noise:.2g} (relative); allowed {allow:.3g})")
             cmp.grad_noise = max(cmp.grad_noise, step_noise)
+            if k < len(outcomes.grad_norms):
+                recorded = math.sqrt(sum(_norm(state.optimizer[n]["grad"]) ** 2 for n in names))
+                check_norm(cmp, step, outcomes.norm(k), recorded, total, tol["grad_rtol"] + MARGIN * step_noise)
             cmp.max_grad_err = max(cmp.max_grad_err, math.sqrt(sum(e ** 2 for e in errs.values())) / total)
             for name, b in state.buffers.items():
                 if name not in b64 or not b.is_floating_point():
@@ -437,6 +457,7 @@ def _check_trajectory(cmp: Comparison, build: Path, spec: TrainSpec, programs: d
                          f"{allow:.3g}: {MARGIN:g} x the rounding-level twin's {envelope:.3g}, at least "
                          f"{tol['floor']:.0e} relative)")
     cmp.twin_loss_diff = envelope
+    check_trajectory_outcomes(cmp, read_outcomes(build / "run"), ref, twin, first_step, steps, tol["floor"], MARGIN)
     tsize = programs[0].mesh_dict.get("tensor", 1)
     for r, prog in programs.items():
         f = build / "run" / f"params_rank_{r:04d}.pt"

@@ -1,0 +1,150 @@
+"""What happens to the gradients between the last gradient collective and optimizer.step().
+
+At the Program's STEP instruction, on every rank, in this order (clip_grad_norm_ and
+torch.amp.GradScaler's order in a single-process loop):
+
+  1. unscale: with fp16 loss scaling, multiply the gradients the optimizer steps by 1/scale;
+  2. record: the --verify hook (runtime/step_record.py) copies the unscaled, unclipped gradients;
+  3. norm: the global gradient norm (runtime/grad_norm.py; one all-reduce over every rank);
+  4. a non-finite norm (an overflow somewhere) skips the optimizer step on every rank when the
+     loss is scaled, and stops the run with an error naming the step when it is not but the
+     gradients are to be clipped (clipping by an infinite norm would zero or poison them);
+  5. clip: multiply by min(1, max_norm / (norm + 1e-6)) (clip_grad_norm_'s coefficient).
+
+After the step the scale is updated (runtime/loss_scale.py). The step's backward used the
+scale: `begin` folds it into each StageRunner's loss factor before the first micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from runtime.grad_norm import GlobalGradNorm
+from runtime.loss_scale import LossScaler
+
+CLIP_EPS = 1e-6   # torch.nn.utils.clip_grad_norm_'s
+
+
+class NonFiniteGradientError(RuntimeError):
+    """The global gradient norm is inf or NaN and nothing may skip the step."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """grad_norm: the global norm of the unscaled, unclipped gradient (None on a skipped step);
+    loss_scale: the scale this step's backward used (None without loss scaling); skipped: no
+    optimizer step was taken on any rank."""
+
+    grad_norm: float | None
+    loss_scale: float | None
+    skipped: bool
+
+
+class GradientStep:
+    """One rank's part of the STEP sequence (module docstring).
+
+    Args:
+        norm: the GlobalGradNorm over the optimizer's tensors.
+        params: the tensors the optimizer steps (their .grad is changed in place).
+        clip: clip the global norm to this (None: no clipping).
+        scaler: the LossScaler (None: the loss is not scaled).
+        rank: this rank (rank 0 logs skipped steps).
+        log: where rank 0's one-line notes go.
+    """
+
+    def __init__(self, norm: GlobalGradNorm, params: list[torch.Tensor], *, clip: float | None = None,
+                 scaler: LossScaler | None = None, rank: int = 0, log: Callable[[str], None] = print):
+        if scaler is not None:
+            low = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
+            if low:
+                raise ValueError(f"loss scaling needs float32 master weights, but the optimizer steps {low} "
+                                 "tensors; build the model in float32 (autocast computes in fp16)")
+        self._norm = norm
+        self._params = params
+        self._clip = clip
+        self._scaler = scaler
+        self._rank = rank
+        self._log = log
+        self._bases: dict[int, float] = {}
+        self._outcome: StepOutcome | None = None
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        return self._scaler
+
+    def begin(self, runners: dict) -> None:
+        """Before the step's first backward: each runner's loss factor times the current scale."""
+        if self._scaler is None:
+            return
+        for s, r in runners.items():
+            base = self._bases.setdefault(s, r.loss_scale)
+            r.loss_scale = base * self._scaler.scale
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._params if p.grad is not None]
+
+    def prepare(self, step: int, record: Callable[[], None] | None = None) -> bool:
+        """Steps 1 to 5 of the module docstring; True when the optimizer step is to be skipped."""
+        grads = self.grads()
+        scale = self._scaler.scale if self._scaler is not None else None
+        if self._scaler is not None:
+            self._scaler.unscale_(grads)
+        if record is not None:
+            record()
+        norm = self._norm.compute()
+        if not math.isfinite(norm):
+            if self._scaler is not None:
+                self._outcome = StepOutcome(None, scale, True)
+                return True
+            if self._clip is not None:
+                raise NonFiniteGradientError(
+                    f"the global gradient norm is {norm} at step {step}: a gradient holds inf or NaN, which "
+                    "--clip-grad cannot scale; lower --lr, check the data, or train fp16 with loss scaling")
+        elif self._clip is not None:
+            coef = torch.clamp(self._clip / (torch.tensor(norm, dtype=torch.float32) + CLIP_EPS), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.device))
+        self._outcome = StepOutcome(norm, scale, False)
+        return False
+
+    def finish(self, step: int) -> StepOutcome:
+        """After the step: update the scale (and say so on rank 0 after a skip); the step's outcome."""
+        out = self._outcome if self._outcome is not None else StepOutcome(None, None, False)
+        self._outcome = None
+        if self._scaler is not None and out.loss_scale is not None:
+            self._scaler.update(out.skipped)
+            if out.skipped and self._rank == 0:
+                self._log(f"meshplan rank 0: step {step}: the gradients overflowed (inf/NaN) at loss scale "
+                          f"{out.loss_scale:g}; the step is skipped on every rank, loss scale now "
+                          f"{self._scaler.scale:g}")
+        return out
+
+
+def make_gradient_step(world_group, device, modules: dict, specs: dict, grads, params: list[torch.Tensor],
+                       tensor_rank: int, train, rank: int) -> GradientStep:
+    """This rank's GradientStep for the build's `train` (TrainSpec): clip_grad and loss_scale.
+
+    A collective over `world_group` (every rank): the ranks exchange what they hold (runtime/grad_norm.py)."""
+    from runtime.grad_norm import pieces_of
+
+    norm = GlobalGradNorm.connect(params, pieces_of(modules, specs, grads, tensor_rank), world_group, device)
+    scaler = LossScaler(train.loss_scale) if train.loss_scale is not None else None
+    return GradientStep(norm, params, clip=train.clip_grad, scaler=scaler, rank=rank,
+                        log=lambda line: print(line, flush=True))
+
+
+def scaler_state(guard: GradientStep | None) -> dict | None:
+    """The loss scaler's state for a checkpoint (None without loss scaling)."""
+    return guard.scaler.state_dict() if guard is not None and guard.scaler is not None else None
+
+
+def outcome_record(results: list) -> dict:
+    """Per step grad norm, loss scale and skip flag of a rank's StepResults, for run/rank_XXXX.json
+    (JSON: a skipped step's norm is null)."""
+    return {"grad_norms": [r.grad_norm if r.grad_norm is not None and math.isfinite(r.grad_norm) else None
+                           for r in results], "loss_scales": [r.loss_scale for r in results],
+            "skipped": [bool(r.skipped) for r in results]}
