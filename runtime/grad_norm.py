@@ -51,8 +51,9 @@ def key_hash(key: str) -> int:
 
 
 def pieces_of(modules: dict, specs: dict, grads, tensor_rank: int) -> list[Piece]:
-    """What each optimizer tensor of this rank holds, in optimizer order (GradSync.optimizer_params,
-    or rank_main's list of whole parameters)."""
+    """What each optimizer tensor of this rank holds, in GradSync.optimizer_params's order (or rank_main's
+    list of whole parameters), not the optimizer's own (weight-decay groups reorder it): the params
+    given to GlobalGradNorm.connect must be in this order."""
 
     def key(stage: int, name: str, p: torch.Tensor) -> str:
         sp = specs[stage]

@@ -323,6 +323,7 @@ def connect(p: Prepared) -> RankSession:
             params = [q for s in sorted(p.modules) for q in p.modules[s].parameters() if q.requires_grad]
         optimizer = rank_optimizer(p.spec.optimizer, params, grads, p.device) if params else None
         scheduler = p.spec.schedule.build(optimizer) if optimizer is not None else None
+        held = params   # GradSync's order, which runtime/grad_norm.pieces_of lists
         if optimizer is not None:
             params = optimizer_order(optimizer)   # weight-decay groups: the order of its state_dict
         if p.restore is not None:
@@ -334,7 +335,7 @@ def connect(p: Prepared) -> RankSession:
         recorder = Recorder(p.rank, origin=shared_origin(_world_broadcast(comm, p.program.world_size, p.device)),
                             enabled=not p.args.no_trace)
         guard = make_gradient_step(comm.group(range(p.program.world_size)), p.device, p.modules, p.specs, grads,
-                                   params, tcoord_of(p.program), p.spec, p.rank)
+                                   held, tcoord_of(p.program), p.spec, p.rank)
         if p.restore is not None:
             apply_loss_scale(p.restore, guard.scaler)
         ties = TieSync(p.program.ties, p.modules, ctx.groups, grads) if p.program.ties else None
