@@ -33,6 +33,7 @@ from pathlib import Path
 
 from codegen.lower import DEFAULT_BUCKET_BYTES, lower
 from codegen.spatial import lower_spatial
+from codegen.throughput import step_work
 from codegen.partition import Partition, partition, stage_imports
 from codegen.pysrc import comment_text, doc_text, py_literal
 from planner.capture import capture_ref
@@ -100,7 +101,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
     train = TrainSpec(model_ref=model_ref, data_ref=data_ref, global_batch_size=plan.global_batch_size,
                       model_kwargs=model_kwargs, data_kwargs=dict(data_kwargs or {}), seed=seed,
                       data_seed=data_seed, loss=loss, optimizer=optimizer or OptimizerSpec(), init=init,
-                      checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()))
+                      checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()),
+                      work=step_work(plan, graph))
     if plan.config.spatial > 1:  # image tiles: codegen/spatial.py
         parts, programs = lower_spatial(plan, graph, bucket_bytes=bucket_bytes)
     else:

@@ -31,6 +31,7 @@ from typing import Any
 
 from runtime.optim import OptimizerSpec
 from runtime.spatial import SpatialSpec
+from runtime.step_work import StepWork
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, shard_dim
 
 INITS = ("seed", "per-module", "checkpoint")
@@ -55,6 +56,8 @@ class TrainSpec:
         init: "seed", "per-module" or "checkpoint" (see module docstring); checkpoint: its file.
         dtype: "fp32", or "bf16"/"fp16" for autocast mixed precision (fp32 master weights).
         root: directory that relative refs and paths are resolved against.
+        work: FLOPs, peak FLOP/s and tokens of one step, for metrics.jsonl's rates (runtime/step_work.py);
+            None in builds made without it (their lines have null tokens_per_s and mfu).
     """
 
     model_ref: str
@@ -70,6 +73,7 @@ class TrainSpec:
     checkpoint: str | None = None
     dtype: str = "fp32"
     root: str = ""
+    work: StepWork | None = None
 
     def __post_init__(self) -> None:
         if self.init not in INITS:
@@ -90,6 +94,7 @@ class TrainSpec:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["optimizer"] = self.optimizer.to_dict()
+        d["work"] = self.work.to_dict() if self.work is not None else None
         return d
 
     @classmethod
@@ -100,6 +105,10 @@ class TrainSpec:
             raise SpecError(f"unknown build field(s) {unknown}; known: {sorted(known)}")
         d = dict(d)
         d["optimizer"] = OptimizerSpec.from_dict(d.get("optimizer", {}))
+        try:
+            d["work"] = StepWork.from_dict(d["work"]) if d.get("work") else None
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecError(f"build field 'work' ({d['work']!r}): {e!r}; make the build again") from None
         try:
             return cls(**d)
         except TypeError as e:
