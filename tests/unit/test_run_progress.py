@@ -172,3 +172,17 @@ def test_a_cluster_without_a_peak_for_the_dtype_leaves_mfu_out():
     plan = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, device=device))
     work = step_work(plan, graph)
     assert work.peak_flops is None and work.flops > 0
+
+
+def test_meshplan_run_refuses_tensorboard_without_the_package_before_starting(monkeypatch, tmp_path, capsys):
+    from planner.cli import main
+
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "build.json").write_text(json.dumps({"world_size": 2}))
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    assert main(["run", str(build), "--tensorboard", str(tmp_path / "tb")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'meshplan[tensorboard]'" in err and "Traceback" not in err
+    assert not (build / "run").exists()                 # no rank was started
