@@ -4,19 +4,22 @@ tensorboard is an optional extra (`pip install 'meshplan[tensorboard]'`); withou
 that asks for event files stops before training with that advice (`require_tensorboard`).
 Rank 0 writes through torch.utils.tensorboard.SummaryWriter, whose writer thread does the file
 I/O. A step is one event holding all its scalars (one Summary with a value per field, as
-add_scalar would write them one event each): add_scalar per field cost about 170 us a step
-here, and each event wakes the writer thread, which then takes the interpreter lock from the
-training loop. Its queue holds QUEUE_EVENTS events rather than the default 10, so that a
-writer thread slowed by a busy machine never makes a step wait. A resumed run passes its first step as purge_step:
+add_scalar would write them one event each: that cost about 170 us a step here), and the events
+are handed to the writer every HAND_OVER_S seconds rather than every step: each hand-over wakes
+the writer thread, which then competes with the training loop for the interpreter lock (the
+writer itself only flushes the file every 120 s). Its queue holds QUEUE_EVENTS events rather
+than the default 10, so that a writer thread slowed by a busy machine never makes a step wait. A resumed run passes its first step as purge_step:
 TensorBoard then hides the earlier run's events of the steps this one trains again, as
 metrics.jsonl drops their lines.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 QUEUE_EVENTS = 1000
+HAND_OVER_S = 2.0
 
 
 class TensorBoardMissing(ValueError):
@@ -38,18 +41,33 @@ class TensorBoardLog:
     """Event files under `logdir`: one scalar per numeric field of each metrics line, at its step
     (the tag is the field's name; booleans as 0/1; null fields are left out)."""
 
-    def __init__(self, logdir: str | Path, first_step: int = 0):
+    def __init__(self, logdir: str | Path, first_step: int = 0, *, clock=time.monotonic):
         writer = require_tensorboard()
-        self._writer = writer(log_dir=str(logdir), purge_step=first_step if first_step > 0 else None,
-                              max_queue=QUEUE_EVENTS)
-
-    def write(self, fields: dict) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in fields.items()
-                  if key != "step" and isinstance(value, (int, float))]   # bool is an int
+        self._summary = Summary
+        self._writer = writer(log_dir=str(logdir), purge_step=first_step if first_step > 0 else None,
+                              max_queue=QUEUE_EVENTS)
+        self._clock = clock
+        self._handed = clock()
+        self._pending: list[tuple[object, int, float]] = []   # (Summary, step, wall time)
+
+    def write(self, fields: dict) -> None:
+        value = self._summary.Value
+        values = [value(tag=key, simple_value=float(v)) for key, v in fields.items()
+                  if key != "step" and isinstance(v, (int, float))]   # bool is an int
+        self._pending.append((self._summary(value=values), fields["step"], time.time()))
+        if self._clock() - self._handed >= HAND_OVER_S:
+            self.hand_over()
+
+    def hand_over(self) -> None:
+        """Give the steps' events to the writer thread (it writes them to the file within 120 s, or at close)."""
         # SummaryWriter.file_writer: the FileWriter its add_scalar writes through (made in __init__)
-        self._writer.file_writer.add_summary(Summary(value=values), fields["step"])
+        for summary, step, wall in self._pending:
+            self._writer.file_writer.add_summary(summary, step, wall)
+        self._pending.clear()
+        self._handed = self._clock()
 
     def close(self) -> None:
+        self.hand_over()
         self._writer.close()

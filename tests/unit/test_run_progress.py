@@ -186,3 +186,43 @@ def test_meshplan_run_refuses_tensorboard_without_the_package_before_starting(mo
     err = capsys.readouterr().err
     assert "pip install 'meshplan[tensorboard]'" in err and "Traceback" not in err
     assert not (build / "run").exists()                 # no rank was started
+
+
+def test_a_resumed_run_hides_the_earlier_runs_events_of_the_steps_it_trains_again(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = TensorBoardLog(tmp_path / "tb")
+    for s in range(6):                                  # the earlier run got to step 5; its checkpoint was step 3
+        first.write({"step": s, "loss": 10.0 + s})
+    first.close()
+    again = TensorBoardLog(tmp_path / "tb", first_step=3)
+    again.write({"step": 3, "loss": 0.5})
+    again.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(0, 10.0), (1, 11.0), (2, 12.0), (3, 0.5)]
+
+
+def test_events_reach_the_writer_every_few_seconds_not_every_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from runtime.tensorboard_log import HAND_OVER_S
+
+    clock = _Clock()
+    board = TensorBoardLog(tmp_path / "tb", clock=clock)
+
+    def steps_on_disk():
+        board._writer.flush()
+        acc = EventAccumulator(str(tmp_path / "tb"))
+        acc.Reload()
+        return [e.step for e in acc.Scalars("loss")] if "loss" in acc.Tags()["scalars"] else []
+
+    board.write({"step": 0, "loss": 1.0})
+    board.write({"step": 1, "loss": 1.0})
+    assert steps_on_disk() == []                        # held: no wake-up of the writer thread per step
+    clock.now += HAND_OVER_S
+    board.write({"step": 2, "loss": 1.0})
+    assert steps_on_disk() == [0, 1, 2]
+    board.write({"step": 3, "loss": 1.0})
+    board.close()                                       # the rest at the end
+    assert steps_on_disk() == [0, 1, 2, 3]
