@@ -22,12 +22,17 @@ BAR_REFRESH_S = 0.5
 
 
 def is_terminal(stream: TextIO) -> bool:
-    """Whether `stream` is an interactive terminal that can redraw a line (not a file, a pipe or TERM=dumb)."""
+    """Whether `stream` is an interactive terminal that can redraw a line (not a file, a pipe, TERM=dumb
+    or a terminal of no width, such as `script`'s without a window)."""
     try:
         tty = stream.isatty()
     except (AttributeError, ValueError):   # closed or not a real stream
         return False
-    return tty and os.environ.get("TERM", "") != "dumb"
+    try:
+        columns = os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):   # no descriptor to ask: trust isatty
+        columns = None
+    return tty and os.environ.get("TERM", "") != "dumb" and columns != 0
 
 
 def _duration(seconds: float) -> str:
@@ -54,31 +59,46 @@ class Progress:
         self._start = clock()
         self._last_line = self._start
         self._done = 0
+        self._first_seen: tuple[float, int] | None = None   # (time, steps done) at the first update
+        self._step_seconds = [0.0, 0]                      # sum and count of the lines' own `seconds`
+        self._use_bar = bar if bar is not None else is_terminal(stream)
         self._bar = None
-        if bar if bar is not None else is_terminal(stream):
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=num_steps, file=stream, unit="step", dynamic_ncols=True,
-                             mininterval=BAR_REFRESH_S, leave=True)
 
     def update(self, fields: dict) -> None:
         """One step ended; `fields` is its metrics line (step and loss are read)."""
         self._done = fields["step"] - self._first + 1
         loss = fields.get("loss")
         loss_text = f"loss {loss:.4f}" if isinstance(loss, (int, float)) else "loss -"
+        now = self._clock()
+        if isinstance(fields.get("seconds"), (int, float)):
+            self._step_seconds[0] += fields["seconds"]
+            self._step_seconds[1] += 1
+        if self._first_seen is None:   # rates count from here: start-up is not a step
+            self._first_seen = (now, self._done)
+            if self._use_bar:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=self._total, file=self._stream, unit="step", dynamic_ncols=True,
+                                 mininterval=BAR_REFRESH_S, leave=True)
         if self._bar is not None:
             self._bar.set_postfix_str(loss_text, refresh=False)
             self._bar.update(self._done - self._bar.n)
             return
-        now = self._clock()
         if now - self._last_line >= self._interval or self._done >= self._total:
             self._last_line = now
-            self._stream.write(self.line(fields["step"], loss_text, now - self._start) + "\n")
+            self._stream.write(self._line(fields["step"], loss_text, now - self._start) + "\n")
             self._stream.flush()
 
-    def line(self, step: int, loss_text: str, elapsed: float) -> str:
-        """The plain line after `elapsed` seconds: step, share done, loss, rate and ETA."""
-        per = elapsed / self._done if self._done else math.nan
+    def _line(self, step: int, loss_text: str, elapsed: float) -> str:
+        """The plain line after `elapsed` seconds: step, share done, loss, rate and ETA. The rate is the wall
+        time per step since the first one seen (the processes' start-up is not a step), or the steps' own
+        mean seconds where that is more (the launcher may read several lines at once)."""
+        t0, n0 = self._first_seen
+        now = self._start + elapsed
+        per = (now - t0) / (self._done - n0) if self._done > n0 else elapsed / self._done
+        total, count = self._step_seconds
+        if count:
+            per = max(per, total / count)
         eta = per * (self._total - self._done)
         rate = f"{per:.3f} s/step, ETA {_duration(eta)}" if math.isfinite(eta) else "ETA -"
         return (f"step {step} ({self._done}/{self._total}, {100 * self._done / self._total:.0f}%)  {loss_text}  "

@@ -54,6 +54,27 @@ def test_plain_lines_come_every_interval_and_for_the_last_step():
     assert "\r" not in out.getvalue()   # no bar redraws in a log file
 
 
+def test_the_rate_leaves_the_start_up_out():
+    out, clock = io.StringIO(), _Clock()
+    p = Progress(0, 4, out, interval_s=0.0, clock=clock)
+    clock.now += 30.0                                   # the processes start and the first step runs
+    for step in range(4):
+        p.update(_line(step))
+        clock.now += 2.0
+    lines = out.getvalue().splitlines()
+    assert lines[1].startswith("step 1 (2/4, 50%)  loss 1.0000  0:32 elapsed, 2.000 s/step, ETA 0:04")
+
+
+def test_lines_read_all_at_once_take_their_rate_from_their_own_seconds():
+    out, clock = io.StringIO(), _Clock()
+    p = Progress(0, 10, out, clock=clock)
+    clock.now += 5.0
+    for step in range(5):                               # the launcher found five new lines in one read
+        p.update({"step": step, "loss": 1.0, "seconds": 0.5})
+    p.update({"step": 9, "loss": 1.0, "seconds": 0.5})
+    assert "0:05 elapsed, 0.500 s/step" in out.getvalue()
+
+
 def test_a_resumed_run_counts_its_own_steps():
     out, clock = io.StringIO(), _Clock()
     p = Progress(50, 10, out, clock=clock)
