@@ -139,6 +139,18 @@ def trace_args(args: argparse.Namespace) -> list[str]:
     return ["--no-trace"] if getattr(args, "no_trace", False) else []
 
 
+def tensorboard_args(args: argparse.Namespace) -> list[str]:
+    """The rank-script option for `meshplan run --tensorboard DIR` (an absolute path), checked before any
+    process starts: TensorBoardMissing (a ValueError) names the extra to install."""
+    board = getattr(args, "tensorboard", None)
+    if not board:
+        return []
+    from runtime.tensorboard_log import require_tensorboard
+
+    require_tensorboard()
+    return ["--tensorboard", str(Path(board).resolve())]
+
+
 def read_checked_build(build: str) -> dict:
     """build.json of a build directory, refused (ValueError) when its world size is not a
     number of processes from 1 to MAX_WORLD (a hand-edited or damaged file)."""
@@ -175,6 +187,7 @@ def run_command(args: argparse.Namespace) -> int:
 
     info = read_checked_build(args.build)
     check_run_eval(args.build, info, getattr(args, "eval_every", None), getattr(args, "eval_batches", None))
+    board = tensorboard_args(args)
     print(f"running {args.build}: {info['world_size']} processes ({args.backend}), {args.steps} step(s)",
           flush=True)
     try:
@@ -183,7 +196,8 @@ def run_command(args: argparse.Namespace) -> int:
                         extra_args=(["--track-memory"] if getattr(args, "track_memory", False) else [])
                         + (["--probe-comm"] if getattr(args, "probe_comm", False) else [])
                         + ["--heartbeat-timeout", str(getattr(args, "heartbeat_timeout", 30.0))]
-                        + trace_args(args) + checkpoint_args(args) + eval_args(args))
+                        + trace_args(args) + checkpoint_args(args) + eval_args(args) + board,
+                        progress=not getattr(args, "quiet", False))
     except Interrupted as e:
         print(f"meshplan run: {e}; every rank was stopped (logs in {Path(args.build) / 'run'})", file=sys.stderr)
         return 128 + e.signum

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from codegen.lower import DEFAULT_BUCKET_BYTES, lower
 from codegen.spatial import lower_spatial
+from codegen.throughput import step_work
 from codegen.partition import Partition, partition, stage_imports
 from codegen.pysrc import comment_text, doc_text, py_literal
 from planner.capture import capture_ref
@@ -113,7 +114,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
                       data_seed=data_seed, loss=loss, optimizer=optimizer or OptimizerSpec(), init=init,
                       checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()),
                       eval=evaluation,
-                      schedule=schedule or ScheduleSpec(), clip_grad=clip_grad, loss_scale=loss_scale)
+                      schedule=schedule or ScheduleSpec(), clip_grad=clip_grad, loss_scale=loss_scale,
+                      work=step_work(plan, graph))
     decay_of = train.optimizer.decays if train.optimizer.splits_decay else None   # buckets: one class each
     if evaluation is not None:
         check_supported(plan.config.mesh, plan.config.bidirectional)

@@ -161,7 +161,8 @@ _EPILOG_RUN = """examples:
   meshplan run build --steps 10 --backend mpi
   meshplan run build --steps 10 --checkpoint-dir ckpt --save-every 5; meshplan run build --steps 10 --resume ckpt
   meshplan run build --steps 20000 --no-trace
-Writes build/metrics.jsonl (loss per step, as the steps end), build/timeline.json and build/trace.json
+Writes build/metrics.jsonl (a line per step as it ends: loss, seconds, lr, grad_norm, loss_scale,
+samples_per_s, tokens_per_s, mfu, peak_memory_bytes), build/timeline.json and build/trace.json
 (the first {window} steps; every step with --trace, none with --no-trace). A NaN or infinite loss stops
 the run at the step where it appears (exit 1, naming the step)."""
 
@@ -292,6 +293,11 @@ def _add_codegen_and_run(sub) -> None:
                        help=f"trace every step into timeline.json and trace.json (default: the first "
                             f"{TRACE_WINDOW_STEPS} steps of the run, so that a long run's trace stays small)")
     trace.add_argument("--no-trace", action="store_true", help="trace no step (no timeline.json, trace.json)")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="also write metrics.jsonl's scalars as TensorBoard event files under DIR "
+                        "(pip install 'meshplan[tensorboard]')")
+    p.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true",
+                   help="no live progress display (default: a bar with ETA on a terminal, else a line every 10 s)")
     p.set_defaults(func=_cmd_run)
     _add_checkpoint(sub)
 

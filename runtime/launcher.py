@@ -37,6 +37,7 @@ from pathlib import Path
 from runtime.dir_lock import lock_directories
 from runtime.jobauth import SECRET_ENV, new_secret
 from runtime.lifetime import HEARTBEAT_STORE_ENV, Children, process_state
+from runtime.progress import RunProgress
 from runtime.store_host import LOOPBACK, host_store
 from runtime.evaluation import EvalResult
 from runtime.trace import Timeline
@@ -96,7 +97,7 @@ def run_local(build: str | os.PathLike, steps: int = 1, backend: str = "gloo", *
               verify: bool = False, rtol: float | None = None, atol: float | None = None,
               extra_args: list[str] | None = None,
               world_size: int | None = None, grace: float = 15.0, wall_timeout: float | None = None,
-              quiet: bool = True) -> RunResult:
+              quiet: bool = True, progress: bool = False) -> RunResult:
     """Run the build's ranks on this machine for `steps` steps (through build/run_rank.py).
 
     Args:
@@ -106,22 +107,25 @@ def run_local(build: str | os.PathLike, steps: int = 1, backend: str = "gloo", *
         world_size: start this many processes instead of the plan's (to see the error).
         extra_args: more rank-script options (e.g. ["--fail-at", "1:0:5"]).
         wall_timeout: seconds for the whole run (default: generous from `timeout`).
+        progress: draw the run's progress on stderr from rank 0's metrics.jsonl (runtime/progress.py).
     """
     return run_many([build], steps, backend, timeout=timeout, verify=verify, rtol=rtol, atol=atol,
                     extra_args=extra_args, world_size=world_size, grace=grace, wall_timeout=wall_timeout,
-                    quiet=quiet, through_workers=False)[0]
+                    quiet=quiet, through_workers=False, progress=progress)[0]
 
 
 def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gloo", *, timeout: float = 120.0,
              verify: bool = False, rtol: float | None = None, atol: float | None = None,
              extra_args: list[str] | None = None,
              world_size: int | None = None, grace: float = 15.0, wall_timeout: float | None = None,
-             quiet: bool = True, through_workers: bool = True) -> list[RunResult]:
+             quiet: bool = True, through_workers: bool = True, progress: bool = False) -> list[RunResult]:
     """Run several builds with the same number of ranks, one after the other.
 
     With `through_workers` one set of processes (`python -m runtime.worker`) runs every
     build's run_rank.py in turn, paying Python's and torch's start-up once; each build
     still runs its generated rank scripts, with its own rendezvous port.
+    With `progress` (one build) the launcher draws the progress display; the ranks never do
+    (--no-progress), so that their output, captured in run/, holds no bar.
     """
     builds = [Path(b) for b in builds]
     infos = [read_build(b) for b in builds]
@@ -131,15 +135,18 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     if len(worlds) != 1:
         raise BuildError(f"run_many needs builds of one world size, got {sorted(worlds)}")
     world = int(world_size or worlds.pop())
-    base = ["--steps", str(steps), "--backend", backend, "--timeout", str(timeout), *(extra_args or [])]
+    base = ["--steps", str(steps), "--backend", backend, "--timeout", str(timeout), "--no-progress",
+            *(extra_args or [])]
     if verify:
         base += [flag for flag in ("--save-params", "--save-steps") if flag not in base]
-    first_step = _resumed_step(base) if verify else 0  # before the run saves newer checkpoints
+    first_step = _resumed_step(base) if verify or progress else 0  # before the run saves newer checkpoints
     for b in builds:
         if (b / "run").exists():
             shutil.rmtree(b / "run")
         (b / "run").mkdir(parents=True)
     log_dir = builds[0] / "run"
+    display = RunProgress(builds[0] / "metrics.jsonl", first_step, steps, sys.stderr) \
+        if progress and len(builds) == 1 else None
     env = local_env(dict(os.environ))
     wall = wall_timeout or len(builds) * (timeout * 3 + 60 * steps)
     # The launcher hosts each build's rendezvous store (as torchrun's agent does), so the store
@@ -162,10 +169,7 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
         log = log_dir / "mpiexec.log"
         with log.open("w") as f, Children() as children:
             proc = children.popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, direct=False)
-            try:
-                rc = proc.wait(timeout=wall)
-            except subprocess.TimeoutExpired:
-                rc = 124
+            rc = _wait_one(proc, wall, display)
         output = log.read_text()
     else:
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
@@ -183,7 +187,7 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
                     log = (log_dir / f"log_rank_{r:04d}.txt").open("w")
                     logs.append(log)
                     children.popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT)
-                rc = _wait_all(children.procs, wall, grace, exits, notes)
+                rc = _wait_all(children.procs, wall, grace, exits, notes, display)
         finally:
             for log in logs:
                 log.close()
@@ -194,6 +198,8 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
                             else f"meshplan launcher: rank {r} was killed by signal {_signal_name(-code)}\n")
         output = "\n".join(f"[rank {r}] {line}" for r in range(world)
                            for line in (log_dir / f"log_rank_{r:04d}.txt").read_text().splitlines())
+    if display is not None:
+        display.close()
     del stores
     if not quiet:
         print(output)
@@ -264,10 +270,23 @@ def _signal_name(n: int) -> str:
         return str(n)
 
 
+def _wait_one(proc: subprocess.Popen, wall: float, display: RunProgress | None) -> int:
+    """proc's exit status (124 after `wall` seconds), updating `display` while it runs."""
+    deadline = time.monotonic() + wall
+    while True:
+        try:
+            return proc.wait(timeout=wall if display is None else min(0.2, max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if display is None or time.monotonic() >= deadline:
+                return 124
+            display.poll()
+
+
 def _wait_all(procs: list[subprocess.Popen], wall: float, grace: float,
-              exits: dict[int, tuple[int, float]] | None = None, notes: dict[int, str] | None = None) -> int:
+              exits: dict[int, tuple[int, float]] | None = None, notes: dict[int, str] | None = None,
+              display: RunProgress | None = None) -> int:
     """Wait for every process; `exits` receives rank -> (exit status, unix time seen), `notes`
-    rank -> how the launcher ended it, for the ranks it killed."""
+    rank -> how the launcher ended it, for the ranks it killed; `display` is updated while they run."""
     deadline = time.monotonic() + wall
     failed_at = None
     exits = {} if exits is None else exits
@@ -298,4 +317,6 @@ def _wait_all(procs: list[subprocess.Popen], wall: float, grace: float,
             for r, p in enumerate(procs):
                 exits.setdefault(r, (p.wait(), time.time()))
             return 124 if failed_at is None else next(c for c in codes if c not in (None, 0))
+        if display is not None:
+            display.poll()
         time.sleep(0.02)

@@ -9,8 +9,10 @@ publishes its reason (Communicator.report_failure) and the other ranks exit
 with it (status 1).
 
 Outputs (under --out, default the build directory):
-  metrics.jsonl              one line per step from rank 0: step, loss, seconds (written as the steps
-                             end; a resumed run appends to the history before its checkpoint)
+  metrics.jsonl              one line per step from rank 0: step, loss, seconds, lr, grad norm, loss scale,
+                             rates, MFU, peak memory (runtime/metrics.py; written as the steps end; a
+                             resumed run appends to the history before its checkpoint)
+  --tensorboard DIR          the same scalars as TensorBoard event files (rank 0)
   run/rank_XXXX.json         this rank's loss and seconds per step, the global gradient norm, loss scale
                              and skip flag per step (runtime/grad_step.py), its resolved optimizer
                              implementation ("optimizer_impl", runtime/optim.py; null without an optimizer),
@@ -62,7 +64,8 @@ from runtime.running_stats import RunningStats
 from runtime.sabotage import SABOTAGE, sabotage
 from runtime.step_record import StepRecorder
 from runtime.ties import TieSync
-from runtime.metrics import check_loss, open_metrics, write_metrics
+from runtime.metrics import StepLog, check_loss
+from runtime.tensorboard_log import require_tensorboard
 from runtime.trace import PROBE_BYTES, TRACE_WINDOW_STEPS, Recorder, probe_all_reduce, shared_origin
 from runtime.watchdog import Watchdog
 
@@ -124,6 +127,11 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
     ap.add_argument("--track-memory", action="store_true",
                     help="measure the peak memory of the second step (the first with at least 3 steps: live "
                          "tensor bytes on CPU, the CUDA allocator's peak on GPU)")
+    ap.add_argument("--tensorboard", default=None, metavar="DIR",
+                    help="rank 0 also writes metrics.jsonl's scalars as TensorBoard event files under DIR "
+                         "(needs pip install 'meshplan[tensorboard]')")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="rank 0 draws no progress display (meshplan run draws its own)")
     ap.add_argument("--fail-at", default=None, metavar="RANK:STEP:INSTR",
                     help="(testing) make RANK fail at this step and instruction index")
     ap.add_argument("--fault", choices=FAULTS, default="raise",
@@ -248,6 +256,8 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     evaluation = eval_setting(spec.eval, args.eval_every, args.eval_batches)
     if evaluation is not None:
         check_program(prog)
+    if args.tensorboard:  # before anything is built: every rank stops with the same advice
+        require_tensorboard()
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     model = meta_model(spec)
     if model_signature(model) != signature["hash"]:
@@ -520,7 +530,8 @@ def _train(session: RankSession) -> None:
         print(f"meshplan rank 0: resumed from checkpoint {p.restore.ckpt} (step {first}): this run trains steps "
               f"{first} to {first + args.steps - 1}", flush=True)
     probe = probe_all_reduce(session.comm, p.program.world_size, p.device) if args.probe_comm else None
-    metrics = open_metrics(out / "metrics.jsonl", first) if rank == 0 else None
+    metrics = StepLog(out / "metrics.jsonl", first, args.steps, p.spec.global_batch_size, p.spec.work, p.device,
+                      tensorboard=args.tensorboard, progress=not args.no_progress) if rank == 0 else None
     evals: list[EvalResult] = []
     try:
         losses, seconds, memory, memory_step = _train_steps(session, first, metrics, evals)
@@ -570,6 +581,8 @@ def _train_steps(session: RankSession, first: int, metrics,
         ex.recorder.enabled = step - first < traced
         if steps is not None:
             steps.start(step)
+        if metrics is not None:
+            metrics.start_step()
         if args.track_memory and step == memory_step:  # counting slows ops: one step only
             r, memory = measure_step_memory(p.device, lambda: ex.run_step(step))
         else:
@@ -586,7 +599,12 @@ def _train_steps(session: RankSession, first: int, metrics,
         losses.append(r.loss)
         seconds.append(r.seconds)
         if metrics is not None:
-            write_metrics(metrics, step, r.loss, r.seconds)
+            line = metrics.fields(r)
+            epoch = getattr(p.data, "epoch_of", None)   # a Dataset's epoch (runtime/datasets.py)
+            if epoch is not None and epoch(step) is not None:
+                line["epoch"] = epoch(step)
+            line.update(r.evaluation or {})
+            metrics.write(line)
         if checks_loss:
             check_loss(r.loss, step, p.rank)
         last = step == first + args.steps - 1

@@ -35,6 +35,7 @@ from runtime.lr_schedule import ScheduleSpec
 from runtime.loss_scale import LossScaleSpec
 from runtime.optim import OptimizerSpec
 from runtime.spatial import SpatialSpec
+from runtime.step_work import StepWork
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, shard_dim
 
 INITS = ("seed", "per-module", "checkpoint")
@@ -64,6 +65,8 @@ class TrainSpec:
         loss_scale: fp16 dynamic loss scaling (runtime/loss_scale.py), or None.
         root: directory that relative refs and paths are resolved against.
         eval: held-out evaluation during training (runtime/evaluation.py), or None.
+        work: FLOPs, peak FLOP/s and tokens of one step, for metrics.jsonl's rates (runtime/step_work.py);
+            None in builds made without it (their lines have null tokens_per_s and mfu).
     """
 
     model_ref: str
@@ -84,6 +87,7 @@ class TrainSpec:
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
     clip_grad: float | None = None
     loss_scale: LossScaleSpec | None = None
+    work: StepWork | None = None
 
     def __post_init__(self) -> None:
         self.schedule.check_lr(self.optimizer.lr)
@@ -115,6 +119,7 @@ class TrainSpec:
         d["eval"] = self.eval.to_dict() if self.eval is not None else None
         d["schedule"] = self.schedule.to_dict()
         d["loss_scale"] = self.loss_scale.to_dict() if self.loss_scale is not None else None
+        d["work"] = self.work.to_dict() if self.work is not None else None
         return d
 
     @classmethod
@@ -130,6 +135,10 @@ class TrainSpec:
         d["schedule"] = ScheduleSpec.from_dict(d.get("schedule", {}))
         if d.get("loss_scale") is not None:
             d["loss_scale"] = LossScaleSpec.from_dict(d["loss_scale"])
+        try:
+            d["work"] = StepWork.from_dict(d["work"]) if d.get("work") else None
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecError(f"build field 'work' ({d['work']!r}): {e!r}; make the build again") from None
         try:
             return cls(**d)
         except TypeError as e:

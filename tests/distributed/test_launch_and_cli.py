@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from planner.cli import main
 from runtime.verify import verify_build
 from runtime.trace import Timeline
@@ -28,6 +30,8 @@ def test_torchrun_launch_script_trains_and_matches_reference(tmp_path):
     cmp = verify_build(build, 3, losses)
     assert cmp.ok, cmp.summary()
     assert metrics[-1]["loss"] == losses[0][-1]
+    # under a launch script rank 0 draws the progress (plain lines: its output is not a terminal)
+    assert "step 2 (3/3, 100%)" in proc.stdout + proc.stderr
 
 
 def test_build_directory_is_readable_and_complete(tmp_path):
@@ -47,14 +51,28 @@ def test_build_directory_is_readable_and_complete(tmp_path):
 
 
 def test_cli_codegen_then_run_verify(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     out = tmp_path / "build"
     assert main(["codegen", "examples/models/mlp.py:build", "--batch", "8", "--data", "2", "--micro-batch", "2",
                  "--momentum", "0.9", "--bucket-mb", "0.001", "-o", str(out)]) == 0
-    assert main(["run", str(out), "--steps", "3", "--verify", "--timeout", "60"]) == 0
-    text = capsys.readouterr().out
+    assert main(["run", str(out), "--steps", "3", "--verify", "--timeout", "60",
+                 "--tensorboard", str(tmp_path / "tb")]) == 0
+    captured = capsys.readouterr()
+    text = captured.out
     assert "step 2: loss" in text and "single-process reference: OK" in text
     assert "per step from the run's parameters" in text and "trajectory" in text
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    assert "step 2 (3/3, 100%)" in captured.err          # the launcher's progress (stderr is not a terminal)
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics:   # every field; what this run does not compute (no schedule, clipping, fp16) is null
+        assert list(m) == ["step", "loss", "seconds", "lr", "grad_norm", "loss_scale", "skipped", "samples_per_s",
+                           "tokens_per_s", "mfu", "peak_memory_bytes"]
+        assert m["samples_per_s"] == 8 / m["seconds"] and m["tokens_per_s"] == m["samples_per_s"]  # a classifier
+        assert 0 < m["mfu"] < 1 and m["peak_memory_bytes"] > 0 and m["skipped"] is False
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("loss")] == [pytest.approx(m["loss"]) for m in metrics]
     tl = Timeline.load(out / "timeline.json")
     assert set(tl.ranks) == {0, 1} and any(e.op == "F" for e in tl.events)
     chrome = json.loads((out / "trace.json").read_text())
