@@ -7,7 +7,7 @@ clipping at a global norm the run exceeds, fp16 autocast with dynamic loss scali
 overflows (a skipped step) and grows back, and held-out evaluation every 2 steps. `meshplan run --verify`
 compares losses, gradients, norms, skips, scales, evaluations and parameters with the single-process
 loop (torch.amp.GradScaler, clip_grad_norm_, the same scheduler). Then a resume in the middle of an
-epoch, with a schedule part-way and a changed loss scale, is bit-identical to the uninterrupted run.
+epoch, with a schedule part-way and a loss scaler that has backed off, is bit-identical to the uninterrupted run.
 """
 
 import json
@@ -60,8 +60,10 @@ def record(build: Path, rank: int = 0) -> dict:
 @pytest.fixture(scope="module")
 def runs(root):
     builds = {name: codegen(root, name, plan) for name, plan in PLANS.items()}
-    names = sorted(builds)
-    return builds, dict(zip(names, run_many([builds[n] for n in names], steps=STEPS, timeout=120, verify=True)))
+    four = ["d2p2", "d2t2"]   # run_many starts builds of one world size together
+    results = dict(zip(four, run_many([builds[n] for n in four], steps=STEPS, timeout=120, verify=True)))
+    results["d2_zero3"] = run_many([builds["d2_zero3"]], steps=STEPS, timeout=120, verify=True)[0]
+    return builds, results
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
@@ -89,7 +91,8 @@ def test_resume_mid_epoch_with_schedule_and_loss_scale_is_bit_identical(runs, ro
                                                                   "--save-every", "4", "--save-params"])
     assert full.returncode == 0, full.output[-4000:]
     first = record(build)
-    assert first["loss_scales"][4] != INIT_SCALE, "the checkpoint must hold a changed loss scale"
+    assert any(first["skipped"][:4]) and len(set(first["loss_scales"][:5])) > 1, \
+        f"the checkpoint must hold a scaler that has backed off ({first['loss_scales']}, {first['skipped']})"
     p_full = {r: torch.load(build / "run" / f"params_rank_{r:04d}.pt", weights_only=True) for r in range(4)}
     # step 4 is the second step of epoch 1 (3 steps per epoch): the resume starts mid-epoch
     res = run_local(build, steps=STEPS - 4, timeout=120, extra_args=["--resume", str(step_dir(ckpt, 4)),
