@@ -24,6 +24,7 @@ run`): torch picks kernels by thread count, and two kernels round differently.
 from __future__ import annotations
 
 import contextlib
+import math
 import json
 import os
 from pathlib import Path
@@ -204,7 +205,12 @@ def _optimizer_step(opt: torch.optim.Optimizer, params: list[nn.Parameter], clip
         opt.step()
         return norm, False
     before = scaler.get_scale()
-    scaler.step(opt)
+    # GradScaler.step hands a fused optimizer the step's found_inf and lets it skip itself; torch 2.13's
+    # fused SGD then still creates its momentum buffers, from uninitialised memory, on a skipped first step
+    # (NaN later). So a non-finite step does not reach the optimizer here, as in the ranks
+    # (runtime/grad_step.py); update() reads the found_inf that unscale_ recorded either way.
+    if math.isfinite(norm):
+        scaler.step(opt)
     scaler.update()
     return norm, scaler.get_scale() < before   # GradScaler backs off exactly when it skipped
 
