@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import torch
+
 import planner
 from codegen.commands import make_fixed_plan
 from codegen.emit import capture_ref, emit
@@ -67,3 +69,12 @@ def assert_exact(result, label: str) -> None:
     cmp = result.comparison
     assert cmp is not None and cmp.ok, f"{label}: {cmp.summary() if cmp else 'not compared'}"
     assert cmp.params_compared > 0
+
+
+def saved_params(build: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """rank -> {parameter name: tensor} from the run's --save-params files."""
+    out = {}
+    for f in sorted((build / "run").glob("params_rank_*.pt")):
+        stages = torch.load(f, weights_only=True)
+        out[int(f.stem.rsplit("_", 1)[1])] = {k: v for s in stages.values() for k, v in s.items()}
+    return out

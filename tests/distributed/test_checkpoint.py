@@ -28,7 +28,7 @@ from runtime.verify import verify_build
 from runtime.materialize import build_model
 from runtime.reference import local_slice
 from runtime.spec import StageSpec, TrainSpec
-from tests.parallel_cases import emit_case
+from tests.parallel_cases import emit_case, saved_params
 
 ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.1}
 REPO = Path(__file__).resolve().parents[2]
@@ -51,15 +51,6 @@ def builds(root):
     }
 
 
-def _params(build: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """rank -> {parameter name: tensor} from the run's --save-params files."""
-    out = {}
-    for f in sorted((build / "run").glob("params_rank_*.pt")):
-        stages = torch.load(f, weights_only=True)
-        out[int(f.stem.rsplit("_", 1)[1])] = {k: v for s in stages.values() for k, v in s.items()}
-    return out
-
-
 def _ok(res, label):
     assert res.returncode == 0, f"{label} failed:\n{res.output[-4000:]}"
 
@@ -71,7 +62,7 @@ def six_steps(builds, root):
     res = run_local(b, steps=6, timeout=60, extra_args=["--checkpoint-dir", str(ckpt), "--save-every", "3",
                                                         "--save-params"])
     _ok(res, "6 steps")
-    return res, _params(b), ckpt
+    return res, saved_params(b), ckpt
 
 
 def test_resume_on_the_same_plan_is_bit_exact(builds, six_steps):
@@ -82,7 +73,7 @@ def test_resume_on_the_same_plan_is_bit_exact(builds, six_steps):
     _ok(res, "resume")
     for r in range(4):
         assert res.losses[r] == six.losses[r][3:], f"rank {r}: losses of steps 3-5 differ"
-    p = _params(b)
+    p = saved_params(b)
     n = 0
     for r in range(4):
         assert p[r].keys() == p6[r].keys()

@@ -13,19 +13,11 @@ from planner.cli import main
 from runtime.checkpoint import step_dir
 from runtime.datasets import DatasetSpec, open_dataset
 from runtime.launcher import run_local
-from tests.parallel_cases import assert_exact
+from tests.parallel_cases import assert_exact, saved_params
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ, SAMPLES = 16, 27   # G 8: 3 steps per epoch, 3 samples dropped from each
 pytestmark = pytest.mark.timeout(400)
-
-
-def _params(build: Path) -> dict[int, dict[str, torch.Tensor]]:
-    out = {}
-    for f in sorted((build / "run").glob("params_rank_*.pt")):
-        stages = torch.load(f, weights_only=True)
-        out[int(f.stem.rsplit("_", 1)[1])] = {k: v for s in stages.values() for k, v in s.items()}
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +36,13 @@ def test_token_dataset_d2p2_verifies_and_resumes_mid_epoch_bit_exactly(tmp_path,
     full = run_local(build, steps=5, timeout=60, verify=True,
                      extra_args=["--checkpoint-dir", str(ckpt), "--save-every", "2"])
     assert_exact(full, "token dataset, data 2 x pipeline 2")
-    p5 = _params(build)
+    p5 = saved_params(build)
     # step 2 starts at sample 16 of epoch 0; steps 3 and 4 are epoch 1's first two
     res = run_local(build, steps=3, timeout=60, extra_args=["--resume", str(step_dir(ckpt, 2)), "--save-params"])
     assert res.returncode == 0, res.output[-4000:]
     for r in range(4):
         assert res.losses[r] == full.losses[r][2:], f"rank {r}: losses of steps 2-4 differ after the resume"
-    p = _params(build)
+    p = saved_params(build)
     assert p.keys() == p5.keys() == set(range(4))
     for r in range(4):
         assert p[r].keys() == p5[r].keys() and p[r]
