@@ -28,8 +28,8 @@ def test_the_extras_are_measured_at_two_sizes_through_the_runtime_modules():
     for part, points in got.items():
         assert len(points) == 2 and points[0][0] < points[1][0], part
         assert all(0.0 <= t < 5e-3 for _, f, b in points for t in (f, b)), part
-    # the masking and the three partial reductions are work plain ops do not do
-    assert all(f > 0 for _, f, _ in got["vocab_embedding"] + got["vocab_loss"])
+    # which variant costs more is the machine's to say: on a loaded one a difference of two
+    # medians can come out as 0, and the fit then charges nothing rather than a negative time
 
 
 def _with_tp_points(scale=1.0):
