@@ -1,0 +1,114 @@
+"""The one vocabulary every package shares: mesh axes, shard roles, dtypes, pipeline
+schedules, recompute modes and spatial splits.
+
+They are StrEnums, so a member equals its plain string ("data" == MeshAxis.DATA) and JSON
+files keep their spellings; code names the member, never the literal. The runtime owns them
+because every package may import runtime and runtime imports none of the others.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class MeshAxis(StrEnum):
+    """A named axis of the device mesh; its value is the ParallelConfig field giving its degree.
+
+    PIPELINE: pipeline stages (GPipe/1F1B/interleaved, and GEMS bi-directional pipelines).
+    SUBGRAPH: sub-grids of one data replica on the same samples (SUPER's sub-graph parallelism).
+    """
+
+    PIPELINE = "pipeline"
+    DATA = "data"
+    TENSOR = "tensor"
+    SPATIAL = "spatial"
+    SUBGRAPH = "subgraph"
+
+
+class ShardRole(StrEnum):
+    """How tensor parallelism splits one op (Megatron's column/row parallel layers).
+
+    COLUMN: output features split; COLUMN_OUT: the last projection, logits left split on the
+    vocabulary (vocabulary-parallel loss); ROW: input features split, output all-reduced;
+    INNER: an op between column and row that keeps the split; VOCAB: an embedding table split by
+    rows; CHANNELS: a per-channel norm between column and row keeps its channels.
+    """
+
+    COLUMN = "column"
+    COLUMN_OUT = "column_out"
+    ROW = "row"
+    INNER = "inner"
+    VOCAB = "vocab"
+    CHANNELS = "channels"
+
+    @property
+    def splits_output(self) -> bool:
+        """Whether the op's output features are split (a column layer, the last one included)."""
+        return self in (ShardRole.COLUMN, ShardRole.COLUMN_OUT)
+
+
+class DType(StrEnum):
+    """A compute dtype (ParallelConfig.dtype): fp32, or mixed precision with fp32 master weights."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def bytes(self) -> int:
+        """Bytes per element."""
+        return 4 if self is DType.FP32 else 2
+
+    @property
+    def torch_name(self) -> str:
+        """The torch dtype's name ("float32", "bfloat16", "float16")."""
+        return {DType.FP32: "float32", DType.BF16: "bfloat16", DType.FP16: "float16"}[self]
+
+
+# bytes per element of every torch dtype a captured graph may hold, by torch's name
+ELEMENT_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "complex64": 8, "complex128": 16,
+}
+
+
+def element_bytes(torch_dtype: str) -> int:
+    """Bytes per element of a torch dtype named "float32" or "torch.float32"; ValueError if unknown."""
+    name = str(torch_dtype).removeprefix("torch.")
+    try:
+        return ELEMENT_BYTES[name]
+    except KeyError:
+        raise ValueError(f"unknown tensor dtype {torch_dtype!r}; known: {', '.join(ELEMENT_BYTES)}") from None
+
+
+class Schedule(StrEnum):
+    """A one-directional pipeline schedule (the bi-directional GEMS one is ParallelConfig.bidirectional)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+class Recompute(StrEnum):
+    """Activation recomputation: none, selective (attention's softmax and the like), full (whole stage)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class SpatialSplit(StrEnum):
+    """How spatial parallelism tiles an image: s horizontal strips, s vertical strips, or a rows x cols grid."""
+
+    STRIPS_H = "strips_h"
+    STRIPS_V = "strips_v"
+    GRID = "grid"
+
+
+class SpatialBatchNorm(StrEnum):
+    """BatchNorm statistics under spatial parallelism: over the whole image (exact) or per tile."""
+
+    SYNC = "sync"
+    LOCAL = "local"
