@@ -9,7 +9,7 @@ scripts plus launchers (torchrun, mpirun, srun).
 from codegen.emit import Build, PlanMismatchError, emit
 from codegen.lower import DEFAULT_BUCKET_BYTES, LoweringError, check_programs, lower
 from codegen.partition import Partition, PartitionError, StagePart, partition
-from codegen.schedules import ScheduleError, build_schedule
+from runtime.schedules import ScheduleError, build_schedule
 from codegen.tensor_split import TensorSplitError
 
 __all__ = ["Build", "DEFAULT_BUCKET_BYTES", "LoweringError", "PlanMismatchError", "emit", "Partition", "PartitionError", "ScheduleError", "StagePart",

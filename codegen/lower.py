@@ -1,6 +1,6 @@
 """`codegen.lower`: a Plan becomes one Program per rank, through small pure passes.
 
-    schedule     per pipeline position, the F/B order (codegen/schedules.py); under the
+    schedule     per pipeline position, the F/B order (runtime/schedules.py); under the
                  bidirectional (GEMS) schedule a position holds stages i and p-1-i and the
                  micro-batch's parity says which direction (and so which rank) runs a stage
     p2p          receives posted one compute ahead and waited just before use; sends
@@ -31,7 +31,7 @@ import itertools
 from typing import Callable, Iterator
 
 from codegen.partition import Partition, partition
-from codegen.schedules import ScheduleError, bidirectional, bidirectional_position, build_schedule
+from runtime.schedules import ScheduleError, bidirectional, bidirectional_position, build_schedule
 from planner.graph import ModelGraph
 from planner.plan import Plan
 from planner.subgraph import module_owners

@@ -101,7 +101,7 @@ def measured_collective(cluster, op: str, group_size: int, nbytes: float, *, wak
 
     Linear between neighbouring measured sizes, the smallest size's time below it, the largest
     size's time plus fit beta per extra byte above it; plus, with `wake`, fit.comm.wake (the
-    delay of a transfer issued right after computing, cost_models/calibrate.py)."""
+    delay of a transfer issued right after computing, cost_models/calibration/calibrate.py)."""
     table = _tables(cluster.measurements).get((op, group_size))
     if table is None or len(table) < 2:
         return None
@@ -197,7 +197,7 @@ def vocab_loss_costs(cluster, elements: float) -> tuple[float, float]:
 def executor_costs(cluster) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """({op: s after a synchronous instruction}, {op: s issuing an asynchronous one},
     {"F" / "B": s a forward / backward instruction takes beyond its stage call}) of the runtime's
-    executor (cost_models/calibrate_executor.py); empty dicts if not calibrated."""
+    executor (cost_models/calibration/executor.py); empty dicts if not calibrated."""
     fits = _fits(cluster.measurements)
     parts: tuple[dict[str, float], ...] = ({}, {}, {})
     names = ("executor.gap", "executor.issue", "executor.extra")

@@ -10,13 +10,16 @@ fills the bubble.
 
 For uniform stages (forward f, backward b) and no communication the step
 takes T(eta) = eta * p * (f + b) - (eta - 1) * (p - 1) * f with eta = 2T
-(STRATEGIES.md). `simulate` computes the general case (any per-stage times,
-point-to-point transfers) by list scheduling the per-device order.
+(STRATEGIES.md). `step_time` computes the general case (any per-stage times,
+point-to-point transfers) by list scheduling the per-device order of the bidirectional
+schedule (runtime/schedules.py), the same action lists codegen lowers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from runtime.schedules import bidirectional
 
 
 @dataclass(frozen=True)
@@ -36,64 +39,65 @@ class Task:
         return f"{self.pass_}{self.replica} s{self.stage} m{self.micro}"
 
 
-def device_of(replica: str, stage: int, pipeline: int) -> int:
-    """Device (pipeline position) that runs `stage` of `replica`."""
-    return stage if replica == "A" else pipeline - 1 - stage
-
-
 def device_order(pipeline: int, replicas_per_direction: int) -> list[list[Task]]:
     """The GEMS order of tasks on each device: for each pair t, A's F and B, then B's F and B.
 
-    Micro-batches are numbered 2t (replica A) and 2t+1 (replica B) for pair t.
+    Micro-batches are numbered 2t (replica A) and 2t+1 (replica B) for pair t. It is the
+    bidirectional schedule of runtime/schedules.py, the one codegen lowers, with the replica
+    of each action named.
     """
-    p = pipeline
-    order: list[list[Task]] = [[] for _ in range(p)]
-    for t in range(replicas_per_direction):
-        for replica, micro in (("A", 2 * t), ("B", 2 * t + 1)):
-            for dev in range(p):
-                stage = dev if replica == "A" else p - 1 - dev
-                order[dev].append(Task(replica, "F", stage, micro))
-                order[dev].append(Task(replica, "B", stage, micro))
-    return order
+    sched = bidirectional(pipeline, replicas_per_direction)
+    return [[Task("A" if a.micro % 2 == 0 else "B", a.op, a.stage, a.micro) for a in sched[dev]]
+            for dev in range(pipeline)]
 
 
-def simulate(forward: list[float], backward: list[float], replicas_per_direction: int,
-             p2p: float = 0.0) -> tuple[float, list[float]]:
+def step_time(forward: list[float], backward: list[float], replicas_per_direction: int,
+              p2p: float = 0.0) -> tuple[float, list[float]]:
     """(step seconds, busy seconds per device) of the bi-directional schedule.
 
     forward[s], backward[s]: seconds of stage s for one micro-batch (both
     replicas have the same stages). p2p: seconds to move one activation or
-    gradient between neighbouring devices. A task starts when its device is
-    free and its input has arrived: a forward needs the previous stage's
-    forward of the same micro-batch; a backward needs the next stage's
-    backward (the last stage's backward needs its own forward).
+    gradient between neighbouring devices. The list schedule of
+    :func:`device_order`: a task starts when its device has finished the task before it
+    and its input has arrived: a forward needs the previous stage's forward of the same
+    micro-batch; a backward needs the next stage's backward (the last stage's backward
+    needs its own forward, on the same device).
     """
     p = len(forward)
     if p < 1 or len(backward) != p:
         raise ValueError(f"forward and backward need one time per stage; got {len(forward)} and {len(backward)}")
-    # One pass in an order that respects both the data dependencies and each
-    # device's task order (pair by pair: A's forwards up the stages, A's
-    # backwards down, then the same for B), so every task's start time is final
-    # when it is reached: exactly the list schedule of device_order, in O(tasks).
+    order = device_order(p, replicas_per_direction)
+    done: dict[tuple[str, int, int], float] = {}   # (pass, stage, micro) -> end time
     free = [0.0] * p
     busy = [0.0] * p
-    for t in range(replicas_per_direction):
-        for replica in ("A", "B"):
-            arrive = 0.0
-            for stage in range(p):  # forwards
-                dev = stage if replica == "A" else p - 1 - stage
+    nxt = [0] * p
+    while any(nxt[dev] < len(order[dev]) for dev in range(p)):
+        for dev in range(p):
+            while nxt[dev] < len(order[dev]):
+                task = order[dev][nxt[dev]]
+                arrive = _arrival(task, done, p, p2p)
+                if arrive is None:
+                    break
+                seconds = forward[task.stage] if task.pass_ == "F" else backward[task.stage]
                 start = max(free[dev], arrive)
-                free[dev] = start + forward[stage]
-                busy[dev] += forward[stage]
-                arrive = free[dev] + (p2p if stage < p - 1 else 0.0)
-            arrive = free[p - 1 if replica == "A" else 0]
-            for stage in range(p - 1, -1, -1):  # backwards
-                dev = stage if replica == "A" else p - 1 - stage
-                start = max(free[dev], arrive)
-                free[dev] = start + backward[stage]
-                busy[dev] += backward[stage]
-                arrive = free[dev] + p2p
+                free[dev] = start + seconds
+                busy[dev] += seconds
+                done[(task.pass_, task.stage, task.micro)] = free[dev]
+                nxt[dev] += 1
     return max(free), busy
+
+
+def _arrival(task: Task, done: dict[tuple[str, int, int], float], p: int, p2p: float) -> float | None:
+    """When `task`'s input is on its device (s), or None while the task producing it has not run."""
+    if task.pass_ == "F":
+        if task.stage == 0:
+            return 0.0
+        before = done.get(("F", task.stage - 1, task.micro))
+        return None if before is None else before + p2p
+    if task.stage == p - 1:
+        return done.get(("F", task.stage, task.micro))
+    after = done.get(("B", task.stage + 1, task.micro))
+    return None if after is None else after + p2p
 
 
 def uniform_step_time(pipeline: int, replicas_per_direction: int, f: float, b: float) -> float:

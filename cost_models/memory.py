@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.schedules import forwards_in_flight
+from runtime.vocab import Schedule
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -58,15 +61,14 @@ def live_micro_batches(schedule: str, stage: int, pipeline: int, micro_batches: 
                        virtual_stages: int = 1) -> float:
     """Micro-batches whose activations a device on pipeline position `stage` holds at its peak.
 
-    GPipe runs every forward before any backward: all m. 1F1B keeps at most
-    p - stage. Interleaved 1F1B with v chunks warms up (p - 1) extra chunk
-    forwards spread over v chunks (Narayanan et al. SC'21, section 2.2):
-    (p - stage) + (p - 1) / v micro-batches' worth of one stage's activations.
+    GPipe and 1F1B: the peak of forwards not yet backwarded in the schedule's own action
+    list (runtime/schedules.py): all m for GPipe, min(p - stage, m) for 1F1B. Interleaved
+    1F1B with v chunks: Megatron-LM's estimate (Narayanan et al. SC'21, section 2.2), the
+    (p - 1) extra warm-up chunk forwards spread over v chunks: (p - stage) + (p - 1) / v
+    micro-batches' worth of one position's activations. It equals the action list's peak
+    (forwards_in_flight / v) on position 0 and for v = 2; for v > 2 the list holds
+    (stage) (1 - 2 / v) more on the later positions, which the planner's figures leave out.
     """
-    if schedule == "gpipe":
-        return float(micro_batches)
-    if schedule == "1f1b":
-        return float(min(pipeline - stage, micro_batches))
-    if schedule == "interleaved":
+    if schedule == Schedule.INTERLEAVED:
         return float(min(pipeline - stage + (pipeline - 1) / virtual_stages, micro_batches))
-    raise ValueError(f"unknown schedule {schedule!r}")
+    return float(forwards_in_flight(schedule, stage, pipeline, micro_batches))

@@ -22,7 +22,7 @@ per-rank size (piecewise linear in log(size) and log(time)):
     softmax        elements                  softmax over rows of 64
     identity       (any)                     nn.Dropout(p=0): returns its input, costs the call
 
-Each point is chain-differenced like calibrate_ops (chains of 1 and 1 + k ops,
+Each point is chain-differenced like calibration.ops (chains of 1 and 1 + k ops,
 interleaved, medians), so it holds one op's time without the per-call cost of
 entering autograd. Below the smallest size the smallest point's time applies
 (a fixed cost); above the largest, time grows in proportion to size (the rate
@@ -121,11 +121,11 @@ def node_curve_times(node, curves: dict, mix: tuple[float, float], share: float,
 
 
 def _cases() -> list[tuple[str, float, Callable[[int], tuple]]]:
-    """(family, size, build) for every ladder point; build(k) as calibrate_ops._median_times wants."""
+    """(family, size, build) for every ladder point; build(k) as calibration.ops._median_times wants."""
     import torch
     import torch.nn.functional as F
 
-    from cost_models.calibrate_ops import _chain
+    from cost_models.calibration.ops import _chain
 
     def leaf(*shape):
         return torch.randn(*shape, requires_grad=True)
@@ -175,7 +175,7 @@ def time_op_curves(*, quick: bool = True, progress: Callable[[str], None] | None
     """[(family, size, forward s, backward s), ...] for every ladder point, on one thread.
 
     quick: about 3-5 s on an idle core; otherwise about three times as many repeats."""
-    from cost_models.calibrate_ops import CHAIN, _median_times, one_thread
+    from cost_models.calibration.ops import CHAIN, _median_times, one_thread
 
     rows = []
     with one_thread():
@@ -216,7 +216,7 @@ def time_probe_block(*, quick: bool = True) -> tuple[float, float]:
     import torch
     import torch.nn.functional as F
 
-    from cost_models.calibrate_ops import CHAIN, _chain, _median_times, one_thread
+    from cost_models.calibration.ops import CHAIN, _chain, _median_times, one_thread
 
     b, t, c, h = PROBE["batch"], PROBE["seq"], PROBE["hidden"], PROBE["heads"]
 

@@ -78,8 +78,8 @@ class ComputeCosts:
         """Per-stage times from a planner Prediction (its StagePrediction entries).
 
         With a calibrated `cluster`, the runtime's fixed costs that the planner's per-op sums
-        leave out (cost_models/calibrated.py, measured by cost_models/calibrate_stage.py and
-        cost_models/calibrate_executor.py) are added: each stage call pays the cost of one
+        leave out (cost_models/calibrated.py, measured by cost_models/calibration/stage.py and
+        cost_models/calibration/executor.py) are added: each stage call pays the cost of one
         forward / backward call (entering the stage, starting the autograd engine) and the
         executor's extra inside it; the last stage also computes the loss over
         `loss_elements` logits per micro-batch (this rank's share). With `vocab_split` = (rows

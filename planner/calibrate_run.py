@@ -1,6 +1,6 @@
 """Compute in a training run against the calibrated per-op prices: the in-run factor.
 
-    cluster = calibrate(2)                                     # cost_models/calibrate.py
+    cluster = calibrate(2)                                     # cost_models/calibration/calibrate.py
     cluster = with_in_run(cluster, backend="mpi")              # + fit.in_run.forward / .backward
 
 The op curves and per-kind overheads are timed in chains of one op kind (or one probe
@@ -137,9 +137,9 @@ def with_in_run(cluster, backend: str = "gloo", **kwargs):
 
 def calibrate_machine(ranks: int | None = None, *, quick: bool = True, backend: str = "gloo", timeout: float = 300.0,
                       run_probe: bool = True, progress: Callable[[str], None] | None = print):
-    """cost_models.calibrate.calibrate, then (run_probe) the in-run probe (with_in_run). A probe that
+    """cost_models.calibration.calibrate.calibrate, then (run_probe) the in-run probe (with_in_run). A probe that
     fails leaves the calibration as it is and says so through `progress`: nothing measured is lost."""
-    from cost_models.calibrate import calibrate
+    from cost_models.calibration.calibrate import calibrate
 
     cluster = calibrate(ranks, quick=quick, backend=backend, timeout=timeout, progress=progress)
     if not run_probe:

@@ -173,7 +173,7 @@ def build_graph(build: Path, plan) -> "ModelGraph":
 
 def predicted_costs(build: str | Path, cluster: "Cluster"):
     """(plan priced on `cluster`, its Prediction, ComputeCosts, Programs) for the build's configuration."""
-    from cost_models.calibrate import for_world
+    from cost_models.calibration.calibrate import for_world
     from cost_models.simulate import ComputeCosts
     from planner.evaluate import Evaluator
     from planner.plan import Plan

@@ -242,8 +242,8 @@ class Evaluator:
         b = [bc[k] + rc[k] + sum(c.tp_backward for c in per_stage[k]) for k in range(p)]
         link = self.p2p_seconds(config)
         hop = max(link(costs[hi - 1].boundary) for lo, hi in bounds[:-1])
-        with_p2p, _ = gems.simulate(f, b, T, hop)
-        without_p2p, busy = gems.simulate(f, b, T, 0.0)
+        with_p2p, _ = gems.step_time(f, b, T, hop)
+        without_p2p, busy = gems.step_time(f, b, T, 0.0)
         crit = max(range(p), key=lambda i: busy[i])
         pair = gems.pair_of(crit, p)
         both = (crit, pair)  # the middle device of an odd pipeline runs its stage for both replicas

@@ -3,7 +3,7 @@ figures (the slowest rank's), and what the simulator charges a build that reduce
 
 import pytest
 
-from cost_models.calibrate import build_cluster
+from cost_models.calibration.calibrate import build_cluster
 from cost_models.calibrated import after_reduce_costs
 from cost_models.hardware import Cluster
 from cost_models.simulate import ComputeCosts

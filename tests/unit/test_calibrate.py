@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from cost_models.calibrate import build_cluster, fit_alpha_beta, for_world
-from cost_models.calibrate_ops import BLOCK, KINDS, OpTiming, fit_compute
+from cost_models.calibration.calibrate import build_cluster, fit_alpha_beta, for_world
+from cost_models.calibration.ops import BLOCK, KINDS, OpTiming, fit_compute
 from cost_models.calibrated import call_overheads, calibrated_efficiency, fitted_collective, overlap_hidden
 from cost_models.comm import collective_time
 from cost_models.compute import Efficiency, op_time
@@ -143,7 +143,7 @@ def test_compute_costs_add_the_calibrated_call_overhead():
 
 
 def test_optimizer_fixed_cost_per_tensor_is_measured_and_priced():
-    from cost_models.calibrate_ops import OPTIMIZER_KINDS, time_optimizer_steps
+    from cost_models.calibration.ops import OPTIMIZER_KINDS, time_optimizer_steps
     from cost_models.calibrated import optimizer_per_step, optimizer_per_tensor
 
     measured = time_optimizer_steps(tensors=8, few=2, steps=3)

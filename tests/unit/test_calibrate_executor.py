@@ -5,15 +5,21 @@ planner charge for them (the rest of tensor parallelism's extras: test_calibrate
 import pytest
 
 from codegen.lower import check_programs
-from cost_models.calibrate import build_cluster
-from cost_models.calibrate_executor import one_f_one_b, reference_programs, trace_costs
+from cost_models.calibration.calibrate import build_cluster
+from cost_models.calibration.executor import reference_programs, trace_costs
 from cost_models.calibrated import call_overheads, executor_costs, tensor_wrapper_costs
 from cost_models.hardware import Cluster
 from cost_models.simulate import ComputeCosts, simulate
+from runtime.schedules import one_f_one_b as one_f_one_b_schedule
 from runtime.trace import Event, Timeline
 from tests.unit.test_calibrate import _results
 from tests.unit.test_calibrate_stage import _prediction
 from tests.unit.test_simulate import CL, two_stage_1f1b
+
+
+def one_f_one_b(stage, stages, micro):
+    """[(op, micro-batch), ...] of `stage` in the 1F1B schedule the reference pipeline runs."""
+    return [(a.op, a.micro) for a in one_f_one_b_schedule(stages, micro)[stage]]
 
 
 @pytest.mark.parametrize("stages,micro", [(2, 4), (3, 4), (4, 2)])

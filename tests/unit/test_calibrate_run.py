@@ -6,7 +6,7 @@ import pytest
 
 import planner
 from codegen.emit import capture_ref
-from cost_models.calibrate import build_cluster
+from cost_models.calibration.calibrate import build_cluster
 from cost_models.calibrated import in_run_factors
 from cost_models.hardware import Cluster
 from planner.calibrate_run import FACTOR_RANGE, InRunError, PROBE_FILE, in_run_factor, measure_in_run
@@ -85,12 +85,12 @@ def test_probe_model_runs_and_its_batches_are_a_function_of_the_seed():
 
 
 def test_calibrate_machine_keeps_the_calibration_when_the_probe_fails_and_skips_it_when_asked(monkeypatch):
-    import cost_models.calibrate
+    import cost_models.calibration.calibrate
     import planner.calibrate_run as cr
 
     results, _, _ = _curve_results()
     base = build_cluster(results)
-    monkeypatch.setattr(cost_models.calibrate, "calibrate", lambda *a, **k: base)
+    monkeypatch.setattr(cost_models.calibration.calibrate, "calibrate", lambda *a, **k: base)
     calls = []
 
     def failing(cluster, backend, **kw):

@@ -3,8 +3,8 @@ Cluster file and charged by the simulator (stage call, loss on the last stage, Z
 
 import pytest
 
-from cost_models.calibrate import build_cluster
-from cost_models.calibrate_stage import fit_loss, time_stage_calls, time_zero_grad
+from cost_models.calibration.calibrate import build_cluster
+from cost_models.calibration.stage import fit_loss, time_stage_calls, time_zero_grad
 from cost_models.calibrated import call_overheads, loss_costs, zero_grad_cost
 from cost_models.hardware import Cluster
 from cost_models.prediction import MemoryBreakdown, StagePrediction
@@ -84,7 +84,7 @@ def test_stage_call_and_loss_figures_are_differences_of_the_timed_variants(monke
     """The arithmetic, with the timings under the test's control: a call's fixed cost is the
     shallow stage less its layers (from the two depths' difference), the loss is the last stage
     less the middle one, and noise that makes a difference negative gives 0, never less."""
-    import cost_models.calibrate_stage as cs
+    import cost_models.calibration.stage as cs
 
     times = {(cs.LAYERS[0], None, False): (3e-5, 5e-5), (cs.LAYERS[1], None, False): (7e-5, 13e-5)}
     (r0, c0), (r1, c1) = cs.LOSS_SHAPES

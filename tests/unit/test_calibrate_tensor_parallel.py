@@ -1,5 +1,5 @@
 """What tensor parallelism costs besides its all-reduces: measured through the runtime's own
-modules (calibrate_stage.time_tensor_parallel), fitted per call and per element, and charged
+modules (calibration.stage.time_tensor_parallel), fitted per call and per element, and charged
 by the planner (wrappers, the vocabulary-parallel embedding) and the simulator (the
 vocabulary-parallel loss)."""
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from codegen.emit import capture_ref
-from cost_models.calibrate import build_cluster
-from cost_models.calibrate_stage import time_tensor_parallel
+from cost_models.calibration.calibrate import build_cluster
+from cost_models.calibration.stage import time_tensor_parallel
 from cost_models.calibrated import tensor_embedding_costs, tensor_wrapper_costs, vocab_loss_costs
 from cost_models.comm import collective_time
 from cost_models.hardware import Cluster

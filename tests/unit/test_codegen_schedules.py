@@ -1,11 +1,11 @@
-"""codegen.schedules and codegen.lower: schedules as data, lowering passes, and the Programs they make."""
+"""runtime.schedules and codegen.lower: schedules as data, lowering passes, and the Programs they make."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from codegen.lower import LoweringError, check_programs, lower, p2p_pass
-from codegen.schedules import ScheduleError, build_schedule, format_schedule, interleaved, one_f_one_b
+from runtime.schedules import ScheduleError, build_schedule, format_schedule, interleaved, one_f_one_b
 from runtime.program import Instr, Program
 from tests.parallel_cases import graph_of, plan_for
 

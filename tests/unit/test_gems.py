@@ -4,11 +4,12 @@ import pytest
 import torch
 
 import planner
-from cost_models.gems import device_order, simulate, uniform_step_time
+from cost_models.gems import device_order, uniform_step_time
+from cost_models.gems import step_time as simulate
 from cost_models.hardware import Cluster
 from examples.models import gpt
 from codegen.lower import lower
-from codegen.schedules import bidirectional, bidirectional_position
+from runtime.schedules import bidirectional, bidirectional_position
 from cost_models.simulate import ComputeCosts
 from cost_models.simulate import simulate as simulate_programs
 from planner import ConfigError, ParallelConfig
@@ -147,7 +148,7 @@ def test_lowered_programs_hold_two_stages_and_reduce_over_the_pair(tiny, p, d, T
 @pytest.mark.parametrize("p,d,T", [(2, 1, 1), (2, 2, 2), (3, 1, 2), (4, 1, 2), (4, 2, 4)])
 @pytest.mark.parametrize("cluster", ["dgx-a100-80gb", "local"])
 def test_cost_model_step_time_matches_simulating_the_lowered_programs(tiny, p, d, T, cluster):
-    """The analytic GEMS step (gems.simulate of the per-device order, pair all-reduce after the
+    """The analytic GEMS step (gems.step_time of the per-device order, pair all-reduce after the
     step) against the discrete-event simulation of the Programs the runtime executes. They
     differ by the pair all-reduce of the higher stage, which the Programs overlap with the
     last backward, and by per-message p2p times (the cost model uses the largest cut's)."""

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from cost_models.calibrate import build_cluster
+from cost_models.calibration.calibrate import build_cluster
 from cost_models.calibrated import calibrated_efficiency, curve_mix, op_curves
 from cost_models.hardware import Cluster
 from cost_models.op_curves import (FAMILIES, PROBE, PROBE_VIEWS, curve_time, fit_curve_mix, node_family, probe_ops,

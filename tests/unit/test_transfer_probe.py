@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cost_models.calibrate import build_cluster
+from cost_models.calibration.calibrate import build_cluster
 from cost_models.calibrated import measured_collective
 from planner.compare import TRANSFER_DRIFT, Comparison, _transfer
 from runtime.trace import PROBE_BYTES, probe_all_reduce

@@ -1,15 +1,15 @@
 """One rank of `meshplan calibrate`: measure compute and communication from inside a rank process.
 
-    python -m cost_models.calibrate_worker --rank R --world W --port P --out DIR [--full] [--backend gloo]
+    python -m cost_models.calibration.worker --rank R --world W --port P --out DIR [--full] [--backend gloo]
 
 Every rank runs the same measurements at the same time, as the ranks of a
 training run do (one thread each, OMP_NUM_THREADS=1), so the figures include
 the contention of W busy processes on this machine:
 
-1. compute: the per-kind op and layer timings of cost_models.calibrate_ops, the op curves
+1. compute: the per-kind op and layer timings of cost_models.calibration.ops, the op curves
    and the probe block of cost_models.op_curves, the runtime's fixed costs (a stage call,
-   the loss, zeroing gradients) of cost_models.calibrate_stage, the executor's own time per
-   instruction (cost_models.calibrate_executor: a reference pipeline run by the runtime), the
+   the loss, zeroing gradients) of cost_models.calibration.stage, the executor's own time per
+   instruction (cost_models.calibration.executor: a reference pipeline run by the runtime), the
    peak fp32 GEMM rate and copy bandwidth of cost_models.local_machine, and the
    share of a core a rank gets while it computes in a training step's rhythm
    (run_like_share: below 1 when other processes load the machine);
@@ -28,10 +28,10 @@ Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "curves": [[fami
 "overlap": [hidden, compute s, all-reduce s, overlapped s] (overlap_hidden),
 "after_reduce": [optimizer s/byte, zeroing s/byte, 4 raw medians] (after_reduce),
 "optimizer": {kind: s per parameter tensor of a step}, "optimizer_fixed": {kind: s per step}
-(calibrate_ops.time_optimizer_steps), "stage": {"call": [fwd s, bwd s], "loss": [[elements, fwd s, bwd s], ...],
+(calibration.ops.time_optimizer_steps), "stage": {"call": [fwd s, bwd s], "loss": [[elements, fwd s, bwd s], ...],
 "zero_grad": [s per tensor, s per byte],
-"tensor_parallel": {part: [[elements, fwd s, bwd s], ...]}} (calibrate_stage),
-"executor": {"gap": {op: s}, "issue": {op: s}, "extra": {"F": s, "B": s}} (calibrate_executor), "peak_flops", "memory_bandwidth",
+"tensor_parallel": {part: [[elements, fwd s, bwd s], ...]}} (calibration.stage),
+"executor": {"gap": {op: s}, "issue": {op: s}, "extra": {"F": s, "B": s}} (calibration.executor), "peak_flops", "memory_bandwidth",
 "comm": [[op, group_size, nbytes, seconds], ...]} (communication only on rank 0).
 """
 
@@ -40,11 +40,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Callable
+
+import torch
+
+from cost_models.calibration.executor import time_executor
+from cost_models.calibration.ops import _block_case, time_block, time_op_kinds, time_optimizer_steps
+from cost_models.calibration.stage import time_stage_calls, time_tensor_parallel, time_zero_grad
+from cost_models.local_machine import _measure_compute_and_memory
+from cost_models.op_curves import time_op_curves, time_probe_block
+from runtime.comm import TorchCommunicator
+from runtime.comm_mpi import MpiCommunicator
 
 QUICK_SIZES = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
 FULL_SIZES = (8, 256, 1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 17, 1 << 18, 1 << 20, 1 << 21, 1 << 22, 1 << 24)
@@ -53,21 +64,13 @@ COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 
 def _make_comm(backend: str, rank: int, world: int, port: int, timeout: float):
     if backend == "mpi":
-        from runtime.comm_mpi import MpiCommunicator
-
         return MpiCommunicator(timeout=timeout)
-    import torch
-
-    from runtime.comm import TorchCommunicator
-
     device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if backend == "nccl" else None
     return TorchCommunicator(backend, rank, world, "127.0.0.1", port, timeout=timeout, device=device)
 
 
 def _collective_runner(comm, op: str, ranks: tuple[int, ...], nbytes: int, device) -> Callable[[], None]:
     """A function that runs one `op` of `nbytes` over `ranks` and waits for it (this rank is in ranks)."""
-    import torch
-
     g = len(ranks)
     group = comm.group(ranks) if op != "p2p" else None
     numel = max(nbytes // 4, 1)
@@ -108,8 +111,6 @@ def measure_comm(comm, world: int, sizes, trials: int, device, progress) -> list
     machine's load touches every size alike; the figure is the mean over rounds (the
     expected cost of one call, which is what a sum of calls in a step adds up to).
     """
-    import torch
-
     rows = []
     for g in range(2, world + 1):
         ranks = tuple(range(g))
@@ -152,10 +153,6 @@ def after_reduce(comm, device, nbytes: int = 2 << 20, rounds: int = 16) -> list[
     ns per byte on the rank whose buffer was read, against ~0.02 for a buffer of its own).
     Each round all-reduces `nbytes` (or, for the reference, 8 bytes), runs an SGD-momentum
     update reading it, a layer's forward and backward, then zeroes it. Medians over `rounds`."""
-    import torch
-
-    from cost_models.calibrate_ops import _block_case
-
     build, _ = _block_case()
     fwd, grad_of = build(2)
     group = comm.group(range(comm.world_size))
@@ -194,10 +191,6 @@ def run_like_share(comm, seconds: float) -> tuple[float, float]:
     segments only (the waits are not compute). The all-reduce after compute waits for the
     slower rank and for this rank's wake-up, which back-to-back collectives do not show.
     """
-    import torch
-
-    from cost_models.calibrate_ops import _block_case
-
     build, _ = _block_case()
     fwd, grad_of = build(4)
     group = comm.group(range(comm.world_size))
@@ -236,12 +229,6 @@ def overlap_hidden(comm, device, nbytes: int = 1 << 20, rounds: int = 40) -> tup
     dozen rounds by a share of its own time (the share swung from -0.9 to +0.3 between
     calibrations a minute apart with means of 12).
     """
-    import math
-
-    import torch
-
-    from cost_models.calibrate_ops import _block_case
-
     build, _ = _block_case()
     fwd, grad_of = build(4)
     group = comm.group(range(comm.world_size))
@@ -296,14 +283,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--timeout", type=float, default=120.0)
     args = ap.parse_args(argv)
-    import torch
-
-    from cost_models.calibrate_ops import time_block, time_op_kinds, time_optimizer_steps
-    from cost_models.calibrate_executor import time_executor
-    from cost_models.calibrate_stage import time_stage_calls, time_tensor_parallel, time_zero_grad
-    from cost_models.op_curves import time_op_curves, time_probe_block
-    from cost_models.local_machine import _measure_compute_and_memory
-
     torch.set_num_threads(1)
     comm = _make_comm(args.backend, args.rank, args.world, args.port, args.timeout)
     rank = comm.rank  # under mpiexec, MPI numbers the ranks

@@ -28,21 +28,21 @@ from __future__ import annotations
 
 import statistics
 
+import torch
+
+from cost_models.calibration.stage import _median_calls, reference_runner, runner_calls
+from runtime.context import DistContext
+from runtime.data import DataSource
+from runtime.executor import Executor
+from runtime.program import Instr, Program
+from runtime.schedules import one_f_one_b
+from runtime.trace import Recorder
+from runtime.vocab import MeshAxis
+
 REF_WIDTH = 128            # features of the reference stages
 REF_ROWS = 2               # samples per micro-batch
 REF_CLASSES = 16
 REF_MICRO_BATCHES = 4
-
-
-def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    """[("F" | "B", micro-batch), ...] of `stage` in a 1F1B schedule of `stages` stages: as many
-    forwards as stages after it (the warm-up), then a forward and a backward in turn, then the
-    remaining backwards."""
-    warm = min(stages - 1 - stage, micro_batches)
-    order = [("F", m) for m in range(warm)]
-    for i in range(micro_batches - warm):
-        order += [("F", warm + i), ("B", i)]
-    return order + [("B", m) for m in range(micro_batches - warm, micro_batches)]
 
 
 def reference_programs(world: int, micro_batches: int = REF_MICRO_BATCHES) -> list:
@@ -52,11 +52,10 @@ def reference_programs(world: int, micro_batches: int = REF_MICRO_BATCHES) -> li
     before the compute that needs it, sends waited at the end; then the loss broadcast from
     the last stage and all-reduced over the pipeline (both collectives a real step has),
     each waited; STEP and ZERO_GRAD as every step has them."""
-    from runtime.program import Instr, Program
-
     nbytes = REF_ROWS * REF_WIDTH * 4
     last = world - 1
-    mesh = (("pipe", world), ("data", 1), ("tensor", 1))
+    mesh = ((MeshAxis.PIPELINE, world), (MeshAxis.DATA, 1), (MeshAxis.TENSOR, 1))
+    order = one_f_one_b(world, micro_batches)
     progs = []
     for r in range(world):
         ms = range(micro_batches)
@@ -69,7 +68,8 @@ def reference_programs(world: int, micro_batches: int = REF_MICRO_BATCHES) -> li
                 for m, k in grad.items()]
         h = len(act) + len(grad)
         sends = []
-        for op, m in one_f_one_b(r, world, micro_batches):
+        for action in order[r]:
+            op, m = action.op, action.micro
             wait, send = (act, r < last) if op == "F" else (grad, r > 0)
             if m in wait:
                 ins.append(Instr("WAIT", handle=wait[m]))
@@ -83,8 +83,8 @@ def reference_programs(world: int, micro_batches: int = REF_MICRO_BATCHES) -> li
         ins += [Instr("WAIT", handle=k) for k in sends]
         ins.append(Instr("STEP"))
         for op in ("BROADCAST", "ALLREDUCE"):
-            ins += [Instr(op, kind="loss", axis="pipe", peer=last if op == "BROADCAST" else -1, handle=h, nbytes=8),
-                    Instr("WAIT", handle=h)]
+            ins += [Instr(op, kind="loss", axis=MeshAxis.PIPELINE, peer=last if op == "BROADCAST" else -1, handle=h,
+                          nbytes=8), Instr("WAIT", handle=h)]
             h += 1
         progs.append(Program(rank=r, world_size=world, mesh=mesh, coords=(r, 0, 0), stages=(r,), num_stages=world,
                              num_micro_batches=micro_batches, micro_batch_size=REF_ROWS, instrs=tuple(ins)))
@@ -92,16 +92,12 @@ def reference_programs(world: int, micro_batches: int = REF_MICRO_BATCHES) -> li
 
 
 def _runner(rank: int, world: int):
-    from cost_models.calibrate_stage import reference_runner
-
     is_last = rank == world - 1
     return reference_runner(rank, 1, REF_WIDTH, REF_ROWS, REF_CLASSES if is_last else None, is_last,
                             "recv" if rank > 0 else "data", 1.0 / REF_MICRO_BATCHES)
 
 
 def _batch(global_batch: int, seed: int):
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(global_batch, REF_WIDTH, generator=g),), torch.randint(0, REF_CLASSES, (global_batch,),
                                                                                generator=g)
@@ -111,11 +107,6 @@ def time_executor(comm, *, steps: int = 12) -> dict[str, dict[str, float]]:
     """{"gap": {op: s}, "issue": {op: s}, "extra": {"F": s, "B": s}} of this rank, from `steps` traced
     steps of the reference pipeline over all of `comm`'s ranks (the first step is warm-up). Every
     rank must call it."""
-    from runtime.context import DistContext
-    from runtime.data import DataSource
-    from runtime.executor import Executor
-    from runtime.trace import Recorder
-
     world, rank = comm.world_size, comm.rank
     program = reference_programs(world)[rank]
     ctx = DistContext.create(comm, program.mesh)
@@ -135,11 +126,7 @@ def time_executor(comm, *, steps: int = 12) -> dict[str, dict[str, float]]:
 
 def _in_run_extra(timeline, runner, data) -> dict[str, float]:
     """{"F": s, "B": s}: the traced forward / backward instructions' median less the same stage's
-    forward / backward called in a row (as cost_models/calibrate_stage times the stage call)."""
-    import torch
-
-    from cost_models.calibrate_stage import _median_calls, runner_calls
-
+    forward / backward called in a row (as cost_models/calibration/stage times the stage call)."""
     traced = {op: statistics.median(e.duration for e in timeline.events if e.op == op and e.step >= 1)
               for op in ("F", "B")}
     x, y = data.micro_batches(0)[0] if data is not None else ((torch.randn(REF_ROWS, REF_WIDTH),), None)

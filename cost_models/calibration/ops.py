@@ -30,6 +30,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+import torch.nn.functional as F
+
+from runtime.optim import OptimizerSpec
+
 CHAIN = 8
 KINDS = ("linear", "conv", "elementwise", "norm", "embedding", "attention", "view")
 
@@ -49,8 +54,6 @@ class OpTiming:
 @contextlib.contextmanager
 def one_thread():
     """torch on one thread inside the block (one rank process under OMP_NUM_THREADS=1), restored after."""
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -64,8 +67,6 @@ def _median_times(build: Callable[[int], tuple], reps: int, budget_s: float) -> 
 
     build(k) returns (run_forward, make_grad): run_forward() -> output of k chained ops.
     """
-    import torch
-
     fns = {k: build(k) for k in (1, 1 + CHAIN)}
     out: dict[int, tuple[list[float], list[float]]] = {k: ([], []) for k in fns}
     deadline = time.perf_counter() + budget_s
@@ -87,8 +88,6 @@ def _median_times(build: Callable[[int], tuple], reps: int, budget_s: float) -> 
 
 def _chain(make_op: Callable[[], Callable], make_input: Callable[[], "object"]) -> Callable[[int], tuple]:
     """build(k) for a shape-preserving op: k ops made by make_op applied in sequence."""
-    import torch
-
     def build(k: int):
         ops = [make_op() for _ in range(k)]
         x = make_input()
@@ -104,9 +103,6 @@ def _chain(make_op: Callable[[], Callable], make_input: Callable[[], "object"]) 
 
 def _cases(size: str) -> dict[str, tuple[Callable[[int], tuple], float, float]]:
     """kind -> (build, forward FLOPs of one op, forward bytes of one op) at `size`."""
-    import torch
-    import torch.nn.functional as F
-
     small = size == "small"
     tokens, hidden = (32, 32) if small else (512, 256)
     heads, seq = 4, (16 if small else 128)
@@ -158,9 +154,6 @@ BLOCK = ("norm", "linear", "elementwise", "linear", "elementwise", "view", "view
 
 def _block_case(size: str = "small") -> tuple[Callable[[int], tuple], tuple[str, ...]]:
     """build(k) for k blocks of BLOCK's kinds in sequence (small size), and the kinds of one block."""
-    import torch
-    import torch.nn.functional as F
-
     batch, seq, hidden = 2, 16, 32
 
     def make_block():
@@ -281,10 +274,6 @@ X
     steps after three warm-up steps for each count; the line through the two gives both.
     The planner prices a step by the bytes it moves, which on small models misses most of it.
     """
-    import torch
-
-    from runtime.optim import OptimizerSpec
-
     def mean_step(kind: str, count: int) -> float:
         params = [torch.nn.Parameter(torch.ones(numel)) for _ in range(count)]
         for p in params:

@@ -3,7 +3,7 @@
     cluster = calibrate(ranks=2, quick=True)          # ~10-20 s on 2 cores
     cluster.save("cluster.yaml")                      # Cluster.load gives it back
 
-W rank processes (cost_models/calibrate_worker.py) run at once, one thread
+W rank processes (cost_models/calibration/worker.py) run at once, one thread
 each, as a training run's ranks do; they time the cost model's op kinds, the
 peak GEMM rate and copy bandwidth, and the collectives and p2p of the
 runtime's communicator (gloo, MPI or NCCL) for every group size 2..W. This
@@ -12,19 +12,19 @@ module fits the constants and builds the Cluster:
 - device: peak fp32 FLOP/s = the measured GEMM rate, memory bandwidth = the
   measured copy rate (medians over the ranks), both times the share of a core
   a rank gets while it computes between collectives (fit.cpu_share: CPU time
-  over wall time, calibrate_worker.run_like_share; 1 on an otherwise idle
+  over wall time, calibration.worker.run_like_share; 1 on an otherwise idle
   machine), since the op timings are medians of unpreempted runs and a step is
   not; fixed costs are divided by it;
 - Efficiency (fit.eff.*, fit.overhead.*): per-kind forward/backward overheads
   (measured alone, times the slow-down of kinds alternating in a layer, fit.mix.*)
-  and achieved fractions of peak (cost_models/calibrate_ops.py); the fixed cost
+  and achieved fractions of peak (cost_models/calibration/ops.py); the fixed cost
   of one stage forward / backward call through the runtime's StageRunner, the loss on the
   last stage (fit.loss.*: fixed and per logits element) and zeroing gradients
-  (fit.zero_grad.*), all used by the simulator (cost_models/calibrate_stage.py), and what
+  (fit.zero_grad.*), all used by the simulator (cost_models/calibration/stage.py), and what
   tensor parallelism adds besides its all-reduces (fit.tensor_wrapper.*,
   fit.tensor_embedding.*: planner.evaluate; fit.loss.vocab_*: the simulator); the runtime
   executor's own time per instruction (fit.executor.gap.* / .issue.* / .extra.*, from a
-  reference pipeline run through it: cost_models/calibrate_executor.py, simulator); the
+  reference pipeline run through it: cost_models/calibration/executor.py, simulator); the
   fixed cost of an optimizer step, per step and per parameter tensor
   (fit.optimizer.<kind>.per_step / .per_tensor);
   op curves (raw.curve.<family>.<size>.*: seconds per op of each family the models use at a
@@ -67,8 +67,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
-from cost_models.calibrate_ops import OpTiming, fit_compute
+from cost_models import local_machine
+from cost_models.calibration.ops import OpTiming, fit_compute
+from cost_models.calibration.stage import fit_loss
 from cost_models.hardware import Cluster, Device, Link
+from cost_models.op_curves import fit_curve_mix
+from cost_models.presets import _CPU_ACTIVE_WATTS_PER_CORE, _CPU_IDLE_WATTS_PER_CORE
+from runtime.launcher import free_port, mpiexec_args
+from runtime.lifetime import Children
 
 
 class CalibrationError(ValueError):
@@ -105,14 +111,12 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
 def run_workers(ranks: int, *, quick: bool = True, backend: str = "gloo", timeout: float = 300.0,
                 progress: Callable[[str], None] | None = print) -> list[dict]:
     """Start `ranks` calibration processes on this machine and return each rank's results."""
-    from runtime.launcher import free_port, mpiexec_args
-    from runtime.lifetime import Children
 
     if ranks < 2:
         raise CalibrationError(f"calibration needs at least 2 ranks to measure communication, got {ranks}")
     with tempfile.TemporaryDirectory(prefix="meshplan-calibrate-") as tmp:
         port = free_port()
-        base = [sys.executable, "-m", "cost_models.calibrate_worker", "--world", str(ranks), "--port", str(port),
+        base = [sys.executable, "-m", "cost_models.calibration.worker", "--world", str(ranks), "--port", str(port),
                 "--out", tmp, "--backend", backend, "--timeout", str(timeout)] + ([] if quick else ["--full"])
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         root = str(Path(__file__).resolve().parents[1])
@@ -155,8 +159,6 @@ def run_workers(ranks: int, *, quick: bool = True, backend: str = "gloo", timeou
 def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = True, seconds: float = 0.0,
                   name: str = "local-calibrated") -> Cluster:
     """The calibrated Cluster from run_workers' results (one node of len(results) devices)."""
-    from cost_models import local_machine
-    from cost_models.presets import _CPU_ACTIVE_WATTS_PER_CORE, _CPU_IDLE_WATTS_PER_CORE
 
     ranks = len(results)
     peak = statistics.median(r["peak_flops"] for r in results)
@@ -220,7 +222,7 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
     # calibration's layers, which is noise of the moment (up to ~0.6 ms on this VM, on one
     # calibration in six, once 0.43 ms on both ranks at once) and, in a run, the simulator's
     # to model from each rank's work. Each rank measures two windows seconds apart and keeps
-    # the quieter (calibrate_worker.main).
+    # the quieter (calibration.worker.main).
     sync = min(r["sync_all_reduce"] for r in results)
     m["raw.sync.all_reduce.g2.8"] = sync
     for i in (0, 1):  # each window's (min over ranks), kept for checking
@@ -238,7 +240,7 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
         m["fit.comm.overlap_hidden"] = statistics.median(o[0] for o in overlaps)
         for i, what in enumerate(("hidden", "compute", "all_reduce", "overlapped")):
             m[f"raw.overlap.{what}"] = statistics.median(o[i] for o in overlaps)
-    # Reading and zeroing gradients an all-reduce has just gone through (calibrate_worker.after_reduce):
+    # Reading and zeroing gradients an all-reduce has just gone through (calibration.worker.after_reduce):
     # the slowest rank's figure, since the step waits for it.
     after = [r["after_reduce"] for r in results if r.get("after_reduce")]
     if after:
@@ -269,7 +271,7 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
 def _runtime_measurements(stages: list[dict], share: float) -> dict[str, float]:
     """fit.call.*, fit.loss.*, fit.zero_grad.*, and fit.tensor_wrapper.*, fit.tensor_embedding.* and
     fit.loss.vocab_* (what tensor parallelism adds, fixed and per element) from the ranks'
-    calibrate_stage figures (medians over the ranks, divided by the CPU share like every fixed
+    calibration.stage figures (medians over the ranks, divided by the CPU share like every fixed
     cost); {} when none were measured.
 
     The stage call measured through the runtime's StageRunner replaces the one derived from
@@ -297,10 +299,8 @@ def _runtime_measurements(stages: list[dict], share: float) -> dict[str, float]:
 
 def _line_fits(prefix: str, per_rank: list[list[list[float]]], share: float, raw: str) -> dict[str, float]:
     """{prefix + "forward", prefix + "forward_per_element", prefix + "backward", ...} (s, s per
-    element): calibrate_stage.fit_loss through the ranks' median [elements, forward s, backward s]
+    element): calibration.stage.fit_loss through the ranks' median [elements, forward s, backward s]
     points, over the CPU share; and the points themselves as raw + "<elements>.forward" / ".backward"."""
-    from cost_models.calibrate_stage import fit_loss
-
     points = [[n, statistics.median(r[i][1] for r in per_rank), statistics.median(r[i][2] for r in per_rank)]
               for i, (n, _, _) in enumerate(per_rank[0])]
     m = {}
@@ -313,7 +313,7 @@ def _line_fits(prefix: str, per_rank: list[list[list[float]]], share: float, raw
 
 
 def _executor_measurements(runs: list[dict], share: float) -> dict[str, float]:
-    """fit.executor.gap.<op>, .issue.<op> and .extra.<F|B> (s) from the ranks' calibrate_executor
+    """fit.executor.gap.<op>, .issue.<op> and .extra.<F|B> (s) from the ranks' calibration.executor
     figures: the median over the ranks that measured the op, divided by the CPU share like every
     fixed cost; {} when none were measured."""
     m = {}
@@ -327,8 +327,6 @@ def _executor_measurements(runs: list[dict], share: float) -> dict[str, float]:
 def _curve_measurements(results: list[dict], share: float, fit) -> dict[str, float]:
     """raw.curve.<family>.<size>.forward/.backward (median over ranks, divided by the CPU share like
     every unpreempted timing) and fit.curve_mix.* from the probe block; {} for results without curves."""
-    from cost_models.op_curves import fit_curve_mix
-
     if not all(r.get("curves") and r.get("probe") for r in results):
         return {}
     by: dict[tuple[str, float], list[tuple[float, float]]] = defaultdict(list)
@@ -355,7 +353,6 @@ def _curve_measurements(results: list[dict], share: float, fit) -> dict[str, flo
 def calibrate(ranks: int | None = None, *, quick: bool = True, backend: str = "gloo", timeout: float = 300.0,
               progress: Callable[[str], None] | None = print) -> Cluster:
     """Measure this machine with `ranks` processes (default: one per usable CPU, at least 2)."""
-    from cost_models import local_machine
 
     if backend == "nccl":
         raise CalibrationError("NCCL calibration needs the op timings on the GPU, which calibrate does not "
@@ -371,8 +368,6 @@ def calibrate(ranks: int | None = None, *, quick: bool = True, backend: str = "g
 def for_world(cluster: Cluster, world: int) -> Cluster:
     """`cluster` resized to `world` devices on its one node (a calibrated local cluster used for a
     build of another size; the per-group-size fits still apply where they were measured)."""
-    import dataclasses
-
     if cluster.num_nodes != 1:
         if cluster.num_devices < world:
             raise ValueError(f"cluster {cluster.name!r} has {cluster.num_devices} devices but the build needs {world}")

@@ -26,7 +26,14 @@ import statistics
 import time
 from typing import Callable
 
-from cost_models.calibrate_ops import one_thread
+import torch
+import torch.nn.functional as F
+
+from cost_models.calibration.ops import one_thread
+from runtime.losses import compute_loss
+from runtime.spec import Boundary, StageSpec
+from runtime.stage import StageRunner
+from runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 WIDTH = 96                   # features of the reference stage's layers (no example model's width)
 ROWS = 2                     # samples per micro-batch
@@ -49,8 +56,6 @@ def _median_calls(once: Callable[[], tuple[float, float]], reps: int) -> tuple[f
 def _stage_once(layers: int, classes: int | None, rows: int, last: bool) -> Callable[[], tuple[float, float]]:
     """One forward + backward of a StageRunner over `layers` x (Linear, ReLU) and, when `classes`,
     a Linear head to that many classes; as the last stage (cross-entropy loss) or a middle one."""
-    import torch
-
     runner = reference_runner(0, layers, WIDTH, rows, classes, last, "recv", 0.25)
     width = classes if classes is not None else WIDTH
     return runner_calls(runner, torch.randn(rows, WIDTH), torch.randint(0, width, (rows,)), torch.randn(rows, width))
@@ -61,11 +66,6 @@ def reference_runner(index: int, layers: int, width: int, rows: int, classes: in
     """A StageRunner of stage `index` over `layers` x (Linear, ReLU) of `width` features and, when
     `classes`, a Linear head to that many classes; the last stage (cross-entropy loss) or one
     that sends its output. Its input of `rows` samples comes from `source` ("recv" or "data")."""
-    import torch
-
-    from runtime.spec import Boundary, StageSpec
-    from runtime.stage import StageRunner
-
     mods: list[torch.nn.Module] = []
     for _ in range(layers):
         mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
@@ -121,8 +121,6 @@ def time_zero_grad(*, tensors: int = 32, numel: int = 16, big_bytes: int = 4 << 
     """[seconds per tensor, seconds per byte] of zeroing gradients in place (Tensor.zero_):
     the mean over `reps` of zeroing `tensors` tiny tensors, over their count; and of zeroing one
     `big_bytes` fp32 tensor, less one tiny tensor's time, over its bytes."""
-    import torch
-
     small = [torch.ones(numel) for _ in range(tensors)]
     big = torch.ones(big_bytes // 4)
     with one_thread():
@@ -177,12 +175,6 @@ def time_tensor_parallel(*, quick: bool = True) -> dict[str, list]:
     logits; elements: this rank's logits (LOSS_SHAPES).
     None of it is in the captured graph; planner.evaluate and the simulator add it (the
     all-reduces themselves are priced by the communication model)."""
-    import torch
-    import torch.nn.functional as F
-
-    from runtime.losses import compute_loss
-    from runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-
     group = _NoCommGroup()
     reps = 200 if quick else 800
 

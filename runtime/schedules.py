@@ -1,10 +1,14 @@
 """Pipeline schedules as plain data: per pipeline position, the ordered F/B actions.
 
+The one definition of the schedules: codegen lowers these lists into Programs
+(codegen/lower.py adds the communication around them), the cost model reads its
+activation peaks (cost_models/memory.py) and its bidirectional step timing
+(cost_models/gems.py) from them, and calibration runs the 1F1B one.
+
 A schedule is `dict[pipe_rank, list[Instr]]` holding only "F s m" and
 "B s m" instructions (torch.distributed.pipelining's "actions"). Stage k runs
 on pipeline position k % p, so with v chunks per position, position i holds
-stages i, i + p, ..., i + (v - 1) p. These are pure functions; the lowering
-passes in codegen/lower.py add communication around them.
+stages i, i + p, ..., i + (v - 1) p.
 
   gpipe:       all forwards, then all backwards (every micro-batch's activations live at once)
   1f1b:        p - i - 1 warm-up forwards on position i, then one forward / one backward
@@ -19,6 +23,7 @@ passes in codegen/lower.py add communication around them.
 from __future__ import annotations
 
 from runtime.program import Instr
+from runtime.vocab import Schedule
 
 
 class ScheduleError(ValueError):
@@ -31,6 +36,30 @@ def _check(p: int, m: int, v: int = 1) -> None:
             raise ScheduleError(f"{name} must be a positive integer, got {x!r}")
 
 
+def warmup(schedule: str, position: int, p: int, m: int, v: int = 1) -> int:
+    """Forward actions position `position` runs before its first backward (of m * v in all).
+
+    gpipe: all of them; 1f1b: p - position - 1; interleaved: Megatron-LM's
+    2 (p - position - 1) + (v - 1) p chunk forwards. The builders below use it, so it is
+    the schedule's own count, not an estimate of it.
+    """
+    if schedule == Schedule.GPIPE:
+        return m
+    if schedule == Schedule.ONE_F_ONE_B:
+        return min(p - 1 - position, m)
+    if schedule == Schedule.INTERLEAVED:
+        return min((p - position - 1) * 2 + (v - 1) * p, m * v)
+    raise ScheduleError(f"unknown schedule {schedule!r}; known: {', '.join(Schedule)}")
+
+
+def forwards_in_flight(schedule: str, position: int, p: int, m: int, v: int = 1) -> int:
+    """The peak number of forward actions whose backward has not run yet on `position`.
+
+    After the warm-up every forward is followed by a backward, so the peak is one more than
+    the warm-up (all m * v when the warm-up already runs every forward)."""
+    return min(warmup(schedule, position, p, m, v) + 1, m * v)
+
+
 def gpipe(p: int, m: int) -> dict[int, list[Instr]]:
     _check(p, m)
     return {i: [Instr("F", i, k) for k in range(m)] + [Instr("B", i, k) for k in range(m)] for i in range(p)}
@@ -40,7 +69,7 @@ def one_f_one_b(p: int, m: int) -> dict[int, list[Instr]]:
     _check(p, m)
     out = {}
     for i in range(p):
-        warm = min(p - 1 - i, m)
+        warm = warmup(Schedule.ONE_F_ONE_B, i, p, m)
         acts = [Instr("F", i, k) for k in range(warm)]
         for k in range(m - warm):
             acts += [Instr("F", i, warm + k), Instr("B", i, k)]
@@ -69,7 +98,7 @@ def interleaved(p: int, m: int, v: int) -> dict[int, list[Instr]]:
             chunk = v - 1 - (k // p) % v
             return Instr("B", chunk * p + i, (k // (p * v)) * p + k % p)
 
-        warm = min((p - i - 1) * 2 + (v - 1) * p, total)
+        warm = warmup(Schedule.INTERLEAVED, i, p, m, v)
         acts = [fwd(k) for k in range(warm)]
         for k in range(total - warm):
             acts += [fwd(warm + k), bwd(k)]
@@ -80,7 +109,8 @@ def interleaved(p: int, m: int, v: int) -> dict[int, list[Instr]]:
 
 def bidirectional_position(stage: int, micro: int, p: int) -> int:
     """Pipeline position that runs `stage` for `micro` under the bidirectional schedule:
-    replica A (even micro-batches) runs stage s on position s, replica B (odd) on p-1-s."""
+    replica A (even micro-batches) runs stage s on position s, replica B (odd) on p-1-s.
+    The map is its own inverse: it also gives the stage a position runs for `micro`."""
     return stage if micro % 2 == 0 else p - 1 - stage
 
 
@@ -99,20 +129,20 @@ def bidirectional(p: int, replicas_per_direction: int) -> dict[int, list[Instr]]
     for t in range(replicas_per_direction):
         for micro in (2 * t, 2 * t + 1):
             for i in range(p):
-                stage = i if micro % 2 == 0 else p - 1 - i
+                stage = bidirectional_position(i, micro, p)
                 out[i] += [Instr("F", stage, micro), Instr("B", stage, micro)]
     return out
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> dict[int, list[Instr]]:
     """The compute actions of every pipeline position for schedule `name`."""
-    if name == "gpipe":
+    if name == Schedule.GPIPE:
         return gpipe(p, m)
-    if name == "1f1b":
+    if name == Schedule.ONE_F_ONE_B:
         return one_f_one_b(p, m)
-    if name == "interleaved":
+    if name == Schedule.INTERLEAVED:
         return interleaved(p, m, v)
-    raise ScheduleError(f"unknown schedule {name!r}; known: gpipe, 1f1b, interleaved")
+    raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(Schedule)}")
 
 
 def format_schedule(sched: dict[int, list[Instr]]) -> str:
