@@ -44,6 +44,8 @@ from typing import Any
 
 import yaml
 
+from cost_models.presets import GPU_PRESETS, NodeSpec, local_spec
+
 
 FORMAT_VERSION = 1
 KNOWN_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -494,8 +496,6 @@ class Cluster:
     @staticmethod
     def preset_names() -> tuple[str, ...]:
         """Names :meth:`preset` accepts, sorted."""
-        from cost_models.presets import GPU_PRESETS
-
         return tuple(sorted([*GPU_PRESETS, LOCAL_PRESET]))
 
     @classmethod
@@ -514,14 +514,13 @@ class Cluster:
 
         Raises ValueError for an unknown name (listing the known ones) or bad sizes.
         """
-        from cost_models.presets import GPU_PRESETS, local_cluster  # presets need Cluster itself
-
         if name == LOCAL_PRESET:
             if nodes not in (None, 1):
                 raise ValueError(
                     f"the 'local' preset is this one machine: nodes must be 1, got {nodes!r}"
                 )
-            return local_cluster(None if devices is None else _count(devices, "devices"))
+            spec = local_spec(None if devices is None else _count(devices, "devices"))
+            return cls._from_spec(name, 1, spec.devices_per_node, spec)
         spec = GPU_PRESETS.get(name) if isinstance(name, str) else None
         if spec is None:
             known = cls.preset_names()
@@ -538,14 +537,19 @@ class Cluster:
                     f"does not fit one node; ask for nodes=N (with devices <= {per_node})."
                 )
             per_node = devices
+        return cls._from_spec(name, num_nodes, per_node, spec)
+
+    @classmethod
+    def _from_spec(cls, name: str, num_nodes: int, devices_per_node: int, spec: NodeSpec) -> Cluster:
         return cls(
             name=name,
             num_nodes=num_nodes,
-            devices_per_node=per_node,
-            device=spec.device,
-            intra_node=spec.intra_node,
-            inter_node=spec.inter_node,
+            devices_per_node=devices_per_node,
+            device=Device(**spec.device),
+            intra_node=Link(**spec.intra_node),
+            inter_node=Link(**spec.inter_node),
             source=spec.source,
+            measurements=spec.measurements,
         )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from cost_models.comm import (CollectiveCost, _check_bytes, _check_op, _cheapest, _group_shape, _GroupShape,
                               _measured, link_models)
 from cost_models.hardware import Cluster
+from runtime.mesh import groups_along
 
 
 # --- named mesh axes -----------------------------------------------------------------------
@@ -43,26 +44,15 @@ def _mesh_items(mesh: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
 
 @functools.lru_cache(maxsize=4096)
 def _axis_groups(items: tuple[tuple[str, int], ...], axis: str) -> tuple[tuple[int, ...], ...]:
-    names = [name for name, _ in items]
-    if axis not in names:
-        raise ValueError(f"unknown mesh axis {axis!r}; the mesh has axes {names}")
-    index = names.index(axis)
-    size = items[index][1]
-    stride = math.prod(s for _, s in items[index + 1:])
-    world = math.prod(s for _, s in items)
-    block = stride * size  # ranks spanned by one full sweep of the axis
-    return tuple(
-        tuple(start + inner + j * stride for j in range(size))
-        for start in range(0, world, block)
-        for inner in range(stride)
-    )
+    return groups_along(items, axis)
 
 
 def axis_groups(mesh: Mapping[str, int], axis: str) -> list[list[int]]:
     """The rank groups along ``axis`` of a device mesh.
 
     ``mesh`` maps axis names to sizes, outermost first; ranks ``0..prod(sizes)-1`` are
-    laid out row-major with the LAST axis innermost (its groups are contiguous ranks).
+    laid out row-major with the LAST axis innermost (its groups are contiguous ranks), the
+    runtime's layout (runtime/mesh.py).
     Each group holds the ranks that differ only in their ``axis`` coordinate, in
     coordinate order; groups are sorted by their first rank. E.g. for
     ``{"pipe": 2, "data": 2, "tensor": 2}``: tensor ``[[0,1],[2,3],[4,5],[6,7]]``, data

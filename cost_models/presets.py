@@ -1,16 +1,18 @@
 """Cluster presets: DGX A100 (80 GB), DGX H100, Summit, from published hardware facts
 (../shared/reference/PUBLISHED.md), and ``local``: this machine's CPU processes, measured.
 
-Used through :meth:`cost_models.hardware.Cluster.preset`.
+Plain data: each preset is a :class:`NodeSpec` holding the fields of the Device and the
+two Links its nodes are made of; :meth:`cost_models.hardware.Cluster.preset` builds (and
+so checks) the Cluster from it. That keeps the import one way: hardware reads presets.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any, Mapping
 
 from cost_models import local_machine
-from cost_models.hardware import LOCAL_PRESET, Cluster, Device, Link
 
 _GiB = 2**30
 
@@ -19,14 +21,20 @@ _GiB = 2**30
 
 
 @dataclass(frozen=True)
-class _GpuPreset:
-    """What every node of a GPU preset is made of."""
+class NodeSpec:
+    """What every node of a preset is made of.
 
-    device: Device
+    device: the fields of a hardware.Device; intra_node, inter_node: the fields of a
+    hardware.Link (bandwidth in bytes/s, latency in s); measurements: the raw figures a
+    measured preset keeps (the Cluster's measurements), empty for published ones.
+    """
+
+    device: Mapping[str, Any]
     devices_per_node: int
-    intra_node: Link
-    inter_node: Link
+    intra_node: Mapping[str, float]
+    inter_node: Mapping[str, float]
     source: str
+    measurements: Mapping[str, Any] = field(default_factory=dict)
 
 
 # Latencies are not in PUBLISHED.md. ASSUMPTIONS: ~3 us is the usual small-message
@@ -39,7 +47,7 @@ _IB_LATENCY = 6e-6  # s, assumption (see above)
 # Idle power is not in PUBLISHED.md either. ASSUMPTION: roughly what nvidia-smi shows
 # for an idle SXM card of each generation; only energy estimates use it.
 
-_A100_80GB = Device(
+_A100_80GB = MappingProxyType(dict(
     name="A100-SXM4-80GB",
     kind="gpu",
     compute_units=108,  # NVIDIA A100 whitepaper: 108 SMs; not in PUBLISHED.md
@@ -54,9 +62,9 @@ _A100_80GB = Device(
     memory_bandwidth=2.0e12,  # PUBLISHED.md: HBM2e, about 2.0 TB/s
     active_watts=400.0,  # PUBLISHED.md: TDP 400 W
     idle_watts=60.0,  # assumption (see above)
-)
+))
 
-_H100_80GB = Device(
+_H100_80GB = MappingProxyType(dict(
     name="H100-SXM5-80GB",
     kind="gpu",
     compute_units=132,  # NVIDIA H100 SXM5 datasheet: 132 SMs; not in PUBLISHED.md
@@ -73,9 +81,9 @@ _H100_80GB = Device(
     memory_bandwidth=3.35e12,  # PUBLISHED.md: 3.35 TB/s
     active_watts=700.0,  # PUBLISHED.md: TDP 700 W
     idle_watts=70.0,  # assumption (see above)
-)
+))
 
-_V100_16GB = Device(
+_V100_16GB = MappingProxyType(dict(
     name="V100-SXM2-16GB",
     kind="gpu",
     compute_units=80,  # NVIDIA V100 whitepaper: 80 SMs; not in PUBLISHED.md
@@ -88,40 +96,40 @@ _V100_16GB = Device(
     memory_bandwidth=900e9,  # PUBLISHED.md: 900 GB/s
     active_watts=300.0,  # PUBLISHED.md: TDP 300 W
     idle_watts=40.0,  # assumption (see above)
-)
+))
 
 GPU_PRESETS = MappingProxyType({
-    "dgx-a100-80gb": _GpuPreset(
+    "dgx-a100-80gb": NodeSpec(
         device=_A100_80GB,
         devices_per_node=8,  # PUBLISHED.md: 8 GPUs per node
         # PUBLISHED.md: NVLink 600 GB/s both directions = 300 GB/s each way, NVSwitch.
-        intra_node=Link(bandwidth=300e9, latency=_NVLINK_LATENCY),
+        intra_node=MappingProxyType(dict(bandwidth=300e9, latency=_NVLINK_LATENCY)),
         # PUBLISHED.md: 8 x 200 Gb/s HDR InfiniBand, one per GPU: 200e9 / 8 = 25e9 B/s.
-        inter_node=Link(bandwidth=25e9, latency=_IB_LATENCY),
+        inter_node=MappingProxyType(dict(bandwidth=25e9, latency=_IB_LATENCY)),
         source="DGX A100 80GB: PUBLISHED.md (NVIDIA datasheets as quoted in Megatron-LM "
         "SC'21); fp32/tf32 peaks from the NVIDIA A100 datasheet; idle power and "
         "latencies assumed",
     ),
-    "dgx-h100": _GpuPreset(
+    "dgx-h100": NodeSpec(
         device=_H100_80GB,
         devices_per_node=8,  # PUBLISHED.md: 8 GPUs per node
         # PUBLISHED.md: 900 GB/s both directions = 450 GB/s each way. NCCL issue #1264
         # measured about 376-380 GB/s; we keep the nominal figure and leave the
         # achieved fraction to the calibrated communication model.
-        intra_node=Link(bandwidth=450e9, latency=_NVLINK_LATENCY),
+        intra_node=MappingProxyType(dict(bandwidth=450e9, latency=_NVLINK_LATENCY)),
         # PUBLISHED.md: 400 Gb/s per GPU (ConnectX-7) = 50e9 B/s.
-        inter_node=Link(bandwidth=50e9, latency=_IB_LATENCY),
+        inter_node=MappingProxyType(dict(bandwidth=50e9, latency=_IB_LATENCY)),
         source="DGX H100: PUBLISHED.md (NVIDIA datasheets; NCCL issue #1264); fp32/tf32 "
         "peaks from the NVIDIA H100 datasheet; idle power and latencies assumed",
     ),
-    "summit": _GpuPreset(
+    "summit": NodeSpec(
         device=_V100_16GB,
         devices_per_node=6,  # PUBLISHED.md: 6 GPUs + 2 POWER9 per node
         # PUBLISHED.md: NVLink 2.0, 50 GB/s each way between GPU pairs. Caveat: GPUs on
         # different sockets go through the POWER9 X-Bus; two link levels can't show it.
-        intra_node=Link(bandwidth=50e9, latency=_NVLINK_LATENCY),
+        intra_node=MappingProxyType(dict(bandwidth=50e9, latency=_NVLINK_LATENCY)),
         # PUBLISHED.md: dual-rail EDR, 2 x 100 Gb/s = 25e9 B/s per node, shared by 6 GPUs.
-        inter_node=Link(bandwidth=25e9 / 6, latency=_IB_LATENCY),
+        inter_node=MappingProxyType(dict(bandwidth=25e9 / 6, latency=_IB_LATENCY)),
         source="Summit (OLCF): PUBLISHED.md (Summit user guide); fp32 peak from the "
         "NVIDIA V100 datasheet; idle power and latencies assumed",
     ),
@@ -130,12 +138,12 @@ GPU_PRESETS = MappingProxyType({
 # CPU power cannot be read portably from user space. ASSUMPTION: one core's share of a
 # typical server CPU, the Intel Xeon Platinum 8380 (270 W TDP over 40 cores, Intel ARK)
 # = 6.75 W active; idle taken as about 30% of that. Only energy estimates use them.
-_CPU_ACTIVE_WATTS_PER_CORE = 270.0 / 40
-_CPU_IDLE_WATTS_PER_CORE = 2.0
+CPU_ACTIVE_WATTS_PER_CORE = 270.0 / 40
+CPU_IDLE_WATTS_PER_CORE = 2.0
 
 
-def local_cluster(devices: int | None) -> Cluster:
-    """``devices`` CPU processes on this machine, from measured (cached) figures.
+def local_spec(devices: int | None) -> NodeSpec:
+    """``devices`` CPU processes on this machine (the ``local`` preset), from measured (cached) figures.
 
     Compute and memory figures are those of one process on one thread. With more
     processes than usable CPUs, each process runs only ``cpus / devices`` of the time,
@@ -147,21 +155,19 @@ def local_cluster(devices: int | None) -> Cluster:
     cpus = int(m["usable_cpus"])
     n = cpus if devices is None else devices
     share = min(1.0, cpus / n)
-    link = Link(bandwidth=m["link_bandwidth"], latency=m["link_latency"])
-    return Cluster(
-        name=LOCAL_PRESET,
-        num_nodes=1,
+    link = MappingProxyType(dict(bandwidth=m["link_bandwidth"], latency=m["link_latency"]))
+    return NodeSpec(
         devices_per_node=n,
-        device=Device(
+        device=MappingProxyType(dict(
             name=f"cpu process ({m['cpu_model']})",
             kind="cpu",
             peak_flops={"fp32": m["fp32_flops"] * share, "bf16": m["bf16_flops"] * share,
                         "fp16": m["fp16_flops"] * share},
             memory_bytes=int(m["memory_bytes"]) // n,
             memory_bandwidth=m["memory_bandwidth"] * share,
-            active_watts=_CPU_ACTIVE_WATTS_PER_CORE * share,
-            idle_watts=_CPU_IDLE_WATTS_PER_CORE * share,
-        ),
+            active_watts=CPU_ACTIVE_WATTS_PER_CORE * share,
+            idle_watts=CPU_IDLE_WATTS_PER_CORE * share,
+        )),
         intra_node=link,
         inter_node=link,
         source=(

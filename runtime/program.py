@@ -49,20 +49,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterable, Mapping
 
-PROGRAM_FORMAT_VERSION = 1
+from runtime.instr_set import (COLLECTIVE_OPS, COMPUTE_OPS, KINDS, OPS, P2P_OPS, PAIR_AXIS, PROGRAM_FORMAT_VERSION,
+                               TIE_AXIS, ProgramError)
+from runtime.mesh import MeshError, coords_of, group_along, rank_of
+from runtime.program_check import check_program_dict
 
-PAIR_AXIS = "pair"   # derived axis: pipeline positions {i, p-1-i} x the data axis
-TIE_AXIS = "tie:"    # derived axes "tie:I,J,...": pipeline positions I, J, ... (tied-weight copies)
-
-COMPUTE_OPS = ("F", "B")
-P2P_OPS = ("SEND", "RECV")
-COLLECTIVE_OPS = ("ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "BROADCAST")
-OPS = (*COMPUTE_OPS, *P2P_OPS, *COLLECTIVE_OPS, "WAIT", "STEP", "ZERO_GRAD")
-KINDS = ("", "act", "grad", "grads", "params", "loss", "tied", "stats")
-
-
-class ProgramError(ValueError):
-    """A Program or instruction that is malformed; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -230,8 +221,12 @@ class Program:
                                f"but world_size is {self.world_size}")
         if len(self.coords) != len(self.mesh):
             raise ProgramError(f"coords {self.coords} do not match mesh axes {[a for a, _ in self.mesh]}")
-        if rank_of(self.mesh, self.coords) != self.rank:
-            raise ProgramError(f"coords {self.coords} are rank {rank_of(self.mesh, self.coords)}, not {self.rank}")
+        try:
+            rank = rank_of(self.mesh, self.coords)
+        except MeshError as e:
+            raise ProgramError(f"coords {self.coords}: {e}") from None
+        if rank != self.rank:
+            raise ProgramError(f"coords {self.coords} are rank {rank}, not {self.rank}")
 
     # ---- views ----------------------------------------------------------
     @property
@@ -296,9 +291,7 @@ class Program:
     @classmethod
     def from_dict(cls, d: Mapping) -> "Program":
         """Raises ProgramError naming the field when the document is malformed (runtime/program_check.py)."""
-        from runtime.program_check import check_program_dict
-
-        check_program_dict(d)
+        check_program_dict(d, axis_group)
         version = d.get("format_version")
         if version != PROGRAM_FORMAT_VERSION:
             raise ProgramError(f"Program format_version {version!r} is not supported "
@@ -342,27 +335,7 @@ class Program:
         return cls.from_json(text)
 
 
-# ---- mesh helpers (the same layout as cost_models.mesh_axes.axis_groups) -------------
-
-
-def rank_of(mesh: Iterable[tuple[str, int]], coords: Iterable[int]) -> int:
-    """Global rank of `coords` on a row-major mesh (last axis fastest)."""
-    rank = 0
-    for (_, size), c in zip(mesh, coords):
-        if not 0 <= c < size:
-            raise ProgramError(f"coordinate {c} is outside an axis of size {size}")
-        rank = rank * size + c
-    return rank
-
-
-def coords_of(mesh: Iterable[tuple[str, int]], rank: int) -> tuple[int, ...]:
-    """Coordinates of a global rank (inverse of rank_of)."""
-    sizes = [s for _, s in mesh]
-    out = []
-    for s in reversed(sizes):
-        out.append(rank % s)
-        rank //= s
-    return tuple(reversed(out))
+# ---- groups of the derived axes; the mesh layout itself is runtime/mesh.py -------------
 
 
 def axis_group(mesh: Iterable[tuple[str, int]], coords: Iterable[int], axis: str) -> tuple[int, ...]:
@@ -376,12 +349,7 @@ def axis_group(mesh: Iterable[tuple[str, int]], coords: Iterable[int], axis: str
         return _tie_group(mesh, coords, axis)
     if axis not in names:
         raise ProgramError(f"unknown mesh axis {axis!r}; the mesh has {names}")
-    k = names.index(axis)
-    out = []
-    for c in range(mesh[k][1]):
-        coords[k] = c
-        out.append(rank_of(mesh, coords))
-    return tuple(out)
+    return group_along(mesh, coords, axis)
 
 
 def _pair_group(mesh: tuple[tuple[str, int], ...], coords: list[int]) -> tuple[int, ...]:

@@ -10,7 +10,12 @@ message names the field by its path ("instrs[12].peer") and what it should be.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
+
+from runtime.instr_set import COLLECTIVE_OPS, KINDS, OPS, P2P_OPS, PROGRAM_FORMAT_VERSION, TIE_AXIS, ProgramError
+from runtime.mesh import MeshError
+
+GroupOf = Callable[[Sequence[tuple[str, int]], Sequence[int], str], tuple[int, ...]]
 
 _TOP = ("format_version", "rank", "world_size", "mesh", "coords", "stages", "num_stages", "num_micro_batches",
         "micro_batch_size", "zero", "buckets", "instrs", "ties")
@@ -21,9 +26,7 @@ _INSTR_INT = ("stage", "micro", "peer", "handle", "bucket", "nbytes")
 _INSTR_STR = ("op", "kind", "axis")
 
 
-def _err(field: str, problem: str):
-    from runtime.program import ProgramError
-
+def _err(field: str, problem: str) -> ProgramError:
     return ProgramError(f"Program field '{field}' {problem}; generate the build again (meshplan codegen)")
 
 
@@ -56,11 +59,12 @@ def _keys(d: Any, field: str, known: tuple[str, ...], required: tuple[str, ...])
             raise _err(f"{field}.{k}" if field else k, "is missing")
 
 
-def check_program_dict(d: Any) -> None:
-    """Raise ProgramError naming the first malformed field of a Program document."""
-    from runtime.program import COLLECTIVE_OPS, KINDS, OPS, P2P_OPS, PROGRAM_FORMAT_VERSION, ProgramError, \
-        axis_group
+def check_program_dict(d: Any, axis_group: GroupOf) -> None:
+    """Raise ProgramError naming the first malformed field of a Program document.
 
+    axis_group(mesh, coords, axis): the ranks of the group along a mesh or derived axis
+    (runtime.program.axis_group, which builds on this check's result, hence passed in); it
+    raises ProgramError or MeshError for an axis the mesh cannot resolve."""
     _keys(d, "", _TOP, tuple(k for k in _TOP if k not in ("zero", "buckets", "ties")))
     if d["format_version"] != PROGRAM_FORMAT_VERSION or isinstance(d["format_version"], bool):
         raise _err("format_version", f"is {d['format_version']!r}; this runtime reads {PROGRAM_FORMAT_VERSION}")
@@ -105,7 +109,7 @@ def check_program_dict(d: Any) -> None:
             raise _err(f"{f}.params", "must be a list of parameter names")
         _int(b, "numel", f"{f}.numel", 0)
         _int(b, "nbytes", f"{f}.nbytes", 0)
-    ties = _check_ties(d, stages, mesh, coords) if "ties" in d else set()
+    ties = _check_ties(d, stages, mesh, coords, axis_group) if "ties" in d else set()
     created: set[int] = set()
     for i, ins in enumerate(_list(d, "instrs", "instrs")):
         f = f"instrs[{i}]"
@@ -134,7 +138,7 @@ def check_program_dict(d: Any) -> None:
         if axis:
             try:
                 group = axis_group(mesh, coords, axis)
-            except ProgramError:
+            except (ProgramError, MeshError):
                 raise _err(f"{f}.axis", f"is {axis!r}, not an axis of the mesh {names}") from None
             if op == "BROADCAST" and peer not in group:
                 raise _err(f"{f}.peer", f"is rank {peer}, not in this rank's {axis} group {list(group)}")
@@ -154,10 +158,8 @@ def check_program_dict(d: Any) -> None:
             raise _err(f"{f}.handle", f"waits on h{handle}, which no earlier instruction creates")
 
 
-def _check_ties(d: Mapping, stages: list, mesh: list, coords: list) -> set[int]:
+def _check_ties(d: Mapping, stages: list, mesh: list, coords: list, axis_group: GroupOf) -> set[int]:
     """The tied weights' indices, after checking each entry of "ties"."""
-    from runtime.program import TIE_AXIS, ProgramError, axis_group
-
     out: set[int] = set()
     for i, t in enumerate(_list(d, "ties", "ties")):
         f = f"ties[{i}]"
@@ -183,6 +185,6 @@ def _check_ties(d: Mapping, stages: list, mesh: list, coords: list) -> set[int]:
             raise _err(f"{f}.axis", f"must be a 'tie:I,J' axis, got {axis!r}")
         try:
             axis_group(mesh, coords, axis)
-        except ProgramError:
+        except (ProgramError, MeshError):
             raise _err(f"{f}.axis", f"is {axis!r}, which names no pipeline positions of the mesh") from None
     return out

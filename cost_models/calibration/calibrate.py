@@ -72,7 +72,7 @@ from cost_models.calibration.ops import OpTiming, fit_compute
 from cost_models.calibration.stage import fit_loss
 from cost_models.hardware import Cluster, Device, Link
 from cost_models.op_curves import fit_curve_mix
-from cost_models.presets import _CPU_ACTIVE_WATTS_PER_CORE, _CPU_IDLE_WATTS_PER_CORE
+from cost_models.presets import CPU_ACTIVE_WATTS_PER_CORE, CPU_IDLE_WATTS_PER_CORE
 from runtime.launcher import free_port, mpiexec_args
 from runtime.lifetime import Children
 
@@ -260,7 +260,7 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
     share = min(1.0, cpus / ranks)
     device = Device(name=f"cpu process ({local_machine._cpu_model()})", kind="cpu", peak_flops={"fp32": peak},
                     memory_bytes=local_machine._total_memory_bytes() // ranks, memory_bandwidth=bandwidth,
-                    active_watts=_CPU_ACTIVE_WATTS_PER_CORE * share, idle_watts=_CPU_IDLE_WATTS_PER_CORE * share)
+                    active_watts=CPU_ACTIVE_WATTS_PER_CORE * share, idle_watts=CPU_IDLE_WATTS_PER_CORE * share)
     source = (f"meshplan calibrate ({'quick' if quick else 'full'}, {backend}) on host "
               f"{local_machine.machine_key()['hostname']}: {ranks} rank processes at once, 1 thread each; "
               f"fits in measurements fit.*, raw numbers in raw.*; CPU power assumed")
