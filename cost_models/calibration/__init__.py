@@ -8,4 +8,5 @@ communicators); pricing reads the fitted figures through cost_models/calibrated.
     ops.py        per-op-kind compute timings and their fit
     stage.py      the runtime's fixed costs: a stage call, the loss, ZERO_GRAD, tensor-parallel wrappers
     executor.py   the executor's own time per instruction, from a traced reference pipeline
+    curves.py     the op curves (cost_models/op_curves.py) and the probe block
 """

@@ -1,6 +1,6 @@
 """`meshplan calibrate`: measure this machine with the runtime and write a calibrated Cluster file.
 
-    cluster = calibrate(ranks=2, quick=True)          # ~10-20 s on 2 cores
+    cluster = calibrate(ranks=2, quick=True)          # benchmarks/calibration_timing.py: how long
     cluster.save("cluster.yaml")                      # Cluster.load gives it back
 
 W rank processes (cost_models/calibration/worker.py) run at once, one thread
@@ -219,9 +219,8 @@ def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = T
     # which back-to-back transfers hide. The measured excess of an 8-byte all-reduce after
     # compute over the back-to-back one is added to every alpha. The rank that arrives last
     # measures that alone; the others also wait for it, by how much slower it computed the
-    # calibration's layers, which is noise of the moment (up to ~0.6 ms on this VM, on one
-    # calibration in six, once 0.43 ms on both ranks at once) and, in a run, the simulator's
-    # to model from each rank's work. Each rank measures two windows seconds apart and keeps
+    # calibration's layers, which is noise of the moment (benchmarks/calibration_timing.py
+    # shows its size) and, in a run, the simulator's to model from each rank's work. Each rank measures two windows seconds apart and keeps
     # the quieter (calibration.worker.main).
     sync = min(r["sync_all_reduce"] for r in results)
     m["raw.sync.all_reduce.g2.8"] = sync
@@ -276,7 +275,7 @@ def _runtime_measurements(stages: list[dict], share: float) -> dict[str, float]:
 
     The stage call measured through the runtime's StageRunner replaces the one derived from
     the layer chain (raw.block.call_*), which alternates chains and leaves every call's
-    caches cold: about 80 us per forward there, against ~15 us for a stage run in a row."""
+    caches cold, so it costs several times what a stage run in a row does."""
     if not stages:
         return {}
 

@@ -182,8 +182,8 @@ def time_block(*, quick: bool = True) -> tuple[float, float, float, float]:
 def time_op_kinds(*, quick: bool = True, progress: Callable[[str], None] | None = None) -> list[OpTiming]:
     """Time every kind of KINDS at the small size (and linear, conv, elementwise at the medium size).
 
-    Runs on one thread (restored afterwards). quick: fewer repeats (about 2 s in all
-    on an idle core); otherwise about four times as many.
+    Runs on one thread (restored afterwards). quick: fewer repeats; otherwise about four
+    times as many.
     """
     reps, budget = (15, 0.25) if quick else (60, 1.0)
     out: list[OpTiming] = []

@@ -7,7 +7,7 @@ training run do (one thread each, OMP_NUM_THREADS=1), so the figures include
 the contention of W busy processes on this machine:
 
 1. compute: the per-kind op and layer timings of cost_models.calibration.ops, the op curves
-   and the probe block of cost_models.op_curves, the runtime's fixed costs (a stage call,
+   and the probe block of cost_models.calibration.curves, the runtime's fixed costs (a stage call,
    the loss, zeroing gradients) of cost_models.calibration.stage, the executor's own time per
    instruction (cost_models.calibration.executor: a reference pipeline run by the runtime), the
    peak fp32 GEMM rate and copy bandwidth of cost_models.local_machine, and the
@@ -19,9 +19,9 @@ the contention of W busy processes on this machine:
    group size g, and p2p ping-pong between ranks 0 and 1, over a range of
    message sizes. Each figure is the mean over all the rounds' back-to-back
    operations (each waited before the next), seconds per operation: on gloo
-   over loopback a call's time is bimodal (about half of the 1 KiB - 1 MiB
-   all-reduces take ~4 ms instead of ~0.4 ms on a 2-core machine), and a step
-   pays the sum of its calls, so the mean is what a run pays, not the median.
+   over loopback a call's time is bimodal (a call that finds its peer's thread
+   asleep waits for it to wake; benchmarks/calibration_timing.py shows the sizes), and
+   a step pays the sum of its calls, so the mean is what a run pays, not the median.
 
 Writes DIR/calib_rank_RRRR.json: {"ops": [...], "block": [...], "curves": [[family, size, fwd s, bwd s], ...],
 "probe": [fwd s, bwd s], "cpu_share", "sync_all_reduce" (of the quieter of two "rhythm_windows": [share, s]),
@@ -49,11 +49,11 @@ from typing import Callable
 
 import torch
 
+from cost_models.calibration.curves import time_op_curves, time_probe_block
 from cost_models.calibration.executor import time_executor
 from cost_models.calibration.ops import _block_case, time_block, time_op_kinds, time_optimizer_steps
 from cost_models.calibration.stage import time_stage_calls, time_tensor_parallel, time_zero_grad
 from cost_models.local_machine import _measure_compute_and_memory
-from cost_models.op_curves import time_op_curves, time_probe_block
 from runtime.comm import TorchCommunicator
 from runtime.comm_mpi import MpiCommunicator
 
@@ -335,13 +335,13 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"  peak fp32 GEMM {peak / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s per rank")
         comm.barrier()
         progress(f"communication ({args.backend}):")
-        # 16 rounds in quick mode: with half the calls ~4 ms slower, fewer leave the mean of a
-        # size within +-30% only (64 calls per size give about +-12%)
+        # 16 rounds in quick mode: the call times are bimodal, so fewer rounds leave the mean of
+        # a size too loose (benchmarks/calibration_timing.py)
         rows = measure_comm(comm, args.world, FULL_SIZES if args.full else QUICK_SIZES, 25 if args.full else 16,
                             device, progress)
-        # The training rhythm again, some seconds later: one window in six or so is disturbed (another
-        # process, the VM) and a small all-reduce after compute then waits ~0.4-0.6 ms instead of
-        # ~0.03; the window whose all-reduce waited less is the machine's own rhythm.
+        # The training rhythm again, some seconds later: a window can be disturbed (another
+        # process, the host) and a small all-reduce after compute then waits many times longer;
+        # the window whose all-reduce waited less is the machine's own rhythm.
         comm.barrier()
         windows = [(share, sync), run_like_share(comm, 1.0 if args.full else 0.5)]
         share, sync = min(windows, key=lambda w: w[1])

@@ -5,7 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from codegen.lower import LoweringError, check_programs, lower, p2p_pass
-from runtime.schedules import ScheduleError, build_schedule, format_schedule, interleaved, one_f_one_b
+from cost_models.memory import live_micro_batches
+from runtime.schedules import (ScheduleError, build_schedule, format_schedule, forwards_in_flight, interleaved,
+                               one_f_one_b)
 from runtime.program import Instr, Program
 from tests.parallel_cases import graph_of, plan_for
 
@@ -40,6 +42,27 @@ def test_1f1b_warm_up_and_printing():
     s = one_f_one_b(3, 4)
     assert [a.op for a in s[0][:3]] == ["F", "F", "F"] and [a.op for a in s[2][:2]] == ["F", "B"]
     assert format_schedule(one_f_one_b(2, 2)).splitlines() == ["p0: F0.0 F0.1 B0.0 B0.1", "p1: F1.0 B1.0 F1.1 B1.1"]
+
+
+def _peak_in_flight(actions):
+    """The most forwards whose backward has not run yet, walking the action list."""
+    live = peak = 0
+    for a in actions:
+        live += 1 if a.op == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("p,m", [(1, 4), (2, 4), (3, 6), (4, 8), (4, 2)])
+def test_forwards_in_flight_is_the_peak_of_the_action_lists(name, v, p, m):
+    if name == "interleaved" and m % p:
+        return
+    sched = build_schedule(name, p, m, v)
+    for i in range(p):
+        assert forwards_in_flight(name, i, p, m, v) == _peak_in_flight(sched[i])
+        if name != "interleaved":  # the cost model's live micro-batches are that peak
+            assert live_micro_batches(name, i, p, m) == _peak_in_flight(sched[i])
 
 
 def test_interleaved_needs_a_multiple_of_the_pipeline_size():

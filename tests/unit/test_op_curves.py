@@ -7,8 +7,8 @@ import pytest
 from cost_models.calibration.calibrate import build_cluster
 from cost_models.calibrated import calibrated_efficiency, curve_mix, op_curves
 from cost_models.hardware import Cluster
-from cost_models.op_curves import (FAMILIES, PROBE, PROBE_VIEWS, curve_time, fit_curve_mix, node_family, probe_ops,
-                                   time_op_curves)
+from cost_models.calibration.curves import time_op_curves
+from cost_models.op_curves import FAMILIES, PROBE, PROBE_VIEWS, curve_time, fit_curve_mix, node_family, probe_ops
 from tests.unit.test_calibrate import _results
 
 # linear: 1 us fixed below 1e4 FLOPs, then 10 GFLOP/s; forward and backward (x2)
