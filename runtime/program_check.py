@@ -62,9 +62,10 @@ def _keys(d: Any, field: str, known: tuple[str, ...], required: tuple[str, ...])
 def check_program_dict(d: Any, axis_group: GroupOf) -> None:
     """Raise ProgramError naming the first malformed field of a Program document.
 
-    axis_group(mesh, coords, axis): the ranks of the group along a mesh or derived axis
-    (runtime.program.axis_group, which builds on this check's result, hence passed in); it
-    raises ProgramError or MeshError for an axis the mesh cannot resolve."""
+    axis_group(mesh, coords, axis): the ranks of the group along a mesh or derived axis; it
+    raises ProgramError or MeshError for an axis the mesh cannot resolve. Program.from_dict
+    passes runtime.program.axis_group: runtime/program.py imports this module, so it hands
+    the function in rather than this module importing it back."""
     _keys(d, "", _TOP, tuple(k for k in _TOP if k not in ("zero", "buckets", "ties")))
     if d["format_version"] != PROGRAM_FORMAT_VERSION or isinstance(d["format_version"], bool):
         raise _err("format_version", f"is {d['format_version']!r}; this runtime reads {PROGRAM_FORMAT_VERSION}")
