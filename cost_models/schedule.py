@@ -1,4 +1,5 @@
-"""Pipeline schedule formulas (STRATEGIES.md, "Pipeline parallelism").
+"""Pipeline schedule formulas (STRATEGIES.md, "Pipeline parallelism"): the step time of the
+schedules runtime/schedules.py defines.
 
 p stages, m micro-batches, v virtual chunks per device. A "slot" is one
 micro-batch's forward plus backward on the slowest stage.
@@ -6,17 +7,19 @@ micro-batch's forward plus backward on the slowest stage.
 
 from __future__ import annotations
 
+from runtime.vocab import Schedule
+
 
 def bubble_fraction(schedule: str, pipeline: int, micro_batches: int, virtual_stages: int = 1) -> float:
     """Idle fraction of the step: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved."""
     p, m, v = pipeline, micro_batches, virtual_stages
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"pipeline, micro_batches and virtual_stages must be >= 1, got {p}, {m}, {v}")
-    if schedule in ("gpipe", "1f1b"):
+    if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
         return (p - 1) / (m + p - 1)
-    if schedule == "interleaved":
+    if schedule == Schedule.INTERLEAVED:
         return (p - 1) / (v * m + p - 1)
-    raise ValueError(f"unknown schedule {schedule!r}; known: gpipe, 1f1b, interleaved")
+    raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(Schedule)}")
 
 
 def pipeline_time(schedule: str, pipeline: int, micro_batches: int, slot: float,
