@@ -1,7 +1,7 @@
 """The model `meshplan calibrate` trains for a few steps to measure compute in a run.
 
 A small pre-LayerNorm transformer of its own shape (no example model uses it), so
-that the in-run factor it yields (planner/calibrate_run.py) is not fitted to any
+that the in-run factor it yields (planner/app/calibrate_run.py) is not fitted to any
 model it is later checked on. Only torch is imported: the generated rank scripts
 load this file by path.
 

@@ -66,9 +66,9 @@ def measure_in_run(cluster, backend: str = "gloo", *, workdir: str | Path | None
 
     `cluster` must not carry in-run factors yet (they would price the prediction)."""
     import planner
-    from codegen.commands import make_fixed_plan
+    from planner.app.commands import make_fixed_plan
     from codegen.emit import capture_ref, emit
-    from planner.compare import compare_build
+    from planner.app.compare import compare_build
     from runtime.launcher import run_local
 
     world = cluster.num_devices if cluster.num_nodes == 1 else cluster.devices_per_node

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 # planner/__init__ already imports capture (and torch) before this module runs.
 from planner.capture import capture_ref
-from planner.cli_args import (MAX_BATCH, MAX_WORLD, check_constraints, count, nonnegative_number, output_dir,
+from planner.app.cli_args import (MAX_BATCH, MAX_WORLD, check_constraints, count, nonnegative_number, output_dir,
                               output_file, positive_number)
 
 # Bounds of the numeric options (argparse refuses anything outside in one line).
@@ -119,8 +119,8 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     from planner.optimize import explain
     from planner.plan import Plan
-    from planner.report import write_report
-    from planner.visualize import visualize
+    from planner.app.report import write_report
+    from planner.app.visualize import visualize
 
     plan = Plan.load(args.plan)
     out = args.output or str(Path(args.plan).with_suffix(""))
@@ -168,7 +168,7 @@ the run at the step where it appears (exit 1, naming the step)."""
 
 
 def _cmd_codegen(args: argparse.Namespace) -> int:
-    from codegen.commands import codegen_command
+    from planner.app.commands import codegen_command
 
     data_kwargs = _parse_kv(args.data_arg) if args.data_arg else None
     args.dataset_kwargs = _parse_kv(args.dataset_arg)
@@ -178,7 +178,7 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from codegen.commands import run_command
+    from planner.app.commands import run_command
 
     if args.backend == "nccl":
         import torch
@@ -359,7 +359,7 @@ file (fits under measurements fit.*, raw numbers under raw.*) that Cluster.load 
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from planner.calibrate_run import calibrate_machine
+    from planner.app.calibrate_run import calibrate_machine
 
     if Path(args.out).suffix.lower() not in (".yaml", ".yml", ".json"):
         raise ValueError(f"--out {args.out}: name the cluster file .yaml, .yml or .json")
@@ -387,8 +387,8 @@ Writes build/predicted_timeline.json and build/predicted_trace.json (ui.perfetto
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from codegen.commands import read_checked_build
-    from planner.compare import compare_build, draw
+    from planner.app.commands import read_checked_build
+    from planner.app.compare import compare_build, draw
 
     read_checked_build(args.build)
     cluster = resolve_cluster(args.cluster)
@@ -401,9 +401,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from codegen.commands import read_checked_build
+    from planner.app.commands import read_checked_build
     from cost_models.simulate import simulate_steady
-    from planner.compare import predicted_costs
+    from planner.app.compare import predicted_costs
 
     read_checked_build(args.build)
     _plan, pred, costs, progs, cluster = predicted_costs(args.build, resolve_cluster(args.cluster))

@@ -1,4 +1,4 @@
-"""The `meshplan codegen` and `meshplan run` verbs (parsers live in planner/cli.py).
+"""The `meshplan codegen` and `meshplan run` verbs (parsers live in planner/app/cli.py).
 
     meshplan codegen examples/models/gpt.py:build --arg preset=tiny --batch 8 \\
         --data 2 --tensor 2 --pipeline 2 --micro-batch 2 --schedule 1f1b --dtype fp32 -o build/

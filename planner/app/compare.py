@@ -427,10 +427,10 @@ def _memory_table(build: Path, progs: dict, pred) -> tuple[RankMemory, ...]:
 
 
 def records(tl: "Timeline") -> list:
-    """The Timeline's compute-track events as schedule records for planner.visualize: forward,
+    """The Timeline's compute-track events as schedule records for planner.app.visualize: forward,
     backward, optimizer. WAITs (idle) and the asynchronous transfers, which would cover the
     chart from issue to completion, are left out (trace.json shows them in Perfetto)."""
-    from planner.schedule_view import ScheduleRecord
+    from planner.app.schedule_view import ScheduleRecord
 
     return [ScheduleRecord(e.rank, e.name, _KIND_OF_OP.get(e.op, "other"), e.start, e.end)
             for e in tl.events if e.track == "compute" and e.op != "WAIT"]
@@ -438,7 +438,7 @@ def records(tl: "Timeline") -> list:
 
 def draw(plan, predicted: "Timeline", measured: "Timeline", step: int, out_stem: str | Path) -> list[Path]:
     """Predicted and measured schedules of one step side by side: out_stem.png and .svg."""
-    from planner.visualize import save_figure, schedule_figure, style
+    from planner.app.visualize import save_figure, schedule_figure, style
 
     one = measured.for_step(step)
     if not one.events:

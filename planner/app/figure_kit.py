@@ -1,5 +1,5 @@
 """Shared pieces of the plan pictures: colours, units, text fitting, figure set-up and
-layout checks (used by planner.visualize and planner.report).
+layout checks (used by planner.app.visualize and planner.app.report).
 
 matplotlib is imported inside the functions, never at import time.
 """

@@ -1,7 +1,7 @@
 """`write_report`: one self-contained HTML page that explains a plan.
 
 The page holds the plan summary, `planner.explain`, and the five figures of
-`planner.visualize` inline as SVG (text stays searchable; ids are prefixed per
+`planner.app.visualize` inline as SVG (text stays searchable; ids are prefixed per
 figure so they never clash). A figure whose SVG would be very large (a long
 measured timeline) is embedded as a base64 PNG instead. No server, no external
 JavaScript or CSS: the file can be mailed or attached to an issue as is.
@@ -62,7 +62,7 @@ def _inline_svg(svg: str, prefix: str) -> str:
 
 
 def _figure_html(name: str, fig, alt: str) -> str:
-    from planner.visualize import DPI
+    from planner.app.visualize import DPI
 
     buf = io.BytesIO()
     fig.savefig(buf, format="svg", metadata={"Date": None})
@@ -81,7 +81,7 @@ def _figure_html(name: str, fig, alt: str) -> str:
 def report_path(path: str | os.PathLike) -> Path:
     """Where the report goes: "x.html" (or .htm) as is; a directory (existing, or ending in "/")
     gets report.html. Creates the directory; ValueError for any other name or an uncreatable directory."""
-    from planner.visualize import make_directory
+    from planner.app.visualize import make_directory
 
     raw = os.fspath(path)
     if not isinstance(raw, str) or not raw.strip():
@@ -101,7 +101,7 @@ def render_report(plan: "Plan", *, timeline: Iterable[Any] | None = None,
                   measured: Iterable[Any] | None = None, max_micro_batches: int | None = None) -> str:
     """The report as an HTML string (see write_report)."""
     from planner.optimize import explain
-    from planner.visualize import DEFAULT_MAX_MICRO_BATCHES, describe, figures, style
+    from planner.app.visualize import DEFAULT_MAX_MICRO_BATCHES, describe, figures, style
 
     with style():
         figs = figures(plan, timeline=timeline, measured=measured,
@@ -142,12 +142,12 @@ def write_report(plan: "Plan", path: str | os.PathLike, *, timeline: Iterable[An
     Args:
         plan: a planner.Plan.
         path: "report.html" or a directory (report.html inside it); missing directories are created.
-        timeline, measured: schedule records, as for planner.visualize.visualize.
+        timeline, measured: schedule records, as for planner.app.visualize.visualize.
 
     Raises:
         ValueError: bad plan, record or path.
     """
-    from planner.visualize import _check_plan
+    from planner.app.visualize import _check_plan
 
     _check_plan(plan)
     out = report_path(path)
