@@ -36,11 +36,6 @@ class Task:
         return f"{self.pass_}{self.replica} s{self.stage} m{self.micro}"
 
 
-def device_of(replica: str, stage: int, pipeline: int) -> int:
-    """Device (pipeline position) that runs `stage` of `replica`."""
-    return stage if replica == "A" else pipeline - 1 - stage
-
-
 def device_order(pipeline: int, replicas_per_direction: int) -> list[list[Task]]:
     """The GEMS order of tasks on each device: for each pair t, A's F and B, then B's F and B.
 

@@ -112,11 +112,6 @@ class Comparison:
     def step_error(self) -> float:
         return (self.predicted_step - self.measured_step) / self.measured_step
 
-    @property
-    def worst_memory_error(self) -> float | None:
-        errs = [abs(m.error) for m in self.memory if m.error is not None]
-        return max(errs) if errs else None
-
     def report(self) -> str:
         ms = 1e3
         lines = [f"compare {self.build} on cluster {self.cluster!r}",
