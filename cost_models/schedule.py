@@ -1,4 +1,4 @@
-"""Pipeline schedule formulas (STRATEGIES.md, "Pipeline parallelism").
+"""Pipeline schedule formulas (docs/STRATEGIES.md, "Pipeline parallelism").
 
 p stages, m micro-batches, v virtual chunks per device. A "slot" is one
 micro-batch's forward plus backward on the slowest stage.
