@@ -75,7 +75,7 @@ def test_measure_in_run_refuses_what_it_cannot_measure():
 def test_probe_model_runs_and_its_batches_are_a_function_of_the_seed():
     import torch
 
-    from planner import probe_model
+    from planner.app import probe_model
 
     model = probe_model.build()
     (idx,), targets = probe_model.example_batch(3, seed=5)

@@ -49,7 +49,7 @@ class ProbeTransformer(nn.Module):
 
 
 def build() -> ProbeTransformer:
-    """The factory its model ref names (planner/probe_model.py:build)."""
+    """The factory its model ref names (planner/app/probe_model.py:build)."""
     return ProbeTransformer()
 
 
