@@ -29,7 +29,7 @@ MLP's run within about 10%) and whose launches differ by up to 17-24% (-24.0%, -
 -17.8%). Before those two changes, seven runs: median 6.8-13.7%, worst 11.5-31.5%, and 6-7
 of the 8 cases predicted low.
 
-1. Calibrates this machine (planner/calibrate_run.calibrate_machine: cost_models/calibrate.py
+1. Calibrates this machine (planner/app/calibrate_run.calibrate_machine: cost_models/calibrate.py
    with 2 rank processes, one thread each, then the in-run probe, a small transformer
    trained through the runtime; --no-run-probe leaves it out) right before each build's
    runs (or once, --calibrate-once), so that
