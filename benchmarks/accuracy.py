@@ -29,7 +29,7 @@ MLP's run within about 10%) and whose launches differ by up to 17-24% (-24.0%, -
 -17.8%). Before those two changes, seven runs: median 6.8-13.7%, worst 11.5-31.5%, and 6-7
 of the 8 cases predicted low.
 
-1. Calibrates this machine (planner/calibrate_run.calibrate_machine: cost_models/calibration/calibrate.py
+1. Calibrates this machine (planner/app/calibrate_run.calibrate_machine: cost_models/calibration/calibrate.py
    with 2 rank processes, one thread each, then the in-run probe, a small transformer
    trained through the runtime; --no-run-probe leaves it out) right before each build's
    runs (or once, --calibrate-once), so that
@@ -41,7 +41,7 @@ of the 8 cases predicted low.
    a small GPT. Runs each (2 processes over the backend, OMP_NUM_THREADS=1),
    tracing every instruction, counting the second step's peak memory, timing a
    1 MiB all-reduce before the first step.
-3. Compares each (planner/compare.py): the simulator on the same Programs with
+3. Compares each (planner/app/compare.py): the simulator on the same Programs with
    the calibrated cluster against the median measured step after the first,
    and the predicted peak memory of every rank against the measured one.
 
@@ -83,7 +83,7 @@ def _load() -> str:
     return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} CPUs"
 
 
-_LAUNCH_FILES = ("timeline.json", "run")  # what compare reads of a run (planner/compare.py)
+_LAUNCH_FILES = ("timeline.json", "run")  # what compare reads of a run (planner/app/compare.py)
 
 
 def _keep_launch(build: Path, k: int) -> None:
@@ -144,7 +144,7 @@ def default_backend() -> tuple[str, str]:
 def build_suite(out: Path, cluster, models: list[str]) -> list[tuple[str, str, Path]]:
     """(model, config name, build dir) for every case the runtime can run."""
     import planner
-    from codegen.commands import make_fixed_plan
+    from planner.app.commands import make_fixed_plan
     from codegen.emit import capture_ref, emit
     from planner.capabilities import MESHPLAN_RUNTIME
 
@@ -186,14 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate-once", dest="calibrate_each", action="store_false",
                     help="calibrate once before all runs (default: again right before each run)")
     ap.add_argument("--no-run-probe", dest="run_probe", action="store_false",
-                    help="calibrate without the in-run probe (planner/calibrate_run.py): per-op prices only")
+                    help="calibrate without the in-run probe (planner/app/calibrate_run.py): per-op prices only")
     args = ap.parse_args(argv)
     if args.backend is None:
         args.backend, why = default_backend()
         print(f"backend: {args.backend} ({why}; choose with --backend)")
     os.environ["OMP_NUM_THREADS"] = "1"  # the rank processes and the calibration ranks alike
-    from planner.calibrate_run import calibrate_machine
-    from planner.compare import TRANSFER_DRIFT, compare_build, draw, measured_steps
+    from planner.app.calibrate_run import calibrate_machine
+    from planner.app.compare import TRANSFER_DRIFT, compare_build, draw, measured_steps
     from runtime.launcher import run_local
 
     import tempfile
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if mem_errs:
         print(f"peak memory error: median {statistics.median(mem_errs):.1%}, worst {max(mem_errs):.1%} "
               f"over {len(mem_errs)} ranks (target: within 10%)")
-    print(f"details: python -m planner.cli compare {out}/<case> --cluster {out}/<case>/cluster.yaml")
+    print(f"details: python -m planner.app.cli compare {out}/<case> --cluster {out}/<case>/cluster.yaml")
     return 0
 
 

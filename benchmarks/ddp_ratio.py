@@ -100,7 +100,7 @@ session.close()
 
 def make_build(preset: str, batch: int, bucket_mb: float, out: Path) -> Path:
     import planner
-    from codegen.commands import make_fixed_plan
+    from planner.app.commands import make_fixed_plan
     from codegen.emit import capture_ref, emit
 
     ref = str(ROOT / "examples/models/gpt.py") + ":build"

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import planner  # noqa: E402
+from planner.evaluate import Evaluator  # noqa: E402
 from examples.models import gpt  # noqa: E402
 
 
@@ -28,7 +29,7 @@ def main() -> int:
         model = gpt.build(preset="1t")
     graph = planner.capture(model, gpt.example_inputs(batch_size=1, device="meta", preset="1t"))
     cluster = planner.Cluster.preset("dgx-a100-80gb", nodes=384)
-    ev = planner.Evaluator(graph, cluster)
+    ev = Evaluator(graph, cluster)
     configs = []
     for t in (1, 2, 4, 8):
         for p in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -2,7 +2,7 @@
 
     python benchmarks/fuzz_cli.py [--limit 60] [--only capture,run] [--keep DIR]
 
-Every case runs `python -m planner.cli ...` in a subprocess of its own (PYTHONPATH: this
+Every case runs `python -m planner.app.cli ...` in a subprocess of its own (PYTHONPATH: this
 checkout, or the one in $PYTHONPATH when set) under a wall-clock limit (seconds), and
 ends as one of:
 
@@ -283,7 +283,7 @@ def _default_sigint() -> None:
 def run_case(case: Case, env: dict[str, str], cwd: Path, limit: float) -> tuple[str, float, str]:
     """(outcome, seconds, last stderr line) of one case in its own process group."""
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "planner.cli", *case.argv], cwd=cwd, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "planner.app.cli", *case.argv], cwd=cwd, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=_default_sigint)
     try:
@@ -319,7 +319,7 @@ def main() -> int:
     tmp.mkdir(parents=True, exist_ok=True)
 
     def cli(argv: Sequence[str]) -> int:
-        return subprocess.run([sys.executable, "-m", "planner.cli", *argv], cwd=code_root, env=env,
+        return subprocess.run([sys.executable, "-m", "planner.app.cli", *argv], cwd=code_root, env=env,
                               stdout=subprocess.DEVNULL).returncode
 
     try:

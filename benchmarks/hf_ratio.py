@@ -98,7 +98,7 @@ def torch_step(step):
 
 def _build(kind: str, args, out: Path) -> Path:
     import planner
-    from codegen.commands import make_fixed_plan
+    from planner.app.commands import make_fixed_plan
     from codegen.emit import capture_ref, emit
 
     if kind == "ddp":

@@ -52,7 +52,7 @@ def torch_step(step):
 
 def make_build(preset: str, batch: int, micro: int, out: Path) -> Path:
     import planner
-    from codegen.commands import make_fixed_plan
+    from planner.app.commands import make_fixed_plan
     from codegen.emit import capture_ref, emit
 
     ref = str(ROOT / "examples/models/gpt.py") + ":build"

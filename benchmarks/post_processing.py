@@ -37,7 +37,7 @@ from pathlib import Path
 
 def post_seconds(build: Path, steps: int, trace: bool) -> tuple[float, float]:
     """(seconds of the whole `meshplan run`, seconds after its last step's metrics line)."""
-    from planner.cli import main
+    from planner.app.cli import main
 
     t0 = time.time()
     with contextlib.redirect_stdout(io.StringIO()):
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, nargs="+", default=[100, 1000, 10000])
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
-    from planner.cli import main as cli
+    from planner.app.cli import main as cli
 
     with tempfile.TemporaryDirectory(prefix="meshplan-post-") as tmp:
         for ranks in args.ranks:

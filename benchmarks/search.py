@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import planner  # noqa: E402
+from planner.evaluate import Evaluator  # noqa: E402
 from examples.models import gpt, resnet  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -90,7 +91,7 @@ def main() -> int:
         graph = graphs[size]
         cluster = planner.Cluster.preset("dgx-a100-80gb", nodes=gpus // 8)
         facts = dict(fused_attention=False, overlap_grad_reduce=False, grad_reduce_bytes=4)
-        ref = planner.Evaluator(graph, cluster, **facts).evaluate(config_for(scheme, mp, gpus, mb, graph), batch)
+        ref = Evaluator(graph, cluster, **facts).evaluate(config_for(scheme, mp, gpus, mb, graph), batch)
         t0 = time.perf_counter()
         plan = planner.optimize(graph, cluster, global_batch_size=batch, progress=False, **facts)
         dt = time.perf_counter() - t0

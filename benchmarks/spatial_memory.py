@@ -8,7 +8,7 @@ on real gloo processes, the head (global average pool, Linear) replicated after 
 process counts the bytes autograd saves for backward during one forward pass of the whole model
 (torch.autograd.graph.saved_tensors_hooks, distinct storages); the same count is taken for the
 unsplit model in one process. Reported: the measured ratio tile / whole beside the cost
-model's (planner.Evaluator: saved activations of the spatial layers divided by the tiles).
+model's (planner.evaluate.Evaluator: saved activations of the spatial layers divided by the tiles).
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def main() -> int:
     import torch.multiprocessing as mp
 
     import planner
+    from planner.evaluate import Evaluator
     from examples.models import large_image_cnn
 
     whole_model = model(args.side)
@@ -91,7 +92,7 @@ def main() -> int:
     g = planner.capture(large_image_cnn.build(image_size=args.side, layers=LAYERS, num_classes=3),
                         large_image_cnn.example_inputs(1, "meta", image_size=args.side, layers=LAYERS,
                                                        num_classes=3))
-    ev = planner.Evaluator(g, planner.Cluster.preset("local", devices=args.tiles))
+    ev = Evaluator(g, planner.Cluster.preset("local", devices=args.tiles))
     cfg = planner.ParallelConfig(spatial=args.tiles, spatial_split="grid", spatial_until="pool", dtype="fp32")
     base = planner.ParallelConfig(dtype="fp32")
     pred_whole = sum(ev.layer_cost(layer, base).saved for layer in g.layers)

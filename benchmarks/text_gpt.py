@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.chdir(ROOT)
     from examples.data import tokenize_text
-    from planner.cli import main as meshplan
+    from planner.app.cli import main as meshplan
     from runtime.reference import reference_run
     from runtime.spec import TrainSpec
 

@@ -3,14 +3,13 @@ scripts plus launchers (torchrun, mpirun, srun).
 
     codegen.partition(plan, graph) -> Partition      per-stage modules, tensor-parallel splits
     codegen.lower(plan, graph)     -> {rank: Program}
-    codegen.emit(plan, model_ref, data_ref, out_dir) writes the build directory
+    codegen.emit(plan, model_ref, data_ref, out_dir) -> Build   writes the build directory
+
+Everything else is reached by its module path (codegen.schedules.build_schedule, ...).
 """
 
-from codegen.emit import Build, PlanMismatchError, emit
-from codegen.lower import DEFAULT_BUCKET_BYTES, LoweringError, check_programs, lower
-from codegen.partition import Partition, PartitionError, StagePart, partition
-from runtime.schedules import ScheduleError, build_schedule
-from codegen.tensor_split import TensorSplitError
+from codegen.emit import Build, emit
+from codegen.lower import LoweringError, lower
+from codegen.partition import partition
 
-__all__ = ["Build", "DEFAULT_BUCKET_BYTES", "LoweringError", "PlanMismatchError", "emit", "Partition", "PartitionError", "ScheduleError", "StagePart",
-           "TensorSplitError", "build_schedule", "check_programs", "lower", "partition"]
+__all__ = ["Build", "LoweringError", "emit", "lower", "partition"]

@@ -3,7 +3,7 @@
     --optimizer-impl auto|for-loop|foreach|fused   --no-decay 1d|none
     --lr-schedule constant|cosine|linear  --warmup-steps N  --min-lr LR  --decay-steps N
 
-`add_flags` puts them on the codegen parser (planner/cli.py); `optimizer_and_schedule` makes
+`add_flags` puts them on the codegen parser (planner/app/cli.py); `optimizer_and_schedule` makes
 the build's OptimizerSpec and ScheduleSpec from the parsed arguments (their checks raise
 ValueErrors that name the flag's field).
 """
@@ -17,7 +17,7 @@ from runtime.optim import NoDecay, OptimizerImpl, OptimizerSpec
 
 
 def add_flags(p: argparse.ArgumentParser, count, nonnegative_number) -> None:
-    """count / nonnegative_number: planner.cli_args' argparse types."""
+    """count / nonnegative_number: planner.app.cli_args' argparse types."""
     p.add_argument("--optimizer-impl", default=OptimizerImpl.AUTO.value, choices=[m.value for m in OptimizerImpl],
                    help="torch's optimizer code path (default auto: fused AdamW / foreach SGD on CUDA, what "
                         "benchmarks/optimizer_impl.py measured fastest on CPU)")

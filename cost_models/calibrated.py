@@ -39,7 +39,7 @@ new section and an old meshplan still loads it:
                                                        fp32 nodes of those families from them)
     fit.curve_mix.forward / .backward                  in-layer slow-down of curve-priced ops (probe block)
     fit.in_run.forward / .backward                     a node's time in a traced training run over its
-                                                       per-op price (planner/calibrate_run.py: a probe
+                                                       per-op price (planner/app/calibrate_run.py: a probe
                                                        model trained through the runtime; planner.evaluate)
 
 A collective's time is the measured table interpolated piecewise-linearly in the
@@ -277,6 +277,6 @@ def curve_mix(cluster) -> tuple[float, float]:
 
 def in_run_factors(cluster) -> tuple[float, float]:
     """(forward, backward) factor of a node's calibrated price in a training run over its price
-    from the per-op timings (planner/calibrate_run.py); (1, 1) when not measured."""
+    from the per-op timings (planner/app/calibrate_run.py); (1, 1) when not measured."""
     fits = _fits(cluster.measurements)
     return fits.get("in_run.forward", 1.0), fits.get("in_run.backward", 1.0)

@@ -5,7 +5,7 @@ A link level is priced as ``alpha + n * beta`` for one message of ``n`` bytes, w
 the bandwidth a collective library actually achieves (a fraction, the *efficiency*,
 of the hardware :class:`~cost_models.hardware.Link` bandwidth).
 
-Collective formulas (STRATEGIES.md, "Communication cost"), for ``n`` bytes over ``g``
+Collective formulas (docs/STRATEGIES.md, "Communication cost"), for ``n`` bytes over ``g``
 ranks on one :class:`LinkModel`:
 
 ==========================  ================================================
@@ -561,7 +561,7 @@ def collective_time(
             achieved-bandwidth fractions (see :func:`link_models`).
 
     A group inside one node uses the intra-node link. A group that spans nodes runs its
-    flat algorithms at the pace of the inter-node link (STRATEGIES.md; conservative
+    flat algorithms at the pace of the inter-node link (docs/STRATEGIES.md; conservative
     next to NCCL's node-aware rings). All-reduce over a group that spans nodes with the
     same number ``k > 1`` of members on every node may also run hierarchically
     (:func:`hierarchical_all_reduce_time`). Ties go to the first algorithm of

@@ -10,7 +10,7 @@ fills the bubble.
 
 For uniform stages (forward f, backward b) and no communication the step
 takes T(eta) = eta * p * (f + b) - (eta - 1) * (p - 1) * f with eta = 2T
-(STRATEGIES.md). `step_time` computes the general case (any per-stage times,
+(docs/STRATEGIES.md, "Bidirectional pipelines"). `step_time` computes the general case (any per-stage times,
 point-to-point transfers) by list scheduling the per-device order of the bidirectional
 schedule (runtime/schedules.py), the same action lists codegen lowers.
 """

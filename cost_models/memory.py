@@ -1,6 +1,6 @@
 """Memory formulas: bytes per parameter by dtype and ZeRO stage, live micro-batches per schedule.
 
-Mixed precision with Adam (STRATEGIES.md): 2 bytes of bf16/fp16 weights, 2 of
+Mixed precision with Adam (docs/STRATEGIES.md, "Data parallelism"): 2 bytes of bf16/fp16 weights, 2 of
 gradients, 12 of fp32 master weights, momentum and variance per parameter.
 Plain fp32: 4 + 4 + 8 (momentum and variance; the weights are the master).
 ZeRO shards over the data axis: stage 1 the optimizer state, stage 2 also

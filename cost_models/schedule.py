@@ -1,4 +1,4 @@
-"""Pipeline schedule formulas (STRATEGIES.md, "Pipeline parallelism"): the step time of the
+"""Pipeline schedule formulas (docs/STRATEGIES.md, "Pipeline parallelism"): the step time of the
 schedules runtime/schedules.py defines.
 
 p stages, m micro-batches, v virtual chunks per device. A "slot" is one

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 import torch  # noqa: E402
 
 import planner  # noqa: E402
+from planner.app.report import write_report  # noqa: E402
 from examples.models import gpt  # noqa: E402
 
 
@@ -55,7 +56,7 @@ def main() -> None:
     plan.save(args.output)
     stem = str(Path(args.output).with_suffix(""))
     pictures = planner.visualize(plan, stem)
-    report = planner.write_report(plan, f"{stem}_report.html")
+    report = write_report(plan, f"{stem}_report.html")
     print(f"\nwrote {args.output}, {len(pictures)} pictures ({stem}_mesh.png, {stem}_schedule.png, ...) and {report}")
 
 if __name__ == "__main__":

@@ -1,26 +1,23 @@
 """meshplan's planner: capture a model, cost it, and choose a parallel plan.
 
-Public entry points are re-exported here; importing does no work (no device
-probing, no measurement, no process groups).
+The public API is re-exported here: capture, optimize, evaluate, make_plan, explain,
+visualize, Plan, Cluster, ParallelConfig and the errors they raise on bad input. Everything
+else is reached by its module path (planner.graph.ModelGraph, planner.evaluate.Evaluator,
+planner.app.report.write_report, ...). Importing does no work (no device probing, no
+measurement, no process groups).
 """
 
-from cost_models.hardware import Cluster, ClusterFileError, Device, Link
+from cost_models.hardware import Cluster, ClusterFileError
+from planner.app.visualize import visualize
 from planner.capture import CaptureError, capture
 from planner.config import ConfigError, ParallelConfig
-from planner.evaluate import Evaluator, evaluate
+from planner.evaluate import evaluate
 from planner.make_plan import make_plan
 from planner.optimize import NoFeasiblePlan, explain, optimize
-from planner.plan import Plan, PlanFileError, Stage
-from cost_models.prediction import Prediction
-from planner.graph import Branch, Layer, ModelGraph, OpInfo, TensorMeta
-from planner.report import write_report
-from planner.visualize import visualize
+from planner.plan import Plan, PlanFileError
 
 __all__ = [
-    "Branch", "CaptureError", "Cluster", "ClusterFileError", "Device", "Layer", "Link",
-    "ModelGraph", "OpInfo", "TensorMeta", "capture",
-    "ConfigError", "ParallelConfig", "Evaluator", "evaluate", "Prediction",
-    "make_plan", "Plan", "PlanFileError", "Stage", "NoFeasiblePlan", "explain", "optimize",
-    "visualize", "write_report",
+    "capture", "optimize", "evaluate", "make_plan", "explain", "visualize",
+    "Plan", "Cluster", "ParallelConfig",
+    "CaptureError", "ClusterFileError", "ConfigError", "NoFeasiblePlan", "PlanFileError",
 ]
-

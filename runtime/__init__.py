@@ -2,14 +2,15 @@
 Depends on no other meshplan package: a generated rank script imports only `runtime`
 and the user's model code.
 
-    Program, Instr, Bucket          runtime.program   the instruction set
-    Timeline, Event, Recorder       runtime.trace     measured / predicted timelines
+What a user or a generated script needs is named here; everything else is reached by
+its module path (runtime.comm.TorchCommunicator, runtime.spec.TrainSpec, ...):
+
+    Program, Instr, ProgramError    runtime.program   the instruction set
+    Timeline                        runtime.trace     measured / predicted timelines
     DistContext                     runtime.context   rank, world, one group per mesh axis
-    Communicator, TorchCommunicator  runtime.comm; MpiCommunicator  runtime.comm_mpi
-    Executor, StageRunner, GradSync runtime.executor / stage / grads
-    TrainSpec, StageSpec, OptimizerSpec               runtime.spec / optim
-    run_local, run_many             runtime.launcher
-    verify_build                    runtime.verify (the check behind meshplan run --verify)
+    run_rank                        runtime.rank_main what each rank script calls
+    run_local, BuildError           runtime.launcher  run a build directory on this machine
+    verify_build                    runtime.verify    the check behind meshplan run --verify
     reference_run                   runtime.reference the single-process reference
 
 Names are imported on first use, so `import runtime` stays cheap.
@@ -20,20 +21,13 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Program": "runtime.program", "Instr": "runtime.program", "Bucket": "runtime.program",
-    "ProgramError": "runtime.program",
-    "Timeline": "runtime.trace", "Event": "runtime.trace", "Recorder": "runtime.trace",
+    "Program": "runtime.program", "Instr": "runtime.program", "ProgramError": "runtime.program",
+    "Timeline": "runtime.trace",
     "DistContext": "runtime.context",
-    "Communicator": "runtime.comm", "TorchCommunicator": "runtime.comm", "MpiCommunicator": "runtime.comm_mpi",
-    "CommError": "runtime.comm", "PeerFailure": "runtime.comm",
-    "Executor": "runtime.executor", "RankFailure": "runtime.executor",
-    "StageRunner": "runtime.stage", "GradSync": "runtime.grads",
-    "TrainSpec": "runtime.spec", "StageSpec": "runtime.spec", "Boundary": "runtime.spec",
-    "OptimizerSpec": "runtime.optim",
-    "FeatureSplit": "runtime.tensor_parallel", "ModuleShard": "runtime.tensor_parallel",
-    "run_local": "runtime.launcher", "run_many": "runtime.launcher", "verify_build": "runtime.verify",
+    "run_rank": "runtime.rank_main",
+    "run_local": "runtime.launcher", "BuildError": "runtime.launcher",
+    "verify_build": "runtime.verify",
     "reference_run": "runtime.reference",
-    "load_ref": "runtime.refs",
 }
 
 __all__ = sorted(_EXPORTS)

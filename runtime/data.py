@@ -19,13 +19,9 @@ from __future__ import annotations
 import enum
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
-
-if TYPE_CHECKING:
-    from runtime.datasets import DatasetSource
-    from runtime.spec import TrainSpec
 
 Batch = tuple[Any, torch.Tensor]   # (positional tuple or keyword dict of input tensors, targets)
 
@@ -142,24 +138,3 @@ class Split(enum.Enum):
 # Evaluation batch j of a batch factory is fn(global_batch_size, data_seed + EVAL_SEED_OFFSET + j):
 # seeds no training step of fewer than a billion steps reaches, so the batches are held out.
 EVAL_SEED_OFFSET = 10 ** 9
-
-
-def open_data(spec: "TrainSpec", micro_batch_size: int, data_rank: int = 0, data_size: int = 1,
-              split: Split = Split.TRAIN) -> "DataSource | DatasetSource":
-    """This data rank's source of `split` batches for the build's training setup: a DataSource for a
-    batch factory (data_ref), a runtime.datasets.DatasetSource for a dataset (spec.dataset); both
-    answer micro_batches(step) and global_batch(step).
-
-    The one place rank processes, the single-process reference and --verify get their batches from
-    (data_size 1: the whole global batch, for the reference)."""
-    if spec.dataset is not None:  # a torch Dataset by reference: runtime/datasets.py
-        from runtime.datasets import open_dataset
-
-        return open_dataset(spec.dataset, spec.global_batch_size, micro_batch_size, data_rank, data_size,
-                            spec.data_seed, split, spec.root)
-    from runtime.materialize import load_factory
-
-    seed = spec.data_seed + (EVAL_SEED_OFFSET if split is Split.EVAL else 0)
-    return DataSource(load_factory(spec.data_ref, spec.root, "data factory"), dict(spec.data_kwargs),
-                      spec.global_batch_size, micro_batch_size, data_rank, data_size, seed,
-                      name=f"data factory {spec.data_ref}")

@@ -1,7 +1,7 @@
 """Held-out evaluation during training: the settings, the forward-only part of a Program, accuracy.
 
 `--eval-every N --eval-batches K`: after every N-th training step (when (step + 1) % N == 0) each
-rank runs K held-out global batches (runtime.data.open_data with Split.EVAL; batch j is
+rank runs K held-out global batches (runtime.batch_source.open_data with Split.EVAL; batch j is
 `micro_batches(j)`) forward only: the modules in eval() mode, under torch.no_grad, no gradient, no
 optimizer. The evaluation loss is the mean of the K batches' global-batch mean losses (the training
 loss's definition); for cross_entropy with integer class targets the accuracy is the fraction of

@@ -237,6 +237,3 @@ class GradSync:
                                      "generate the build again")
                 return st.shard_grad
         raise ValueError("a tied weight is in no gradient bucket; generate the build again")
-
-    def buckets_of(self, stage: int) -> list[int]:
-        return [st.index for st in self.states if st.bucket.stage == stage]

@@ -42,7 +42,8 @@ from runtime.checkpoint_restore import (Restore, apply_loss_scale, apply_optimiz
 from runtime.checkpoint_run import CheckpointClaim, claim_checkpoint_dir, run_to_continue
 from runtime.comm import CommError, PeerFailure, local_threads_hint
 from runtime.context import DistContext
-from runtime.data import DataSource, Split, open_data
+from runtime.batch_source import open_data
+from runtime.data import DataSource, Split
 from runtime.evaluation import EvalResult, EvalSpec, check_program, eval_setting, evaluate
 from runtime.executor import Executor, RankFailure
 from runtime.faults import FAULTS, SAVE_FAULTS, inject

@@ -34,7 +34,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from runtime.data import DataSource, Split, call_model, open_data
+from runtime.batch_source import open_data
+from runtime.data import DataSource, Split, call_model
 from runtime.evaluation import EvalResult, EvalSpec, count_correct
 from runtime.losses import compute_loss
 from runtime.materialize import build_model

@@ -90,10 +90,6 @@ class Window:
         """Input rows one output row reads."""
         return self.dilation * (self.kernel - 1) + 1
 
-    def out_size(self, n: int, trailing_padding: int | None = None) -> int:
-        tp = self.padding if trailing_padding is None else trailing_padding
-        return (n + self.padding + tp - self.span) // self.stride + 1
-
 
 @dataclass(frozen=True)
 class AxisHalo:
@@ -339,28 +335,6 @@ class _TileWindow(torch.autograd.Function):
         for ax, length in zip(reversed(ctx.axes), reversed(ctx.lengths)):
             g_ext = ax.backward(g_ext, length)
         return g_ext, g_w, g_b, None, None, None
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """y = sum over the group of x, on every member; backward: the same sum of the gradients."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        y = x.clone()
-        group.all_reduce(y, "sum")
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        ctx.group.all_reduce(g, "sum")
-        return g, None
-
-
-def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    """Differentiable sum over `group` (every member gets it, every member's gradient is summed)."""
-    return x if group.size == 1 else _AllReduceSum.apply(x, group)
 
 
 class _GatherTiles(torch.autograd.Function):

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import planner
-from codegen.commands import make_fixed_plan
+from planner.app.commands import make_fixed_plan
 from codegen.emit import capture_ref, emit
 
 MODELS = {

@@ -13,7 +13,8 @@ import functools
 from pathlib import Path
 
 import planner
-from codegen.commands import make_fixed_plan
+from planner.app.commands import make_fixed_plan
+from planner.graph import ModelGraph
 from codegen.emit import capture_ref, emit
 
 HF = "examples/models/hf.py:build"
@@ -31,7 +32,7 @@ SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
 
 
 @functools.lru_cache(maxsize=None)
-def graph_of(ref: str, kwargs: tuple) -> planner.ModelGraph:
+def graph_of(ref: str, kwargs: tuple) -> ModelGraph:
     return capture_ref(ref, dict(kwargs), batch_size=2)
 
 

@@ -46,7 +46,7 @@ module fits the constants and builds the Cluster:
 - raw.*: every measured number, so a fit can be checked or redone.
 
 `meshplan calibrate` then trains a small probe model through the runtime for a few steps
-(planner/calibrate_run.py, which needs the planner and codegen and so lives there) and
+(planner/app/calibrate_run.py, which needs the planner and codegen and so lives there) and
 adds fit.in_run.*: how much longer forward and backward take in a traced run than the
 per-op prices fitted here.
 

@@ -7,8 +7,8 @@ import pytest
 from cost_models.calibrated import (after_reduce_costs, calibrated_efficiency, executor_costs, fitted_collective,
                                     in_run_factors, tensor_embedding_costs, tensor_wrapper_costs, vocab_loss_costs)
 from cost_models.hardware import Cluster
-from planner.calibrate_run import FACTOR_RANGE, in_run_factor
-from planner.cli import main
+from planner.app.calibrate_run import FACTOR_RANGE, in_run_factor
+from planner.app.cli import main
 
 
 # a hang guard, not a timing bound: with both cores saturated by other processes calibration and the
@@ -84,7 +84,7 @@ def _check_in_run_fit(cluster, text: str) -> None:
 
 def test_in_run_fit_check_accepts_each_documented_outcome_and_only_those():
     """The check above, fed both outcomes (the measurements injected: no processes, no timing)."""
-    from planner.calibrate_run import _fmt
+    from planner.app.calibrate_run import _fmt
 
     base = {"raw.in_run.forward.measured": 10e-3, "raw.in_run.forward.predicted": 9e-3,
             "raw.in_run.forward.per_op": 6e-3}

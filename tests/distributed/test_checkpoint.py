@@ -199,7 +199,7 @@ def test_resume_from_a_checkpoint_of_another_model_or_setup_is_refused(builds, s
 
 def test_command_line(builds, tmp_path, capsys):
     """meshplan run --checkpoint-dir/--save-every/--resume --verify, meshplan checkpoint show/convert."""
-    from planner.cli import main
+    from planner.app.cli import main
 
     b, ckpt = str(builds["mlp_t2"]), tmp_path / "cli_ckpt"
     assert main(["run", b, "--steps", "2", "--timeout", "30", "--checkpoint-dir", str(ckpt),
@@ -256,7 +256,7 @@ def _wait_for_holder(lock: Path, proc: subprocess.Popen, ready) -> Holder:
 
 def _start_run(build: Path, *extra: str) -> subprocess.Popen:
     """`meshplan run BUILD --steps 2000` in its own process group (so that the test can end all of it)."""
-    return subprocess.Popen([sys.executable, "-m", "planner.cli", "run", str(build), "--steps", "2000",
+    return subprocess.Popen([sys.executable, "-m", "planner.app.cli", "run", str(build), "--steps", "2000",
                              "--timeout", "60", *extra], cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
@@ -291,7 +291,7 @@ def test_two_runs_on_one_checkpoint_directory_the_second_is_refused(builds, root
 
 
 def test_two_concurrent_runs_of_one_build_the_second_is_refused(builds, capsys):
-    from planner.cli import main
+    from planner.app.cli import main
 
     build = builds["mlp_t2"]
     first = _start_run(build)
@@ -308,7 +308,7 @@ def test_two_concurrent_runs_of_one_build_the_second_is_refused(builds, capsys):
 
 
 def test_resume_from_another_runs_checkpoint_needs_the_flag(builds, tmp_path, capsys):
-    from planner.cli import main
+    from planner.app.cli import main
 
     b = str(builds["mlp_t2"])
     run = ["run", b, "--steps", "1", "--timeout", "30"]

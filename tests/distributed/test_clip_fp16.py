@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import planner
-from codegen.commands import make_fixed_plan
+from planner.app.commands import make_fixed_plan
 from codegen.emit import emit
 from runtime.checkpoint import step_dir
 from runtime.launcher import run_local, run_many

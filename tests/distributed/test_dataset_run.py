@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from examples.data.tokens import write_tokens
-from planner.cli import main
+from planner.app.cli import main
 from runtime.checkpoint import step_dir
 from runtime.datasets import DatasetSpec, open_dataset
 from runtime.launcher import run_local

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from planner.cli import main
+from planner.app.cli import main
 from runtime.evaluation import EvalSpec, read_run_evals
 from runtime.program import Program
 from runtime.reference import reference_run

@@ -2,7 +2,7 @@
 output directory are hostile strings: the run trains (the model's factory and data factory
 receive exactly the hostile values, or they raise) and none of the strings runs as code."""
 
-from planner.cli import main
+from planner.app.cli import main
 from tests.hostile_cases import HOSTILE_DIR, MARKER, markers, write_model
 
 # Values that are no Python literal, so `--arg KEY=VALUE` passes them on as the strings they are.

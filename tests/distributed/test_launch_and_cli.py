@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import main
+from planner.app.cli import main
 from runtime.verify import verify_build
 from runtime.trace import Timeline
 from tests.parallel_cases import CONFIGS, emit_case

@@ -52,7 +52,7 @@ def _wait_for(what, cond, seconds: float):
 
 
 def _start_run(build: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "planner.cli", "run", str(build), "--steps", "1000000",
+    return subprocess.Popen([sys.executable, "-m", "planner.app.cli", "run", str(build), "--steps", "1000000",
                              "--timeout", "60", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
 

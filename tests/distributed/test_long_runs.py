@@ -3,7 +3,7 @@ resume, step numbers from the checkpoint, and a NaN loss stopping every rank at 
 
 import json
 
-from planner.cli import main
+from planner.app.cli import main
 from runtime.launcher import run_local
 from runtime.trace import TRACE_WINDOW_STEPS, Timeline
 

@@ -9,7 +9,7 @@ first stage holds the tiles, the later stage runs on the gathered activations)."
 import pytest
 
 import planner
-from codegen.commands import make_fixed_plan
+from planner.app.commands import make_fixed_plan
 from codegen.emit import capture_ref, emit
 from runtime.launcher import run_many
 from tests.parallel_cases import SGD, assert_exact

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from examples.data.tokens import write_tokens
-from planner.cli import main
+from planner.app.cli import main
 from runtime.checkpoint import step_dir
 from runtime.launcher import run_local, run_many
 from tests.parallel_cases import assert_exact

@@ -7,7 +7,7 @@ made for another model.
 
 import pytest
 
-from planner.cli import main
+from planner.app.cli import main
 from runtime.launcher import run_many
 from tests.real_models import CONFIGS, HF, assert_verified, emit_fixed
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import planner
+from planner.evaluate import Evaluator
 from cost_models.hardware import Cluster, Device, Link
 from examples.models import gpt, mlp
 from planner import NoFeasiblePlan, ParallelConfig, Plan
@@ -40,7 +41,7 @@ def _small_gpus(n: int, memory_gib: float) -> Cluster:
 
 def _exhaustive(graph, cluster, batch):
     """Price every configuration (all schedules, recompute modes, ZeRO stages, micro-batches)."""
-    ev = planner.Evaluator(graph, cluster)
+    ev = Evaluator(graph, cluster)
     n = cluster.num_devices
     best = None
     for t, p in itertools.product(range(1, n + 1), repeat=2):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import planner
+from planner.evaluate import Evaluator
 from examples.models import gpt, resnet
 from planner import NoFeasiblePlan
 from planner.optimize import _enumerate
@@ -64,7 +65,7 @@ def test_models_without_convolutions_search_the_same_space():
         model = gpt.build(preset="small")
     g = planner.capture(model, gpt.example_inputs(batch_size=1, device="meta", preset="small"))
     cluster = planner.Cluster.preset("dgx-a100-80gb", nodes=2)
-    ev = planner.Evaluator(g, cluster)
+    ev = Evaluator(g, cluster)
     configs = _enumerate(ev, cluster, 32, {}, ("bf16",))
     assert configs and all(c.spatial == 1 for c in configs)
     assert configs == _enumerate(ev, cluster, 32, {"spatial": 1}, ("bf16",))

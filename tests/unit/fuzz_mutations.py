@@ -67,7 +67,7 @@ def sample_program_docs() -> list[dict]:
     """Program documents (JSON) of real lowered plans for GPT tiny, as codegen writes them: pipeline
     1F1B with data parallelism and ZeRO-1, interleaved pipeline, tensor x data with ZeRO-3."""
     import planner
-    from codegen.commands import make_fixed_plan
+    from planner.app.commands import make_fixed_plan
     from codegen.emit import capture_ref
     from codegen.lower import lower
 

@@ -7,7 +7,7 @@ from cost_models.calibration.calibrate import build_cluster
 from cost_models.calibrated import after_reduce_costs
 from cost_models.hardware import Cluster
 from cost_models.simulate import ComputeCosts
-from planner.compare import _reduces_grads
+from planner.app.compare import _reduces_grads
 from tests.unit.test_calibrate import _results
 from tests.unit.test_calibrate_stage import _prediction, _stage_results
 from tests.unit.test_simulate import four_bucket_backward, two_stage_1f1b

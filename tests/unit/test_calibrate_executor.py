@@ -125,6 +125,7 @@ def test_planner_charges_a_wrapper_per_in_layer_all_reduce_of_a_tensor_parallel_
     import dataclasses
 
     import planner
+    from planner.evaluate import Evaluator
     from codegen.emit import capture_ref
 
     graph = capture_ref("examples/models/mlp.py:build", {"in_features": 64, "hidden": 256, "num_layers": 4,
@@ -135,7 +136,7 @@ def test_planner_charges_a_wrapper_per_in_layer_all_reduce_of_a_tensor_parallel_
                                    "fit.tensor_wrapper.forward_per_element": 1e-9}).items())))
     cfg = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", tensor=2)
     # every shardable layer sharded (the ILP may replicate layers this small)
-    ev, ev_w = planner.Evaluator(graph, base, sharding="all"), planner.Evaluator(graph, wrapped, sharding="all")
+    ev, ev_w = Evaluator(graph, base, sharding="all"), Evaluator(graph, wrapped, sharding="all")
     roles = ev.sharding.roles
     linears = [n for n in graph.nodes if n.kind == "linear" and n.name in roles]
     with_ar = [n for n in linears if roles[n.name].fwd_allreduce or roles[n.name].bwd_allreduce]

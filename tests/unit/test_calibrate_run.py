@@ -1,15 +1,16 @@
-"""The in-run factor (planner/calibrate_run.py): its arithmetic, its use by planner.evaluate, bad input."""
+"""The in-run factor (planner/app/calibrate_run.py): its arithmetic, its use by planner.evaluate, bad input."""
 
 import dataclasses
 
 import pytest
 
 import planner
+from planner.evaluate import Evaluator
 from codegen.emit import capture_ref
 from cost_models.calibration.calibrate import build_cluster
 from cost_models.calibrated import in_run_factors
 from cost_models.hardware import Cluster
-from planner.calibrate_run import FACTOR_RANGE, InRunError, PROBE_FILE, in_run_factor, measure_in_run
+from planner.app.calibrate_run import FACTOR_RANGE, InRunError, PROBE_FILE, in_run_factor, measure_in_run
 from tests.unit.test_op_curves import _curve_results
 
 
@@ -42,7 +43,7 @@ def test_evaluate_scales_every_node_price_by_the_factor_and_nothing_else():
     assert in_run_factors(scaled) == (1.25, 0.8)
     graph = capture_ref(f"{PROBE_FILE}:build", {}, batch_size=2)
     cfg = planner.ParallelConfig(micro_batch_size=2, dtype="fp32")
-    a, b = planner.Evaluator(graph, base), planner.Evaluator(graph, scaled)
+    a, b = Evaluator(graph, base), Evaluator(graph, scaled)
     nodes = [n for n in graph.nodes if n.kind not in ("input", "output")]
     assert len(nodes) > 30
     for n in nodes:
@@ -55,7 +56,7 @@ def test_evaluate_scales_every_node_price_by_the_factor_and_nothing_else():
     assert sb.forward == pytest.approx(1.25 * sa.forward) and sb.backward == pytest.approx(0.8 * sa.backward)
     # an explicit Efficiency prices from it alone: no calibrated curve, no in-run factor
     from cost_models.calibrated import calibrated_efficiency
-    assert planner.Evaluator(graph, scaled, efficiency=calibrated_efficiency(scaled)).in_run == (1.0, 1.0)
+    assert Evaluator(graph, scaled, efficiency=calibrated_efficiency(scaled)).in_run == (1.0, 1.0)
 
 
 def test_measure_in_run_refuses_what_it_cannot_measure():
@@ -74,7 +75,7 @@ def test_measure_in_run_refuses_what_it_cannot_measure():
 def test_probe_model_runs_and_its_batches_are_a_function_of_the_seed():
     import torch
 
-    from planner import probe_model
+    from planner.app import probe_model
 
     model = probe_model.build()
     (idx,), targets = probe_model.example_batch(3, seed=5)
@@ -86,7 +87,7 @@ def test_probe_model_runs_and_its_batches_are_a_function_of_the_seed():
 
 def test_calibrate_machine_keeps_the_calibration_when_the_probe_fails_and_skips_it_when_asked(monkeypatch):
     import cost_models.calibration.calibrate
-    import planner.calibrate_run as cr
+    import planner.app.calibrate_run as cr
 
     results, _, _ = _curve_results()
     base = build_cluster(results)
@@ -108,7 +109,7 @@ def test_calibrate_machine_keeps_the_calibration_when_the_probe_fails_and_skips_
 
 
 def test_calibrate_command_has_a_switch_for_the_probe():
-    from planner.cli import build_parser
+    from planner.app.cli import build_parser
 
     p = build_parser()
     assert p.parse_args(["calibrate", "--out", "c.yaml"]).run_probe is True

@@ -15,7 +15,7 @@ from cost_models.calibrated import tensor_embedding_costs, tensor_wrapper_costs,
 from cost_models.comm import collective_time
 from cost_models.hardware import Cluster
 from cost_models.simulate import ComputeCosts
-from planner.compare import _loss_elements, _vocab_split
+from planner.app.compare import _loss_elements, _vocab_split
 from tests.unit.test_calibrate import _results
 from tests.unit.test_calibrate_stage import _prediction, _stage_results
 
@@ -90,6 +90,7 @@ def test_a_class_split_output_splits_the_loss_over_the_tensor_ranks():
 
 def test_the_planner_charges_the_vocabulary_parallel_embedding_not_a_wrapper():
     import planner
+    from planner.evaluate import Evaluator
 
     graph = capture_ref(*GPT_TINY, batch_size=4)
     base = build_cluster(_results())
@@ -97,7 +98,7 @@ def test_the_planner_charges_the_vocabulary_parallel_embedding_not_a_wrapper():
             "fit.tensor_embedding.backward": 2e-5, "fit.tensor_wrapper.forward": 7e-5}
     extra = dataclasses.replace(base, measurements=tuple(sorted(dict(base.measurements, **fits).items())))
     cfg = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", tensor=2)
-    ev, ev_x = planner.Evaluator(graph, base, sharding="all"), planner.Evaluator(graph, extra, sharding="all")
+    ev, ev_x = Evaluator(graph, base, sharding="all"), Evaluator(graph, extra, sharding="all")
     vocab = [n for n in graph.nodes if ev.sharding.roles.get(n.name) and ev.sharding.roles[n.name].role == "vocab"]
     assert vocab
     for n in vocab:

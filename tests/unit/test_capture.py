@@ -9,7 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import planner
 from examples.models import gpt, inception, large_image_cnn, mlp, resnet
-from planner import CaptureError, ModelGraph
+from planner import CaptureError
+from planner.graph import ModelGraph
 
 ZOO = [
     (gpt, dict(preset="tiny")),

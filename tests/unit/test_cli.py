@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from planner.cli import main
+from planner.app.cli import main
 
 
 def test_capture_prints_summary_and_writes_json(tmp_path, capsys):
@@ -14,7 +14,7 @@ def test_capture_prints_summary_and_writes_json(tmp_path, capsys):
                  "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "blocks.1" in text and "parameters:" in text
-    from planner import ModelGraph
+    from planner.graph import ModelGraph
     assert ModelGraph.load(out).batch_size == 2
 
 
@@ -42,7 +42,7 @@ def test_user_errors_are_one_line_and_exit_2(argv, needle, capsys):
 
 
 def test_console_script_help():
-    out = subprocess.run([sys.executable, "-m", "planner.cli", "capture", "--help"],
+    out = subprocess.run([sys.executable, "-m", "planner.app.cli", "capture", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "examples:" in out and "MODEL_REF" in out
 

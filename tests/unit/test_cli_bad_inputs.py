@@ -1,4 +1,4 @@
-"""A fixed sample of benchmarks/fuzz_cli.py's bad inputs, run in-process through planner.cli.main:
+"""A fixed sample of benchmarks/fuzz_cli.py's bad inputs, run in-process through planner.app.cli.main:
 each ends as a clear error (exit 2, the last stderr line says "error:", no traceback), before any
 model is trained or measured. The whole fuzz (every case in a subprocess) is the benchmark."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import main
+from planner.app.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import fuzz_cli  # noqa: E402
@@ -40,7 +40,7 @@ SAMPLE = (
 
 
 def run_main(argv) -> tuple[int, str]:
-    """(exit status, stderr) of planner.cli.main; argparse's exit counts as its status."""
+    """(exit status, stderr) of planner.app.cli.main; argparse's exit counts as its status."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
@@ -91,7 +91,7 @@ def test_factory_errors_name_file_and_line(fixtures, capsys):
 
 
 def test_output_paths_checked_before_work(fixtures, monkeypatch, capsys):
-    import planner.calibrate_run as cr
+    import planner.app.calibrate_run as cr
 
     def must_not_run(*a, **k):
         raise AssertionError("calibration started before the output path was checked")

@@ -56,7 +56,7 @@ def test_spatial_plans_the_runtime_cannot_run_are_refused(graph, change, word):
 def test_meshplan_codegen_writes_a_spatial_build(tmp_path, capsys):
     import json
 
-    from planner.cli import main
+    from planner.app.cli import main
 
     assert main(["codegen", REF, "--arg", "image_size=64", "--arg", "num_classes=3", "--arg", "in_channels=2",
                  "--batch", "4", "--data", "2", "--micro-batch", "2", "--spatial", "2", "--spatial-split", "grid",

@@ -10,7 +10,7 @@ import torch
 
 from examples.data import tokenize_text
 from examples.data.tokens import TokenFile, TokenFileError, read_meta, sidecar, write_tokens
-from planner.cli import main
+from planner.app.cli import main
 from runtime.data import DataError, Split
 from runtime.datasets import (DatasetSource, DatasetSpec, EpochOrder, LastBatch, RankStream, open_dataset)
 from runtime.refs import RefError

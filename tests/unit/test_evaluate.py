@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import planner
+from planner.evaluate import Evaluator
 from cost_models.hardware import Cluster, Device, Link
 from cost_models.prediction import Prediction
 from examples.models import gpt, mlp
@@ -179,11 +180,11 @@ def test_conv_pairs_in_a_resnet_block():
 
 def test_ilp_shards_big_layers_and_replicates_tiny_ones(tiny):
     """Comm-dominated tiny layers stay replicated; compute-dominated wide layers are split."""
-    ev_small = planner.Evaluator(tiny, A100)
+    ev_small = Evaluator(tiny, A100)
     cfg = ParallelConfig(data=4, tensor=2)
     assert ev_small.node_roles(cfg) == {}
     wide = _graph(batch=8, preset="tiny", hidden=2048, num_heads=16, seq_len=512)
-    roles = planner.Evaluator(wide, A100).node_roles(cfg)
+    roles = Evaluator(wide, A100).node_roles(cfg)
     assert roles["blocks_0_attn_qkv"] == "column" and roles["blocks_0_mlp_proj"] == "row"
     forced = planner.evaluate(tiny, A100, cfg, global_batch_size=16, sharding="all")
     chosen = planner.evaluate(tiny, A100, cfg, global_batch_size=16)
@@ -193,7 +194,7 @@ def test_ilp_shards_big_layers_and_replicates_tiny_ones(tiny):
 def test_repeated_blocks_share_the_ilp_decision_but_keep_their_own_regions():
     """The decision cached for blocks.0 applies to blocks.1, blocks.2 ... by position, not by region id."""
     wide = _graph(batch=8, preset="tiny", hidden=2048, num_heads=16, seq_len=512)
-    roles = planner.Evaluator(wide, A100).node_roles(ParallelConfig(data=4, tensor=2))
+    roles = Evaluator(wide, A100).node_roles(ParallelConfig(data=4, tensor=2))
     blocks = sorted({n.split("_")[1] for n in roles if n.startswith("blocks_")})
     assert len(blocks) == sum(1 for layer in wide.layers if layer.name.startswith("blocks")) >= 2
     for b in blocks:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from codegen.lower import lower
-from planner.cli import main
+from planner.app.cli import main
 from runtime.evaluation import (EvalError, EvalResult, EvalSpec, check_program, check_supported, compare_evals, count_correct,
                                 eval_setting, evaluate, forward_only)
 from runtime.program import Program

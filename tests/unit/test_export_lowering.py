@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import planner
-from codegen.commands import make_fixed_plan
+from planner.evaluate import Evaluator
+from planner.app.commands import make_fixed_plan
 from codegen.lower import lower
 from codegen.partition import partition
 from codegen.tensor_split import unsplittable
@@ -171,7 +172,7 @@ def test_the_planner_replicates_regions_the_code_generator_cannot_split():
 
 def test_tied_copies_are_priced():
     g = graph("gpt2")
-    ev = planner.Evaluator(g, planner.Cluster.preset("local", devices=2))
+    ev = Evaluator(g, planner.Cluster.preset("local", devices=2))
     cfg = planner.ParallelConfig(pipeline=2, micro_batch_size=2, dtype="fp32")
     costs = [ev.layer_cost(layer, cfg) for layer in g.layers]
     extra, seconds = ev._tie_costs(cfg, ev.stage_bounds(cfg, costs, 8))

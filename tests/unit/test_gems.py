@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import planner
+from planner.evaluate import Evaluator
 from cost_models.gems import device_order, uniform_step_time
 from cost_models.gems import step_time as simulate
 from cost_models.hardware import Cluster
@@ -168,7 +169,7 @@ def test_optimized_bidirectional_plan_lowers(tiny):
 
 
 def test_codegen_command_takes_bidirectional_flags(tmp_path, capsys):
-    from planner.cli import main
+    from planner.app.cli import main
 
     out = tmp_path / "build"
     rc = main(["codegen", "examples/models/gpt.py:build", "--arg", "preset=tiny", "--batch", "16", "--pipeline", "2",
@@ -239,7 +240,7 @@ def test_evaluator_moves_stage_boundaries_until_each_pair_fits():
 
     def run(mib):
         cl = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=int(mib * 2**20)))
-        ev = planner.Evaluator(graph, cl)
+        ev = Evaluator(graph, cl)
         costs = [ev.layer_cost(layer, cfg) for layer in graph.layers]
         weights = [c.forward + c.backward + c.recompute + c.tp_forward + c.tp_backward for c in costs]
         return ev.evaluate(cfg, 8), ev.stage_bounds(cfg, costs, 8), balanced_partition(weights, 4, None)

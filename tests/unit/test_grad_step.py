@@ -295,7 +295,7 @@ def test_codegen_flags_turn_fp16_loss_scaling_on_by_default():
 
 
 def test_codegen_refuses_a_loss_scale_without_fp16_in_one_line(capsys, tmp_path):
-    from planner.cli import main
+    from planner.app.cli import main
 
     rc = main(["codegen", "examples/models/mlp.py:build", "--batch", "8", "--loss-scale-init", "1024",
                "-o", str(tmp_path / "b")])

@@ -24,8 +24,8 @@ from codegen.pysrc import SourceError, comment_text, doc_text, import_line
 from cost_models.hardware import Cluster
 from cost_models.simulate import simulate
 from planner.capture import capture, capture_ref
-from planner.cli import main
-from planner.compare import CompareError, predicted_costs
+from planner.app.cli import main
+from planner.app.compare import CompareError, predicted_costs
 from planner.config import ParallelConfig
 from planner.graph import ModelGraph
 from planner.make_plan import make_plan

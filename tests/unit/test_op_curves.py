@@ -95,13 +95,14 @@ def test_fit_curve_mix_is_clamped():
 
 def test_evaluate_prices_fp32_nodes_from_the_curves():
     import planner
+    from planner.evaluate import Evaluator
     from codegen.emit import capture_ref
 
     results, _, _ = _curve_results()
     cl = build_cluster(results)
     graph = capture_ref("examples/models/mlp.py:build", {"in_features": 64, "hidden": 256, "num_layers": 2,
                                                          "out_features": 16}, batch_size=4)
-    ev = planner.Evaluator(graph, cl)
+    ev = Evaluator(graph, cl)
     cfg = planner.ParallelConfig(micro_batch_size=2, dtype="fp32")
     mix_f, mix_b = curve_mix(cl)
     fc = next(n for n in graph.nodes if n.kind == "linear")
@@ -111,7 +112,7 @@ def test_evaluate_prices_fp32_nodes_from_the_curves():
     assert cost.bwd == pytest.approx(curve_time(tuple((s, 2 * t / 0.5) for s, t in LINEAR), flops) * mix_b)
     # only fp32 was calibrated; an explicit Efficiency turns the curves off
     assert ev._curve_times(fc, 0.5, "bf16", fc.param_count) is None
-    plain = planner.Evaluator(graph, cl, efficiency=calibrated_efficiency(cl))
+    plain = Evaluator(graph, cl, efficiency=calibrated_efficiency(cl))
     assert plain._node_cost(fc, "replicate", cfg).fwd != pytest.approx(cost.fwd)
 
 

@@ -202,7 +202,7 @@ def test_zero_shards_take_their_buckets_group_and_mixed_buckets_are_refused():
 
 
 def test_codegen_flags_make_the_settings_and_name_bad_values():
-    from planner.cli import build_parser
+    from planner.app.cli import build_parser
 
     base = ["codegen", "examples/models/mlp.py:build", "--batch", "8", "--optimizer", "adamw", "--lr", "0.01"]
     args = build_parser().parse_args(base + ["--optimizer-impl", "foreach", "--no-decay", "none", "--lr-schedule",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import planner
-from codegen.commands import make_fixed_plan
+from planner.app.commands import make_fixed_plan
 from codegen.emit import capture_ref
 from codegen.throughput import step_work
 from runtime.executor import StepResult
@@ -196,7 +196,7 @@ def test_a_cluster_without_a_peak_for_the_dtype_leaves_mfu_out():
 
 
 def test_meshplan_run_refuses_tensorboard_without_the_package_before_starting(monkeypatch, tmp_path, capsys):
-    from planner.cli import main
+    from planner.app.cli import main
 
     build = tmp_path / "build"
     build.mkdir()

@@ -9,7 +9,7 @@ the closed form of asynchronous p2p (see cost_models/simulate.py).
 import pytest
 
 import planner
-from codegen.commands import make_fixed_plan
+from planner.app.commands import make_fixed_plan
 from codegen.lower import lower
 from cost_models.simulate import ComputeCosts, flow_shop_step_time, simulate
 from tests.parallel_cases import graph_of

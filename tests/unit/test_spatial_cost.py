@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import planner
+from planner.evaluate import Evaluator
 from cost_models.spatial import batchnorm_sync_bytes, halo_seconds, memory_saved_per_device, window_halo_bytes
 from examples.models import large_image_cnn
 from planner import ParallelConfig, Plan
@@ -98,7 +99,7 @@ def test_memory_saved_and_batchnorm_payloads():
 
 def test_spatial_layers_cost_a_quarter_plus_halos_and_the_gather(cnn):
     cl = planner.Cluster.preset("local", devices=4)
-    ev = planner.Evaluator(cnn, cl)
+    ev = Evaluator(cnn, cl)
     base = ParallelConfig(data=1, pipeline=1, tensor=1, dtype="fp32")
     whole = [ev.layer_cost(layer, base) for layer in cnn.layers]  # (layer costs do not check the device count)
     cfg = ParallelConfig(spatial=4, spatial_split="grid", spatial_until="features.3", dtype="fp32")
@@ -119,7 +120,7 @@ def test_spatial_layers_cost_a_quarter_plus_halos_and_the_gather(cnn):
 
 
 def test_spatial_until_a_layer_that_cannot_be_tiled_is_refused_naming_it(cnn):
-    ev = planner.Evaluator(cnn, planner.Cluster.preset("local", devices=2))
+    ev = Evaluator(cnn, planner.Cluster.preset("local", devices=2))
     with pytest.raises(ConfigError, match="layer 'avgpool'.*does not run on image tiles.*'pool'"):
         ev.evaluate(ParallelConfig(spatial=2, spatial_until="fc", dtype="fp32"), 2)
     with pytest.raises(ConfigError, match="not a layer of this model"):
@@ -145,7 +146,7 @@ def test_pipelined_spatial_configs_keep_the_spatial_part_in_the_first_stage(cnn)
     assert first_stage_partition(0, [1, 5, 5], 2, None, balanced_partition) == [(0, 2), (2, 3)]
     with pytest.raises(ConfigError, match="only 1 layers remain"):
         first_stage_partition(4, [1] * 6, 3, None, balanced_partition)
-    ev = planner.Evaluator(cnn, planner.Cluster.preset("local", devices=4))
+    ev = Evaluator(cnn, planner.Cluster.preset("local", devices=4))
     cfg = ParallelConfig(pipeline=2, spatial=2, spatial_until="features.2", dtype="fp32")
     pred = ev.evaluate(cfg, 2)
     assert pred.stages[0].last_layer in ("features.2", "features.3", "pool")
@@ -169,9 +170,9 @@ def test_plan_pictures_of_a_spatial_plan(cnn):
     import matplotlib
 
     matplotlib.use("Agg")
-    from planner.schedule_view import rank_coords
+    from planner.app.schedule_view import rank_coords
 
-    visualize = importlib.import_module("planner.visualize")
+    visualize = importlib.import_module("planner.app.visualize")
     cfg = ParallelConfig(data=2, pipeline=2, spatial=2, spatial_until="features.2", dtype="fp32")
     plan = planner.make_plan(cnn, planner.Cluster.preset("local", devices=8), cfg, global_batch_size=4)
     # rank 5 = pipe 1, data 0, spatial 1: the spatial coordinate folds into the data coordinate

@@ -5,6 +5,7 @@ import functools
 import pytest
 
 import planner
+from planner.evaluate import Evaluator
 from codegen.emit import capture_ref
 from codegen.lower import lower
 from planner import ConfigError, ParallelConfig
@@ -58,7 +59,7 @@ def test_attention_heads_split_into_equal_groups():
                              ParallelConfig(subgraph=2, micro_batch_size=2, dtype="fp32"), global_batch_size=8)
     assert "heads 0-1 on sub-grid 0; 2-3 on sub-grid 1" in plan.summary()
     assert planner.Plan.from_dict(plan.to_dict()) == plan
-    ev = planner.Evaluator(graph_of("gpt"), planner.Cluster.preset("dgx-a100-80gb", devices=2))
+    ev = Evaluator(graph_of("gpt"), planner.Cluster.preset("dgx-a100-80gb", devices=2))
     layer = next(la for la in graph_of("gpt").layers if la.name == "blocks.0")
     one, two = (ev.layer_cost(layer, ParallelConfig(micro_batch_size=2, subgraph=b)) for b in (1, 2))
     assert two.forward < one.forward and two.tp_forward > 0 and two.params == one.params
@@ -98,7 +99,7 @@ def test_plan_records_the_sub_grid_of_every_path_and_round_trips():
 
 
 def test_cost_model_splits_branch_compute_and_adds_the_region_collectives():
-    ev = planner.Evaluator(inception(), planner.Cluster.preset("dgx-a100-80gb", devices=2))
+    ev = Evaluator(inception(), planner.Cluster.preset("dgx-a100-80gb", devices=2))
     one, two = ParallelConfig(micro_batch_size=4), ParallelConfig(micro_batch_size=4, subgraph=2)
     layer = next(la for la in inception().layers if la.name == "blocks.0")
     stem = inception().layers[0]
@@ -145,7 +146,7 @@ def test_describe_names_idle_sub_grids():
     assert "(idle)" in lines[0]
 
 def test_codegen_command_takes_the_subgraph_degree(tmp_path, capsys):
-    from planner.cli import main
+    from planner.app.cli import main
 
     out = tmp_path / "build"
     args = ["codegen", "examples/models/inception.py:build", *[f"--arg={k}={v}" for k, v in KW.items()],

@@ -13,8 +13,8 @@ import torch
 import planner
 from cost_models.mesh_axes import axis_groups
 from examples.models import gpt
-from planner.report import report_path, write_report
-from planner.visualize import (FIGURES, ScheduleRecord, figures, layout_problems, load_timeline,
+from planner.app.report import report_path, write_report
+from planner.app.visualize import (FIGURES, ScheduleRecord, figures, layout_problems, load_timeline,
                                memory_figure, mesh_figure, time_figure,
                                predicted_schedule, rank_coords, save_figure, save_timeline, schedule_figure,
                                schedule_orders, simulate_schedule, style, visualize)
@@ -147,7 +147,7 @@ def test_measured_beside_predicted_and_timeline_round_trip(plan, tmp_path):
 
 
 def test_importing_does_no_work():
-    code = "import sys, planner.visualize, planner.report; assert 'matplotlib' not in sys.modules, 'imported'"
+    code = "import sys, planner.app.visualize, planner.app.report; assert 'matplotlib' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

@@ -1,4 +1,4 @@
-"""The `meshplan codegen` and `meshplan run` verbs (parsers live in planner/cli.py).
+"""The `meshplan codegen` and `meshplan run` verbs (parsers live in planner/app/cli.py).
 
     meshplan codegen examples/models/gpt.py:build --arg preset=tiny --batch 8 \\
         --data 2 --tensor 2 --pipeline 2 --micro-batch 2 --schedule 1f1b --dtype fp32 -o build/
@@ -9,9 +9,25 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import shlex
 import sys
 from pathlib import Path
+
+import planner
+from codegen.dataset_flags import check_dataset, dataset_spec
+from codegen.emit import capture_ref, emit
+from codegen.train_flags import optimizer_and_schedule
+from planner.capabilities import MESHPLAN_RUNTIME
+from planner.config import ConfigError
+from planner.plan import MAX_WORLD
+from planner.sharding import find_sharding
+from runtime.evaluation import EvalSpec, check_supported, eval_setting
+from runtime.launcher import read_build, run_local
+from runtime.lifetime import Interrupted
+from runtime.loss_scale import loss_scale_for
+from runtime.tensorboard_log import require_tensorboard
 
 
 # Rank scripts one codegen writes (each is lowered, checked and compiled: the MLP at data 1024 takes
@@ -20,12 +36,6 @@ MAX_CODEGEN_WORLD = 4096
 
 
 def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | None) -> int:
-    import planner
-    from codegen.dataset_flags import check_dataset, dataset_spec
-    from codegen.emit import capture_ref, emit
-    from runtime.evaluation import eval_setting
-    from codegen.train_flags import optimizer_and_schedule
-
     dataset = dataset_spec(args)  # its flags are checked before the (slow) capture
     if args.plan:
         plan = planner.Plan.load(args.plan)
@@ -75,8 +85,6 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
 def _loss_scaling(args: argparse.Namespace, dtype: str):
     """The build's LossScaleSpec (or None) from --loss-scale-init/--loss-scale-growth-interval/--no-loss-scale,
     checked before any capture."""
-    from runtime.loss_scale import loss_scale_for
-
     return loss_scale_for(dtype, args.loss_scale_init, args.loss_scale_growth_interval,
                           enabled=not args.no_loss_scale)
 
@@ -84,8 +92,6 @@ def _loss_scaling(args: argparse.Namespace, dtype: str):
 def check_fixed_config(cfg, global_batch_size: int) -> None:
     """ConfigError before any capture when the configuration cannot run whatever the model:
     more devices than a plan may have, or a batch its micro-batches and data ranks do not split."""
-    from planner.config import ConfigError
-
     if cfg.num_devices > MAX_CODEGEN_WORLD:
         raise ConfigError(f"the configuration needs {cfg.num_devices} devices (the product of the degrees); "
                           f"meshplan codegen writes at most {MAX_CODEGEN_WORLD} rank scripts")
@@ -98,12 +104,6 @@ def check_fixed_config(cfg, global_batch_size: int) -> None:
 def make_fixed_plan(graph, cluster, cfg, global_batch_size: int):
     """make_plan for a fixed config, with every tensor-parallel region the graph offers that the code
     generator can split (Megatron's layout), whatever regions the evaluator's own search would keep."""
-    import dataclasses
-
-    import planner
-    from planner.capabilities import MESHPLAN_RUNTIME
-    from planner.sharding import find_sharding
-
     plan = planner.make_plan(graph, cluster, cfg, global_batch_size=global_batch_size)
     if cfg.tensor > 1:
         sharding = MESHPLAN_RUNTIME.splittable(graph, find_sharding(graph), [cfg.tensor])
@@ -145,8 +145,6 @@ def tensorboard_args(args: argparse.Namespace) -> list[str]:
     board = getattr(args, "tensorboard", None)
     if not board:
         return []
-    from runtime.tensorboard_log import require_tensorboard
-
     require_tensorboard()
     return ["--tensorboard", str(Path(board).resolve())]
 
@@ -154,9 +152,6 @@ def tensorboard_args(args: argparse.Namespace) -> list[str]:
 def read_checked_build(build: str) -> dict:
     """build.json of a build directory, refused (ValueError) when its world size is not a
     number of processes from 1 to MAX_WORLD (a hand-edited or damaged file)."""
-    from planner.plan import MAX_WORLD
-    from runtime.launcher import read_build
-
     info = read_build(build)
     world = info.get("world_size") if isinstance(info, dict) else None
     if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
@@ -168,10 +163,6 @@ def read_checked_build(build: str) -> dict:
 def check_run_eval(build: str, info: dict, every: int | None, batches: int | None) -> None:
     """EvalError before any rank starts when `meshplan run --eval-every/--eval-batches` with the build's
     own setting asks for an evaluation the build cannot do (the ranks check it again)."""
-    import json
-
-    from runtime.evaluation import EvalSpec, check_supported, eval_setting
-
     train = info.get("train") if isinstance(info.get("train"), dict) else {}
     own = EvalSpec.from_dict(train["eval"]) if train.get("eval") is not None else None
     if eval_setting(own, every, batches) is None:
@@ -182,9 +173,6 @@ def check_run_eval(build: str, info: dict, every: int | None, batches: int | Non
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from runtime.launcher import run_local
-    from runtime.lifetime import Interrupted
-
     info = read_checked_build(args.build)
     check_run_eval(args.build, info, getattr(args, "eval_every", None), getattr(args, "eval_batches", None))
     board = tensorboard_args(args)

@@ -1,5 +1,5 @@
 """Shared pieces of the plan pictures: colours, units, text fitting, figure set-up and
-layout checks (used by planner.visualize and planner.report).
+layout checks (used by planner.app.visualize and planner.app.report).
 
 matplotlib is imported inside the functions, never at import time.
 """
@@ -11,10 +11,11 @@ import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # only for annotations; nothing is imported at run time
+from planner.plan import Plan
+
+if TYPE_CHECKING:  # only for annotations; matplotlib is imported when a figure is drawn
     from matplotlib.figure import Figure
 
-    from planner.plan import Plan
 
 KINDS = ("forward", "backward", "recompute", "send", "recv", "collective", "optimizer", "other")
 FIGURES = ("mesh", "memory", "time", "alternatives", "schedule")
@@ -56,8 +57,6 @@ _IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".html", ".htm")
 
 
 def _check_plan(plan: Any) -> None:
-    from planner.plan import Plan
-
     if not isinstance(plan, Plan):
         raise ValueError(f"expected a planner.Plan, got {type(plan).__name__}; "
                          f"make one with planner.optimize / planner.make_plan or Plan.load('plan.json')")

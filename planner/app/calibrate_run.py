@@ -11,7 +11,7 @@ same, and the runtime traces every instruction. On the 2-core VM meshplan is dev
 the forward instructions of a data-parallel GPT ran 8-17% longer than the per-op sum in
 six calibrations (benchmarks/accuracy.py; the backward within about 6% either way), and
 the same forward in a plain loop in one process ran only ~5% longer. So calibration ends by training a small transformer of its own shape
-(planner/probe_model.py) for a few steps through the runtime itself, data-parallel over
+(planner/app/probe_model.py) for a few steps through the runtime itself, data-parallel over
 the calibration's ranks, traced, and sets its measured forward and backward instructions
 beside what the planner predicts for them:
 
@@ -33,6 +33,13 @@ import statistics
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+import cost_models.calibration.calibrate
+import planner
+from codegen.emit import capture_ref, emit
+from planner.app.commands import make_fixed_plan
+from planner.app.compare import compare_build
+from runtime.launcher import run_local
 
 # The probe run: micro-batches of MICRO samples, MICRO_BATCHES of them per rank and step.
 MICRO, MICRO_BATCHES, STEPS = 2, 2, 8
@@ -65,12 +72,6 @@ def measure_in_run(cluster, backend: str = "gloo", *, workdir: str | Path | None
     raw.in_run.* (seconds per step summed over ranks; the median launch's).
 
     `cluster` must not carry in-run factors yet (they would price the prediction)."""
-    import planner
-    from codegen.commands import make_fixed_plan
-    from codegen.emit import capture_ref, emit
-    from planner.compare import compare_build
-    from runtime.launcher import run_local
-
     world = cluster.num_devices if cluster.num_nodes == 1 else cluster.devices_per_node
     if world < 2:
         raise InRunError(f"the in-run probe trains data-parallel over at least 2 ranks; cluster "
@@ -139,9 +140,8 @@ def calibrate_machine(ranks: int | None = None, *, quick: bool = True, backend: 
                       run_probe: bool = True, progress: Callable[[str], None] | None = print):
     """cost_models.calibration.calibrate.calibrate, then (run_probe) the in-run probe (with_in_run). A probe that
     fails leaves the calibration as it is and says so through `progress`: nothing measured is lost."""
-    from cost_models.calibration.calibrate import calibrate
-
-    cluster = calibrate(ranks, quick=quick, backend=backend, timeout=timeout, progress=progress)
+    cluster = cost_models.calibration.calibrate.calibrate(ranks, quick=quick, backend=backend, timeout=timeout,
+                                                          progress=progress)
     if not run_probe:
         return cluster
     try:

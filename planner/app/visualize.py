@@ -43,16 +43,16 @@ if TYPE_CHECKING:  # only for annotations; nothing is imported at run time
 
     from planner.plan import Plan
 
-from planner.figure_kit import (DEFAULT_MAX_MICRO_BATCHES, DPI, FIGURES, FORMATS, IDLE_COLOR, KINDS,
+from planner.app.figure_kit import (DEFAULT_MAX_MICRO_BATCHES, DPI, FIGURES, FORMATS, IDLE_COLOR, KINDS,
                                 KIND_COLORS, MAX_MESH_DEVICES, MEMORY_COLORS, MEMORY_NAMES, TIME_COLORS,
                                 TIME_NAMES, describe, layout_problems, title_for, _IMAGE_SUFFIXES,
                                 _check_plan, _count, _drop_colliding, _fmt_time, _luminance, _memory_unit,
                                 _new_figure, _num, _px_per_data, _rc, _right_labels, _share, _short,
                                 _stage_colors, _suptitle, _text_size_pt, _thin_ticks, _time_unit)
-from planner.schedule_view import (ScheduleRecord, as_records, load_timeline, predicted_schedule, rank_coords,
+from planner.app.schedule_view import (ScheduleRecord, as_records, load_timeline, predicted_schedule, rank_coords,
                                    save_timeline, schedule_orders, simulate_schedule, _rank_of)
 
-# Re-exported: the picture API in one place (planner.report and tests import from here).
+# Re-exported: the picture API in one place (planner.app.report and tests import from here).
 __all__ = ['DEFAULT_MAX_MICRO_BATCHES', 'DPI', 'FIGURES', 'KINDS', 'ScheduleRecord', 'as_records', 'describe', 'layout_problems', 'load_timeline', 'predicted_schedule', 'rank_coords', 'save_timeline', 'schedule_orders', 'simulate_schedule', 'visualize', 'figures', 'style', 'save_figure', 'schedule_figure',
            'mesh_figure', 'memory_figure', 'time_figure', 'alternatives_figure', 'output_stem', 'make_directory']
 

@@ -31,12 +31,22 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from cost_models.hardware import Cluster
-    from planner.graph import ModelGraph
-    from runtime.trace import Timeline
+from codegen.emit import GRAPH_FILE
+from cost_models.calibration.calibrate import for_world
+from cost_models.calibrated import (calibrated_efficiency, measured_collective, optimizer_per_step,
+                                    optimizer_per_tensor)
+from cost_models.compute import Efficiency
+from cost_models.hardware import Cluster
+from cost_models.memory import param_bytes
+from cost_models.simulate import ComputeCosts, simulate_steady
+from planner.app.schedule_view import ScheduleRecord
+from planner.app.visualize import save_figure, schedule_figure, style
+from planner.evaluate import GRAD_BUCKET_BYTES, Evaluator
+from planner.graph import ModelGraph
+from planner.plan import Plan
+from runtime.program import COLLECTIVE_OPS, Program
+from runtime.trace import Event, Timeline
 
 _KIND_OF_OP = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "recv", "ALLREDUCE": "collective",
                "ALLGATHER": "collective", "REDUCESCATTER": "collective", "BROADCAST": "collective",
@@ -112,11 +122,6 @@ class Comparison:
     def step_error(self) -> float:
         return (self.predicted_step - self.measured_step) / self.measured_step
 
-    @property
-    def worst_memory_error(self) -> float | None:
-        errs = [abs(m.error) for m in self.memory if m.error is not None]
-        return max(errs) if errs else None
-
     def report(self) -> str:
         ms = 1e3
         lines = [f"compare {self.build} on cluster {self.cluster!r}",
@@ -155,9 +160,6 @@ def _load_json(path: Path, what: str, fix: str):
 def build_graph(build: Path, plan) -> "ModelGraph":
     """The captured graph a build was generated from (its graph.json), checked against its plan;
     read as data, so no code of the model runs."""
-    from codegen.emit import GRAPH_FILE
-    from planner.graph import ModelGraph
-
     path = build / GRAPH_FILE
     fix = f"generate the build again with `meshplan codegen ... -o {build}`"
     data = _load_json(path, "the model's captured graph, which builds made before meshplan wrote it lack", fix)
@@ -173,12 +175,6 @@ def build_graph(build: Path, plan) -> "ModelGraph":
 
 def predicted_costs(build: str | Path, cluster: "Cluster"):
     """(plan priced on `cluster`, its Prediction, ComputeCosts, Programs) for the build's configuration."""
-    from cost_models.calibration.calibrate import for_world
-    from cost_models.simulate import ComputeCosts
-    from planner.evaluate import Evaluator
-    from planner.plan import Plan
-    from runtime.program import Program
-
     build = Path(build)
     info = _load_json(build / "build.json", "the build description", "make it with `meshplan codegen`")
     plan = Plan.load(build / "plan.json")
@@ -215,8 +211,6 @@ def _loss_elements(graph, plan) -> float:
 
 def _reduces_grads(progs: dict) -> bool:
     """Whether any rank all-reduces (or reduce-scatters) gradients with other ranks in a step."""
-    from runtime.program import COLLECTIVE_OPS
-
     return any(ins.op in COLLECTIVE_OPS and ins.kind == "grads" and len(p.group(ins.axis)) > 1
                for p in progs.values() for ins in p.instrs)
 
@@ -273,11 +267,6 @@ def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int
     - a weight's gradient is computed into a fresh tensor and then added into its bucket
       (or its .grad), so the largest weight of a stage is a temporary too.
     """
-    from cost_models.calibrated import calibrated_efficiency, optimizer_per_step, optimizer_per_tensor
-    from cost_models.compute import Efficiency
-    from cost_models.memory import param_bytes
-    from planner.evaluate import GRAD_BUCKET_BYTES
-
     name = optimizer.get("name", "sgd")
     key = "sgd_momentum" if name == "sgd" and optimizer.get("momentum", 0.0) else name
     per_param = _STATE_PER_PARAM.get(key)
@@ -308,8 +297,6 @@ def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int
 def compare_build(build: str | Path, cluster: "Cluster", *, skip_steps: int = 1) -> tuple[Comparison, "Timeline",
                                                                                            "Timeline", object]:
     """(Comparison, predicted Timeline, measured Timeline, plan priced on `cluster`) of a traced build."""
-    from cost_models.simulate import simulate_steady
-
     build = Path(build)
     measured, kept = measured_steps(build, skip_steps=skip_steps)
     plan, pred, costs, progs, cluster = predicted_costs(build, cluster)
@@ -330,8 +317,6 @@ def compare_build(build: str | Path, cluster: "Cluster", *, skip_steps: int = 1)
 def _transfer(build: Path, cluster, world: int) -> tuple[float, float] | None:
     """(run s, calibrated s) of the --probe-comm all-reduce, from rank 0's run record and the
     cluster's measured table (without the wake-up it adds for transfers after compute)."""
-    from cost_models.calibrated import measured_collective
-
     try:
         probe = json.loads((build / "run" / "rank_0000.json").read_text()).get("probe")
     except (OSError, ValueError):
@@ -345,8 +330,6 @@ def _transfer(build: Path, cluster, world: int) -> tuple[float, float] | None:
 def measured_steps(build: str | Path, *, skip_steps: int = 1) -> tuple["Timeline", dict[int, float]]:
     """(the traced run's Timeline, {step: seconds} of the steps compared): the first `skip_steps`
     (warm-up) and the step whose memory was counted (slowed down by counting) are left out."""
-    from runtime.trace import Timeline
-
     build = Path(build)
     if not (build / "timeline.json").is_file():
         raise CompareError(f"{build} has no timeline.json: run it first with `meshplan run {build} --steps 5` "
@@ -387,8 +370,6 @@ def as_observed(predicted: "Timeline", programs: dict) -> "Timeline":
     """The predicted Timeline as the runtime's trace would show it: a SEND's or RECV's
     completion is seen when the rank WAITs on it (gloo and MPI report point-to-point
     completion only then), so its event ends no earlier than that WAIT begins."""
-    from runtime.trace import Event, Timeline
-
     wait_start: dict[tuple[int, int], float] = {}
     for e in predicted.events:
         if e.op == "WAIT":
@@ -427,19 +408,15 @@ def _memory_table(build: Path, progs: dict, pred) -> tuple[RankMemory, ...]:
 
 
 def records(tl: "Timeline") -> list:
-    """The Timeline's compute-track events as schedule records for planner.visualize: forward,
+    """The Timeline's compute-track events as schedule records for planner.app.visualize: forward,
     backward, optimizer. WAITs (idle) and the asynchronous transfers, which would cover the
     chart from issue to completion, are left out (trace.json shows them in Perfetto)."""
-    from planner.schedule_view import ScheduleRecord
-
     return [ScheduleRecord(e.rank, e.name, _KIND_OF_OP.get(e.op, "other"), e.start, e.end)
             for e in tl.events if e.track == "compute" and e.op != "WAIT"]
 
 
 def draw(plan, predicted: "Timeline", measured: "Timeline", step: int, out_stem: str | Path) -> list[Path]:
     """Predicted and measured schedules of one step side by side: out_stem.png and .svg."""
-    from planner.visualize import save_figure, schedule_figure, style
-
     one = measured.for_step(step)
     if not one.events:
         raise CompareError(f"the measured timeline has no step {step}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planner.figure_kit import KINDS, _check_plan
+from planner.app.figure_kit import KINDS, _check_plan
 
 if TYPE_CHECKING:  # only for annotations; nothing is imported at run time
     from planner.plan import Plan

@@ -16,10 +16,26 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-# planner/__init__ already imports capture (and torch) before this module runs.
+import torch
+
+# planner/__init__ already imports capture, the search and torch before this module runs.
+from codegen.dataset_flags import add_dataset_flags
+from codegen.train_flags import add_flags
+from cost_models.hardware import Cluster
+from cost_models.simulate import simulate_steady
+from planner.app import calibrate_run
+from planner.app.cli_args import (MAX_BATCH, MAX_WORLD, check_constraints, count, nonnegative_number, output_dir,
+                                  output_file, positive_number)
+from planner.app.commands import codegen_command, read_checked_build, run_command
+from planner.app.compare import compare_build, draw, predicted_costs
+from planner.app.report import write_report
+from planner.app.visualize import visualize
 from planner.capture import capture_ref
-from planner.cli_args import (MAX_BATCH, MAX_WORLD, check_constraints, count, nonnegative_number, output_dir,
-                              output_file, positive_number)
+from planner.optimize import explain, optimize
+from planner.plan import Plan
+from runtime.checkpoint import Manifest, complete_checkpoints, resolve_checkpoint
+from runtime.checkpoint_restore import to_state_dict
+from runtime.trace import TRACE_WINDOW_STEPS
 
 # Bounds of the numeric options (argparse refuses anything outside in one line).
 BATCH = count(1, MAX_BATCH, " samples")
@@ -73,10 +89,6 @@ def _check_world(devices: int, what: str) -> None:
 
 def resolve_cluster(name: str, nodes: int | None = None, devices: int | None = None):
     """A preset name (with nodes/devices) or a cluster file path."""
-    from pathlib import Path
-
-    from cost_models.hardware import Cluster
-
     if name in Cluster.preset_names():
         return Cluster.preset(name, nodes=nodes, devices=devices)
     if Path(name).suffix in (".yaml", ".yml", ".json") or Path(name).exists():
@@ -99,8 +111,6 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 
 
 def _cmd_optimize(args: argparse.Namespace) -> int:
-    from planner.optimize import explain, optimize
-
     output_file(args.output)
     constraints = check_constraints(_parse_kv(args.constraint))
     cluster = resolve_cluster(args.cluster, args.nodes, args.devices)
@@ -117,11 +127,6 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from planner.optimize import explain
-    from planner.plan import Plan
-    from planner.report import write_report
-    from planner.visualize import visualize
-
     plan = Plan.load(args.plan)
     out = args.output or str(Path(args.plan).with_suffix(""))
     if out.endswith("/"):  # a directory: the pictures go inside it
@@ -168,8 +173,6 @@ the run at the step where it appears (exit 1, naming the step)."""
 
 
 def _cmd_codegen(args: argparse.Namespace) -> int:
-    from codegen.commands import codegen_command
-
     data_kwargs = _parse_kv(args.data_arg) if args.data_arg else None
     args.dataset_kwargs = _parse_kv(args.dataset_arg)
     args.eval_dataset_kwargs = _parse_kv(args.eval_dataset_arg) if args.eval_dataset_arg else None
@@ -178,11 +181,7 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from codegen.commands import run_command
-
     if args.backend == "nccl":
-        import torch
-
         if not torch.cuda.is_available():
             raise ValueError("--backend nccl needs CUDA GPUs, and torch sees none here "
                              f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); "
@@ -190,16 +189,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.checkpoint_dir:
         output_dir(args.checkpoint_dir, "--checkpoint-dir")
     if args.resume:  # here, not after every rank has started and built its model
-        from runtime.checkpoint import resolve_checkpoint
-
         resolve_checkpoint(args.resume)
     return run_command(args)
 
 
 def _add_codegen_and_run(sub) -> None:
-    from codegen.dataset_flags import add_dataset_flags
-    from runtime.trace import TRACE_WINDOW_STEPS  # the runtime's default; a constant, no work
-
     p = sub.add_parser("codegen", help="generate per-rank programs, rank scripts and launchers for a plan",
                        epilog=_EPILOG_CODEGEN, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL_REF", help="factory reference, e.g. examples/models/gpt.py:build")
@@ -236,9 +230,7 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--lr", type=positive_number, default=0.1)
     p.add_argument("--momentum", type=nonnegative_number, default=0.0)
     p.add_argument("--weight-decay", type=nonnegative_number, default=0.0)
-    from codegen.train_flags import add_flags   # optimizer implementation, decay groups, lr schedule
-
-    add_flags(p, count, nonnegative_number)
+    add_flags(p, count, nonnegative_number)  # optimizer implementation, decay groups, lr schedule
     p.add_argument("--seed", type=count(0, 2 ** 32), default=0, help="parameter initialisation seed")
     p.add_argument("--data-seed", type=count(0, 2 ** 32), default=1000,
                    help="step s reads the batch of seed data_seed + s")
@@ -319,11 +311,7 @@ A checkpoint of one plan resumes on another plan of the same model (re-sliced on
 
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
-    from runtime.checkpoint import Manifest, complete_checkpoints, resolve_checkpoint
-
     if args.action == "convert":
-        from runtime.checkpoint_restore import to_state_dict
-
         output_file(args.output)
         ckpt, man, n = to_state_dict(args.checkpoint, args.output)
         print(f"wrote {args.output}: {n} tensors of {man.model_ref} at step {man.step} (from {ckpt})")
@@ -359,13 +347,12 @@ file (fits under measurements fit.*, raw numbers under raw.*) that Cluster.load 
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from planner.calibrate_run import calibrate_machine
-
     if Path(args.out).suffix.lower() not in (".yaml", ".yml", ".json"):
         raise ValueError(f"--out {args.out}: name the cluster file .yaml, .yml or .json")
     output_file(args.out, "--out")  # before minutes of measuring
-    cluster = calibrate_machine(args.ranks, quick=not args.full, backend=args.backend, timeout=args.timeout,
-                                run_probe=args.run_probe, progress=lambda line: print(line, flush=True))
+    cluster = calibrate_run.calibrate_machine(args.ranks, quick=not args.full, backend=args.backend,
+                                              timeout=args.timeout, run_probe=args.run_probe,
+                                              progress=lambda line: print(line, flush=True))
     cluster.save(args.out)
     print()
     print(cluster.summary().split("\n  measurements:")[0])
@@ -387,9 +374,6 @@ Writes build/predicted_timeline.json and build/predicted_trace.json (ui.perfetto
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from codegen.commands import read_checked_build
-    from planner.compare import compare_build, draw
-
     read_checked_build(args.build)
     cluster = resolve_cluster(args.cluster)
     cmp, predicted, measured, plan = compare_build(args.build, cluster)
@@ -401,10 +385,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from codegen.commands import read_checked_build
-    from cost_models.simulate import simulate_steady
-    from planner.compare import predicted_costs
-
     read_checked_build(args.build)
     _plan, pred, costs, progs, cluster = predicted_costs(args.build, resolve_cluster(args.cluster))
     tl = simulate_steady(progs, costs, cluster)  # a step after the first, as `compare` measures

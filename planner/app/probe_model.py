@@ -1,7 +1,7 @@
 """The model `meshplan calibrate` trains for a few steps to measure compute in a run.
 
 A small pre-LayerNorm transformer of its own shape (no example model uses it), so
-that the in-run factor it yields (planner/calibrate_run.py) is not fitted to any
+that the in-run factor it yields (planner/app/calibrate_run.py) is not fitted to any
 model it is later checked on. Only torch is imported: the generated rank scripts
 load this file by path.
 
@@ -49,7 +49,7 @@ class ProbeTransformer(nn.Module):
 
 
 def build() -> ProbeTransformer:
-    """The factory its model ref names (planner/probe_model.py:build)."""
+    """The factory its model ref names (planner/app/probe_model.py:build)."""
     return ProbeTransformer()
 
 

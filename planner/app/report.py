@@ -1,7 +1,7 @@
 """`write_report`: one self-contained HTML page that explains a plan.
 
 The page holds the plan summary, `planner.explain`, and the five figures of
-`planner.visualize` inline as SVG (text stays searchable; ids are prefixed per
+`planner.app.visualize` inline as SVG (text stays searchable; ids are prefixed per
 figure so they never clash). A figure whose SVG would be very large (a long
 measured timeline) is embedded as a base64 PNG instead. No server, no external
 JavaScript or CSS: the file can be mailed or attached to an issue as is.
@@ -16,10 +16,12 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from planner.plan import Plan
+from planner.app.visualize import (DEFAULT_MAX_MICRO_BATCHES, DPI, _check_plan, describe, figures, make_directory,
+                                   style)
+from planner.optimize import explain
+from planner.plan import Plan
 
 MAX_INLINE_SVG_BYTES = 2_000_000   # larger SVGs are embedded as PNG
 
@@ -62,8 +64,6 @@ def _inline_svg(svg: str, prefix: str) -> str:
 
 
 def _figure_html(name: str, fig, alt: str) -> str:
-    from planner.visualize import DPI
-
     buf = io.BytesIO()
     fig.savefig(buf, format="svg", metadata={"Date": None})
     svg = buf.getvalue()
@@ -81,8 +81,6 @@ def _figure_html(name: str, fig, alt: str) -> str:
 def report_path(path: str | os.PathLike) -> Path:
     """Where the report goes: "x.html" (or .htm) as is; a directory (existing, or ending in "/")
     gets report.html. Creates the directory; ValueError for any other name or an uncreatable directory."""
-    from planner.visualize import make_directory
-
     raw = os.fspath(path)
     if not isinstance(raw, str) or not raw.strip():
         raise ValueError(f"path must name an HTML file or a directory, got {path!r}")
@@ -100,9 +98,6 @@ def report_path(path: str | os.PathLike) -> Path:
 def render_report(plan: "Plan", *, timeline: Iterable[Any] | None = None,
                   measured: Iterable[Any] | None = None, max_micro_batches: int | None = None) -> str:
     """The report as an HTML string (see write_report)."""
-    from planner.optimize import explain
-    from planner.visualize import DEFAULT_MAX_MICRO_BATCHES, describe, figures, style
-
     with style():
         figs = figures(plan, timeline=timeline, measured=measured,
                        max_micro_batches=max_micro_batches or DEFAULT_MAX_MICRO_BATCHES)
@@ -142,13 +137,11 @@ def write_report(plan: "Plan", path: str | os.PathLike, *, timeline: Iterable[An
     Args:
         plan: a planner.Plan.
         path: "report.html" or a directory (report.html inside it); missing directories are created.
-        timeline, measured: schedule records, as for planner.visualize.visualize.
+        timeline, measured: schedule records, as for planner.app.visualize.visualize.
 
     Raises:
         ValueError: bad plan, record or path.
     """
-    from planner.visualize import _check_plan
-
     _check_plan(plan)
     out = report_path(path)
     text = render_report(plan, timeline=timeline, measured=measured, max_micro_batches=max_micro_batches)
