@@ -416,7 +416,7 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
                    "context_fn=keep_statistics(self))"
         calls.append(f"        {lhs} = {call}" if outputs else f"        {call}")
         if tiled and not any(x in tiles.layers for x in layers[i + 1:]):   # the end of the spatial part
-            calls += [tiles.gather_line(v) for v in _spatial_values(tiles, produced_in, needed_after, i)]
+            calls += tiles.gather_lines(produced_in, needed_after, i)
     methods += region_src
     if region_src:   # the stage splits something: it needs its SubgraphContext
         line, gl = subgraph_init(owners)
@@ -447,12 +447,6 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
             globs[f"__import__{line}"] = line
     cls = f"class Stage{s}(torch.nn.Module):\n{doc}\n" + init + "\n".join(forward) + "\n\n" + "\n".join(methods)
     return cls, globs
-
-
-def _spatial_values(tiles: StageTiles, produced_in: dict[str, str], needed_after: dict[str, int],
-                    end: int) -> list[str]:
-    """The values of the spatial part that layers after it (index > end) or the stage's outputs read."""
-    return [v for v, L in produced_in.items() if L in tiles.layers and needed_after.get(v, -1) > end]
 
 
 _RECOMPUTED = ("scaled_dot_product_attention", "softmax", "_softmax", "_safe_softmax")

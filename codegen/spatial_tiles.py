@@ -151,9 +151,12 @@ class StageTiles:
         return (f"        self.{CONTEXT} = SpatialContext(batchnorm={str(self.batchnorm)!r})",
                 {"SpatialContext": SpatialContext})
 
-    def gather_line(self, name: str) -> str:
-        """The forward's line that replaces a spatial value by the full activation."""
-        return f"        {name} = self.{CONTEXT}.gather({name}, {self.rewrite.full_size(name)!r})"
+    def gather_lines(self, produced_in: dict[str, str], needed_after: dict[str, int], end: int) -> list[str]:
+        """The forward's lines, right after the spatial part's last layer (index `end`), that replace
+        every spatial value a later layer or the stage's output reads (needed_after: value -> index
+        of its last reader; produced_in: value -> its layer) by the full activation."""
+        late = [v for v, L in produced_in.items() if L in self.layers and needed_after.get(v, -1) > end]
+        return [f"        {v} = self.{CONTEXT}.gather({v}, {self.rewrite.full_size(v)!r})" for v in late]
 
 
 def full_shapes(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[fx.GraphModule, dict]:
