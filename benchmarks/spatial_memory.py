@@ -52,15 +52,17 @@ def model(side: int):
 def rank_main(rank: int, world: int, port: int, side: int, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    from codegen.spatial_tiles import tile_model
     from runtime.comm import TorchCommunicator
-    from runtime.spatial_model import spatialize
+    from runtime.spatial import TileLayout
 
     comm = TorchCommunicator("gloo", rank, world, "127.0.0.1", port, timeout=120)
     try:
         group = comm.group(list(range(world)))
         x = torch.randn(1, 3, side, side, generator=torch.Generator().manual_seed(1))
-        sm = spatialize(model(side), (x,), "pool", "grid", group, comm)
-        b = saved_bytes(lambda: sm.module(x))   # the whole forward: tiles, gather, replicated head
+        net = tile_model(model(side), (x,), "pool", "grid", world)
+        net.spatial.attach(TileLayout.for_group("grid", group), group, comm)
+        b = saved_bytes(lambda: net(x))   # the whole forward: tiles, gather, replicated head
         Path(out, f"rank{rank}.txt").write_text(str(b))
     finally:
         comm.shutdown()

@@ -8,7 +8,9 @@ For each pipeline stage of a Plan:
   later stage needs it); its outputs are the next stage's received inputs;
 * its code is one method per layer (torch.fx's Python, with tensor-parallel
   local sizes) and a forward that chains them (through
-  torch.utils.checkpoint per layer when the plan recomputes);
+  torch.utils.checkpoint per layer when the plan recomputes); the layers of a
+  spatial part run on image tiles (codegen/spatial_tiles.py), the paths of a
+  sub-graph region on their sub-grids (codegen/subgraph.py);
 * its `StageSpec` lists the local shape of every boundary tensor for one
   micro-batch, the modules its code calls and how each is split.
 
@@ -26,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from codegen.pysrc import comment_text, doc_text, graph_method, import_block
+from codegen.spatial_tiles import StageTiles, TileRewrite
 from codegen.subgraph import (insert_region_call, layer_regions, region_code, region_inputs, region_methods,
                               skipped_nodes, subgraph_init)
 from codegen.tensor_split import TensorSplitError, split_graph
@@ -34,6 +37,7 @@ from planner.ops import module_path_of, op_base
 from planner.plan import Plan
 from runtime.materialize import RUNTIME_ATTRS, model_signature
 from runtime.recompute import Recompute
+from runtime.spatial import SpatialSpec
 from runtime.spec import Boundary, StageSpec
 from runtime.tensor_parallel import shard_module
 
@@ -86,10 +90,13 @@ def _ident(name: str) -> str:
     return s if s and not s[0].isdigit() else f"_{s}"
 
 
-def partition(plan: Plan, graph: ModelGraph) -> Partition:
+def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = None) -> Partition:
     """Per-stage modules for `plan` (see module docstring).
 
-    Raises PartitionError / TensorSplitError (ValueErrors) naming what cannot be cut or split.
+    spatial: the images' tiles (codegen/spatial.py): the layers up to the one holding node
+    `spatial.until` run on them, in the stage that holds that node.
+
+    Raises PartitionError / TensorSplitError / SpatialError (ValueErrors) naming what cannot be cut or split.
     """
     gm = graph.module
     if gm is None:
@@ -173,6 +180,7 @@ def partition(plan: Plan, graph: ModelGraph) -> Partition:
     canonical = shared_names(graph)
 
     codes = region_code(plan.subgraph, lv) if plan.subgraph else []
+    tiles = _stage_tiles(spatial, gm, lv, layer_of, stage_of, stage_of_layer, known)
     parts = []
     for st in sorted(plan.stages, key=lambda s: s.index):
         s = st.index
@@ -189,7 +197,8 @@ def partition(plan: Plan, graph: ModelGraph) -> Partition:
         modules = tuple(dict.fromkeys(str(n.target) for n in members if n.op == "call_module"))
         attributes = tuple(dict.fromkeys(str(n.target) for n in members
                                          if n.op == "get_attr" and n.target not in RUNTIME_ATTRS))
-        source, globs = _stage_source(g, s, members, ins, outs, is_last, layer_of, known, cfg.recompute, codes)
+        source, globs = _stage_source(g, s, members, ins, outs, is_last, layer_of, known, cfg.recompute, codes,
+                                      tiles.get(s))
         params = _stage_params(gm, modules, attributes, local_mods, canonical, res.param_shards, t)
         held = {canonical.get(name, name) for name, _, _ in params}
         shared = tuple(grp for grp in graph.shared_params if grp[0] in held)
@@ -202,6 +211,26 @@ def partition(plan: Plan, graph: ModelGraph) -> Partition:
         parts.append(StagePart(spec, st.device_index, f"Stage{s}", source, globs, tuple(params)))
     sd = gm.state_dict(keep_vars=True)
     return Partition(tuple(parts), t, mb, _signature_of(gm), {k: list(v.shape) for k, v in sd.items()})
+
+
+def _stage_tiles(spatial: SpatialSpec | None, gm: fx.GraphModule, lv: dict, layer_of: dict[str, str],
+                 stage_of: dict[str, int], stage_of_layer: dict[str, int], known: list[str]) -> dict[int, StageTiles]:
+    """stage -> its spatial part: the stage holding node `spatial.until` runs its layers up to that
+    node's layer on image tiles (codegen/spatial_tiles.py)."""
+    if spatial is None or spatial.until is None:
+        return {}
+    if spatial.until not in stage_of:
+        raise PartitionError(f"the spatial part ends at node {spatial.until!r}, which is not a node of the model")
+    s = stage_of[spatial.until]
+    last = known.index(layer_of[spatial.until])
+    layers = frozenset(L for L in known[:last + 1] if stage_of_layer[L] == s)
+
+    def shape_of(name: str) -> tuple[int, ...] | None:
+        v = lv.get(name)
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+    return {s: StageTiles(layers, spatial.batchnorm, TileRewrite(spatial.degree, spatial.split, gm.get_submodule,
+                                                                 shape_of))}
 
 
 _BATCH_NORM_OPS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit",
@@ -292,8 +321,8 @@ def _signature_of(gm: fx.GraphModule) -> str:
 
 def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundary], outs: list[Boundary],
                   is_last: bool, layer_of: dict[str, str], layer_order: list[str], recompute: str,
-                  codes: list | None = None) -> tuple[str, dict]:
-    """The stage class: one method per layer and a forward chaining them."""
+                  codes: list | None = None, tiles: StageTiles | None = None) -> tuple[str, dict]:
+    """The stage class: one method per layer and a forward chaining them (tiles: its spatial part)."""
     # layer methods run in model (layer) order; a layer's inputs come from earlier layers or the stage's inputs
     present = {layer_of[n.name] for n in members if n.op not in ("placeholder", "get_attr")}
     layers: list[str] = [L for L in layer_order if L in present]
@@ -331,6 +360,7 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
         inputs = []
         regs = layer_regions(codes or [], L, body)   # sub-graph parallelism: codegen/subgraph.py
         skip = skipped_nodes(regs)
+        tiled = tiles is not None and L in tiles.layers   # spatial parallelism: codegen/spatial_tiles.py
         for n in body:
             if n.name in skip:
                 code = regs.get(n.name)
@@ -353,7 +383,8 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
                 elif produced_in.get(a.name) != L:
                     env[a.name] = lg.placeholder(a.name)
                     inputs.append(a.name)
-            env[n.name] = lg.node_copy(n, lambda x: env[x.name])
+            env[n.name] = tiles.rewrite.node(lg, n, lambda x: env[x.name]) if tiled else \
+                lg.node_copy(n, lambda x: env[x.name])
             if recompute == "selective" and _recomputed(n):
                 attr = f"recompute_{n.name}"
                 c = env[n.name]
@@ -384,9 +415,15 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
             call = f"checkpoint(self.{method}, {', '.join(inputs)}, use_reentrant=False, " \
                    "context_fn=keep_statistics(self))"
         calls.append(f"        {lhs} = {call}" if outputs else f"        {call}")
+        if tiled and not any(x in tiles.layers for x in layers[i + 1:]):   # the end of the spatial part
+            calls += tiles.gather_lines(produced_in, needed_after, i)
     methods += region_src
     if region_src:   # the stage splits something: it needs its SubgraphContext
         line, gl = subgraph_init(owners)
+        inits.append(line)
+        globs.update(gl)
+    if tiles is not None:   # the stage runs on image tiles: it needs its SpatialContext
+        line, gl = tiles.init_line()
         inits.append(line)
         globs.update(gl)
     args = ", ".join(["self"] + [b.name for b in ins])

@@ -1,14 +1,18 @@
-"""Lowering a spatial plan: per-rank Programs whose stage modules run on image tiles.
+"""Lowering a spatial plan: per-rank Programs whose stage code runs the spatial part on image tiles.
 
-A plan with spatial degree s is lowered as its data-parallel twin with data x s ranks on the
-data axis and s times the global batch: every run of s consecutive data coordinates is a
-pipeline lane of its own, with the loss scaled by 1/(data x s) and one gradient all-reduce per
-stage over the data axis. The spatial part must lie in the first stage: its tiles are gathered
-before the first pipeline cut, and the later stages run replicated on the s lanes. What makes the twin spatial is the stage's `StageSpec.spatial`: each rank keeps its
-tile of the images its run of s consecutive data coordinates shares (runtime.spatial_model),
-exchanges halos inside the stage module, and gathers the tiles after the spatial part with a
-backward that sums the gradient over the s ranks (runtime.spatial._GatherTiles). Every gradient,
-tiled and replicated layers alike, is then a partial sum that the data-axis all-reduce completes.
+A plan with spatial degree s is lowered on its data-parallel twin's mesh: data x s ranks on the
+data axis and s times the global batch, every run of s consecutive data coordinates holding the
+tiles of the same images (a pipeline lane of its own). What is shared with data parallelism is
+the gradient arithmetic: the loss is scaled by 1/(data x s) and one gradient all-reduce per
+stage runs over the data axis, that is over data x spatial. What is spatial is said where it
+runs: the first stage's code takes this rank's tile of the images, runs its layers up to
+`spatial_until` as tile ops with halo exchange (codegen/spatial_tiles.py writes them), and
+gathers the tiles after them with a backward that sums the gradient over the s ranks
+(runtime.spatial._GatherTiles), so that every gradient, tiled and replicated layers alike, is a
+partial sum that the data-axis all-reduce completes. Each rank's Program names its tile and its
+spatial group (runtime.program.SpatialTiles). The spatial part must lie in the first stage: the
+tiles are gathered before the first pipeline cut, and the later stages run replicated on the s
+lanes.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from codegen.partition import Partition, partition
 from planner.capabilities import MESHPLAN_RUNTIME
 from planner.graph import ModelGraph
 from planner.plan import Plan
-from runtime.program import Program
-from runtime.spatial import SpatialSpec
+from runtime.program import Program, SpatialTiles
+from runtime.spatial import SpatialSpec, tile_shape
+from runtime.vocab import MeshAxis
 
 
 def spatial_twin(plan: Plan) -> Plan:
@@ -36,22 +41,32 @@ def spatial_twin(plan: Plan) -> Plan:
 
 def lower_spatial(plan: Plan, graph: ModelGraph, *, bucket_bytes: int,
                   decay_of=None) -> tuple[Partition, dict[int, Program]]:
-    """(stage modules with their SpatialSpec, one Program per rank) for a plan with spatial > 1."""
+    """(stage modules whose code runs the spatial part on tiles, one Program per rank with its
+    SpatialTiles) for a plan with spatial > 1."""
     c = plan.config
     twin = spatial_twin(plan)
-    layers = {layer.name: layer for layer in graph.layers}
-    until = layers[c.spatial_until].nodes[-1]
-    parts = partition(twin, graph)
-    first = min(parts.stages, key=lambda sp: sp.spec.index)
-    if c.spatial_until not in first.spec.layers:
+    first = min(plan.stages, key=lambda st: st.index)
+    if c.spatial_until not in first.layers:
         raise LoweringError(f"the spatial part ends at layer {c.spatial_until!r}, beyond the first pipeline stage "
-                            f"({first.spec.layers[0]} .. {first.spec.layers[-1]}); the tiles are gathered before the "
+                            f"({first.layers[0]} .. {first.layers[-1]}); the tiles are gathered before the "
                             "first cut: put the whole spatial part in stage 0")
-
-    def spec_of(sp):
-        until_node = until if sp is first else None
-        return SpatialSpec(c.spatial, c.spatial_split, until_node, c.spatial_batchnorm)
-
+    layers = {layer.name: layer for layer in graph.layers}
+    tiles = SpatialSpec(c.spatial, c.spatial_split, layers[c.spatial_until].nodes[-1], c.spatial_batchnorm)
+    parts = partition(twin, graph, spatial=tiles)
+    after = dataclasses.replace(tiles, until=None)   # the later stages run replicated on the tiles' ranks
     parts = dataclasses.replace(parts, stages=tuple(
-        dataclasses.replace(sp, spec=dataclasses.replace(sp.spec, spatial=spec_of(sp))) for sp in parts.stages))
-    return parts, lower(twin, graph, bucket_bytes=bucket_bytes, parts=parts, decay_of=decay_of)
+        dataclasses.replace(sp, spec=dataclasses.replace(sp.spec, spatial=tiles if sp.spec.index == first.index
+                                                         else after)) for sp in parts.stages))
+    programs = lower(twin, graph, bucket_bytes=bucket_bytes, parts=parts, decay_of=decay_of)
+    return parts, {r: dataclasses.replace(p, spatial=spatial_tiles(p, tiles)) for r, p in programs.items()}
+
+
+def spatial_tiles(program: Program, tiles: SpatialSpec) -> SpatialTiles:
+    """The rank's tile: the run of `degree` consecutive data coordinates holding its image, in
+    row-major tile order."""
+    data = program.group(MeshAxis.DATA)
+    k = program.coord(MeshAxis.DATA) // tiles.degree
+    rows, cols = tile_shape(tiles.split, tiles.degree)
+    index = program.coord(MeshAxis.DATA) % tiles.degree
+    return SpatialTiles(tiles.degree, tiles.split, (rows, cols), divmod(index, cols),
+                        data[k * tiles.degree:(k + 1) * tiles.degree])

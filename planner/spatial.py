@@ -34,7 +34,7 @@ def _is_window(n: OpInfo) -> bool:
 
 
 def _tileable(n: OpInfo) -> bool:
-    """Whether the runtime runs this node on image tiles (runtime/spatial_model.py)."""
+    """Whether the generated stage code runs this node on image tiles (codegen/spatial_tiles.py)."""
     if n.kind in ("input", "scalar"):
         return True
     if _is_window(n):

@@ -39,6 +39,11 @@ bi-directional pipelines): the ranks at pipeline positions i and p-1-i, across
 every data coordinate, with the same other coordinates; or "tie:I,J,...": the ranks at
 pipeline positions I, J, ... with the same other coordinates (the holders of a tied
 weight's copies, Megatron's embedding group).
+
+Spatial parallelism (Program.spatial, a SpatialTiles): the tiles of one image are `degree`
+consecutive coordinates of the data axis, which then holds data x degree ranks; the rank's
+tile and its spatial group are fields of their own, and the gradient and statistics
+collectives on the data axis reduce over data x spatial.
 """
 
 from __future__ import annotations
@@ -183,6 +188,52 @@ class Tie:
 
 
 @dataclass(frozen=True)
+class SpatialTiles:
+    """This rank's part of spatial parallelism: which tile of each image its stage code runs.
+
+    `degree` tiles per image, cut as `split` (runtime.vocab.SpatialSplit) into a `grid` of
+    (rows, cols); this rank holds tile `tile` = (row, col); `ranks` is the spatial group, the
+    global ranks holding the image's tiles in row-major tile order. They are `degree`
+    consecutive coordinates of the data axis, and read the same micro-batches: the data
+    shard of a rank is its data coordinate // degree. The data axis of the mesh holds
+    data x degree ranks, and the collectives on it (gradients, statistics, the loss) reduce
+    over data x spatial: the stage code scales each rank's loss by 1 / (data x degree) and
+    the gather after the spatial part sums its gradient over the group, so that every
+    gradient is a partial sum of the data-parallel kind.
+    """
+
+    degree: int
+    split: str
+    grid: tuple[int, int]
+    tile: tuple[int, int]
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grid", tuple(int(x) for x in self.grid))
+        object.__setattr__(self, "tile", tuple(int(x) for x in self.tile))
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        (rows, cols), (i, j) = self.grid, self.tile
+        if rows * cols != self.degree or len(self.ranks) != self.degree:
+            raise ProgramError(f"spatial: a grid of {rows} x {cols} with ranks {list(self.ranks)} does not hold "
+                               f"{self.degree} tiles")
+        if not (0 <= i < rows and 0 <= j < cols):
+            raise ProgramError(f"spatial: tile {self.tile} is outside the {rows} x {cols} grid")
+
+    @property
+    def index(self) -> int:
+        """This rank's position in the spatial group (row-major tile order)."""
+        return self.tile[0] * self.grid[1] + self.tile[1]
+
+    def to_dict(self) -> dict:
+        return {"degree": self.degree, "split": self.split, "grid": list(self.grid), "tile": list(self.tile),
+                "ranks": list(self.ranks)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "SpatialTiles":
+        return cls(int(d["degree"]), str(d["split"]), tuple(d["grid"]), tuple(d["tile"]), tuple(d["ranks"]))
+
+
+@dataclass(frozen=True)
 class Program:
     """One rank's instructions for one training step.
 
@@ -197,6 +248,7 @@ class Program:
         buckets: gradient buckets the grads/params collectives name by index.
         instrs: the instructions, in order.
         ties: the tied weights this rank holds copies of (see Tie).
+        spatial: this rank's image tiles (see SpatialTiles), or None without spatial parallelism.
     """
 
     rank: int
@@ -211,6 +263,7 @@ class Program:
     zero: int = 0
     buckets: tuple[Bucket, ...] = ()
     ties: tuple[Tie, ...] = ()
+    spatial: SpatialTiles | None = None
     format_version: int = PROGRAM_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -227,6 +280,9 @@ class Program:
             raise ProgramError(f"coords {self.coords}: {e}") from None
         if rank != self.rank:
             raise ProgramError(f"coords {self.coords} are rank {rank}, not {self.rank}")
+        if self.spatial is not None and self.rank != self.spatial.ranks[self.spatial.index]:
+            raise ProgramError(f"spatial: tile {self.spatial.tile} is rank {self.spatial.ranks[self.spatial.index]}, "
+                               f"not {self.rank}")
 
     # ---- views ----------------------------------------------------------
     @property
@@ -255,6 +311,15 @@ class Program:
         collective names another)."""
         return next((i.axis for i in self.instrs if i.kind == "grads"), "data")
 
+    def data_shard(self) -> tuple[int, int]:
+        """(the data shard this rank reads, the number of shards): its data coordinate of the data
+        axis's size, or with spatial tiles, its image run's (see SpatialTiles)."""
+        names = [a for a, _ in self.mesh]
+        coord, size = (self.coord("data"), self.mesh_dict["data"]) if "data" in names else (0, 1)
+        if self.spatial is None:
+            return coord, size
+        return coord // self.spatial.degree, size // self.spatial.degree
+
     def tie(self, index: int) -> Tie:
         """The tied weight `index` (an ALLREDUCE tied's `bucket`)."""
         for t in self.ties:
@@ -270,7 +335,10 @@ class Program:
                 + " x ".join(f"{a} {s}" for a, s in self.mesh)
                 + "  coords " + " ".join(f"{a}={c}" for (a, _), c in zip(self.mesh, self.coords))
                 + f"  stages {list(self.stages)}  micro-batches {self.num_micro_batches} x {self.micro_batch_size}"
-                + (f"  ZeRO {self.zero}" if self.zero else ""))
+                + (f"  ZeRO {self.zero}" if self.zero else "")
+                + (f"\n# spatial {self.spatial.degree} ({self.spatial.split} {self.spatial.grid[0]} x "
+                   f"{self.spatial.grid[1]}): tile {self.spatial.tile} of ranks {list(self.spatial.ranks)}; "
+                   "the data axis holds data x spatial" if self.spatial else ""))
         return "\n".join([head, *(str(i) for i in self.instrs)])
 
     # ---- JSON -----------------------------------------------------------
@@ -286,6 +354,7 @@ class Program:
                          **({} if b.decay else {"decay": False})} for b in self.buckets],
             "instrs": [i.to_dict() for i in self.instrs],
             **({"ties": [t.to_dict() for t in self.ties]} if self.ties else {}),
+            **({"spatial": self.spatial.to_dict()} if self.spatial else {}),
         }
 
     @classmethod
@@ -307,6 +376,7 @@ class Program:
                                      bool(b.get("decay", True))) for b in d.get("buckets", ())),
                 instrs=tuple(Instr.from_dict(i) for i in d["instrs"]),
                 ties=tuple(Tie.from_dict(t) for t in d.get("ties", ())),
+                spatial=SpatialTiles.from_dict(d["spatial"]) if "spatial" in d else None,
                 format_version=version,
             )
         except KeyError as e:

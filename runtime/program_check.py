@@ -18,10 +18,11 @@ from runtime.mesh import MeshError
 GroupOf = Callable[[Sequence[tuple[str, int]], Sequence[int], str], tuple[int, ...]]
 
 _TOP = ("format_version", "rank", "world_size", "mesh", "coords", "stages", "num_stages", "num_micro_batches",
-        "micro_batch_size", "zero", "buckets", "instrs", "ties")
+        "micro_batch_size", "zero", "buckets", "instrs", "ties", "spatial")
 _BUCKET = ("stage", "params", "numel", "nbytes")
 _BUCKET_KEYS = _BUCKET + ("decay",)   # decay: optional (default true)
 _TIE = ("index", "name", "copies", "owned", "axis")
+_SPATIAL = ("degree", "split", "grid", "tile", "ranks")
 _INSTR_INT = ("stage", "micro", "peer", "handle", "bucket", "nbytes")
 _INSTR_STR = ("op", "kind", "axis")
 
@@ -66,7 +67,7 @@ def check_program_dict(d: Any, axis_group: GroupOf) -> None:
     raises ProgramError or MeshError for an axis the mesh cannot resolve. Program.from_dict
     passes runtime.program.axis_group: runtime/program.py imports this module, so it hands
     the function in rather than this module importing it back."""
-    _keys(d, "", _TOP, tuple(k for k in _TOP if k not in ("zero", "buckets", "ties")))
+    _keys(d, "", _TOP, tuple(k for k in _TOP if k not in ("zero", "buckets", "ties", "spatial")))
     if d["format_version"] != PROGRAM_FORMAT_VERSION or isinstance(d["format_version"], bool):
         raise _err("format_version", f"is {d['format_version']!r}; this runtime reads {PROGRAM_FORMAT_VERSION}")
     world = _int(d, "world_size", "world_size", 1)
@@ -111,6 +112,8 @@ def check_program_dict(d: Any, axis_group: GroupOf) -> None:
         _int(b, "numel", f"{f}.numel", 0)
         _int(b, "nbytes", f"{f}.nbytes", 0)
     ties = _check_ties(d, stages, mesh, coords, axis_group) if "ties" in d else set()
+    if "spatial" in d:
+        _check_spatial(d["spatial"], world, d["rank"])
     created: set[int] = set()
     for i, ins in enumerate(_list(d, "instrs", "instrs")):
         f = f"instrs[{i}]"
@@ -157,6 +160,33 @@ def check_program_dict(d: Any, axis_group: GroupOf) -> None:
                 created.add(handle)
         elif op == "WAIT" and handle >= 0 and handle not in created:
             raise _err(f"{f}.handle", f"waits on h{handle}, which no earlier instruction creates")
+
+
+def _check_spatial(t: Any, world: int, rank: int) -> None:
+    """The "spatial" entry (runtime.program.SpatialTiles): a grid of degree tiles over ranks of the world,
+    this rank's among them at its tile's place."""
+    _keys(t, "spatial", _SPATIAL, _SPATIAL)
+    degree = _int(t, "degree", "spatial.degree", 1, world)
+    if not isinstance(t["split"], str) or not t["split"]:
+        raise _err("spatial.split", f"must be the split's name, got {t['split']!r}")
+    pairs = {}
+    for key in ("grid", "tile"):
+        v = _list(t, key, f"spatial.{key}")
+        if len(v) != 2:
+            raise _err(f"spatial.{key}", f"must be [rows, cols], got {v!r}")
+        pairs[key] = [_int({"x": x}, "x", f"spatial.{key}[{k}]", 0 if key == "tile" else 1) for k, x in enumerate(v)]
+    (rows, cols), (i, j) = pairs["grid"], pairs["tile"]
+    if rows * cols != degree:
+        raise _err("spatial.grid", f"is {rows} x {cols}, not {degree} tiles")
+    if i >= rows or j >= cols:
+        raise _err("spatial.tile", f"is ({i}, {j}), outside the {rows} x {cols} grid")
+    ranks = _list(t, "ranks", "spatial.ranks")
+    for k, r in enumerate(ranks):
+        _int({"r": r}, "r", f"spatial.ranks[{k}]", 0, world - 1)
+    if len(ranks) != degree or len(set(ranks)) != degree:
+        raise _err("spatial.ranks", f"must be {degree} distinct ranks, got {ranks}")
+    if ranks[i * cols + j] != rank:
+        raise _err("spatial.ranks", f"holds rank {ranks[i * cols + j]} at tile ({i}, {j}), not this rank {rank}")
 
 
 def _check_ties(d: Mapping, stages: list, mesh: list, coords: list, axis_group: GroupOf) -> set[int]:

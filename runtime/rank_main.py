@@ -58,7 +58,7 @@ from runtime.memtrack import measure_step_memory
 from runtime.optim import optimizer_order, rank_optimizer
 from runtime.program import Program
 from runtime.spec import StageSpec, TrainSpec
-from runtime import spatial_model
+from runtime.spatial import attach_tiles
 from runtime.stage import StageRunner
 from runtime.subgraph import keep_own_paths, set_branch
 from runtime.running_stats import RunningStats
@@ -293,7 +293,7 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
                         allow_other_run=args.resume_from_other_run)
     data = None
     if any(b.source == "data" for sp in specs.values() for b in sp.inputs) or any(sp.is_last for sp in specs.values()):
-        shard, shards = spatial_model.data_shard(prog.coord("data"), prog.mesh_dict["data"], specs)
+        shard, shards = prog.data_shard()
         data = open_data(spec, prog.micro_batch_size, shard, shards)
     eval_data = open_data(spec, prog.micro_batch_size, shard, shards, split=Split.EVAL) \
         if data is not None and evaluation is not None else None
@@ -309,7 +309,7 @@ def connect(p: Prepared) -> RankSession:
     try:
         ctx = DistContext.create(comm, p.program.mesh, timeout=p.args.timeout,
                                  derived_axes=p.program.derived_axes)
-        spatial_model.apply_to_stages(p.specs, p.modules, ctx)  # image tiles (runtime/spatial_model.py)
+        attach_tiles(p.program, p.modules, comm)  # image tiles (runtime/spatial.py)
         tgroup = ctx.group("tensor") if "tensor" in ctx.groups else None
         d = ctx.size("data")
         runners = {}

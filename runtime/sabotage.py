@@ -13,9 +13,9 @@ the run finishes and only the numbers are wrong.
 
 from __future__ import annotations
 
-import dataclasses
-
 from torch import nn
+
+from runtime.spatial import spatial_contexts
 
 SABOTAGE = ("drop-bucket", "skip-tied-sum", "drop-halo-grad")
 
@@ -30,7 +30,5 @@ def sabotage(what: str | None, grads, ties, modules: dict[int, nn.Module]) -> No
         ties.skip_sum = True
     elif what == "drop-halo-grad":
         for m in modules.values():
-            for sub in m.modules():
-                ex = getattr(sub, "exchange", None)
-                if ex is not None and dataclasses.is_dataclass(ex) and hasattr(ex, "halo_grads"):
-                    sub.exchange = dataclasses.replace(ex, halo_grads=False)
+            for sp in spatial_contexts(m):
+                sp.halo_grads = False

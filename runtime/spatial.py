@@ -25,7 +25,10 @@ gradient: border gradients are exact.
 
 The tile ops, the synchronized BatchNorm statistics and the gather at the
 end of the spatial part are autograd Functions over the runtime's
-Communicator and Group (gloo, NCCL or MPI alike). A tile op keeps only its
+Communicator and Group (gloo, NCCL or MPI alike). Generated stage code calls
+them through its `SpatialContext` (codegen/spatial_tiles.py writes the calls
+at build time); `attach_tiles` gives that context this rank's tile and the
+spatial group from the Program (runtime.program.SpatialTiles). A tile op keeps only its
 tile and the thin halos for backward (the extended copy is rebuilt), and the
 BatchNorm keeps only its input, so a tile saves 1/s of what the unsplit
 layers save (benchmarks/spatial_memory.py measures it).
@@ -33,6 +36,7 @@ layers save (benchmarks/spatial_memory.py measures it).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -40,14 +44,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SPLITS = ("strips_h", "strips_v", "grid")
-BATCHNORM_MODES = ("sync", "local")
+from runtime.program import Program, SpatialTiles
+from runtime.vocab import SpatialBatchNorm, SpatialSplit
+
 # Halo messages live above the pipeline's p2p tags (runtime.comm.p2p_tag stays below 2**29).
 SPATIAL_TAG_BASE = 2**30
 
 
 class SpatialError(ValueError):
     """A layer or image that cannot be split as asked; the message names the layer and what to change."""
+
+
+def _check_batchnorm(mode: str) -> None:
+    if mode not in tuple(SpatialBatchNorm):
+        raise SpatialError(f"batchnorm mode {mode!r} is not one of {', '.join(SpatialBatchNorm)}")
 
 
 # ---------------------------------------------------------------------------
@@ -59,13 +69,13 @@ def tile_shape(split: str, degree: int) -> tuple[int, int]:
 
     A grid is the most square rows x cols = degree with rows <= cols (2x2 for 4, 2x4 for 8).
     """
-    if split not in SPLITS:
-        raise SpatialError(f"spatial split {split!r} is not one of {', '.join(SPLITS)}")
+    if split not in tuple(SpatialSplit):
+        raise SpatialError(f"spatial split {split!r} is not one of {', '.join(SpatialSplit)}")
     if not isinstance(degree, int) or degree < 1:
         raise SpatialError(f"spatial degree must be a positive integer, got {degree!r}")
-    if split == "strips_h":
+    if split == SpatialSplit.STRIPS_H:
         return degree, 1
-    if split == "strips_v":
+    if split == SpatialSplit.STRIPS_V:
         return 1, degree
     rows = max(r for r in range(1, math.isqrt(degree) + 1) if degree % r == 0)
     return rows, degree // rows
@@ -190,6 +200,12 @@ class TileLayout:
     def for_group(cls, split: str, group) -> "TileLayout":
         rows, cols = tile_shape(split, group.size)
         return cls(rows, cols, group.rank // cols, group.rank % cols, tuple(group.ranks))
+
+    @classmethod
+    def of(cls, tiles: SpatialTiles) -> "TileLayout":
+        """The layout a Program states (Program.spatial)."""
+        (rows, cols), (i, j) = tiles.grid, tiles.tile
+        return cls(rows, cols, i, j, tiles.ranks)
 
     def rank_at(self, i: int, j: int) -> int:
         return self.ranks[i * self.cols + j]
@@ -383,12 +399,12 @@ def gather_tiles(x: torch.Tensor, group, layout: TileLayout, full_h: int, full_w
 
 @dataclass(frozen=True)
 class SpatialSpec:
-    """How a stage splits images (carried in runtime.spec.StageSpec; made by codegen.spatial).
+    """How a stage splits images, as its generated code does it (runtime.spec.StageSpec.spatial;
+    made by codegen.spatial; the stage code calls the tile ops, this records what it was written for).
 
-    degree: tiles per image; split: one of SPLITS; until: fx node name of the last spatial node
-    of the stage module, or None for a stage after the spatial part (it runs replicated on the
-    tiles' devices); batchnorm: one of BATCHNORM_MODES. The data axis holds data x degree
-    ranks: each run of `degree` consecutive data coordinates shares an image.
+    degree: tiles per image; split: a SpatialSplit; until: fx node name of the last spatial node
+    of the stage, or None for a stage after the spatial part (it runs replicated on the tiles'
+    devices); batchnorm: a SpatialBatchNorm.
     """
 
     degree: int
@@ -398,8 +414,7 @@ class SpatialSpec:
 
     def __post_init__(self) -> None:
         tile_shape(self.split, self.degree)
-        if self.batchnorm not in BATCHNORM_MODES:
-            raise SpatialError(f"batchnorm mode {self.batchnorm!r} is not one of {', '.join(BATCHNORM_MODES)}")
+        _check_batchnorm(self.batchnorm)
 
     def to_dict(self) -> dict:
         return {"degree": self.degree, "split": self.split, "until": self.until, "batchnorm": self.batchnorm}
@@ -519,33 +534,54 @@ class _PoolOp:
         return g_ext, None, None
 
 
+def _conv_op(conv: nn.Module) -> _ConvOp:
+    return _ConvOp(_pair(conv.stride), _pair(conv.dilation), conv.groups)
+
+
+def _pool_op(pool: nn.Module) -> tuple[_PoolOp, float]:
+    """The unpadded pool and the value its halo takes beyond the image border (-inf for max)."""
+    is_max = isinstance(pool, nn.MaxPool2d)
+    op = _PoolOp(is_max, _pair(pool.kernel_size), _pair(pool.stride or pool.kernel_size),
+                 _pair(getattr(pool, "dilation", 1)), getattr(pool, "divisor_override", None))
+    return op, float("-inf") if is_max else 0.0
+
+
+def tile_conv(conv: nn.Module, x: torch.Tensor, exchange: TileExchange) -> torch.Tensor:
+    """conv (a Conv2d, or a module with its weight, bias, stride, dilation and groups) on this
+    rank's tile x (B, C, h, w): halo exchange, then the conv without padding."""
+    return _TileWindow.apply(x, conv.weight, conv.bias, exchange.axes(x.dim()), _conv_op(conv), 0.0)
+
+
+def tile_pool(pool: nn.Module, x: torch.Tensor, exchange: TileExchange) -> torch.Tensor:
+    """MaxPool2d / AvgPool2d on this rank's tile: halo (-inf or 0 at the border), then the pool unpadded."""
+    op, fill = _pool_op(pool)
+    return _TileWindow.apply(x, None, None, exchange.axes(x.dim()), op, fill)
+
+
 class SpatialConv2d(nn.Module):
-    """A Conv2d on one tile: halo exchange, then the conv without padding. Same parameter names."""
+    """A Conv2d on one tile as a module of its own (tile_conv). Same parameter names."""
 
     def __init__(self, conv: nn.Conv2d, exchange: TileExchange):
         super().__init__()
         self.weight = conv.weight
         self.bias = conv.bias
-        self.op = _ConvOp(_pair(conv.stride), _pair(conv.dilation), conv.groups)
+        self.stride, self.dilation, self.groups = conv.stride, conv.dilation, conv.groups
         self.exchange = exchange
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _TileWindow.apply(x, self.weight, self.bias, self.exchange.axes(x.dim()), self.op, 0.0)
+        return tile_conv(self, x, self.exchange)
 
 
 class SpatialPool2d(nn.Module):
-    """MaxPool2d / AvgPool2d on one tile: halo (-inf or 0 at the border), then the pool unpadded."""
+    """MaxPool2d / AvgPool2d on one tile as a module of its own (tile_pool)."""
 
     def __init__(self, pool: nn.Module, exchange: TileExchange):
         super().__init__()
-        is_max = isinstance(pool, nn.MaxPool2d)
-        self.op = _PoolOp(is_max, _pair(pool.kernel_size), _pair(pool.stride or pool.kernel_size),
-                          _pair(getattr(pool, "dilation", 1)), getattr(pool, "divisor_override", None))
-        self.fill = float("-inf") if is_max else 0.0
+        self.pool = pool
         self.exchange = exchange
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _TileWindow.apply(x, None, None, self.exchange.axes(x.dim()), self.op, self.fill)
+        return tile_pool(self.pool, x, self.exchange)
 
 
 class _SyncBatchNorm(torch.autograd.Function):
@@ -602,8 +638,7 @@ class SpatialBatchNorm2d(nn.Module):
 
     def __init__(self, bn: nn.BatchNorm2d, group, mode: str):
         super().__init__()
-        if mode not in BATCHNORM_MODES:
-            raise SpatialError(f"batchnorm mode {mode!r} is not one of {', '.join(BATCHNORM_MODES)}")
+        _check_batchnorm(mode)
         self.weight, self.bias = bn.weight, bn.bias
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             self.register_buffer(name, getattr(bn, name))
@@ -612,18 +647,110 @@ class SpatialBatchNorm2d(nn.Module):
         self.training = bn.training
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "local" or not self.training:
-            mom = 0.0
-            if self.training and self.running_mean is not None:
-                self.num_batches_tracked.add_(1)
-                mom = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                                self.training, mom, self.eps)
-        y, mean, var, n = _SyncBatchNorm.apply(x, self.weight, self.bias, self.eps, self.group)
-        if self.running_mean is not None:
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                mom = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-                self.running_mean.mul_(1 - mom).add_(mean, alpha=mom)
-                self.running_var.mul_(1 - mom).add_(var * (n / max(n - 1, 1.0)), alpha=mom)
-        return y
+        return tile_batch_norm(self, x, self.group, self.mode)
+
+
+def tile_batch_norm(bn: nn.Module, x: torch.Tensor, group, mode: str) -> torch.Tensor:
+    """bn (a BatchNorm2d, or a module with its parameters, buffers, eps, momentum and training flag)
+    on this rank's tile x, with statistics over the whole image (`mode` "sync") or the tile ("local");
+    bn's running statistics are updated in place."""
+    if mode == SpatialBatchNorm.LOCAL or not bn.training:
+        mom = 0.0
+        if bn.training and bn.running_mean is not None:
+            bn.num_batches_tracked.add_(1)
+            mom = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
+        return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.training, mom, bn.eps)
+    y, mean, var, n = _SyncBatchNorm.apply(x, bn.weight, bn.bias, bn.eps, group)
+    if bn.running_mean is not None:
+        with torch.no_grad():
+            bn.num_batches_tracked.add_(1)
+            mom = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
+            bn.running_mean.mul_(1 - mom).add_(mean, alpha=mom)
+            bn.running_var.mul_(1 - mom).add_(var * (n / max(n - 1, 1.0)), alpha=mom)
+    return y
+
+
+# ---------------------------------------------------------------------------
+# the spatial part of a generated stage module
+
+
+class SpatialContext:
+    """What a stage module's spatial part calls: its ops on this rank's tile of every image.
+
+    Generated stage code (codegen/spatial_tiles.py) holds one as `self.spatial` and calls
+    `take` on the images it reads, `conv`/`pool`/`batch_norm` with the model's own modules (so
+    parameters and buffers keep their names), and `gather` on every value the layers after
+    the spatial part read. A window op names its message-tag slot `op` (numbered at build
+    time) and its full (height, width) in and out. `attach_tiles` sets the tile layout and
+    the spatial group before training.
+    """
+
+    def __init__(self, batchnorm: str = SpatialBatchNorm.SYNC):
+        _check_batchnorm(batchnorm)
+        self.batchnorm = SpatialBatchNorm(batchnorm)
+        self.layout: TileLayout | None = None
+        self.group = None
+        self.comm = None
+        self.halo_grads = True   # False only to show that --verify notices (runtime/sabotage.py)
+        self._exchanges: dict[int, TileExchange] = {}
+
+    def attach(self, layout: TileLayout, group, comm) -> None:
+        if tuple(group.ranks) != layout.ranks:
+            raise SpatialError(f"the spatial group {list(group.ranks)} is not the tiles' ranks {list(layout.ranks)}")
+        self.layout, self.group, self.comm = layout, group, comm
+        self._exchanges = {}
+
+    def _layout(self) -> TileLayout:
+        if self.layout is None:
+            raise SpatialError("this stage's spatial part has no tile layout; the rank runs it after "
+                               "runtime.spatial.attach_tiles (the Program's spatial field)")
+        return self.layout
+
+    def _exchange(self, module: nn.Module, windows, op: int, image) -> TileExchange:
+        if op not in self._exchanges:
+            (in_hw, out_hw), layer = image, f"{type(module).__name__} (spatial op {op})"
+            ex = TileExchange.plan(self.comm, self._layout(), in_hw, out_hw, *windows(module, layer), op, layer)
+            self._exchanges[op] = dataclasses.replace(ex, halo_grads=self.halo_grads)
+        return self._exchanges[op]
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> this rank's tile (B, C, h, w), a copy (autograd keeps the tile, not the image)."""
+        rows, cols = self._layout().tile_of(x.shape[-2], x.shape[-1])
+        return x[..., rows, cols].clone(memory_format=torch.contiguous_format)
+
+    def conv(self, conv: nn.Module, x: torch.Tensor, op: int, image) -> torch.Tensor:
+        """conv on the tile x; image: ((H, W) in, (H, W) out) of the whole image."""
+        return tile_conv(conv, x, self._exchange(conv, conv_windows, op, image))
+
+    def pool(self, pool: nn.Module, x: torch.Tensor, op: int, image) -> torch.Tensor:
+        """MaxPool2d / AvgPool2d on the tile x; image as for conv."""
+        return tile_pool(pool, x, self._exchange(pool, pool_windows, op, image))
+
+    def batch_norm(self, bn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return tile_batch_norm(bn, x, self.group, self.batchnorm)
+
+    def gather(self, x: torch.Tensor, image: tuple[int, int]) -> torch.Tensor:
+        """The full (B, C, H, W) activation (image: (H, W)) from the group's tiles, on every member.
+        Its backward sums the gradient over the group: each member's loss is scaled by
+        1 / (data x degree), so every gradient is a partial sum the gradient all-reduce completes."""
+        return gather_tiles(x, self.group, self._layout(), image[0], image[1], reduce=True)
+
+
+def spatial_contexts(module: nn.Module) -> list[SpatialContext]:
+    """The SpatialContext of a generated stage module (empty when it splits no images)."""
+    sp = getattr(module, "spatial", None)
+    return [sp] if isinstance(sp, SpatialContext) else []
+
+
+def attach_tiles(program: Program, modules: dict[int, nn.Module], comm) -> None:
+    """Give every stage module's spatial part this rank's tile and the spatial group (Program.spatial)."""
+    contexts = [sp for m in modules.values() for sp in spatial_contexts(m)]
+    if not contexts:
+        return
+    if program.spatial is None:
+        raise SpatialError(f"rank {program.rank}'s stage code splits images but its Program has no spatial "
+                           "field; generate the build again")
+    layout = TileLayout.of(program.spatial)
+    group = comm.group(program.spatial.ranks)
+    for sp in contexts:
+        sp.attach(layout, group, comm)

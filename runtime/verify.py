@@ -54,7 +54,6 @@ from runtime.evaluation import compare_evals, read_run_evals
 from runtime.materialize import build_model
 from runtime.program import Program
 from runtime.reference import like_the_ranks, local_slice, rank_threads, reference_data, reference_run, reference_step
-from runtime.spatial_model import data_shard
 from runtime.spec import StageSpec, TrainSpec
 from runtime.step_record import load_records, step_files
 from runtime.verify_grad_step import check_norm, check_skip, check_trajectory_outcomes, read_outcomes
@@ -212,9 +211,9 @@ def nudge(model: nn.Module, seed: int = 12345, dtype: str = "fp32") -> None:
 def stats_groups(programs: dict[int, Program], specs: dict[int, StageSpec], bidirectional: bool) -> list[int]:
     """For each chunk of a global batch (data shard r's micro-batches, in order), the group of
     ranks whose BatchNorm statistics it updates: its data shard (and, for GEMS, its direction).
-    The tiles of one image (spatial stages) share a data shard (runtime.spatial_model.data_shard)."""
+    The tiles of one image (spatial stages) share a data shard (runtime.program.Program.data_shard)."""
     p0 = programs[0]
-    _, shards = data_shard(0, p0.mesh_dict.get("data", 1), specs)
+    _, shards = p0.data_shard()
     m = p0.num_micro_batches
     return [r * 2 + (j % 2) if bidirectional else r for r in range(shards) for j in range(m)]
 

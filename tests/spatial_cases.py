@@ -74,8 +74,9 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out: str) -> N
     """One rank: every case in turn; writes out/<case>_rank<r>.pt with losses and parameters."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    from codegen.spatial_tiles import tile_model
     from runtime.comm import TorchCommunicator
-    from runtime.spatial_model import spatialize, sum_tile_gradients
+    from runtime.spatial import TileLayout
 
     comm = TorchCommunicator("gloo", rank, world, "127.0.0.1", port, timeout=60)
     try:
@@ -85,11 +86,12 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out: str) -> N
             dc, sc = divmod(rank, s)
             sgroup = comm.group([dc * s + j for j in range(s)])
             dgroup = comm.group([k * s + sc for k in range(d)])
+            everyone = comm.group(range(world))
             model = build_model(case)
             per = case.batch // d
-            sm = spatialize(model, (torch.empty(per, 2, case.image, case.image, device="meta"),), case.until,
-                            case.split, sgroup, comm, batchnorm=case.batchnorm)
-            net = sm.module
+            net = tile_model(model, (torch.empty(per, 2, case.image, case.image, device="meta"),), case.until,
+                             case.split, s, batchnorm=case.batchnorm)
+            net.spatial.attach(TileLayout.for_group(case.split, sgroup), sgroup, comm)
             opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
             losses = []
             for step in range(STEPS):
@@ -97,11 +99,10 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out: str) -> N
                 x, y = x[dc * per:(dc + 1) * per], y[dc * per:(dc + 1) * per]
                 opt.zero_grad()
                 loss = torch.nn.functional.cross_entropy(net(x), y)
-                (loss / d).backward()
-                sum_tile_gradients(net, sm.spatial_params, sgroup)
-                if d > 1:
-                    for p in net.parameters():
-                        dgroup.all_reduce(p.grad, "sum")
+                # every gradient is a partial sum over data x spatial (the gather's backward sums over the tiles)
+                (loss / (d * s)).backward()
+                for p in net.parameters():
+                    everyone.all_reduce(p.grad, "sum")
                 lt = loss.detach().reshape(1) / d
                 dgroup.all_reduce(lt, "sum")
                 losses.append(float(lt))
