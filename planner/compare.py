@@ -276,7 +276,7 @@ def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int
     from cost_models.calibrated import calibrated_efficiency, optimizer_per_step, optimizer_per_tensor
     from cost_models.compute import Efficiency
     from cost_models.memory import param_bytes
-    from planner.evaluate import GRAD_BUCKET_BYTES
+    from planner.strategies.data import GRAD_BUCKET_BYTES
 
     name = optimizer.get("name", "sgd")
     key = "sgd_momentum" if name == "sgd" and optimizer.get("momentum", 0.0) else name
