@@ -59,14 +59,17 @@ class Strategy:
     """One parallel dimension, planner side (see module docstring)."""
 
     name: StrategyName
+    named_at_one = False   # device-count messages name this degree even where it is 1
 
     def active(self, config: "ParallelConfig") -> bool:
-        """Whether `config` uses this strategy."""
-        return False
+        """Whether `config` uses this strategy: by default, whether its degree (the ParallelConfig field
+        of the strategy's name) is above 1."""
+        return getattr(config, self.name) > 1
 
     def mesh_factor(self, config: "ParallelConfig") -> tuple[str, int] | None:
         """(name, degree) of this strategy's factor of the device count, where it is worth naming."""
-        return None
+        degree = getattr(config, self.name)
+        return (self.name, degree) if degree > 1 or self.named_at_one else None
 
     # ---- search -------------------------------------------------------------
     def pinned_on(self, constraints: dict) -> bool:

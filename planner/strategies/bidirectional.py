@@ -157,6 +157,9 @@ class BidirectionalStrategy(Placement):
     def active(self, config: ParallelConfig) -> bool:
         return config.bidirectional
 
+    def mesh_factor(self, config: ParallelConfig) -> None:
+        return None   # no factor of its own: the two directions share the pipeline's devices
+
     def shape_configs(self, shape: MeshShape, constraints: dict) -> list[ParallelConfig]:
         """2T micro-batches per step (T per direction, T in 1, 2, 4, 8), so T fixes the micro-batch size."""
         p, d = shape.pipeline, shape.data

@@ -26,12 +26,7 @@ class DataStrategy(Strategy):
     """See module docstring."""
 
     name = StrategyName.DATA
-
-    def active(self, config: ParallelConfig) -> bool:
-        return config.data > 1
-
-    def mesh_factor(self, config: ParallelConfig) -> tuple[str, int]:
-        return MeshAxis.DATA, config.data
+    named_at_one = True
 
     def grad_sync(self, ev, config: ParallelConfig, params: float, window: float, m: int) -> tuple[float, float]:
         grad_bytes = params * (ev.grad_reduce_bytes or DTYPE_BYTES[config.dtype])

@@ -18,19 +18,17 @@ from planner.config import ConfigError, ParallelConfig
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, MeshShape, Placement, StrategyName
 from planner.strategies.data import GRAD_BUCKET_BYTES
-from runtime.vocab import MeshAxis, Recompute, Schedule
+from runtime.vocab import Recompute, Schedule
 
 
 class PipelineStrategy(Placement):
     """Every config is a pipeline (p = 1: one stage); see module docstring."""
 
     name = StrategyName.PIPELINE
+    named_at_one = True
 
     def active(self, config: ParallelConfig) -> bool:
         return True
-
-    def mesh_factor(self, config: ParallelConfig) -> tuple[str, int]:
-        return MeshAxis.PIPELINE, config.pipeline
 
     def check(self, ev, config: ParallelConfig) -> None:
         layers = len(ev.graph.layers)

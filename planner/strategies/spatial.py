@@ -268,12 +268,6 @@ class SpatialStrategy(Strategy):
 
     name = StrategyName.SPATIAL
 
-    def active(self, config: ParallelConfig) -> bool:
-        return config.spatial > 1
-
-    def mesh_factor(self, config: ParallelConfig) -> tuple[str, int] | None:
-        return (MeshAxis.SPATIAL, config.spatial) if config.spatial > 1 else None
-
     def pinned_on(self, constraints: dict) -> bool:
         return constraints.get("spatial", 1) != 1
 

@@ -23,7 +23,6 @@ from planner.config import ConfigError, ParallelConfig
 from planner.graph import Layer
 from planner.strategies.base import Strategy, StrategyName
 from planner.subgraph import Region, split_regions
-from runtime.vocab import MeshAxis
 
 # config.mesh's name for the sub-grid axis; it becomes MeshAxis.SUBGRAPH with the vocabulary's axis rename.
 SUBGRID_AXIS = "branch"
@@ -33,12 +32,6 @@ class SubgraphStrategy(Strategy):
     """See module docstring; regions and per-layer costs are cached in the Evaluator's state."""
 
     name = StrategyName.SUBGRAPH
-
-    def active(self, config: ParallelConfig) -> bool:
-        return config.subgraph > 1
-
-    def mesh_factor(self, config: ParallelConfig) -> tuple[str, int] | None:
-        return (MeshAxis.SUBGRAPH, config.subgraph) if config.subgraph > 1 else None
 
     def pinned_on(self, constraints: dict) -> bool:
         return constraints.get("subgraph", 1) != 1

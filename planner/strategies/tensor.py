@@ -10,19 +10,13 @@ from __future__ import annotations
 
 from planner.config import ParallelConfig
 from planner.strategies.base import Strategy, StrategyName
-from runtime.vocab import MeshAxis
 
 
 class TensorStrategy(Strategy):
     """See module docstring."""
 
     name = StrategyName.TENSOR
-
-    def active(self, config: ParallelConfig) -> bool:
-        return config.tensor > 1
-
-    def mesh_factor(self, config: ParallelConfig) -> tuple[str, int]:
-        return MeshAxis.TENSOR, config.tensor
+    named_at_one = True
 
     def check(self, ev, config: ParallelConfig) -> None:
         """ValueError naming the first split size that the tensor degree must divide and does not."""
