@@ -263,9 +263,7 @@ class Evaluator:
                                   "none of them the first layer")
             cuts = [0, *idx, n]
             return [(cuts[k], cuts[k + 1]) for k in range(s)]
-        key = (config.tensor, config.micro_batch_size, config.dtype, config.recompute, s, config.pipeline,
-               config.schedule, config.zero, config.data, global_batch_size, config.bidirectional,
-               config.spatial, config.spatial_split, config.spatial_until, config.spatial_batchnorm, config.subgraph)
+        key = (config, global_batch_size)
         hit = self._bounds_cache.get(key)
         if hit is None:
             weights = [c.forward + c.backward + c.recompute + c.comm_forward + c.comm_backward for c in costs]
