@@ -26,11 +26,10 @@ from cost_models.calibrated import calibrated_efficiency, curve_mix, in_run_fact
 from cost_models.compute import Efficiency, op_time, wave_efficiency
 from cost_models.op_curves import node_curve_times
 from cost_models.hardware import Cluster
-from cost_models.memory import DTYPE_BYTES, param_bytes
+from cost_models.memory import DTYPE_BYTES
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
 from planner.graph import Layer, ModelGraph, OpInfo, dtype_size
-from planner.ilp import Edge, RegionOption, choose_shardings
 from planner.sharding import ShardingPlan, find_sharding
 from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
@@ -112,7 +111,6 @@ class Evaluator:
         self._nodes = {n.name: n for n in graph.nodes}
         self._layer_cache: dict[tuple, LayerCost] = {}
         self._state: dict[str, Any] = {}   # per strategy, what it keeps for this graph (see state())
-        self._region_cache: dict[tuple, frozenset[int]] = {}  # positions within the layer
         self._bounds_cache: dict[tuple, list[tuple[int, int]]] = {}
         self._fwd_flops_per_sample = graph.total_fwd_flops / graph.batch_size
         self._layer_inputs = self._input_bytes_per_layer()
@@ -373,66 +371,20 @@ class Evaluator:
         """(forward s, backward s) of `n` off the calibrated op curves (fp32 only), or None."""
         return node_curve_times(n, self.curves, self.curve_mix, share, weights) if dtype == "fp32" else None
 
-    def sharded_regions(self, layer: Layer, config: ParallelConfig) -> frozenset[int]:
-        """Regions of `layer` the ILP shards at this tensor degree.
-
-        The decision is cached per layer signature, as the positions of the chosen
-        regions within the layer (first, second, ...): repeated blocks share the
-        decision but each has its own region ids.
-        """
-        if config.tensor == 1:
-            return frozenset()
-        roles = self.sharding.roles
-        by_region: dict[int, list[OpInfo]] = {}  # in order of first appearance in the layer
-        for name in layer.nodes:
-            r = roles[name].region
-            if r >= 0:
-                by_region.setdefault(r, []).append(self._nodes[name])
-        ordered = list(by_region)
-        key = (layer.signature, config.tensor, config.micro_batch_size, config.dtype)
-        hit = self._region_cache.get(key)
-        if hit is not None:
-            return frozenset(ordered[i] for i in hit if i < len(ordered))
-        pb = param_bytes(config.dtype, config.zero, config.data).total
-        options, edges = [], []
-        for r, nodes in by_region.items():
-            rep = [self.node_cost(n, "replicate", config) for n in nodes]
-            sh = [self.node_cost(n, roles[n.name].role, config) for n in nodes]
-            options.append(RegionOption(
-                region=r,
-                time_replicated=sum(c.fwd + c.bwd for c in rep),
-                time_sharded=sum(c.fwd + c.bwd for c in sh),
-                bytes_replicated=sum(c.params * pb + c.saved for c in rep),
-                bytes_sharded=sum(c.params * pb + c.saved for c in sh),
-            ))
-            # Resharding edges: where the region's output rejoins the replicated stream
-            # (forward all-reduce) and where the stream enters it (backward all-reduce).
-            edges.append(Edge(r, -1, sum(c.tp_fwd for c in sh)))
-            edges.append(Edge(-1, r, sum(c.tp_bwd for c in sh)))
-        if self.sharding_mode == "all":
-            chosen = frozenset(by_region)
-        else:
-            chosen, _ = choose_shardings(options, edges, memory_cap=self.cluster.device.memory_bytes)
-        self._region_cache[key] = frozenset(i for i, r in enumerate(ordered) if r in chosen)
-        return chosen
-
     def node_roles(self, config: ParallelConfig) -> dict[str, str]:
-        """Tensor-parallel role of every non-replicated node under `config` (fx node name -> role)."""
+        """Split role of every non-replicated node under `config` (fx node name -> role)."""
+        return {name: role for layer in self.graph.layers for name, role in self.layer_roles(layer, config).items()}
+
+    def layer_roles(self, layer: Layer, config: ParallelConfig) -> dict[str, str]:
+        """The split roles the active strategies give `layer`'s nodes (the others are replicated)."""
         out: dict[str, str] = {}
-        for layer in self.graph.layers:
-            chosen = self.sharded_regions(layer, config)
-            for name in layer.nodes:
-                shard = self.sharding.roles[name]
-                if shard.region in chosen:
-                    out[name] = shard.role
+        for s in self.active(config):
+            out.update(s.node_roles(self, layer, config))
         return out
 
     def _cost_layer(self, layer: Layer, config: ParallelConfig) -> LayerCost:
-        chosen = self.sharded_regions(layer, config)
-        roles = self.sharding.roles
-        costs = [self.node_cost(self._nodes[name],
-                                 roles[name].role if roles[name].region in chosen else "replicate", config)
-                 for name in layer.nodes]
+        roles = self.layer_roles(layer, config)
+        costs = [self.node_cost(self._nodes[name], roles.get(name, "replicate"), config) for name in layer.nodes]
         fwd = sum(c.fwd for c in costs)
         tp_f = sum(c.tp_fwd for c in costs)
         tp_b = sum(c.tp_bwd for c in costs)

@@ -90,6 +90,10 @@ class Strategy:
     def check(self, ev: "Evaluator", config: "ParallelConfig") -> None:
         """Raise ValueError naming what to change when `config` cannot run `ev`'s graph."""
 
+    def node_roles(self, ev: "Evaluator", layer: "Layer", config: "ParallelConfig") -> dict[str, str]:
+        """Split roles this strategy gives `layer`'s nodes (fx node name -> role; the rest replicated)."""
+        return {}
+
     def layer_cost(self, ev: "Evaluator", layer: "Layer", cost: "LayerCost",
                    config: "ParallelConfig") -> "LayerCost":
         """`cost` (one layer, one device, one micro-batch) adjusted for this strategy."""
