@@ -9,10 +9,12 @@ micro-batch, dtype, recompute) and reused for every copy.
 Per micro-batch and device, a layer costs its ops' roofline times (FLOPs
 and bytes divided by the tensor degree where the op is sharded) plus its
 tensor-parallel all-reduces. The Evaluator is one pricing driver with no
-branch on a strategy: it loops over the registered strategies
-(planner/strategies/registry.py), which adjust layer costs, impose stage
-bounds and add gradient traffic; the last active `Placement` (the pipeline,
-or its bi-directional refinement) lays the stages out and prices the step.
+branch on a strategy: it loops over the strategies the config uses
+(planner/strategies/registry.py), which give nodes their split roles (tensor),
+check the config against the graph, adjust layer costs (tiles, sub-grids),
+impose stage bounds and add gradient traffic; the last active `Placement`
+(the pipeline, or its bi-directional refinement) lays the stages out and
+prices the step.
 """
 
 from __future__ import annotations
