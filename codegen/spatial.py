@@ -21,9 +21,9 @@ import dataclasses
 
 from codegen.lower import LoweringError, lower
 from codegen.partition import Partition, partition
-from planner.capabilities import MESHPLAN_RUNTIME
 from planner.graph import ModelGraph
 from planner.plan import Plan
+from planner.strategies.combinations import Level, why_not
 from runtime.program import Program, SpatialTiles
 from runtime.spatial import SpatialSpec, tile_shape
 from runtime.vocab import MeshAxis
@@ -32,7 +32,7 @@ from runtime.vocab import MeshAxis
 def spatial_twin(plan: Plan) -> Plan:
     """The data-parallel plan whose Programs a spatial plan runs (see module docstring)."""
     c = plan.config
-    why = MESHPLAN_RUNTIME.why_not(c)
+    why = why_not(c, Level.RUNTIME)   # the combinations the runtime runs
     if why:
         raise LoweringError(f"{why}; plan within those limits (or with spatial=1)")
     twin = c.replace(data=c.data * c.spatial, spatial=1, spatial_until=None)

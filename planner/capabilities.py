@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.config import ParallelConfig
+from planner.strategies.combinations import Level
+from planner.strategies.combinations import why_not as combination_refusal
 from planner.sharding import ShardingPlan, without_regions
 
 
@@ -22,12 +24,10 @@ class RuntimeSupport:
     bidirectional: bool = True   # GEMS MAST/MASTER: tests/distributed/test_bidirectional.py
     # fp16 trains with dynamic loss scaling (runtime/loss_scale.py); bf16 and fp32 need none.
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
-    # Spatial tiles: codegen/spatial.py lowers them with data (ZeRO 0-3) and a 1f1b/gpipe or bidirectional
-    # pipeline whose first stage holds the spatial part, tensor 1 and no recompute
-    # (tests/distributed/test_spatial_build.py); other spatial compositions are priced, not run.
+    # Spatial tiles: tests/distributed/test_spatial_build.py; sub-graph parallelism:
+    # tests/distributed/test_subgraph.py. The compositions each runs are the RUNTIME rules of
+    # planner/strategies/combinations.py; the others are priced, not run.
     spatial: bool = True
-    # Sub-graph parallelism: tests/distributed/test_subgraph.py runs it with data and 1f1b pipelines
-    # (tensor 1, no recompute, as ParallelConfig requires); other ZeRO stages are priced, not run.
     subgraph: bool = True
 
     def allows(self, config: ParallelConfig) -> bool:
@@ -43,21 +43,13 @@ class RuntimeSupport:
             return f"the runtime does not run recompute={config.recompute!r}"
         if config.zero not in self.zero_stages:
             return f"the runtime does not run ZeRO stage {config.zero}"
-        if config.spatial > 1:
-            if not self.spatial:
-                return "the runtime does not run spatial plans"
-            extra = [what for what, bad in (
-                (f"the {config.schedule} schedule", config.schedule not in ("gpipe", "1f1b")),
-                (f"tensor {config.tensor}", config.tensor != 1),
-                (f"recompute {config.recompute!r}", config.recompute != "none")) if bad]
-            if extra:
-                return (f"the runtime runs spatial tiles with gpipe/1f1b/bidirectional pipelines, tensor 1 and no "
-                        f"recompute, not with {', '.join(extra)}")
-        if config.subgraph > 1:
-            if not self.subgraph:
-                return "the runtime does not run sub-graph parallel plans"
-            if config.zero != 0:
-                return f"the runtime runs sub-graph parallelism with ZeRO 0, not ZeRO stage {config.zero}"
+        if config.spatial > 1 and not self.spatial:
+            return "the runtime does not run spatial plans"
+        if config.subgraph > 1 and not self.subgraph:
+            return "the runtime does not run sub-graph parallel plans"
+        refusal = combination_refusal(config, Level.RUNTIME)   # planner/strategies/combinations.py
+        if refusal:
+            return refusal
         if config.dtype not in self.dtypes:
             return f"the runtime does not train in {config.dtype}; use one of {', '.join(self.dtypes)}"
         return None

@@ -12,6 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from planner.strategies.combinations import Level
+from planner.strategies.combinations import why_not as combination_refusal
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -97,11 +100,6 @@ class ParallelConfig:
         if self.bidirectional:
             if self.pipeline < 2:
                 raise ConfigError("a bidirectional pipeline needs pipeline >= 2 (device r holds stages r and p-1-r)")
-            if self.schedule != "1f1b" or self.virtual_stages != 1:
-                raise ConfigError("a bidirectional pipeline runs its own (GEMS) schedule; leave schedule='1f1b' "
-                                  "and virtual_stages=1")
-            if self.zero != 0:
-                raise ConfigError(f"a bidirectional pipeline supports ZeRO stage 0 only (got {self.zero})")
         elif self.replicas_per_direction != 1:
             raise ConfigError(f"replicas_per_direction={self.replicas_per_direction} needs bidirectional=True")
         if self.spatial > 1 and not (isinstance(self.spatial_until, str) and self.spatial_until):
@@ -109,14 +107,9 @@ class ParallelConfig:
                               "on image tiles")
         if self.spatial == 1 and self.spatial_until is not None:
             raise ConfigError(f"spatial_until={self.spatial_until!r} needs spatial >= 2 (tiles per image)")
-        if self.subgraph > 1:
-            other = [name for name, bad in (("tensor > 1", self.tensor > 1), ("bidirectional", self.bidirectional),
-                                            ("spatial > 1", self.spatial > 1),
-                                            (f"recompute={self.recompute!r}", self.recompute != "none"))
-                     if bad]
-            if other:
-                raise ConfigError(f"subgraph={self.subgraph} does not combine with {', '.join(other)} yet; "
-                                  "use subgraph=1 or drop those")
+        refusal = combination_refusal(self, Level.CONFIG)   # planner/strategies/combinations.py
+        if refusal:
+            raise ConfigError(refusal)
         if self.stage_boundaries is not None:
             object.__setattr__(self, "stage_boundaries", tuple(self.stage_boundaries))
             want = self.num_stages - 1

@@ -8,40 +8,37 @@ micro-batch, dtype, recompute) and reused for every copy.
 
 Per micro-batch and device, a layer costs its ops' roofline times (FLOPs
 and bytes divided by the tensor degree where the op is sharded) plus its
-tensor-parallel all-reduces. Stages are contiguous layer ranges balanced by
-time; the slowest device sets the pipeline slot; fill and drain follow the
-schedule; the data-parallel gradient sync overlaps the last micro-batch's
-backward; ZeRO-3 parameter gathers sit on the critical path.
+tensor-parallel all-reduces. The Evaluator is one pricing driver with no
+branch on a strategy: it loops over the strategies the config uses
+(planner/strategies/registry.py), which give nodes their split roles (tensor),
+check the config against the graph, adjust layer costs (tiles, sub-grids),
+impose stage bounds and add gradient traffic; the last active `Placement`
+(the pipeline, or its bi-directional refinement) lays the stages out and
+prices the step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-from cost_models import gems
 from cost_models.comm import collective_time, link_models
 from cost_models.mesh_axes import axis_collective_time
 from cost_models.calibrated import calibrated_efficiency, curve_mix, in_run_factors, op_curves, per_element_cost
 from cost_models.compute import Efficiency, op_time, wave_efficiency
 from cost_models.op_curves import node_curve_times
 from cost_models.hardware import Cluster
-from cost_models.memory import DTYPE_BYTES, adam_step_bytes, live_micro_batches, param_bytes
+from cost_models.memory import DTYPE_BYTES
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
-from cost_models.schedule import pipeline_time
 from planner.config import ConfigError, ParallelConfig
 from planner.graph import Layer, ModelGraph, OpInfo, dtype_size
-from planner.gems_memory import bidirectional_bounds
-from planner.ilp import Edge, RegionOption, choose_shardings
-from planner.subgraph_cost import subgraph_layer_cost
 from planner.sharding import ShardingPlan, find_sharding
-from planner.stage_split import balanced_partition
+from planner.strategies.base import Placement, Strategy
+from planner.strategies.registry import STRATEGIES
 from planner.ties import tied_weights
-from planner.spatial import SpatialPricer
+from runtime.vocab import MeshAxis
 
-# Data-parallel gradients are reduced in buckets as backward produces them;
-# only the last bucket's reduction is always exposed (PyTorch DDP's default bucket).
-GRAD_BUCKET_BYTES = 25 * 2**20
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,14 +48,26 @@ class LayerCost:
     forward: float          # compute only
     backward: float         # compute only
     recompute: float        # extra forward work in backward (per recompute mode)
-    tp_forward: float       # tensor-parallel collectives in forward
+    tp_forward: float       # tensor-parallel collectives in forward (and spatial halos, BatchNorm sync, gather)
     tp_backward: float      # ... in backward (and in the recomputed forward)
+    subgraph_forward: float   # sub-graph collectives over the sub-grids in forward (planner/strategies/subgraph.py)
+    subgraph_backward: float  # ... in backward
     saved: float            # activation bytes kept for backward (per recompute mode)
     working: float          # bytes live while this layer's backward runs under full recompute
     params: float           # parameters held per device (count)
     largest_param_layer: float  # same as params (kept for ZeRO-3 gather buffers)
     temporary: float        # largest single output (+ its gradient) in bytes
     boundary: float         # bytes crossing the cut after this layer
+
+    @property
+    def comm_forward(self) -> float:
+        """Seconds of in-layer collectives in forward (they block the layer)."""
+        return self.tp_forward + self.subgraph_forward
+
+    @property
+    def comm_backward(self) -> float:
+        """Seconds of in-layer collectives in backward."""
+        return self.tp_backward + self.subgraph_backward
 
 
 class Evaluator:
@@ -100,107 +109,53 @@ class Evaluator:
         self.overlap_grad_reduce = overlap_grad_reduce
         self.grad_reduce_bytes = grad_reduce_bytes
         self.sharding: ShardingPlan = find_sharding(graph)
+        self.strategies: tuple[Strategy, ...] = STRATEGIES
         self._nodes = {n.name: n for n in graph.nodes}
         self._layer_cache: dict[tuple, LayerCost] = {}
-        self.subgraph_regions: dict[int, tuple] = {}   # sub-grids -> split regions (planner/subgraph_cost.py)
-        self._region_cache: dict[tuple, frozenset[int]] = {}  # positions within the layer
+        self._state: dict[str, Any] = {}   # per strategy, what it keeps for this graph (see state())
         self._bounds_cache: dict[tuple, list[tuple[int, int]]] = {}
         self._fwd_flops_per_sample = graph.total_fwd_flops / graph.batch_size
         self._layer_inputs = self._input_bytes_per_layer()
         self.tokens_per_sample = _tokens_per_sample(graph)
-        self.spatial = SpatialPricer(graph)
         self.ties = tied_weights(graph)
 
     # ---- public ---------------------------------------------------------
     def evaluate(self, config: ParallelConfig, global_batch_size: int) -> Prediction:
         self.check(config, global_batch_size)
         m = config.micro_batches(global_batch_size)
-        p, v, d = config.pipeline, config.virtual_stages, config.data
         costs = [self.layer_cost(layer, config) for layer in self.graph.layers]
         bounds = self.stage_bounds(config, costs, global_batch_size)
-        if config.bidirectional:
-            return self._evaluate_bidirectional(config, global_batch_size, m, costs, bounds)
-        dev = self.cluster.device
-        mesh = config.mesh
+        return self.placement(config).step(self, config, global_batch_size, m, costs, bounds)
 
-        # Per device (pipeline position i holds chunks i, i+p, ...).
-        slots, parts, mems, stages = [], [], [], []
-        pb = param_bytes(config.dtype, config.zero, d)
-        p2p = self.p2p_seconds(config)
-        tie_params, tie_seconds = self._tie_costs(config, bounds)
-        for i in range(p):
-            chunks = [bounds[c] for c in range(i, config.num_stages, p)]
-            cs = [c for lo, hi in chunks for c in costs[lo:hi]]
-            fwd = sum(c.forward for c in cs)
-            bwd = sum(c.backward for c in cs)
-            rc = sum(c.recompute for c in cs)
-            tp = sum(c.tp_forward + c.tp_backward for c in cs)
-            pp = sum(2 * p2p(costs[hi - 1].boundary) for lo, hi in chunks if p > 1)
-            slots.append(fwd + bwd + rc + tp + pp)
-            parts.append((fwd, bwd, rc, tp, pp))
-            params = sum(c.params for c in cs) + tie_params.get(i, 0.0)
-            live = live_micro_batches(config.schedule, i, p, m, v)
-            if config.recompute == "full":
-                acts = live * sum(c.saved for c in cs) + max((c.working for c in cs), default=0.0)
-            else:
-                acts = live * sum(c.saved for c in cs)
-            gather = 0.0
-            if config.zero == 3:  # the gathered weights of the current and the prefetched layer
-                gather = 2 * max((c.params for c in cs), default=0.0) * DTYPE_BYTES[config.dtype]
-            comm_buf = (2 * min(GRAD_BUCKET_BYTES, params * pb.gradients) if d > 1 else 0.0) + \
-                (2 * costs[chunks[-1][1] - 1].boundary if p > 1 else 0.0)
-            mem = MemoryBreakdown(
-                parameters=params * pb.weights + gather, gradients=params * pb.gradients,
-                optimizer=params * pb.optimizer, activations=acts, comm_buffers=comm_buf,
-                temporary=max((c.temporary for c in cs), default=0.0),
-            )
-            mems.append((mem, params))
-            for (lo, hi) in chunks:
-                stages.append((lo, hi, i, mem))
+    def active(self, config: ParallelConfig) -> list[Strategy]:
+        """The registered strategies `config` uses, in composition order."""
+        return [s for s in self.strategies if s.active(config)]
 
-        crit = max(range(p), key=lambda i: slots[i])
-        fwd, bwd, rc, tp, pp = parts[crit]
-        total, bubble = pipeline_time(config.schedule, p, m, slots[crit], v)
+    def placement(self, config: ParallelConfig) -> Placement:
+        """The strategy that lays out `config`'s stages and prices its step: the last active Placement."""
+        return [s for s in self.active(config) if isinstance(s, Placement)][-1]
 
-        # Data-parallel gradient sync / ZeRO traffic for the critical device.
-        params_crit = mems[crit][1]
-        data_comm = zero_comm = 0.0
-        if d > 1:
-            grad_bytes = params_crit * (self.grad_reduce_bytes or DTYPE_BYTES[config.dtype])
-            weight_bytes = params_crit * DTYPE_BYTES[config.dtype]
-            # The last micro-batch's backward on this device hides the sync, bucket by bucket.
-            window = bwd + rc if self.overlap_grad_reduce else 0.0
-            if config.zero <= 1:
-                ar = self._axis(mesh, "data", "all_reduce", grad_bytes)
-                tail = self._axis(mesh, "data", "all_reduce", min(GRAD_BUCKET_BYTES, grad_bytes))
-                data_comm = max(tail, ar - window)
-                if config.zero == 1:  # updated weight shards are gathered after the step
-                    data_comm += self._axis(mesh, "data", "all_gather", weight_bytes)
-            elif config.zero == 2:
-                rs = self._axis(mesh, "data", "reduce_scatter", grad_bytes)
-                tail = self._axis(mesh, "data", "reduce_scatter", min(GRAD_BUCKET_BYTES, grad_bytes))
-                data_comm = max(tail, rs - window) + self._axis(mesh, "data", "all_gather", weight_bytes)
-            else:
-                # ZeRO-3 gathers the weights before each micro-batch's forward and
-                # again before its backward (the recomputed forward reuses that
-                # gather) and reduce-scatters the gradients: the next layer's
-                # compute waits on its gather, so these are charged in full.
-                per_mb = 2 * self._axis(mesh, "data", "all_gather", weight_bytes) + \
-                    self._axis(mesh, "data", "reduce_scatter", grad_bytes)
-                zero_comm = m * per_mb
-        data_comm += self.spatial.grad_sync_seconds(config, self)  # tile weight gradients summed
-        data_comm += tie_seconds  # a tied weight's copies summed after the gradient sync
-        opt_params = params_crit / (d if config.zero >= 1 else 1)
-        optimizer = opt_params * adam_step_bytes(config.dtype) / (dev.memory_bandwidth * self.eff.memory)
+    def state(self, key: str, make: Callable[[], T]) -> T:
+        """What strategy `key` keeps for this graph on this cluster, made by `make()` on first use."""
+        if key not in self._state:
+            self._state[key] = make()
+        return self._state[key]
 
-        time = TimeBreakdown(forward=m * fwd, backward=m * bwd, recompute=m * rc, tensor_comm=m * tp,
-                             pipeline_comm=m * pp, bubble=bubble, data_comm=data_comm,
-                             zero_comm=zero_comm, optimizer=optimizer)
-        return self._prediction(config, global_batch_size, m, costs, stages, time,
-                                max((mem for mem, _ in mems), key=lambda x: x.total),
-                                busy=m * (fwd + bwd + rc) + optimizer)
+    def grad_sync(self, config: ParallelConfig, params: float, window: float, m: int) -> tuple[float, float]:
+        """(exposed seconds, on-path seconds) per step of every active strategy's gradient and weight
+        traffic, for the device holding `params` parameters whose last backward takes `window` s."""
+        exposed = on_path = 0.0
+        for s in self.active(config):
+            e, o = s.grad_sync(self, config, params, window, m)
+            exposed += e
+            on_path += o
+        return exposed, on_path
 
-    def _prediction(self, config: ParallelConfig, global_batch_size: int, m: int, costs: list[LayerCost],
+    def node(self, name: str) -> OpInfo:
+        """The graph node named `name` (fx node name)."""
+        return self._nodes[name]
+
+    def prediction(self, config: ParallelConfig, global_batch_size: int, m: int, costs: list[LayerCost],
                     stages: list, time: TimeBreakdown, peak_mem: MemoryBreakdown, busy: float) -> Prediction:
         """Assemble a Prediction from the step's time breakdown and the largest device footprint."""
         dev = self.cluster.device
@@ -212,8 +167,8 @@ class Evaluator:
             StagePrediction(
                 index=k, first_layer=self.graph.layers[lo].name, last_layer=self.graph.layers[hi - 1].name,
                 num_layers=hi - lo,
-                forward=sum(c.forward + c.tp_forward for c in costs[lo:hi]),
-                backward=sum(c.backward + c.recompute + c.tp_backward for c in costs[lo:hi]),
+                forward=sum(c.forward + c.comm_forward for c in costs[lo:hi]),
+                backward=sum(c.backward + c.recompute + c.comm_backward for c in costs[lo:hi]),
                 memory=mem,
             )
             for k, (lo, hi, _i, mem) in enumerate(sorted(stages, key=lambda s: s[0]))
@@ -228,58 +183,7 @@ class Evaluator:
             step_energy=self._energy(step, busy, config.num_devices),
         )
 
-    def _evaluate_bidirectional(self, config: ParallelConfig, global_batch_size: int, m: int,
-                                costs: list[LayerCost], bounds: list[tuple[int, int]]) -> Prediction:
-        """GEMS: device r runs stage r of replica A and stage p-1-r of replica B (cost_models.gems)."""
-        p, d, T = config.pipeline, config.data, config.replicas_per_direction
-        dev = self.cluster.device
-        per_stage = [costs[lo:hi] for lo, hi in bounds]
-        fc = [sum(c.forward for c in cs) for cs in per_stage]
-        bc = [sum(c.backward for c in cs) for cs in per_stage]
-        rc = [sum(c.recompute for c in cs) for cs in per_stage]
-        tp = [sum(c.tp_forward + c.tp_backward for c in cs) for cs in per_stage]
-        f = [fc[k] + sum(c.tp_forward for c in per_stage[k]) for k in range(p)]
-        b = [bc[k] + rc[k] + sum(c.tp_backward for c in per_stage[k]) for k in range(p)]
-        link = self.p2p_seconds(config)
-        hop = max(link(costs[hi - 1].boundary) for lo, hi in bounds[:-1])
-        with_p2p, _ = gems.step_time(f, b, T, hop)
-        without_p2p, busy = gems.step_time(f, b, T, 0.0)
-        crit = max(range(p), key=lambda i: busy[i])
-        pair = gems.pair_of(crit, p)
-        both = (crit, pair)  # the middle device of an odd pipeline runs its stage for both replicas
-        pb = param_bytes(config.dtype, 0, d)
-        mems, stages = [], []
-        for i in range(p):
-            j = gems.pair_of(i, p)
-            held = per_stage[i] + (per_stage[j] if j != i else [])
-            params = sum(c.params for c in held)
-            # One micro-batch in flight per device: A's backward ends before B's forward starts.
-            if config.recompute == "full":
-                acts = max(sum(c.saved for c in per_stage[k]) + max((c.working for c in per_stage[k]), default=0.0)
-                           for k in {i, j})
-            else:
-                acts = max(sum(c.saved for c in per_stage[k]) for k in {i, j})
-            mem = MemoryBreakdown(parameters=params * pb.weights, gradients=params * pb.gradients,
-                                  optimizer=params * pb.optimizer, activations=acts,
-                                  comm_buffers=2 * max(costs[hi - 1].boundary for lo, hi in bounds),
-                                  temporary=max((c.temporary for c in held), default=0.0))
-            mems.append((mem, params))
-        for k, (lo, hi) in enumerate(bounds):
-            stages.append((lo, hi, k, mems[k][0]))
-        # Devices r and p-1-r (in every data replica) hold copies of the same two stages and
-        # all-reduce their flattened gradients after the step, higher stage first.
-        data_comm = max(self._pair_allreduce(config, i, mems[i][1]) for i in range(p))
-        optimizer = mems[crit][1] * adam_step_bytes(config.dtype) / (dev.memory_bandwidth * self.eff.memory)
-        time = TimeBreakdown(
-            forward=T * sum(fc[k] for k in both), backward=T * sum(bc[k] for k in both),
-            recompute=T * sum(rc[k] for k in both), tensor_comm=T * sum(tp[k] for k in both),
-            pipeline_comm=with_p2p - without_p2p, bubble=without_p2p - busy[crit],
-            data_comm=data_comm, optimizer=optimizer)
-        return self._prediction(config, global_batch_size, m, costs, stages, time,
-                                max((mem for mem, _ in mems), key=lambda x: x.total),
-                                busy=busy[crit] + optimizer)
-
-    def _tie_costs(self, config: ParallelConfig, bounds: list[tuple[int, int]]) -> tuple[dict[int, float], float]:
+    def tie_costs(self, config: ParallelConfig, bounds: list[tuple[int, int]]) -> tuple[dict[int, float], float]:
         """Tied weights whose readers fall in several stages: the extra copies' parameters per
         pipeline position (the graph counts one, at the first reader) and the seconds of the
         all-reduces that sum the copies' gradients over the positions holding them."""
@@ -303,17 +207,6 @@ class Evaluator:
                                            [pos * stride for pos in positions]).seconds
         return extra, seconds
 
-    def _pair_allreduce(self, config: ParallelConfig, device: int, params: float) -> float:
-        """Seconds to all-reduce a device's gradients with its pair over every data replica."""
-        # Spatial lanes (data x spatial coordinates) sum their tile gradients in the same all-reduce.
-        p, d, t = config.pipeline, config.data * config.spatial, config.tensor
-        pair = gems.pair_of(device, p)
-        ranks = sorted({(pos * d + j) * t for pos in (device, pair) for j in range(d)})
-        if len(ranks) < 2:
-            return 0.0
-        nbytes = params * (self.grad_reduce_bytes or DTYPE_BYTES[config.dtype])
-        return collective_time(self.cluster, "all_reduce", nbytes, ranks).seconds
-
     def _energy(self, step: float, busy: float, devices: int) -> float:
         """Joules per step: every device busy for `busy` s at active power, idle the rest."""
         dev = self.cluster.device
@@ -323,22 +216,18 @@ class Evaluator:
     def check(self, config: ParallelConfig, global_batch_size: int) -> None:
         """ValueError naming the numbers when `config` cannot run this model on this cluster."""
         if config.num_devices != self.cluster.num_devices:
+            factors = (f for s in self.strategies if (f := s.mesh_factor(config)) is not None)
             raise ConfigError(
-                f"data {config.data} x tensor {config.tensor} x pipeline {config.pipeline}"
-                + (f" x spatial {config.spatial}" if config.spatial > 1 else "") + " = "
+                " x ".join(f"{name} {degree}" for name, degree in factors) + " = "
                 f"{config.num_devices} devices, but cluster {self.cluster.name!r} has "
                 f"{self.cluster.num_devices}; choose degrees whose product is {self.cluster.num_devices}"
             )
         config.micro_batches(global_batch_size)
         try:
-            self.sharding.check(config.tensor)
-            if config.spatial > 1:
-                self.spatial.until_index(config)
+            for s in self.active(config):
+                s.check(self, config)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if config.num_stages > len(self.graph.layers):
-            raise ConfigError(f"{config.num_stages} pipeline stages but the model has only "
-                              f"{len(self.graph.layers)} layers to cut; use at most {len(self.graph.layers)}")
         try:
             self.cluster.device.peak(config.dtype)
         except ValueError as e:
@@ -352,16 +241,14 @@ class Evaluator:
             hit = self._layer_cache[key] = self._cost_layer(layer, config)
         if hit.boundary != self._boundary(layer, config):  # same body, different cut (last layer)
             hit = self._cost_layer(layer, config)
-        if config.spatial > 1:  # per tile (planner/spatial.py)
-            hit = self.spatial.adjust(layer, hit, config, self)
-        if config.subgraph > 1:  # per sub-grid (planner/subgraph_cost.py)
-            hit = subgraph_layer_cost(self, layer, hit, config)
+        for s in self.active(config):   # per tile, per sub-grid, ...
+            hit = s.layer_cost(self, layer, hit, config)
         return hit
 
     def stage_bounds(self, config: ParallelConfig, costs: list[LayerCost],
                      global_batch_size: int) -> list[tuple[int, int]]:
-        """[lo, hi) layer ranges of the pipeline stages (chunks): given, or balanced by time
-        under each device's memory (see balanced_partition)."""
+        """[lo, hi) layer ranges of the pipeline stages (chunks): given, or as the last active strategy
+        with bounds of its own cuts them (the placement's: balanced by time under each device's memory)."""
         n, s = len(costs), config.num_stages
         names = [layer.name for layer in self.graph.layers]
         if config.stage_boundaries is not None:
@@ -376,49 +263,22 @@ class Evaluator:
                                   "none of them the first layer")
             cuts = [0, *idx, n]
             return [(cuts[k], cuts[k + 1]) for k in range(s)]
-        key = (config.tensor, config.micro_batch_size, config.dtype, config.recompute, s, config.pipeline,
-               config.schedule, config.zero, config.data, global_batch_size, config.bidirectional,
-               config.spatial, config.spatial_split, config.spatial_until, config.spatial_batchnorm, config.subgraph)
+        key = (config, global_batch_size)
         hit = self._bounds_cache.get(key)
         if hit is None:
-            weights = [c.forward + c.backward + c.recompute + c.tp_forward + c.tp_backward for c in costs]
-            fits = self._stage_memory_check(config, costs, global_batch_size) \
-                if s > 1 and not config.bidirectional else None
-            if config.spatial > 1 and s > 1:  # the tiles are gathered before the first cut (also bidirectional)
-                hit = self._bounds_cache[key] = self.spatial.partition(config, weights, s, fits, balanced_partition)
-            elif config.bidirectional:   # stage r fits together with stage p-1-r (planner/gems_memory.py)
-                hit = self._bounds_cache[key] = bidirectional_bounds(config, costs, weights, self.memory_cap,
-                                                                     balanced_partition)
-            else:
-                hit = self._bounds_cache[key] = balanced_partition(weights, s, fits)
+            weights = [c.forward + c.backward + c.recompute + c.comm_forward + c.comm_backward for c in costs]
+            fits = self.placement(config).stage_fits(self, config, costs, global_batch_size) if s > 1 else None
+            for strategy in reversed(self.active(config)):
+                hit = strategy.stage_bounds(self, config, costs, weights, fits)
+                if hit is not None:
+                    break
+            self._bounds_cache[key] = hit
         return hit
 
-    def _stage_memory_check(self, config: ParallelConfig, costs: list[LayerCost], global_batch_size: int):
-        """fits(stage, lo, hi): whether layers [lo, hi) fit on the device that runs that stage.
-
-        Weights, gradients and optimizer state per parameter, plus activations
-        times the micro-batches the schedule keeps live on that device; under
-        the interleaved schedule each of the v chunks gets 1/v of the memory.
-        """
-        pb = param_bytes(config.dtype, config.zero, config.data).total
-        m = config.micro_batches(global_batch_size)
-        v = config.virtual_stages
-        par, act = [0.0], [0.0]
-        for c in costs:
-            par.append(par[-1] + c.params * pb)
-            act.append(act[-1] + c.saved)
-        extra = max((c.working for c in costs), default=0.0) + max((c.temporary for c in costs), default=0.0)
-        cap = self.memory_cap / v
-        live = [live_micro_batches(config.schedule, i, config.pipeline, m, v) for i in range(config.pipeline)]
-
-        def fits(stage: int, lo: int, hi: int) -> bool:
-            i = stage % config.pipeline
-            return (par[hi] - par[lo]) + live[i] * (act[hi] - act[lo]) + extra / v <= cap
-
-        return fits
-
     # ---- internals ------------------------------------------------------
-    def _axis(self, mesh: dict, axis: str, op: str, nbytes: float) -> float:
+    def axis_seconds(self, mesh: dict[str, int], axis: str, op: str, nbytes: float) -> float:
+        """Seconds of collective `op` ("all_reduce", "p2p", ...) of `nbytes` bytes over mesh axis `axis`
+        (0 on an axis of size 1)."""
         if mesh[axis] <= 1 or nbytes <= 0:
             return 0.0
         return axis_collective_time(self.cluster, mesh, axis, op, nbytes).seconds
@@ -450,7 +310,7 @@ class Evaluator:
         return layer.boundary_bytes * config.micro_batch_size / self.graph.batch_size * \
             DTYPE_BYTES[config.dtype] / 4
 
-    def _node_cost(self, n: OpInfo, role: str, config: ParallelConfig) -> _NodeCost:
+    def node_cost(self, n: OpInfo, role: str, config: ParallelConfig) -> _NodeCost:
         """One node on one device for one micro-batch, with `role` ("replicate" or its split role)."""
         dev = self.cluster.device
         t = config.tensor
@@ -487,9 +347,9 @@ class Evaluator:
             shard = self.sharding.roles[n.name]
             mesh = config.mesh
             if shard.fwd_allreduce:
-                tp_f = self._axis(mesh, "tensor", "all_reduce", shard.fwd_allreduce * scale * ds)
+                tp_f = self.axis_seconds(mesh, MeshAxis.TENSOR, "all_reduce", shard.fwd_allreduce * scale * ds)
             if shard.bwd_allreduce:
-                tp_b = self._axis(mesh, "tensor", "all_reduce", shard.bwd_allreduce * scale * ds)
+                tp_b = self.axis_seconds(mesh, MeshAxis.TENSOR, "all_reduce", shard.bwd_allreduce * scale * ds)
             if shard.fwd_allreduce or shard.bwd_allreduce:
                 # What the runtime adds around the all-reduce (calibrated; 0 otherwise): a vocabulary-
                 # parallel embedding masks the ids it does not hold and zeroes their outputs; a layer's
@@ -513,66 +373,20 @@ class Evaluator:
         """(forward s, backward s) of `n` off the calibrated op curves (fp32 only), or None."""
         return node_curve_times(n, self.curves, self.curve_mix, share, weights) if dtype == "fp32" else None
 
-    def sharded_regions(self, layer: Layer, config: ParallelConfig) -> frozenset[int]:
-        """Regions of `layer` the ILP shards at this tensor degree.
-
-        The decision is cached per layer signature, as the positions of the chosen
-        regions within the layer (first, second, ...): repeated blocks share the
-        decision but each has its own region ids.
-        """
-        if config.tensor == 1:
-            return frozenset()
-        roles = self.sharding.roles
-        by_region: dict[int, list[OpInfo]] = {}  # in order of first appearance in the layer
-        for name in layer.nodes:
-            r = roles[name].region
-            if r >= 0:
-                by_region.setdefault(r, []).append(self._nodes[name])
-        ordered = list(by_region)
-        key = (layer.signature, config.tensor, config.micro_batch_size, config.dtype)
-        hit = self._region_cache.get(key)
-        if hit is not None:
-            return frozenset(ordered[i] for i in hit if i < len(ordered))
-        pb = param_bytes(config.dtype, config.zero, config.data).total
-        options, edges = [], []
-        for r, nodes in by_region.items():
-            rep = [self._node_cost(n, "replicate", config) for n in nodes]
-            sh = [self._node_cost(n, roles[n.name].role, config) for n in nodes]
-            options.append(RegionOption(
-                region=r,
-                time_replicated=sum(c.fwd + c.bwd for c in rep),
-                time_sharded=sum(c.fwd + c.bwd for c in sh),
-                bytes_replicated=sum(c.params * pb + c.saved for c in rep),
-                bytes_sharded=sum(c.params * pb + c.saved for c in sh),
-            ))
-            # Resharding edges: where the region's output rejoins the replicated stream
-            # (forward all-reduce) and where the stream enters it (backward all-reduce).
-            edges.append(Edge(r, -1, sum(c.tp_fwd for c in sh)))
-            edges.append(Edge(-1, r, sum(c.tp_bwd for c in sh)))
-        if self.sharding_mode == "all":
-            chosen = frozenset(by_region)
-        else:
-            chosen, _ = choose_shardings(options, edges, memory_cap=self.cluster.device.memory_bytes)
-        self._region_cache[key] = frozenset(i for i, r in enumerate(ordered) if r in chosen)
-        return chosen
-
     def node_roles(self, config: ParallelConfig) -> dict[str, str]:
-        """Tensor-parallel role of every non-replicated node under `config` (fx node name -> role)."""
+        """Split role of every non-replicated node under `config` (fx node name -> role)."""
+        return {name: role for layer in self.graph.layers for name, role in self.layer_roles(layer, config).items()}
+
+    def layer_roles(self, layer: Layer, config: ParallelConfig) -> dict[str, str]:
+        """The split roles the active strategies give `layer`'s nodes (the others are replicated)."""
         out: dict[str, str] = {}
-        for layer in self.graph.layers:
-            chosen = self.sharded_regions(layer, config)
-            for name in layer.nodes:
-                shard = self.sharding.roles[name]
-                if shard.region in chosen:
-                    out[name] = shard.role
+        for s in self.active(config):
+            out.update(s.node_roles(self, layer, config))
         return out
 
     def _cost_layer(self, layer: Layer, config: ParallelConfig) -> LayerCost:
-        chosen = self.sharded_regions(layer, config)
-        roles = self.sharding.roles
-        costs = [self._node_cost(self._nodes[name],
-                                 roles[name].role if roles[name].region in chosen else "replicate", config)
-                 for name in layer.nodes]
+        roles = self.layer_roles(layer, config)
+        costs = [self.node_cost(self._nodes[name], roles.get(name, "replicate"), config) for name in layer.nodes]
         fwd = sum(c.fwd for c in costs)
         tp_f = sum(c.tp_fwd for c in costs)
         tp_b = sum(c.tp_bwd for c in costs)
@@ -588,7 +402,8 @@ class Evaluator:
         else:
             recompute, working, kept = 0.0, 0.0, saved
         return LayerCost(forward=fwd, backward=sum(c.bwd for c in costs), recompute=recompute,
-                         tp_forward=tp_f, tp_backward=tp_b, saved=kept, working=working, params=params,
+                         tp_forward=tp_f, tp_backward=tp_b, subgraph_forward=0.0, subgraph_backward=0.0,
+                         saved=kept, working=working, params=params,
                          largest_param_layer=params, temporary=max((c.temp for c in costs), default=0.0),
                          boundary=self._boundary(layer, config))
 

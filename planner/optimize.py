@@ -22,15 +22,14 @@ from typing import Any
 
 from cost_models.hardware import Cluster
 from cost_models.prediction import Prediction
-from cost_models.schedule import pipeline_time
 from planner.capabilities import MESHPLAN_RUNTIME, RuntimeSupport
 from planner.config import ConfigError, ParallelConfig
 from planner.evaluate import Evaluator, as_graph
 from planner.make_plan import plan_for
 from planner.plan import Alternative, Plan
 from planner.progress import Progress
-from planner.subgraph import describe, subgraph_configs
-from planner.spatial import spatial_configs
+from planner.strategies.base import MeshShape
+from planner.subgraph import describe
 
 OBJECTIVES = ("time", "energy")
 FIXED_KNOBS = ("data", "tensor", "pipeline", "micro_batch_size", "schedule", "virtual_stages", "recompute",
@@ -134,10 +133,10 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
     sync, so neither knob is monotone in time.
     """
     for recompute in _options(cons, "recompute", RECOMPUTE_ORDER):
-        for zero in _options(cons, "zero", (0, 1, 2, 3) if base.data > 1 and not base.bidirectional else (0,)):
+        for zero in _options(cons, "zero", (0, 1, 2, 3) if base.data > 1 else (0,)):
             try:
                 cfg = base.replace(recompute=recompute, zero=zero)
-            except ConfigError:   # e.g. sub-graph parallelism without recomputation
+            except ConfigError:   # a combination planner/strategies/combinations.py refuses
                 continue
             if runtime is not None and not runtime.allows(cfg):
                 continue
@@ -211,20 +210,25 @@ def _best_dtype(cluster: Cluster, allowed: tuple[str, ...]) -> str:
 
 def _enumerate(ev: Evaluator, cluster: Cluster, batch: int, cons: dict,
                dtypes: tuple[str, ...]) -> list[ParallelConfig]:
-    """Every mesh shape x micro-batch x schedule (x spatial split, for CNNs) the constraints allow
-    (recompute/ZeRO come later)."""
-    out = [] if cons.get("spatial", 1) != 1 or cons.get("subgraph", 1) != 1 else \
-        _enumerate_shapes(ev, cluster, cluster.num_devices, batch, cons, dtypes)
-    out += [] if cons.get("subgraph", 1) != 1 else \
-        spatial_configs(ev.spatial, cluster.num_devices, cons,
-                        lambda n: _enumerate_shapes(ev, cluster, n, batch, cons, dtypes))
-    return out + subgraph_configs(ev.graph, cluster.num_devices, cons,  # planner/subgraph.py
-                                  lambda n: _enumerate_shapes(ev, cluster, n, batch, cons, dtypes))
+    """Every mesh shape x micro-batch x schedule, then each strategy's variants that take part of the
+    devices (spatial tiles, sub-grids), that the constraints allow (recompute/ZeRO come later). A
+    strategy the constraints pin on leaves only the configs that use it."""
+    n = cluster.num_devices
+
+    def shapes_of(devices: int) -> list[ParallelConfig]:
+        return _enumerate_shapes(ev, cluster, devices, batch, cons, dtypes)
+
+    pinned = [s for s in ev.strategies if s.pinned_on(cons)]
+    out = [] if pinned else shapes_of(n)
+    for strategy in ev.strategies:
+        out += [cfg for cfg in strategy.variants(ev, n, cons, shapes_of) if all(s.active(cfg) for s in pinned)]
+    return out
 
 
 def _enumerate_shapes(ev: Evaluator, cluster: Cluster, n: int, batch: int, cons: dict,
                       dtypes: tuple[str, ...]) -> list[ParallelConfig]:
-    """Data x tensor x pipeline shapes of `n` devices with micro-batches and schedules."""
+    """Data x tensor x pipeline shapes of `n` devices, with what each strategy adds per shape
+    (micro-batches and schedules, bi-directional replicas)."""
     layers = len(ev.graph.layers)
     dtype = cons.get("dtype") or _best_dtype(cluster, dtypes)
     max_t = n if cons.get("allow_cross_node_tensor") else cluster.devices_per_node
@@ -244,32 +248,10 @@ def _enumerate_shapes(ev: Evaluator, cluster: Cluster, n: int, batch: int, cons:
                 continue
             cap = cons.get("max_micro_batch_size", batch // d)
             mbs = _options(cons, "micro_batch_size", tuple(m for m in _divisors(batch // d) if m <= cap))
-            if p == 1:
-                scheds = [("1f1b", 1)]
-            else:
-                scheds = [("1f1b", 1)] + [("interleaved", v) for v in (2, 4) if p * v <= layers]
-            if "schedule" in cons:
-                want = cons["schedule"]
-                vs = _options(cons, "virtual_stages", (2, 4) if want == "interleaved" else (1,))
-                scheds = [(want, v) for v in vs if want != "interleaved" or p * v <= layers]
-            if cons.get("bidirectional") is not True:
-                for mb in mbs:
-                    for sched, v in scheds:
-                        try:
-                            out.append(ParallelConfig(data=d, tensor=t, pipeline=p, micro_batch_size=mb,
-                                                      schedule=sched, virtual_stages=v, dtype=dtype))
-                        except ConfigError:
-                            continue
-            if p > 1 and cons.get("bidirectional") is not False and "schedule" not in cons:
-                # GEMS: 2T micro-batches per step, so T fixes the micro-batch size.
-                for T in _options(cons, "replicas_per_direction", (1, 2, 4, 8)):
-                    if (batch // d) % (2 * T) or (batch // d) // (2 * T) > cap:
-                        continue
-                    mb = (batch // d) // (2 * T)
-                    if "micro_batch_size" in cons and cons["micro_batch_size"] != mb:
-                        continue
-                    out.append(ParallelConfig(data=d, tensor=t, pipeline=p, micro_batch_size=mb, dtype=dtype,
-                                              bidirectional=True, replicas_per_direction=T))
+            shape = MeshShape(data=d, tensor=t, pipeline=p, micro_batch_sizes=mbs, max_micro_batch_size=cap,
+                              dtype=dtype, num_layers=layers, global_batch_size=batch)
+            for strategy in ev.strategies:
+                out += strategy.shape_configs(shape, cons)
     return out
 
 
@@ -284,21 +266,13 @@ def _lower_bound(ev: Evaluator, cfg: ParallelConfig, batch: int, objective: str)
         return float("inf")
     m = batch // (cfg.micro_batch_size * cfg.data)
     compute = sum(c.forward + c.backward for c in costs)
-    comm = sum(c.tp_forward + c.tp_backward for c in costs)
+    comm = sum(c.comm_forward + c.comm_backward for c in costs)
     if objective == "energy":  # every device is busy at least its share of the compute
         return cfg.num_devices * m * compute / cfg.pipeline * ev.cluster.device.active_watts
-    # The slowest device's slot is at least the average over devices; each
-    # micro-batch crosses each of the p*v - 1 cuts once forward and once backward.
+    # The slowest device's slot is at least the average over devices; the placement adds
+    # what its schedule must (cuts, fill and drain).
     slot = (compute + comm) / cfg.pipeline
-    if cfg.bidirectional:
-        # The busiest device does at least the average share of the 2T passes, and
-        # one micro-batch alone must pass forward and backward through every stage.
-        return max(m * slot, compute + comm)
-    if cfg.pipeline > 1:
-        p2p = ev.p2p_seconds(cfg)
-        cuts = cfg.pipeline * cfg.virtual_stages - 1
-        slot += 2 * cuts / cfg.pipeline * p2p(min(c.boundary for c in costs[:-1]))
-    return pipeline_time(cfg.schedule, cfg.pipeline, m, slot, cfg.virtual_stages)[0]
+    return ev.placement(cfg).lower_bound(ev, cfg, costs, m, slot)
 
 
 def _objective(pred: Prediction, objective: str) -> float:

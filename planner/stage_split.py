@@ -1,5 +1,5 @@
 """Cutting a model's layers into pipeline stages: contiguous ranges that balance time under a
-memory check (used by planner.evaluate, and by planner.spatial through it)."""
+memory check (used by the pipeline, bidirectional and spatial strategies, planner/strategies/)."""
 
 from __future__ import annotations
 

@@ -190,23 +190,3 @@ def describe(regions: tuple[Region, ...], sub_grids: int) -> list[str]:
         lines.append(f"{r.layer}: " + "; ".join(f"sub-grid {g}: {', '.join(v) if v else '(idle)'}"
                                                 for g, v in groups.items()))
     return lines
-
-
-def subgraph_configs(graph: ModelGraph, num_devices: int, cons: dict, shapes_of) -> list:
-    """Sub-graph variants of the search space: for each B dividing the devices (2, 4, 8) whose
-    split finds regions, every data x pipeline shape of num_devices / B devices (`shapes_of(n)`)
-    without tensor parallelism or bidirectional pipelines, with subgraph=B. Empty for graphs
-    without splittable branches, so other models' search spaces are unchanged."""
-    if cons.get("subgraph", None) == 1:
-        return []
-    degrees = [cons["subgraph"]] if "subgraph" in cons else [b for b in (2, 4, 8) if b <= num_devices]
-    out = []
-    for b in degrees:
-        regions = split_regions(graph, b)
-        # more sub-grids than the widest region has paths would leave some idle everywhere
-        if num_devices % b or not regions or b > max(len(r.paths) for r in regions):
-            continue
-        for base in shapes_of(num_devices // b):
-            if base.tensor == 1 and not base.bidirectional and base.spatial == 1:
-                out.append(base.replace(subgraph=b))
-    return out

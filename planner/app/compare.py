@@ -42,7 +42,8 @@ from cost_models.memory import param_bytes
 from cost_models.simulate import ComputeCosts, simulate_steady
 from planner.app.schedule_view import ScheduleRecord
 from planner.app.visualize import save_figure, schedule_figure, style
-from planner.evaluate import GRAD_BUCKET_BYTES, Evaluator
+from planner.evaluate import Evaluator
+from planner.strategies.data import GRAD_BUCKET_BYTES
 from planner.graph import ModelGraph
 from planner.plan import Plan
 from runtime.program import COLLECTIVE_OPS, Program

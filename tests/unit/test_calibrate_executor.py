@@ -143,7 +143,7 @@ def test_planner_charges_a_wrapper_per_in_layer_all_reduce_of_a_tensor_parallel_
     assert with_ar  # a tensor-parallel MLP has column / row pairs
     for n in linears:
         role = roles[n.name].role
-        a, b = ev._node_cost(n, role, cfg), ev_w._node_cost(n, role, cfg)
+        a, b = ev.node_cost(n, role, cfg), ev_w.node_cost(n, role, cfg)
         wraps = n in with_ar
         # per micro-batch of 2 (the graph was captured at 4): the values it all-reduces
         elements = max(roles[n.name].fwd_allreduce, roles[n.name].bwd_allreduce) / 2 / 4

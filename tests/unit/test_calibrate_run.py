@@ -47,7 +47,7 @@ def test_evaluate_scales_every_node_price_by_the_factor_and_nothing_else():
     nodes = [n for n in graph.nodes if n.kind not in ("input", "output")]
     assert len(nodes) > 30
     for n in nodes:
-        plain, got = a._node_cost(n, "replicate", cfg), b._node_cost(n, "replicate", cfg)
+        plain, got = a.node_cost(n, "replicate", cfg), b.node_cost(n, "replicate", cfg)
         assert got.fwd == pytest.approx(1.25 * plain.fwd) and got.bwd == pytest.approx(0.8 * plain.bwd)
         assert got.saved == plain.saved and got.params == plain.params
     dp = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", data=2)

@@ -102,7 +102,7 @@ def test_the_planner_charges_the_vocabulary_parallel_embedding_not_a_wrapper():
     vocab = [n for n in graph.nodes if ev.sharding.roles.get(n.name) and ev.sharding.roles[n.name].role == "vocab"]
     assert vocab
     for n in vocab:
-        a, b = ev._node_cost(n, "vocab", cfg), ev_x._node_cost(n, "vocab", cfg)
+        a, b = ev.node_cost(n, "vocab", cfg), ev_x.node_cost(n, "vocab", cfg)
         elements = ev.sharding.roles[n.name].fwd_allreduce / 2 / 4  # a micro-batch of 2 of the 4 captured
         assert b.tp_fwd - a.tp_fwd == pytest.approx(3e-5 + 1e-9 * elements)
         assert b.tp_bwd - a.tp_bwd == pytest.approx(2e-5)

@@ -175,10 +175,10 @@ def test_tied_copies_are_priced():
     ev = Evaluator(g, planner.Cluster.preset("local", devices=2))
     cfg = planner.ParallelConfig(pipeline=2, micro_batch_size=2, dtype="fp32")
     costs = [ev.layer_cost(layer, cfg) for layer in g.layers]
-    extra, seconds = ev._tie_costs(cfg, ev.stage_bounds(cfg, costs, 8))
+    extra, seconds = ev.tie_costs(cfg, ev.stage_bounds(cfg, costs, 8))
     assert extra == {1: 1001 * 64} and seconds > 0
     one = planner.ParallelConfig(data=2, micro_batch_size=2, dtype="fp32")
-    assert ev._tie_costs(one, ev.stage_bounds(one, costs, 8)) == ({}, 0.0)
+    assert ev.tie_costs(one, ev.stage_bounds(one, costs, 8)) == ({}, 0.0)
 
 
 def test_random_ops_are_named_for_verify():

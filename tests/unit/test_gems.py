@@ -186,7 +186,7 @@ def test_codegen_command_takes_bidirectional_flags(tmp_path, capsys):
 def _brute_force(weights, p, sizes, cap):
     import itertools
 
-    from planner.gems_memory import pairs_fit
+    from planner.strategies.bidirectional import pairs_fit
 
     n, best = len(weights), None
     for cuts in itertools.combinations(range(1, n), p - 1):
@@ -203,8 +203,8 @@ def test_pair_aware_bounds_match_brute_force(seed):
     import random
     from types import SimpleNamespace
 
-    from planner.evaluate import balanced_partition
-    from planner.gems_memory import _Sizes, bidirectional_bounds, pairs_fit
+    from planner.stage_split import balanced_partition
+    from planner.strategies.bidirectional import _Sizes, bidirectional_bounds, pairs_fit
 
     rng = random.Random(seed)
     n, p = rng.randint(4, 9), rng.choice([2, 3, 4])
@@ -230,7 +230,7 @@ def test_evaluator_moves_stage_boundaries_until_each_pair_fits():
     import dataclasses
 
     from examples.models import mlp
-    from planner.evaluate import balanced_partition
+    from planner.stage_split import balanced_partition
 
     with torch.device("meta"):
         model = mlp.build(in_features=64, hidden=256, num_layers=8)

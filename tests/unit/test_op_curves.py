@@ -106,14 +106,14 @@ def test_evaluate_prices_fp32_nodes_from_the_curves():
     cfg = planner.ParallelConfig(micro_batch_size=2, dtype="fp32")
     mix_f, mix_b = curve_mix(cl)
     fc = next(n for n in graph.nodes if n.kind == "linear")
-    cost = ev._node_cost(fc, "replicate", cfg)
+    cost = ev.node_cost(fc, "replicate", cfg)
     flops = fc.fwd_flops / 2                                   # micro-batch 2 of the captured 4
     assert cost.fwd == pytest.approx(curve_time(tuple((s, t / 0.5) for s, t in LINEAR), flops) * mix_f)
     assert cost.bwd == pytest.approx(curve_time(tuple((s, 2 * t / 0.5) for s, t in LINEAR), flops) * mix_b)
     # only fp32 was calibrated; an explicit Efficiency turns the curves off
     assert ev._curve_times(fc, 0.5, "bf16", fc.param_count) is None
     plain = Evaluator(graph, cl, efficiency=calibrated_efficiency(cl))
-    assert plain._node_cost(fc, "replicate", cfg).fwd != pytest.approx(cost.fwd)
+    assert plain.node_cost(fc, "replicate", cfg).fwd != pytest.approx(cost.fwd)
 
 
 def test_time_op_curves_measures_every_family_on_this_machine():

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from planner.evaluate import balanced_partition
+from planner.stage_split import balanced_partition
 
 
 def _brute(weights, parts, fits=None):

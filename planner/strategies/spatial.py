@@ -1,4 +1,5 @@
-"""Spatial parallelism in the planner: which layers can run on tiles, what they cost, what to search.
+"""Spatial parallelism (s tiles per image), planner side: which layers can run on tiles, what they
+cost, what to search.
 
 `SpatialPricer` turns a layer's whole-image `LayerCost` into its per-tile cost
 under a ParallelConfig with spatial degree s (cost_models/spatial.py holds the
@@ -8,7 +9,9 @@ all-reduces on the critical path, and the gather of the tiles after the last
 spatial layer. The layers after it run replicated on the s devices, priced
 as before. `spatial_candidates` lists the (s, split, last layer) choices worth
 searching: only for graphs with 2-D convolutions, and only where every tile
-keeps at least MIN_TILE_ROWS rows of the last spatial layer's output.
+keeps at least MIN_TILE_ROWS rows of the last spatial layer's output. In a
+pipeline, the first stage holds the whole spatial part (the tiles are gathered
+before the first cut); the tile weight gradients are summed over the s devices.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from cost_models.memory import DTYPE_BYTES
 from cost_models.spatial import batchnorm_sync_bytes, halo_seconds, tile_shape, window_halo_bytes
 from planner.config import ConfigError, ParallelConfig
 from planner.graph import Layer, ModelGraph, OpInfo
+from planner.stage_split import balanced_partition
+from planner.strategies.base import Bounds, Fits, Strategy, StrategyName
+from runtime.vocab import MeshAxis, Recompute, SpatialBatchNorm, SpatialSplit
 
 # A tile thinner than this (rows of the last spatial layer's output) spends more on halos than it
 # saves; the search does not propose it (the user may still ask for it).
@@ -120,7 +126,14 @@ class SpatialPricer:
         s = config.spatial
         elem = DTYPE_BYTES[config.dtype]
         scale = config.micro_batch_size / self.graph.batch_size
-        p2p = lambda n: ev._axis(config.mesh, "spatial", "p2p", n)  # noqa: E731 - neighbour transfer
+        mesh = config.mesh
+
+        def spatial(op: str, nbytes: float) -> float:
+            return ev.axis_seconds(mesh, MeshAxis.SPATIAL, op, nbytes)
+
+        def p2p(nbytes: float) -> float:   # a neighbour transfer
+            return spatial("p2p", nbytes)
+
         halo_f = 0.0
         factor = 1.0
         for n in self.geometry[layer.index].windows:
@@ -138,44 +151,38 @@ class SpatialPricer:
             halo_f += halo_seconds(hb, p2p)
             factor = max(factor, hb.compute_factor)
         bn_f = bn_b = 0.0
-        if config.spatial_batchnorm == "sync":
+        if config.spatial_batchnorm == SpatialBatchNorm.SYNC:
             for ch in self.geometry[layer.index].norms:
                 fb, bb = batchnorm_sync_bytes(ch)
                 # forward: two dependent all-reduces (sums, then squared deviations); backward: one
-                bn_f += 2 * ev._axis(config.mesh, "spatial", "all_reduce", fb / 2)
-                bn_b += ev._axis(config.mesh, "spatial", "all_reduce", bb)
+                bn_f += 2 * spatial("all_reduce", fb / 2)
+                bn_b += spatial("all_reduce", bb)
         gather = gather_back = 0.0
         boundary = cost.boundary / s
         if layer.index == k:  # the tiles are gathered into the full activation after this layer
-            gather = ev._axis(config.mesh, "spatial", "all_gather", cost.boundary)
+            gather = spatial("all_gather", cost.boundary)
             # backward sums the full activation's gradient over the tiles (as lowered plans run,
             # codegen/spatial.py), then each device keeps its tile
-            gather_back = ev._axis(config.mesh, "spatial", "all_reduce", cost.boundary)
+            gather_back = spatial("all_reduce", cost.boundary)
             boundary = cost.boundary
         hit = dataclasses.replace(
             cost, forward=cost.forward / s * factor, backward=cost.backward / s * factor,
             recompute=cost.recompute / s * factor,
             tp_forward=cost.tp_forward + halo_f + bn_f + gather,
             tp_backward=cost.tp_backward + halo_f + bn_b + gather_back +
-            (halo_f + bn_f + gather if config.recompute == "full" else 0.0),
+            (halo_f + bn_f + gather if config.recompute == Recompute.FULL else 0.0),
             saved=cost.saved / s, working=cost.working / s,
             temporary=max(cost.temporary / s, 2 * cost.boundary if layer.index == k else 0.0),
             boundary=boundary)
         self._cache[key] = hit
         return hit
 
-    def partition(self, config: ParallelConfig, weights: list[float], parts: int, fits, partition):
-        """Stage bounds for a pipelined spatial config: the first stage holds the whole spatial part."""
-        return first_stage_partition(self.until_index(config), weights, parts, fits, partition)
-
     def grad_sync_seconds(self, config: ParallelConfig, ev) -> float:
         """Seconds per step to sum the spatial layers' weight gradients over the tiles."""
-        if config.spatial == 1:
-            return 0.0
         k = self.until_index(config)
         params = sum(layer.param_count for layer in self.graph.layers[:k + 1])
         nbytes = params * (ev.grad_reduce_bytes or DTYPE_BYTES[config.dtype])
-        return ev._axis(config.mesh, "spatial", "all_reduce", nbytes)
+        return ev.axis_seconds(config.mesh, MeshAxis.SPATIAL, "all_reduce", nbytes)
 
 
 def spatial_candidates(pricer: SpatialPricer, degree: int) -> list[tuple[str, str]]:
@@ -198,9 +205,9 @@ def spatial_candidates(pricer: SpatialPricer, degree: int) -> list[tuple[str, st
     out = []
     first = next(g.out_hw for g in geo if g.out_hw is not None)
     # Strips cut the longer side (fewer halo pixels); square images use horizontal strips.
-    strips = "strips_v" if first[1] > first[0] else "strips_h"
-    for split in (strips, "grid"):
-        if split == "grid" and tile_shape("grid", degree)[0] == 1:
+    strips = SpatialSplit.STRIPS_V if first[1] > first[0] else SpatialSplit.STRIPS_H
+    for split in (strips, SpatialSplit.GRID):
+        if split == SpatialSplit.GRID and tile_shape(SpatialSplit.GRID, degree)[0] == 1:
             continue  # a prime degree's grid is a row of strips
         rows, cols = tile_shape(split, degree)
         for k in ends:
@@ -224,7 +231,7 @@ def spatial_configs(pricer: SpatialPricer, num_devices: int, cons: dict, shapes_
         if num_devices % s:
             continue
         if "spatial_until" in cons:
-            cands = [(split, cons["spatial_until"]) for split in ("strips_h", "strips_v", "grid")]
+            cands = [(split, cons["spatial_until"]) for split in SpatialSplit]
         else:
             cands = spatial_candidates(pricer, s)
         if "spatial_split" in cons:
@@ -234,7 +241,7 @@ def spatial_configs(pricer: SpatialPricer, num_devices: int, cons: dict, shapes_
         for base in shapes_of(num_devices // s):
             for split, until in cands:
                 out.append(base.replace(spatial=s, spatial_split=split, spatial_until=until,
-                                        spatial_batchnorm=cons.get("spatial_batchnorm", "sync")))
+                                        spatial_batchnorm=cons.get("spatial_batchnorm", SpatialBatchNorm.SYNC)))
     return out
 
 
@@ -254,3 +261,37 @@ def first_stage_partition(until: int, weights: list[float], parts: int, fits, pa
 
     inner = (lambda stage, lo, hi: fits(stage, real(lo), real(hi))) if fits is not None else None
     return [(real(lo), real(hi)) for lo, hi in partition(merged, parts, inner)]
+
+
+class SpatialStrategy(Strategy):
+    """See module docstring; the per-graph `SpatialPricer` is kept in the Evaluator's state."""
+
+    name = StrategyName.SPATIAL
+
+    def pinned_on(self, constraints: dict) -> bool:
+        return constraints.get("spatial", 1) != 1
+
+    def variants(self, ev, num_devices: int, constraints: dict, shapes_of) -> list[ParallelConfig]:
+        return spatial_configs(pricer(ev), num_devices, constraints, shapes_of)
+
+    def check(self, ev, config: ParallelConfig) -> None:
+        pricer(ev).until_index(config)
+
+    def layer_cost(self, ev, layer: Layer, cost, config: ParallelConfig):
+        return pricer(ev).adjust(layer, cost, config, ev)
+
+    def stage_bounds(self, ev, config: ParallelConfig, costs: list, weights: list[float],
+                     fits: Fits | None) -> Bounds | None:
+        """The first stage holds the whole spatial part (also in a bidirectional pipeline)."""
+        if config.num_stages == 1:
+            return None
+        return first_stage_partition(pricer(ev).until_index(config), weights, config.num_stages, fits,
+                                     balanced_partition)
+
+    def grad_sync(self, ev, config: ParallelConfig, params: float, window: float, m: int) -> tuple[float, float]:
+        return pricer(ev).grad_sync_seconds(config, ev), 0.0
+
+
+def pricer(ev) -> SpatialPricer:
+    """The SpatialPricer of the Evaluator `ev`'s graph (built once per Evaluator)."""
+    return ev.state(StrategyName.SPATIAL, lambda: SpatialPricer(ev.graph))

@@ -1,0 +1,25 @@
+"""The one list of parallel strategies the Evaluator and the search loop over.
+
+Order is composition order (planner/strategies/base.py): a strategy listed later refines
+the ones before it. Adding a dimension: its module here, one entry below, its rules in
+combinations.py.
+"""
+
+from __future__ import annotations
+
+from planner.strategies.base import Strategy
+from planner.strategies.bidirectional import BidirectionalStrategy
+from planner.strategies.data import DataStrategy
+from planner.strategies.pipeline import PipelineStrategy
+from planner.strategies.spatial import SpatialStrategy
+from planner.strategies.subgraph import SubgraphStrategy
+from planner.strategies.tensor import TensorStrategy
+
+STRATEGIES: tuple[Strategy, ...] = (
+    DataStrategy(),
+    TensorStrategy(),
+    PipelineStrategy(),
+    BidirectionalStrategy(),
+    SpatialStrategy(),
+    SubgraphStrategy(),
+)
