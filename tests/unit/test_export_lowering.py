@@ -13,7 +13,7 @@ import planner
 from codegen.commands import make_fixed_plan
 from codegen.lower import lower
 from codegen.partition import partition
-from codegen.tensor_split import unsplittable
+from planner.tensor_split.analysis import unsplittable
 from planner.capabilities import MESHPLAN_RUNTIME
 from planner.capture import capture_ref
 from planner.sharding import find_sharding
