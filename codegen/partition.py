@@ -106,6 +106,9 @@ def partition(plan: Plan, graph: ModelGraph) -> Partition:
     splits = plan.tensor_splits
     if splits is None and t > 1:   # a version-1 plan: decide the split as the planner does now
         splits = tensor_splits(graph, dict(plan.shardings), t)
+    if splits is not None and splits.tensor != t:
+        raise PartitionError(f"the plan's tensor-parallel split is for tensor {splits.tensor}, its config has "
+                             f"tensor {t}; make the plan again")
     res = apply_splits(gm, splits, example_inputs(graph, mb))
     g = res.graph
     nodes = [n for n in g.nodes]
