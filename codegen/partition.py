@@ -31,10 +31,11 @@ from codegen.pysrc import comment_text, doc_text, graph_method, import_block
 from codegen.spatial_tiles import StageTiles, TileRewrite
 from codegen.subgraph import (insert_region_call, layer_regions, region_code, region_inputs, region_methods,
                               skipped_nodes, subgraph_init)
-from codegen.tensor_split import TensorSplitError, split_graph
+from codegen.tensor_split import TensorSplitError, apply_splits
 from planner.graph import ModelGraph
 from planner.ops import module_path_of, op_base
 from planner.plan import Plan
+from planner.tensor_split.analysis import tensor_splits
 from runtime.materialize import RUNTIME_ATTRS, model_signature
 from runtime.recompute import Recompute
 from runtime.spatial import SpatialSpec
@@ -109,9 +110,13 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
     _check_runnable(gm)
     cfg = plan.config
     t, mb = cfg.tensor, cfg.micro_batch_size
-    roles = {k: v for k, v in plan.shardings} if t > 1 else {}
-    inputs = example_inputs(graph, mb)
-    res = split_graph(gm, roles, t, inputs)
+    splits = plan.tensor_splits
+    if splits is None and t > 1:   # a version-1 plan: decide the split as the planner does now
+        splits = tensor_splits(graph, dict(plan.shardings), t)
+    if splits is not None and splits.tensor != t:
+        raise PartitionError(f"the plan's tensor-parallel split is for tensor {splits.tensor}, its config has "
+                             f"tensor {t}; make the plan again")
+    res = apply_splits(gm, splits, example_inputs(graph, mb))
     g = res.graph
     nodes = [n for n in g.nodes]
     pos = {n.name: i for i, n in enumerate(nodes)}

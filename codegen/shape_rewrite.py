@@ -1,9 +1,9 @@
 """Running a (possibly rewritten) fx graph on meta tensors, and the rewrite of shape
 constants to a rank's local sizes under tensor parallelism (used by codegen.tensor_split).
 
-After the split analysis decides which dimension of every value is divided over the
-t ranks, the graph is re-run on meta tensors with each split module replaced by its
-local shard; view/reshape/unflatten/split/expand constants that still hold a full size
+After the planner's split analysis (planner/tensor_split/) has decided which dimension of
+every value is divided over the t ranks, the graph is re-run on meta tensors with each split
+module replaced by its local shard; view/reshape/unflatten/split/expand constants that still hold a full size
 of the split dimension are replaced with the local size, and every node's local shape
 is checked against the expected one.
 """
@@ -18,17 +18,9 @@ import torch.fx as fx
 from torch import nn
 
 from planner.ops import target_name
+from planner.tensor_split.rules import TensorSplitError, norm_dim
 from runtime.materialize import RUN_DEVICE, RUNTIME_ATTRS
-from runtime.tensor_parallel import FeatureSplit, ModuleShard, ShapeGroup, ShardError, shard_module
-
-
-class TensorSplitError(ShardError):
-    """A tensor-parallel sharding the code generator cannot carry out; names the node."""
-
-
-def _norm_dim(d: int, ndim: int) -> int:
-    """A non-negative dimension index for `d` in a tensor of `ndim` dimensions."""
-    return d + ndim if d < 0 else d
+from runtime.tensor_parallel import FeatureSplit, ModuleShard, ShapeGroup, shard_module
 
 
 # ---------------------------------------------------------------------------
@@ -87,10 +79,6 @@ def run_meta(gm: fx.GraphModule, graph: fx.Graph, inputs: dict[str, Any], module
 
 
 # ---------------------------------------------------------------------------
-# analysis
-
-
-# ---------------------------------------------------------------------------
 # rewrite of shape constants
 
 
@@ -115,7 +103,7 @@ def _rewrite(gm, graph: fx.Graph, shards, value_splits, t, inputs, full, attrs=N
         if base == "split" and isinstance(n.args[1], int):
             src = n.args[0]
             sdim = value_splits.get(src.name, (None,))[0]
-            d = _norm_dim(n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0), full[src.name].dim())
+            d = norm_dim(n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0), full[src.name].dim())
             if d == sdim:
                 n.args = (src, n.args[1] // t, *n.args[2:])
             return
@@ -131,7 +119,7 @@ def _rewrite(gm, graph: fx.Graph, shards, value_splits, t, inputs, full, attrs=N
             new = [_fix_size(graph, n, a, p, want, full[n.name].shape, dim, t, env) for p, a in enumerate(shape_args)]
             n.args = (n.args[0], tuple(new)) if packed else (n.args[0], *new)
         elif base == "unflatten":
-            d0 = _norm_dim(n.args[1], full[n.args[0].name].dim())
+            d0 = norm_dim(n.args[1], full[n.args[0].name].dim())
             sizes = list(n.args[2])
             new = [_fix_size(graph, n, a, d0 + p, want, full[n.name].shape, dim, t, env) for p, a in enumerate(sizes)]
             n.args = (n.args[0], n.args[1], tuple(new))

@@ -1,34 +1,10 @@
-"""Tensor parallelism on the fx graph: which dimension of every value is split, how the
-split weights are partitioned, and the rewrite of shape constants to local sizes.
-
-Input: the captured GraphModule and the plan's roles per node ("column",
-"row", "inner", "vocab", "column_out"; planner/sharding.py finds them).
-No model is special-cased; the analysis follows the split dimension through
-the graph op by op:
-
-* a column op's output is split on its feature dimension (last for Linear,
-  1 for conv). How its output features are partitioned is decided where the
-  split dimension is first reshaped: GPT's qkv (B, T, 3C) -> unflatten to
-  (B, T, 3, H, D) offers the factors 3, H and D; the first that t divides
-  *and* that the rest of the region can keep split is chosen (3 is indexed
-  by q/k/v, so it fails and H is taken). The column weight is then
-  partitioned per part: each rank holds its heads of q, of k and of v.
-* views, permutes, transposes and integer indexing move the split dimension;
-  elementwise ops and attention keep it (attention over heads); a replicated
-  tensor meeting it (T5's per-head position bias, a mask per head) is cut to
-  the rank's part where it is read (`scatter_to_group`: every tensor rank
-  computes a replicated value alike; its gradient is all-reduced); a
-  reduction, softmax, contraction or slice across it is an error naming the
-  node (the planner must not choose that sharding).
-* a row op's input features are partitioned the way its input is split; a
-  per-channel norm (BatchNorm) between column and row keeps its channels.
-* a column_out op (the last projection) leaves the model output split on its
-  last dimension (vocabulary-parallel logits and loss).
-
-The analysis lives in codegen/split_rules.py. The rewrite then re-runs the graph on meta tensors with the local modules,
-replacing view/reshape/unflatten/split/expand constants that still hold the
-full size of the split dimension (3C, C, num_heads) with the local size,
-and checks every node's local shape.
+"""Tensor parallelism on the fx graph, applied: the planner has decided which dimension of every
+value is split and how (planner/tensor_split/, stored in the Plan as `TensorSplits`); here the
+captured graph is copied for the build, the communication around weight ops of an ATen graph
+is inserted (codegen/weight_ops.py), and the graph is re-run on meta tensors with the local
+modules, replacing view/reshape/unflatten/split/expand constants that still hold the full size
+of the split dimension (3C, C, num_heads) with the local size, and checking every node's local
+shape (codegen/shape_rewrite.py).
 """
 
 from __future__ import annotations
@@ -39,17 +15,19 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from codegen.shape_rewrite import TensorSplitError, _rewrite, run_meta  # noqa: F401  (TensorSplitError re-exported)
+from codegen.shape_rewrite import _rewrite, run_meta
 from codegen.specialize import debake_devices, fold_batch_sizes
-from codegen.split_rules import Split, _feature_split, _search, _State
-from codegen.weight_ops import rewrite as rewrite_weight_ops, weight_op
-from planner.ops import module_path_of, target_name
+from codegen.weight_ops import rewrite as rewrite_weight_ops
+from planner.tensor_split.analysis import decide
+from planner.tensor_split.rules import TensorSplitError  # noqa: F401  (re-exported)
+from planner.tensor_split.splits import TensorSplits
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard
+from runtime.vocab import ShardRole
 
 
 @dataclass
 class TensorSplitResult:
-    """What `split_graph` found.
+    """What `apply_splits` made.
 
     graph: a copy of the graph with shape constants rewritten to local sizes.
     shards: module path -> ModuleShard for every split module.
@@ -68,29 +46,18 @@ class TensorSplitResult:
     param_shards: dict[str, ParamShard] = field(default_factory=dict)
 
 
+def apply_splits(gm: fx.GraphModule, splits: TensorSplits | None, inputs: dict[str, Any]) -> TensorSplitResult:
+    """`gm`'s graph specialized to the build and rewritten for the decided `splits` (None: nothing
+    is split). `inputs`: placeholder name -> meta tensor with the micro-batch's shape.
 
-def unsplittable(graph, roles: dict[str, str], tensor: int) -> TensorSplitError | None:
-    """Why the tensor-parallel roles cannot be carried out on `tensor` ranks (the error, whose
-    `node` names where), or None. Shapes come from the captured graph's figures, so this costs
-    no run of the model: the planner asks it for every tensor degree it considers."""
-    full: dict[str, Any] = {}
-    for n in graph.nodes:
-        metas = [torch.empty(m.shape, dtype=getattr(torch, m.dtype), device="meta") for m in n.output_meta]
-        full[n.name] = metas[0] if len(metas) == 1 else (tuple(metas) if metas else None)
-    try:
-        _search(graph.module, roles, full, tensor)
-    except TensorSplitError as e:
-        return e
-    return None
-
-
-def split_graph(gm: fx.GraphModule, roles: dict[str, str], tensor: int, inputs: dict[str, Any]) -> TensorSplitResult:
-    """Analyse and rewrite `gm`'s graph for tensor degree `tensor` (see module docstring).
-
-    `inputs`: placeholder name -> meta tensor with the micro-batch's shape.
-    Raises TensorSplitError naming the node when the sharding cannot be carried out.
+    Raises TensorSplitError when the graph with local sizes does not run (a shape constant
+    computed at run time that cannot be rewritten).
     """
-    full = run_meta(gm, gm.graph, inputs, {})
+    return _apply(gm, splits, inputs, run_meta(gm, gm.graph, inputs, {}))
+
+
+def _apply(gm: fx.GraphModule, splits: TensorSplits | None, inputs: dict[str, Any],
+           full: dict[str, Any]) -> TensorSplitResult:
     new_graph = fx.Graph()
     out_map: dict[fx.Node, fx.Node] = {}
     ret = new_graph.graph_copy(gm.graph, out_map)
@@ -99,83 +66,35 @@ def split_graph(gm: fx.GraphModule, roles: dict[str, str], tensor: int, inputs: 
         n.type = None
     debake_devices(new_graph)             # an export graph names the capture device (meta) ...
     fold_batch_sizes(new_graph, full)     # ... and reads its symbolic batch size
-    if tensor == 1 or not any(r != "replicate" for r in roles.values()):
+    if splits is None:
         return TensorSplitResult(new_graph, {}, {}, None, full, full)
-    vals, uses, st = _search(gm, roles, full, tensor)
-
-    shards: dict[str, ModuleShard] = {}
-    output_split = None
-    for node, path, role, x in uses:
-        if role == "output":
-            fs = _feature_split(x, st)
-            if fs.contiguous_start(0, tensor) is None:
-                raise TensorSplitError(f"the model output {node!r} is split in non-contiguous blocks; the "
-                                       "vocabulary-parallel loss needs contiguous class blocks")
-            output_split = fs
-            continue
-        if role == "vocab":
-            fs = FeatureSplit((x,), 0)
-        else:
-            fs = _feature_split(x, st)
-        fs.check(tensor)
-        sh = ModuleShard(path, role, fs)
-        if path in shards and shards[path] != sh:
-            raise TensorSplitError(f"module {path} is called twice and would be split two different ways")
-        shards[path] = sh
-    param_shards = _param_shards(gm, st, tensor)
-    value_splits = {}
-    for k, v in vals.items():
-        if isinstance(v, Split):
-            value_splits[k] = (v.dim, _feature_split(v, st))
-    by_role: dict[str, list[str]] = {"column": [], "row": [], "vocab": []}
-    for node, role, _x in st.param_uses:
-        by_role["column" if role == "column_out" else role].append(node)
-    rewrite_weight_ops(new_graph, by_role["column"], by_role["row"], by_role["vocab"],
-                       [(node, x, dim, _feature_split(sp, st)) for node, x, dim, sp in st.scatters])
+    tensor = splits.tensor
+    by_role: dict[ShardRole, list[str]] = {ShardRole.COLUMN: [], ShardRole.ROW: [], ShardRole.VOCAB: []}
+    for node, role in splits.weight_ops:
+        by_role[ShardRole.COLUMN if role.splits_output else role].append(node)
+    rewrite_weight_ops(new_graph, by_role[ShardRole.COLUMN], by_role[ShardRole.ROW], by_role[ShardRole.VOCAB],
+                       list(splits.scatters))
     attrs = {}
-    for target, ps in param_shards.items():
+    for ps in splits.params:
         full_attr = gm
-        for part in target.split("."):
+        for part in ps.name.split("."):
             full_attr = getattr(full_attr, part)
         shape = list(full_attr.shape)
         shape[ps.dim] = ps.split.local_size(tensor)
-        attrs[target] = torch.empty(shape, dtype=full_attr.dtype, device="meta", requires_grad=full_attr.requires_grad)
+        attrs[ps.name] = torch.empty(shape, dtype=full_attr.dtype, device="meta", requires_grad=full_attr.requires_grad)
+    shards = {sh.path: sh for sh in splits.modules}
+    value_splits = {node: (dim, fs) for node, dim, fs in splits.values}
     local = _rewrite(gm, new_graph, shards, value_splits, tensor, inputs, full, attrs)
-    return TensorSplitResult(new_graph, shards, value_splits, output_split, local, full, param_shards)
+    return TensorSplitResult(new_graph, shards, value_splits, splits.output, local, full,
+                             {ps.name: ps for ps in splits.params})
 
 
-def _param_shards(gm: fx.GraphModule, st: _State, tensor: int) -> dict[str, ParamShard]:
-    """How each weight read by a split ATen op is split (one way, whichever ops read it)."""
-    nodes = {n.name: n for n in gm.graph.nodes}
-    out: dict[str, ParamShard] = {}
+def split_graph(gm: fx.GraphModule, roles: dict[str, str], tensor: int, inputs: dict[str, Any]) -> TensorSplitResult:
+    """Decide the split of `gm` with the planner's analysis on a full-size meta run at `inputs`,
+    then apply it: for a graph that no plan has decided for (a version-1 plan, a test).
 
-    def add(target: str, dim: int, fs: FeatureSplit, node: str) -> None:
-        fs.check(tensor)
-        ps = ParamShard(target, dim, fs)
-        if target in out and out[target] != ps:
-            raise TensorSplitError(f"weight {target} is read by {node!r} and by another op that split it "
-                                   f"differently ({out[target].dim}/{out[target].split.to_list()} vs "
-                                   f"{dim}/{fs.to_list()}); a tied weight's users must split it alike")
-        out[target] = ps
-
-    for node, role, x in st.param_uses:
-        op = weight_op(nodes[node])
-        if role == "vocab":
-            add(str(op.weight.target), 0, FeatureSplit((x,), 0), node)
-            continue
-        fs = _feature_split(x, st)
-        if role in ("column", "column_out"):
-            add(str(op.weight.target), op.out_dim, fs, node)
-            if op.bias is not None:
-                add(str(op.bias.target), 0, fs, node)
-        else:
-            add(str(op.weight.target), op.in_dim, fs, node)
-    split_users = {node for node, _r, _x in st.param_uses}
-    for n in gm.graph.nodes:
-        if n.op == "get_attr" and str(n.target) in out:
-            for u in n.users:
-                if u.name not in split_users:
-                                    raise TensorSplitError(f"weight {n.target} is split over the tensor axis, but {u.name!r} "
-                                           f"({target_name(u, None)}) at {module_path_of(u) or 'the top level'} "
-                                           "reads it whole; split both users of a tied weight, or neither")
-    return out
+    Raises TensorSplitError naming the node when the roles cannot be carried out.
+    """
+    full = run_meta(gm, gm.graph, inputs, {})
+    split = tensor > 1 and any(r != "replicate" for r in roles.values())
+    return _apply(gm, decide(gm, roles, tensor, full) if split else None, inputs, full)

@@ -12,6 +12,7 @@ from planner.config import ParallelConfig
 from planner.strategies.combinations import Level
 from planner.strategies.combinations import why_not as combination_refusal
 from planner.sharding import ShardingPlan, without_regions
+from planner.tensor_split.analysis import unsplittable
 
 
 @dataclass(frozen=True)
@@ -57,16 +58,13 @@ class RuntimeSupport:
 
     def splittable(self, graph, sharding: ShardingPlan, degrees) -> ShardingPlan:
         """`sharding` without the tensor-parallel regions the code generator cannot split for any of
-        the tensor `degrees` (codegen/tensor_split.py, on the captured graph's shapes: no model run).
+        the tensor `degrees` (planner/tensor_split/, on the captured graph's shapes: no model run).
 
         A region that fails is replicated together with its copies in every layer of the same
-        signature (a model's repeated blocks fail alike). The code generator is asked, not imported,
-        at planner import time: this is the one question the planner puts to it while searching.
+        signature (a model's repeated blocks fail alike).
         """
         if graph.module is None:
             return sharding
-        from codegen.tensor_split import unsplittable
-
         key = _region_keys(graph, sharding)
         for t in sorted({int(t) for t in degrees if t > 1}):
             for _ in range(len(key) + 1):

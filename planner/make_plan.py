@@ -2,7 +2,8 @@
 
 Hand-picked and searched plans travel the same road: both come out of
 `plan_for`, which turns an Evaluator's verdict on one ParallelConfig into a
-Plan (stage layer lists, tensor-parallel roles by node name, prediction).
+Plan (stage layer lists, tensor-parallel roles by node name and the split they make,
+prediction).
 """
 
 from __future__ import annotations
@@ -14,22 +15,30 @@ from planner.config import ParallelConfig
 from planner.evaluate import Evaluator, as_graph
 from planner.plan import PLAN_FORMAT_VERSION, Plan, Stage
 from planner.subgraph import check_splittable
+from planner.tensor_split.analysis import SplitCache
 
 
-def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int,
-             search: tuple = ()) -> Plan:
-    """The Plan for `config` as `ev` prices it."""
+def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int, search: tuple = (),
+             splits: SplitCache | None = None, roles: dict[str, str] | None = None) -> Plan:
+    """The Plan for `config` as `ev` prices it, with its tensor-parallel split decided (`splits`:
+    the search's cache of split analyses, if it has one). `roles`: the tensor-parallel roles
+    (fx node name -> role) to split by instead of the evaluator's choice for `config`.
+
+    Raises ConfigError naming the node when the tensor-parallel roles cannot be carried out.
+    """
     pred = ev.evaluate(config, global_batch_size)
     costs = [ev.layer_cost(layer, config) for layer in ev.graph.layers]
     bounds = ev.stage_bounds(config, costs, global_batch_size)
     names = [layer.name for layer in ev.graph.layers]
     stages = tuple(Stage(index=k, device_index=k % config.pipeline, layers=tuple(names[lo:hi]))
                    for k, (lo, hi) in enumerate(bounds))
-    shardings = tuple(sorted(ev.node_roles(config).items()))
+    roles = ev.node_roles(config) if roles is None else roles
+    tensor_splits = (splits or SplitCache(ev.graph)).for_plan(roles, config.tensor)
     return Plan(format_version=PLAN_FORMAT_VERSION, model_class=ev.graph.model_class,
                 graph_fingerprint=ev.graph.fingerprint, cluster=ev.cluster, config=config,
-                global_batch_size=global_batch_size, stages=stages, shardings=shardings,
-                prediction=pred, search=tuple(search), subgraph=check_splittable(ev.graph, config.subgraph))
+                global_batch_size=global_batch_size, stages=stages, shardings=tuple(sorted(roles.items())),
+                prediction=pred, search=tuple(search), subgraph=check_splittable(ev.graph, config.subgraph),
+                tensor_splits=tensor_splits)
 
 
 def make_plan(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, global_batch_size: int,

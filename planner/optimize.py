@@ -30,6 +30,7 @@ from planner.plan import Alternative, Plan
 from planner.progress import Progress
 from planner.strategies.base import MeshShape
 from planner.subgraph import describe
+from planner.tensor_split.analysis import SplitCache
 
 OBJECTIVES = ("time", "energy")
 FIXED_KNOBS = ("data", "tensor", "pipeline", "micro_batch_size", "schedule", "virtual_stages", "recompute",
@@ -52,6 +53,7 @@ class _Search:
     infeasible: int = 0
     seconds: float = 0.0
     priced: list[tuple[ParallelConfig, Prediction]] = field(default_factory=list)
+    refused: list[tuple[ParallelConfig, str]] = field(default_factory=list)  # roles the split analysis refused
 
 
 def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, example_inputs: Any = None,
@@ -89,6 +91,7 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
         degrees = [cons["tensor"]] if "tensor" in cons else \
             [t for t in range(2, cluster.num_devices + 1) if cluster.num_devices % t == 0]
         ev.sharding = runtime.splittable(graph, ev.sharding, degrees)
+    splits = SplitCache(graph)
     search = _Search()
     dtypes = runtime.dtypes if runtime is not None else ("bf16", "fp16", "fp32")
     bases = _enumerate(ev, cluster, global_batch_size, cons, dtypes)
@@ -112,20 +115,20 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
         if best is not None and lb >= best[0]:
             search.pruned += 1
             continue
-        best = _inner(ev, base, global_batch_size, objective, cons, search, best, runtime)
+        best = _inner(ev, base, global_batch_size, objective, cons, search, best, runtime, splits)
     search.seconds = time.perf_counter() - t0
     bar.close(f"{search.evaluated} priced, {search.pruned} pruned")
     if best is None:
         raise NoFeasiblePlan(_infeasible_message(search, cluster, cons))
     stats = (("candidates", search.bases), ("evaluated", search.evaluated), ("pruned", search.pruned),
              ("rejected", search.infeasible), ("seconds", round(search.seconds, 3)), ("objective", objective))
-    plan = plan_for(ev, best[1], global_batch_size, search=stats)
+    plan = plan_for(ev, best[1], global_batch_size, search=stats, splits=splits)
     alts = _alternatives(search, best, objective, cons, keep_alternatives)
     return Plan(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__}, "alternatives": alts})
 
 
 def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons: dict, search: _Search, best,
-           runtime: RuntimeSupport | None):
+           runtime: RuntimeSupport | None, splits: SplitCache):
     """Every recompute mode and ZeRO stage for one shape; keeps the best that fits.
 
     All of them are priced: ZeRO-2's half-size reduce-scatter can beat plain
@@ -144,6 +147,11 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
                 pred = ev.evaluate(cfg, batch)
             except ConfigError:
                 search.infeasible += 1
+                continue
+            why = splits.refusal(ev.node_roles(cfg), cfg.tensor) if cfg.tensor > 1 else None
+            if why is not None:   # a plan must lower: roles the split analysis refuses are skipped
+                search.infeasible += 1
+                search.refused.append((cfg, why))
                 continue
             search.evaluated += 1
             search.priced.append((cfg, pred))
@@ -339,8 +347,9 @@ def _infeasible_message(search: _Search, cluster: Cluster, cons: dict) -> str:
     gib = 2**30
     cap = cluster.device.memory_bytes * cons.get("max_memory_fraction", 1.0)
     if small is None:
+        refused = f" (tensor parallelism refused: {search.refused[0][1]})" if search.refused else ""
         return (f"no configuration of this model could be priced on {cluster.name} "
-                f"({cluster.num_devices} devices); relax the constraints {cons}")
+                f"({cluster.num_devices} devices){refused}; relax the constraints {cons}")
     cfg, pred = small
     m = pred.memory
     helps = []

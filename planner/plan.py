@@ -17,9 +17,10 @@ from cost_models.hardware import Cluster, ClusterFileError
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
 from planner.subgraph import Region, describe
+from planner.tensor_split.splits import TensorSplits
 from planner.validate import FieldError, Fields
 
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2   # 2: the tensor-parallel split is stored ("tensor_splits"); 1 still loads
 # The largest global batch (samples per step) and world (devices) a plan may have: far past
 # any real run, and small enough that searching, checking and lowering one stays bounded.
 MAX_BATCH = 2 ** 31
@@ -79,6 +80,9 @@ class Plan:
     search: tuple[tuple[str, Any], ...] = ()  # how the plan was found: candidates evaluated, pruned, seconds
     alternatives: tuple[Alternative, ...] = ()  # the next best configurations, best first
     subgraph: tuple[Region, ...] = ()  # sub-graph parallelism: the split regions, which sub-grid runs each path
+    # the split of every value over the tensor ranks, decided by the planner (planner/tensor_split/);
+    # None where nothing is split, or in a plan read from a version-1 file (codegen then decides it)
+    tensor_splits: TensorSplits | None = None
 
     # ---- views ----------------------------------------------------------
     @property
@@ -149,6 +153,7 @@ class Plan:
             "search": {k: v for k, v in self.search},
             "alternatives": [a.to_dict() for a in self.alternatives],
             **({"subgraph": [r.to_dict() for r in self.subgraph]} if self.subgraph else {}),
+            **({"tensor_splits": self.tensor_splits.to_dict()} if self.tensor_splits is not None else {}),
         }
 
     @classmethod
@@ -206,7 +211,15 @@ class Plan:
 ROLES = ("column", "row", "inner", "vocab", "column_out")
 
 
+def upgrade_v1(d: dict) -> dict:
+    """A version-1 plan document as version 2: the same plan with no stored tensor-parallel split
+    (version 1 kept only the roles; the code generator decides the split from them)."""
+    return {**d, "format_version": PLAN_FORMAT_VERSION}
+
+
 def _read_plan(f: Fields, origin: str | None) -> Plan:
+    if f.raw("format_version") == 1:
+        f = Fields(upgrade_v1(f.data), f.where, f.prefix)
     version = f.raw("format_version")
     if version != PLAN_FORMAT_VERSION:
         raise f.error("format_version", f"is {version!r}; this meshplan reads version {PLAN_FORMAT_VERSION}. "
@@ -274,7 +287,18 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
         stages=stages, shardings=tuple(sorted(roles.data.items())), prediction=prediction,
         search=tuple(search.data.items()),
         alternatives=tuple(f.each("alternatives", Alternative.read, [])), subgraph=regions,
+        tensor_splits=_read_tensor_splits(f, config),
     )
+
+
+def _read_tensor_splits(f: Fields, config: ParallelConfig) -> TensorSplits | None:
+    if "tensor_splits" not in f.data:
+        return None
+    splits = TensorSplits.read(f.sub("tensor_splits"))
+    if splits.tensor != config.tensor:
+        raise f.error("tensor_splits.tensor", f"is {splits.tensor} but config.tensor is {config.tensor}; "
+                      "make the plan again")
+    return splits
 
 
 def _read_memory(f: Fields) -> MemoryBreakdown:

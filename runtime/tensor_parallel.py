@@ -157,7 +157,8 @@ class ModuleShard:
             raise ShardError(f"unknown shard role {self.role!r} for {self.path}; known: {', '.join(SHARD_ROLES)}")
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "role": self.role, "split": self.split.to_list()}
+        # str(): a ShardRole role is written as its plain name (a rank script holds it as a literal)
+        return {"path": self.path, "role": str(self.role), "split": self.split.to_list()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModuleShard":

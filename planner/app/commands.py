@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shlex
 import sys
@@ -21,8 +20,9 @@ from codegen.emit import capture_ref, emit
 from codegen.train_flags import optimizer_and_schedule
 from planner.capabilities import MESHPLAN_RUNTIME
 from planner.config import ConfigError
+from planner.evaluate import Evaluator
+from planner.make_plan import plan_for
 from planner.plan import MAX_WORLD
-from planner.sharding import find_sharding
 from runtime.evaluation import EvalSpec, check_supported, eval_setting
 from runtime.launcher import read_build, run_local
 from runtime.lifetime import Interrupted
@@ -104,12 +104,12 @@ def check_fixed_config(cfg, global_batch_size: int) -> None:
 def make_fixed_plan(graph, cluster, cfg, global_batch_size: int):
     """make_plan for a fixed config, with every tensor-parallel region the graph offers that the code
     generator can split (Megatron's layout), whatever regions the evaluator's own search would keep."""
-    plan = planner.make_plan(graph, cluster, cfg, global_batch_size=global_batch_size)
+    ev = Evaluator(graph, cluster)
+    roles = None
     if cfg.tensor > 1:
-        sharding = MESHPLAN_RUNTIME.splittable(graph, find_sharding(graph), [cfg.tensor])
-        roles = tuple(sorted((n, r.role) for n, r in sharding.roles.items() if r.sharded))
-        plan = dataclasses.replace(plan, shardings=roles)
-    return plan
+        sharding = MESHPLAN_RUNTIME.splittable(graph, ev.sharding, [cfg.tensor])
+        roles = {n: r.role for n, r in sharding.roles.items() if r.sharded}
+    return plan_for(ev, cfg, global_batch_size, roles=roles)
 
 
 def checkpoint_args(args: argparse.Namespace) -> list[str]:

@@ -14,10 +14,10 @@ from planner.evaluate import Evaluator
 from planner.app.commands import make_fixed_plan
 from codegen.lower import lower
 from codegen.partition import partition
-from codegen.tensor_split import unsplittable
 from planner.capabilities import MESHPLAN_RUNTIME
 from planner.capture import capture_ref
 from planner.sharding import find_sharding
+from planner.tensor_split.analysis import unsplittable
 from planner.ties import tied_weights
 from runtime.losses import compute_loss
 from runtime.tensor_parallel import FeatureSplit

@@ -1,5 +1,6 @@
-"""The split analysis of tensor parallelism: which dimension of every value of an fx graph is divided
-over the tensor ranks, and how (codegen/tensor_split.py drives it and applies what it finds).
+"""The split rules of tensor parallelism: which dimension of every value of an fx graph is divided
+over the tensor ranks, and how (planner/tensor_split/analysis.py drives them; codegen/tensor_split.py
+applies what they decide).
 
 A `Split` follows the split dimension from the column ops the plan names through views,
 permutes, indexing, elementwise ops and attention, op by op (`_rule`); where a reshape offers
@@ -18,10 +19,10 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from codegen.shape_rewrite import TensorSplitError, _norm_dim
-from codegen.weight_ops import weight_op
 from planner.ops import module_path_of, target_name
-from runtime.tensor_parallel import FeatureSplit
+from planner.tensor_split.weight_op import weight_op
+from runtime.tensor_parallel import FeatureSplit, ShardError
+from runtime.vocab import ShardRole
 
 
 _ELEMENTWISE_FUNCS = {
@@ -44,6 +45,18 @@ _POOL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgP
 _POOL_FUNCS = {"max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
                "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d"}
 _RESHAPES = {"view", "reshape", "unflatten", "flatten", "squeeze", "unsqueeze", "_unsafe_view"}
+
+
+class TensorSplitError(ShardError):
+    """A tensor-parallel sharding that cannot be carried out; the message names the node, and
+    `node` holds its fx name where one node is to blame (None otherwise)."""
+
+    node: str | None = None
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    """A non-negative dimension index for `d` in a tensor of `ndim` dimensions."""
+    return d + ndim if d < 0 else d
 
 
 @dataclass(frozen=True)
@@ -265,10 +278,10 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
         mod = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
         tname = target_name(n, mod) if n.op != "call_module" else type(mod).__name__
         base = tname.rsplit(".", 1)[-1]
-        if role in ("column", "column_out", "row", "vocab") and n.op == "call_function":
+        if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT, ShardRole.ROW, ShardRole.VOCAB) and n.op == "call_function":
             vals[name] = _weight_role(n, role, tname, full, sharded, st)
             continue
-        if role in ("column", "column_out"):
+        if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT):
             if sharded:
                 raise _Fail(name, f"column-parallel {tname} reads a tensor that is already split")
             if n.op != "call_module" or not isinstance(mod, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
@@ -279,7 +292,7 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
             st.parent.setdefault(name, name)
             uses.append((name, str(n.target), role, vals[name]))
             continue
-        if role == "row":
+        if role == ShardRole.ROW:
             if n.op != "call_module" or not isinstance(mod, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
                 raise _Fail(name, f"only nn.Linear / nn.ConvNd modules can be row-parallel, not {tname}")
             if len(sharded) != 1:
@@ -289,13 +302,13 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
             if s.dim != want:
                 raise _Fail(name, f"row-parallel {tname} reads a tensor split on dimension {s.dim}, "
                                   f"not on its input features (dimension {want})")
-            uses.append((name, str(n.target), "row", s))
+            uses.append((name, str(n.target), ShardRole.ROW, s))
             vals[name] = None
             continue
-        if role == "vocab":
+        if role == ShardRole.VOCAB:
             if n.op != "call_module" or not isinstance(mod, nn.Embedding):
                 raise _Fail(name, f"only nn.Embedding modules can be vocabulary-parallel, not {tname}")
-            uses.append((name, str(n.target), "vocab", mod.num_embeddings))
+            uses.append((name, str(n.target), ShardRole.VOCAB, mod.num_embeddings))
             vals[name] = None
             continue
         if not sharded and not tuple_inputs:
@@ -308,21 +321,21 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
 
 
 def _weight_role(n, role, tname, full, sharded, st) -> Split | None:
-    """The split of an ATen weight op's output (codegen/weight_ops.py) under its role."""
+    """The split of an ATen weight op's output (planner/tensor_split/weight_op.py) under its role."""
     name = n.name
     op = weight_op(n)
     if op is None:
         raise _Fail(name, f"{tname} is not a linear, matmul, convolution or embedding reading its weight "
                           f"directly, so it cannot be {role}-parallel")
     x_split = next((s for a, s in sharded if a is op.x), None)
-    if role == "vocab":
+    if role == ShardRole.VOCAB:
         if op.kind != "embedding" or sharded:
             raise _Fail(name, f"{tname} cannot be split by vocabulary")
         st.param_uses.append((name, role, int(full[op.weight.name].shape[0])))
         return None
     out = full[name]
     dim = op.feature_dim % out.dim()
-    if role in ("column", "column_out"):
+    if ShardRole(role).splits_output:
         if sharded or op.kind == "embedding":
             raise _Fail(name, f"column-parallel {tname} reads a tensor that is already split")
         split = Split(dim, (out.shape[dim],), None, name)
@@ -335,7 +348,7 @@ def _weight_role(n, role, tname, full, sharded, st) -> Split | None:
     if x_split.dim != want:
         raise _Fail(name, f"row-parallel {tname} reads a tensor split on dimension {x_split.dim}, not on its "
                           f"input features (dimension {want})")
-    st.param_uses.append((name, "row", x_split))
+    st.param_uses.append((name, ShardRole.ROW, x_split))
     return None
 
 
@@ -351,7 +364,7 @@ def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
         if isinstance(mod, nn.modules.batchnorm._NormBase):
             if s.dim != 1:
                 raise _Fail(name, "a BatchNorm reads a tensor split on a dimension other than its channels")
-            uses.append((name, str(n.target), "channels", s))
+            uses.append((name, str(n.target), ShardRole.CHANNELS, s))
             return s
         if isinstance(mod, _POOL_MODULES):
             if s.dim != 1:
@@ -374,10 +387,10 @@ def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
         return _map_reshape(name, in_shape, tuple(out.shape), s, st)
     if base == "permute":
         dims = n.args[1:] if len(n.args) > 2 or not isinstance(n.args[1], (tuple, list)) else n.args[1]
-        dims = [_norm_dim(d, len(in_shape)) for d in dims]
+        dims = [norm_dim(d, len(in_shape)) for d in dims]
         return Split(dims.index(s.dim), s.factors, s.split, s.origin)
     if base in ("transpose", "swapaxes", "swapdims"):
-        a, b = (_norm_dim(d, len(in_shape)) for d in n.args[1:3])
+        a, b = (norm_dim(d, len(in_shape)) for d in n.args[1:3])
         d = b if s.dim == a else a if s.dim == b else s.dim
         return Split(d, s.factors, s.split, s.origin)
     if base == "t":
@@ -385,12 +398,12 @@ def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
     if base == "getitem":
         return _index_map(name, len(in_shape), n.args[1], s)
     if base in ("slice", "narrow"):   # aten.slice(x, dim, start, end, step), narrow(x, dim, start, length)
-        d = _norm_dim(n.args[1] if len(n.args) > 1 else 0, len(in_shape))
+        d = norm_dim(n.args[1] if len(n.args) > 1 else 0, len(in_shape))
         if d == s.dim and tuple(out.shape) != in_shape:
             raise _Fail(name, f"{base} along the tensor-parallel dimension")
         return s
     if base == "select":              # aten.select(x, dim, index): drops dim
-        d = _norm_dim(n.args[1], len(in_shape))
+        d = norm_dim(n.args[1], len(in_shape))
         if d == s.dim:
             raise _Fail(name, "select along the tensor-parallel dimension")
         return Split(s.dim - (1 if d < s.dim else 0), s.factors, s.split, s.origin)
@@ -398,7 +411,7 @@ def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
         return s
     if base in ("split", "chunk", "unbind", "split_with_sizes"):
         dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
-        dim = _norm_dim(dim, len(in_shape))
+        dim = norm_dim(dim, len(in_shape))
         parts = list(out)
         if base == "unbind":
             if dim == s.dim:
@@ -425,7 +438,7 @@ def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
         return s
     if base in ("softmax", "log_softmax", "_softmax"):
         dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-        if dim is None or _norm_dim(dim, len(in_shape)) == s.dim:
+        if dim is None or norm_dim(dim, len(in_shape)) == s.dim:
             raise _Fail(name, f"{base} over the tensor-parallel dimension")
         return s
     if base in ("scaled_dot_product_attention",):
@@ -470,7 +483,7 @@ def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
         return _resolve(outs[0], st)
     if base in ("cat", "concat", "concatenate"):
         seq = n.args[0]
-        dim = _norm_dim(n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0), out.dim())
+        dim = norm_dim(n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0), out.dim())
         ss = [split_of(a) for a in seq]
         if any(x is None for x in ss) or any(x.dim == dim for x in ss):
             raise _Fail(name, "concatenation along, or with replicated tensors across, the split dimension")
