@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from codegen.lower import LoweringError, lower
-from codegen.partition import Partition, partition
+from codegen.partition import Partition
+from codegen.strategies.base import LoweringError
 from planner.capabilities import MESHPLAN_RUNTIME
 from planner.graph import ModelGraph
 from planner.plan import Plan
-from runtime.program import Program
 from runtime.spatial import SpatialSpec
 
 
@@ -34,14 +33,11 @@ def spatial_twin(plan: Plan) -> Plan:
     return dataclasses.replace(plan, config=twin, global_batch_size=plan.global_batch_size * c.spatial)
 
 
-def lower_spatial(plan: Plan, graph: ModelGraph, *, bucket_bytes: int,
-                  decay_of=None) -> tuple[Partition, dict[int, Program]]:
-    """(stage modules with their SpatialSpec, one Program per rank) for a plan with spatial > 1."""
+def spatial_stages(plan: Plan, graph: ModelGraph, parts: Partition) -> Partition:
+    """The twin's stage modules (`parts`, cut from spatial_twin(plan)) with their SpatialSpec."""
     c = plan.config
-    twin = spatial_twin(plan)
     layers = {layer.name: layer for layer in graph.layers}
     until = layers[c.spatial_until].nodes[-1]
-    parts = partition(twin, graph)
     first = min(parts.stages, key=lambda sp: sp.spec.index)
     if c.spatial_until not in first.spec.layers:
         raise LoweringError(f"the spatial part ends at layer {c.spatial_until!r}, beyond the first pipeline stage "
@@ -52,6 +48,5 @@ def lower_spatial(plan: Plan, graph: ModelGraph, *, bucket_bytes: int,
         until_node = until if sp is first else None
         return SpatialSpec(c.spatial, c.spatial_split, until_node, c.spatial_batchnorm)
 
-    parts = dataclasses.replace(parts, stages=tuple(
+    return dataclasses.replace(parts, stages=tuple(
         dataclasses.replace(sp, spec=dataclasses.replace(sp.spec, spatial=spec_of(sp))) for sp in parts.stages))
-    return parts, lower(twin, graph, bucket_bytes=bucket_bytes, parts=parts, decay_of=decay_of)

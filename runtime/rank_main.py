@@ -52,14 +52,13 @@ from runtime.store_host import LOOPBACK, host_store, listen_address
 from runtime.grads import GradSync
 from runtime.grad_step import make_gradient_step, outcome_record, scaler_state
 from runtime.materialize import (build_model_for_stages, build_stage, meta_model, model_signature,
-                                 separate_copies, set_tensor_group, signature_mismatch)
+                                 separate_copies, signature_mismatch)
 from runtime.memtrack import measure_step_memory
 from runtime.optim import optimizer_order, rank_optimizer
 from runtime.program import Program
+from runtime.parallel.registry import STRATEGIES
 from runtime.spec import StageSpec, TrainSpec
-from runtime import spatial_model
 from runtime.stage import StageRunner
-from runtime.subgraph import keep_own_paths, set_branch
 from runtime.running_stats import RunningStats
 from runtime.sabotage import SABOTAGE, sabotage
 from runtime.step_record import StepRecorder
@@ -67,6 +66,7 @@ from runtime.ties import TieSync
 from runtime.metrics import StepLog, check_loss
 from runtime.tensorboard_log import require_tensorboard
 from runtime.trace import PROBE_BYTES, TRACE_WINDOW_STEPS, Recorder, probe_all_reduce, shared_origin
+from runtime.vocab import MeshAxis
 from runtime.watchdog import Watchdog
 
 
@@ -165,7 +165,7 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
 
 
 def tcoord_of(prog: Program) -> int:
-    return prog.coord("tensor") if "tensor" in prog.mesh_dict else 0
+    return prog.coord(MeshAxis.TENSOR) if MeshAxis.TENSOR in prog.mesh_dict else 0
 
 
 def _save(session: RankSession, next_step: int) -> None:
@@ -272,16 +272,15 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" \
         else torch.device("cpu")
     tcoord = tcoord_of(prog)
-    tsize = prog.mesh_dict.get("tensor", 1)
+    tsize = prog.mesh_dict.get(MeshAxis.TENSOR, 1)
     full = build_model_for_stages(spec)
     specs = {int(s): StageSpec.from_dict(d) for s, (_c, d) in stages.items()}
     modules = {s: build_stage(stages[s][0], specs[s], spec, tcoord, tsize, device, full_model=full)
                for s in sorted(specs)}
     separate_copies(modules)
     del full
-    branch = prog.coord("branch") if "branch" in prog.mesh_dict else 0
-    for m in modules.values():  # sub-graph parallelism: hold only this sub-grid's paths (runtime/subgraph.py)
-        keep_own_paths(m, branch)
+    for strategy in STRATEGIES:   # e.g. sub-graph parallelism: hold only this sub-grid's paths
+        strategy.prepare(prog, specs, modules)
     restore = None
     if args.resume:
         restore = open_restore(args.resume, rank=rank, program=prog, stage_specs=specs, train=spec,
@@ -292,7 +291,9 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
                         allow_other_run=args.resume_from_other_run)
     data = None
     if any(b.source == "data" for sp in specs.values() for b in sp.inputs) or any(sp.is_last for sp in specs.values()):
-        shard, shards = spatial_model.data_shard(prog.coord("data"), prog.mesh_dict["data"], specs)
+        shard, shards = prog.coord(MeshAxis.DATA), prog.mesh_dict[MeshAxis.DATA]
+        for strategy in STRATEGIES:   # e.g. spatial: the tiles of one image read the same data
+            shard, shards = strategy.data_shard(specs, (shard, shards))
         data = open_data(spec, prog.micro_batch_size, shard, shards)
     eval_data = open_data(spec, prog.micro_batch_size, shard, shards, split=Split.EVAL) \
         if data is not None and evaluation is not None else None
@@ -308,14 +309,12 @@ def connect(p: Prepared) -> RankSession:
     try:
         ctx = DistContext.create(comm, p.program.mesh, timeout=p.args.timeout,
                                  derived_axes=p.program.derived_axes)
-        spatial_model.apply_to_stages(p.specs, p.modules, ctx)  # image tiles (runtime/spatial_model.py)
-        tgroup = ctx.group("tensor") if "tensor" in ctx.groups else None
-        d = ctx.size("data")
+        for strategy in STRATEGIES:   # groups into the stage modules (runtime/parallel/)
+            strategy.attach(ctx, p.program, p.specs, p.modules)
+        tgroup = ctx.group(MeshAxis.TENSOR) if MeshAxis.TENSOR in ctx.groups else None
+        d = ctx.size(MeshAxis.DATA)
         runners = {}
         for s, sp in p.specs.items():
-            set_tensor_group(p.modules[s], tgroup)
-            if "branch" in ctx.groups:
-                set_branch(p.modules[s], ctx.coord("branch"), ctx.group("branch"))
             class_split = None
             if sp.is_last and sp.output_split is not None and tgroup is not None and tgroup.size > 1:
                 split = sp.output_split
@@ -338,7 +337,7 @@ def connect(p: Prepared) -> RankSession:
             params = optimizer_order(optimizer)   # weight-decay groups: the order of its state_dict
         if p.restore is not None:
             apply_optimizer(p.restore, p.modules, p.specs, grads, optimizer, tcoord_of(p.program),
-                            p.program.mesh_dict.get("tensor", 1))
+                            p.program.mesh_dict.get(MeshAxis.TENSOR, 1))
             apply_schedule(p.restore, scheduler, optimizer, p.spec.schedule)
             apply_rng(p.restore, p.rank)
         comm.barrier()
@@ -540,9 +539,8 @@ def _train(session: RankSession) -> None:
             metrics.close()
     grads = session.grads
     if args.save_params:
-        if grads is not None and grads.zero >= 3:
-            for st in grads.states:
-                grads.gather_params(st.index).wait()
+        if grads is not None:
+            grads.gather_all()
         torch.save({s: {k: v.detach().cpu().clone() for k, v in m.named_parameters()}
                     for s, m in p.modules.items()}, run_dir / f"params_rank_{rank:04d}.pt")
     (run_dir / f"rank_{rank:04d}.json").write_text(json.dumps(

@@ -4,8 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from codegen.lower import LoweringError, check_programs, lower, p2p_pass
+from codegen.lower import LoweringError, check_programs, lower
 from codegen.schedules import ScheduleError, build_schedule, format_schedule, interleaved, one_f_one_b
+from codegen.strategies.pipeline import p2p_pass
 from runtime.program import Instr, Program
 from tests.parallel_cases import graph_of, plan_for
 
