@@ -27,7 +27,7 @@ from typing import Callable
 
 from codegen.partition import Partition, partition
 from codegen.strategies import registry
-from codegen.strategies.base import Lowering, LoweringError, Params, Phase, RankPlan
+from codegen.strategies.base import Lowering, LoweringError, LoweringStrategy, Params, Phase, Placement, RankPlan
 from codegen.strategies.data import DEFAULT_BUCKET_BYTES
 from planner.graph import ModelGraph
 from planner.plan import Plan
@@ -106,36 +106,42 @@ def lower_plan(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUC
                   grad_bytes={s: sum(b.nbytes for b in outs[s] if b.requires_grad) for s in range(cfg.num_stages)},
                   stats_bytes={sp.spec.index: _stats_bytes(graph, sp.spec.running_stats) for sp in parts.stages},
                   tied=find_ties(parts), bucket_bytes=bucket_bytes, decay_of=decay_of)
-    for s in strategies:
-        s.check(lw)
     place = registry.placement(strategies)
     sched = place.schedule(lw)
     filters = [s.param_filter(lw) for s in strategies]
-    specs = lw.stage_parts
-    programs = {}
-    for rank in range(cfg.num_devices):
-        rp = RankPlan(rank, coords_of(lw.mesh, rank))
-
-        def held(stage: int, _rp=rp) -> Params:
-            return functools.reduce(lambda params, f: f(_rp, params), filters, list(specs[stage].params))
-
-        rp = place.plan_rank(lw, rp, held)
-        for s in strategies:
-            if s is not place:
-                rp = s.plan_rank(lw, rp, held)
-        passes = sorted(((phase, k, fn) for k, s in enumerate(strategies) for phase, fn in s.passes(lw, rp)),
-                        key=lambda x: x[:2])
-        instrs, handles, wrapped = list(sched[rp.position]), itertools.count(), False
-        for phase, _k, fn in passes:
-            if phase >= Phase.STEP and not wrapped:
-                instrs, wrapped = [Instr("ZERO_GRAD"), *instrs, Instr("STEP")], True
-            instrs = fn(instrs, handles)
-        programs[rank] = Program(rank=rank, world_size=cfg.num_devices, mesh=lw.mesh, coords=rp.coords,
-                                 stages=rp.stages, num_stages=cfg.num_stages, num_micro_batches=m,
-                                 micro_batch_size=cfg.micro_batch_size, instrs=tuple(instrs), zero=lw.zero,
-                                 buckets=rp.buckets, ties=rp.ties)
+    programs = {rank: _rank_program(lw, strategies, place, filters, sched, rank) for rank in range(cfg.num_devices)}
     check_programs(programs)
     return parts, programs
+
+
+def _rank_program(lw: Lowering, strategies: tuple[LoweringStrategy, ...], place: Placement,
+                  filters: list[Callable[[RankPlan, Params], Params]], sched: dict[int, list[Instr]],
+                  rank: int) -> Program:
+    """Rank `rank`'s Program: the placement fills in its RankPlan first, the other strategies after,
+    and their passes run phase by phase on its position's schedule, ZERO_GRAD and STEP around
+    the body once the phases before Phase.STEP are done."""
+    specs = lw.stage_parts
+    where = RankPlan(rank, coords_of(lw.mesh, rank))
+
+    def held(stage: int) -> Params:
+        return functools.reduce(lambda params, f: f(where, params), filters, list(specs[stage].params))
+
+    rp = place.plan_rank(lw, where, held)
+    for s in strategies:
+        if s is not place:
+            rp = s.plan_rank(lw, rp, held)
+    passes = sorted(((phase, k, fn) for k, s in enumerate(strategies) for phase, fn in s.passes(lw, rp)),
+                    key=lambda x: x[:2])
+    handles = itertools.count()
+    instrs = functools.reduce(lambda ins, x: x[2](ins, handles), (x for x in passes if x[0] < Phase.STEP),
+                              list(sched[rp.position]))
+    instrs = functools.reduce(lambda ins, x: x[2](ins, handles), (x for x in passes if x[0] >= Phase.STEP),
+                              [Instr("ZERO_GRAD"), *instrs, Instr("STEP")])
+    cfg = lw.plan.config
+    return Program(rank=rank, world_size=cfg.num_devices, mesh=lw.mesh, coords=rp.coords, stages=rp.stages,
+                   num_stages=cfg.num_stages, num_micro_batches=lw.num_micro_batches,
+                   micro_batch_size=cfg.micro_batch_size, instrs=tuple(instrs), zero=lw.zero, buckets=rp.buckets,
+                   ties=rp.ties)
 
 
 def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,

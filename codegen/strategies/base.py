@@ -6,8 +6,6 @@ fixed points of the lowering:
 
     lowered_plan     the plan whose Programs run (spatial: its data-parallel twin)
     rewrite_stages   the stage modules, rewritten (spatial: each stage's SpatialSpec)
-    check            refuse a partition the runtime cannot run (tensor: tied copies whose
-                     local shapes differ)
     param_filter     which of a stage's parameters a rank holds (subgraph: its sub-grid's paths)
     plan_rank        fill in this rank's RankPlan (its stages, buckets, tied copies)
     passes           (Phase, pass) pairs over the rank's instruction list
@@ -27,7 +25,7 @@ from typing import Callable, Iterator, Protocol
 from codegen.partition import Partition, StagePart
 from planner.graph import ModelGraph
 from planner.plan import Plan
-from runtime.parallel.base import StrategyName
+from runtime.parallel.base import StrategyName, mesh_axis
 from runtime.program import Bucket, Instr, Tie
 from runtime.vocab import MeshAxis
 
@@ -60,7 +58,7 @@ class Lowering:
     num_micro_batches: per step and data rank. zero: the ZeRO stage the collectives implement
     (0 without a data axis). act_bytes / grad_bytes: stage -> bytes of its output activations /
     of their gradients for one micro-batch. stats_bytes: stage -> bytes of its BatchNorm running
-    statistics. tied: weights held by several stages (codegen.strategies.pipeline.find_ties).
+    statistics. tied: weights held by several stages (codegen.lower.find_ties).
     bucket_bytes: gradient bucket cap. decay_of: a parameter's weight-decay class by its number of
     dims, when buckets must not mix classes (None: one class).
     """
@@ -81,6 +79,11 @@ class Lowering:
     def mesh(self) -> tuple[tuple[str, int], ...]:
         """(axis, size), outermost first: pipeline, data, (subgraph), tensor."""
         return tuple(self.plan.config.mesh.items())
+
+    @property
+    def pipeline_axis(self) -> str:
+        """The mesh's name for the pipeline axis."""
+        return mesh_axis(self.plan.config.mesh, MeshAxis.PIPELINE)
 
     @property
     def num_stages(self) -> int:
@@ -142,11 +145,8 @@ class LoweringStrategy(Protocol):
         """The stage modules of the lowered plan, rewritten for `plan` (the plan as made)."""
         return parts
 
-    def check(self, lw: Lowering) -> None:
-        """Raise LoweringError for a lowering the runtime cannot run."""
-
     def param_filter(self, lw: Lowering) -> Callable[[RankPlan, Params], Params]:
-        """(rank, a stage's parameters) -> those the rank holds; worked out once per plan."""
+        """(rank, a stage's parameters) -> those the rank holds, by its coordinates; worked out once per plan."""
         return _all_params
 
     def plan_rank(self, lw: Lowering, rp: RankPlan, held: Callable[[int], Params]) -> RankPlan:
