@@ -311,15 +311,10 @@ def connect(p: Prepared) -> RankSession:
                                  derived_axes=p.program.derived_axes)
         for strategy in STRATEGIES:   # groups into the stage modules (runtime/parallel/)
             strategy.attach(ctx, p.program, p.specs, p.modules)
-        tgroup = ctx.group(MeshAxis.TENSOR) if MeshAxis.TENSOR in ctx.groups else None
         d = ctx.size(MeshAxis.DATA)
         runners = {}
         for s, sp in p.specs.items():
-            class_split = None
-            if sp.is_last and sp.output_split is not None and tgroup is not None and tgroup.size > 1:
-                split = sp.output_split
-                class_split = (split.contiguous_start(tgroup.rank, tgroup.size), tgroup,
-                               len(split.indices(tgroup.rank, tgroup.size)))
+            class_split = next((c for strategy in STRATEGIES if (c := strategy.class_split(ctx, sp)) is not None), None)
             runners[s] = StageRunner(sp, p.modules[s], loss=p.spec.loss, class_split=class_split,
                                      loss_scale=1.0 / (p.program.num_micro_batches * d), dtype=p.spec.dtype,
                                      device=p.device)

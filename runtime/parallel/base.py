@@ -9,6 +9,8 @@ the StageSpecs say.
     attach    once the process groups exist: hand the stage modules their groups, or replace
               them (spatial: tile versions; tensor: the tensor group; subgraph: the sub-grid group)
     data_shard   which share of the data this rank reads (spatial: the tiles of one image share it)
+    class_split  how the last stage's logits are split over ranks for the loss (tensor: the
+                 vocabulary-parallel cross-entropy)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Iterable, Protocol
 
 from torch import nn
 
+from runtime.comm import Group
 from runtime.context import DistContext
 from runtime.program import Program
 from runtime.spec import StageSpec
@@ -49,6 +52,7 @@ def mesh_axis(names: Iterable[str], axis: MeshAxis) -> str | None:
     return None
 
 
+ClassSplit = tuple[int, Group, int]   # (first class held here, the group, how many classes held here)
 Modules = dict[int, nn.Module]     # stage index -> stage module
 Specs = dict[int, StageSpec]       # stage index -> its StageSpec
 
@@ -68,3 +72,7 @@ class RuntimeStrategy(Protocol):
     def data_shard(self, specs: Specs, shard: tuple[int, int]) -> tuple[int, int]:
         """(shard, number of shards) of the data this rank reads, given the data axis's."""
         return shard
+
+    def class_split(self, ctx: DistContext, spec: StageSpec) -> ClassSplit | None:
+        """The split of stage `spec`'s logits over ranks, for the loss (None: this strategy splits none)."""
+        return None
