@@ -31,10 +31,9 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from codegen.lower import DEFAULT_BUCKET_BYTES, lower
-from codegen.spatial import lower_spatial
+from codegen.lower import DEFAULT_BUCKET_BYTES, lower_plan
 from codegen.throughput import step_work
-from codegen.partition import Partition, partition, stage_imports
+from codegen.partition import Partition, stage_imports
 from codegen.pysrc import comment_text, doc_text, py_literal
 from planner.capture import capture_ref
 from planner.graph import ModelGraph
@@ -119,11 +118,7 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
     decay_of = train.optimizer.decays if train.optimizer.splits_decay else None   # buckets: one class each
     if evaluation is not None:
         check_supported(plan.config.mesh, plan.config.bidirectional)
-    if plan.config.spatial > 1:  # image tiles: codegen/spatial.py
-        parts, programs = lower_spatial(plan, graph, bucket_bytes=bucket_bytes, decay_of=decay_of)
-    else:
-        parts = partition(plan, graph)
-        programs = lower(plan, graph, bucket_bytes=bucket_bytes, parts=parts, decay_of=decay_of)
+    parts, programs = lower_plan(plan, graph, bucket_bytes=bucket_bytes, decay_of=decay_of)
     # every rank script is written (and compiled) before any file is: a failure leaves no half build
     scripts = {rank: rank_script(rank, prog, parts, train, plan, model_ref, model_kwargs)
                for rank, prog in programs.items()}

@@ -1,203 +1,38 @@
-"""`codegen.lower`: a Plan becomes one Program per rank, through small pure passes.
+"""`codegen.lower`: a Plan becomes one Program per rank.
 
-    schedule     per pipeline position, the F/B order (runtime/schedules.py); under the
-                 bidirectional (GEMS) schedule a position holds stages i and p-1-i and the
-                 micro-batch's parity says which direction (and so which rank) runs a stage
-    p2p          receives posted one compute ahead and waited just before use; sends
-                 issued right after the compute that makes them, waited at the end of
-                 the pipeline (a send never blocks a rank mid-schedule, so the only
-                 waits are on data the schedule has already ordered: no deadlock)
-    zero3        (ZeRO-3) all-gather a stage's parameters before each of its F and B
-    grad sync    after each stage's last backward, one collective per gradient bucket
-                 (all-reduce; reduce-scatter under ZeRO), issued from inside that
-                 backward; waited before the step (bidirectional: over the "pair" group,
-                 positions i and p-1-i across every data rank, higher stage first)
-    ties         a weight used by several stages (tied embeddings) has a copy in each;
-                 once the gradient collectives are done, one all-reduce per tied weight
-                 over the pipeline positions holding a copy sums the copies' gradients
-    step         ZERO_GRAD first; STEP; ZeRO-1/2 parameter all-gathers; the loss
-                 reduced over data and broadcast from the last stage, so every rank
-                 reports the step's loss
+The driver knows no strategy by name: the strategies the plan uses (codegen/strategies/
+registry.py) say which plan is lowered and how its stage modules are rewritten, which stages
+each rank runs and in which order (the plan's one Placement: pipeline or bidirectional), and
+which passes, each a pure function from a list of instructions to a new list, act at each
+phase of the step (codegen.strategies.base.Phase):
 
-Every pass is a function from a list of instructions to a new list; the
-Program is assembled at the end. `check_programs` runs all ranks' Programs
-against each other (sends matched with receives, collectives with their
-groups) and reports a deadlock or a mismatch.
+    COMPUTE      point-to-point messages around the schedule's forwards and backwards
+    PARAMS       parameter gathers before compute (ZeRO-3)
+    GRADS        gradient collectives after each stage's last backward
+    TIES         sums of tied weights' copies
+    STEP         ZERO_GRAD first and STEP last (the driver), then the loss to every rank and
+                 ZeRO-1/2 parameter gathers
+    AFTER_STEP   BatchNorm running statistics
+
+The Program is assembled at the end. `check_programs` runs all ranks' Programs against each
+other (sends matched with receives, collectives with their groups) and reports a deadlock or a
+mismatch.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Callable, Iterator
+from typing import Callable
 
 from codegen.partition import Partition, partition
-from runtime.schedules import ScheduleError, bidirectional, bidirectional_position, build_schedule
+from codegen.strategies import registry
+from codegen.strategies.base import Lowering, LoweringError, LoweringStrategy, Params, Phase, Placement, RankPlan
+from codegen.strategies.data import DEFAULT_BUCKET_BYTES
 from planner.graph import ModelGraph
 from planner.plan import Plan
-from planner.subgraph import module_owners
-from runtime.program import PAIR_AXIS, Bucket, Instr, Program, Tie, axis_group, coords_of, rank_of, tie_axis
-
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-_DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
-                "uint8": 1, "int8": 1, "int16": 2}
-
-
-class LoweringError(ValueError):
-    """A plan that cannot become Programs; the message names the reason."""
-
-
-def make_buckets(stage: int, params, data: int, cap_bytes: int = DEFAULT_BUCKET_BYTES,
-                 alone: frozenset[str] = frozenset(), decay_of: Callable[[int], bool] | None = None) -> list[Bucket]:
-    """Group a stage's parameters (name, shape, dtype), already in gradient-ready order,
-    into buckets closed once they reach `cap_bytes` (PyTorch DDP's rule: small parameters
-    ride with the next large one instead of travelling alone). Parameters in `alone` (the
-    copies of tied weights) get a bucket of their own: under ZeRO, each data rank then holds
-    the same slice of every copy, and the copies' gradient shards can be summed.
-
-    decay_of(ndim): the parameter's weight-decay class (runtime.optim.OptimizerSpec.decays), when
-    the classes step differently: a bucket then holds one class only (a ZeRO flat shard of it is
-    one optimizer group's), recorded as Bucket.decay; None: one class (Bucket.decay True)."""
-    out, cur, numel, elem, cls = [], [], 0, 4, True
-    for name, shape, dtype in params:
-        n = 1
-        for s in shape:
-            n *= s
-        this = decay_of(len(shape)) if decay_of is not None else True
-        if cur and (name in alone or this != cls):
-            out.append(_bucket(stage, cur, numel, elem, data, cls))
-            cur, numel = [], 0
-        elem, cls = _DTYPE_BYTES.get(dtype, 4), this
-        cur.append(name)
-        numel += n
-        if numel * elem >= cap_bytes or name in alone:
-            out.append(_bucket(stage, cur, numel, elem, data, cls))
-            cur, numel = [], 0
-    if cur:
-        out.append(_bucket(stage, cur, numel, elem, data, cls))
-    return out
-
-
-def _bucket(stage, names, numel, elem, data, decay: bool = True) -> Bucket:
-    padded = -(-numel // data) * data
-    return Bucket(stage, tuple(names), numel, padded * elem, decay)
-
-
-# ---------------------------------------------------------------------------
-# passes (pure: list in, list out)
-
-
-def p2p_pass(actions: list[Instr], handles: Iterator[int], peer_of: Callable[[int], int], num_stages: int,
-             act_bytes: dict[int, int], grad_bytes: dict[int, int]) -> list[Instr]:
-    """Insert SEND/RECV/WAIT around compute actions.
-
-    A message is named by the cut it crosses: "act s m" is stage s's output for
-    micro-batch m (sent to stage s + 1), "grad s m" its gradient (sent back from
-    stage s + 1). Both ends of a message carry the same stage and micro-batch.
-    act_bytes[s] / grad_bytes[s]: bytes of stage s's output activations / of their
-    gradients (0: nothing crosses). peer_of(s, m): global rank running stage s for
-    micro-batch m (same data and tensor coordinates; the micro-batch matters only for the
-    bidirectional schedule, whose two directions place a stage on different ranks).
-    """
-    def recv_for(a: Instr) -> Instr | None:
-        if a.op == "F" and a.stage > 0 and act_bytes.get(a.stage - 1, 0):
-            return Instr("RECV", a.stage - 1, a.micro, peer=peer_of(a.stage - 1, a.micro), kind="act",
-                         handle=next(handles), nbytes=act_bytes[a.stage - 1])
-        if a.op == "B" and a.stage < num_stages - 1 and grad_bytes.get(a.stage, 0):
-            return Instr("RECV", a.stage, a.micro, peer=peer_of(a.stage + 1, a.micro), kind="grad",
-                         handle=next(handles), nbytes=grad_bytes[a.stage])
-        return None
-
-    recvs = [recv_for(a) if a.op in ("F", "B") else None for a in actions]
-    out: list[Instr] = []
-    sends: list[int] = []
-    if recvs and recvs[0] is not None:
-        out.append(recvs[0])
-    for k, a in enumerate(actions):
-        if k + 1 < len(actions) and recvs[k + 1] is not None:
-            out.append(recvs[k + 1])          # pre-posted: overlaps with this compute
-        if recvs[k] is not None:
-            out.append(Instr("WAIT", handle=recvs[k].handle))
-        out.append(a)
-        if a.op == "F" and a.stage < num_stages - 1 and act_bytes.get(a.stage, 0):
-            h = next(handles)
-            out.append(Instr("SEND", a.stage, a.micro, peer=peer_of(a.stage + 1, a.micro), kind="act", handle=h,
-                             nbytes=act_bytes[a.stage]))
-            sends.append(h)
-        elif a.op == "B" and a.stage > 0 and grad_bytes.get(a.stage - 1, 0):
-            h = next(handles)
-            out.append(Instr("SEND", a.stage - 1, a.micro, peer=peer_of(a.stage - 1, a.micro), kind="grad", handle=h,
-                             nbytes=grad_bytes[a.stage - 1]))
-            sends.append(h)
-    out += [Instr("WAIT", handle=h) for h in sends]
-    return out
-
-
-def zero3_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket]) -> list[Instr]:
-    """ZeRO-3: gather a stage's parameters right before each of its forwards and backwards."""
-    out = []
-    for ins in instrs:
-        if ins.op in ("F", "B"):
-            hs = []
-            for b, bucket in enumerate(buckets):
-                if bucket.stage == ins.stage:
-                    h = next(handles)
-                    out.append(Instr("ALLGATHER", ins.stage, kind="params", axis="data", handle=h, bucket=b,
-                                     nbytes=bucket.nbytes))
-                    hs.append(h)
-            out += [Instr("WAIT", handle=h) for h in hs]
-        out.append(ins)
-    return out
-
-
-def grad_sync_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket], zero: int, *,
-                   axis: str = "data", order: tuple[int, ...] | None = None) -> list[Instr]:
-    """After each stage's last backward, one collective per bucket; their WAITs at the end.
-
-    `order`: the stages in the order their collectives must be issued (every member of
-    the group must issue them alike); a stage whose last backward comes before that of a
-    stage ahead of it in `order` waits for it. None: in the order the last backwards run.
-    `axis`: the group the gradients are reduced over ("data", or "pair" for GEMS).
-    """
-    last_b = {}
-    for k, ins in enumerate(instrs):
-        if ins.op == "B":
-            last_b[ins.stage] = k
-    queue = list(order) if order is not None else sorted(last_b, key=last_b.get)
-    op = "REDUCESCATTER" if zero >= 1 else "ALLREDUCE"
-    out, waits = [], []
-    done: set[int] = set()     # stages whose last backward (and its SEND) is placed
-    after: int | None = None   # stage whose last B's SEND is still to be placed
-    for k, ins in enumerate(instrs):
-        out.append(ins)
-        if ins.op == "B" and last_b.get(ins.stage) == k:
-            after = ins.stage
-            if k + 1 < len(instrs) and instrs[k + 1].op == "SEND" and instrs[k + 1].kind == "grad":
-                continue  # the gradient for the previous stage goes out first
-        if after is not None:
-            done.add(after)
-            after = None
-            while queue and queue[0] in done:
-                stage = queue.pop(0)
-                # buckets hold parameters last-layer-first, so bucket 0 is ready first
-                for b, bucket in enumerate(buckets):
-                    if bucket.stage == stage:
-                        h = next(handles)
-                        out.append(Instr(op, stage, kind="grads", axis=axis, handle=h, bucket=b,
-                                         nbytes=bucket.nbytes))
-                        waits.append(h)
-    return out + [Instr("WAIT", handle=h) for h in waits]
-
-
-def tie_pass(instrs: list[Instr], handles: Iterator[int], ties: list[Tie], nbytes: dict[int, int]) -> list[Instr]:
-    """One ALLREDUCE tied per tied weight this rank holds, and its WAIT, after every other
-    instruction of the step body (the gradient collectives' WAITs included): the copies'
-    gradients are complete there, and the step that follows reads their sum."""
-    out = list(instrs)
-    for tie in ties:
-        h = next(handles)
-        out += [Instr("ALLREDUCE", kind="tied", axis=tie.axis, handle=h, bucket=tie.index, nbytes=nbytes[tie.index]),
-                Instr("WAIT", handle=h)]
-    return out
+from runtime.program import Instr, Program, coords_of
+from runtime.vocab import element_bytes
 
 
 def _stats_bytes(graph: ModelGraph, names: tuple[str, ...]) -> int:
@@ -226,7 +61,7 @@ def find_ties(parts: Partition) -> dict[str, list[tuple[int, str, int]]]:
             numel = 1
             for d in shape:
                 numel *= d
-            held.setdefault(key, []).append((sp.spec.index, name, numel * _DTYPE_BYTES.get(dtype, 4)))
+            held.setdefault(key, []).append((sp.spec.index, name, numel * element_bytes(dtype)))
             shapes.setdefault(key, set()).add(tuple(shape))
     for key, sh in shapes.items():
         if len(sh) > 1 and len(held[key]) > 1:
@@ -235,159 +70,88 @@ def find_ties(parts: Partition) -> dict[str, list[tuple[int, str, int]]]:
     return {k: v for k, v in sorted(held.items()) if len(v) > 1}
 
 
-def stats_pass(instrs: list[Instr], handles: Iterator[int], stats: dict[int, int], axis: str) -> list[Instr]:
-    """After the step, one ALLREDUCE stats per stage with BatchNorm running statistics
-    (stats: stage -> bytes), over the gradient axis, and their WAITs: every rank then holds
-    the mean of the data ranks' statistics."""
-    out, waits = list(instrs), []
-    for stage, nbytes in sorted(stats.items()):
-        h = next(handles)
-        out.append(Instr("ALLREDUCE", stage, kind="stats", axis=axis, handle=h, nbytes=nbytes))
-        waits.append(Instr("WAIT", handle=h))
-    return out + waits
-
-
-def step_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket], zero: int, *, is_last: bool,
-              data: int, pipe: int, last_rank: int, loss_sum_over_pipe: bool = False) -> list[Instr]:
-    """ZERO_GRAD, the body, STEP, ZeRO-1/2 parameter gathers, and the loss to every rank.
-
-    The loss is complete after the last stage's last forward: its all-reduce over data is
-    issued there (hidden behind the backwards) and waited at the end; the broadcast from
-    the last stage to the other stages of its pipeline closes the step. With
-    `loss_sum_over_pipe` (bidirectional: the last stage runs on two positions, each with
-    its direction's share of the loss) an all-reduce over the pipeline replaces the broadcast.
-    """
-    body = list(instrs)
-    tail: list[Instr] = []
-    if is_last and data > 1:
-        h = next(handles)
-        last_stage = max(ins.stage for ins in body if ins.op == "F")
-        last_f = max(k for k, ins in enumerate(body) if ins.op == "F" and ins.stage == last_stage)
-        body.insert(last_f + 1, Instr("ALLREDUCE", kind="loss", axis="data", handle=h, nbytes=8))
-        tail.append(Instr("WAIT", handle=h))
-    out = [Instr("ZERO_GRAD"), *body, Instr("STEP")]
-    if zero in (1, 2):
-        hs = []
-        for b, bucket in enumerate(buckets):
-            h = next(handles)
-            out.append(Instr("ALLGATHER", bucket.stage, kind="params", axis="data", handle=h, bucket=b,
-                             nbytes=bucket.nbytes))
-            hs.append(h)
-        out += [Instr("WAIT", handle=h) for h in hs]
-    out += tail
-    if pipe > 1:
-        h = next(handles)
-        out += [Instr("ALLREDUCE", kind="loss", axis="pipe", handle=h, nbytes=8) if loss_sum_over_pipe else
-                Instr("BROADCAST", kind="loss", axis="pipe", peer=last_rank, handle=h, nbytes=8),
-                Instr("WAIT", handle=h)]
-    return out
-
-
-def _held(params, owners: dict[str, int], branch: int) -> list:
-    """The (name, shape, dtype) of the parameters this rank holds: under sub-graph
-    parallelism, not those of paths another sub-grid runs."""
-    if not owners:
-        return list(params)
-    return [q for q in params if owners.get(q[0], owners.get(q[0].rsplit(".", 1)[0], branch)) == branch]
-
-
 # ---------------------------------------------------------------------------
 # driver
 
 
-def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-          parts: Partition | None = None, decay_of: Callable[[int], bool] | None = None) -> dict[int, Program]:
-    """One Program per rank for `plan` (ranks laid out pipe x data x tensor, tensor fastest).
+def lower_plan(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+               parts: Partition | None = None,
+               decay_of: Callable[[int], bool] | None = None) -> tuple[Partition, dict[int, Program]]:
+    """(the stage modules, one Program per rank) for `plan`, ranks laid out as its mesh (tensor fastest).
 
-    decay_of: the weight-decay class of a parameter by its dims, when buckets must not mix them
-    (make_buckets).
+    parts: the stage modules of the lowered plan, when already cut (None: cut here and rewritten by
+    the plan's strategies). decay_of: the weight-decay class of a parameter by its dims, when
+    buckets must not mix them (codegen.strategies.data.make_buckets).
 
     Raises LoweringError / PartitionError (ValueErrors) for plans that cannot run.
     """
-    cfg = plan.config
-    p, d, v = cfg.pipeline, cfg.data, cfg.virtual_stages
-    bidi = cfg.bidirectional
+    strategies = registry.active(plan)
+    lowered = functools.reduce(lambda q, s: s.lowered_plan(q), strategies, plan)
+    cfg = lowered.config
     try:
-        m = cfg.micro_batches(plan.global_batch_size)
+        m = cfg.micro_batches(lowered.global_batch_size)
     except ValueError as e:
         raise LoweringError(str(e)) from None
-    if len(plan.stages) != cfg.num_stages:
-        raise LoweringError(f"the plan has {len(plan.stages)} stages but its config needs {cfg.num_stages}")
-    for st in plan.stages:
-        if st.device_index != st.index % p:
+    if len(lowered.stages) != cfg.num_stages:
+        raise LoweringError(f"the plan has {len(lowered.stages)} stages but its config needs {cfg.num_stages}")
+    for st in lowered.stages:
+        if st.device_index != st.index % cfg.pipeline:
             raise LoweringError(f"stage {st.index} is placed on pipeline position {st.device_index}; the runtime "
-                                f"runs stage k on position k % pipeline ({st.index % p})")
+                                f"runs stage k on position k % pipeline ({st.index % cfg.pipeline})")
     if parts is None:
-        parts = partition(plan, graph)
-    try:
-        sched = bidirectional(p, cfg.replicas_per_direction) if bidi else build_schedule(cfg.schedule, p, m, v)
-    except ScheduleError as e:
-        raise LoweringError(str(e)) from None
-    zero = cfg.zero if d > 1 else 0
-    mesh = tuple(cfg.mesh.items())   # pipe, data, (branch), tensor
-    # sub-graph parallelism: a rank holds only its sub-grid's paths (planner/subgraph.py)
-    owners = module_owners(graph, plan.subgraph) if plan.subgraph else {}
-    ns = cfg.num_stages
-    specs = {sp.spec.index: sp for sp in parts.stages}
-    act_bytes = {s: sum(b.nbytes for b in specs[s].spec.outputs) for s in range(ns)}
-    grad_bytes = {s: sum(b.nbytes for b in specs[s].spec.outputs if b.requires_grad) for s in range(ns)}
-    stats_bytes = {sp.spec.index: _stats_bytes(graph, sp.spec.running_stats) for sp in parts.stages}
-    tied = find_ties(parts)
-    alone = frozenset(name for copies in tied.values() for _s, name, _b in copies)
-    tie_bytes = {k: copies[0][2] for k, copies in enumerate(tied.values())}
-
-    def positions(stage: int) -> list[int]:
-        return sorted({stage, p - 1 - stage}) if bidi else [stage % p]
-
-    programs = {}
-    for rank in range(cfg.num_devices):
-        coords = coords_of(mesh, rank)
-        i = coords[0]
-        branch = dict(zip(cfg.mesh, coords)).get("branch", 0)
-        if bidi:
-            # Position i holds stage i (replica A) and stage p-1-i (replica B); both ranks of the
-            # pair {i, p-1-i} hold the same two stages and reduce them over the pair and the
-            # data axis, higher stage first on both (so their collectives match).
-            stages = tuple(sorted({i, p - 1 - i}))
-            order: tuple[int, ...] | None = tuple(reversed(stages))
-            grad_axis, group = PAIR_AXIS, len(axis_group(mesh, coords, PAIR_AXIS))
-        else:
-            stages = tuple(sorted(s for s in range(ns) if s % p == i))
-            order, grad_axis, group = None, "data", d
-        buckets = [b for s in (order or stages)
-                   for b in make_buckets(s, _held(specs[s].params, owners, branch), group, bucket_bytes, alone,
-                                          decay_of)] \
-            if group > 1 else []
-        ties = []
-        for k, (key, copies) in enumerate(tied.items()):
-            here = [(s, name) for s, name, _b in copies if s in stages]
-            if not here:
-                continue
-            holders = sorted({q for s, _n, _b in copies for q in positions(s)})
-            owned = tuple(s for s, _n in here if min(positions(s)) == i)
-            ties.append(Tie(k, key, tuple(here), owned, tie_axis(holders)))
-        handles = itertools.count()
-
-        def peer_of(s: int, micro: int, _coords=coords) -> int:
-            pos = bidirectional_position(s, micro, p) if bidi else s % p
-            return rank_of(mesh, (pos, *_coords[1:]))
-
-        instrs = p2p_pass(sched[i], handles, peer_of, ns, act_bytes, grad_bytes)
-        if zero >= 3:
-            instrs = zero3_pass(instrs, handles, buckets)
-        if buckets:
-            instrs = grad_sync_pass(instrs, handles, buckets, zero, axis=grad_axis, order=order)
-        instrs = tie_pass(instrs, handles, ties, tie_bytes)
-        instrs = step_pass(instrs, handles, buckets, zero, is_last=(ns - 1) in stages, data=d, pipe=p,
-                           last_rank=rank_of(mesh, ((ns - 1) % p, *coords[1:])), loss_sum_over_pipe=bidi)
-        if group > 1:
-            instrs = stats_pass(instrs, handles, {s: stats_bytes[s] for s in (order or stages) if stats_bytes[s]},
-                                grad_axis)
-        programs[rank] = Program(rank=rank, world_size=cfg.num_devices, mesh=mesh, coords=coords, stages=stages,
-                                 num_stages=ns, num_micro_batches=m, micro_batch_size=cfg.micro_batch_size,
-                                 instrs=tuple(instrs), zero=zero, buckets=tuple(buckets), ties=tuple(ties))
+        options = {k: v for s in strategies for k, v in s.partition_options(plan, graph).items()}
+        parts = functools.reduce(lambda q, s: s.rewrite_stages(plan, graph, q), strategies,
+                                 partition(lowered, graph, **options))
+    outs = {sp.spec.index: sp.spec.outputs for sp in parts.stages}
+    lw = Lowering(plan=lowered, graph=graph, parts=parts, num_micro_batches=m, zero=cfg.zero if cfg.data > 1 else 0,
+                  act_bytes={s: sum(b.nbytes for b in outs[s]) for s in range(cfg.num_stages)},
+                  grad_bytes={s: sum(b.nbytes for b in outs[s] if b.requires_grad) for s in range(cfg.num_stages)},
+                  stats_bytes={sp.spec.index: _stats_bytes(graph, sp.spec.running_stats) for sp in parts.stages},
+                  tied=find_ties(parts), bucket_bytes=bucket_bytes, decay_of=decay_of)
+    place = registry.placement(strategies)
+    sched = place.schedule(lw)
+    filters = [s.param_filter(lw) for s in strategies]
+    programs = {rank: functools.reduce(lambda q, s: s.finish_program(plan, graph, q), strategies,
+                                       _rank_program(lw, strategies, place, filters, sched, rank))
+                for rank in range(cfg.num_devices)}
     check_programs(programs)
-    return programs
+    return parts, programs
+
+
+def _rank_program(lw: Lowering, strategies: tuple[LoweringStrategy, ...], place: Placement,
+                  filters: list[Callable[[RankPlan, Params], Params]], sched: dict[int, list[Instr]],
+                  rank: int) -> Program:
+    """Rank `rank`'s Program: the placement fills in its RankPlan first, the other strategies after,
+    and their passes run phase by phase on its position's schedule, ZERO_GRAD and STEP around
+    the body once the phases before Phase.STEP are done."""
+    specs = lw.stage_parts
+    where = RankPlan(rank, coords_of(lw.mesh, rank))
+
+    def held(stage: int) -> Params:
+        return functools.reduce(lambda params, f: f(where, params), filters, list(specs[stage].params))
+
+    rp = place.plan_rank(lw, where, held)
+    for s in strategies:
+        if s is not place:
+            rp = s.plan_rank(lw, rp, held)
+    passes = sorted(((phase, k, fn) for k, s in enumerate(strategies) for phase, fn in s.passes(lw, rp)),
+                    key=lambda x: x[:2])
+    handles = itertools.count()
+    instrs = functools.reduce(lambda ins, x: x[2](ins, handles), (x for x in passes if x[0] < Phase.STEP),
+                              list(sched[rp.position]))
+    instrs = functools.reduce(lambda ins, x: x[2](ins, handles), (x for x in passes if x[0] >= Phase.STEP),
+                              [Instr("ZERO_GRAD"), *instrs, Instr("STEP")])
+    cfg = lw.plan.config
+    return Program(rank=rank, world_size=cfg.num_devices, mesh=lw.mesh, coords=rp.coords, stages=rp.stages,
+                   num_stages=cfg.num_stages, num_micro_batches=lw.num_micro_batches,
+                   micro_batch_size=cfg.micro_batch_size, instrs=tuple(instrs), zero=lw.zero, buckets=rp.buckets,
+                   ties=rp.ties)
+
+
+def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+          parts: Partition | None = None, decay_of: Callable[[int], bool] | None = None) -> dict[int, Program]:
+    """One Program per rank for `plan` (lower_plan's Programs)."""
+    return lower_plan(plan, graph, bucket_bytes=bucket_bytes, parts=parts, decay_of=decay_of)[1]
 
 
 # ---------------------------------------------------------------------------
@@ -455,5 +219,4 @@ def check_programs(programs: dict[int, Program]) -> None:
             raise LoweringError(f"the Programs deadlock; ranks wait at: {stuck}")
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "LoweringError", "check_programs", "find_ties", "grad_sync_pass", "lower",
-           "make_buckets", "p2p_pass", "stats_pass", "step_pass", "tie_pass", "zero3_pass"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "LoweringError", "check_programs", "find_ties", "lower", "lower_plan"]

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from codegen.lower import LoweringError, lower
-from codegen.partition import Partition, partition
+from codegen.partition import Partition
+from codegen.strategies.base import LoweringError
 from planner.graph import ModelGraph
 from planner.plan import Plan
 from planner.strategies.combinations import Level, why_not
@@ -39,26 +39,29 @@ def spatial_twin(plan: Plan) -> Plan:
     return dataclasses.replace(plan, config=twin, global_batch_size=plan.global_batch_size * c.spatial)
 
 
-def lower_spatial(plan: Plan, graph: ModelGraph, *, bucket_bytes: int,
-                  decay_of=None) -> tuple[Partition, dict[int, Program]]:
-    """(stage modules whose code runs the spatial part on tiles, one Program per rank with its
-    SpatialTiles) for a plan with spatial > 1."""
+def spatial_spec(plan: Plan, graph: ModelGraph) -> SpatialSpec:
+    """The first stage's tiling (which the partition writes into its stage code); LoweringError when
+    the spatial part reaches past the first stage."""
     c = plan.config
-    twin = spatial_twin(plan)
     first = min(plan.stages, key=lambda st: st.index)
     if c.spatial_until not in first.layers:
         raise LoweringError(f"the spatial part ends at layer {c.spatial_until!r}, beyond the first pipeline stage "
                             f"({first.layers[0]} .. {first.layers[-1]}); the tiles are gathered before the "
                             "first cut: put the whole spatial part in stage 0")
     layers = {layer.name: layer for layer in graph.layers}
-    tiles = SpatialSpec(c.spatial, c.spatial_split, layers[c.spatial_until].nodes[-1], c.spatial_batchnorm)
-    parts = partition(twin, graph, spatial=tiles)
-    after = dataclasses.replace(tiles, until=None)   # the later stages run replicated on the tiles' ranks
-    parts = dataclasses.replace(parts, stages=tuple(
-        dataclasses.replace(sp, spec=dataclasses.replace(sp.spec, spatial=tiles if sp.spec.index == first.index
-                                                         else after)) for sp in parts.stages))
-    programs = lower(twin, graph, bucket_bytes=bucket_bytes, parts=parts, decay_of=decay_of)
-    return parts, {r: dataclasses.replace(p, spatial=spatial_tiles(p, tiles)) for r, p in programs.items()}
+    return SpatialSpec(c.spatial, c.spatial_split, layers[c.spatial_until].nodes[-1], c.spatial_batchnorm)
+
+
+def spatial_stages(plan: Plan, graph: ModelGraph, parts: Partition) -> Partition:
+    """The twin's stage modules (`parts`, cut with spatial_spec's tiling) with their SpatialSpec:
+    the first stage's tiling, and on the later stages the same degree with no spatial part (they
+    run replicated on the tiles' ranks)."""
+    tiles = spatial_spec(plan, graph)
+    first = min(sp.spec.index for sp in parts.stages)
+    after = dataclasses.replace(tiles, until=None)
+    return dataclasses.replace(parts, stages=tuple(
+        dataclasses.replace(sp, spec=dataclasses.replace(sp.spec, spatial=tiles if sp.spec.index == first else after))
+        for sp in parts.stages))
 
 
 def spatial_tiles(program: Program, tiles: SpatialSpec) -> SpatialTiles:

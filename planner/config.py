@@ -190,7 +190,7 @@ class ParallelConfig:
     @classmethod
     def read(cls, f) -> "ParallelConfig":
         """From a checked document reader (planner.validate.Fields): types checked field by field."""
-        from planner.validate import FieldError
+        from runtime.documents import FieldError
 
         known = {fl.name for fl in dataclasses.fields(cls)}
         for key in f.data:

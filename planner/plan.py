@@ -18,7 +18,7 @@ from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction,
 from planner.config import ConfigError, ParallelConfig
 from planner.subgraph import Region, describe
 from planner.tensor_split.splits import TensorSplits
-from planner.validate import FieldError, Fields
+from runtime.documents import FieldError, Fields
 
 PLAN_FORMAT_VERSION = 2   # 2: the tensor-parallel split is stored ("tensor_splits"); 1 still loads
 # The largest global batch (samples per step) and world (devices) a plan may have: far past

@@ -32,6 +32,7 @@ from runtime.stage import StageRunner
 from runtime.running_stats import RunningStats
 from runtime.ties import TieSync
 from runtime.trace import Recorder
+from runtime.vocab import MeshAxis
 
 
 def _as(t: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -236,7 +237,7 @@ class Executor:
                 else:
                     inputs.append(next(received))
             targets = micro[ins.micro][1].to(self.device) if runner.spec.is_last else None
-            share = self.program.num_micro_batches * self.ctx.size("data")
+            share = self.program.num_micro_batches * self.ctx.size(MeshAxis.DATA)
             out = runner.evaluate(inputs, targets) if self._evaluating else runner.forward(ins.micro, inputs, targets)
             if not runner.spec.is_last:
                 out_act[(ins.stage, ins.micro)] = out
@@ -245,7 +246,7 @@ class Executor:
                 loss_buf += torch.tensor([loss / share, correct, counted], dtype=loss_buf.dtype, device=self.device)
             else:
                 loss_buf += float(out.detach()) / share
-            if self.grads is not None and self.grads.zero >= 3:
+            if self.grads is not None:   # ZeRO-3 frees the stage's gathered parameters
                 self.grads.release_params(ins.stage)
         elif op == "B":
             runner = self.stages[ins.stage]
@@ -269,7 +270,7 @@ class Executor:
                 grads = [next(it) if b.requires_grad else None for b in runner.spec.outputs]
             in_grads = runner.backward(ins.micro, grads)
             out_grad[(ins.stage, ins.micro)] = in_grads
-            if self.grads is not None and self.grads.zero >= 3:
+            if self.grads is not None:   # ZeRO-3 frees the stage's gathered parameters
                 self.grads.release_params(ins.stage)
         elif op == "SEND":
             # "act s m": stage s's outputs, to stage s + 1; "grad s m": the gradients of those

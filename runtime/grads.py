@@ -216,6 +216,14 @@ class GradSync:
         with self._stream():
             return self.group.all_gather(st.param_flat, src, async_op=True)
 
+    def gather_all(self) -> None:
+        """ZeRO-3: gather every bucket's full parameters (to read or save them); below ZeRO-3
+        every rank holds them after the step already."""
+        if self.zero < 3:
+            return
+        for st in self.states:
+            self.gather_params(st.index).wait()
+
     def release_params(self, stage: int | None = None) -> None:
         """ZeRO-3: free the full parameters of `stage`'s buckets (all stages if None); the
         shard stays. Autograd's saved references stay valid: the storage is refilled by

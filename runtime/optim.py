@@ -21,7 +21,7 @@ than 2 dimensions (biases, norm weights) no weight decay; "none" decays every pa
 optimizer gets torch's own param_groups: the decayed parameters first, then the others (weight
 decay 0). The class is decided by the logical parameter's dimensions: tensor-parallel slices keep
 their dims; a ZeRO flat shard takes the class its gradient bucket records (Bucket.decay: the code
-generator never mixes the classes in one bucket when they differ, codegen/lower.py).
+generator never mixes the classes in one bucket when they differ, codegen/strategies/data.py).
 """
 
 from __future__ import annotations

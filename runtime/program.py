@@ -76,6 +76,8 @@ class Instr:
     nbytes: int = 0       # bytes this rank moves
 
     def __post_init__(self) -> None:
+        # a MeshAxis member is kept as its plain name: Programs print, compare and load as text
+        object.__setattr__(self, "axis", str(self.axis))
         if self.op not in OPS:
             raise ProgramError(f"unknown instruction op {self.op!r}; known: {', '.join(OPS)}")
         if self.kind not in KINDS:

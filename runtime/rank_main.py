@@ -53,14 +53,13 @@ from runtime.store_host import LOOPBACK, host_store, listen_address
 from runtime.grads import GradSync
 from runtime.grad_step import make_gradient_step, outcome_record, scaler_state
 from runtime.materialize import (build_model_for_stages, build_stage, meta_model, model_signature,
-                                 separate_copies, set_tensor_group, signature_mismatch)
+                                 separate_copies, signature_mismatch)
 from runtime.memtrack import measure_step_memory
 from runtime.optim import optimizer_order, rank_optimizer
 from runtime.program import Program
+from runtime.parallel.registry import STRATEGIES
 from runtime.spec import StageSpec, TrainSpec
-from runtime.spatial import attach_tiles
 from runtime.stage import StageRunner
-from runtime.subgraph import keep_own_paths, set_branch
 from runtime.running_stats import RunningStats
 from runtime.sabotage import SABOTAGE, sabotage
 from runtime.step_record import StepRecorder
@@ -68,6 +67,7 @@ from runtime.ties import TieSync
 from runtime.metrics import StepLog, check_loss
 from runtime.tensorboard_log import require_tensorboard
 from runtime.trace import PROBE_BYTES, TRACE_WINDOW_STEPS, Recorder, probe_all_reduce, shared_origin
+from runtime.vocab import MeshAxis
 from runtime.watchdog import Watchdog
 
 
@@ -166,7 +166,7 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
 
 
 def tcoord_of(prog: Program) -> int:
-    return prog.coord("tensor") if "tensor" in prog.mesh_dict else 0
+    return prog.coord(MeshAxis.TENSOR) if MeshAxis.TENSOR in prog.mesh_dict else 0
 
 
 def _save(session: RankSession, next_step: int) -> None:
@@ -273,16 +273,15 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" \
         else torch.device("cpu")
     tcoord = tcoord_of(prog)
-    tsize = prog.mesh_dict.get("tensor", 1)
+    tsize = prog.mesh_dict.get(MeshAxis.TENSOR, 1)
     full = build_model_for_stages(spec)
     specs = {int(s): StageSpec.from_dict(d) for s, (_c, d) in stages.items()}
     modules = {s: build_stage(stages[s][0], specs[s], spec, tcoord, tsize, device, full_model=full)
                for s in sorted(specs)}
     separate_copies(modules)
     del full
-    branch = prog.coord("branch") if "branch" in prog.mesh_dict else 0
-    for m in modules.values():  # sub-graph parallelism: hold only this sub-grid's paths (runtime/subgraph.py)
-        keep_own_paths(m, branch)
+    for strategy in STRATEGIES:   # e.g. sub-graph parallelism: hold only this sub-grid's paths
+        strategy.prepare(prog, specs, modules)
     restore = None
     if args.resume:
         restore = open_restore(args.resume, rank=rank, program=prog, stage_specs=specs, train=spec,
@@ -309,19 +308,12 @@ def connect(p: Prepared) -> RankSession:
     try:
         ctx = DistContext.create(comm, p.program.mesh, timeout=p.args.timeout,
                                  derived_axes=p.program.derived_axes)
-        attach_tiles(p.program, p.modules, comm)  # image tiles (runtime/spatial.py)
-        tgroup = ctx.group("tensor") if "tensor" in ctx.groups else None
-        d = ctx.size("data")
+        for strategy in STRATEGIES:   # groups into the stage modules (runtime/parallel/)
+            strategy.attach(ctx, p.program, p.specs, p.modules)
+        d = ctx.size(MeshAxis.DATA)
         runners = {}
         for s, sp in p.specs.items():
-            set_tensor_group(p.modules[s], tgroup)
-            if "branch" in ctx.groups:
-                set_branch(p.modules[s], ctx.coord("branch"), ctx.group("branch"))
-            class_split = None
-            if sp.is_last and sp.output_split is not None and tgroup is not None and tgroup.size > 1:
-                split = sp.output_split
-                class_split = (split.contiguous_start(tgroup.rank, tgroup.size), tgroup,
-                               len(split.indices(tgroup.rank, tgroup.size)))
+            class_split = next((c for strategy in STRATEGIES if (c := strategy.class_split(ctx, sp)) is not None), None)
             runners[s] = StageRunner(sp, p.modules[s], loss=p.spec.loss, class_split=class_split,
                                      loss_scale=1.0 / (p.program.num_micro_batches * d), dtype=p.spec.dtype,
                                      device=p.device)
@@ -339,7 +331,7 @@ def connect(p: Prepared) -> RankSession:
             params = optimizer_order(optimizer)   # weight-decay groups: the order of its state_dict
         if p.restore is not None:
             apply_optimizer(p.restore, p.modules, p.specs, grads, optimizer, tcoord_of(p.program),
-                            p.program.mesh_dict.get("tensor", 1))
+                            p.program.mesh_dict.get(MeshAxis.TENSOR, 1))
             apply_schedule(p.restore, scheduler, optimizer, p.spec.schedule)
             apply_rng(p.restore, p.rank)
         comm.barrier()
@@ -541,9 +533,8 @@ def _train(session: RankSession) -> None:
             metrics.close()
     grads = session.grads
     if args.save_params:
-        if grads is not None and grads.zero >= 3:
-            for st in grads.states:
-                grads.gather_params(st.index).wait()
+        if grads is not None:
+            grads.gather_all()
         torch.save({s: {k: v.detach().cpu().clone() for k, v in m.named_parameters()}
                     for s, m in p.modules.items()}, run_dir / f"params_rank_{rank:04d}.pt")
     (run_dir / f"rank_{rank:04d}.json").write_text(json.dumps(

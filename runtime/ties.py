@@ -9,7 +9,7 @@ all copies: the copies on this rank that it owns (Program.ties) are added up, th
 all-reduced over the ranks holding copies (Megatron's embedding group), and written back
 into every copy here. Equal gradients, equal optimizer state: the copies stay bit-equal.
 
-Under ZeRO a copy is alone in its gradient bucket (codegen.lower.make_buckets), so its
+Under ZeRO a copy is alone in its gradient bucket (codegen.strategies.data.make_buckets), so its
 reduce-scattered shard is the same slice of the weight on every copy: the shards are summed.
 """
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.validate import Fields
+from runtime.documents import Fields
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, ShardError
 from runtime.vocab import ShardRole
 

@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from codegen.lower import LoweringError, check_programs, lower, p2p_pass
+from codegen.lower import LoweringError, check_programs, lower
+from codegen.strategies.pipeline import p2p_pass
 from cost_models.memory import live_micro_batches
 from runtime.schedules import (ScheduleError, build_schedule, format_schedule, forwards_in_flight, interleaved,
                                one_f_one_b)

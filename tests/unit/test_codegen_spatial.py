@@ -1,12 +1,12 @@
-"""Lowering spatial plans (codegen/spatial.py): the data-parallel twin's Programs plus each stage's
-SpatialSpec; plans the runtime cannot run with tiles are refused naming the knob."""
+"""Lowering spatial plans (codegen/strategies/spatial.py, codegen/spatial.py): the data-parallel twin's
+Programs plus each stage's SpatialSpec; plans the runtime cannot run with tiles are refused naming the knob."""
 
 import pytest
 
 import planner
 from codegen.emit import capture_ref
-from codegen.lower import LoweringError
-from codegen.spatial import lower_spatial, spatial_twin
+from codegen.lower import LoweringError, lower_plan
+from codegen.spatial import spatial_twin
 from runtime.spec import StageSpec
 
 REF = "examples/models/large_image_cnn.py:build"
@@ -26,7 +26,7 @@ def _plan(graph, **cfg):
 
 def test_spatial_plan_lowers_to_twin_programs_with_a_spatial_stage(graph):
     plan = _plan(graph, data=2, spatial=2, spatial_split="grid", spatial_until="pool")
-    parts, programs = lower_spatial(plan, graph, bucket_bytes=1024)
+    parts, programs = lower_plan(plan, graph, bucket_bytes=1024)
     assert sorted(programs) == [0, 1, 2, 3]
     assert programs[3].mesh == (("pipe", 1), ("data", 4), ("tensor", 1))
     assert programs[0].num_micro_batches == 1      # 4 samples / (2 per micro-batch x data 2)
@@ -40,7 +40,7 @@ def test_spatial_plan_lowers_to_twin_programs_with_a_spatial_stage(graph):
 def test_a_spatial_part_beyond_the_first_stage_is_refused_naming_the_layer(graph):
     plan = _plan(graph, pipeline=2, spatial=2, spatial_until="features.1", stage_boundaries=("features.1",))
     with pytest.raises(LoweringError, match="ends at layer 'features.1', beyond the first pipeline stage"):
-        lower_spatial(plan, graph, bucket_bytes=1024)
+        lower_plan(plan, graph, bucket_bytes=1024)
 
 
 @pytest.mark.parametrize("change,word", [(dict(pipeline=2, schedule="gpipe", recompute="selective"), "recompute"),

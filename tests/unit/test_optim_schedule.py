@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from codegen.lower import make_buckets
+from codegen.strategies.data import make_buckets
 from runtime.checkpoint import optimizer_param_names
 from runtime.lr_schedule import ScheduleError, ScheduleSpec, current_lr, load_scheduler_state, scheduler_state
 from runtime.optim import NoDecay, OptimizerImpl, OptimizerSpec, optimizer_order, rank_optimizer

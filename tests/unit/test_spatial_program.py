@@ -9,7 +9,7 @@ import pytest
 
 import planner
 from codegen.emit import capture_ref
-from codegen.spatial import lower_spatial
+from codegen.lower import lower_plan
 from runtime.program import Instr, Program, ProgramError, SpatialTiles
 from runtime.spatial import SpatialContext, SpatialError
 
@@ -23,7 +23,7 @@ def lowered():
     config = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", data=2, spatial=4, spatial_split="grid",
                                     spatial_until="features.1")
     plan = planner.make_plan(graph, planner.Cluster.preset("local", devices=8), config, global_batch_size=4)
-    return lower_spatial(plan, graph, bucket_bytes=1024)
+    return lower_plan(plan, graph, bucket_bytes=1024)
 
 
 def test_every_program_names_its_tile_and_the_ranks_sharing_its_image(lowered):

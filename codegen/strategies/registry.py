@@ -1,0 +1,32 @@
+"""The one list of the strategies codegen lowers, in the order their hooks run.
+
+Within a phase, passes run in this order: data's loss reduction and ZeRO gathers come before
+the pipeline's loss broadcast, so the last collective of a step is the pipeline's. Adding a
+strategy: write codegen/strategies/<name>.py (a LoweringStrategy) and list it here.
+"""
+
+from __future__ import annotations
+
+from codegen.strategies.base import LoweringStrategy, Placement
+from codegen.strategies.bidirectional import Bidirectional
+from codegen.strategies.data import Data
+from codegen.strategies.pipeline import Pipeline
+from codegen.strategies.spatial import Spatial
+from codegen.strategies.subgraph import Subgraph
+from planner.plan import Plan
+
+STRATEGIES: tuple[LoweringStrategy, ...] = (Data(), Pipeline(), Bidirectional(), Spatial(), Subgraph())
+
+
+def active(plan: Plan) -> tuple[LoweringStrategy, ...]:
+    """The strategies `plan` uses, in registry order."""
+    return tuple(s for s in STRATEGIES if s.active(plan))
+
+
+def placement(strategies: tuple[LoweringStrategy, ...]) -> Placement:
+    """The one strategy among `strategies` that places stages on pipeline positions."""
+    (found,) = [s for s in strategies if s.places_stages]
+    return found  # type: ignore[return-value]
+
+
+__all__ = ["STRATEGIES", "active", "placement"]

@@ -1,0 +1,73 @@
+"""What a parallel strategy does at run time: the protocol of runtime/parallel/<name>.py.
+
+The rank's main (runtime/rank_main.py) knows no strategy by name: it loops over the registry
+(runtime/parallel/registry.py) at two points, and every hook reads only what the Program and
+the StageSpecs say.
+
+    prepare   before this rank talks to any other: drop or reshape what the stage modules hold
+              (subgraph: the paths of other sub-grids)
+    attach    once the process groups exist: hand the stage modules their groups, or replace
+              them (spatial: the tile and its group; tensor: the tensor group; subgraph: the sub-grid group)
+    class_split  how the last stage's logits are split over ranks for the loss (tensor: the
+                 vocabulary-parallel cross-entropy)
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Iterable, Protocol
+
+from torch import nn
+
+from runtime.comm import Group
+from runtime.context import DistContext
+from runtime.program import Program
+from runtime.spec import StageSpec
+from runtime.vocab import MeshAxis
+
+
+class StrategyName(StrEnum):
+    """The parallel strategies, as module names and registry keys (in every package)."""
+
+    DATA = "data"
+    TENSOR = "tensor"
+    PIPELINE = "pipeline"
+    BIDIRECTIONAL = "bidirectional"
+    SPATIAL = "spatial"
+    SUBGRAPH = "subgraph"
+
+
+# Programs and ParallelConfig.mesh still spell these two axes as before the vocabulary
+# (runtime/vocab.py) took the ParallelConfig field names; mesh_axis reads both spellings.
+_EARLIER_SPELLING = {MeshAxis.PIPELINE: "pipe", MeshAxis.SUBGRAPH: "branch"}
+
+
+def mesh_axis(names: Iterable[str], axis: MeshAxis) -> str | None:
+    """The name a mesh with axes `names` gives `axis`, or None when it has no such axis."""
+    names = list(names)
+    for spelling in (axis, _EARLIER_SPELLING.get(axis)):
+        if spelling in names:
+            return spelling
+    return None
+
+
+ClassSplit = tuple[int, Group, int]   # (first class held here, the group, how many classes held here)
+Modules = dict[int, nn.Module]     # stage index -> stage module
+Specs = dict[int, StageSpec]       # stage index -> its StageSpec
+
+
+class RuntimeStrategy(Protocol):
+    """One parallel strategy's part in running a Program (see module docstring); subclass it and
+    override the hooks the strategy changes."""
+
+    name: StrategyName
+
+    def prepare(self, program: Program, specs: Specs, modules: Modules) -> None:
+        """Change the stage modules before any communication (same on every rank)."""
+
+    def attach(self, ctx: DistContext, program: Program, specs: Specs, modules: Modules) -> None:
+        """Give the stage modules their process groups, or replace entries of `modules`."""
+
+    def class_split(self, ctx: DistContext, spec: StageSpec) -> ClassSplit | None:
+        """The split of stage `spec`'s logits over ranks, for the loss (None: this strategy splits none)."""
+        return None

@@ -1,0 +1,23 @@
+"""Spatial parallelism at run time: the stage code's spatial part (written at build time,
+codegen/spatial_tiles.py) gets this rank's tile and the spatial group from the Program
+(runtime.program.SpatialTiles). Which data the tiles read is the Program's too
+(Program.data_shard)."""
+
+from __future__ import annotations
+
+from runtime.context import DistContext
+from runtime.parallel.base import Modules, RuntimeStrategy, Specs, StrategyName
+from runtime.program import Program
+from runtime.spatial import attach_tiles
+
+
+class Spatial(RuntimeStrategy):
+    """Image tiles over runs of s ranks on the data axis (Program.spatial)."""
+
+    name = StrategyName.SPATIAL
+
+    def attach(self, ctx: DistContext, program: Program, specs: Specs, modules: Modules) -> None:
+        attach_tiles(program, modules, ctx.comm)
+
+
+__all__ = ["Spatial"]
