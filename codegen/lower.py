@@ -36,6 +36,7 @@ from planner.graph import ModelGraph
 from planner.plan import Plan
 from planner.subgraph import module_owners
 from runtime.program import PAIR_AXIS, Bucket, Instr, Program, Tie, axis_group, coords_of, rank_of, tie_axis
+from runtime.vocab import MeshAxis
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
@@ -277,8 +278,8 @@ def step_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket]
     out += tail
     if pipe > 1:
         h = next(handles)
-        out += [Instr("ALLREDUCE", kind="loss", axis="pipe", handle=h, nbytes=8) if loss_sum_over_pipe else
-                Instr("BROADCAST", kind="loss", axis="pipe", peer=last_rank, handle=h, nbytes=8),
+        out += [Instr("ALLREDUCE", kind="loss", axis=MeshAxis.PIPELINE, handle=h, nbytes=8) if loss_sum_over_pipe else
+                Instr("BROADCAST", kind="loss", axis=MeshAxis.PIPELINE, peer=last_rank, handle=h, nbytes=8),
                 Instr("WAIT", handle=h)]
     return out
 
@@ -343,7 +344,7 @@ def lower(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUCKET_B
     for rank in range(cfg.num_devices):
         coords = coords_of(mesh, rank)
         i = coords[0]
-        branch = dict(zip(cfg.mesh, coords)).get("branch", 0)
+        branch = dict(zip(cfg.mesh, coords)).get(MeshAxis.SUBGRAPH, 0)
         if bidi:
             # Position i holds stage i (replica A) and stage p-1-i (replica B); both ranks of the
             # pair {i, p-1-i} hold the same two stages and reduce them over the pair and the

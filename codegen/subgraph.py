@@ -9,7 +9,7 @@ and the stage class gets one method per path (the path's nodes, from the fork
 value to its exit) and one per region, which hands the paths to the stage's
 SubgraphContext: a sub-grid runs only the paths it owns and receives the
 others' outputs. Every rank runs the same code; which paths it runs, and which
-modules it holds, follow from its coordinate on the "branch" axis.
+modules it holds, follow from its coordinate on the "subgraph" axis.
 """
 
 from __future__ import annotations

@@ -53,10 +53,11 @@ def reference_programs(world: int, micro_batches: int = REF_MICRO_BATCHES) -> li
     the last stage and all-reduced over the pipeline (both collectives a real step has),
     each waited; STEP and ZERO_GRAD as every step has them."""
     from runtime.program import Instr, Program
+    from runtime.vocab import MeshAxis
 
     nbytes = REF_ROWS * REF_WIDTH * 4
     last = world - 1
-    mesh = (("pipe", world), ("data", 1), ("tensor", 1))
+    mesh = ((MeshAxis.PIPELINE, world), (MeshAxis.DATA, 1), (MeshAxis.TENSOR, 1))
     progs = []
     for r in range(world):
         ms = range(micro_batches)
@@ -83,7 +84,7 @@ def reference_programs(world: int, micro_batches: int = REF_MICRO_BATCHES) -> li
         ins += [Instr("WAIT", handle=k) for k in sends]
         ins.append(Instr("STEP"))
         for op in ("BROADCAST", "ALLREDUCE"):
-            ins += [Instr(op, kind="loss", axis="pipe", peer=last if op == "BROADCAST" else -1, handle=h, nbytes=8),
+            ins += [Instr(op, kind="loss", axis=MeshAxis.PIPELINE, peer=last if op == "BROADCAST" else -1, handle=h, nbytes=8),
                     Instr("WAIT", handle=h)]
             h += 1
         progs.append(Program(rank=r, world_size=world, mesh=mesh, coords=(r, 0, 0), stages=(r,), num_stages=world,

@@ -18,6 +18,7 @@ from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction,
 from planner.config import ConfigError, ParallelConfig
 from planner.subgraph import Region, describe
 from planner.validate import FieldError, Fields
+from runtime.vocab import MeshAxis
 
 PLAN_FORMAT_VERSION = 1
 # The largest global batch (samples per step) and world (devices) a plan may have: far past
@@ -115,7 +116,7 @@ class Plan:
             lines.append(f"  {s.index:>5} {dev:>4} {len(s.layers):>7}  {span[:38]:<38} "
                          f"{sp.forward * 1e3:>9.3f} {sp.backward * 1e3:>9.3f} {sp.memory.total / gib:>8.3f}")
         if self.subgraph:
-            lines += ["", f"  sub-graph parallelism: {c.subgraph} sub-grids per data replica (mesh axis 'branch')"]
+            lines += ["", f"  sub-graph parallelism: {c.subgraph} sub-grids per data replica (mesh axis '{MeshAxis.SUBGRAPH}')"]
             lines += [f"    {ln}" for ln in describe(self.subgraph, c.subgraph)]
         lines += ["", "  time per step:"]
         total = p.step_time or 1.0

@@ -3,7 +3,7 @@
 A layer holding split regions (planner/subgraph.py) costs, on each device of a
 sub-grid: the layer's ops outside the regions (replicated: every sub-grid runs
 them on the same samples), plus the paths of the busiest sub-grid, plus the
-region's collectives over the B sub-grids of the "branch" axis: in forward one
+region's collectives over the B sub-grids of the "subgraph" axis: in forward one
 broadcast per path output (from the sub-grid that computed it), in backward
 one all-reduce of the fork value's gradient. Those collectives block the
 layer, so they are charged in full to the layer's in-layer communication
@@ -22,6 +22,7 @@ from cost_models.memory import DTYPE_BYTES
 from planner.config import ParallelConfig
 from planner.graph import Layer
 from planner.subgraph import Region, split_regions
+from runtime.vocab import MeshAxis
 
 
 def regions_for(ev, sub_grids: int) -> dict[str, list[Region]]:
@@ -51,7 +52,7 @@ def region_comm_seconds(ev, config: ParallelConfig, region: Region) -> tuple[flo
     key = ("comm", sizes, tuple(config.mesh.items()))   # repeated blocks move the same bytes
     hit = ev.subgraph_regions.get(key)
     if hit is None:
-        times = [ev._axis(config.mesh, "branch", op, n) for op, n in sizes]
+        times = [ev._axis(config.mesh, MeshAxis.SUBGRAPH, op, n) for op, n in sizes]
         hit = ev.subgraph_regions[key] = (sum(times[:-1]), times[-1])
     return hit
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from runtime.vocab import current_axis_name
+
 _TOP = ("format_version", "rank", "world_size", "mesh", "coords", "stages", "num_stages", "num_micro_batches",
         "micro_batch_size", "zero", "buckets", "instrs", "ties")
 _BUCKET = ("stage", "params", "numel", "nbytes")
@@ -70,7 +72,7 @@ def check_program_dict(d: Any) -> None:
     for i, pair in enumerate(_list(d, "mesh", "mesh")):
         if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and pair[0]):
             raise _err(f"mesh[{i}]", f"must be [axis name, size], got {pair!r}")
-        mesh.append((pair[0], _int({"s": pair[1]}, "s", f"mesh[{i}][1]", 1, world)))
+        mesh.append((current_axis_name(pair[0]), _int({"s": pair[1]}, "s", f"mesh[{i}][1]", 1, world)))
     names = [a for a, _ in mesh]
     if len(set(names)) != len(names):
         raise _err("mesh", f"names an axis twice: {names}")
@@ -116,7 +118,7 @@ def check_program_dict(d: Any) -> None:
         for k in _INSTR_INT:
             if k in ins:
                 _int(ins, k, f"{f}.{k}", 0 if k == "nbytes" else -1)
-        op, kind, axis = ins["op"], ins.get("kind", ""), ins.get("axis", "")
+        op, kind, axis = ins["op"], ins.get("kind", ""), current_axis_name(ins.get("axis", ""))
         if op not in OPS:
             raise _err(f"{f}.op", f"is {op!r}; known: {', '.join(OPS)}")
         if kind not in KINDS:

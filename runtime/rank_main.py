@@ -57,6 +57,7 @@ from runtime.memtrack import measure_step_memory
 from runtime.optim import optimizer_order, rank_optimizer
 from runtime.program import Program
 from runtime.spec import StageSpec, TrainSpec
+from runtime.vocab import MeshAxis
 from runtime import spatial_model
 from runtime.stage import StageRunner
 from runtime.subgraph import keep_own_paths, set_branch
@@ -279,7 +280,7 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
                for s in sorted(specs)}
     separate_copies(modules)
     del full
-    branch = prog.coord("branch") if "branch" in prog.mesh_dict else 0
+    branch = prog.coord(MeshAxis.SUBGRAPH) if MeshAxis.SUBGRAPH in prog.mesh_dict else 0
     for m in modules.values():  # sub-graph parallelism: hold only this sub-grid's paths (runtime/subgraph.py)
         keep_own_paths(m, branch)
     restore = None
@@ -314,8 +315,8 @@ def connect(p: Prepared) -> RankSession:
         runners = {}
         for s, sp in p.specs.items():
             set_tensor_group(p.modules[s], tgroup)
-            if "branch" in ctx.groups:
-                set_branch(p.modules[s], ctx.coord("branch"), ctx.group("branch"))
+            if MeshAxis.SUBGRAPH in ctx.groups:
+                set_branch(p.modules[s], ctx.coord(MeshAxis.SUBGRAPH), ctx.group(MeshAxis.SUBGRAPH))
             class_split = None
             if sp.is_last and sp.output_split is not None and tgroup is not None and tgroup.size > 1:
                 split = sp.output_split

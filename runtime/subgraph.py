@@ -4,7 +4,7 @@ The generated stage code calls a region as one function of the fork value x
 (codegen/partition.py writes one method per path and one per region):
 
     forward   the paths this sub-grid owns run on x; every path output is then
-              broadcast over the "branch" group from the sub-grid that computed
+              broadcast over the "subgraph" group from the sub-grid that computed
               it, in path order, so each sub-grid returns all outputs
     backward  the owned paths' outputs are back-propagated with the incoming
               gradients (which every sub-grid has in full: everything after the
@@ -32,7 +32,7 @@ from runtime.comm import Group
 
 
 class SubgraphContext:
-    """This rank's sub-grid index, the "branch" group, and which sub-grid owns each module.
+    """This rank's sub-grid index, the "subgraph" group, and which sub-grid owns each module.
 
     `owners` maps module paths (as the stage code calls them) to the sub-grid that holds them;
     the generated stage class sets it. `index`/`group` are set by `set_branch` before training.
@@ -148,7 +148,7 @@ def keep_own_paths(module: nn.Module, index: int) -> list[str]:
 
 
 def set_branch(module: nn.Module, index: int, group: Group | None) -> None:
-    """Give a stage module's regions this rank's sub-grid index and the "branch" group."""
+    """Give a stage module's regions this rank's sub-grid index and the "subgraph" group."""
     for sg in contexts(module):
         if group is not None and group.ranks[index] != group.ranks[group.rank]:
             raise ValueError(f"sub-grid {index} is not this rank's position {group.rank} in the branch group")

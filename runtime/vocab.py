@@ -25,6 +25,15 @@ class MeshAxis(StrEnum):
     SUBGRAPH = "subgraph"
 
 
+# mesh axis spellings of Program files written before the axes took the ParallelConfig names
+OLD_AXIS_NAMES = {"pipe": MeshAxis.PIPELINE, "branch": MeshAxis.SUBGRAPH}
+
+
+def current_axis_name(name: str) -> str:
+    """A mesh axis name as this build spells it ("pipe" -> "pipeline"); other names unchanged."""
+    return OLD_AXIS_NAMES.get(name, name)
+
+
 class ShardRole(StrEnum):
     """How tensor parallelism splits one op (Megatron's column/row parallel layers).
 
