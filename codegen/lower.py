@@ -36,11 +36,9 @@ from planner.graph import ModelGraph
 from planner.plan import Plan
 from planner.subgraph import module_owners
 from runtime.program import PAIR_AXIS, Bucket, Instr, Program, Tie, axis_group, coords_of, rank_of, tie_axis
-from runtime.vocab import MeshAxis
+from runtime.vocab import MeshAxis, element_bytes
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-_DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
-                "uint8": 1, "int8": 1, "int16": 2}
 
 
 class LoweringError(ValueError):
@@ -67,7 +65,7 @@ def make_buckets(stage: int, params, data: int, cap_bytes: int = DEFAULT_BUCKET_
         if cur and (name in alone or this != cls):
             out.append(_bucket(stage, cur, numel, elem, data, cls))
             cur, numel = [], 0
-        elem, cls = _DTYPE_BYTES.get(dtype, 4), this
+        elem, cls = element_bytes(dtype), this
         cur.append(name)
         numel += n
         if numel * elem >= cap_bytes or name in alone:
@@ -227,7 +225,7 @@ def find_ties(parts: Partition) -> dict[str, list[tuple[int, str, int]]]:
             numel = 1
             for d in shape:
                 numel *= d
-            held.setdefault(key, []).append((sp.spec.index, name, numel * _DTYPE_BYTES.get(dtype, 4)))
+            held.setdefault(key, []).append((sp.spec.index, name, numel * element_bytes(dtype)))
             shapes.setdefault(key, set()).add(tuple(shape))
     for key, sh in shapes.items():
         if len(sh) > 1 and len(held[key]) > 1:

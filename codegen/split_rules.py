@@ -22,6 +22,7 @@ from codegen.shape_rewrite import TensorSplitError, _norm_dim
 from codegen.weight_ops import weight_op
 from planner.ops import module_path_of, target_name
 from runtime.tensor_parallel import FeatureSplit
+from runtime.vocab import ShardRole
 
 
 _ELEMENTWISE_FUNCS = {
@@ -265,10 +266,10 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
         mod = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
         tname = target_name(n, mod) if n.op != "call_module" else type(mod).__name__
         base = tname.rsplit(".", 1)[-1]
-        if role in ("column", "column_out", "row", "vocab") and n.op == "call_function":
+        if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT, ShardRole.ROW, ShardRole.VOCAB) and n.op == "call_function":
             vals[name] = _weight_role(n, role, tname, full, sharded, st)
             continue
-        if role in ("column", "column_out"):
+        if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT):
             if sharded:
                 raise _Fail(name, f"column-parallel {tname} reads a tensor that is already split")
             if n.op != "call_module" or not isinstance(mod, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
@@ -279,7 +280,7 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
             st.parent.setdefault(name, name)
             uses.append((name, str(n.target), role, vals[name]))
             continue
-        if role == "row":
+        if role == ShardRole.ROW:
             if n.op != "call_module" or not isinstance(mod, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
                 raise _Fail(name, f"only nn.Linear / nn.ConvNd modules can be row-parallel, not {tname}")
             if len(sharded) != 1:
@@ -289,13 +290,13 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
             if s.dim != want:
                 raise _Fail(name, f"row-parallel {tname} reads a tensor split on dimension {s.dim}, "
                                   f"not on its input features (dimension {want})")
-            uses.append((name, str(n.target), "row", s))
+            uses.append((name, str(n.target), ShardRole.ROW, s))
             vals[name] = None
             continue
-        if role == "vocab":
+        if role == ShardRole.VOCAB:
             if n.op != "call_module" or not isinstance(mod, nn.Embedding):
                 raise _Fail(name, f"only nn.Embedding modules can be vocabulary-parallel, not {tname}")
-            uses.append((name, str(n.target), "vocab", mod.num_embeddings))
+            uses.append((name, str(n.target), ShardRole.VOCAB, mod.num_embeddings))
             vals[name] = None
             continue
         if not sharded and not tuple_inputs:
@@ -315,14 +316,14 @@ def _weight_role(n, role, tname, full, sharded, st) -> Split | None:
         raise _Fail(name, f"{tname} is not a linear, matmul, convolution or embedding reading its weight "
                           f"directly, so it cannot be {role}-parallel")
     x_split = next((s for a, s in sharded if a is op.x), None)
-    if role == "vocab":
+    if role == ShardRole.VOCAB:
         if op.kind != "embedding" or sharded:
             raise _Fail(name, f"{tname} cannot be split by vocabulary")
         st.param_uses.append((name, role, int(full[op.weight.name].shape[0])))
         return None
     out = full[name]
     dim = op.feature_dim % out.dim()
-    if role in ("column", "column_out"):
+    if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT):
         if sharded or op.kind == "embedding":
             raise _Fail(name, f"column-parallel {tname} reads a tensor that is already split")
         split = Split(dim, (out.shape[dim],), None, name)
@@ -335,7 +336,7 @@ def _weight_role(n, role, tname, full, sharded, st) -> Split | None:
     if x_split.dim != want:
         raise _Fail(name, f"row-parallel {tname} reads a tensor split on dimension {x_split.dim}, not on its "
                           f"input features (dimension {want})")
-    st.param_uses.append((name, "row", x_split))
+    st.param_uses.append((name, ShardRole.ROW, x_split))
     return None
 
 
@@ -351,7 +352,7 @@ def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
         if isinstance(mod, nn.modules.batchnorm._NormBase):
             if s.dim != 1:
                 raise _Fail(name, "a BatchNorm reads a tensor split on a dimension other than its channels")
-            uses.append((name, str(n.target), "channels", s))
+            uses.append((name, str(n.target), ShardRole.CHANNELS, s))
             return s
         if isinstance(mod, _POOL_MODULES):
             if s.dim != 1:

@@ -45,6 +45,7 @@ from codegen.split_rules import Split, _feature_split, _search, _State
 from codegen.weight_ops import rewrite as rewrite_weight_ops, weight_op
 from planner.ops import module_path_of, target_name
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard
+from runtime.vocab import ShardRole
 
 
 @dataclass
@@ -113,7 +114,7 @@ def split_graph(gm: fx.GraphModule, roles: dict[str, str], tensor: int, inputs: 
                                        "vocabulary-parallel loss needs contiguous class blocks")
             output_split = fs
             continue
-        if role == "vocab":
+        if role == ShardRole.VOCAB:
             fs = FeatureSplit((x,), 0)
         else:
             fs = _feature_split(x, st)
@@ -127,10 +128,10 @@ def split_graph(gm: fx.GraphModule, roles: dict[str, str], tensor: int, inputs: 
     for k, v in vals.items():
         if isinstance(v, Split):
             value_splits[k] = (v.dim, _feature_split(v, st))
-    by_role: dict[str, list[str]] = {"column": [], "row": [], "vocab": []}
+    by_role: dict[str, list[str]] = {ShardRole.COLUMN: [], ShardRole.ROW: [], ShardRole.VOCAB: []}
     for node, role, _x in st.param_uses:
-        by_role["column" if role == "column_out" else role].append(node)
-    rewrite_weight_ops(new_graph, by_role["column"], by_role["row"], by_role["vocab"],
+        by_role[ShardRole.COLUMN if role == ShardRole.COLUMN_OUT else role].append(node)
+    rewrite_weight_ops(new_graph, by_role[ShardRole.COLUMN], by_role[ShardRole.ROW], by_role[ShardRole.VOCAB],
                        [(node, x, dim, _feature_split(sp, st)) for node, x, dim, sp in st.scatters])
     attrs = {}
     for target, ps in param_shards.items():
@@ -160,11 +161,11 @@ def _param_shards(gm: fx.GraphModule, st: _State, tensor: int) -> dict[str, Para
 
     for node, role, x in st.param_uses:
         op = weight_op(nodes[node])
-        if role == "vocab":
+        if role == ShardRole.VOCAB:
             add(str(op.weight.target), 0, FeatureSplit((x,), 0), node)
             continue
         fs = _feature_split(x, st)
-        if role in ("column", "column_out"):
+        if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT):
             add(str(op.weight.target), op.out_dim, fs, node)
             if op.bias is not None:
                 add(str(op.bias.target), 0, fs, node)

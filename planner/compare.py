@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from runtime.vocab import ShardRole
+
 if TYPE_CHECKING:
     from cost_models.hardware import Cluster
     from planner.graph import ModelGraph
@@ -227,7 +229,7 @@ def _vocab_split(graph, plan) -> tuple[float, int] | None:
     loss on it), else None."""
     out = next((n for n in graph.nodes if n.kind == "output"), None)
     if out is None or not out.input_meta or not out.inputs or plan.config.tensor < 2 or \
-            dict(plan.shardings).get(out.inputs[0]) not in ("column", "column_out"):
+            dict(plan.shardings).get(out.inputs[0]) not in (ShardRole.COLUMN, ShardRole.COLUMN_OUT):
         return None
     logits = out.input_meta[0]
     return logits.numel / max(logits.shape[-1], 1), plan.config.tensor

@@ -15,7 +15,7 @@ from typing import Any
 
 from runtime.vocab import DType, MeshAxis, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
 
-# the fields whose value is one of a vocabulary's members (given as the member or its string)
+# the fields whose value is one of a vocabulary's members (given as the member or its string; held as the string)
 _CHOICES: tuple[tuple[str, type[StrEnum]], ...] = (
     ("schedule", Schedule), ("recompute", Recompute), ("dtype", DType),
     ("spatial_split", SpatialSplit), ("spatial_batchnorm", SpatialBatchNorm),
@@ -59,18 +59,18 @@ class ParallelConfig:
     tensor: int = 1
     pipeline: int = 1
     micro_batch_size: int = 1
-    schedule: str = Schedule.ONE_F_ONE_B.value
+    schedule: str = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
-    recompute: str = Recompute.NONE.value
+    recompute: str = Recompute.NONE
     zero: int = 0
-    dtype: str = DType.BF16.value
+    dtype: str = DType.BF16
     stage_boundaries: tuple[str, ...] | None = None
     bidirectional: bool = False
     replicas_per_direction: int = 1
     spatial: int = 1
-    spatial_split: str = SpatialSplit.STRIPS_H.value
+    spatial_split: str = SpatialSplit.STRIPS_H
     spatial_until: str | None = None
-    spatial_batchnorm: str = SpatialBatchNorm.SYNC.value
+    spatial_batchnorm: str = SpatialBatchNorm.SYNC
     subgraph: int = 1
 
     def __post_init__(self) -> None:
@@ -82,9 +82,10 @@ class ParallelConfig:
         for name, vocabulary in _CHOICES:
             v = getattr(self, name)
             try:
-                vocabulary(v)
+                member = vocabulary(v)
             except ValueError:
                 raise ConfigError(f"ParallelConfig.{name}={v!r} is not one of {', '.join(vocabulary)}") from None
+            object.__setattr__(self, name, member.value)   # plain strings: reprs in generated code stay literals
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ConfigError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.schedule == Schedule.INTERLEAVED:

@@ -18,7 +18,7 @@ from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction,
 from planner.config import ConfigError, ParallelConfig
 from planner.subgraph import Region, describe
 from planner.validate import FieldError, Fields
-from runtime.vocab import MeshAxis
+from runtime.vocab import MeshAxis, ShardRole
 
 PLAN_FORMAT_VERSION = 1
 # The largest global batch (samples per step) and world (devices) a plan may have: far past
@@ -204,7 +204,7 @@ class Plan:
         return cls.from_dict(data, origin=str(p))
 
 
-ROLES = ("column", "row", "inner", "vocab", "column_out")
+ROLES = (ShardRole.COLUMN, ShardRole.ROW, ShardRole.INNER, ShardRole.VOCAB, ShardRole.COLUMN_OUT)
 
 
 def _read_plan(f: Fields, origin: str | None) -> Plan:

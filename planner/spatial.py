@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from cost_models.memory import DTYPE_BYTES
 from cost_models.spatial import batchnorm_sync_bytes, halo_seconds, tile_shape, window_halo_bytes
 from planner.config import ConfigError, ParallelConfig
 from planner.graph import Layer, ModelGraph, OpInfo
+from runtime.vocab import DType
 
 # A tile thinner than this (rows of the last spatial layer's output) spends more on halos than it
 # saves; the search does not propose it (the user may still ask for it).
@@ -118,7 +118,7 @@ class SpatialPricer:
         if hit is not None:
             return hit
         s = config.spatial
-        elem = DTYPE_BYTES[config.dtype]
+        elem = DType(config.dtype).bytes
         scale = config.micro_batch_size / self.graph.batch_size
         p2p = lambda n: ev._axis(config.mesh, "spatial", "p2p", n)  # noqa: E731 - neighbour transfer
         halo_f = 0.0
@@ -174,7 +174,7 @@ class SpatialPricer:
             return 0.0
         k = self.until_index(config)
         params = sum(layer.param_count for layer in self.graph.layers[:k + 1])
-        nbytes = params * (ev.grad_reduce_bytes or DTYPE_BYTES[config.dtype])
+        nbytes = params * (ev.grad_reduce_bytes or DType(config.dtype).bytes)
         return ev._axis(config.mesh, "spatial", "all_reduce", nbytes)
 
 

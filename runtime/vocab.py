@@ -78,7 +78,7 @@ class DType(StrEnum):
 ELEMENT_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
     "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
     "complex64": 8, "complex128": 16,
 }
 
