@@ -84,7 +84,8 @@ def reference_programs(world: int, micro_batches: int = REF_MICRO_BATCHES) -> li
         ins += [Instr("WAIT", handle=k) for k in sends]
         ins.append(Instr("STEP"))
         for op in ("BROADCAST", "ALLREDUCE"):
-            ins += [Instr(op, kind="loss", axis=MeshAxis.PIPELINE, peer=last if op == "BROADCAST" else -1, handle=h, nbytes=8),
+            ins += [Instr(op, kind="loss", axis=MeshAxis.PIPELINE, peer=last if op == "BROADCAST" else -1, handle=h,
+                          nbytes=8),
                     Instr("WAIT", handle=h)]
             h += 1
         progs.append(Program(rank=r, world_size=world, mesh=mesh, coords=(r, 0, 0), stages=(r,), num_stages=world,

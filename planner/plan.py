@@ -116,7 +116,8 @@ class Plan:
             lines.append(f"  {s.index:>5} {dev:>4} {len(s.layers):>7}  {span[:38]:<38} "
                          f"{sp.forward * 1e3:>9.3f} {sp.backward * 1e3:>9.3f} {sp.memory.total / gib:>8.3f}")
         if self.subgraph:
-            lines += ["", f"  sub-graph parallelism: {c.subgraph} sub-grids per data replica (mesh axis '{MeshAxis.SUBGRAPH}')"]
+            lines += ["", f"  sub-graph parallelism: {c.subgraph} sub-grids per data replica "
+                          f"(mesh axis '{MeshAxis.SUBGRAPH}')"]
             lines += [f"    {ln}" for ln in describe(self.subgraph, c.subgraph)]
         lines += ["", "  time per step:"]
         total = p.step_time or 1.0

@@ -91,7 +91,8 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
             continue
         if n.kind == "embedding" and _has_weight(n, by_name) and _indexed_by_input(n, by_name):
             vocab = _param_rows(n, by_name)
-            roles[n.name] = NodeShard(ShardRole.VOCAB, fwd_allreduce=n.output_bytes, region=next_region, split_size=vocab)
+            roles[n.name] = NodeShard(ShardRole.VOCAB, fwd_allreduce=n.output_bytes, region=next_region,
+                                      split_size=vocab)
             next_region += 1
             constraints.append((f"the vocabulary of {n.module_path or n.name}", vocab, True, next_region - 1))
         elif n.kind in _WEIGHT and _has_weight(n, by_name):
@@ -116,7 +117,8 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
                     constraints.append((f"the heads of {by_name[i].module_path or i}",
                                         by_name[i].input_meta[0].shape[1], False, region))
             for r in rows:
-                roles[r] = NodeShard(ShardRole.ROW, fwd_allreduce=by_name[r].output_bytes, region=region, split_size=size)
+                roles[r] = NodeShard(ShardRole.ROW, fwd_allreduce=by_name[r].output_bytes, region=region,
+                                     split_size=size)
     for n in graph.nodes:
         roles.setdefault(n.name, NodeShard("replicate"))
     return ShardingPlan(roles=roles, constraints=tuple(dict.fromkeys(constraints)))

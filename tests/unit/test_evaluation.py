@@ -51,9 +51,10 @@ def test_run_flags_override_the_builds_setting_field_by_field():
         eval_setting(None, None, 2)
 
 
-@pytest.mark.parametrize("axes,bidirectional,feature", [((MeshAxis.PIPELINE, "data", "spatial", "tensor"), False, "spatial"),
-                                                        ((MeshAxis.PIPELINE, "data", MeshAxis.SUBGRAPH, "tensor"), False, "sub-graph"),
-                                                        ((MeshAxis.PIPELINE, "data", "tensor"), True, "bi-directional")])
+@pytest.mark.parametrize("axes,bidirectional,feature",
+                         [((MeshAxis.PIPELINE, "data", "spatial", "tensor"), False, "spatial"),
+                          ((MeshAxis.PIPELINE, "data", MeshAxis.SUBGRAPH, "tensor"), False, "sub-graph"),
+                          ((MeshAxis.PIPELINE, "data", "tensor"), True, "bi-directional")])
 def test_plans_evaluation_does_not_run_on_are_refused_by_name(axes, bidirectional, feature):
     with pytest.raises(EvalError, match=feature):
         check_supported(axes, bidirectional)
@@ -156,7 +157,8 @@ def test_forward_part_keeps_every_forward_and_what_it_needs_and_drops_the_rest(n
     # the messages still pair up: rank r's SEND act (s, m) to q is q's RECV act (s, m) from r
     sends = sorted((r, i.peer, i.stage, i.micro) for r, kept in kept_by_rank.items() for i in kept if i.op == "SEND")
     recvs = sorted((i.peer, r, i.stage, i.micro) for r, kept in kept_by_rank.items() for i in kept if i.op == "RECV")
-    assert sends == recvs and (sends or MeshAxis.PIPELINE not in dict(programs[0].mesh) or programs[0].mesh_dict[MeshAxis.PIPELINE] == 1)
+    assert sends == recvs and (sends or MeshAxis.PIPELINE not in dict(programs[0].mesh)
+                               or programs[0].mesh_dict[MeshAxis.PIPELINE] == 1)
     # every member of a group issues the same collectives in the same order
     for axis in ("data", MeshAxis.PIPELINE, "tensor"):
         if programs[0].mesh_dict.get(axis, 1) < 2:

@@ -141,7 +141,8 @@ def test_lowered_programs_hold_two_stages_and_reduce_over_the_pair(tiny, p, d, T
             assert grads and all(g.axis == PAIR_AXIS for g in grads)
             assert [g.stage for g in grads] == sorted((g.stage for g in grads), reverse=True), "higher stage first"
             assert {g.stage for g in grads} == set(prog.stages)
-        assert any(ins.kind == "loss" and ins.axis == MeshAxis.PIPELINE and ins.op == "ALLREDUCE" for ins in prog.instrs)
+        assert any(ins.kind == "loss" and ins.axis == MeshAxis.PIPELINE and ins.op == "ALLREDUCE"
+                   for ins in prog.instrs)
         assert prog.derived_axes == ((PAIR_AXIS,) if grads else ())
 
 
