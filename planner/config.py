@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from runtime.documents import FieldError
 from runtime.vocab import DType, MeshAxis, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
 
 # the fields whose value is one of a vocabulary's members (given as the member or its string; held as the string)
@@ -202,9 +203,7 @@ class ParallelConfig:
 
     @classmethod
     def read(cls, f) -> "ParallelConfig":
-        """From a checked document reader (planner.validate.Fields): types checked field by field."""
-        from planner.validate import FieldError
-
+        """From a checked document reader (runtime.documents.Fields): types checked field by field."""
         known = {fl.name for fl in dataclasses.fields(cls)}
         for key in f.data:
             if key not in known:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.documents import read_document
 from runtime.vocab import element_bytes
 
 GRAPH_FORMAT_VERSION = 1
@@ -276,7 +277,8 @@ class ModelGraph:
 
     @classmethod
     def load(cls, path: str | Path) -> "ModelGraph":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """DocumentError (a ValueError) naming the file when it cannot be read as a JSON object."""
+        return cls.from_dict(read_document(path, "captured graph file"))
 
 
 def _fmt_flops(x: float) -> str:

@@ -17,7 +17,7 @@ from cost_models.hardware import Cluster, ClusterFileError
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
 from planner.subgraph import Region, describe
-from planner.validate import FieldError, Fields
+from runtime.documents import FieldError, Fields, read_document
 from runtime.vocab import MeshAxis, ShardRole
 
 PLAN_FORMAT_VERSION = 1
@@ -191,18 +191,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        p = Path(path)
-        try:
-            data = json.loads(p.read_bytes().decode("utf-8"))
-        except FileNotFoundError:
-            raise PlanFileError(f"plan file {p} does not exist") from None
-        except IsADirectoryError:
-            raise PlanFileError(f"plan file {p} is a directory; pass the plan.json inside it") from None
-        except UnicodeDecodeError as e:
-            raise PlanFileError(f"plan file {p} is not UTF-8 text (byte {e.start}); is it a plan.json?") from None
-        except (json.JSONDecodeError, RecursionError) as e:
-            raise PlanFileError(f"plan file {p} is not valid JSON: {e}") from None
-        return cls.from_dict(data, origin=str(p))
+        return cls.from_dict(read_document(path, "plan file", error=PlanFileError), origin=str(path))
 
 
 ROLES = (ShardRole.COLUMN, ShardRole.ROW, ShardRole.INNER, ShardRole.VOCAB, ShardRole.COLUMN_OUT)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from planner.figure_kit import KINDS, _check_plan
+from runtime.documents import read_document
 from runtime.vocab import MeshAxis, Schedule
 
 if TYPE_CHECKING:  # only for annotations; nothing is imported at run time
@@ -111,16 +112,10 @@ def save_timeline(records: Iterable[Any], path: str | os.PathLike) -> Path:
 
 def load_timeline(path: str | os.PathLike) -> list[ScheduleRecord]:
     """Read a JSON list of records (or {"records": [...]}) written by save_timeline."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"timeline file {p} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"timeline file {p} is not valid JSON: {e}") from None
-    if isinstance(data, Mapping) and "records" in data:
+    data = read_document(path, "timeline file", top=(list, dict))
+    if "records" in data:
         data = data["records"]
-    return as_records(data, name=f"timeline file {p}")
+    return as_records(data, name=f"timeline file {Path(path)}")
 
 
 # ---------------------------------------------------------------------------

@@ -61,7 +61,7 @@ class Region:
 
     @classmethod
     def read(cls, f) -> "Region":
-        """From a checked document reader (planner.validate.Fields)."""
+        """From a checked document reader (runtime.documents.Fields)."""
         paths = f.data.get("paths")
         if not isinstance(paths, list) or len(paths) < 2:
             raise f.error("paths", "must list at least two paths")

@@ -49,6 +49,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from runtime.documents import parse_document, read_document
 from runtime.vocab import MeshAxis, current_axis_name
 
 PROGRAM_FORMAT_VERSION = 1
@@ -65,6 +66,11 @@ KINDS = ("", "act", "grad", "grads", "params", "loss", "tied", "stats")
 
 class ProgramError(ValueError):
     """A Program or instruction that is malformed; the message names the field."""
+
+
+def _unreadable(message: str) -> ProgramError:
+    """A Program file that does not read as a JSON object (runtime.documents names the problem)."""
+    return ProgramError(f"{message}; generate the build again")
 
 
 @dataclass(frozen=True)
@@ -331,22 +337,14 @@ class Program:
 
     @classmethod
     def from_json(cls, text: str) -> "Program":
-        try:
-            doc = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise ProgramError(f"a Program file is not valid JSON ({e}); generate the build again") from None
-        return cls.from_dict(doc)
+        return cls.from_dict(parse_document(text, "a Program file", error=_unreadable))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "Program":
-        try:
-            text = Path(path).read_bytes().decode()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ProgramError(f"Program file {path} cannot be read ({e})") from None
-        return cls.from_json(text)
+        return cls.from_dict(read_document(path, "Program file", error=_unreadable))
 
 
 # ---- mesh helpers (the same layout as cost_models.mesh_axes.axis_groups) -------------
