@@ -54,6 +54,19 @@ def test_program_json_round_trip(tmp_path):
     assert Program.load(tmp_path / "p.json") == p
 
 
+def test_programs_written_with_the_old_axis_names_still_load():
+    """Builds made before the mesh axes took the ParallelConfig names spelled them "pipe" and "branch"."""
+    doc = _program().to_dict()
+    doc["mesh"] = [["pipe", 2], ["data", 2], ["tensor", 2]]
+    doc["instrs"].insert(-1, {"op": "BROADCAST", "kind": "loss", "axis": "pipe", "peer": 5, "handle": 9, "nbytes": 8})
+    doc["instrs"].insert(-1, {"op": "WAIT", "handle": 9})
+    p = Program.from_dict(doc)
+    assert [a for a, _ in p.mesh] == [MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.TENSOR]
+    assert p.instrs[-3].axis == MeshAxis.PIPELINE and p.group(MeshAxis.PIPELINE) == (1, 5)
+    assert Program.from_dict({**doc, "mesh": [["pipe", 1], ["data", 2], ["branch", 4]], "coords": [0, 0, 1], "rank": 1,
+                              "instrs": doc["instrs"][:1]}).mesh_dict == {"pipeline": 1, "data": 2, "subgraph": 4}
+
+
 def test_program_prints_one_instruction_per_line():
     text = str(_program())
     lines = text.splitlines()
