@@ -40,8 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SPLITS = ("strips_h", "strips_v", "grid")
-BATCHNORM_MODES = ("sync", "local")
+from runtime.vocab import SpatialBatchNorm, SpatialSplit
+
+SPLITS = tuple(SpatialSplit)
+BATCHNORM_MODES = tuple(SpatialBatchNorm)
 # Halo messages live above the pipeline's p2p tags (runtime.comm.p2p_tag stays below 2**29).
 SPATIAL_TAG_BASE = 2**30
 
@@ -63,9 +65,9 @@ def tile_shape(split: str, degree: int) -> tuple[int, int]:
         raise SpatialError(f"spatial split {split!r} is not one of {', '.join(SPLITS)}")
     if not isinstance(degree, int) or degree < 1:
         raise SpatialError(f"spatial degree must be a positive integer, got {degree!r}")
-    if split == "strips_h":
+    if split == SpatialSplit.STRIPS_H:
         return degree, 1
-    if split == "strips_v":
+    if split == SpatialSplit.STRIPS_V:
         return 1, degree
     rows = max(r for r in range(1, math.isqrt(degree) + 1) if degree % r == 0)
     return rows, degree // rows
@@ -420,7 +422,7 @@ class SpatialSpec:
     degree: int
     split: str
     until: str | None
-    batchnorm: str = "sync"
+    batchnorm: str = SpatialBatchNorm.SYNC.value
 
     def __post_init__(self) -> None:
         tile_shape(self.split, self.degree)
@@ -434,7 +436,7 @@ class SpatialSpec:
     def from_dict(cls, d: dict) -> "SpatialSpec":
         until = d.get("until")
         return cls(int(d["degree"]), str(d["split"]), None if until is None else str(until),
-                   str(d.get("batchnorm", "sync")))
+                   str(d.get("batchnorm", SpatialBatchNorm.SYNC)))
 
 
 # ---------------------------------------------------------------------------
@@ -638,7 +640,7 @@ class SpatialBatchNorm2d(nn.Module):
         self.training = bn.training
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "local" or not self.training:
+        if self.mode == SpatialBatchNorm.LOCAL or not self.training:
             mom = 0.0
             if self.training and self.running_mean is not None:
                 self.num_batches_tracked.add_(1)
