@@ -30,8 +30,9 @@ OLD_AXIS_NAMES = {"pipe": MeshAxis.PIPELINE, "branch": MeshAxis.SUBGRAPH}
 
 
 def current_axis_name(name: str) -> str:
-    """A mesh axis name as this build spells it ("pipe" -> "pipeline"); other names unchanged."""
-    return OLD_AXIS_NAMES.get(name, name)
+    """A mesh axis name as this build spells it ("pipe" -> "pipeline"); other values unchanged (the
+    document checks name a value that is not a string)."""
+    return OLD_AXIS_NAMES.get(name, name) if isinstance(name, str) else name
 
 
 class ShardRole(StrEnum):
