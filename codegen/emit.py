@@ -43,6 +43,7 @@ from runtime.evaluation import EvalSpec, check_supported
 from runtime.lr_schedule import ScheduleSpec
 from runtime.optim import OptimizerSpec
 from runtime.program import Program
+from runtime.rank_main import PlanMismatchError
 from runtime.loss_scale import LossScaleSpec
 from runtime.spec import TrainSpec
 
@@ -50,10 +51,6 @@ from runtime.spec import TrainSpec
 # The captured ModelGraph in a build (planner/graph.py's JSON): readers of a build use it instead
 # of capturing the model again, which would import and run the model's code.
 GRAPH_FILE = "graph.json"
-
-
-class PlanMismatchError(ValueError):
-    """The model reference does not build the model the plan was made for."""
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ import json
 import math
 import numbers
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import Any
 import yaml
 
 from cost_models.presets import GPU_PRESETS, NodeSpec, local_spec
+from runtime.documents import read_document
 
 
 FORMAT_VERSION = 1
@@ -453,42 +453,10 @@ class Cluster:
         or describes no valid cluster.
         """
         path = Path(path)
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            presets = ", ".join(cls.preset_names())
-            raise ClusterFileError(
-                f"cluster file {path} does not exist. Check the path, or use a preset: {presets}.",
-                path=str(path),
-            ) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ClusterFileError(
-                f"cluster file {path} cannot be read ({e}).", path=str(path)
-            ) from None
-
-        suffix = path.suffix.lower()
-        try:
-            if suffix == ".json":
-                data = json.loads(text)
-            elif suffix in (".yaml", ".yml"):
-                data = yaml.load(text, Loader=_YamlLoader)
-            else:
-                try:
-                    data = json.loads(text)
-                except ValueError:
-                    data = yaml.load(text, Loader=_YamlLoader)
-        except (ValueError, yaml.YAMLError) as e:
-            fmt = suffix.lstrip(".").upper() or "JSON or YAML"
-            raise ClusterFileError(
-                f"cluster file {path} does not parse as {fmt}: {e}. Fix the syntax.",
-                path=str(path),
-            ) from None
-        if not isinstance(data, Mapping):
-            raise ClusterFileError(
-                f"cluster file {path} must hold a mapping of fields (name, num_nodes, ...), "
-                f"got {type(data).__name__}. See Cluster.to_dict for the layout.",
-                path=str(path),
-            )
+        presets = ", ".join(cls.preset_names())
+        data = read_document(path, "cluster file", yaml=True,
+                             error=lambda message: ClusterFileError(f"{message}.", path=str(path)),
+                             missing_hint=f". Check the path, or use a preset: {presets}")
         return cls.from_dict(data, origin=path)
 
     # --- presets ---
@@ -635,21 +603,6 @@ class _Reader:
             return kind(**fields)
         except _FieldError as e:
             raise self.error(prefix + e.field, e.problem, "Correct it in the file.") from None
-
-
-class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads ``312e12`` and ``3e-6`` as floats.
-
-    YAML 1.1 (PyYAML) wants a dot and a signed exponent in a float, so plain SafeLoader
-    would read these natural spellings as strings.
-    """
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
 
 
 # --- small helpers ----------------------------------------------------------------------

@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.schedules import forwards_in_flight
-from runtime.vocab import Schedule
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from runtime.vocab import DType, Schedule
 
 
 @dataclass(frozen=True)
@@ -32,14 +30,15 @@ class ParamBytes:
 
 def param_bytes(dtype: str, zero: int, data: int) -> ParamBytes:
     """Per-parameter bytes on one device for a compute dtype, ZeRO stage and data degree."""
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPE_BYTES)}")
+    try:
+        w = g = DType(dtype).bytes
+    except ValueError:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DType)}") from None
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {zero!r}")
     if data < 1:
         raise ValueError(f"data degree must be >= 1, got {data!r}")
-    w = g = DTYPE_BYTES[dtype]
-    opt = 12.0 if dtype != "fp32" else 8.0
+    opt = 12.0 if dtype != DType.FP32 else 8.0
     return ParamBytes(
         weights=w / data if zero >= 3 else w,
         gradients=g / data if zero >= 2 else g,

@@ -15,21 +15,22 @@ from cost_models.comm import (CollectiveCost, _check_bytes, _check_op, _cheapest
                               _measured, link_models)
 from cost_models.hardware import Cluster
 from runtime.mesh import groups_along
+from runtime.vocab import MeshAxis
 
 
 # --- named mesh axes -----------------------------------------------------------------------
 
 
 def default_mesh_order() -> tuple[str, ...]:
-    """The default order of mesh axes, outermost to innermost: ``("pipe", "data", "tensor")``.
+    """The default order of mesh axes, outermost to innermost: pipeline, data, tensor.
 
     Tensor is innermost (contiguous ranks) so that a tensor axis that fits in a node
     runs its frequent activation all-reduces on the intra-node link; data comes next;
-    pipe is outermost, since its point-to-point traffic is the lightest (Megatron-LM's
+    pipeline is outermost, since its point-to-point traffic is the lightest (Megatron-LM's
     convention). Other axes (spatial, subgraph) can be placed anywhere in a mesh; the
     functions here work for any axis names.
     """
-    return ("pipe", "data", "tensor")
+    return (MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.TENSOR)
 
 
 def _mesh_items(mesh: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
@@ -55,8 +56,8 @@ def axis_groups(mesh: Mapping[str, int], axis: str) -> list[list[int]]:
     runtime's layout (runtime/mesh.py).
     Each group holds the ranks that differ only in their ``axis`` coordinate, in
     coordinate order; groups are sorted by their first rank. E.g. for
-    ``{"pipe": 2, "data": 2, "tensor": 2}``: tensor ``[[0,1],[2,3],[4,5],[6,7]]``, data
-    ``[[0,2],[1,3],[4,6],[5,7]]``, pipe ``[[0,4],[1,5],[2,6],[3,7]]``.
+    ``{"pipeline": 2, "data": 2, "tensor": 2}``: tensor ``[[0,1],[2,3],[4,5],[6,7]]``, data
+    ``[[0,2],[1,3],[4,6],[5,7]]``, pipeline ``[[0,4],[1,5],[2,6],[3,7]]``.
 
     Raises ValueError for an unknown axis or a size that is not an integer >= 1.
     """

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from planner.strategies.combinations import Level
 from planner.strategies.combinations import why_not as combination_refusal
+from runtime.documents import FieldError
+from runtime.vocab import DType, MeshAxis, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-RECOMPUTE = ("none", "selective", "full")
-DTYPES = ("fp32", "bf16", "fp16")
-SPATIAL_SPLITS = ("strips_h", "strips_v", "grid")   # runtime.spatial.SPLITS
-SPATIAL_BATCHNORM = ("sync", "local")
+# the fields whose value is one of a vocabulary's members (given as the member or its string; held as the string)
+_CHOICES: tuple[tuple[str, type[StrEnum]], ...] = (
+    ("schedule", Schedule), ("recompute", Recompute), ("dtype", DType),
+    ("spatial_split", SpatialSplit), ("spatial_batchnorm", SpatialBatchNorm),
+)
 
 
 class ConfigError(ValueError):
@@ -33,9 +36,9 @@ class ParallelConfig:
     Attributes:
         data, tensor, pipeline: degrees of the mesh axes (devices = product).
         micro_batch_size: samples per micro-batch on one data-parallel rank.
-        schedule: pipeline schedule, one of SCHEDULES.
+        schedule: pipeline schedule, a runtime.vocab.Schedule value.
         virtual_stages: model chunks per device (interleaved schedule only).
-        recompute: activation recomputation, one of RECOMPUTE.
+        recompute: activation recomputation, a runtime.vocab.Recompute value.
         zero: ZeRO stage 0-3 (sharding of optimizer state, gradients, parameters over data).
         dtype: compute dtype; "bf16"/"fp16" mean mixed precision with fp32 master weights and Adam state.
         stage_boundaries: optional names of the first layer of every stage after the first
@@ -50,7 +53,7 @@ class ParallelConfig:
             devices. `spatial_batchnorm`: "sync" (statistics over the whole image, exact)
             or "local" (per-tile statistics, cheaper, not equal to the unsplit model).
         subgraph: sub-graph parallelism (SUPER) degree B: each data replica's devices form B
-            sub-grids (the "branch" axis) on the same samples; the independent paths of the
+            sub-grids (the "subgraph" mesh axis) on the same samples; the independent paths of the
             model's fork/join branches are dealt to them (planner/subgraph.py), the rest
             runs replicated.
     """
@@ -59,18 +62,18 @@ class ParallelConfig:
     tensor: int = 1
     pipeline: int = 1
     micro_batch_size: int = 1
-    schedule: str = "1f1b"
+    schedule: str = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
-    recompute: str = "none"
+    recompute: str = Recompute.NONE
     zero: int = 0
-    dtype: str = "bf16"
+    dtype: str = DType.BF16
     stage_boundaries: tuple[str, ...] | None = None
     bidirectional: bool = False
     replicas_per_direction: int = 1
     spatial: int = 1
-    spatial_split: str = "strips_h"
+    spatial_split: str = SpatialSplit.STRIPS_H
     spatial_until: str | None = None
-    spatial_batchnorm: str = "sync"
+    spatial_batchnorm: str = SpatialBatchNorm.SYNC
     subgraph: int = 1
 
     def __post_init__(self) -> None:
@@ -79,14 +82,16 @@ class ParallelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {v!r}")
-        for name, allowed in (("schedule", SCHEDULES), ("recompute", RECOMPUTE), ("dtype", DTYPES),
-                              ("spatial_split", SPATIAL_SPLITS), ("spatial_batchnorm", SPATIAL_BATCHNORM)):
+        for name, vocabulary in _CHOICES:
             v = getattr(self, name)
-            if v not in allowed:
-                raise ConfigError(f"ParallelConfig.{name}={v!r} is not one of {', '.join(allowed)}")
+            try:
+                member = vocabulary(v)
+            except ValueError:
+                raise ConfigError(f"ParallelConfig.{name}={v!r} is not one of {', '.join(vocabulary)}") from None
+            object.__setattr__(self, name, member.value)   # plain strings: reprs in generated code stay literals
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ConfigError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.schedule == "interleaved":
+        if self.schedule == Schedule.INTERLEAVED:
             if self.virtual_stages < 2:
                 raise ConfigError("the interleaved schedule needs virtual_stages >= 2 "
                                   f"(got {self.virtual_stages}); use 1f1b for one chunk per device")
@@ -128,12 +133,13 @@ class ParallelConfig:
 
     @property
     def mesh(self) -> dict[str, int]:
-        """Mesh axes, outermost first: pipeline, data, (spatial, when s > 1), tensor (innermost, inside a node)."""
-        if self.spatial > 1:
-            return {"pipe": self.pipeline, "data": self.data, "spatial": self.spatial, "tensor": self.tensor}
-        if self.subgraph > 1:   # sub-grids of one data replica sit together (their collectives stay in a node)
-            return {"pipe": self.pipeline, "data": self.data, "branch": self.subgraph, "tensor": self.tensor}
-        return {"pipe": self.pipeline, "data": self.data, "tensor": self.tensor}
+        """Mesh axes (MeshAxis values), outermost first: pipeline, data, (spatial or subgraph, when > 1),
+        tensor (innermost, inside a node)."""
+        # the sub-grids of one data replica sit next to each other, so their collectives stay in a node
+        middle = ({MeshAxis.SPATIAL: self.spatial} if self.spatial > 1 else
+                  {MeshAxis.SUBGRAPH: self.subgraph} if self.subgraph > 1 else {})
+        axes = {MeshAxis.PIPELINE: self.pipeline, MeshAxis.DATA: self.data, **middle, MeshAxis.TENSOR: self.tensor}
+        return {a.value: n for a, n in axes.items()}   # plain strings: reprs and messages stay readable
 
     def micro_batches(self, global_batch_size: int) -> int:
         """Micro-batches per step on each pipeline; ValueError when the batch does not split evenly."""
@@ -145,7 +151,7 @@ class ParallelConfig:
                 f"or data degree that divides it"
             )
         m = global_batch_size // per_replica
-        if self.schedule == "interleaved" and m % self.pipeline:
+        if self.schedule == Schedule.INTERLEAVED and m % self.pipeline:
             raise ConfigError(
                 f"the interleaved schedule runs micro-batches in groups of the pipeline size: {m} micro-batches "
                 f"(global batch {global_batch_size} / (micro_batch_size {self.micro_batch_size} x data "
@@ -164,11 +170,11 @@ class ParallelConfig:
         """A compact label, e.g. "d4 t8 p12 mb1 1f1b rc=full z0 bf16"."""
         sched = f"bidi T{self.replicas_per_direction}" if self.bidirectional else self.schedule
         s = f"d{self.data} t{self.tensor} p{self.pipeline} mb{self.micro_batch_size} {sched}"
-        if self.schedule == "interleaved":
+        if self.schedule == Schedule.INTERLEAVED:
             s += f"x{self.virtual_stages}"
         if self.spatial > 1:
             s += f" s{self.spatial} {self.spatial_split}..{self.spatial_until}" + \
-                (" bn=local" if self.spatial_batchnorm == "local" else "")
+                (" bn=local" if self.spatial_batchnorm == SpatialBatchNorm.LOCAL else "")
         if self.subgraph > 1:
             s += f" g{self.subgraph}"
         return s + f" rc={self.recompute} z{self.zero} {self.dtype}"
@@ -189,9 +195,7 @@ class ParallelConfig:
 
     @classmethod
     def read(cls, f) -> "ParallelConfig":
-        """From a checked document reader (planner.validate.Fields): types checked field by field."""
-        from runtime.documents import FieldError
-
+        """From a checked document reader (runtime.documents.Fields): types checked field by field."""
         known = {fl.name for fl in dataclasses.fields(cls)}
         for key in f.data:
             if key not in known:

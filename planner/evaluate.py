@@ -28,15 +28,14 @@ from cost_models.calibrated import calibrated_efficiency, curve_mix, in_run_fact
 from cost_models.compute import Efficiency, op_time, wave_efficiency
 from cost_models.op_curves import node_curve_times
 from cost_models.hardware import Cluster
-from cost_models.memory import DTYPE_BYTES
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
-from planner.graph import Layer, ModelGraph, OpInfo, dtype_size
+from planner.graph import Layer, ModelGraph, OpInfo
 from planner.sharding import ShardingPlan, find_sharding
 from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
 from planner.ties import tied_weights
-from runtime.vocab import MeshAxis
+from runtime.vocab import DType, MeshAxis, ShardRole, element_bytes
 
 T = TypeVar("T")
 
@@ -202,7 +201,7 @@ class Evaluator:
             positions = sorted({s % p for s in held})
             if len(positions) > 1:
                 stride = config.num_devices // p
-                nbytes = per_rank * (self.grad_reduce_bytes or DTYPE_BYTES[config.dtype])
+                nbytes = per_rank * (self.grad_reduce_bytes or DType(config.dtype).bytes)
                 seconds += collective_time(self.cluster, "all_reduce", nbytes,
                                            [pos * stride for pos in positions]).seconds
         return extra, seconds
@@ -296,7 +295,7 @@ class Evaluator:
         if not units or n.kind not in ("linear", "conv") or not n.output_meta:
             return 1.0
         shape = n.output_meta[0].shape
-        split = t if role in ("column", "column_out") else 1
+        split = t if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT) else 1
         cols = shape[1] if n.kind == "conv" and len(shape) >= 3 else shape[-1]  # conv: (B*H*W) x out_channels
         rows = n.output_meta[0].numel // max(cols, 1)
         return wave_efficiency(max(int(rows * scale), 1), max(cols // split, 1), units)
@@ -308,7 +307,7 @@ class Evaluator:
 
     def _boundary(self, layer: Layer, config: ParallelConfig) -> float:
         return layer.boundary_bytes * config.micro_batch_size / self.graph.batch_size * \
-            DTYPE_BYTES[config.dtype] / 4
+            DType(config.dtype).bytes / 4
 
     def node_cost(self, n: OpInfo, role: str, config: ParallelConfig) -> _NodeCost:
         """One node on one device for one micro-batch, with `role` ("replicate" or its split role)."""
@@ -355,7 +354,7 @@ class Evaluator:
                 # parallel embedding masks the ids it does not hold and zeroes their outputs; a layer's
                 # autograd function costs both ways and copies the values it reduces.
                 elements = max(shard.fwd_allreduce, shard.bwd_allreduce) * scale / 4  # fp32 bytes
-                wf, wb = (self.tp_embedding if role == "vocab" else self.tp_wrapper).at(elements)
+                wf, wb = (self.tp_embedding if role == ShardRole.VOCAB else self.tp_wrapper).at(elements)
                 tp_f, tp_b = tp_f + wf, tp_b + wb
         saved = n.saved_bytes
         if n.kind == "attention":
@@ -393,7 +392,7 @@ class Evaluator:
         saved = sum(c.saved for c in costs)
         params = sum(c.params for c in costs)
         scale = config.micro_batch_size / self.graph.batch_size
-        layer_in = self._layer_inputs[layer.index] * scale * DTYPE_BYTES[config.dtype] / 4
+        layer_in = self._layer_inputs[layer.index] * scale * DType(config.dtype).bytes / 4
         if config.recompute == "full":
             recompute, working, kept = fwd, saved, layer_in
             tp_b += tp_f  # the recomputed forward repeats its all-reduces
@@ -429,7 +428,7 @@ def _params_per_rank(n: OpInfo, role: str, t: float) -> float:
     """
     if role == "replicate" or t == 1:
         return float(n.param_count)
-    if role == "row" and any(name.endswith("bias") for name in n.param_names) and n.output_meta:
+    if role == ShardRole.ROW and any(name.endswith("bias") for name in n.param_names) and n.output_meta:
         bias = n.output_meta[0].shape[1] if n.kind == "conv" else n.output_meta[0].shape[-1]
         return (n.param_count - bias) / t + bias
     return n.param_count / t
@@ -441,7 +440,7 @@ def _score_bytes(n: OpInfo) -> int:
         return 0
     b, h, tq, _ = n.input_meta[0].shape
     tk = n.input_meta[1].shape[2]
-    return b * h * tq * tk * dtype_size(n.input_meta[0].dtype)
+    return b * h * tq * tk * element_bytes(n.input_meta[0].dtype)
 
 
 def _dtype_scale(n: OpInfo, dtype: str) -> float:
@@ -449,7 +448,7 @@ def _dtype_scale(n: OpInfo, dtype: str) -> float:
     meta = n.output_meta[0] if n.output_meta else (n.input_meta[0] if n.input_meta else None)
     if meta is None or not meta.dtype.startswith(("float", "bfloat")):
         return 1.0
-    return DTYPE_BYTES[dtype] / dtype_size(meta.dtype)
+    return DType(dtype).bytes / element_bytes(meta.dtype)
 
 
 def _tokens_per_sample(graph: ModelGraph) -> int | None:

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.documents import read_document
+from runtime.vocab import element_bytes
+
 GRAPH_FORMAT_VERSION = 1
 
 
@@ -39,23 +42,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * dtype_size(self.dtype)
-
-
-_DTYPE_SIZES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "complex64": 8, "complex128": 16,
-}
-
-
-def dtype_size(dtype: str) -> int:
-    """Bytes per element of a dtype named like "float32"."""
-    try:
-        return _DTYPE_SIZES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_SIZES)}") from None
+        return self.numel * element_bytes(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -290,7 +277,8 @@ class ModelGraph:
 
     @classmethod
     def load(cls, path: str | Path) -> "ModelGraph":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """DocumentError (a ValueError) naming the file when it cannot be read as a JSON object."""
+        return cls.from_dict(read_document(path, "captured graph file"))
 
 
 def _fmt_flops(x: float) -> str:

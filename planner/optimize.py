@@ -31,6 +31,7 @@ from planner.progress import Progress
 from planner.strategies.base import MeshShape
 from planner.subgraph import describe
 from planner.tensor_split.analysis import SplitCache
+from runtime.vocab import Recompute
 
 OBJECTIVES = ("time", "energy")
 FIXED_KNOBS = ("data", "tensor", "pipeline", "micro_batch_size", "schedule", "virtual_stages", "recompute",
@@ -38,7 +39,7 @@ FIXED_KNOBS = ("data", "tensor", "pipeline", "micro_batch_size", "schedule", "vi
                "spatial_until", "spatial_batchnorm")
 LIMITS = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s", "allow_cross_node_tensor",
           "max_micro_batch_size")
-RECOMPUTE_ORDER = ("none", "selective", "full")
+RECOMPUTE_ORDER = tuple(Recompute)   # least recomputation first: none, selective, full
 
 
 class NoFeasiblePlan(ValueError):

@@ -18,7 +18,8 @@ from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction,
 from planner.config import ConfigError, ParallelConfig
 from planner.subgraph import Region, describe
 from planner.tensor_split.splits import TensorSplits
-from runtime.documents import FieldError, Fields
+from runtime.documents import FieldError, Fields, read_document
+from runtime.vocab import MeshAxis, ShardRole
 
 PLAN_FORMAT_VERSION = 2   # 2: the tensor-parallel split is stored ("tensor_splits"); 1 still loads
 # The largest global batch (samples per step) and world (devices) a plan may have: far past
@@ -119,7 +120,8 @@ class Plan:
             lines.append(f"  {s.index:>5} {dev:>4} {len(s.layers):>7}  {span[:38]:<38} "
                          f"{sp.forward * 1e3:>9.3f} {sp.backward * 1e3:>9.3f} {sp.memory.total / gib:>8.3f}")
         if self.subgraph:
-            lines += ["", f"  sub-graph parallelism: {c.subgraph} sub-grids per data replica (mesh axis 'branch')"]
+            lines += ["", f"  sub-graph parallelism: {c.subgraph} sub-grids per data replica "
+                          f"(mesh axis '{MeshAxis.SUBGRAPH}')"]
             lines += [f"    {ln}" for ln in describe(self.subgraph, c.subgraph)]
         lines += ["", "  time per step:"]
         total = p.step_time or 1.0
@@ -194,21 +196,10 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        p = Path(path)
-        try:
-            data = json.loads(p.read_bytes().decode("utf-8"))
-        except FileNotFoundError:
-            raise PlanFileError(f"plan file {p} does not exist") from None
-        except IsADirectoryError:
-            raise PlanFileError(f"plan file {p} is a directory; pass the plan.json inside it") from None
-        except UnicodeDecodeError as e:
-            raise PlanFileError(f"plan file {p} is not UTF-8 text (byte {e.start}); is it a plan.json?") from None
-        except (json.JSONDecodeError, RecursionError) as e:
-            raise PlanFileError(f"plan file {p} is not valid JSON: {e}") from None
-        return cls.from_dict(data, origin=str(p))
+        return cls.from_dict(read_document(path, "plan file", error=PlanFileError), origin=str(path))
 
 
-ROLES = ("column", "row", "inner", "vocab", "column_out")
+ROLES = (ShardRole.COLUMN, ShardRole.ROW, ShardRole.INNER, ShardRole.VOCAB, ShardRole.COLUMN_OUT)
 
 
 def upgrade_v1(d: dict) -> dict:

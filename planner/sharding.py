@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.graph import ModelGraph, OpInfo
+from runtime.vocab import ShardRole
 
 # Ops that act independently on each output feature / head / channel, so a
 # tensor split on that dimension can flow through them unchanged.
@@ -90,7 +91,8 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
             continue
         if n.kind == "embedding" and _has_weight(n, by_name) and _indexed_by_input(n, by_name):
             vocab = _param_rows(n, by_name)
-            roles[n.name] = NodeShard("vocab", fwd_allreduce=n.output_bytes, region=next_region, split_size=vocab)
+            roles[n.name] = NodeShard(ShardRole.VOCAB, fwd_allreduce=n.output_bytes, region=next_region,
+                                      split_size=vocab)
             next_region += 1
             constraints.append((f"the vocabulary of {n.module_path or n.name}", vocab, True, next_region - 1))
         elif n.kind in _WEIGHT and _has_weight(n, by_name):
@@ -105,17 +107,18 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
             has_heads = any(by_name[i].kind == "attention" for i in inner)
             size = 0 if has_heads else max(_out_features(by_name[c]) for c in cols)
             for k, c in enumerate(sorted(cols, key=_order(graph))):
-                roles[c] = NodeShard("column_out" if to_output else "column",
+                roles[c] = NodeShard(ShardRole.COLUMN_OUT if to_output else ShardRole.COLUMN,
                                      bwd_allreduce=bwd_bytes if k == 0 else 0, region=region, split_size=size)
                 constraints.append((f"the output features of {by_name[c].module_path or c}", _out_features(by_name[c]),
                                     True, region))
             for i in inner:
-                roles[i] = NodeShard("inner", region=region, split_size=size)
+                roles[i] = NodeShard(ShardRole.INNER, region=region, split_size=size)
                 if by_name[i].kind == "attention" and by_name[i].input_meta:
                     constraints.append((f"the heads of {by_name[i].module_path or i}",
                                         by_name[i].input_meta[0].shape[1], False, region))
             for r in rows:
-                roles[r] = NodeShard("row", fwd_allreduce=by_name[r].output_bytes, region=region, split_size=size)
+                roles[r] = NodeShard(ShardRole.ROW, fwd_allreduce=by_name[r].output_bytes, region=region,
+                                     split_size=size)
     for n in graph.nodes:
         roles.setdefault(n.name, NodeShard("replicate"))
     return ShardingPlan(roles=roles, constraints=tuple(dict.fromkeys(constraints)))

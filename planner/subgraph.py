@@ -1,7 +1,7 @@
 """Sub-graph parallelism (SUPER): which fork/join regions are split, and which sub-grid runs each path.
 
 With `ParallelConfig.subgraph` = B the devices of every data replica form B
-sub-grids (the "branch" mesh axis). Ops outside the split regions run
+sub-grids (the "subgraph" mesh axis). Ops outside the split regions run
 replicated on all B sub-grids, on the same samples. Inside a region, the
 independent paths of a `Branch` are dealt to the sub-grids (longest first,
 each to the least loaded, by forward + backward FLOPs); a sub-grid runs only
@@ -61,7 +61,7 @@ class Region:
 
     @classmethod
     def read(cls, f) -> "Region":
-        """From a checked document reader (planner.validate.Fields)."""
+        """From a checked document reader (runtime.documents.Fields)."""
         paths = f.data.get("paths")
         if not isinstance(paths, list) or len(paths) < 2:
             raise f.error("paths", "must list at least two paths")

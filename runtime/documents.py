@@ -1,14 +1,29 @@
-"""Small typed readers for JSON documents, raising errors that name the dotted field.
+"""The one reader for the JSON and YAML documents meshplan loads (plans, clusters, programs,
+captured graphs, timelines), and typed field readers whose errors name the document and the field.
 
-Loaders (plans, predictions, configs) read every value through `Fields`, so
-a damaged file is rejected with "field 'stages[2].layers' must be a list of
-strings, got 3" instead of a KeyError or TypeError from deep inside.
+`read_document(path, what)` turns every way a file can be unreadable (missing, a directory, not
+UTF-8, bad JSON or YAML, not an object) into one error that names the file. `Fields` then reads
+the document's values one by one, so a damaged file is rejected with "plan file p.json: field
+'stages[2].layers' must be a list of strings, got 3" instead of a KeyError from deep inside.
+Loaders raise their own ValueError subclass: they pass it as `error`, or turn a FieldError into it.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Callable
+
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+class DocumentError(ValueError):
+    """A document file that cannot be read as a JSON or YAML object; the message names the file."""
 
 
 class FieldError(ValueError):
@@ -19,12 +34,78 @@ class FieldError(ValueError):
         super().__init__(f"{where}: field {field!r} {problem}")
 
 
+def read_document(path: str | os.PathLike[str], what: str, *, error: Callable[[str], Exception] = DocumentError,
+                  yaml: bool = False, top: type | tuple[type, ...] = dict, missing_hint: str = "") -> Any:
+    """The parsed content of the file at `path`, a `what` ("plan file", "cluster file").
+
+    yaml: also read YAML (by suffix: .json is JSON, .yaml/.yml YAML, any other JSON, else YAML);
+    top: the type(s) the document must be (an object by default); missing_hint: appended to the
+    message for a missing file. Every problem raises error(message), the message naming the file.
+    """
+    p = Path(path)
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise error(f"{what} {p} does not exist{missing_hint}") from None
+    except IsADirectoryError:
+        raise error(f"{what} {p} is a directory; pass the file inside it") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{what} {p} is not UTF-8 text (byte {e.start}); is it the right file?") from None
+    except OSError as e:
+        raise error(f"{what} {p} cannot be read ({e.strerror or e})") from None
+    data = parse_document(text, f"{what} {p}", suffix=p.suffix.lower() if yaml else ".json", error=error)
+    if not isinstance(data, top):
+        kinds = " or ".join(_TOP_NAMES.get(t, t.__name__) for t in (top if isinstance(top, tuple) else (top,)))
+        raise error(f"{what} {p} must hold {kinds}, got {type(data).__name__}")
+    return data
+
+
+_TOP_NAMES = {dict: "an object (a mapping of fields)", list: "a list"}
+
+
+def parse_document(text: str, where: str, *, suffix: str = ".json",
+                   error: Callable[[str], Exception] = DocumentError) -> Any:
+    """JSON (suffix .json), YAML (.yaml/.yml), or JSON else YAML (any other suffix) from `text`;
+    error(message) names `where` when it does not parse. YAML (PyYAML) is imported only to read YAML."""
+    fmt = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML"}.get(suffix, "JSON or YAML")
+    unparsable: tuple[type[Exception], ...] = (ValueError, RecursionError)
+    try:
+        if suffix == ".json":
+            return json.loads(text)
+        import yaml
+
+        unparsable += (yaml.YAMLError,)
+        if suffix in YAML_SUFFIXES:
+            return yaml.load(text, Loader=_yaml_loader())
+        try:
+            return json.loads(text)
+        except ValueError:
+            return yaml.load(text, Loader=_yaml_loader())
+    except unparsable as e:
+        raise error(f"{where} does not parse as {fmt}: {e}") from None
+
+
+@functools.cache
+def _yaml_loader() -> type:
+    """SafeLoader that also reads ``312e12`` and ``3e-6`` as floats: YAML 1.1 (PyYAML) wants a dot
+    and a signed exponent in a float, so plain SafeLoader would read these natural spellings as strings."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                 re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                 list("-+0123456789"))
+    return Loader
+
+
 class Fields:
-    """Reads the fields of one mapping; `where` names the document, `prefix` the mapping's path."""
+    """Reads the fields of one mapping; `where` names the document, `prefix` the mapping's dotted path."""
 
     def __init__(self, data: Any, where: str, prefix: str = "") -> None:
         self.where, self.prefix = where, prefix
-        if not isinstance(data, dict):
+        if not isinstance(data, Mapping):
             raise FieldError(where, prefix or "(top level)", f"must be a JSON object, got {_show(data)}")
         self.data = data
 
@@ -33,6 +114,15 @@ class Fields:
 
     def error(self, key: str, problem: str) -> FieldError:
         return FieldError(self.where, self.path(key), problem)
+
+    def only(self, known: tuple[str, ...], required: tuple[str, ...] = ()) -> None:
+        """FieldError for a key outside `known` (first) or a missing `required` one."""
+        unknown = sorted(str(k) for k in self.data if k not in known)
+        if unknown:
+            raise FieldError(self.where, self.prefix or "(top level)",
+                             f"has unknown key(s) {unknown}; known: {list(known)}")
+        for key in required:
+            self.raw(key)
 
     def raw(self, key: str, default: Any = ...) -> Any:
         if key not in self.data:
@@ -56,12 +146,18 @@ class Fields:
             raise self.error(key, f"must be true or false, got {_show(v)}")
         return v
 
-    def integer(self, key: str, default: Any = ..., *, minimum: int | None = None) -> int:
-        v = self.raw(key, default)
+    def integer(self, key: str, default: Any = ..., *, minimum: int | None = None,
+                maximum: int | None = None) -> int:
+        return self.whole(self.path(key), self.raw(key, default), minimum=minimum, maximum=maximum)
+
+    def whole(self, path: str, v: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
+        """`v`, the value at the full `path` (a list element, "mesh[0][1]"), as a whole number in range."""
         if isinstance(v, bool) or not isinstance(v, int):
-            raise self.error(key, f"must be a whole number, got {_show(v)}")
+            raise FieldError(self.where, path, f"must be a whole number, got {_show(v)}")
         if minimum is not None and v < minimum:
-            raise self.error(key, f"must be >= {minimum}, got {v}")
+            raise FieldError(self.where, path, f"must be >= {minimum}, got {v}")
+        if maximum is not None and v > maximum:
+            raise FieldError(self.where, path, f"must be <= {maximum}, got {v}")
         return v
 
     def number(self, key: str, default: Any = ..., *, minimum: float | None = None) -> float:
@@ -78,7 +174,7 @@ class Fields:
     def items(self, key: str, default: Any = ...) -> list:
         v = self.raw(key, default)
         if not isinstance(v, (list, tuple)):  # tuples: documents built in memory by to_dict()
-            raise self.error(key, f"must be a list, got {_show(v)}")
+            raise self.error(key, f"must be a list, got {type(v).__name__}")
         return list(v)
 
     def strings(self, key: str, default: Any = ...) -> list[str]:

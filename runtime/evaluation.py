@@ -24,6 +24,7 @@ import torch
 
 from runtime.losses import model_output
 from runtime.program import PAIR_AXIS, Instr, Program
+from runtime.vocab import MeshAxis
 
 if TYPE_CHECKING:
     from runtime.comm import Group
@@ -82,8 +83,8 @@ def check_supported(mesh_axes: Iterable[str], bidirectional: bool) -> None:
     """EvalError naming the plan feature that evaluation does not run on (checked before any rank
     talks to another, so that every rank exits with the same message instead of hanging)."""
     axes = set(mesh_axes)
-    feature = ("spatial parallelism (image tiles)" if "spatial" in axes else
-               "sub-graph parallelism (--subgraph)" if "branch" in axes else
+    feature = ("spatial parallelism (image tiles)" if MeshAxis.SPATIAL in axes else
+               "sub-graph parallelism (--subgraph)" if MeshAxis.SUBGRAPH in axes else
                "bi-directional (GEMS) pipelines" if bidirectional else None)
     if feature is not None:
         raise EvalError(f"--eval-every: evaluation does not run on plans with {feature}; evaluate with a "

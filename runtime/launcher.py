@@ -41,7 +41,7 @@ from runtime.progress import RunProgress
 from runtime.store_host import LOOPBACK, host_store
 from runtime.evaluation import EvalResult
 from runtime.trace import Timeline
-from runtime.verify import Comparison, verify_build
+from runtime.verify import Verification, verify_build
 
 
 class BuildError(ValueError):
@@ -56,7 +56,7 @@ class RunResult:
     seconds: dict[int, list[float]] = field(default_factory=dict)  # rank -> step time
     output: str = ""                                               # every rank's output, concatenated
     timeline: Timeline | None = None
-    comparison: Comparison | None = None
+    comparison: Verification | None = None
     returncodes: dict[int, int] = field(default_factory=dict)   # rank -> exit status (gloo/nccl; -N: signal N)
     exit_times: dict[int, float] = field(default_factory=dict)  # rank -> unix time its exit was seen
     first_step: int = 0                # the run's first step: the checkpoint's step when it resumed

@@ -15,7 +15,7 @@ Instructions (op, and how `str()` prints them):
     RECV grad s1 m3 <- r5 h7      the same message at rank 1
     ALLREDUCE grads s1 b0 @data h2   bucket 0 of stage 1's gradients over the data axis
     REDUCESCATTER grads s1 b0 @data h2 / ALLGATHER params s1 b0 @data h3
-    BROADCAST loss @pipe <- r7 h9 the step's loss, from the last stage's rank
+    BROADCAST loss @pipeline <- r7 h9 the step's loss, from the last stage's rank
     ALLREDUCE tied b0 @tie:0,1 h5 the gradients of tied weight 0's copies (Program.ties), summed
                                   over the pipeline positions holding one
     ALLREDUCE stats s0 @data h8   stage 0's BatchNorm running statistics, averaged over data
@@ -32,7 +32,7 @@ its bucket's gradients are ready (overlap); its place in the list is the
 latest point it may start. `nbytes` is the payload this rank sends or
 reduces (the full buffer for collectives), for the simulator.
 
-Mesh: axes outermost first (pipe, data, tensor); ranks are laid out
+Mesh: axes outermost first (pipeline, data, tensor; runtime.vocab.MeshAxis); ranks are laid out
 row-major with the last axis fastest, as cost_models.mesh_axes.axis_groups does.
 Besides the mesh axes, a collective may name the derived axis "pair" (GEMS
 bi-directional pipelines): the ranks at pipeline positions i and p-1-i, across
@@ -58,7 +58,14 @@ from runtime.instr_set import (COLLECTIVE_OPS, COMPUTE_OPS, KINDS, OPS, P2P_OPS,
                                TIE_AXIS, ProgramError)
 from runtime.mesh import MeshError, coords_of, group_along, rank_of
 from runtime.program_check import check_program_dict
+from runtime.documents import parse_document, read_document
+from runtime.vocab import MeshAxis, current_axis_name
 
+
+
+def _unreadable(message: str) -> ProgramError:
+    """A Program file that does not read as a JSON object (runtime.documents names the problem)."""
+    return ProgramError(f"{message}; generate the build again")
 
 
 @dataclass(frozen=True)
@@ -134,11 +141,15 @@ class Instr:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Instr":
+        """Axis names of older files ("pipe", "branch") are read as today's (runtime.vocab.OLD_AXIS_NAMES)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ProgramError(f"unknown instruction field(s) {unknown}; known: {sorted(known)}")
-        return cls(**dict(d))
+        d = dict(d)
+        if "axis" in d:
+            d["axis"] = current_axis_name(d["axis"])
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -370,7 +381,7 @@ class Program:
         try:
             return cls(
                 rank=int(d["rank"]), world_size=int(d["world_size"]),
-                mesh=tuple((a, int(s)) for a, s in d["mesh"]), coords=tuple(d["coords"]),
+                mesh=tuple((current_axis_name(a), int(s)) for a, s in d["mesh"]), coords=tuple(d["coords"]),
                 stages=tuple(int(s) for s in d["stages"]), num_stages=int(d["num_stages"]),
                 num_micro_batches=int(d["num_micro_batches"]), micro_batch_size=int(d["micro_batch_size"]),
                 zero=int(d.get("zero", 0)),
@@ -389,22 +400,14 @@ class Program:
 
     @classmethod
     def from_json(cls, text: str) -> "Program":
-        try:
-            doc = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise ProgramError(f"a Program file is not valid JSON ({e}); generate the build again") from None
-        return cls.from_dict(doc)
+        return cls.from_dict(parse_document(text, "a Program file", error=_unreadable))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "Program":
-        try:
-            text = Path(path).read_bytes().decode()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ProgramError(f"Program file {path} cannot be read ({e})") from None
-        return cls.from_json(text)
+        return cls.from_dict(read_document(path, "Program file", error=_unreadable))
 
 
 # ---- groups of the derived axes; the mesh layout itself is runtime/mesh.py -------------
@@ -415,9 +418,9 @@ def axis_group(mesh: Iterable[tuple[str, int]], coords: Iterable[int], axis: str
     mesh = tuple(mesh)
     coords = list(coords)
     names = [a for a, _ in mesh]
-    if axis == PAIR_AXIS and axis not in names and "pipe" in names:
+    if axis == PAIR_AXIS and axis not in names and MeshAxis.PIPELINE in names:
         return _pair_group(mesh, coords)
-    if axis.startswith(TIE_AXIS) and "pipe" in names:
+    if axis.startswith(TIE_AXIS) and MeshAxis.PIPELINE in names:
         return _tie_group(mesh, coords, axis)
     if axis not in names:
         raise ProgramError(f"unknown mesh axis {axis!r}; the mesh has {names}")
@@ -427,13 +430,13 @@ def axis_group(mesh: Iterable[tuple[str, int]], coords: Iterable[int], axis: str
 def _pair_group(mesh: tuple[tuple[str, int], ...], coords: list[int]) -> tuple[int, ...]:
     """GEMS pair group: pipeline positions i and p-1-i, every data coordinate, sorted ranks."""
     names = [a for a, _ in mesh]
-    kp = names.index("pipe")
+    kp = names.index(MeshAxis.PIPELINE)
     p = mesh[kp][1]
     out = set()
     for pos in {coords[kp], p - 1 - coords[kp]}:
         c = list(coords)
         c[kp] = pos
-        out.update(axis_group(mesh, c, "data") if "data" in names else (rank_of(mesh, c),))
+        out.update(axis_group(mesh, c, MeshAxis.DATA) if MeshAxis.DATA in names else (rank_of(mesh, c),))
     return tuple(sorted(out))
 
 
@@ -445,7 +448,7 @@ def tie_axis(positions) -> str:
 def _tie_group(mesh: tuple[tuple[str, int], ...], coords: list[int], axis: str) -> tuple[int, ...]:
     """Ranks at the pipeline positions an axis "tie:I,J,..." names, other coordinates as `coords`."""
     names = [a for a, _ in mesh]
-    kp = names.index("pipe")
+    kp = names.index(MeshAxis.PIPELINE)
     try:
         positions = sorted({int(x) for x in axis[len(TIE_AXIS):].split(",")})
     except ValueError:

@@ -76,7 +76,8 @@ class LaunchError(ValueError):
 
 
 class PlanMismatchError(ValueError):
-    """The model reference builds a different model than the plan was made for."""
+    """The model reference does not build the model the plan was made for (codegen checks it when it
+    writes a build, every rank again when it starts)."""
 
 
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")

@@ -42,6 +42,7 @@ from runtime.materialize import build_model
 from runtime.running_stats import batchnorm_modules, load_statistics, statistics
 from runtime.spec import TrainSpec
 from runtime.tensor_parallel import FeatureSplit
+from runtime.vocab import DType
 
 
 @dataclass
@@ -67,8 +68,8 @@ def rank_threads():
 
 
 def autocast_for(spec: TrainSpec):
-    return contextlib.nullcontext() if spec.dtype == "fp32" else \
-        torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype])
+    return contextlib.nullcontext() if spec.dtype == DType.FP32 else \
+        torch.autocast("cpu", dtype=getattr(torch, DType(spec.dtype).torch_name))
 
 
 def reference_step(model: nn.Module, spec: TrainSpec, chunks: list, stats_groups: list[int] | None = None,

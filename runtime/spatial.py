@@ -410,7 +410,7 @@ class SpatialSpec:
     degree: int
     split: str
     until: str | None
-    batchnorm: str = "sync"
+    batchnorm: str = SpatialBatchNorm.SYNC.value
 
     def __post_init__(self) -> None:
         tile_shape(self.split, self.degree)
@@ -423,7 +423,7 @@ class SpatialSpec:
     def from_dict(cls, d: dict) -> "SpatialSpec":
         until = d.get("until")
         return cls(int(d["degree"]), str(d["split"]), None if until is None else str(until),
-                   str(d.get("batchnorm", "sync")))
+                   str(d.get("batchnorm", SpatialBatchNorm.SYNC)))
 
 
 # ---------------------------------------------------------------------------

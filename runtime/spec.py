@@ -37,10 +37,9 @@ from runtime.optim import OptimizerSpec
 from runtime.spatial import SpatialSpec
 from runtime.step_work import StepWork
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, shard_dim
+from runtime.vocab import DType, Recompute
 
 INITS = ("seed", "per-module", "checkpoint")
-DTYPES = ("fp32", "bf16", "fp16")
-RECOMPUTE = ("none", "selective", "full")
 
 
 class SpecError(ValueError):
@@ -80,7 +79,7 @@ class TrainSpec:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     init: str = "seed"
     checkpoint: str | None = None
-    dtype: str = "fp32"
+    dtype: str = DType.FP32.value
     root: str = ""
     dataset: DatasetSpec | None = None
     eval: EvalSpec | None = None
@@ -95,14 +94,16 @@ class TrainSpec:
             raise SpecError(f"unknown init {self.init!r}; known: {', '.join(INITS)}")
         if self.init == "checkpoint" and not self.checkpoint:
             raise SpecError("init 'checkpoint' needs the checkpoint file (a torch.save'd state_dict)")
-        if self.dtype not in DTYPES:
-            raise SpecError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPES)}")
+        try:
+            DType(self.dtype)
+        except ValueError:
+            raise SpecError(f"unknown dtype {self.dtype!r}; known: {', '.join(DType)}") from None
         if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
             raise SpecError(f"global_batch_size must be a positive integer, got {self.global_batch_size!r}")
         if self.clip_grad is not None and not (isinstance(self.clip_grad, (int, float)) and
                                                0 < self.clip_grad < float("inf")):
             raise SpecError(f"clip_grad must be a positive finite norm, got {self.clip_grad!r}")
-        if self.loss_scale is not None and self.dtype != "fp16":
+        if self.loss_scale is not None and self.dtype != DType.FP16:
             raise SpecError(f"loss scaling is for dtype fp16 (float16's narrow range), this build is {self.dtype}; "
                             "leave loss_scale out")
         from runtime.losses import check_loss
@@ -200,7 +201,7 @@ class StageSpec:
             ranks after every step (runtime/running_stats.py).
         output_split: on the last stage, how the model output's last dimension is split
             over the tensor axis (vocabulary-parallel logits), else None.
-        recompute: "none", "selective" or "full" (the generated code applies it).
+        recompute: a runtime.vocab.Recompute value (the generated code applies it).
         spatial: how the stage splits images into tiles (runtime.spatial.SpatialSpec), or None.
         shared: the model's names of each parameter this stage holds that the model uses under
             several names (tied weights), canonical name first. The stage module holds one
@@ -216,7 +217,7 @@ class StageSpec:
     shards: tuple[ModuleShard, ...] = ()
     is_last: bool = False
     output_split: FeatureSplit | None = None
-    recompute: str = "none"
+    recompute: str = Recompute.NONE.value
     spatial: SpatialSpec | None = None
     shared: tuple[tuple[str, ...], ...] = ()
     param_shards: tuple[ParamShard, ...] = ()
@@ -265,7 +266,7 @@ class StageSpec:
             shards=tuple(ModuleShard.from_dict(s) for s in d.get("shards", ())),
             is_last=bool(d.get("is_last", False)),
             output_split=FeatureSplit.from_list(d["output_split"]) if d.get("output_split") else None,
-            recompute=d.get("recompute", "none"),
+            recompute=d.get("recompute", Recompute.NONE.value),
             spatial=SpatialSpec.from_dict(d["spatial"]) if d.get("spatial") else None,
             shared=tuple(tuple(str(n) for n in g) for g in d.get("shared", ())),
             param_shards=tuple(ParamShard.from_dict(p) for p in d.get("param_shards", ())),

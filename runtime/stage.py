@@ -17,8 +17,7 @@ from torch import nn
 from runtime.evaluation import count_correct
 from runtime.losses import compute_loss
 from runtime.spec import StageSpec
-
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from runtime.vocab import DType
 
 
 class StageRunner:
@@ -48,9 +47,9 @@ class StageRunner:
         self.losses: dict[int, float] = {}
 
     def _autocast(self):
-        if self.dtype == "fp32":
+        if self.dtype == DType.FP32:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=_AUTOCAST[self.dtype])
+        return torch.autocast(self.device.type, dtype=getattr(torch, DType(self.dtype).torch_name))
 
     def forward(self, micro: int, inputs: list[torch.Tensor], targets: torch.Tensor | None = None):
         """Run forward; returns the tensors to send (non-last stage) or the loss (last stage)."""

@@ -40,8 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.comm import Group
+from runtime.vocab import ShardRole
 
-SHARD_ROLES = ("column", "column_out", "row", "vocab", "channels")
+SHARD_ROLES = (ShardRole.COLUMN, ShardRole.COLUMN_OUT, ShardRole.ROW, ShardRole.VOCAB, ShardRole.CHANNELS)
 
 
 class ShardError(ValueError):
@@ -153,6 +154,7 @@ class ModuleShard:
     split: FeatureSplit
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "role", str(self.role))   # a ShardRole member: its plain name, as in the JSON
         if self.role not in SHARD_ROLES:
             raise ShardError(f"unknown shard role {self.role!r} for {self.path}; known: {', '.join(SHARD_ROLES)}")
 
@@ -382,11 +384,11 @@ def shard_module(module: nn.Module, shard: ModuleShard, rank: int, num: int, gro
         return _take(t, dim, split, rank, num)
 
     if isinstance(module, nn.Linear):
-        if role in ("column", "column_out"):
+        if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT):
             if split.size != module.out_features:
                 raise ShardError(f"{path}: split of size {split.size} does not match out_features {module.out_features}")
             return finish(ColumnParallelLinear(take(module.weight, 0), take(module.bias, 0), group))
-        if role == "row":
+        if role == ShardRole.ROW:
             if split.size != module.in_features:
                 raise ShardError(f"{path}: split of size {split.size} does not match in_features {module.in_features}")
             b = module.bias.detach().clone() if module.bias is not None else None
@@ -396,19 +398,19 @@ def shard_module(module: nn.Module, shard: ModuleShard, rank: int, num: int, gro
             raise ShardError(f"{path}: only convolutions with groups=1, zero padding and numeric padding "
                              f"can be split over the tensor axis (got groups={module.groups}, "
                              f"padding={module.padding!r}, padding_mode={module.padding_mode!r})")
-        if role in ("column", "column_out"):
+        if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT):
             return finish(ColumnParallelConv(module, take(module.weight, 0), take(module.bias, 0), group))
-        if role == "row":
+        if role == ShardRole.ROW:
             b = module.bias.detach().clone() if module.bias is not None else None
             return finish(RowParallelConv(module, take(module.weight, 1), b, group))
-    if isinstance(module, nn.Embedding) and role == "vocab":
+    if isinstance(module, nn.Embedding) and role == ShardRole.VOCAB:
         if module.padding_idx is not None or module.max_norm is not None or module.sparse:
             raise ShardError(f"{path}: a vocabulary-parallel embedding cannot have padding_idx, max_norm or sparse")
         start = split.contiguous_start(rank, num)
         if start is None:
             raise ShardError(f"{path}: vocabulary rows must be split in contiguous blocks")
         return finish(VocabParallelEmbedding(take(module.weight, 0), start, group))
-    if role == "channels":
+    if role == ShardRole.CHANNELS:
         return finish(shard_channels(module, split, rank, num, path))
     raise ShardError(f"{path}: cannot split a {type(module).__name__} as {role!r}; tensor parallelism splits "
                      "nn.Linear, nn.Conv1d/2d/3d, nn.Embedding and per-channel norms (BatchNorm)")
@@ -419,9 +421,9 @@ def shard_dim(role: str, leaf: str, ndim: int) -> int | None:
     "running_mean", ...) along, or None when that tensor is whole on every rank."""
     if ndim == 0:
         return None
-    if role in ("column", "column_out", "vocab", "channels"):
+    if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT, ShardRole.VOCAB, ShardRole.CHANNELS):
         return 0
-    if role == "row" and leaf == "weight":
+    if role == ShardRole.ROW and leaf == "weight":
         return 1
     return None
 

@@ -74,7 +74,7 @@ ROUNDING_SAMPLES = 3   # per-step noise: the reference in the run's dtype and 2 
 
 
 @dataclass
-class Comparison:
+class Verification:
     """What --verify found; `ok` when every check passed."""
 
     ok: bool = True
@@ -228,7 +228,7 @@ def random_ops_problem(info: dict) -> str | None:
 
 
 def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[float]], *,
-                 rtol: float | None = None, atol: float | None = None, first_step: int = 0) -> Comparison:
+                 rtol: float | None = None, atol: float | None = None, first_step: int = 0) -> Verification:
     """Check a finished `--save-steps --save-params` run of `build` (see the module docstring).
 
     `losses`: rank -> its loss per step; `first_step`: the run resumed from a checkpoint of that
@@ -244,7 +244,7 @@ def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[fl
         tol.update(grad_rtol=rtol, loss=rtol, stats=rtol, floor=rtol)
     if atol is not None:
         tol["grad_atol"] = atol
-    cmp = Comparison(steps=steps)
+    cmp = Verification(steps=steps)
     problem = random_ops_problem(info)
     if problem:
         cmp.fail(problem)
@@ -292,7 +292,7 @@ def _evaluate(model: nn.Module, spec: TrainSpec, state, start, chunks: list, gro
     return loss, grads, {n: b.detach().double() for n, b in buffers.items() if b.is_floating_point()}
 
 
-def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[int, Program], mb: int,
+def _check_steps(cmp: Verification, build: Path, spec: TrainSpec, programs: dict[int, Program], mb: int,
                  groups: list[int], steps: int, first_step: int, losses: dict[int, list[float]],
                  tol: dict) -> dict[str, int]:
     """Check 1: each step's loss, gradients and statistics from the run's own parameters.
@@ -412,7 +412,7 @@ def _check_steps(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[i
     return sensitive
 
 
-def _check_trajectory(cmp: Comparison, build: Path, spec: TrainSpec, programs: dict[int, Program],
+def _check_trajectory(cmp: Verification, build: Path, spec: TrainSpec, programs: dict[int, Program],
                       specs: dict[int, StageSpec], mb: int, groups: list[int], steps: int, first_step: int,
                       losses: dict[int, list[float]], tol: dict, sensitive: dict[str, int]) -> None:
     """Check 2: the run's losses and final parameters against the free-running reference.

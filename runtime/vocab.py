@@ -25,6 +25,28 @@ class MeshAxis(StrEnum):
     SUBGRAPH = "subgraph"
 
 
+# mesh axis spellings of Program files written before the axes took the ParallelConfig names
+OLD_AXIS_NAMES = {"pipe": MeshAxis.PIPELINE, "branch": MeshAxis.SUBGRAPH}
+
+
+def current_axis_name(name: str) -> str:
+    """A mesh axis name as this build spells it ("pipe" -> "pipeline"); other values unchanged (the
+    document checks name a value that is not a string)."""
+    return OLD_AXIS_NAMES.get(name, name) if isinstance(name, str) else name
+
+
+class StrategyName(StrEnum):
+    """A parallel strategy: its module name in every package (planner/strategies/, codegen/strategies/,
+    runtime/parallel/) and its registry key. BIDIRECTIONAL is GEMS/MASTER; SUBGRAPH is SUPER."""
+
+    DATA = "data"
+    TENSOR = "tensor"
+    PIPELINE = "pipeline"
+    BIDIRECTIONAL = "bidirectional"
+    SPATIAL = "spatial"
+    SUBGRAPH = "subgraph"
+
+
 class ShardRole(StrEnum):
     """How tensor parallelism splits one op (Megatron's column/row parallel layers).
 
@@ -69,7 +91,7 @@ class DType(StrEnum):
 ELEMENT_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
     "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
     "complex64": 8, "complex128": 16,
 }
 

@@ -36,6 +36,7 @@ from planner.plan import Plan
 from runtime.checkpoint import Manifest, complete_checkpoints, resolve_checkpoint
 from runtime.checkpoint_restore import to_state_dict
 from runtime.trace import TRACE_WINDOW_STEPS
+from runtime.vocab import DType, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
 
 # Bounds of the numeric options (argparse refuses anything outside in one line).
 BATCH = count(1, MAX_BATCH, " samples")
@@ -203,7 +204,7 @@ def _add_codegen_and_run(sub) -> None:
     for name in ("data", "tensor", "pipeline"):
         p.add_argument(f"--{name}", type=DEGREE, default=1, help=f"{name} degree (default 1)")
     p.add_argument("--micro-batch", type=BATCH, default=1, help="samples per micro-batch per data rank")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=list(map(str, Schedule)))
     p.add_argument("--virtual-stages", type=DEGREE, default=1, help="chunks per device (interleaved)")
     p.add_argument("--bidirectional", action="store_true",
                    help="GEMS bi-directional pipeline (device r holds stages r and p-1-r)")
@@ -211,14 +212,15 @@ def _add_codegen_and_run(sub) -> None:
                    help="MASTER's T with --bidirectional: 2T micro-batches per step")
     p.add_argument("--subgraph", type=DEGREE, default=1, help="sub-graph parallel degree B (sub-grids per replica)")
     p.add_argument("--spatial", type=DEGREE, default=1, help="spatial degree: tiles per image (needs --spatial-until)")
-    p.add_argument("--spatial-split", default="strips_h", choices=["strips_h", "strips_v", "grid"],
+    p.add_argument("--spatial-split", default=SpatialSplit.STRIPS_H.value, choices=list(map(str, SpatialSplit)),
                    help="how images are tiled: horizontal strips, vertical strips or a grid")
     p.add_argument("--spatial-until", help="the last layer that runs on image tiles (a layer name)")
-    p.add_argument("--spatial-batchnorm", default="sync", choices=["sync", "local"],
+    p.add_argument("--spatial-batchnorm", default=SpatialBatchNorm.SYNC.value,
+                   choices=list(map(str, SpatialBatchNorm)),
                    help="BatchNorm statistics over the whole image (sync, exact) or per tile")
-    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--recompute", default=Recompute.NONE.value, choices=list(map(str, Recompute)))
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--dtype", default=DType.FP32.value, choices=list(map(str, DType)))
     p.add_argument("--cluster", help="cluster preset or file the plan is priced on (default: local)")
     p.add_argument("--nodes", type=DEGREE, help="nodes of a preset cluster")
     p.add_argument("--data-ref", help="batch factory (default: example_batch in the model's file)")

@@ -48,6 +48,7 @@ from planner.graph import ModelGraph
 from planner.plan import Plan
 from runtime.program import COLLECTIVE_OPS, Program
 from runtime.trace import Event, Timeline
+from runtime.vocab import ShardRole
 
 _KIND_OF_OP = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "recv", "ALLREDUCE": "collective",
                "ALLGATHER": "collective", "REDUCESCATTER": "collective", "BROADCAST": "collective",
@@ -222,7 +223,7 @@ def _vocab_split(graph, plan) -> tuple[float, int] | None:
     loss on it), else None."""
     out = next((n for n in graph.nodes if n.kind == "output"), None)
     if out is None or not out.input_meta or not out.inputs or plan.config.tensor < 2 or \
-            dict(plan.shardings).get(out.inputs[0]) not in ("column", "column_out"):
+            dict(plan.shardings).get(out.inputs[0]) not in (ShardRole.COLUMN, ShardRole.COLUMN_OUT):
         return None
     logits = out.input_meta[0]
     return logits.numel / max(logits.shape[-1], 1), plan.config.tensor

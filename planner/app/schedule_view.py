@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from planner.app.figure_kit import KINDS, _check_plan
+from runtime.documents import read_document
+from runtime.vocab import MeshAxis, Schedule
 
 if TYPE_CHECKING:  # only for annotations; nothing is imported at run time
     from planner.plan import Plan
@@ -31,7 +33,7 @@ class ScheduleRecord:
     """One thing one rank did (or is predicted to do) during a step.
 
     Attributes:
-        rank: global rank (row-major over the mesh pipe, data, tensor).
+        rank: global rank (row-major over the mesh pipeline, data, tensor).
         label: what it was, e.g. "F s1 m3", "B s0 m2", "SEND act s1->s2", "ALLREDUCE grads".
         kind: one of KINDS; decides the colour.
         start, end: seconds (any common origin; figures show time since the earliest start).
@@ -110,16 +112,10 @@ def save_timeline(records: Iterable[Any], path: str | os.PathLike) -> Path:
 
 def load_timeline(path: str | os.PathLike) -> list[ScheduleRecord]:
     """Read a JSON list of records (or {"records": [...]}) written by save_timeline."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"timeline file {p} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"timeline file {p} is not valid JSON: {e}") from None
-    if isinstance(data, Mapping) and "records" in data:
+    data = read_document(path, "timeline file", top=(list, dict))
+    if "records" in data:
         data = data["records"]
-    return as_records(data, name=f"timeline file {p}")
+    return as_records(data, name=f"timeline file {Path(path)}")
 
 
 # ---------------------------------------------------------------------------
@@ -127,14 +123,14 @@ def load_timeline(path: str | os.PathLike) -> list[ScheduleRecord]:
 
 
 def rank_coords(rank: int, mesh: Mapping[str, int]) -> tuple[int, int, int]:
-    """(pipe, data, tensor) coordinates of a rank; ranks are row-major, tensor fastest. A spatial
+    """(pipeline, data, tensor) coordinates of a rank; ranks are row-major, tensor fastest. A spatial
     axis (between data and tensor) is folded into the data coordinate: data x spatial + spatial."""
-    d, t = mesh["data"] * mesh.get("spatial", 1), mesh["tensor"]
+    d, t = mesh[MeshAxis.DATA] * mesh.get(MeshAxis.SPATIAL, 1), mesh[MeshAxis.TENSOR]
     return rank // (d * t), (rank // t) % d, rank % t
 
 
 def _rank_of(pipe: int, data: int, tensor: int, mesh: Mapping[str, int]) -> int:
-    return (pipe * mesh["data"] * mesh.get("spatial", 1) + data) * mesh["tensor"] + tensor
+    return (pipe * mesh[MeshAxis.DATA] * mesh.get(MeshAxis.SPATIAL, 1) + data) * mesh[MeshAxis.TENSOR] + tensor
 
 
 def schedule_orders(schedule: str, pipeline: int, micro_batches: int,
@@ -152,12 +148,12 @@ def schedule_orders(schedule: str, pipeline: int, micro_batches: int,
     p, m, v = pipeline, micro_batches, virtual_stages
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"pipeline, micro_batches and virtual_stages must be >= 1, got {p}, {m}, {v}")
-    if schedule not in ("gpipe", "1f1b", "interleaved"):
-        raise ValueError(f"unknown schedule {schedule!r}; known: gpipe, 1f1b, interleaved")
-    if schedule == "gpipe":
+    if schedule not in tuple(Schedule):
+        raise ValueError(f"unknown schedule {schedule!r}; known: {', '.join(Schedule)}")
+    if schedule == Schedule.GPIPE:
         return [[("F", c * p + i, j) for c in range(v) for j in range(m)]
                 + [("B", c * p + i, j) for c in reversed(range(v)) for j in range(m)] for i in range(p)]
-    if schedule == "1f1b" or v == 1:
+    if schedule == Schedule.ONE_F_ONE_B or v == 1:
         return [_one_f_one_b([("F", i, j) for j in range(m)], [("B", i, j) for j in range(m)], min(p - 1 - i, m))
                 for i in range(p)]
     groups = [range(g, min(g + p, m)) for g in range(0, m, p)]

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING, Callable
+
+from runtime.vocab import StrategyName
 
 if TYPE_CHECKING:
     from cost_models.prediction import Prediction
@@ -23,17 +24,6 @@ if TYPE_CHECKING:
 
 Bounds = list[tuple[int, int]]            # [lo, hi) layer ranges of the pipeline stages
 Fits = Callable[[int, int, int], bool]    # fits(stage, lo, hi): layers [lo, hi) fit on that stage's device
-
-
-class StrategyName(StrEnum):
-    """The parallel strategies, as module names and registry keys."""
-
-    DATA = "data"
-    TENSOR = "tensor"
-    PIPELINE = "pipeline"
-    BIDIRECTIONAL = "bidirectional"
-    SPATIAL = "spatial"
-    SUBGRAPH = "subgraph"
 
 
 @dataclass(frozen=True)

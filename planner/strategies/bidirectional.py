@@ -29,12 +29,12 @@ from typing import Callable
 
 from cost_models import gems
 from cost_models.comm import collective_time
-from cost_models.memory import DTYPE_BYTES, adam_step_bytes, param_bytes
+from cost_models.memory import adam_step_bytes, param_bytes
 from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
 from planner.config import ParallelConfig
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, MeshShape, Placement, StrategyName
-from runtime.vocab import Recompute
+from runtime.vocab import DType, Recompute
 
 
 class _Sizes:
@@ -252,5 +252,5 @@ def _pair_allreduce(ev, config: ParallelConfig, device: int, params: float) -> f
     ranks = sorted({(pos * d + j) * t for pos in (device, pair) for j in range(d)})
     if len(ranks) < 2:
         return 0.0
-    nbytes = params * (ev.grad_reduce_bytes or DTYPE_BYTES[config.dtype])
+    nbytes = params * (ev.grad_reduce_bytes or DType(config.dtype).bytes)
     return collective_time(ev.cluster, "all_reduce", nbytes, ranks).seconds

@@ -12,10 +12,9 @@ is cost_models.memory.param_bytes.
 
 from __future__ import annotations
 
-from cost_models.memory import DTYPE_BYTES
 from planner.config import ParallelConfig
 from planner.strategies.base import Strategy, StrategyName
-from runtime.vocab import MeshAxis
+from runtime.vocab import DType, MeshAxis
 
 # Data-parallel gradients are reduced in buckets as backward produces them;
 # only the last bucket's reduction is always exposed (PyTorch DDP's default bucket).
@@ -29,8 +28,8 @@ class DataStrategy(Strategy):
     named_at_one = True
 
     def grad_sync(self, ev, config: ParallelConfig, params: float, window: float, m: int) -> tuple[float, float]:
-        grad_bytes = params * (ev.grad_reduce_bytes or DTYPE_BYTES[config.dtype])
-        weight_bytes = params * DTYPE_BYTES[config.dtype]
+        grad_bytes = params * (ev.grad_reduce_bytes or DType(config.dtype).bytes)
+        weight_bytes = params * DType(config.dtype).bytes
         mesh = config.mesh
 
         def data(op: str, nbytes: float) -> float:

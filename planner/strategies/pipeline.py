@@ -11,14 +11,14 @@ positions have their copies' gradients summed after it.
 
 from __future__ import annotations
 
-from cost_models.memory import DTYPE_BYTES, adam_step_bytes, live_micro_batches, param_bytes
+from cost_models.memory import adam_step_bytes, live_micro_batches, param_bytes
 from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
 from cost_models.schedule import pipeline_time
 from planner.config import ConfigError, ParallelConfig
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, MeshShape, Placement, StrategyName
 from planner.strategies.data import GRAD_BUCKET_BYTES
-from runtime.vocab import Recompute, Schedule
+from runtime.vocab import DType, Recompute, Schedule
 
 
 class PipelineStrategy(Placement):
@@ -123,7 +123,7 @@ class PipelineStrategy(Placement):
                 acts = live * sum(c.saved for c in cs)
             gather = 0.0
             if config.zero == 3:  # the gathered weights of the current and the prefetched layer
-                gather = 2 * max((c.params for c in cs), default=0.0) * DTYPE_BYTES[config.dtype]
+                gather = 2 * max((c.params for c in cs), default=0.0) * DType(config.dtype).bytes
             comm_buf = (2 * min(GRAD_BUCKET_BYTES, params * pb.gradients) if d > 1 else 0.0) + \
                 (2 * costs[chunks[-1][1] - 1].boundary if p > 1 else 0.0)
             mem = MemoryBreakdown(

@@ -19,13 +19,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from cost_models.memory import DTYPE_BYTES
 from cost_models.spatial import batchnorm_sync_bytes, halo_seconds, tile_shape, window_halo_bytes
 from planner.config import ConfigError, ParallelConfig
 from planner.graph import Layer, ModelGraph, OpInfo
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, Strategy, StrategyName
-from runtime.vocab import MeshAxis, Recompute, SpatialBatchNorm, SpatialSplit
+from runtime.vocab import DType, MeshAxis, Recompute, SpatialBatchNorm, SpatialSplit
 
 # A tile thinner than this (rows of the last spatial layer's output) spends more on halos than it
 # saves; the search does not propose it (the user may still ask for it).
@@ -124,7 +123,7 @@ class SpatialPricer:
         if hit is not None:
             return hit
         s = config.spatial
-        elem = DTYPE_BYTES[config.dtype]
+        elem = DType(config.dtype).bytes
         scale = config.micro_batch_size / self.graph.batch_size
         mesh = config.mesh
 
@@ -181,7 +180,7 @@ class SpatialPricer:
         """Seconds per step to sum the spatial layers' weight gradients over the tiles."""
         k = self.until_index(config)
         params = sum(layer.param_count for layer in self.graph.layers[:k + 1])
-        nbytes = params * (ev.grad_reduce_bytes or DTYPE_BYTES[config.dtype])
+        nbytes = params * (ev.grad_reduce_bytes or DType(config.dtype).bytes)
         return ev.axis_seconds(config.mesh, MeshAxis.SPATIAL, "all_reduce", nbytes)
 
 

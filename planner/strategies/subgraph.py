@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from cost_models.memory import DTYPE_BYTES
 from planner.config import ConfigError, ParallelConfig
 from planner.graph import Layer
 from planner.strategies.base import Strategy, StrategyName
 from planner.subgraph import Region, split_regions
+from runtime.vocab import DType, MeshAxis
 
 # config.mesh's name for the sub-grid axis; it becomes MeshAxis.SUBGRAPH with the vocabulary's axis rename.
-SUBGRID_AXIS = "branch"
+SUBGRID_AXIS = MeshAxis.SUBGRAPH
 
 
 class SubgraphStrategy(Strategy):
@@ -92,7 +92,7 @@ def regions_for(ev, sub_grids: int) -> dict[str, list[Region]]:
 def region_comm_seconds(ev, config: ParallelConfig, region: Region) -> tuple[float, float]:
     """(forward, backward) seconds of one region's collectives for one micro-batch:
     a broadcast of every path output, and an all-reduce of the fork value's gradient."""
-    scale = config.micro_batch_size / ev.graph.batch_size * DTYPE_BYTES[config.dtype] / 4
+    scale = config.micro_batch_size / ev.graph.batch_size * DType(config.dtype).bytes / 4
     if region.kind == "heads":   # all-gather of the output along the heads; all-reduce of dq, dk, dv
         attn = ev.node(region.fork)
         sizes = (("all_gather", attn.output_bytes * scale),

@@ -14,7 +14,6 @@ the StageSpecs say.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Iterable, Protocol
 
 from torch import nn
@@ -23,32 +22,12 @@ from runtime.comm import Group
 from runtime.context import DistContext
 from runtime.program import Program
 from runtime.spec import StageSpec
-from runtime.vocab import MeshAxis
-
-
-class StrategyName(StrEnum):
-    """The parallel strategies, as module names and registry keys (in every package)."""
-
-    DATA = "data"
-    TENSOR = "tensor"
-    PIPELINE = "pipeline"
-    BIDIRECTIONAL = "bidirectional"
-    SPATIAL = "spatial"
-    SUBGRAPH = "subgraph"
-
-
-# Programs and ParallelConfig.mesh still spell these two axes as before the vocabulary
-# (runtime/vocab.py) took the ParallelConfig field names; mesh_axis reads both spellings.
-_EARLIER_SPELLING = {MeshAxis.PIPELINE: "pipe", MeshAxis.SUBGRAPH: "branch"}
+from runtime.vocab import MeshAxis, StrategyName
 
 
 def mesh_axis(names: Iterable[str], axis: MeshAxis) -> str | None:
     """The name a mesh with axes `names` gives `axis`, or None when it has no such axis."""
-    names = list(names)
-    for spelling in (axis, _EARLIER_SPELLING.get(axis)):
-        if spelling in names:
-            return spelling
-    return None
+    return axis if axis in list(names) else None
 
 
 ClassSplit = tuple[int, Group, int]   # (first class held here, the group, how many classes held here)

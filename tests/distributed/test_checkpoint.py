@@ -28,6 +28,7 @@ from runtime.verify import verify_build
 from runtime.materialize import build_model
 from runtime.reference import local_slice
 from runtime.spec import StageSpec, TrainSpec
+from runtime.vocab import MeshAxis
 from tests.parallel_cases import emit_case, saved_params
 
 ADAMW = {"name": "adamw", "lr": 0.01, "weight_decay": 0.1}
@@ -210,7 +211,7 @@ def test_command_line(builds, tmp_path, capsys):
     assert "verify against the single-process reference: " in capsys.readouterr().out
     assert main(["checkpoint", "show", str(ckpt)]) == 0
     out = capsys.readouterr().out
-    assert "step_00000003: step 3 (24 samples), 2 ranks, mesh pipe 1 x data 1 x tensor 2" in out, out
+    assert f"step_00000003: step 3 (24 samples), 2 ranks, mesh {MeshAxis.PIPELINE} 1 x data 1 x tensor 2" in out, out
     assert main(["checkpoint", "convert", str(ckpt), "-o", str(tmp_path / "m.pt")]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cli_ckpt", "m.pt"]  # no temporary left anywhere
     assert not [p for p in ckpt.rglob("*") if p.name.endswith(".tmp")]

@@ -12,6 +12,7 @@ import pytest
 from planner.app.cli import main
 from runtime.verify import verify_build
 from runtime.trace import Timeline
+from runtime.vocab import MeshAxis
 from tests.parallel_cases import CONFIGS, emit_case
 
 
@@ -43,7 +44,7 @@ def test_build_directory_is_readable_and_complete(tmp_path):
     text = (build / "rank_0005.py").read_text()
     # its stage's forward as Python, its process groups, its Program
     assert "class Stage1(torch.nn.Module)" in text and "def layer_blocks_1(self" in text
-    assert "GROUPS = {'pipe': [1, 5], 'data': [5, 7], 'tensor': [4, 5]}" in text
+    assert f"GROUPS = {{'{MeshAxis.PIPELINE}': [1, 5], 'data': [5, 7], 'tensor': [4, 5]}}" in text
     assert "#   B s1 m0" in text and "PROGRAM = {" in text
     # the tensor-parallel local sizes are in the code: 4 heads over 2 ranks
     assert "unflatten(-1, (3, 2, 8))" in text

@@ -10,6 +10,7 @@ from cost_models.hardware import Cluster
 from cost_models.prediction import MemoryBreakdown, StagePrediction
 from cost_models.simulate import ComputeCosts, simulate
 from runtime.program import Instr, Program
+from runtime.vocab import MeshAxis
 from tests.unit.test_calibrate import _results
 
 
@@ -70,7 +71,7 @@ def test_simulator_charges_the_loss_to_the_last_stage_and_times_zero_grad():
     # uncalibrated: the prediction as it is
     plain = ComputeCosts.from_prediction(_prediction())
     assert plain.forward[1] == 1e-3 and plain.zero_grad == 0.0
-    prog = Program(rank=0, world_size=1, mesh=(("pipe", 1), ("data", 1), ("tensor", 1)), coords=(0, 0, 0),
+    prog = Program(rank=0, world_size=1, mesh=((MeshAxis.PIPELINE, 1), ("data", 1), ("tensor", 1)), coords=(0, 0, 0),
                    stages=(0,), num_stages=1, num_micro_batches=1, micro_batch_size=1,
                    instrs=(Instr("ZERO_GRAD"), Instr("F", stage=0, micro=0), Instr("B", stage=0, micro=0), Instr("STEP")))
     one = ComputeCosts(forward={0: 1e-3}, backward={0: 2e-3}, optimizer=5e-4, zero_grad=2e-4)

@@ -10,6 +10,7 @@ from cost_models.memory import live_micro_batches
 from runtime.schedules import (ScheduleError, build_schedule, format_schedule, forwards_in_flight, interleaved,
                                one_f_one_b)
 from runtime.program import Instr, Program
+from runtime.vocab import MeshAxis
 from tests.parallel_cases import graph_of, plan_for
 
 
@@ -87,7 +88,7 @@ def test_p2p_pass_posts_receives_one_compute_ahead_and_waits_sends_at_the_end():
 
 
 def test_check_programs_finds_a_deadlock():
-    mesh = (("pipe", 2), ("data", 1), ("tensor", 1))
+    mesh = ((MeshAxis.PIPELINE, 2), ("data", 1), ("tensor", 1))
     progs = {r: Program(rank=r, world_size=2, mesh=mesh, coords=(r, 0, 0), stages=(r,), num_stages=2,
                         num_micro_batches=1, micro_batch_size=1,
                         instrs=(Instr("RECV", 0, 0, peer=1 - r, kind="act", handle=0), Instr("WAIT", handle=0),

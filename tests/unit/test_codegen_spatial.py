@@ -8,6 +8,7 @@ from codegen.emit import capture_ref
 from codegen.lower import LoweringError, lower_plan
 from codegen.spatial import spatial_twin
 from runtime.spec import StageSpec
+from runtime.vocab import MeshAxis
 
 REF = "examples/models/large_image_cnn.py:build"
 KW = {"image_size": 64, "layers": [[4, 3, 1], [4, 3, 2]], "num_classes": 3, "in_channels": 2}
@@ -28,7 +29,7 @@ def test_spatial_plan_lowers_to_twin_programs_with_a_spatial_stage(graph):
     plan = _plan(graph, data=2, spatial=2, spatial_split="grid", spatial_until="pool")
     parts, programs = lower_plan(plan, graph, bucket_bytes=1024)
     assert sorted(programs) == [0, 1, 2, 3]
-    assert programs[3].mesh == (("pipe", 1), ("data", 4), ("tensor", 1))
+    assert programs[3].mesh == ((MeshAxis.PIPELINE, 1), ("data", 4), ("tensor", 1))
     assert programs[0].num_micro_batches == 1      # 4 samples / (2 per micro-batch x data 2)
     assert any(i.op == "ALLREDUCE" and i.kind == "grads" for i in programs[0].instrs)
     (stage,) = parts.stages

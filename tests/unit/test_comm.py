@@ -28,6 +28,7 @@ from cost_models.comm import (
     tree_all_reduce_time,
 )
 from cost_models.mesh_axes import axis_collective_time, axis_groups, default_mesh_order
+from runtime.vocab import MeshAxis
 
 GB = 1e9
 
@@ -304,14 +305,14 @@ def test_flat_ring_for_data_axis_with_one_member_per_node(a100x2):
 
 
 def test_axis_groups_examples():
-    mesh = {"pipe": 2, "data": 2, "tensor": 2}
+    mesh = {MeshAxis.PIPELINE: 2, "data": 2, "tensor": 2}
     assert axis_groups(mesh, "tensor") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert axis_groups(mesh, "data") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert axis_groups(mesh, "pipe") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert axis_groups(mesh, MeshAxis.PIPELINE) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
 def test_axis_groups_partition_the_ranks_for_any_axis_names():
-    mesh = {"subgraph": 2, "pipe": 3, "spatial": 2, "data": 1, "tensor": 2}
+    mesh = {"subgraph": 2, MeshAxis.PIPELINE: 3, "spatial": 2, "data": 1, "tensor": 2}
     for axis, size in mesh.items():
         groups = axis_groups(mesh, axis)
         assert len(groups) == 24 // size and all(len(g) == size for g in groups)
@@ -327,13 +328,13 @@ def test_axis_groups_result_is_a_fresh_copy():
 
 
 def test_default_mesh_order():
-    assert default_mesh_order() == ("pipe", "data", "tensor")
+    assert default_mesh_order() == (MeshAxis.PIPELINE, "data", "tensor")
     mesh = dict(zip(default_mesh_order(), (2, 2, 2)))
     assert axis_groups(mesh, "tensor")[0] == [0, 1]
 
 
 def test_tensor_axis_stays_in_node_data_axis_spans(a100x2):
-    mesh = {"pipe": 1, "data": 2, "tensor": 8}
+    mesh = {MeshAxis.PIPELINE: 1, "data": 2, "tensor": 8}
     tensor = axis_collective_time(a100x2, mesh, "tensor", "all_reduce", 64e6)
     data = axis_collective_time(a100x2, mesh, "data", "all_reduce", 64e6)
     assert not tensor.spans_nodes and tensor.group_size == 8
@@ -359,18 +360,18 @@ def test_axis_cost_is_the_slowest_group():
 
 def test_axis_p2p_is_slowest_neighbour_pair(a100x2):
     ia, ib = A100_IB
-    cost = axis_collective_time(a100x2, {"pipe": 4, "tensor": 4}, "pipe", "p2p", 1e7)
+    cost = axis_collective_time(a100x2, {MeshAxis.PIPELINE: 4, "tensor": 4}, MeshAxis.PIPELINE, "p2p", 1e7)
     # pipe group [0, 4, 8, 12]: 4 -> 8 crosses nodes.
     assert cost.group_size == 2 and cost.spans_nodes
     assert cost.seconds == pytest.approx(ia + 1e7 * ib)
-    inside = axis_collective_time(a100x2, {"tensor": 2, "pipe": 8}, "pipe", "p2p", 1e7)
+    inside = axis_collective_time(a100x2, {"tensor": 2, MeshAxis.PIPELINE: 8}, MeshAxis.PIPELINE, "p2p", 1e7)
     assert not inside.spans_nodes
-    one = axis_collective_time(a100x2, {"pipe": 1, "data": 16}, "pipe", "p2p", 1e7)
+    one = axis_collective_time(a100x2, {MeshAxis.PIPELINE: 1, "data": 16}, MeshAxis.PIPELINE, "p2p", 1e7)
     assert one.seconds == 0.0
 
 
 def test_axis_collective_matches_every_op(a100x2):
-    mesh = {"pipe": 2, "data": 2, "tensor": 4}
+    mesh = {MeshAxis.PIPELINE: 2, "data": 2, "tensor": 4}
     for op in COLLECTIVE_OPS:
         if op == "p2p":
             continue

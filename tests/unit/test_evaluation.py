@@ -15,6 +15,7 @@ from runtime.evaluation import (EvalError, EvalResult, EvalSpec, check_program, 
                                 eval_setting, evaluate, forward_only)
 from runtime.program import Program
 from runtime.spec import TrainSpec
+from runtime.vocab import MeshAxis
 from tests.parallel_cases import graph_of, plan_for
 from tests.tp_threads import run_ranks
 
@@ -50,13 +51,14 @@ def test_run_flags_override_the_builds_setting_field_by_field():
         eval_setting(None, None, 2)
 
 
-@pytest.mark.parametrize("axes,bidirectional,feature", [(("pipe", "data", "spatial", "tensor"), False, "spatial"),
-                                                        (("pipe", "data", "branch", "tensor"), False, "sub-graph"),
-                                                        (("pipe", "data", "tensor"), True, "bi-directional")])
+@pytest.mark.parametrize("axes,bidirectional,feature",
+                         [((MeshAxis.PIPELINE, "data", "spatial", "tensor"), False, "spatial"),
+                          ((MeshAxis.PIPELINE, "data", MeshAxis.SUBGRAPH, "tensor"), False, "sub-graph"),
+                          ((MeshAxis.PIPELINE, "data", "tensor"), True, "bi-directional")])
 def test_plans_evaluation_does_not_run_on_are_refused_by_name(axes, bidirectional, feature):
     with pytest.raises(EvalError, match=feature):
         check_supported(axes, bidirectional)
-    check_supported(("pipe", "data", "tensor"), False)
+    check_supported((MeshAxis.PIPELINE, "data", "tensor"), False)
 
 
 def test_the_ranks_refuse_a_bidirectional_program_by_name():
@@ -93,10 +95,10 @@ def _fake_build(path, mesh: dict, eval_doc=None):
 
 
 def test_run_refuses_eval_flags_the_build_cannot_use_before_starting_ranks(tmp_path):
-    plain = _fake_build(tmp_path / "plain", {"pipe": 1, "data": 2, "tensor": 1})
+    plain = _fake_build(tmp_path / "plain", {MeshAxis.PIPELINE: 1, "data": 2, "tensor": 1})
     code, err = _cli(["run", str(plain), "--eval-batches", "2"])
     assert code == 2 and "--eval-batches needs --eval-every" in err
-    tiles = _fake_build(tmp_path / "tiles", {"pipe": 1, "data": 1, "spatial": 2, "tensor": 1},
+    tiles = _fake_build(tmp_path / "tiles", {MeshAxis.PIPELINE: 1, "data": 1, "spatial": 2, "tensor": 1},
                         {"every": 1, "batches": 1})
     code, err = _cli(["run", str(tiles), "--steps", "1"])
     assert code == 2 and "spatial parallelism" in err
@@ -155,9 +157,10 @@ def test_forward_part_keeps_every_forward_and_what_it_needs_and_drops_the_rest(n
     # the messages still pair up: rank r's SEND act (s, m) to q is q's RECV act (s, m) from r
     sends = sorted((r, i.peer, i.stage, i.micro) for r, kept in kept_by_rank.items() for i in kept if i.op == "SEND")
     recvs = sorted((i.peer, r, i.stage, i.micro) for r, kept in kept_by_rank.items() for i in kept if i.op == "RECV")
-    assert sends == recvs and (sends or "pipe" not in dict(programs[0].mesh) or programs[0].mesh_dict["pipe"] == 1)
+    assert sends == recvs and (sends or MeshAxis.PIPELINE not in dict(programs[0].mesh)
+                               or programs[0].mesh_dict[MeshAxis.PIPELINE] == 1)
     # every member of a group issues the same collectives in the same order
-    for axis in ("data", "pipe", "tensor"):
+    for axis in ("data", MeshAxis.PIPELINE, "tensor"):
         if programs[0].mesh_dict.get(axis, 1) < 2:
             continue
         for r, prog in programs.items():

@@ -14,6 +14,7 @@ from examples.models import gpt
 from planner import Plan, PlanFileError
 from fuzz_mutations import mutate, sample_program_docs  # tests/unit is on sys.path (pytest prepend mode)
 from runtime.program import Program, ProgramError
+from runtime.vocab import MeshAxis
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +147,7 @@ def _first(doc, *ops, kind=None):
     (("format_version",), 2, "'format_version' is 2; this runtime reads 1"),
     (("rank",), 4, "'rank' must be <= 3, got 4"),
     (("world_size",), "4", "'world_size' must be a whole number, got '4'"),
-    (("mesh", 0), ["pipe"], "'mesh[0]' must be [axis name, size]"),
+    (("mesh", 0), [MeshAxis.PIPELINE], "'mesh[0]' must be [axis name, size]"),
     (("mesh", 1, 1), 3, "'mesh' has 6 ranks but world_size is 4"),
     (("coords", 2), 1, "'coords[2]' must be <= 0, got 1"),
     (("stages",), [1, 0], "'stages' must be distinct and ascending"),

@@ -16,6 +16,7 @@ from cost_models.simulate import simulate as simulate_programs
 from planner import ConfigError, ParallelConfig
 from planner.capabilities import RuntimeSupport
 from runtime.program import PAIR_AXIS
+from runtime.vocab import MeshAxis
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
@@ -126,7 +127,7 @@ def _bidi_plan(graph, p, d, T, mb=2, cluster="dgx-a100-80gb"):
 def test_lowered_programs_hold_two_stages_and_reduce_over_the_pair(tiny, p, d, T):
     progs = lower(_bidi_plan(tiny, p, d, T), tiny)   # lower() runs check_programs: no deadlock
     for r, prog in progs.items():
-        pos = prog.coord("pipe")
+        pos = prog.coord(MeshAxis.PIPELINE)
         assert prog.stages == tuple(sorted({pos, p - 1 - pos}))
         assert prog.num_micro_batches == 2 * T
         # forwards of replica A (even micro-batches) on stage pos, of B (odd) on stage p-1-pos
@@ -142,7 +143,8 @@ def test_lowered_programs_hold_two_stages_and_reduce_over_the_pair(tiny, p, d, T
             assert grads and all(g.axis == PAIR_AXIS for g in grads)
             assert [g.stage for g in grads] == sorted((g.stage for g in grads), reverse=True), "higher stage first"
             assert {g.stage for g in grads} == set(prog.stages)
-        assert any(ins.kind == "loss" and ins.axis == "pipe" and ins.op == "ALLREDUCE" for ins in prog.instrs)
+        assert any(ins.kind == "loss" and ins.axis == MeshAxis.PIPELINE and ins.op == "ALLREDUCE"
+                   for ins in prog.instrs)
         assert prog.derived_axes == ((PAIR_AXIS,) if grads else ())
 
 

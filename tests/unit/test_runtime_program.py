@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from cost_models.mesh_axes import axis_groups
 from runtime.program import (Bucket, Instr, Program, ProgramError, all_axis_groups, axis_group, coords_of,
                              rank_of)
+from runtime.vocab import MeshAxis
 
-MESH = (("pipe", 2), ("data", 2), ("tensor", 2))
+MESH = ((MeshAxis.PIPELINE, 2), ("data", 2), ("tensor", 2))
 
 
 def test_instructions_print_compactly():
@@ -20,8 +21,8 @@ def test_instructions_print_compactly():
     assert str(Instr("RECV", 1, 3, peer=1, kind="grad", handle=7)) == "RECV grad s1 m3 <- r1 h7"
     assert str(Instr("ALLREDUCE", 1, kind="grads", axis="data", handle=2, bucket=0, nbytes=3 * 2**20)) == \
         "ALLREDUCE grads s1 b0 @data h2 (3.0 MiB)"
-    assert str(Instr("BROADCAST", kind="loss", axis="pipe", peer=7, handle=9, nbytes=8)) == \
-        "BROADCAST loss @pipe <- r7 h9 (8 B)"
+    assert str(Instr("BROADCAST", kind="loss", axis=MeshAxis.PIPELINE, peer=7, handle=9, nbytes=8)) == \
+        f"BROADCAST loss @{MeshAxis.PIPELINE} <- r7 h9 (8 B)"
     assert str(Instr("WAIT", handle=4)) == "WAIT h4"
     assert str(Instr("STEP")) == "STEP" and str(Instr("ZERO_GRAD")) == "ZERO_GRAD"
 
@@ -53,16 +54,29 @@ def test_program_json_round_trip(tmp_path):
     assert Program.load(tmp_path / "p.json") == p
 
 
+def test_programs_written_with_the_old_axis_names_still_load():
+    """Builds made before the mesh axes took the ParallelConfig names spelled them "pipe" and "branch"."""
+    doc = _program().to_dict()
+    doc["mesh"] = [["pipe", 2], ["data", 2], ["tensor", 2]]
+    doc["instrs"].insert(-1, {"op": "BROADCAST", "kind": "loss", "axis": "pipe", "peer": 5, "handle": 9, "nbytes": 8})
+    doc["instrs"].insert(-1, {"op": "WAIT", "handle": 9})
+    p = Program.from_dict(doc)
+    assert [a for a, _ in p.mesh] == [MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.TENSOR]
+    assert p.instrs[-3].axis == MeshAxis.PIPELINE and p.group(MeshAxis.PIPELINE) == (1, 5)
+    assert Program.from_dict({**doc, "mesh": [["pipe", 1], ["data", 2], ["branch", 4]], "coords": [0, 0, 1], "rank": 1,
+                              "instrs": doc["instrs"][:1]}).mesh_dict == {"pipeline": 1, "data": 2, "subgraph": 4}
+
+
 def test_program_prints_one_instruction_per_line():
     text = str(_program())
     lines = text.splitlines()
-    assert lines[0].startswith("# rank 5 of 8") and "coords pipe=1 data=0 tensor=1" in lines[0]
+    assert lines[0].startswith("# rank 5 of 8") and f"coords {MeshAxis.PIPELINE}=1 data=0 tensor=1" in lines[0]
     assert lines[1:] == [str(i) for i in _program().instrs]
 
 
 def test_program_groups_and_coordinates():
     p = _program()
-    assert p.group("tensor") == (4, 5) and p.group("data") == (5, 7) and p.group("pipe") == (1, 5)
+    assert p.group("tensor") == (4, 5) and p.group("data") == (5, 7) and p.group(MeshAxis.PIPELINE) == (1, 5)
     assert p.coord("tensor") == 1 and p.count("WAIT") == 3
     with pytest.raises(ProgramError, match="coords"):
         Program(rank=4, world_size=8, mesh=MESH, coords=(1, 0, 1), stages=(1,), num_stages=2, num_micro_batches=1,

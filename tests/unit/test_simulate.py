@@ -8,6 +8,7 @@ from cost_models.comm import collective_time
 from cost_models.hardware import Cluster
 from cost_models.simulate import ComputeCosts, SimulationDeadlock, simulate
 from runtime.program import Instr, Program
+from runtime.vocab import MeshAxis
 
 CL = Cluster.preset("dgx-a100-80gb")
 
@@ -26,7 +27,7 @@ def I(op, **kw):
 
 
 def two_stage_1f1b():
-    mesh = [("pipe", 2), ("data", 1), ("tensor", 1)]
+    mesh = [(MeshAxis.PIPELINE, 2), ("data", 1), ("tensor", 1)]
     r0 = [I("F", stage=0, micro=0), I("SEND", kind="act", stage=0, micro=0, peer=1, handle=0),
           I("F", stage=0, micro=1), I("SEND", kind="act", stage=0, micro=1, peer=1, handle=1),
           I("RECV", kind="grad", stage=0, micro=0, peer=1, handle=2), I("WAIT", handle=2), I("B", stage=0, micro=0),
@@ -50,7 +51,7 @@ def test_two_stage_1f1b_takes_m_plus_p_minus_1_slots():
 
 
 def test_ring_allreduce_after_backward():
-    mesh = [("pipe", 1), ("data", 4), ("tensor", 1)]
+    mesh = [(MeshAxis.PIPELINE, 1), ("data", 4), ("tensor", 1)]
     n = 10**9
     progs = [prog(r, 4, mesh, [I("F", stage=0, micro=0), I("B", stage=0, micro=0),
                                 I("ALLREDUCE", kind="grads", stage=0, bucket=0, axis="data", handle=0, nbytes=n),
@@ -65,7 +66,7 @@ def test_ring_allreduce_after_backward():
 
 def four_bucket_backward(n):
     """Two data-parallel ranks: one backward, then four gradient all-reduces of n bytes issued from it."""
-    mesh = [("pipe", 1), ("data", 2), ("tensor", 1)]
+    mesh = [(MeshAxis.PIPELINE, 1), ("data", 2), ("tensor", 1)]
     instrs = [I("B", stage=0, micro=0)] + \
         [I("ALLREDUCE", kind="grads", stage=0, bucket=k, axis="data", handle=k, nbytes=n) for k in range(4)] + \
         [I("WAIT", handle=k) for k in range(4)]
@@ -83,7 +84,7 @@ def test_bucketed_allreduce_overlaps_the_backward():
 
 
 def test_deadlock_is_reported_not_hung():
-    mesh = [("pipe", 2), ("data", 1), ("tensor", 1)]
+    mesh = [(MeshAxis.PIPELINE, 2), ("data", 1), ("tensor", 1)]
     r0 = [I("RECV", kind="grad", stage=0, micro=0, peer=1, handle=0), I("WAIT", handle=0)]
     r1 = [I("RECV", kind="act", stage=0, micro=0, peer=0, handle=0), I("WAIT", handle=0)]
     with pytest.raises(SimulationDeadlock, match=r"rank 0: #1 WAIT h0[\s\S]*rank 1: #1 WAIT h0"):
@@ -130,8 +131,8 @@ def test_steps_run_back_to_back_and_the_steady_step_includes_the_start_skew():
     # rank 1 (the last stage) ends its step with a loss broadcast that rank 0 waits for, so in
     # the next step rank 0 starts late and rank 1 waits for its first activation
     progs = two_stage_1f1b()
-    mesh = [("pipe", 2), ("data", 1), ("tensor", 1)]
-    tail0 = [I("BROADCAST", kind="loss", axis="pipe", peer=1, handle=9, nbytes=8), I("WAIT", handle=9)]
+    mesh = [(MeshAxis.PIPELINE, 2), ("data", 1), ("tensor", 1)]
+    tail0 = [I("BROADCAST", kind="loss", axis=MeshAxis.PIPELINE, peer=1, handle=9, nbytes=8), I("WAIT", handle=9)]
     progs = [prog(0, 2, mesh, list(progs[0].instrs) + tail0, (0,), 2, 2),
              prog(1, 2, mesh, list(progs[1].instrs) + tail0, (1,), 2, 2)]
     costs = ComputeCosts(forward={0: 1.0, 1: 1.0}, backward={0: 2.0, 1: 2.0}, optimizer=0.5)

@@ -14,6 +14,7 @@ from planner import ParallelConfig, Plan
 from planner.config import ConfigError
 from planner.plan import PlanFileError
 from planner.strategies.spatial import MIN_TILE_ROWS, SpatialPricer, spatial_candidates
+from runtime.vocab import MeshAxis
 
 
 # ---- config ---------------------------------------------------------------
@@ -21,9 +22,9 @@ from planner.strategies.spatial import MIN_TILE_ROWS, SpatialPricer, spatial_can
 def test_spatial_fields_validate_and_count_devices():
     c = ParallelConfig(data=2, spatial=4, spatial_split="grid", spatial_until="features.3")
     assert c.num_devices == 8
-    assert c.mesh == {"pipe": 1, "data": 2, "spatial": 4, "tensor": 1}
+    assert c.mesh == {MeshAxis.PIPELINE: 1, "data": 2, "spatial": 4, "tensor": 1}
     assert "s4 grid..features.3" in c.short()
-    assert ParallelConfig().mesh == {"pipe": 1, "data": 1, "tensor": 1}
+    assert ParallelConfig().mesh == {MeshAxis.PIPELINE: 1, "data": 1, "tensor": 1}
     with pytest.raises(ConfigError, match="needs spatial_until"):
         ParallelConfig(spatial=2)
     with pytest.raises(ConfigError, match="needs spatial >= 2"):

@@ -10,6 +10,7 @@ from codegen.emit import capture_ref
 from codegen.lower import lower
 from planner import ConfigError, ParallelConfig
 from planner.subgraph import SubgraphError, describe, module_owners, split_regions
+from runtime.vocab import MeshAxis
 from tests.parallel_cases import graph_of
 
 KW = {"num_modules": 2, "channels": 8, "stem_channels": 8, "image_size": 8}
@@ -78,7 +79,7 @@ def test_config_rules(kwargs, needle):
 
 def test_config_mesh_and_json():
     cfg = ParallelConfig(subgraph=2, data=2)
-    assert cfg.mesh == {"pipe": 1, "data": 2, "branch": 2, "tensor": 1} and cfg.num_devices == 4
+    assert cfg.mesh == {MeshAxis.PIPELINE: 1, "data": 2, MeshAxis.SUBGRAPH: 2, "tensor": 1} and cfg.num_devices == 4
     assert ParallelConfig.from_dict(cfg.to_dict()) == cfg and "g2" in cfg.short()
     assert "subgraph" not in ParallelConfig(data=2).to_dict()   # neutral: old documents unchanged
 
@@ -130,11 +131,11 @@ def test_lowered_ranks_hold_only_their_sub_grids_parameters(B, d):
     progs = lower(plan, inception())
     owners = module_owners(inception(), plan.subgraph)
     for prog in progs.values():
-        assert dict(prog.mesh)["branch"] == B
+        assert dict(prog.mesh)[MeshAxis.SUBGRAPH] == B
         if d == 1:
             assert not prog.buckets
             continue
-        mine = prog.coord("branch")
+        mine = prog.coord(MeshAxis.SUBGRAPH)
         names = [n for b in prog.buckets for n in b.params]
         assert names and all(owners.get(n.rsplit(".", 1)[0], mine) == mine for n in names)
         assert "stem.conv.weight" in names and "fc.weight" in names

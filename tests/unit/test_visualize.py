@@ -18,6 +18,7 @@ from planner.app.visualize import (FIGURES, ScheduleRecord, figures, layout_prob
                                memory_figure, mesh_figure, time_figure,
                                predicted_schedule, rank_coords, save_figure, save_timeline, schedule_figure,
                                schedule_orders, simulate_schedule, style, visualize)
+from runtime.vocab import MeshAxis
 
 
 def _graph(preset):
@@ -155,8 +156,8 @@ def test_importing_does_no_work():
 
 
 def test_mesh_coordinates_match_axis_groups():
-    mesh = {"pipe": 3, "data": 2, "tensor": 4}
-    for k, axis in enumerate(("pipe", "data", "tensor")):
+    mesh = {MeshAxis.PIPELINE: 3, "data": 2, "tensor": 4}
+    for k, axis in enumerate((MeshAxis.PIPELINE, "data", "tensor")):
         for group in axis_groups(mesh, axis):
             coords = [rank_coords(r, mesh) for r in group]
             assert [c[k] for c in coords] == list(range(mesh[axis]))
