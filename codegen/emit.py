@@ -35,8 +35,8 @@ from codegen.lower import DEFAULT_BUCKET_BYTES, lower_plan
 from codegen.throughput import step_work
 from codegen.partition import Partition, stage_imports
 from codegen.pysrc import comment_text, doc_text, py_literal
-from planner.capture import capture_ref
-from planner.graph import ModelGraph
+from planner.graph.capture import capture_ref
+from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.datasets import DatasetSpec
 from runtime.evaluation import EvalSpec, check_supported
@@ -48,7 +48,7 @@ from runtime.loss_scale import LossScaleSpec
 from runtime.spec import TrainSpec
 
 
-# The captured ModelGraph in a build (planner/graph.py's JSON): readers of a build use it instead
+# The captured ModelGraph in a build (planner/graph/model.py's JSON): readers of a build use it instead
 # of capturing the model again, which would import and run the model's code.
 GRAPH_FILE = "graph.json"
 

@@ -29,7 +29,7 @@ from codegen.partition import Partition, partition
 from codegen.strategies import registry
 from codegen.strategies.base import Lowering, LoweringError, LoweringStrategy, Params, Phase, Placement, RankPlan
 from codegen.strategies.data import DEFAULT_BUCKET_BYTES
-from planner.graph import ModelGraph
+from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.program import Instr, Program, coords_of
 from runtime.vocab import element_bytes

@@ -32,8 +32,8 @@ from codegen.spatial_tiles import StageTiles, TileRewrite
 from codegen.subgraph import (insert_region_call, layer_regions, region_code, region_inputs, region_methods,
                               skipped_nodes, subgraph_init)
 from codegen.tensor_split import TensorSplitError, apply_splits
-from planner.graph import ModelGraph
-from planner.ops import module_path_of, op_base
+from planner.graph.model import ModelGraph
+from planner.graph.ops import module_path_of, op_base
 from planner.plan import Plan
 from planner.tensor_split.analysis import tensor_splits
 from runtime.materialize import RUNTIME_ATTRS, model_signature

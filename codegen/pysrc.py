@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from planner.ops import module_stack
+from planner.graph.ops import module_stack
 
 # Globals fx always provides, and how to write them in a standalone file.
 _STANDARD = {

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from planner.ops import target_name
+from planner.graph.ops import target_name
 from planner.tensor_split.rules import TensorSplitError, norm_dim
 from runtime.materialize import RUN_DEVICE, RUNTIME_ATTRS
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ShapeGroup, shard_module

@@ -21,7 +21,7 @@ import dataclasses
 
 from codegen.partition import Partition
 from codegen.strategies.base import LoweringError
-from planner.graph import ModelGraph
+from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from planner.strategies.combinations import Level, why_not
 from runtime.program import Program, SpatialTiles

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from planner.ops import op_base
+from planner.graph.ops import op_base
 from runtime.materialize import RUN_DEVICE
 
 _INT_OPS = {"sym_size", "mul", "add", "sub", "floordiv", "truediv", "mod", "neg", "sym_max", "sym_min",

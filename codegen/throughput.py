@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from planner.graph import ModelGraph
+from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.step_work import StepWork
 

@@ -9,7 +9,7 @@ measurement, no process groups).
 
 from cost_models.hardware import Cluster, ClusterFileError
 from planner.app.visualize import visualize
-from planner.capture import CaptureError, capture
+from planner.graph.capture import CaptureError, capture
 from planner.config import ConfigError, ParallelConfig
 from planner.evaluate import evaluate
 from planner.make_plan import make_plan

@@ -30,11 +30,11 @@ from cost_models.op_curves import node_curve_times
 from cost_models.hardware import Cluster
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
-from planner.graph import Layer, ModelGraph, OpInfo
+from planner.graph.model import Layer, ModelGraph, OpInfo
 from planner.sharding import ShardingPlan, find_sharding
 from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
-from planner.ties import tied_weights
+from planner.graph.ties import tied_weights
 from runtime.vocab import DType, MeshAxis, ShardRole, element_bytes
 
 T = TypeVar("T")
@@ -491,6 +491,6 @@ def as_graph(model_or_graph: Any, example_inputs: Any) -> ModelGraph:
     if example_inputs is None:
         raise ValueError("pass example_inputs (one sample's inputs, or a small batch) with a model, "
                          "or a ModelGraph from planner.capture")
-    from planner.capture import capture
+    from planner.graph.capture import capture
 
     return capture(model_or_graph, example_inputs)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.graph import ModelGraph, OpInfo
+from planner.graph.model import ModelGraph, OpInfo
 from runtime.vocab import ShardRole
 
 # Ops that act independently on each output feature / head / channel, so a

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import planner
 from planner.app.commands import make_fixed_plan
-from planner.graph import ModelGraph
+from planner.graph.model import ModelGraph
 from codegen.emit import capture_ref, emit
 
 HF = "examples/models/hf.py:build"

@@ -23,7 +23,7 @@ from enum import IntEnum
 from typing import Any, Callable, Iterator, Protocol
 
 from codegen.partition import Partition, StagePart
-from planner.graph import ModelGraph
+from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.parallel.base import StrategyName, mesh_axis
 from runtime.program import Bucket, Instr, Program, Tie

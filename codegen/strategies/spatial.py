@@ -9,7 +9,7 @@ import dataclasses
 from codegen.partition import Partition
 from codegen.spatial import spatial_spec, spatial_stages, spatial_tiles, spatial_twin
 from codegen.strategies.base import LoweringStrategy
-from planner.graph import ModelGraph
+from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.program import Program
 from runtime.parallel.base import StrategyName

@@ -16,7 +16,7 @@ after that overhead gives the achieved fraction of the measured peak:
 GEMMs for eff.matmul, convolutions for eff.conv, a streaming add for
 eff.memory (cost_models/compute.py's roofline).
 
-All times are seconds; FLOPs and bytes follow planner/ops.py's definitions
+All times are seconds; FLOPs and bytes follow planner/graph/ops.py's definitions
 (a GEMM is 2 M K N FLOPs; an elementwise op reads and writes its tensors once).
 Nothing runs at import time.
 """

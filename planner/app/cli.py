@@ -30,7 +30,7 @@ from planner.app.commands import codegen_command, read_checked_build, run_comman
 from planner.app.compare import compare_build, draw, predicted_costs
 from planner.app.report import write_report
 from planner.app.visualize import visualize
-from planner.capture import capture_ref
+from planner.graph.capture import capture_ref
 from planner.optimize import explain, optimize
 from planner.plan import Plan
 from runtime.checkpoint import Manifest, complete_checkpoints, resolve_checkpoint

@@ -44,7 +44,7 @@ from planner.app.schedule_view import ScheduleRecord
 from planner.app.visualize import save_figure, schedule_figure, style
 from planner.evaluate import Evaluator
 from planner.strategies.data import GRAD_BUCKET_BYTES
-from planner.graph import ModelGraph
+from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.program import COLLECTIVE_OPS, Program
 from runtime.trace import Event, Timeline

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from cost_models.prediction import Prediction
     from planner.config import ParallelConfig
     from planner.evaluate import Evaluator, LayerCost
-    from planner.graph import Layer
+    from planner.graph.model import Layer
 
 Bounds = list[tuple[int, int]]            # [lo, hi) layer ranges of the pipeline stages
 Fits = Callable[[int, int, int], bool]    # fits(stage, lo, hi): layers [lo, hi) fit on that stage's device

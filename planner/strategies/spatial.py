@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from cost_models.spatial import batchnorm_sync_bytes, halo_seconds, tile_shape, window_halo_bytes
 from planner.config import ConfigError, ParallelConfig
-from planner.graph import Layer, ModelGraph, OpInfo
+from planner.graph.model import Layer, ModelGraph, OpInfo
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, Strategy, StrategyName
 from runtime.vocab import DType, MeshAxis, Recompute, SpatialBatchNorm, SpatialSplit

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from planner.config import ConfigError, ParallelConfig
-from planner.graph import Layer
+from planner.graph.model import Layer
 from planner.strategies.base import Strategy, StrategyName
 from planner.subgraph import Region, split_regions
 from runtime.vocab import DType, MeshAxis

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from cost_models.memory import param_bytes
 from planner.config import ParallelConfig
-from planner.graph import Layer, OpInfo
+from planner.graph.model import Layer, OpInfo
 from planner.ilp import Edge, RegionOption, choose_shardings
 from planner.strategies.base import Strategy, StrategyName
 

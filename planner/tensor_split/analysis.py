@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from planner.config import ConfigError
-from planner.ops import module_path_of, target_name
+from planner.graph.ops import module_path_of, target_name
 from planner.tensor_split.rules import Split, TensorSplitError, _feature_split, _search, _State
 from planner.tensor_split.splits import TensorSplits
 from planner.tensor_split.weight_op import weight_op

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from planner.ops import module_path_of, target_name
+from planner.graph.ops import module_path_of, target_name
 from planner.tensor_split.weight_op import weight_op
 from runtime.tensor_parallel import FeatureSplit, ShardError
 from runtime.vocab import ShardRole

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from planner.ops import op_base
+from planner.graph.ops import op_base
 
 _CONV = ("conv1d", "conv2d", "conv3d", "convolution")
 

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import planner
 from examples.models import gpt, inception, large_image_cnn, mlp, resnet
 from planner import CaptureError
-from planner.graph import ModelGraph
+from planner.graph.model import ModelGraph
 
 ZOO = [
     (gpt, dict(preset="tiny")),

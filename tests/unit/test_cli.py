@@ -14,7 +14,7 @@ def test_capture_prints_summary_and_writes_json(tmp_path, capsys):
                  "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "blocks.1" in text and "parameters:" in text
-    from planner.graph import ModelGraph
+    from planner.graph.model import ModelGraph
     assert ModelGraph.load(out).batch_size == 2
 
 

@@ -15,10 +15,10 @@ from planner.app.commands import make_fixed_plan
 from codegen.lower import lower
 from codegen.partition import partition
 from planner.capabilities import MESHPLAN_RUNTIME
-from planner.capture import capture_ref
+from planner.graph.capture import capture_ref
 from planner.sharding import find_sharding
 from planner.tensor_split.analysis import unsplittable
-from planner.ties import tied_weights
+from planner.graph.ties import tied_weights
 from runtime.losses import compute_loss
 from runtime.tensor_parallel import FeatureSplit
 from tests.tp_threads import run_ranks
@@ -65,7 +65,7 @@ class _NoGradScale(nn.Module):
 
 
 def test_no_grad_region_is_inlined_with_detached_outputs():
-    from planner.export_graph import export_dynamic_batch
+    from planner.graph.export import export_dynamic_batch
     torch.manual_seed(0)
     model = _NoGradScale()
     x = torch.randn(3, 4)

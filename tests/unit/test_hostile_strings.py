@@ -23,11 +23,11 @@ from codegen.partition import partition
 from codegen.pysrc import SourceError, comment_text, doc_text, import_line
 from cost_models.hardware import Cluster
 from cost_models.simulate import simulate
-from planner.capture import capture, capture_ref
+from planner.graph.capture import capture, capture_ref
 from planner.app.cli import main
 from planner.app.compare import CompareError, predicted_costs
 from planner.config import ParallelConfig
-from planner.graph import ModelGraph
+from planner.graph.model import ModelGraph
 from planner.make_plan import make_plan
 from runtime.optim import OptimizerSpec
 from tests.hostile_cases import (HOSTILE, HOSTILE_DIR, MARKER, fake_launchers, hostile_kwargs, launch_args,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.graph import ModelGraph
+from planner.graph.model import ModelGraph
 
 
 @dataclass(frozen=True)

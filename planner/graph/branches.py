@@ -12,8 +12,8 @@ independent by construction.
 
 from __future__ import annotations
 
-from planner.graph import Branch, OpInfo
-from planner.layers import NodeView
+from planner.graph.model import Branch, OpInfo
+from planner.graph.layers import NodeView
 
 _EXIT = "__exit__"
 

@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from planner.ops import module_path_of, op_base
+from planner.graph.ops import module_path_of, op_base
 
 _CHECKS = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range", "sym_constrain_range_for_size",
            "_assert_async")

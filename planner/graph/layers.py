@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from planner.graph import Layer, OpInfo
+from planner.graph.model import Layer, OpInfo
 
 _CALL_OPS = ("call_module", "call_function", "call_method")
 

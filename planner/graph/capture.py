@@ -1,10 +1,10 @@
-"""`planner.capture`: turn an nn.Module plus example inputs into a ModelGraph.
+"""`planner.graph.capture`: turn an nn.Module plus example inputs into a ModelGraph.
 
 Tracing: torch.fx.symbolic_trace first (it keeps leaf modules such as
 nn.Linear whole, which is what sharding wants); if that fails,
 torch.export.export(strict=False) with a symbolic batch dimension, whose ATen
 graph handles the control flow and Python tricks of real models (Hugging
-Face's among them) and does not depend on the batch size (planner/export_graph.py
+Face's among them) and does not depend on the batch size (planner/graph/export.py
 also flattens export's no-grad regions and drops its checks). Both give an fx
 GraphModule; one analysis pass serves both.
 
@@ -33,11 +33,11 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from planner.branches import find_branches
-from planner.export_graph import export_dynamic_batch
-from planner.graph import ModelGraph, OpInfo, TensorMeta
-from planner.layers import NodeView, find_layers
-from planner.ops import classify, module_path_of, module_stack, target_name
+from planner.graph.branches import find_branches
+from planner.graph.export import export_dynamic_batch
+from planner.graph.model import ModelGraph, OpInfo, TensorMeta
+from planner.graph.layers import NodeView, find_layers
+from planner.graph.ops import classify, module_path_of, module_stack, target_name
 
 
 class CaptureError(ValueError):
@@ -189,7 +189,7 @@ def _describe(e: BaseException) -> str:
     frames = traceback.extract_tb(e.__traceback__)
     for fr in reversed(frames):
         fn = fr.filename.replace("\\", "/")
-        if "/torch/" not in fn and "/meshplan/planner/" not in fn and not fn.endswith("planner/capture.py"):
+        if "/torch/" not in fn and "/meshplan/planner/" not in fn and not fn.endswith("planner/graph/capture.py"):
             where = f" (stopped at {fr.filename}:{fr.lineno} in {fr.name}: {(fr.line or '').strip()})"
             break
     msg = str(e).strip().splitlines()
