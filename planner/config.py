@@ -15,6 +15,7 @@ from typing import Any
 
 from planner.strategies.combinations import Level
 from planner.strategies.combinations import why_not as combination_refusal
+from planner.strategies.fields import field_refusal, micro_batch_refusal
 from runtime.documents import FieldError
 from runtime.vocab import DType, MeshAxis, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
 
@@ -89,9 +90,8 @@ class ParallelConfig:
             except ValueError:
                 raise ConfigError(f"ParallelConfig.{name}={v!r} is not one of {', '.join(vocabulary)}") from None
             object.__setattr__(self, name, member.value)   # plain strings: reprs in generated code stay literals
-        # each strategy's own fields (planner/strategies/), then how the strategies combine
-        refusal = (next((why for s in _strategies() if (why := s.refusal(self))), None)
-                   or combination_refusal(self, Level.CONFIG))
+        # each strategy's own fields (planner/strategies/fields.py), then how they combine (combinations.py)
+        refusal = field_refusal(self) or combination_refusal(self, Level.CONFIG)
         if refusal:
             raise ConfigError(refusal)
         if self.stage_boundaries is not None:
@@ -130,7 +130,7 @@ class ParallelConfig:
                 f"or data degree that divides it"
             )
         m = global_batch_size // per_replica
-        refusal = next((why for s in _strategies() if (why := s.micro_batch_refusal(self, global_batch_size, m))), None)
+        refusal = micro_batch_refusal(self, global_batch_size, m)   # planner/strategies/fields.py
         if refusal:
             raise ConfigError(refusal)
         return m
@@ -199,9 +199,3 @@ class ParallelConfig:
             d["stage_boundaries"] = tuple(d["stage_boundaries"])
         return cls(**d)
 
-
-def _strategies():
-    """The strategy registry (planner/strategies/registry.py), whose modules import this one; imported
-    where a config is checked, not at import time, so the two modules load in either order."""
-    from planner.strategies.registry import STRATEGIES
-    return STRATEGIES

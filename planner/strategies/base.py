@@ -61,17 +61,6 @@ class Strategy:
         degree = getattr(config, self.name)
         return (self.name, degree) if degree > 1 or self.named_at_one else None
 
-    # ---- the config --------------------------------------------------------
-    def refusal(self, config: "ParallelConfig") -> str | None:
-        """Why `config`'s settings of this strategy describe no valid run (a sentence saying what to
-        change), or None; ParallelConfig raises it as a ConfigError."""
-        return None
-
-    def micro_batch_refusal(self, config: "ParallelConfig", global_batch_size: int, m: int) -> str | None:
-        """Why this strategy cannot run `m` micro-batches per step on each pipeline (global batch
-        `global_batch_size` samples), or None; ParallelConfig.micro_batches raises it as a ConfigError."""
-        return None
-
     # ---- search -------------------------------------------------------------
     def pinned_on(self, constraints: dict) -> bool:
         """Whether the search constraints require this strategy (every candidate must use it)."""

@@ -160,25 +160,6 @@ class BidirectionalStrategy(Placement):
     def mesh_factor(self, config: ParallelConfig) -> None:
         return None   # no factor of its own: the two directions share the pipeline's devices
 
-    def refusal(self, config: ParallelConfig) -> str | None:
-        if not isinstance(config.bidirectional, bool):
-            return f"ParallelConfig.bidirectional must be true or false, got {config.bidirectional!r}"
-        if config.bidirectional:
-            if config.pipeline < 2:
-                return "a bidirectional pipeline needs pipeline >= 2 (device r holds stages r and p-1-r)"
-        elif config.replicas_per_direction != 1:
-            return f"replicas_per_direction={config.replicas_per_direction} needs bidirectional=True"
-        return None
-
-    def micro_batch_refusal(self, config: ParallelConfig, global_batch_size: int, m: int) -> str | None:
-        """A step runs exactly 2T micro-batches per data replica (T = replicas_per_direction per direction)."""
-        if config.bidirectional and m != 2 * config.replicas_per_direction:
-            return (f"a bidirectional step runs 2 x replicas_per_direction = {2 * config.replicas_per_direction} "
-                    f"micro-batches per data replica, but global batch {global_batch_size} / (micro_batch_size "
-                    f"{config.micro_batch_size} x data {config.data}) = {m}; set micro_batch_size to "
-                    f"{global_batch_size / (config.data * 2 * config.replicas_per_direction):g}")
-        return None
-
     def shape_configs(self, shape: MeshShape, constraints: dict) -> list[ParallelConfig]:
         """2T micro-batches per step (T per direction, T in 1, 2, 4, 8), so T fixes the micro-batch size."""
         p, d = shape.pipeline, shape.data

@@ -27,11 +27,6 @@ class DataStrategy(Strategy):
     name = StrategyName.DATA
     named_at_one = True
 
-    def refusal(self, config: ParallelConfig) -> str | None:
-        if config.zero not in (0, 1, 2, 3) or isinstance(config.zero, bool):
-            return f"ParallelConfig.zero must be 0, 1, 2 or 3, got {config.zero!r}"
-        return None
-
     def grad_sync(self, ev, config: ParallelConfig, params: float, window: float, m: int) -> tuple[float, float]:
         grad_bytes = params * (ev.grad_reduce_bytes or DType(config.dtype).bytes)
         weight_bytes = params * DType(config.dtype).bytes

@@ -30,26 +30,6 @@ class PipelineStrategy(Placement):
     def active(self, config: ParallelConfig) -> bool:
         return True
 
-    def refusal(self, config: ParallelConfig) -> str | None:
-        """Interleaved 1F1B (and only it) runs virtual_stages >= 2 chunks per device."""
-        if config.schedule == Schedule.INTERLEAVED:
-            if config.virtual_stages < 2:
-                return ("the interleaved schedule needs virtual_stages >= 2 "
-                        f"(got {config.virtual_stages}); use 1f1b for one chunk per device")
-            if config.pipeline < 2:
-                return "the interleaved schedule needs pipeline >= 2"
-        elif config.virtual_stages != 1:
-            return f"virtual_stages={config.virtual_stages} needs schedule='interleaved' (schedule is {config.schedule!r})"
-        return None
-
-    def micro_batch_refusal(self, config: ParallelConfig, global_batch_size: int, m: int) -> str | None:
-        """Interleaved 1F1B runs micro-batches in groups of the pipeline size."""
-        if config.schedule == Schedule.INTERLEAVED and m % config.pipeline:
-            return (f"the interleaved schedule runs micro-batches in groups of the pipeline size: {m} micro-batches "
-                    f"(global batch {global_batch_size} / (micro_batch_size {config.micro_batch_size} x data "
-                    f"{config.data})) is not a multiple of pipeline {config.pipeline}; use 1f1b or change the batch")
-        return None
-
     def check(self, ev, config: ParallelConfig) -> None:
         layers = len(ev.graph.layers)
         if config.num_stages > layers:

@@ -267,15 +267,6 @@ class SpatialStrategy(Strategy):
 
     name = StrategyName.SPATIAL
 
-    def refusal(self, config: ParallelConfig) -> str | None:
-        """The spatial degree and `spatial_until` (the last tiled layer) come together."""
-        if config.spatial > 1 and not (isinstance(config.spatial_until, str) and config.spatial_until):
-            return (f"spatial={config.spatial} needs spatial_until, the name of the last layer that runs "
-                    "on image tiles")
-        if config.spatial == 1 and config.spatial_until is not None:
-            return f"spatial_until={config.spatial_until!r} needs spatial >= 2 (tiles per image)"
-        return None
-
     def pinned_on(self, constraints: dict) -> bool:
         return constraints.get("spatial", 1) != 1
 
