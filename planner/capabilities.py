@@ -11,8 +11,18 @@ from dataclasses import dataclass
 from planner.config import ParallelConfig
 from planner.strategies.combinations import Level
 from planner.strategies.combinations import why_not as combination_refusal
+from planner.strategies.registry import STRATEGIES
 from planner.sharding import ShardingPlan, without_regions
 from planner.tensor_split.analysis import unsplittable
+from runtime.vocab import StrategyName
+
+# the strategies RuntimeSupport switches on and off (its boolean field of the strategy's name), and the
+# refusal where a config uses one that is off
+_SWITCHED: dict[StrategyName, str] = {
+    StrategyName.BIDIRECTIONAL: "the runtime does not run bidirectional pipelines yet",
+    StrategyName.SPATIAL: "the runtime does not run spatial plans",
+    StrategyName.SUBGRAPH: "the runtime does not run sub-graph parallel plans",
+}
 
 
 @dataclass(frozen=True)
@@ -36,18 +46,16 @@ class RuntimeSupport:
 
     def why_not(self, config: ParallelConfig) -> str | None:
         """A sentence saying what the runtime cannot run in `config`, or None."""
-        if config.bidirectional and not self.bidirectional:
-            return "the runtime does not run bidirectional pipelines yet"
+        off = next((_SWITCHED[s.name] for s in STRATEGIES
+                    if s.name in _SWITCHED and not getattr(self, s.name) and s.active(config)), None)
+        if off:
+            return off
         if config.schedule not in self.schedules:
             return f"the runtime does not run the {config.schedule} schedule"
         if config.recompute not in self.recompute:
             return f"the runtime does not run recompute={config.recompute!r}"
         if config.zero not in self.zero_stages:
             return f"the runtime does not run ZeRO stage {config.zero}"
-        if config.spatial > 1 and not self.spatial:
-            return "the runtime does not run spatial plans"
-        if config.subgraph > 1 and not self.subgraph:
-            return "the runtime does not run sub-graph parallel plans"
         refusal = combination_refusal(config, Level.RUNTIME)   # planner/strategies/combinations.py
         if refusal:
             return refusal

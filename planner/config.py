@@ -15,6 +15,7 @@ from typing import Any
 
 from planner.strategies.combinations import Level
 from planner.strategies.combinations import why_not as combination_refusal
+from planner.strategies.fields import field_refusal, micro_batch_refusal
 from runtime.documents import FieldError
 from runtime.vocab import DType, MeshAxis, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
 
@@ -89,30 +90,8 @@ class ParallelConfig:
             except ValueError:
                 raise ConfigError(f"ParallelConfig.{name}={v!r} is not one of {', '.join(vocabulary)}") from None
             object.__setattr__(self, name, member.value)   # plain strings: reprs in generated code stay literals
-        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
-            raise ConfigError(f"ParallelConfig.zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.schedule == Schedule.INTERLEAVED:
-            if self.virtual_stages < 2:
-                raise ConfigError("the interleaved schedule needs virtual_stages >= 2 "
-                                  f"(got {self.virtual_stages}); use 1f1b for one chunk per device")
-            if self.pipeline < 2:
-                raise ConfigError("the interleaved schedule needs pipeline >= 2")
-        elif self.virtual_stages != 1:
-            raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' "
-                              f"(schedule is {self.schedule!r})")
-        if not isinstance(self.bidirectional, bool):
-            raise ConfigError(f"ParallelConfig.bidirectional must be true or false, got {self.bidirectional!r}")
-        if self.bidirectional:
-            if self.pipeline < 2:
-                raise ConfigError("a bidirectional pipeline needs pipeline >= 2 (device r holds stages r and p-1-r)")
-        elif self.replicas_per_direction != 1:
-            raise ConfigError(f"replicas_per_direction={self.replicas_per_direction} needs bidirectional=True")
-        if self.spatial > 1 and not (isinstance(self.spatial_until, str) and self.spatial_until):
-            raise ConfigError(f"spatial={self.spatial} needs spatial_until, the name of the last layer that runs "
-                              "on image tiles")
-        if self.spatial == 1 and self.spatial_until is not None:
-            raise ConfigError(f"spatial_until={self.spatial_until!r} needs spatial >= 2 (tiles per image)")
-        refusal = combination_refusal(self, Level.CONFIG)   # planner/strategies/combinations.py
+        # each strategy's own fields (planner/strategies/fields.py), then how they combine (combinations.py)
+        refusal = field_refusal(self) or combination_refusal(self, Level.CONFIG)
         if refusal:
             raise ConfigError(refusal)
         if self.stage_boundaries is not None:
@@ -151,19 +130,9 @@ class ParallelConfig:
                 f"or data degree that divides it"
             )
         m = global_batch_size // per_replica
-        if self.schedule == Schedule.INTERLEAVED and m % self.pipeline:
-            raise ConfigError(
-                f"the interleaved schedule runs micro-batches in groups of the pipeline size: {m} micro-batches "
-                f"(global batch {global_batch_size} / (micro_batch_size {self.micro_batch_size} x data "
-                f"{self.data})) is not a multiple of pipeline {self.pipeline}; use 1f1b or change the batch"
-            )
-        if self.bidirectional and m != 2 * self.replicas_per_direction:
-            raise ConfigError(
-                f"a bidirectional step runs 2 x replicas_per_direction = {2 * self.replicas_per_direction} "
-                f"micro-batches per data replica, but global batch {global_batch_size} / (micro_batch_size "
-                f"{self.micro_batch_size} x data {self.data}) = {m}; set micro_batch_size to "
-                f"{global_batch_size / (self.data * 2 * self.replicas_per_direction):g}"
-            )
+        refusal = micro_batch_refusal(self, global_batch_size, m)   # planner/strategies/fields.py
+        if refusal:
+            raise ConfigError(refusal)
         return m
 
     def short(self) -> str:
@@ -229,3 +198,4 @@ class ParallelConfig:
         if d.get("stage_boundaries") is not None:
             d["stage_boundaries"] = tuple(d["stage_boundaries"])
         return cls(**d)
+

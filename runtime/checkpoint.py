@@ -192,7 +192,7 @@ def optimizer_param_names(modules: dict, grads, order: list | None = None) -> li
     optimizer's own parameter order (runtime.optim.optimizer_order: its weight-decay groups one
     after the other), which the names then follow.
     """
-    if grads is not None and grads.zero >= 1:
+    if grads is not None and grads.shards:
         out = [(f"bucket/{st.index}", st.shard) for st in grads.states]
     else:
         out, seen = [], set()
@@ -240,9 +240,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, st: RankState, *,
     """
     ckpt = step_dir(root, step)
     grads = st.grads
-    if grads is not None and grads.zero >= 3:  # full (tensor-parallel local) parameters exist only in use
-        for b in grads.states:
-            grads.gather_params(b.index).wait()
+    if grads is not None:   # ZeRO-3: full (tensor-parallel local) parameters exist only in use
+        grads.gather_all()
     state = {
         "format_version": CHECKPOINT_FORMAT_VERSION, "rank": st.rank, "step": step,
         "mesh": [list(m) for m in st.program.mesh], "coords": list(st.program.coords),
@@ -259,7 +258,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, st: RankState, *,
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
-    if grads is not None and grads.zero >= 3:
+    if grads is not None:
         grads.release_params()
     buf = io.BytesIO()
     torch.save(state, buf)

@@ -266,7 +266,7 @@ def apply_optimizer(r: Restore, modules: dict, stage_specs: dict, grads, optimiz
         return
     full = r.logical.optimizer
     state: dict[int, dict] = {}
-    if grads is None or grads.zero == 0:
+    if grads is None or not grads.shards:
         params = {f"{s}/{n}": p for s, m in modules.items() for n, p in m.named_parameters()}
         for i, entry in enumerate(names):
             s, _, name = entry.partition("/")

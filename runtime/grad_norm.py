@@ -60,7 +60,7 @@ def pieces_of(modules: dict, specs: dict, grads, tensor_rank: int) -> list[Piece
         return logical_key(sp.canonical(name), tensor_rank if sp.split_of(name, p.dim()) is not None else None)
 
     out: list[Piece] = []
-    if grads is not None and grads.zero >= 1:
+    if grads is not None and grads.shards:
         for i, st in enumerate(grads.states):
             k = st.grad_flat.numel() // grads.group.size
             lo = grads.group.rank * k

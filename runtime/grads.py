@@ -114,10 +114,22 @@ class GradSync:
                     raise ValueError(f"trainable parameter {name!r} of stage {s} is in no gradient bucket; "
                                      "generate the build again")
 
+    @property
+    def shards(self) -> bool:
+        """ZeRO >= 1: gradients are reduce-scattered and the optimizer steps (and keeps state for) this
+        rank's 1/d flat shard of each bucket, not the whole parameters."""
+        return self.zero >= 1
+
+    @property
+    def frees_params(self) -> bool:
+        """ZeRO-3: between uses a rank keeps only its shard; the full parameters exist only while
+        gathered (gather_params / gather_all), so reading them needs a gather first."""
+        return self.zero >= 3
+
     # ---- optimizer view ---------------------------------------------------
     def optimizer_params(self, modules: dict[int, nn.Module]) -> list[nn.Parameter]:
         """What the optimizer steps: whole parameters (ZeRO-0) or this rank's flat shards."""
-        if self.zero >= 1:
+        if self.shards:
             return [st.shard for st in self.states]
         out, seen = [], set()
         for s in sorted(modules):
@@ -172,7 +184,7 @@ class GradSync:
         st.armed = st.ready = False
         dropped = st.index in self.dropped
         with self._stream():
-            if self.zero >= 1:
+            if self.shards:
                 out = st.shard_grad.clone() if dropped else st.shard_grad
                 h = self.group.reduce_scatter(out, st.grad_flat.clone() if dropped else st.grad_flat, async_op=True)
                 if dropped:   # the shard keeps this rank's own (unreduced) part
@@ -212,14 +224,14 @@ class GradSync:
         if not st.gathered:
             st.param_flat.untyped_storage().resize_(self._full_storage_bytes[index])
             st.gathered = True
-        src = st.shard.detach() if self.zero >= 3 else st.shard.detach().clone()
+        src = st.shard.detach() if self.frees_params else st.shard.detach().clone()
         with self._stream():
             return self.group.all_gather(st.param_flat, src, async_op=True)
 
     def gather_all(self) -> None:
         """ZeRO-3: gather every bucket's full parameters (to read or save them); below ZeRO-3
         every rank holds them after the step already."""
-        if self.zero < 3:
+        if not self.frees_params:
             return
         for st in self.states:
             self.gather_params(st.index).wait()
@@ -228,7 +240,7 @@ class GradSync:
         """ZeRO-3: free the full parameters of `stage`'s buckets (all stages if None); the
         shard stays. Autograd's saved references stay valid: the storage is refilled by
         the next gather before backward reads it."""
-        if self.zero < 3:
+        if not self.frees_params:
             return
         for st in self.states:
             if (stage is None or st.bucket.stage == stage) and st.gathered:

@@ -151,9 +151,9 @@ def optimizer_order(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def rank_optimizer(spec: OptimizerSpec, params: list, grads, device: torch.device | str) -> torch.optim.Optimizer:
     """A rank's optimizer over `params` (GradSync.optimizer_params, or its stage parameters when it has
-    no gradient buckets): whole parameters are grouped by their dims; ZeRO flat shards (grads.zero >= 1)
+    no gradient buckets): whole parameters are grouped by their dims; ZeRO flat shards (grads.shards)
     by the class of their bucket, which must hold one class where the classes differ."""
-    if grads is None or grads.zero == 0:
+    if grads is None or not grads.shards:
         return spec.build(params, device=device)
     flags = []
     for st in grads.states:

@@ -67,7 +67,7 @@ class TieSync:
 
     def _gradient(self, p: nn.Parameter) -> torch.Tensor:
         """Where this rank's reduced gradient of copy `p` lives: its ZeRO shard, or .grad."""
-        if self._grads is not None and self._grads.zero >= 1:
+        if self._grads is not None and self._grads.shards:
             return self._grads.shard_grad_of(p)
         if p.grad is None:
             p.grad = torch.zeros_like(p)

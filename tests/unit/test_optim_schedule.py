@@ -182,7 +182,7 @@ def test_buckets_never_mix_decay_classes_and_record_theirs():
 def _zero_grads(buckets, params_by_bucket):
     states = [SimpleNamespace(index=i, bucket=b, params=ps, shard=nn.Parameter(torch.zeros(2)))
               for i, (b, ps) in enumerate(zip(buckets, params_by_bucket))]
-    return SimpleNamespace(zero=1, states=states)
+    return SimpleNamespace(zero=1, shards=True, states=states)
 
 
 def test_zero_shards_take_their_buckets_group_and_mixed_buckets_are_refused():

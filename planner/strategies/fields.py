@@ -1,0 +1,100 @@
+"""Each strategy's own ParallelConfig fields: the checks ParallelConfig runs on them.
+
+How strategies combine is planner/strategies/combinations.py; this module holds what one
+strategy alone requires of its fields and of the micro-batches per step. Like that table it
+needs the config only at run time, so ParallelConfig imports it (the strategy modules import
+ParallelConfig). Every check returns a sentence saying what to change, or None; ParallelConfig
+raises the first one, in registry order, as a ConfigError.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from runtime.vocab import Schedule, StrategyName
+
+if TYPE_CHECKING:
+    from planner.config import ParallelConfig
+
+
+def _data(c: "ParallelConfig") -> str | None:
+    if c.zero not in (0, 1, 2, 3) or isinstance(c.zero, bool):
+        return f"ParallelConfig.zero must be 0, 1, 2 or 3, got {c.zero!r}"
+    return None
+
+
+def _pipeline(c: "ParallelConfig") -> str | None:
+    """Interleaved 1F1B (and only it) runs virtual_stages >= 2 chunks per device."""
+    if c.schedule == Schedule.INTERLEAVED:
+        if c.virtual_stages < 2:
+            return ("the interleaved schedule needs virtual_stages >= 2 "
+                    f"(got {c.virtual_stages}); use 1f1b for one chunk per device")
+        if c.pipeline < 2:
+            return "the interleaved schedule needs pipeline >= 2"
+    elif c.virtual_stages != 1:
+        return f"virtual_stages={c.virtual_stages} needs schedule='interleaved' (schedule is {c.schedule!r})"
+    return None
+
+
+def _bidirectional(c: "ParallelConfig") -> str | None:
+    if not isinstance(c.bidirectional, bool):
+        return f"ParallelConfig.bidirectional must be true or false, got {c.bidirectional!r}"
+    if c.bidirectional:
+        if c.pipeline < 2:
+            return "a bidirectional pipeline needs pipeline >= 2 (device r holds stages r and p-1-r)"
+    elif c.replicas_per_direction != 1:
+        return f"replicas_per_direction={c.replicas_per_direction} needs bidirectional=True"
+    return None
+
+
+def _spatial(c: "ParallelConfig") -> str | None:
+    """The spatial degree and `spatial_until` (the last tiled layer) come together."""
+    if c.spatial > 1 and not (isinstance(c.spatial_until, str) and c.spatial_until):
+        return f"spatial={c.spatial} needs spatial_until, the name of the last layer that runs on image tiles"
+    if c.spatial == 1 and c.spatial_until is not None:
+        return f"spatial_until={c.spatial_until!r} needs spatial >= 2 (tiles per image)"
+    return None
+
+
+def _interleaved_batches(c: "ParallelConfig", global_batch_size: int, m: int) -> str | None:
+    """Interleaved 1F1B runs micro-batches in groups of the pipeline size."""
+    if c.schedule == Schedule.INTERLEAVED and m % c.pipeline:
+        return (f"the interleaved schedule runs micro-batches in groups of the pipeline size: {m} micro-batches "
+                f"(global batch {global_batch_size} / (micro_batch_size {c.micro_batch_size} x data "
+                f"{c.data})) is not a multiple of pipeline {c.pipeline}; use 1f1b or change the batch")
+    return None
+
+
+def _bidirectional_batches(c: "ParallelConfig", global_batch_size: int, m: int) -> str | None:
+    """A step runs exactly 2T micro-batches per data replica (T = replicas_per_direction per direction)."""
+    if c.bidirectional and m != 2 * c.replicas_per_direction:
+        return (f"a bidirectional step runs 2 x replicas_per_direction = {2 * c.replicas_per_direction} "
+                f"micro-batches per data replica, but global batch {global_batch_size} / (micro_batch_size "
+                f"{c.micro_batch_size} x data {c.data}) = {m}; set micro_batch_size to "
+                f"{global_batch_size / (c.data * 2 * c.replicas_per_direction):g}")
+    return None
+
+
+# registry order (planner/strategies/registry.py); strategies without checks of their own are left out
+FIELD_CHECKS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str | None]], ...] = (
+    (StrategyName.DATA, _data),
+    (StrategyName.PIPELINE, _pipeline),
+    (StrategyName.BIDIRECTIONAL, _bidirectional),
+    (StrategyName.SPATIAL, _spatial),
+)
+
+# (config, global batch in samples, micro-batches per step on each pipeline) -> refusal or None
+MICRO_BATCH_CHECKS: tuple[tuple[StrategyName, Callable[["ParallelConfig", int, int], str | None]], ...] = (
+    (StrategyName.PIPELINE, _interleaved_batches),
+    (StrategyName.BIDIRECTIONAL, _bidirectional_batches),
+)
+
+
+def field_refusal(config: "ParallelConfig") -> str | None:
+    """The first strategy's refusal of its own fields in `config`, or None."""
+    return next((why for _, check in FIELD_CHECKS if (why := check(config))), None)
+
+
+def micro_batch_refusal(config: "ParallelConfig", global_batch_size: int, m: int) -> str | None:
+    """The first strategy's refusal of `m` micro-batches per step (global batch `global_batch_size`), or None."""
+    return next((why for _, check in MICRO_BATCH_CHECKS if (why := check(config, global_batch_size, m))), None)
