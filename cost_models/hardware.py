@@ -44,7 +44,7 @@ from typing import Any
 import yaml
 
 from cost_models.presets import GPU_PRESETS, NodeSpec, local_spec
-from runtime.documents import read_document
+from runtime.documents import FieldError, Fields, read_document
 
 
 FORMAT_VERSION = 1
@@ -402,27 +402,38 @@ class Cluster:
         :class:`ClusterFileError` naming the field and the file for a missing, unknown
         (with the closest known name), mistyped or out-of-range field.
         """
-        reader = _Reader(None if origin is None else str(origin))
-        reader.check_keys(data, "", _CLUSTER_FIELDS, _CLUSTER_OPTIONAL)
-        version = data.get("format_version", FORMAT_VERSION)
-        if version != FORMAT_VERSION or isinstance(version, bool):
-            raise reader.error(
-                "format_version",
-                f"is {version!r}, but this meshplan reads version {FORMAT_VERSION}",
-                f"Write the file in format version {FORMAT_VERSION}, or upgrade meshplan.",
-            )
-        for section, fields, optional in (
-            ("device", _DEVICE_FIELDS, _DEVICE_OPTIONAL),
-            ("intra_node", _LINK_FIELDS, MappingProxyType({})),
-            ("inter_node", _LINK_FIELDS, MappingProxyType({})),
-        ):
-            reader.check_keys(data[section], f"{section}.", fields, optional)
+        path = None if origin is None else str(origin)
+        where = f"cluster file {path}" if path else "cluster description"
+        try:
+            top = Fields(data, where)
+            top.known(_CLUSTER_FIELDS, _CLUSTER_OPTIONAL)
+            version = top.raw("format_version", FORMAT_VERSION)
+            if version != FORMAT_VERSION or isinstance(version, bool):
+                raise top.error("format_version", f"is {version!r}, but this meshplan reads version "
+                                f"{FORMAT_VERSION}. Write the file in format version {FORMAT_VERSION}, or "
+                                "upgrade meshplan.")
+            for section, fields, optional in (
+                ("device", _DEVICE_FIELDS, _DEVICE_OPTIONAL),
+                ("intra_node", _LINK_FIELDS, ()),
+                ("inter_node", _LINK_FIELDS, ()),
+            ):
+                top.sub(section).known(fields, optional)
+        except FieldError as e:
+            raise ClusterFileError(f"{e}", path=path, field=e.field) from None
+
+        def build(kind: type, fields: Mapping[str, Any], prefix: str) -> Any:
+            """kind(**fields); the constructor's complaint gets the file and the dotted field."""
+            try:
+                return kind(**fields)
+            except _FieldError as e:
+                error = FieldError(where, prefix + e.field, f"{e.problem}. Correct it in the file.")
+                raise ClusterFileError(str(error), path=path, field=error.field) from None
 
         rest = {key: value for key, value in data.items() if key != "format_version"}
-        rest["device"] = reader.build(Device, data["device"], "device.")
-        rest["intra_node"] = reader.build(Link, data["intra_node"], "intra_node.")
-        rest["inter_node"] = reader.build(Link, data["inter_node"], "inter_node.")
-        return reader.build(cls, rest, "")
+        rest["device"] = build(Device, data["device"], "device.")
+        rest["intra_node"] = build(Link, data["intra_node"], "intra_node.")
+        rest["inter_node"] = build(Link, data["inter_node"], "inter_node.")
+        return build(cls, rest, "")
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write this cluster to ``path``: YAML for .yaml/.yml, JSON for .json.
@@ -553,56 +564,6 @@ _LINK_FIELDS = MappingProxyType({
     "bandwidth": "bytes/s per device, one direction",
     "latency": "seconds per message",
 })
-
-
-@dataclass(frozen=True)
-class _Reader:
-    """Turns problems in one cluster file (``path``; None for a dict) into
-    :class:`ClusterFileError` s that name the file, the dotted field and the fix."""
-
-    path: str | None
-
-    def error(self, field: str, problem: str, fix: str) -> ClusterFileError:
-        where = f"cluster file {self.path}" if self.path else "cluster description"
-        return ClusterFileError(
-            f"{where}: field '{field}' {problem}. {fix}", path=self.path, field=field
-        )
-
-    def check_keys(
-        self,
-        section: Any,
-        prefix: str,
-        required: Mapping[str, str],
-        optional: Mapping[str, str] = MappingProxyType({}),
-    ) -> None:
-        """``section`` is a mapping with every required key and no unknown ones."""
-        if not isinstance(section, Mapping):
-            raise self.error(
-                prefix.rstrip(".") or "(top level)",
-                f"must be a mapping, got {section!r}",
-                "Write it as 'key: value' lines.",
-            )
-        known = [prefix + key for key in (*required, *optional)]
-        # Unknown keys first: a misspelled field is also a missing one, and the
-        # spelling hint is the more useful message.
-        for key in section:
-            if f"{prefix}{key}" not in known:
-                hint = _suggest(f"{prefix}{key}", known).strip() or "Remove it."
-                raise self.error(
-                    f"{prefix}{key}",
-                    "is not a known field",
-                    f"{hint} Known fields here: {', '.join(known)}.",
-                )
-        for key, meaning in required.items():
-            if key not in section:
-                raise self.error(f"{prefix}{key}", f"is missing ({meaning})", "Add it to the file.")
-
-    def build(self, kind: type, fields: Mapping[str, Any], prefix: str) -> Any:
-        """``kind(**fields)``; the constructor's complaint gets the file and dotted field."""
-        try:
-            return kind(**fields)
-        except _FieldError as e:
-            raise self.error(prefix + e.field, e.problem, "Correct it in the file.") from None
 
 
 # --- small helpers ----------------------------------------------------------------------

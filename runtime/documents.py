@@ -10,12 +10,13 @@ Loaders raise their own ValueError subclass: they pass it as `error`, or turn a 
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -106,7 +107,7 @@ class Fields:
     def __init__(self, data: Any, where: str, prefix: str = "") -> None:
         self.where, self.prefix = where, prefix
         if not isinstance(data, Mapping):
-            raise FieldError(where, prefix or "(top level)", f"must be a JSON object, got {_show(data)}")
+            raise FieldError(where, prefix or "(top level)", f"must be an object (a mapping of fields), got {_show(data)}")
         self.data = data
 
     def path(self, key: str) -> str:
@@ -123,6 +124,20 @@ class Fields:
                              f"has unknown key(s) {unknown}; known: {list(known)}")
         for key in required:
             self.raw(key)
+
+    def known(self, required: Mapping[str, str], optional: Iterable[str] = ()) -> None:
+        """FieldError for a key that is neither in `required` (key -> what it means) nor in
+        `optional`, naming the closest known field, or else for a missing required key with what it
+        means. Unknown keys come first: a misspelt field is also a missing one, and the hint helps more."""
+        known = [self.path(k) for k in (*required, *optional)]
+        for key in self.data:
+            if self.path(str(key)) not in known:
+                close = difflib.get_close_matches(self.path(str(key)), known, n=1)
+                hint = f"Did you mean '{close[0]}'?" if close else "Remove it."
+                raise self.error(str(key), f"is not a known field. {hint} Known fields here: {', '.join(known)}.")
+        for key, meaning in required.items():
+            if key not in self.data:
+                raise self.error(key, f"is missing ({meaning}). Add it to the file.")
 
     def raw(self, key: str, default: Any = ...) -> Any:
         if key not in self.data:
