@@ -13,6 +13,10 @@ asynchronously and waits for all four, two ways alternating round by round:
   only when the one before it is done.
 
 Prints the mean and median milliseconds of each and their ratio (together / queued).
+
+Measured on the project's 2-core VM, 2 ranks, the two ways alternating in one run: together
+2.1-2.3 ms, queued 1.25-1.3 ms while the VM moved data fast; 3.4-3.6 ms against 2.85-2.9 ms
+while it moved data slowly. Hence the runtime's queue per group (runtime/comm_mpi.py).
 """
 
 from __future__ import annotations

@@ -161,10 +161,7 @@ class MpiCommunicator:
         # Collectives of one group run one at a time, in the order issued (every member issues
         # them in the same order, so every member starts them in that order too). Open MPI
         # progresses several outstanding non-blocking collectives of a communicator slower than
-        # the same one after another: four gradient buckets (3.6 MiB) issued together took
-        # 2.1-2.3 ms to all-reduce on 2 ranks of the 2-core VM, queued 1.25-1.3 ms, while the VM
-        # moved data fast; 3.4-3.6 ms against 2.85-2.9 ms while it moved data slowly
-        # (benchmarks/mpi_queue.py, the two ways alternating in one run).
+        # the same ones one after another (benchmarks/mpi_queue.py measures both ways).
         # Every poll, whatever it waits for, starts a group's next one once its predecessor is done.
         self._queues: dict[int, collections.deque] = {}
 
