@@ -1,4 +1,4 @@
-"""The import rules of ARCHITECTURE.md ("Imports go one way"), read from the source with ast:
+"""The import rules of README.md "Architecture" ("Imports go one way"), read from the source with ast:
 
 - runtime imports no other meshplan package (a generated rank script imports only runtime);
 - cost_models imports only runtime;
@@ -168,7 +168,7 @@ def import_cycles(imports: list[Import]) -> list[list[str]]:
 
 def test_imports_go_one_way():
     problems = direction_problems(_imports())
-    assert not problems, (f"{len(problems)} import(s) against ARCHITECTURE.md's directions:\n  "
+    assert not problems, (f"{len(problems)} import(s) against the import directions of README.md "Architecture":\n  "
                           + "\n  ".join(problems))
 
 
