@@ -168,7 +168,7 @@ def import_cycles(imports: list[Import]) -> list[list[str]]:
 
 def test_imports_go_one_way():
     problems = direction_problems(_imports())
-    assert not problems, (f"{len(problems)} import(s) against the import directions of README.md "Architecture":\n  "
+    assert not problems, (f"{len(problems)} import(s) against the import directions of README.md's Architecture section:\n  "
                           + "\n  ".join(problems))
 
 
