@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from runtime.vocab import Schedule, StrategyName
+from runtime.vocab import Schedule, SpatialBatchNorm, StrategyName
 
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
@@ -88,6 +88,43 @@ MICRO_BATCH_CHECKS: tuple[tuple[StrategyName, Callable[["ParallelConfig", int, i
     (StrategyName.PIPELINE, _interleaved_batches),
     (StrategyName.BIDIRECTIONAL, _bidirectional_batches),
 )
+
+
+def _bidirectional_schedule(c: "ParallelConfig") -> str | None:
+    return f"bidi T{c.replicas_per_direction}" if c.bidirectional else None
+
+
+def _interleaved_label(c: "ParallelConfig") -> str:
+    return f"x{c.virtual_stages}" if c.schedule == Schedule.INTERLEAVED else ""
+
+
+def _spatial_label(c: "ParallelConfig") -> str:
+    if c.spatial == 1:
+        return ""
+    local = " bn=local" if c.spatial_batchnorm == SpatialBatchNorm.LOCAL else ""
+    return f" s{c.spatial} {c.spatial_split}..{c.spatial_until}{local}"
+
+
+def _subgraph_label(c: "ParallelConfig") -> str:
+    return f" g{c.subgraph}" if c.subgraph > 1 else ""
+
+
+# ParallelConfig.short(): strategies that run a schedule of their own name it in place of
+# ParallelConfig.schedule; then each strategy's label text follows, in registry order
+SCHEDULE_LABELS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str | None]], ...] = (
+    (StrategyName.BIDIRECTIONAL, _bidirectional_schedule),
+)
+LABELS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str]], ...] = (
+    (StrategyName.PIPELINE, _interleaved_label),
+    (StrategyName.SPATIAL, _spatial_label),
+    (StrategyName.SUBGRAPH, _subgraph_label),
+)
+
+
+def label(config: "ParallelConfig") -> str:
+    """The schedule and the strategies' parts of ParallelConfig.short(), e.g. "interleavedx2 g2"."""
+    schedule = next((s for _, name in SCHEDULE_LABELS if (s := name(config))), config.schedule)
+    return schedule + "".join(part(config) for _, part in LABELS)
 
 
 def field_refusal(config: "ParallelConfig") -> str | None:
