@@ -17,6 +17,7 @@ from planner.strategies.combinations import Level
 from planner.strategies.combinations import why_not as combination_refusal
 from planner.strategies.fields import field_refusal, micro_batch_refusal
 from planner.strategies.fields import label as strategy_label
+from planner.strategies.fields import unused_fields
 from runtime.documents import FieldError
 from runtime.vocab import DType, MeshAxis, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
 
@@ -148,11 +149,8 @@ class ParallelConfig:
         d = dataclasses.asdict(self)
         if d["stage_boundaries"] is not None:
             d["stage_boundaries"] = list(d["stage_boundaries"])
-        if self.spatial == 1:  # neutral: documents of plans without tiles stay as they were
-            for name in ("spatial", "spatial_split", "spatial_until", "spatial_batchnorm"):
-                del d[name]
-        if self.subgraph == 1:
-            del d["subgraph"]
+        for name in unused_fields(self):
+            del d[name]
         return d
 
     @classmethod

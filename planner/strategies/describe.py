@@ -118,7 +118,8 @@ def _subgraph_problems(plan: "Plan") -> Iterator[Problem]:
 def _tensor_problems(plan: "Plan") -> Iterator[Problem]:
     splits = plan.tensor_splits
     if splits is not None and splits.tensor != plan.config.tensor:
-        yield "tensor_splits.tensor", f"is {splits.tensor} but config.tensor is {plan.config.tensor}; make the plan again"
+        yield "tensor_splits.tensor", (f"is {splits.tensor} but config.tensor is {plan.config.tensor}; "
+                                       "make the plan again")
 
 
 # registry order; strategies without checks of their own are left out

@@ -1,10 +1,13 @@
-"""Each strategy's own ParallelConfig fields: the checks ParallelConfig runs on them.
+"""Each strategy's own ParallelConfig fields: the checks ParallelConfig runs on them, the
+strategy's part of ParallelConfig.short()'s label, and the fields a document leaves out while
+the strategy is off.
 
 How strategies combine is planner/strategies/combinations.py; this module holds what one
 strategy alone requires of its fields and of the micro-batches per step. Like that table it
 needs the config only at run time, so ParallelConfig imports it (the strategy modules import
 ParallelConfig). Every check returns a sentence saying what to change, or None; ParallelConfig
-raises the first one, in registry order, as a ConfigError.
+raises the first one, in registry order, as a ConfigError. A plan's own per-strategy text and
+checks are planner/strategies/describe.py.
 """
 
 from __future__ import annotations
@@ -125,6 +128,20 @@ def label(config: "ParallelConfig") -> str:
     """The schedule and the strategies' parts of ParallelConfig.short(), e.g. "interleavedx2 g2"."""
     schedule = next((s for _, name in SCHEDULE_LABELS if (s := name(config))), config.schedule)
     return schedule + "".join(part(config) for _, part in LABELS)
+
+
+# ParallelConfig.to_dict(): fields a strategy that is off leaves out of the document, so that
+# documents of configs without it stay as they were before the strategy existed
+UNUSED_FIELDS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], bool], tuple[str, ...]], ...] = (
+    (StrategyName.SPATIAL, lambda c: c.spatial == 1,
+     ("spatial", "spatial_split", "spatial_until", "spatial_batchnorm")),
+    (StrategyName.SUBGRAPH, lambda c: c.subgraph == 1, ("subgraph",)),
+)
+
+
+def unused_fields(config: "ParallelConfig") -> tuple[str, ...]:
+    """The ParallelConfig fields that `config`'s document leaves out (their strategy is off)."""
+    return tuple(name for _, off, names in UNUSED_FIELDS if off(config) for name in names)
 
 
 def field_refusal(config: "ParallelConfig") -> str | None:
