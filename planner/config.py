@@ -16,6 +16,8 @@ from typing import Any
 from planner.strategies.combinations import Level
 from planner.strategies.combinations import why_not as combination_refusal
 from planner.strategies.fields import field_refusal, micro_batch_refusal
+from planner.strategies.fields import label as strategy_label
+from planner.strategies.fields import unused_fields
 from runtime.documents import FieldError
 from runtime.vocab import DType, MeshAxis, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
 
@@ -137,16 +139,8 @@ class ParallelConfig:
 
     def short(self) -> str:
         """A compact label, e.g. "d4 t8 p12 mb1 1f1b rc=full z0 bf16"."""
-        sched = f"bidi T{self.replicas_per_direction}" if self.bidirectional else self.schedule
-        s = f"d{self.data} t{self.tensor} p{self.pipeline} mb{self.micro_batch_size} {sched}"
-        if self.schedule == Schedule.INTERLEAVED:
-            s += f"x{self.virtual_stages}"
-        if self.spatial > 1:
-            s += f" s{self.spatial} {self.spatial_split}..{self.spatial_until}" + \
-                (" bn=local" if self.spatial_batchnorm == SpatialBatchNorm.LOCAL else "")
-        if self.subgraph > 1:
-            s += f" g{self.subgraph}"
-        return s + f" rc={self.recompute} z{self.zero} {self.dtype}"
+        return (f"d{self.data} t{self.tensor} p{self.pipeline} mb{self.micro_batch_size} {strategy_label(self)} "
+                f"rc={self.recompute} z{self.zero} {self.dtype}")
 
     def replace(self, **changes: Any) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)
@@ -155,11 +149,8 @@ class ParallelConfig:
         d = dataclasses.asdict(self)
         if d["stage_boundaries"] is not None:
             d["stage_boundaries"] = list(d["stage_boundaries"])
-        if self.spatial == 1:  # neutral: documents of plans without tiles stay as they were
-            for name in ("spatial", "spatial_split", "spatial_until", "spatial_batchnorm"):
-                del d[name]
-        if self.subgraph == 1:
-            del d["subgraph"]
+        for name in unused_fields(self):
+            del d[name]
         return d
 
     @classmethod

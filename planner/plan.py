@@ -16,10 +16,11 @@ from typing import Any
 from cost_models.hardware import Cluster, ClusterFileError
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
-from planner.subgraph import Region, describe
+from planner.strategies import describe
+from planner.subgraph import Region
 from planner.tensor_split.splits import TensorSplits
 from runtime.documents import FieldError, Fields, read_document
-from runtime.vocab import MeshAxis, ShardRole
+from runtime.vocab import ShardRole
 
 PLAN_FORMAT_VERSION = 2   # 2: the tensor-parallel split is stored ("tensor_splits"); 1 still loads
 # The largest global batch (samples per step) and world (devices) a plan may have: far past
@@ -101,14 +102,9 @@ class Plan:
             f"Plan for {self.model_class} on {self.cluster.name} "
             f"({self.cluster.num_nodes} x {self.cluster.devices_per_node} = {self.cluster.num_devices} devices)",
             f"  mesh: " + " x ".join(f"{k} {v}" for k, v in self.mesh.items()) +
-            f"   micro-batch {c.micro_batch_size} x {p.num_micro_batches}   schedule "
-            + (f"bidirectional (GEMS, {c.replicas_per_direction} pair(s): device r runs stages r and p-1-r)"
-               if c.bidirectional else c.schedule)
-            + (f" (v={c.virtual_stages})" if c.schedule == "interleaved" else "")
-            + f"   recompute {c.recompute}   ZeRO {c.zero}   {c.dtype}"
-            + (f"\n  spatial: {c.spatial} tiles ({c.spatial_split}) per image through layer {c.spatial_until}, "
-               f"BatchNorm statistics {c.spatial_batchnorm}; later layers replicated on the tiles' devices"
-               if c.spatial > 1 else ""),
+            f"   micro-batch {c.micro_batch_size} x {p.num_micro_batches}   schedule {describe.schedule_text(c)}"
+            + f"   recompute {c.recompute}   ZeRO {c.zero}   {c.dtype}",
+            *describe.config_lines(c),
             f"  global batch {self.global_batch_size}: step {p.step_time:.4g} s, {p.samples_per_s:,.2f} samples/s"
             + (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "") + f", MFU {p.mfu:.1%}",
             "",
@@ -116,13 +112,10 @@ class Plan:
         ]
         for s, sp in zip(self.stages, p.stages):
             span = f"{s.layers[0]} .. {s.layers[-1]}" if len(s.layers) > 1 else s.layers[0]
-            dev = f"{s.device_index}/{c.pipeline - 1 - s.device_index}" if c.bidirectional else str(s.device_index)
+            dev = describe.stage_device(c, s)
             lines.append(f"  {s.index:>5} {dev:>4} {len(s.layers):>7}  {span[:38]:<38} "
                          f"{sp.forward * 1e3:>9.3f} {sp.backward * 1e3:>9.3f} {sp.memory.total / gib:>8.3f}")
-        if self.subgraph:
-            lines += ["", f"  sub-graph parallelism: {c.subgraph} sub-grids per data replica "
-                          f"(mesh axis '{MeshAxis.SUBGRAPH}')"]
-            lines += [f"    {ln}" for ln in describe(self.subgraph, c.subgraph)]
+        lines += describe.sections(self)
         lines += ["", "  time per step:"]
         total = p.step_time or 1.0
         for f in dataclasses.fields(p.time):
@@ -239,17 +232,12 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
     for k, st in enumerate(stages):
         if st.index != k:
             raise f.error(f"stages[{k}].index", f"is {st.index}, expected {k} (stages in order)")
-        if st.device_index >= config.pipeline:
-            raise f.error(f"stages[{k}].device_index", f"is {st.device_index}; the pipeline has {config.pipeline} devices")
         if not st.layers:
             raise f.error(f"stages[{k}].layers", "is empty; every stage holds at least one layer")
         dup = seen & set(st.layers)
         if dup:
             raise f.error(f"stages[{k}].layers", f"repeats layer(s) {sorted(dup)[:3]} of an earlier stage")
         seen |= set(st.layers)
-    if config.spatial_until is not None and config.spatial_until not in seen:
-        raise f.error("config.spatial_until", f"is {config.spatial_until!r}, which no stage holds; name the last "
-                      "spatially split layer")
     roles = f.sub("shardings", {})
     for node, role in roles.data.items():
         if role not in ROLES:
@@ -265,31 +253,19 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
                           f"but the prediction priced {sp.first_layer}..{sp.last_layer} ({sp.num_layers}); "
                           "make the plan again (meshplan optimize, or codegen with the configuration)")
     search = f.sub("search", {})
-    regions = tuple(f.each("subgraph", Region.read, []))
-    if (config.subgraph > 1) != bool(regions):
-        raise f.error("subgraph", f"lists {len(regions)} split regions but config.subgraph is {config.subgraph}; "
-                      "make the plan again")
-    for k, r in enumerate(regions):
-        if max(r.owners) >= config.subgraph:
-            raise f.error(f"subgraph[{k}]", f"gives a path to sub-grid {max(r.owners)}; there are {config.subgraph}")
-    return Plan(
+    plan = Plan(
         format_version=version, model_class=f.text("model_class"), graph_fingerprint=f.text("graph_fingerprint"),
         cluster=cluster, config=config, global_batch_size=batch,
         stages=stages, shardings=tuple(sorted(roles.data.items())), prediction=prediction,
         search=tuple(search.data.items()),
-        alternatives=tuple(f.each("alternatives", Alternative.read, [])), subgraph=regions,
-        tensor_splits=_read_tensor_splits(f, config),
+        alternatives=tuple(f.each("alternatives", Alternative.read, [])),
+        subgraph=tuple(f.each("subgraph", Region.read, [])),
+        tensor_splits=TensorSplits.read(f.sub("tensor_splits")) if "tensor_splits" in f.data else None,
     )
-
-
-def _read_tensor_splits(f: Fields, config: ParallelConfig) -> TensorSplits | None:
-    if "tensor_splits" not in f.data:
-        return None
-    splits = TensorSplits.read(f.sub("tensor_splits"))
-    if splits.tensor != config.tensor:
-        raise f.error("tensor_splits.tensor", f"is {splits.tensor} but config.tensor is {config.tensor}; "
-                      "make the plan again")
-    return splits
+    problem = next(describe.plan_problems(plan), None)
+    if problem is not None:
+        raise f.error(*problem)
+    return plan
 
 
 def _read_memory(f: Fields) -> MemoryBreakdown:

@@ -1,17 +1,20 @@
-"""Each strategy's own ParallelConfig fields: the checks ParallelConfig runs on them.
+"""Each strategy's own ParallelConfig fields: the checks ParallelConfig runs on them, the
+strategy's part of ParallelConfig.short()'s label, and the fields a document leaves out while
+the strategy is off.
 
 How strategies combine is planner/strategies/combinations.py; this module holds what one
 strategy alone requires of its fields and of the micro-batches per step. Like that table it
 needs the config only at run time, so ParallelConfig imports it (the strategy modules import
 ParallelConfig). Every check returns a sentence saying what to change, or None; ParallelConfig
-raises the first one, in registry order, as a ConfigError.
+raises the first one, in registry order, as a ConfigError. A plan's own per-strategy text and
+checks are planner/strategies/describe.py.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from runtime.vocab import Schedule, StrategyName
+from runtime.vocab import Schedule, SpatialBatchNorm, StrategyName
 
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
@@ -88,6 +91,57 @@ MICRO_BATCH_CHECKS: tuple[tuple[StrategyName, Callable[["ParallelConfig", int, i
     (StrategyName.PIPELINE, _interleaved_batches),
     (StrategyName.BIDIRECTIONAL, _bidirectional_batches),
 )
+
+
+def _bidirectional_schedule(c: "ParallelConfig") -> str | None:
+    return f"bidi T{c.replicas_per_direction}" if c.bidirectional else None
+
+
+def _interleaved_label(c: "ParallelConfig") -> str:
+    return f"x{c.virtual_stages}" if c.schedule == Schedule.INTERLEAVED else ""
+
+
+def _spatial_label(c: "ParallelConfig") -> str:
+    if c.spatial == 1:
+        return ""
+    local = " bn=local" if c.spatial_batchnorm == SpatialBatchNorm.LOCAL else ""
+    return f" s{c.spatial} {c.spatial_split}..{c.spatial_until}{local}"
+
+
+def _subgraph_label(c: "ParallelConfig") -> str:
+    return f" g{c.subgraph}" if c.subgraph > 1 else ""
+
+
+# ParallelConfig.short(): strategies that run a schedule of their own name it in place of
+# ParallelConfig.schedule; then each strategy's label text follows, in registry order
+SCHEDULE_LABELS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str | None]], ...] = (
+    (StrategyName.BIDIRECTIONAL, _bidirectional_schedule),
+)
+LABELS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str]], ...] = (
+    (StrategyName.PIPELINE, _interleaved_label),
+    (StrategyName.SPATIAL, _spatial_label),
+    (StrategyName.SUBGRAPH, _subgraph_label),
+)
+
+
+def label(config: "ParallelConfig") -> str:
+    """The schedule and the strategies' parts of ParallelConfig.short(), e.g. "interleavedx2 g2"."""
+    schedule = next((s for _, name in SCHEDULE_LABELS if (s := name(config))), config.schedule)
+    return schedule + "".join(part(config) for _, part in LABELS)
+
+
+# ParallelConfig.to_dict(): fields a strategy that is off leaves out of the document, so that
+# documents of configs without it stay as they were before the strategy existed
+UNUSED_FIELDS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], bool], tuple[str, ...]], ...] = (
+    (StrategyName.SPATIAL, lambda c: c.spatial == 1,
+     ("spatial", "spatial_split", "spatial_until", "spatial_batchnorm")),
+    (StrategyName.SUBGRAPH, lambda c: c.subgraph == 1, ("subgraph",)),
+)
+
+
+def unused_fields(config: "ParallelConfig") -> tuple[str, ...]:
+    """The ParallelConfig fields that `config`'s document leaves out (their strategy is off)."""
+    return tuple(name for _, off, names in UNUSED_FIELDS if off(config) for name in names)
 
 
 def field_refusal(config: "ParallelConfig") -> str | None:
