@@ -276,12 +276,18 @@ def test_two_runs_on_one_checkpoint_directory_the_second_is_refused(builds, root
     certainly still running); another build's run into that directory stops on every rank naming it."""
     ckpt = root / "c_shared"
     first = _start_run(builds["mlp_t2"], "--checkpoint-dir", str(ckpt))
+    holder = None
     try:
         holder = _wait_for_holder(ckpt / LOCK_NAME, first, lambda h: bool(h.run_id))
         os.kill(holder.pid, signal.SIGSTOP)
         res = run_local(builds["mlp_d2"], steps=1, timeout=30, extra_args=["--checkpoint-dir", str(ckpt)])
     finally:
         _end(first)
+        if holder is not None:   # the stopped rank runs in its own session: ending the launcher's misses it
+            try:
+                os.kill(holder.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     assert res.returncode != 0
     busy = f"rank 0: checkpoint directory {ckpt} is in use by run {holder.run_id} (host {holder.host}, " \
            f"pid {holder.pid}, started "
