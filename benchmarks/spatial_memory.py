@@ -54,7 +54,7 @@ def rank_main(rank: int, world: int, port: int, side: int, out: str) -> None:
     torch.set_num_threads(1)
     from codegen.spatial_tiles import tile_model
     from runtime.comm import TorchCommunicator
-    from runtime.spatial import TileLayout
+    from runtime.spatial_geometry import TileLayout
 
     comm = TorchCommunicator("gloo", rank, world, "127.0.0.1", port, timeout=120)
     try:

@@ -38,7 +38,7 @@ from planner.plan import Plan
 from planner.tensor_split.analysis import tensor_splits
 from runtime.materialize import RUNTIME_ATTRS, model_signature
 from runtime.recompute import Recompute
-from runtime.spatial import SpatialSpec
+from runtime.spatial_geometry import SpatialSpec
 from runtime.spec import Boundary, StageSpec
 from runtime.tensor_parallel import shard_module
 

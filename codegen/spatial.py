@@ -25,7 +25,7 @@ from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from planner.strategies.combinations import Level, why_not
 from runtime.program import Program, SpatialTiles
-from runtime.spatial import SpatialSpec, tile_shape
+from runtime.spatial_geometry import SpatialSpec, tile_shape
 from runtime.vocab import MeshAxis
 
 

@@ -33,7 +33,8 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from runtime.spatial import (SpatialContext, SpatialError, axis_halos, conv_windows, pool_windows, tile_shape)
+from runtime.spatial import SpatialContext, conv_windows, pool_windows
+from runtime.spatial_geometry import SpatialError, axis_halos, tile_shape
 
 # Ops that act on each pixel alone, so they run on a tile unchanged.
 _POINTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Identity,

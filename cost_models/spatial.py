@@ -9,7 +9,7 @@ an interior tile of h = H/rows by w = W/cols pixels exchanges, forward:
                    (the extended rows carry the corner pixels of the 4 diagonal neighbours)
 
 where halo_rows = max(padding, span - stride - padding) and span = dilation x (kernel - 1) + 1
-(runtime.spatial.halo_widths). A tile sends to both neighbours of a phase at once (full-duplex
+(runtime.spatial_geometry.halo_widths). A tile sends to both neighbours of a phase at once (full-duplex
 links), so a phase costs one p2p of its larger message. Backward returns the same bytes. The
 design note's "2 x halo_rows x width x channels x bytes per neighbour exchange" is the rows phase
 counted in both directions.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.spatial import halo_widths, tile_shape
+from runtime.spatial_geometry import halo_widths, tile_shape
 
 
 @dataclass(frozen=True)

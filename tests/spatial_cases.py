@@ -76,7 +76,7 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out: str) -> N
     torch.set_num_threads(1)
     from codegen.spatial_tiles import tile_model
     from runtime.comm import TorchCommunicator
-    from runtime.spatial import TileLayout
+    from runtime.spatial_geometry import TileLayout
 
     comm = TorchCommunicator("gloo", rank, world, "127.0.0.1", port, timeout=60)
     try:

@@ -12,16 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.spatial import (
-    SpatialError,
-    TileExchange,
-    TileLayout,
-    Window,
-    axis_halos,
-    bounds,
-    halo_widths,
-    tile_shape,
-)
+from runtime.spatial import TileExchange
+from runtime.spatial_geometry import SpatialError, TileLayout, Window, axis_halos, bounds, halo_widths, tile_shape
 from runtime.spatial import SpatialBatchNorm2d, SpatialConv2d, SpatialPool2d, conv_windows, pool_windows
 
 

@@ -11,7 +11,8 @@ import planner
 from codegen.emit import capture_ref
 from codegen.lower import lower_plan
 from runtime.program import Instr, Program, ProgramError, SpatialTiles
-from runtime.spatial import SpatialContext, SpatialError
+from runtime.spatial import SpatialContext
+from runtime.spatial_geometry import SpatialError
 
 REF = "examples/models/large_image_cnn.py:build"
 KW = {"image_size": 64, "layers": [[4, 3, 1], [4, 3, 2]], "num_classes": 3, "in_channels": 2}
