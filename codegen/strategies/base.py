@@ -25,9 +25,8 @@ from typing import Any, Callable, Iterator, Protocol
 from codegen.partition import Partition, StagePart
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
-from runtime.parallel.base import StrategyName, mesh_axis
 from runtime.program import Bucket, Instr, Program, Tie
-from runtime.vocab import MeshAxis
+from runtime.vocab import MeshAxis, StrategyName
 
 Params = list[tuple[str, tuple[int, ...], str]]          # (name, local shape, dtype) of parameters
 Pass = Callable[[list[Instr], Iterator[int]], list[Instr]]  # (instructions, handle counter) -> instructions
@@ -79,11 +78,6 @@ class Lowering:
     def mesh(self) -> tuple[tuple[str, int], ...]:
         """(axis, size), outermost first: pipeline, data, (subgraph), tensor."""
         return tuple(self.plan.config.mesh.items())
-
-    @property
-    def pipeline_axis(self) -> str:
-        """The mesh's name for the pipeline axis."""
-        return mesh_axis(self.plan.config.mesh, MeshAxis.PIPELINE)
 
     @property
     def num_stages(self) -> int:

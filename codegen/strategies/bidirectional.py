@@ -15,8 +15,8 @@ from runtime.schedules import ScheduleError, bidirectional, bidirectional_positi
 from codegen.strategies.base import Lowering, LoweringError, RankPlan
 from codegen.strategies.pipeline import Pipeline
 from planner.plan import Plan
-from runtime.parallel.base import StrategyName
 from runtime.program import PAIR_AXIS, Instr, axis_group
+from runtime.vocab import MeshAxis, StrategyName
 
 
 class Bidirectional(Pipeline):
@@ -46,7 +46,7 @@ class Bidirectional(Pipeline):
                           grad_group=len(axis_group(lw.mesh, rp.coords, PAIR_AXIS)))
 
     def loss_instr(self, lw: Lowering, rp: RankPlan, handle: int) -> Instr:
-        return Instr("ALLREDUCE", kind="loss", axis=lw.pipeline_axis, handle=handle, nbytes=8)
+        return Instr("ALLREDUCE", kind="loss", axis=MeshAxis.PIPELINE, handle=handle, nbytes=8)
 
 
 __all__ = ["Bidirectional"]

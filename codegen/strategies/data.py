@@ -17,9 +17,8 @@ from typing import Callable, Iterator
 
 from codegen.strategies.base import Lowering, LoweringStrategy, Pass, Phase, Params, RankPlan
 from planner.plan import Plan
-from runtime.parallel.base import StrategyName
 from runtime.program import Bucket, Instr
-from runtime.vocab import MeshAxis, element_bytes
+from runtime.vocab import MeshAxis, StrategyName, element_bytes
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 

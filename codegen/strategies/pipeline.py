@@ -19,9 +19,8 @@ from typing import Callable, Iterator
 from runtime.schedules import ScheduleError, build_schedule
 from codegen.strategies.base import Lowering, LoweringError, Pass, Phase, Params, Placement, RankPlan
 from planner.plan import Plan
-from runtime.parallel.base import StrategyName
 from runtime.program import Instr, Tie, rank_of, tie_axis
-from runtime.vocab import MeshAxis
+from runtime.vocab import MeshAxis, StrategyName
 
 
 def p2p_pass(actions: list[Instr], handles: Iterator[int], peer_of: Callable[[int, int], int], num_stages: int,
@@ -114,7 +113,7 @@ class Pipeline(Placement):
     def loss_instr(self, lw: Lowering, rp: RankPlan, handle: int) -> Instr:
         """The step's last collective: the loss from the last stage's rank to the whole pipeline."""
         last = rank_of(lw.mesh, ((lw.num_stages - 1) % lw.plan.config.pipeline, *rp.coords[1:]))
-        return Instr("BROADCAST", kind="loss", axis=lw.pipeline_axis, peer=last, handle=handle, nbytes=8)
+        return Instr("BROADCAST", kind="loss", axis=MeshAxis.PIPELINE, peer=last, handle=handle, nbytes=8)
 
     def plan_rank(self, lw: Lowering, rp: RankPlan, held: Callable[[int], Params]) -> RankPlan:
         rp = self.place(lw, rp)

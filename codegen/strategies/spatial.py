@@ -12,7 +12,7 @@ from codegen.strategies.base import LoweringStrategy
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.program import Program
-from runtime.parallel.base import StrategyName
+from runtime.vocab import StrategyName
 
 
 class Spatial(LoweringStrategy):

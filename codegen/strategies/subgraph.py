@@ -13,8 +13,7 @@ from typing import Callable
 from codegen.strategies.base import Lowering, LoweringStrategy, Params, RankPlan
 from planner.plan import Plan
 from planner.subgraph import module_owners
-from runtime.parallel.base import StrategyName, mesh_axis
-from runtime.vocab import MeshAxis
+from runtime.vocab import MeshAxis, StrategyName
 
 
 class Subgraph(LoweringStrategy):
@@ -28,10 +27,9 @@ class Subgraph(LoweringStrategy):
     def param_filter(self, lw: Lowering) -> Callable[[RankPlan, Params], Params]:
         owners = module_owners(lw.graph, lw.plan.subgraph)
         axes = [a for a, _ in lw.mesh]
-        axis = mesh_axis(axes, MeshAxis.SUBGRAPH)
 
         def held(rp: RankPlan, params: Params) -> Params:
-            grid = rp.coords[axes.index(axis)] if axis is not None else 0
+            grid = rp.coords[axes.index(MeshAxis.SUBGRAPH)] if MeshAxis.SUBGRAPH in axes else 0
             return [q for q in params if owners.get(q[0], owners.get(q[0].rsplit(".", 1)[0], grid)) == grid]
         return held
 

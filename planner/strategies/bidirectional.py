@@ -33,8 +33,8 @@ from cost_models.memory import adam_step_bytes, param_bytes
 from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
 from planner.config import ParallelConfig
 from planner.stage_split import balanced_partition
-from planner.strategies.base import Bounds, Fits, MeshShape, Placement, StrategyName
-from runtime.vocab import DType, Recompute
+from planner.strategies.base import Bounds, Fits, MeshShape, Placement
+from runtime.vocab import DType, Recompute, StrategyName
 
 
 class _Sizes:

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Callable
 
-from planner.strategies.base import StrategyName
-from runtime.vocab import Recompute, Schedule
+from runtime.vocab import Recompute, Schedule, StrategyName
 
 if TYPE_CHECKING:
     from planner.config import ParallelConfig

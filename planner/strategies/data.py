@@ -13,8 +13,8 @@ is cost_models.memory.param_bytes.
 from __future__ import annotations
 
 from planner.config import ParallelConfig
-from planner.strategies.base import Strategy, StrategyName
-from runtime.vocab import DType, MeshAxis
+from planner.strategies.base import Strategy
+from runtime.vocab import DType, MeshAxis, StrategyName
 
 # Data-parallel gradients are reduced in buckets as backward produces them;
 # only the last bucket's reduction is always exposed (PyTorch DDP's default bucket).

@@ -16,9 +16,9 @@ from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
 from cost_models.schedule import pipeline_time
 from planner.config import ConfigError, ParallelConfig
 from planner.stage_split import balanced_partition
-from planner.strategies.base import Bounds, Fits, MeshShape, Placement, StrategyName
+from planner.strategies.base import Bounds, Fits, MeshShape, Placement
 from planner.strategies.data import GRAD_BUCKET_BYTES
-from runtime.vocab import DType, Recompute, Schedule
+from runtime.vocab import DType, Recompute, Schedule, StrategyName
 
 
 class PipelineStrategy(Placement):

@@ -23,8 +23,8 @@ from cost_models.spatial import batchnorm_sync_bytes, halo_seconds, tile_shape, 
 from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
 from planner.stage_split import balanced_partition
-from planner.strategies.base import Bounds, Fits, Strategy, StrategyName
-from runtime.vocab import DType, MeshAxis, Recompute, SpatialBatchNorm, SpatialSplit
+from planner.strategies.base import Bounds, Fits, Strategy
+from runtime.vocab import DType, MeshAxis, Recompute, SpatialBatchNorm, SpatialSplit, StrategyName
 
 # A tile thinner than this (rows of the last spatial layer's output) spends more on halos than it
 # saves; the search does not propose it (the user may still ask for it).

@@ -20,9 +20,9 @@ import dataclasses
 
 from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer
-from planner.strategies.base import Strategy, StrategyName
+from planner.strategies.base import Strategy
 from planner.subgraph import Region, split_regions
-from runtime.vocab import DType, MeshAxis
+from runtime.vocab import DType, MeshAxis, StrategyName
 
 # config.mesh's name for the sub-grid axis; it becomes MeshAxis.SUBGRAPH with the vocabulary's axis rename.
 SUBGRID_AXIS = MeshAxis.SUBGRAPH

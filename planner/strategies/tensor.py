@@ -15,7 +15,8 @@ from cost_models.memory import param_bytes
 from planner.config import ParallelConfig
 from planner.graph.model import Layer, OpInfo
 from planner.ilp import Edge, RegionOption, choose_shardings
-from planner.strategies.base import Strategy, StrategyName
+from planner.strategies.base import Strategy
+from runtime.vocab import StrategyName
 
 
 class TensorStrategy(Strategy):

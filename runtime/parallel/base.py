@@ -14,7 +14,7 @@ the StageSpecs say.
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from torch import nn
 
@@ -22,12 +22,7 @@ from runtime.comm import Group
 from runtime.context import DistContext
 from runtime.program import Program
 from runtime.spec import StageSpec
-from runtime.vocab import MeshAxis, StrategyName
-
-
-def mesh_axis(names: Iterable[str], axis: MeshAxis) -> str | None:
-    """The name a mesh with axes `names` gives `axis`, or None when it has no such axis."""
-    return axis if axis in list(names) else None
+from runtime.vocab import StrategyName
 
 
 ClassSplit = tuple[int, Group, int]   # (first class held here, the group, how many classes held here)

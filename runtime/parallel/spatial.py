@@ -6,9 +6,10 @@ codegen/spatial_tiles.py) gets this rank's tile and the spatial group from the P
 from __future__ import annotations
 
 from runtime.context import DistContext
-from runtime.parallel.base import Modules, RuntimeStrategy, Specs, StrategyName
+from runtime.parallel.base import Modules, RuntimeStrategy, Specs
 from runtime.program import Program
 from runtime.spatial import attach_tiles
+from runtime.vocab import StrategyName
 
 
 class Spatial(RuntimeStrategy):

@@ -8,16 +8,15 @@ gives the contexts this rank's sub-grid index and the sub-grid group once the ra
 from __future__ import annotations
 
 from runtime.context import DistContext
-from runtime.parallel.base import Modules, RuntimeStrategy, Specs, StrategyName, mesh_axis
+from runtime.parallel.base import Modules, RuntimeStrategy, Specs
 from runtime.program import Program
 from runtime.subgraph import keep_own_paths, set_branch
-from runtime.vocab import MeshAxis
+from runtime.vocab import MeshAxis, StrategyName
 
 
 def _sub_grid(program: Program) -> int:
     """This rank's coordinate on the subgraph axis (0 without one)."""
-    axis = mesh_axis(program.mesh_dict, MeshAxis.SUBGRAPH)
-    return program.coord(axis) if axis is not None else 0
+    return program.coord(MeshAxis.SUBGRAPH) if MeshAxis.SUBGRAPH in program.mesh_dict else 0
 
 
 class Subgraph(RuntimeStrategy):
@@ -30,11 +29,10 @@ class Subgraph(RuntimeStrategy):
             keep_own_paths(module, _sub_grid(program))
 
     def attach(self, ctx: DistContext, program: Program, specs: Specs, modules: Modules) -> None:
-        axis = mesh_axis(ctx.groups, MeshAxis.SUBGRAPH)
-        if axis is None:
+        if MeshAxis.SUBGRAPH not in ctx.groups:
             return
         for module in modules.values():
-            set_branch(module, ctx.coord(axis), ctx.group(axis))
+            set_branch(module, ctx.coord(MeshAxis.SUBGRAPH), ctx.group(MeshAxis.SUBGRAPH))
 
 
 __all__ = ["Subgraph"]

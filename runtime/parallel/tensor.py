@@ -11,10 +11,10 @@ from __future__ import annotations
 from runtime.comm import Group
 from runtime.context import DistContext
 from runtime.materialize import set_tensor_group
-from runtime.parallel.base import ClassSplit, Modules, RuntimeStrategy, Specs, StrategyName
+from runtime.parallel.base import ClassSplit, Modules, RuntimeStrategy, Specs
 from runtime.program import Program
 from runtime.spec import StageSpec
-from runtime.vocab import MeshAxis
+from runtime.vocab import MeshAxis, StrategyName
 
 
 def _tensor_group(ctx: DistContext) -> Group | None:

@@ -7,9 +7,10 @@ import pytest
 
 from planner import ConfigError, ParallelConfig
 from planner.capabilities import MESHPLAN_RUNTIME
-from planner.strategies.base import Placement, StrategyName
+from planner.strategies.base import Placement
 from planner.strategies.combinations import RULES, Level, why_not
 from planner.strategies.registry import STRATEGIES
+from runtime.vocab import StrategyName
 
 
 def test_registry_lists_every_strategy_once_under_its_module_name():

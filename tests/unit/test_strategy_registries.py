@@ -3,8 +3,8 @@ each strategy is listed once, under its own module's name, and every plan has on
 
 from codegen.strategies import registry as lowering
 from runtime.parallel import registry as running
-from runtime.parallel.base import StrategyName
 from tests.parallel_cases import plan_for
+from runtime.vocab import StrategyName
 
 
 def _check_names(strategies, package: str) -> None:
