@@ -19,12 +19,13 @@ from planner.strategies.fields import field_refusal, micro_batch_refusal
 from planner.strategies.fields import label as strategy_label
 from planner.strategies.fields import unused_fields
 from runtime.documents import FieldError
-from runtime.vocab import DType, MeshAxis, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
+from runtime.vocab import ContextAttention, DType, MeshAxis, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
 
 # the fields whose value is one of a vocabulary's members (given as the member or its string; held as the string)
 _CHOICES: tuple[tuple[str, type[StrEnum]], ...] = (
     ("schedule", Schedule), ("recompute", Recompute), ("dtype", DType),
     ("spatial_split", SpatialSplit), ("spatial_batchnorm", SpatialBatchNorm),
+    ("context_attention", ContextAttention),
 )
 
 
@@ -59,6 +60,13 @@ class ParallelConfig:
             sub-grids (the "subgraph" mesh axis) on the same samples; the independent paths of the
             model's fork/join branches are dealt to them (planner/subgraph.py), the rest
             runs replicated.
+        sequence_parallel: Megatron-style sequence parallelism inside the tensor axis (tensor >= 2):
+            the norms, dropout and residual adds between tensor-parallel regions run on 1/t of
+            the sequence; each region starts with an all-gather and ends with a reduce-scatter
+            along the sequence in place of the all-reduce.
+        context: context-parallel degree c (the "context" mesh axis): every layer's activations
+            are split along the sequence over c ranks; attention reaches the other ranks' keys
+            and values as `context_attention` says ("ring" or "ulysses", runtime.vocab.ContextAttention).
     """
 
     data: int = 1
@@ -78,10 +86,13 @@ class ParallelConfig:
     spatial_until: str | None = None
     spatial_batchnorm: str = SpatialBatchNorm.SYNC
     subgraph: int = 1
+    sequence_parallel: bool = False
+    context: int = 1
+    context_attention: str = ContextAttention.RING
 
     def __post_init__(self) -> None:
         for name in ("data", "tensor", "pipeline", "micro_batch_size", "virtual_stages", "replicas_per_direction",
-                     "spatial", "subgraph"):
+                     "spatial", "subgraph", "context"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {v!r}")
@@ -105,7 +116,7 @@ class ParallelConfig:
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.tensor * self.pipeline * self.spatial * self.subgraph
+        return self.data * self.tensor * self.pipeline * self.spatial * self.subgraph * self.context
 
     @property
     def num_stages(self) -> int:
@@ -115,11 +126,16 @@ class ParallelConfig:
     @property
     def mesh(self) -> dict[str, int]:
         """Mesh axes (MeshAxis values), outermost first: pipeline, data, (spatial or subgraph, when > 1),
-        tensor (innermost, inside a node)."""
+        (context, when > 1), tensor (innermost, inside a node).
+
+        Context sits next to tensor, as Megatron-LM orders them: its ring exchanges are the
+        busiest traffic after tensor parallelism's, so its groups stay within a node where they fit."""
         # the sub-grids of one data replica sit next to each other, so their collectives stay in a node
         middle = ({MeshAxis.SPATIAL: self.spatial} if self.spatial > 1 else
                   {MeshAxis.SUBGRAPH: self.subgraph} if self.subgraph > 1 else {})
-        axes = {MeshAxis.PIPELINE: self.pipeline, MeshAxis.DATA: self.data, **middle, MeshAxis.TENSOR: self.tensor}
+        context = {MeshAxis.CONTEXT: self.context} if self.context > 1 else {}
+        axes = {MeshAxis.PIPELINE: self.pipeline, MeshAxis.DATA: self.data, **middle, **context,
+                MeshAxis.TENSOR: self.tensor}
         return {a.value: n for a, n in axes.items()}   # plain strings: reprs and messages stay readable
 
     def micro_batches(self, global_batch_size: int) -> int:
@@ -162,16 +178,17 @@ class ParallelConfig:
                 raise f.error(key, f"is not a ParallelConfig field; known: {', '.join(sorted(known))}")
         kw: dict[str, Any] = {}
         for name in ("data", "tensor", "pipeline", "micro_batch_size", "virtual_stages", "zero",
-                     "replicas_per_direction", "spatial", "subgraph"):
+                     "replicas_per_direction", "spatial", "subgraph", "context"):
             if name in f.data:
                 kw[name] = f.integer(name)
-        for name in ("schedule", "recompute", "dtype", "spatial_split", "spatial_batchnorm"):
+        for name in ("schedule", "recompute", "dtype", "spatial_split", "spatial_batchnorm", "context_attention"):
             if name in f.data:
                 kw[name] = f.text(name)
         if f.data.get("spatial_until") is not None:
             kw["spatial_until"] = f.text("spatial_until")
-        if "bidirectional" in f.data:
-            kw["bidirectional"] = f.boolean("bidirectional")
+        for name in ("bidirectional", "sequence_parallel"):
+            if name in f.data:
+                kw[name] = f.boolean(name)
         if f.data.get("stage_boundaries") is not None:
             kw["stage_boundaries"] = tuple(f.strings("stage_boundaries"))
         try:

@@ -16,6 +16,8 @@ class MeshAxis(StrEnum):
 
     PIPELINE: pipeline stages (GPipe/1F1B/interleaved, and GEMS bi-directional pipelines).
     SUBGRAPH: sub-grids of one data replica on the same samples (SUPER's sub-graph parallelism).
+    CONTEXT: ranks holding chunks of the same sequences (context parallelism: every layer's
+    activations split along the sequence; attention exchanges keys and values over it).
     """
 
     PIPELINE = "pipeline"
@@ -23,6 +25,7 @@ class MeshAxis(StrEnum):
     TENSOR = "tensor"
     SPATIAL = "spatial"
     SUBGRAPH = "subgraph"
+    CONTEXT = "context"
 
 
 # mesh axis spellings of Program files written before the axes took the ParallelConfig names
@@ -45,6 +48,7 @@ class StrategyName(StrEnum):
     BIDIRECTIONAL = "bidirectional"
     SPATIAL = "spatial"
     SUBGRAPH = "subgraph"
+    CONTEXT = "context"
 
 
 class ShardRole(StrEnum):
@@ -127,6 +131,17 @@ class SpatialSplit(StrEnum):
     STRIPS_H = "strips_h"
     STRIPS_V = "strips_v"
     GRID = "grid"
+
+
+class ContextAttention(StrEnum):
+    """How attention reaches the keys and values of the other context-parallel ranks.
+
+    RING: key/value blocks pass around the ring (ring attention), each rank holding two
+    sequence chunks in the causal load-balanced order; ULYSSES: an all-to-all turns the
+    sequence split into a head split for attention and back (DeepSpeed-Ulysses)."""
+
+    RING = "ring"
+    ULYSSES = "ulysses"
 
 
 class SpatialBatchNorm(StrEnum):

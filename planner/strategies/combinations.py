@@ -69,6 +69,10 @@ def _subgraph(c: "ParallelConfig") -> bool:
     return c.subgraph > 1
 
 
+def _context(c: "ParallelConfig") -> bool:
+    return c.context > 1
+
+
 RULES: tuple[Rule, ...] = (
     # GEMS runs its own schedule: replica A's stages forward, replica B's in reverse.
     Rule(StrategyName.BIDIRECTIONAL, Level.CONFIG, _bidirectional,
@@ -87,6 +91,13 @@ RULES: tuple[Rule, ...] = (
           Conflict(lambda c: "spatial > 1", _spatial),
           Conflict(lambda c: f"recompute={c.recompute!r}", lambda c: c.recompute != Recompute.NONE)),
          lambda c, names: f"subgraph={c.subgraph} does not combine with {names} yet; use subgraph=1 or drop those"),
+    # Context parallelism splits token sequences; spatial tiles and sub-grids split images and branches,
+    # and GEMS's reversed replica would need a second ring.
+    Rule(StrategyName.CONTEXT, Level.CONFIG, _context,
+         (Conflict(lambda c: "bidirectional", _bidirectional),
+          Conflict(lambda c: "spatial > 1", _spatial),
+          Conflict(lambda c: "subgraph > 1", _subgraph)),
+         lambda c, names: f"context={c.context} does not combine with {names}; use context=1 or drop those"),
     # codegen/spatial.py lowers tiles with the first stage holding the spatial part, untensored and stored.
     Rule(StrategyName.SPATIAL, Level.RUNTIME, _spatial,
          (Conflict(lambda c: f"the {c.schedule} schedule",
@@ -95,6 +106,13 @@ RULES: tuple[Rule, ...] = (
           Conflict(lambda c: f"recompute {c.recompute!r}", lambda c: c.recompute != Recompute.NONE)),
          lambda c, names: "the runtime runs spatial tiles with gpipe/1f1b/bidirectional pipelines, tensor 1 and no "
                           f"recompute, not with {names}"),
+    # Until they are lowered, the cost model prices these and the runtime refuses them.
+    Rule(StrategyName.CONTEXT, Level.RUNTIME, _context,
+         (Conflict(lambda c: "context parallelism", lambda c: True),),
+         lambda c, _: f"the runtime does not run context parallelism (context={c.context}) yet; use context=1"),
+    Rule(StrategyName.TENSOR, Level.RUNTIME, lambda c: c.sequence_parallel,
+         (Conflict(lambda c: "sequence parallelism", lambda c: True),),
+         lambda c, _: "the runtime does not run sequence parallelism yet; use sequence_parallel=False"),
     # runtime/subgraph.py keeps each path's parameters whole on its sub-grid.
     Rule(StrategyName.SUBGRAPH, Level.RUNTIME, _subgraph,
          (Conflict(lambda c: f"ZeRO stage {c.zero}", lambda c: c.zero != 0),),

@@ -50,6 +50,22 @@ def _bidirectional(c: "ParallelConfig") -> str | None:
     return None
 
 
+def _tensor(c: "ParallelConfig") -> str | None:
+    """Sequence parallelism shards the stream between tensor-parallel regions over the tensor ranks."""
+    if not isinstance(c.sequence_parallel, bool):
+        return f"ParallelConfig.sequence_parallel must be true or false, got {c.sequence_parallel!r}"
+    if c.sequence_parallel and c.tensor < 2:
+        return "sequence_parallel needs tensor >= 2 (it splits the sequence over the tensor-parallel ranks)"
+    return None
+
+
+def _context(c: "ParallelConfig") -> str | None:
+    """The attention exchange is chosen only where there is a context axis."""
+    if c.context == 1 and c.context_attention != "ring":
+        return f"context_attention={c.context_attention!r} needs context >= 2 (ranks per sequence)"
+    return None
+
+
 def _spatial(c: "ParallelConfig") -> str | None:
     """The spatial degree and `spatial_until` (the last tiled layer) come together."""
     if c.spatial > 1 and not (isinstance(c.spatial_until, str) and c.spatial_until):
@@ -81,9 +97,11 @@ def _bidirectional_batches(c: "ParallelConfig", global_batch_size: int, m: int) 
 # registry order (planner/strategies/registry.py); strategies without checks of their own are left out
 FIELD_CHECKS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str | None]], ...] = (
     (StrategyName.DATA, _data),
+    (StrategyName.TENSOR, _tensor),
     (StrategyName.PIPELINE, _pipeline),
     (StrategyName.BIDIRECTIONAL, _bidirectional),
     (StrategyName.SPATIAL, _spatial),
+    (StrategyName.CONTEXT, _context),
 )
 
 # (config, global batch in samples, micro-batches per step on each pipeline) -> refusal or None
@@ -112,12 +130,21 @@ def _subgraph_label(c: "ParallelConfig") -> str:
     return f" g{c.subgraph}" if c.subgraph > 1 else ""
 
 
+def _sequence_label(c: "ParallelConfig") -> str:
+    return " sp" if c.sequence_parallel else ""
+
+
+def _context_label(c: "ParallelConfig") -> str:
+    return f" c{c.context} {c.context_attention}" if c.context > 1 else ""
+
+
 # ParallelConfig.short(): strategies that run a schedule of their own name it in place of
 # ParallelConfig.schedule; then each strategy's label text follows, in registry order
 SCHEDULE_LABELS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str | None]], ...] = (
     (StrategyName.BIDIRECTIONAL, _bidirectional_schedule),
 )
 LABELS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str]], ...] = (
+    (StrategyName.TENSOR, _sequence_label),
     (StrategyName.PIPELINE, _interleaved_label),
     (StrategyName.SPATIAL, _spatial_label),
     (StrategyName.SUBGRAPH, _subgraph_label),
@@ -136,6 +163,8 @@ UNUSED_FIELDS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], bool], tup
     (StrategyName.SPATIAL, lambda c: c.spatial == 1,
      ("spatial", "spatial_split", "spatial_until", "spatial_batchnorm")),
     (StrategyName.SUBGRAPH, lambda c: c.subgraph == 1, ("subgraph",)),
+    (StrategyName.TENSOR, lambda c: not c.sequence_parallel, ("sequence_parallel",)),
+    (StrategyName.CONTEXT, lambda c: c.context == 1, ("context", "context_attention")),
 )
 
 

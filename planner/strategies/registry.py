@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from planner.strategies.base import Strategy
 from planner.strategies.bidirectional import BidirectionalStrategy
+from planner.strategies.context import ContextStrategy
 from planner.strategies.data import DataStrategy
 from planner.strategies.pipeline import PipelineStrategy
 from planner.strategies.spatial import SpatialStrategy
@@ -22,4 +23,5 @@ STRATEGIES: tuple[Strategy, ...] = (
     BidirectionalStrategy(),
     SpatialStrategy(),
     SubgraphStrategy(),
+    ContextStrategy(),
 )
