@@ -37,6 +37,9 @@ __all__ = ["ContextAttentionError", "ContextLayout", "chunk_layout", "context_at
 # stays below 2**29) and below the MPI communicator's abort tags.
 RING_TAG = 1 << 29
 _FWD_KV, _BWD_KV, _BWD_DKV = RING_TAG, RING_TAG + 1, RING_TAG + 2
+# The most attention scores (fp32 elements: batch x heads x query rows x keys) one ring block
+# holds at once (64 MiB); longer blocks are cut along their query rows.
+SCORE_ELEMENTS = 1 << 24
 
 
 class ContextAttentionError(ValueError):
@@ -164,6 +167,20 @@ def _tasks(q_chunks: tuple[int, int], kv_chunks: tuple[int, int], chunk: int,
     return tasks
 
 
+def _tiles(tasks: list[tuple[slice, slice, bool]], batch_heads: int) -> list[tuple[slice, slice, int | None]]:
+    """The tasks cut along their query rows so that a block's scores (batch_heads x rows x keys)
+    stay within SCORE_ELEMENTS: (query rows, key rows, causal diagonal offset). The offset is None
+    for a block seen in full; for a causal block, query row i of the tile sees keys up to
+    i + offset (the tile starts `offset` rows into the chunk its keys are)."""
+    out = []
+    for rows, keys, triangle in tasks:
+        n_keys = keys.stop - keys.start
+        step = max(1, SCORE_ELEMENTS // (batch_heads * n_keys))
+        for start in range(rows.start, rows.stop, step):
+            out.append((slice(start, min(start + step, rows.stop)), keys, start - rows.start if triangle else None))
+    return out
+
+
 def _widen(x: torch.Tensor, heads: int) -> torch.Tensor:
     """Key/value heads repeated to `heads` query heads (grouped-query attention)."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
@@ -177,11 +194,12 @@ def _narrow_heads(g: torch.Tensor, heads: int) -> torch.Tensor:
     return g.view(b, heads, h // heads, t, d).sum(2)
 
 
-def _scores(q, k, scale: float, triangle: bool) -> torch.Tensor:
+def _scores(q, k, scale: float, diagonal: int | None) -> torch.Tensor:
+    """Scaled scores (B, H, rows, keys); with a diagonal offset, row i's keys after i + offset masked."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if triangle:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if diagonal is not None:
+        hidden = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1 + diagonal)
+        s = s.masked_fill(hidden, float("-inf"))
     return s
 
 
@@ -191,7 +209,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout, causal, scale):
         degree, me, chunk = group.size, group.rank, layout.chunk_len
-        heads = q.shape[1]
+        heads, bh = q.shape[1], q.shape[0] * q.shape[1]
         qf = q.float()
         out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(qf.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -202,8 +220,8 @@ class _RingAttention(torch.autograd.Function):
                 handle = group.send_recv(kv, (me + 1) % degree, incoming, (me - 1) % degree, _FWD_KV)
             src = chunk_layout(layout.seq_len, degree, (me - step) % degree)
             kf, vf = _widen(kv[0].float(), heads), _widen(kv[1].float(), heads)
-            for rows, keys, triangle in _tasks(layout.chunks, src.chunks, chunk, causal):
-                s = _scores(qf[:, :, rows], kf[:, :, keys], scale, triangle)
+            for rows, keys, diagonal in _tiles(_tasks(layout.chunks, src.chunks, chunk, causal), bh):
+                s = _scores(qf[:, :, rows], kf[:, :, keys], scale, diagonal)
                 block_lse = torch.logsumexp(s, dim=-1)
                 block_out = torch.matmul(torch.exp(s - block_lse.unsqueeze(-1)), vf[:, :, keys])
                 new_lse = torch.logaddexp(lse[:, :, rows], block_lse)
@@ -223,7 +241,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, layout, causal, scale = ctx.group, ctx.layout, ctx.causal, ctx.scale
         degree, me, chunk = group.size, group.rank, layout.chunk_len
-        heads = q.shape[1]
+        heads, bh = q.shape[1], q.shape[0] * q.shape[1]
         qf, do = q.float(), dout.float()
         delta = (do * out.float()).sum(-1)  # (B, H, T_local): rowsum(dO * O) of the softmax backward
         dq = torch.zeros_like(qf)
@@ -236,8 +254,8 @@ class _RingAttention(torch.autograd.Function):
             src = chunk_layout(layout.seq_len, degree, (me - step) % degree)
             kf, vf = _widen(kv[0].float(), heads), _widen(kv[1].float(), heads)
             dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-            for rows, keys, triangle in _tasks(layout.chunks, src.chunks, chunk, causal):
-                s = _scores(qf[:, :, rows], kf[:, :, keys], scale, triangle)
+            for rows, keys, diagonal in _tiles(_tasks(layout.chunks, src.chunks, chunk, causal), bh):
+                s = _scores(qf[:, :, rows], kf[:, :, keys], scale, diagonal)
                 p = torch.exp(s - lse[:, :, rows].unsqueeze(-1))
                 dv[:, :, keys] += torch.matmul(p.transpose(-1, -2), do[:, :, rows])
                 ds = p * (torch.matmul(do[:, :, rows], vf[:, :, keys].transpose(-1, -2))

@@ -5,9 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import runtime.context_attention as context_attention_module
 from runtime.comm import SoloGroup
 from runtime.context_attention import ContextAttentionError, _tasks, context_attention
 from runtime.context_layout import ContextLayoutError, assemble, chunk_layout, sequence_order
+from tests.tp_threads import run_ranks
 
 
 def test_sixteen_tokens_over_two_ranks():
@@ -132,3 +134,32 @@ def test_solo_group_exchanges_are_copies():
     assert recv.tolist() == [5.0, 6.0]
     with pytest.raises(ValueError, match="names members 1 and 0; the only member is 0"):
         g.send_recv(recv, 1, recv, 0, tag=7)
+
+
+def test_blocks_are_cut_along_query_rows_to_bound_the_scores(monkeypatch):
+    monkeypatch.setattr(context_attention_module, "SCORE_ELEMENTS", 2 * 8 * 3)  # 3 rows of 8 keys, batch x heads 2
+    tiles = context_attention_module._tiles([(slice(4, 8), slice(0, 8), False), (slice(0, 8), slice(0, 4), True)], 2)
+    assert tiles == [(slice(4, 7), slice(0, 8), None), (slice(7, 8), slice(0, 8), None),
+                     (slice(0, 6), slice(0, 4), 0), (slice(6, 8), slice(0, 4), 6)]
+
+
+def test_ring_with_small_tiles_equals_full_attention(monkeypatch):
+    # 2 gloo ranks (threads), 16 tokens in chunks of 4; causal blocks of 3 query rows cut the chunks
+    # unevenly (rows 0-2 and 3 of a chunk), so a wrong diagonal offset shows in some row
+    monkeypatch.setattr(context_attention_module, "SCORE_ELEMENTS", 2 * 4 * 4 * 3)  # B x H x 4 keys x 3 rows
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(2, 4, 16, 8, generator=g) for _ in range(4))
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(*full, is_causal=True)
+    want.backward(dout)
+
+    def rank(r, group):
+        layout = chunk_layout(16, 2, r)
+        mine = [layout.take(x, 2).requires_grad_() for x in (q, k, v)]
+        out = context_attention(*mine, group, layout, causal=True, mode="ring")
+        out.backward(layout.take(dout, 2))
+        return [out.detach()] + [x.grad for x in mine]
+
+    got = run_ranks(2, rank)
+    for i, expected in enumerate([want.detach()] + [x.grad for x in full]):
+        torch.testing.assert_close(assemble([g[i] for g in got], 2), expected, rtol=1e-5, atol=1e-5)
