@@ -138,9 +138,12 @@ def test_solo_group_exchanges_are_copies():
 
 def test_blocks_are_cut_along_query_rows_to_bound_the_scores(monkeypatch):
     monkeypatch.setattr(context_attention_module, "SCORE_ELEMENTS", 2 * 8 * 3)  # 3 rows of 8 keys, batch x heads 2
-    tiles = context_attention_module._tiles([(slice(4, 8), slice(0, 8), False), (slice(0, 8), slice(0, 4), True)], 2)
-    assert tiles == [(slice(4, 7), slice(0, 8), None), (slice(7, 8), slice(0, 8), None),
-                     (slice(0, 6), slice(0, 4), 0), (slice(6, 8), slice(0, 4), 6)]
+    # chunks of 8: the second query chunk sees the first key chunk in full and its own with the triangle
+    tiles = context_attention_module._tiles([(slice(8, 16), slice(0, 8), False), (slice(8, 16), slice(8, 16), True)],
+                                            2)
+    assert tiles == [(slice(8, 11), slice(0, 8), None), (slice(11, 14), slice(0, 8), None),
+                     (slice(14, 16), slice(0, 8), None),
+                     (slice(8, 11), slice(8, 16), 0), (slice(11, 14), slice(8, 16), 3), (slice(14, 16), slice(8, 16), 6)]
 
 
 def test_ring_with_small_tiles_equals_full_attention(monkeypatch):
