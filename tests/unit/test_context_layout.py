@@ -1,15 +1,14 @@
-"""The causal load-balanced context layout by hand, the ring's block plan, and the refusals of
-context-parallel attention (tests/distributed/test_context_attention.py runs it on real ranks)."""
+"""The causal load-balanced context layout by hand and the refusals of context-parallel attention
+(tests/unit/test_ring_attention.py: the ring's blocks; tests/distributed/test_context_attention.py:
+both modes on real ranks)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import runtime.context_attention as context_attention_module
 from runtime.comm import SoloGroup
-from runtime.context_attention import ContextAttentionError, _tasks, context_attention
+from runtime.context_attention import ContextAttentionError, context_attention
 from runtime.context_layout import ContextLayoutError, assemble, chunk_layout, sequence_order
-from tests.tp_threads import run_ranks
 
 
 def test_sixteen_tokens_over_two_ranks():
@@ -58,19 +57,6 @@ def test_bad_rank_degree_and_tensor_length_are_refused():
         chunk_layout(16, 0, 0)
     with pytest.raises(ContextLayoutError, match="has 15 tokens along dim 1; this layout splits 16"):
         chunk_layout(16, 2, 0).take(torch.zeros(2, 15), 1)
-
-
-def test_ring_blocks_skip_what_the_causal_mask_hides():
-    c = 4
-    # rank 0 of 2 (chunks 0, 3). Its own keys: chunk 0 attends to itself (triangle); chunk 3 sees
-    # chunk 0 in full and itself with the triangle.
-    assert _tasks((0, 3), (0, 3), c, causal=True) == [
-        (slice(0, 4), slice(0, 4), True), (slice(4, 8), slice(0, 4), False), (slice(4, 8), slice(4, 8), True)]
-    # rank 1's keys (chunks 1, 2): chunk 0 sees neither; chunk 3 sees both in full
-    assert _tasks((0, 3), (1, 2), c, causal=True) == [(slice(4, 8), slice(0, 8), False)]
-    # rank 1 (chunks 1, 2) with rank 0's keys (0, 3): both query chunks see chunk 0 only, one block
-    assert _tasks((1, 2), (0, 3), c, causal=True) == [(slice(0, 8), slice(0, 4), False)]
-    assert _tasks((1, 2), (0, 3), c, causal=False) == [(slice(0, 8), slice(0, 8), False)]
 
 
 class _Pair:
@@ -134,35 +120,3 @@ def test_solo_group_exchanges_are_copies():
     assert recv.tolist() == [5.0, 6.0]
     with pytest.raises(ValueError, match="names members 1 and 0; the only member is 0"):
         g.send_recv(recv, 1, recv, 0, tag=7)
-
-
-def test_blocks_are_cut_along_query_rows_to_bound_the_scores(monkeypatch):
-    monkeypatch.setattr(context_attention_module, "SCORE_ELEMENTS", 2 * 8 * 3)  # 3 rows of 8 keys, batch x heads 2
-    # chunks of 8: the second query chunk sees the first key chunk in full and its own with the triangle
-    tiles = context_attention_module._tiles([(slice(8, 16), slice(0, 8), False), (slice(8, 16), slice(8, 16), True)],
-                                            2)
-    assert tiles == [(slice(8, 11), slice(0, 8), None), (slice(11, 14), slice(0, 8), None),
-                     (slice(14, 16), slice(0, 8), None),
-                     (slice(8, 11), slice(8, 16), 0), (slice(11, 14), slice(8, 16), 3), (slice(14, 16), slice(8, 16), 6)]
-
-
-def test_ring_with_small_tiles_equals_full_attention(monkeypatch):
-    # 2 gloo ranks (threads), 16 tokens in chunks of 4; causal blocks of 3 query rows cut the chunks
-    # unevenly (rows 0-2 and 3 of a chunk), so a wrong diagonal offset shows in some row
-    monkeypatch.setattr(context_attention_module, "SCORE_ELEMENTS", 2 * 4 * 4 * 3)  # B x H x 4 keys x 3 rows
-    g = torch.Generator().manual_seed(3)
-    q, k, v, dout = (torch.randn(2, 4, 16, 8, generator=g) for _ in range(4))
-    full = [x.clone().requires_grad_() for x in (q, k, v)]
-    want = F.scaled_dot_product_attention(*full, is_causal=True)
-    want.backward(dout)
-
-    def rank(r, group):
-        layout = chunk_layout(16, 2, r)
-        mine = [layout.take(x, 2).requires_grad_() for x in (q, k, v)]
-        out = context_attention(*mine, group, layout, causal=True, mode="ring")
-        out.backward(layout.take(dout, 2))
-        return [out.detach()] + [x.grad for x in mine]
-
-    got = run_ranks(2, rank)
-    for i, expected in enumerate([want.detach()] + [x.grad for x in full]):
-        torch.testing.assert_close(assemble([g[i] for g in got], 2), expected, rtol=1e-5, atol=1e-5)
