@@ -12,6 +12,7 @@ positions have their copies' gradients summed after it.
 from __future__ import annotations
 
 from cost_models.memory import adam_step_bytes, live_micro_batches, param_bytes
+from cost_models.overlap import DeviceWork, p2p_exposed
 from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
 from cost_models.schedule import pipeline_time
 from planner.config import ConfigError, ParallelConfig
@@ -101,7 +102,7 @@ class PipelineStrategy(Placement):
     def step(self, ev, config: ParallelConfig, global_batch_size: int, m: int, costs: list,
              bounds: Bounds) -> Prediction:
         p, v, d = config.pipeline, config.virtual_stages, config.data
-        slots, parts, mems, stages = [], [], [], []
+        slots, parts, mems, stages, works = [], [], [], [], []
         pb = param_bytes(config.dtype, config.zero, d)
         p2p = ev.p2p_seconds(config)
         tie_params, tie_seconds = ev.tie_costs(config, bounds)
@@ -112,9 +113,12 @@ class PipelineStrategy(Placement):
             bwd = sum(c.backward for c in cs)
             rc = sum(c.recompute for c in cs)
             tp = sum(c.comm_forward + c.comm_backward for c in cs)
-            pp = sum(2 * p2p(costs[hi - 1].boundary) for lo, hi in chunks if p > 1)
+            pp = sum(_sends_exposed(ev, p2p(costs[hi - 1].boundary), costs[lo:hi]) for lo, hi in chunks if p > 1)
             slots.append(fwd + bwd + rc + tp + pp)
             parts.append((fwd, bwd, rc, tp, pp))
+            works.append(DeviceWork(
+                layers=tuple((c.params, c.forward, c.backward + c.recompute) for c in cs),
+                chunk_sizes=tuple(hi - lo for lo, hi in chunks), later_passes=min(p, m) if v > 1 else 1))
             params = sum(c.params for c in cs) + tie_params.get(i, 0.0)
             live = live_micro_batches(config.schedule, i, p, m, v)
             if config.recompute == Recompute.FULL:
@@ -139,18 +143,34 @@ class PipelineStrategy(Placement):
         fwd, bwd, rc, tp, pp = parts[crit]
         total, bubble = pipeline_time(config.schedule, p, m, slots[crit], v)
 
-        # Gradient sync and ZeRO traffic for the critical device; the last micro-batch's
-        # backward on it hides the sync, bucket by bucket.
+        # Gradient sync and ZeRO traffic for the critical device, hidden behind its compute as the
+        # stack's overlap allows (planner/strategies/data.py).
         params_crit = mems[crit][1]
-        window = bwd + rc if ev.overlap_grad_reduce else 0.0
-        data_comm, zero_comm = ev.grad_sync(config, params_crit, window, m)
+        data_comm, zero_comm = ev.grad_sync(config, params_crit, works[crit], m)
+        if ev.overlap.p2p and p > 1:
+            # Overlapped sends still cross the cuts one after another while the pipeline fills
+            # and drains: the first micro-batch's activation and the last one's gradient.
+            pp_fill = 2 * (p - 1) * max(p2p(costs[hi - 1].boundary) for lo, hi in bounds[:-1])
+        else:
+            pp_fill = 0.0
         data_comm += tie_seconds  # a tied weight's copies summed after the gradient sync
         opt_params = params_crit / (d if config.zero >= 1 else 1)
         optimizer = opt_params * adam_step_bytes(config.dtype) / (ev.cluster.device.memory_bandwidth * ev.eff.memory)
 
         time = TimeBreakdown(forward=m * fwd, backward=m * bwd, recompute=m * rc, tensor_comm=m * tp,
-                             pipeline_comm=m * pp, bubble=bubble, data_comm=data_comm,
+                             pipeline_comm=m * pp + pp_fill, bubble=bubble, data_comm=data_comm,
                              zero_comm=zero_comm, optimizer=optimizer)
         return ev.prediction(config, global_batch_size, m, costs, stages, time,
                              max((mem for mem, _ in mems), key=lambda x: x.total),
                              busy=m * (fwd + bwd + rc) + optimizer)
+
+
+def _sends_exposed(ev, send: float, chunk: list) -> float:
+    """Exposed seconds of one chunk's two sends per micro-batch (its activation forward, its input
+    gradient backward), `send` s each: in full, or under the chunk's next compute of that
+    direction where the stack overlaps pipeline sends."""
+    ov = ev.overlap
+    if not ov.p2p:
+        return 2 * send
+    return p2p_exposed(send, sum(c.forward for c in chunk), ov.contention) + \
+        p2p_exposed(send, sum(c.backward + c.recompute for c in chunk), ov.contention)
