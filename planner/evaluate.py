@@ -8,7 +8,8 @@ micro-batch, dtype, recompute) and reused for every copy.
 
 Per micro-batch and device, a layer costs its ops' roofline times (FLOPs
 and bytes divided by the tensor degree where the op is sharded) plus its
-tensor-parallel all-reduces. The Evaluator is one pricing driver with no
+tensor-parallel all-reduces, less the part the stack runs under the split GEMMs
+(`overlap`, cost_models/overlap.py). The Evaluator is one pricing driver with no
 branch on a strategy: it loops over the strategies the config uses
 (planner/strategies/registry.py), which give nodes their split roles (tensor),
 check the config against the graph, adjust layer costs (tiles, sub-grids),

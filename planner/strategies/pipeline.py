@@ -4,9 +4,11 @@ Stages are contiguous layer ranges balanced by time under each device's memory
 (planner/stage_split.py); pipeline position i holds chunks i, i+p, ... The slowest
 device sets the pipeline slot; fill and drain follow the schedule
 (cost_models/schedule.py); every micro-batch's activation and its gradient cross each
-cut once. The data-parallel gradient sync and the other strategies' gradient traffic
-are added after the slot (`Evaluator.grad_sync`); tied weights held by several
-positions have their copies' gradients summed after it.
+cut once, in full inside the slot or, where the stack overlaps sends (`Overlap.p2p`), only
+what outlasts the next compute, plus the fill and drain hops. The data-parallel gradient
+sync and the other strategies' gradient traffic are added after the slot, less what the
+device's compute hides (`Evaluator.grad_sync` with its `DeviceWork`); tied weights held by
+several positions have their copies' gradients summed after it.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ class PipelineStrategy(Placement):
 
     def lower_bound(self, ev, config: ParallelConfig, costs: list, m: int, slot: float) -> float:
         """Each micro-batch crosses each of the p*v - 1 cuts once forward and once backward (at the cheapest
-        cut's price), and the schedule's fill and drain come on top."""
-        if config.pipeline > 1:
+        cut's price; nothing where the stack hides the sends), and the schedule's fill and drain come
+        on top."""
+        if config.pipeline > 1 and not ev.overlap.p2p:
             p2p = ev.p2p_seconds(config)
             cuts = config.pipeline * config.virtual_stages - 1
             slot += 2 * cuts / config.pipeline * p2p(min(c.boundary for c in costs[:-1]))

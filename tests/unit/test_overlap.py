@@ -222,3 +222,14 @@ def test_link_efficiency_falls_with_the_number_of_nodes():
             effs.append(2 * nbytes / cost.seconds / cluster.inter_node.bandwidth)
         assert all(a > b for a, b in zip(effs, effs[1:])), (nbytes, effs)
         assert max(effs) < 2 * GPU_INTER_NODE_EFFICIENCY
+
+
+def test_search_bound_stays_below_the_step_when_sends_are_hidden(tiny):
+    # The search prunes with a compute-only bound; where the stack hides pipeline sends it must
+    # not count them (planner/strategies/pipeline.py lower_bound). On this cluster each send about
+    # matches the compute it hides under, so a bound that charged them would exceed the step.
+    from planner.optimize import _lower_bound
+
+    ev = Evaluator(tiny, _cluster(2, flops=1e10, memory_bandwidth=1e10), overlap=Overlap(p2p=True))
+    config = ParallelConfig(pipeline=2, micro_batch_size=1, dtype="fp32")
+    assert _lower_bound(ev, config, 8, "time") <= ev.evaluate(config, 8).step_time
