@@ -24,7 +24,10 @@ The functions below are the exposure formulas, pure functions of seconds:
 Contention model (every function): traffic that runs under compute is not free; its kernels
 take streaming multiprocessors and memory bandwidth from the compute it hides behind. A
 hidden second costs ``contention`` seconds of the critical path, so the exposed time is
-``unhidden + contention * hidden``. Units: seconds throughout.
+``unhidden + contention * hidden``. Collectives that share a link take turns instead: the
+data-parallel traffic hides behind the tensor-parallel collectives' time only where the two
+axes run on different link levels (planner/strategies/pipeline.py builds the `DeviceWork`
+that way). Units: seconds throughout.
 """
 
 from __future__ import annotations
@@ -109,10 +112,6 @@ class Overlap:
         except ValueError:
             raise ValueError(f"unknown overlap preset {name!r}; known: {', '.join(OverlapPreset)}") from None
 
-    def grad_bytes(self, dtype: str) -> int:
-        """Bytes per gradient element in the data-parallel sync, for compute dtype `dtype`."""
-        return DType(self.grad_reduce_dtype or dtype).bytes
-
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values (the dtype as its string)."""
         d = asdict(self)
@@ -164,8 +163,9 @@ class DeviceWork:
     hide behind.
 
     Attributes:
-        layers: (parameters held, forward compute s, backward compute s with recompute) per layer
-            the device runs, in forward order (its model chunks one after another, chunk 0 first).
+        layers: (parameters held, forward s, backward s with recompute) per layer the device runs,
+            in forward order (its model chunks one after another, chunk 0 first): the compute, and
+            the in-layer collectives where they run on another link than the traffic hidden.
         chunk_sizes: layers per model chunk, in the same order (one entry without interleaving).
         later_passes: backward passes of each chunk in the last group of the schedule (the
             chunks' last passes are this many passes apart; min(p, m) under interleaved 1F1B).

@@ -14,6 +14,7 @@ several positions have their copies' gradients summed after it.
 from __future__ import annotations
 
 from cost_models.memory import adam_step_bytes, live_micro_batches, param_bytes
+from cost_models.mesh_axes import axis_spans_nodes
 from cost_models.overlap import DeviceWork, p2p_exposed
 from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
 from cost_models.schedule import pipeline_time
@@ -21,7 +22,7 @@ from planner.config import ConfigError, ParallelConfig
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, MeshShape, Placement
 from planner.strategies.data import GRAD_BUCKET_BYTES
-from runtime.vocab import DType, Recompute, Schedule, StrategyName
+from runtime.vocab import DType, MeshAxis, Recompute, Schedule, StrategyName
 
 
 class PipelineStrategy(Placement):
@@ -109,6 +110,11 @@ class PipelineStrategy(Placement):
         pb = param_bytes(config.dtype, config.zero, d)
         p2p = ev.p2p_seconds(config)
         tie_params, tie_seconds = ev.tie_costs(config, bounds)
+        # Gradient and weight traffic on the data axis shares its link with the tensor-parallel
+        # collectives when both axes run on the same link level: they take turns, so only compute
+        # hides it. On different levels (tensor in a node, data across) they run at once.
+        dpn = ev.cluster.devices_per_node
+        apart = axis_spans_nodes(config.mesh, MeshAxis.DATA, dpn) != axis_spans_nodes(config.mesh, MeshAxis.TENSOR, dpn)
         for i in range(p):
             chunks = [bounds[c] for c in range(i, config.num_stages, p)]
             cs = [c for lo, hi in chunks for c in costs[lo:hi]]
@@ -120,7 +126,8 @@ class PipelineStrategy(Placement):
             slots.append(fwd + bwd + rc + tp + pp)
             parts.append((fwd, bwd, rc, tp, pp))
             works.append(DeviceWork(
-                layers=tuple((c.params, c.forward, c.backward + c.recompute) for c in cs),
+                layers=tuple((c.params, c.forward + apart * c.tp_forward,
+                              c.backward + c.recompute + apart * c.tp_backward) for c in cs),
                 chunk_sizes=tuple(hi - lo for lo, hi in chunks), later_passes=min(p, m) if v > 1 else 1))
             params = sum(c.params for c in cs) + tie_params.get(i, 0.0)
             live = live_micro_batches(config.schedule, i, p, m, v)

@@ -129,12 +129,13 @@ def tiny():
     return planner.capture(model, gpt.example_inputs(batch_size=4, device="meta", preset="tiny"))
 
 
-def _cluster(devices: int, flops: float = 50e9, memory_bandwidth: float = 10e9) -> Cluster:
-    """One node of CPUs with fixed figures (CPU links are priced at their full bandwidth)."""
+def _cluster(devices: int, flops: float = 50e9, memory_bandwidth: float = 10e9, nodes: int = 1) -> Cluster:
+    """CPUs with fixed figures, one link for both levels (CPU links are priced at their full bandwidth)."""
     dev = Device(name="cpu", peak_flops={"fp32": flops, "fp16": flops, "bf16": flops}, memory_bytes=8 * 2**30,
                  memory_bandwidth=memory_bandwidth, active_watts=10.0, idle_watts=2.0, kind="cpu")
     link = Link(bandwidth=BANDWIDTH, latency=ALPHA)
-    return Cluster(name="cpus", num_nodes=1, devices_per_node=devices, device=dev, intra_node=link, inter_node=link)
+    return Cluster(name="cpus", num_nodes=nodes, devices_per_node=devices // nodes, device=dev, intra_node=link,
+                   inter_node=link)
 
 
 def _params(ev, config):
@@ -204,6 +205,25 @@ def test_overlapped_sends_leave_the_fill_and_drain_hops(tiny):
     assert pred.time.pipeline_comm == pytest.approx(2 * (ALPHA + boundary / BANDWIDTH))
     synchronous = Evaluator(tiny, _cluster(2, flops=1e3, memory_bandwidth=1e3)).evaluate(config, 4).time.pipeline_comm
     assert synchronous > pred.time.pipeline_comm
+
+
+def test_gradient_sync_hides_behind_tensor_collectives_only_on_another_link():
+    # data 2 x tensor 2, one micro-batch, gradients (~50 MB per rank) far longer than the backward.
+    # On 2 nodes of 2 the tensor pairs stay in a node and the data pairs cross nodes: the sync
+    # also runs during the tensor all-reduces. On 1 node of 4 both share the link and take turns.
+    # Both levels have the same link, so every collective costs the same on both clusters and the
+    # exposed sync differs by exactly the backward's tensor-parallel seconds.
+    with torch.device("meta"):
+        model = gpt.build(preset="tiny", hidden=1024)
+    graph = planner.capture(model, gpt.example_inputs(batch_size=4, device="meta", preset="tiny", hidden=1024))
+    config = ParallelConfig(data=2, tensor=2, micro_batch_size=2, dtype="fp32")
+    fast = dict(flops=1e13, memory_bandwidth=1e12)
+    apart = Evaluator(graph, _cluster(4, nodes=2, **fast), sharding="all")
+    shared = Evaluator(graph, _cluster(4, nodes=1, **fast), sharding="all")
+    tp_backward = sum(apart.layer_cost(layer, config).tp_backward for layer in graph.layers)
+    assert tp_backward > 0
+    gap = shared.evaluate(config, 4).time.data_comm - apart.evaluate(config, 4).time.data_comm
+    assert gap == pytest.approx(tp_backward)
 
 
 # --- link efficiency by scale ----------------------------------------------------------------
