@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 import planner  # noqa: E402
 from examples.models import gpt  # noqa: E402
+from cost_models.overlap import Overlap  # noqa: E402
 from planner.evaluate import Evaluator  # noqa: E402
 
 # scheme, params (B), model-parallel size, global batch, GPUs, micro-batch, published TFLOP/s per GPU
@@ -83,12 +84,11 @@ def main() -> int:
         cluster = planner.Cluster.preset("dgx-a100-80gb", nodes=gpus // 8)
         config = config_for(scheme, mp, gpus, mb, graph)
         # Facts of the 2021 runs: attention scores materialized (no flash attention);
-        # Megatron all-reduced fp32 main gradients after the pipeline flush; DeepSpeed
-        # ZeRO-3 reduce-scattered fp16 gradients.
-        if scheme == "PTD-P":
-            ev = Evaluator(graph, cluster, fused_attention=False, overlap_grad_reduce=False, grad_reduce_bytes=4)
-        else:
-            ev = Evaluator(graph, cluster, fused_attention=False)
+        # Megatron all-reduced fp32 main gradients after the pipeline flush (the megatron-2021
+        # overlap); DeepSpeed ZeRO-3 reduce-scattered fp16 gradients with overlap_comm and
+        # prefetched its parameter gathers (the deepspeed overlap).
+        stack = "megatron-2021" if scheme == "PTD-P" else "deepspeed"
+        ev = Evaluator(graph, cluster, fused_attention=False, overlap=Overlap.preset(stack))
         t0 = time.perf_counter()
         pred = ev.evaluate(config, batch)
         ms = (time.perf_counter() - t0) * 1e3
