@@ -198,6 +198,7 @@ class RingAttention(torch.autograd.Function):
         kernels = block_kernels(q.device)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         arriving = None  # the key/value gradient of this step's block, accumulated by the ranks before
+        dkv_handle = None  # the send/receive of `arriving`, in flight while the next block computes
         for kb, vb, tiles in _ring(torch.stack([k, v]).contiguous(), group, ctx.layout, ctx.causal, q.shape[1],
                                    _BWD_KV, kernels.score_limit()):
             dk = torch.zeros(kb.shape, dtype=torch.float32, device=q.device)
