@@ -216,7 +216,7 @@ def node_seconds(node, gpu: Gpu, *, role: str, share: float, div: float,
     e, per_rank = gpu.elem_bytes, share / div
     inputs = sum(m.numel * _bytes_per(m, e) for m in node.input_meta) * per_rank
     out = node.output_meta[0]
-    output = out.numel * e * per_rank
+    output = out.numel * _bytes_per(out, e) * per_rank
     rows = out.numel / out.shape[-1] * per_rank if family == "norm" and len(out.shape) > 1 else 0.0
     f_bytes, b_bytes = pass_bytes(family, inputs, output, e, rows, node.param_count * e / div)
     kind = "norm" if family == "norm" else "elementwise"
@@ -301,7 +301,7 @@ def _pass_family(node) -> str | None:
 
 
 def _bytes_per(meta, elem_bytes: int) -> int:
-    """Bytes per element of an input in the run: the compute dtype's for floats, its own otherwise."""
+    """Bytes per element of a tensor in the run: the compute dtype's for floats, its own otherwise."""
     return elem_bytes if meta.dtype.startswith(("float", "bfloat")) else element_bytes(meta.dtype)
 
 

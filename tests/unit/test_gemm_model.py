@@ -174,3 +174,16 @@ def test_optimizer_step_time_is_its_memory_traffic(small_gpt):
     one = Cluster.preset("dgx-a100-80gb", devices=1)
     pred = planner.evaluate(small_gpt, one, planner.ParallelConfig(dtype="bf16"), global_batch_size=2)
     assert pred.time.optimizer == pytest.approx(small_gpt.num_params * 28 / BW)
+
+
+def test_calibrated_gpu_efficiency_sets_the_large_gemm_rate(small_gpt):
+    # a cluster file calibrated on a GPU (fit.eff.*) replaces the published 0.80: a compute-bound
+    # GEMM at a measured 0.40 of peak takes twice as long
+    data = A100.to_dict()
+    data["measurements"] = {"fit.eff.matmul": 0.4, "fit.eff.conv": 0.7, "fit.eff.memory": 0.8,
+                            "fit.eff.kernel_overhead": 5e-6}
+    ev = Evaluator(small_gpt, Cluster.from_dict(data))
+    assert ev.eff.matmul == 0.4
+    shape = GemmShape(8192, 8192, 8192)
+    slow = gpu_for(A100.device, "bf16", ev.eff).gemm(shape, 3 * 8192 * 8192 * 2)
+    assert slow - LAUNCH == pytest.approx(2 * (GPU.gemm(shape, 3 * 8192 * 8192 * 2) - LAUNCH))
