@@ -32,6 +32,9 @@ from runtime.vocab import DType, ShardRole, element_bytes
 
 # FlashAttention-2's best forward rate over the large-GEMM rate: 230 TFLOP/s = 0.73 of the
 # A100's peak (Dao 2023, section 4) over Efficiency.matmul's 0.80 (cost_models/compute.py).
+# The same share on an H100 is what a Hopper-tuned kernel reaches: FlashAttention-3 (Shah et
+# al. 2024, arXiv 2407.08608, abstract) up to 740 TFLOP/s in fp16, 75% of the 989 peak;
+# FlashAttention-2 itself, without Hopper instructions, reached 335 (Dao 2023, section 4.1).
 ATTENTION_SHARE = 0.73 / 0.80
 # Backward rate over the forward rate. ASSUMPTION: the paper's backward curves (its Figure 6)
 # sit below the forward ones (Figure 5), and its text gives no number; 0.85 puts the backward of
