@@ -4,7 +4,9 @@ time = max(FLOPs / (peak * eff_kind), bytes / (memory_bandwidth * eff_memory)) +
 
 Large GEMMs land on the FLOP side near `eff_kind` of peak; small GEMMs and
 elementwise ops land on the bytes side (memory-bound); tiny ops are
-dominated by the launch overhead. The defaults come from published
+dominated by the launch overhead. On a GPU, cost_models/kernels.py prices
+each op as the kernels it runs through this roofline (GEMMs with their shape
+efficiency, cost_models/gemm.py; attention as the flash kernel). The defaults come from published
 microbenchmark-style facts, never from end-to-end throughputs; a measured
 table (`Efficiency.from_measurements`, calibration) replaces them.
 """
@@ -68,7 +70,11 @@ class Efficiency:
         """Published-fact defaults for a device kind ("gpu" or "cpu")."""
         if device.kind == "gpu":
             # cuBLAS reaches about 80% of the tensor-core peak on large bf16/fp16
-            # GEMMs on A100/H100 (vendor GEMM benchmarks); cuDNN convolutions
+            # GEMMs on A100/H100: Stas Bekman's "Maximum Achievable Matmul FLOPS" table
+            # (ml-engineering, compute/accelerator) measured 267.9-271.2 of 312 TFLOP/s
+            # on an A100 SXM and 792-795 of 989 on an H100 SXM at the best shape a search
+            # found (86-87% and 80%); ordinary large shapes land a little lower. The shape
+            # model (cost_models/gemm.py) only takes away from this rate. cuDNN convolutions
             # somewhat less. STREAM-like kernels reach ~80% of HBM bandwidth.
             # A kernel launch plus its tail costs a few microseconds.
             return cls(matmul=0.80, conv=0.70, memory=0.80, kernel_overhead=5e-6,

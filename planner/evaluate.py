@@ -27,6 +27,7 @@ from cost_models.comm import collective_time, link_models
 from cost_models.mesh_axes import axis_collective_time
 from cost_models.calibrated import calibrated_efficiency, curve_mix, in_run_factors, op_curves, per_element_cost
 from cost_models.compute import Efficiency, op_time, wave_efficiency
+from cost_models.kernels import gpu_for, node_seconds
 from cost_models.op_curves import node_curve_times
 from cost_models.overlap import DeviceWork, Overlap, OverlapPreset, tp_exposed
 from cost_models.hardware import Cluster
@@ -297,14 +298,25 @@ class Evaluator:
         link = intra if stride < self.cluster.devices_per_node else inter
         return lambda n: link.alpha + n * link.beta
 
+    def _kernel_times(self, n: OpInfo, role: str, scale: float, div: float,
+                      config: ParallelConfig) -> tuple[float, float] | None:
+        """(forward s, backward s) of `n` priced as the GPU kernels it runs (GEMMs by shape, flash or
+        unfused attention, memory passes: cost_models/kernels.py); None on a CPU or for kinds priced
+        by the roofline below."""
+        dev = self.cluster.device
+        if dev.kind != "gpu":
+            return None
+        return node_seconds(n, gpu_for(dev, config.dtype, self.eff), role=role, share=scale, div=div,
+                            fused_attention=self.fused_attention)
+
     def _wave_efficiency(self, n: OpInfo, role: str, scale: float, t: int) -> float:
-        """Wave quantization of a Linear/conv GEMM on this device, for its per-rank shape."""
+        """Wave quantization of a conv's implicit GEMM on this device, for its per-rank shape."""
         units = self.cluster.device.compute_units
-        if not units or n.kind not in ("linear", "conv") or not n.output_meta:
+        if not units or n.kind != "conv" or not n.output_meta:
             return 1.0
         shape = n.output_meta[0].shape
         split = t if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT) else 1
-        cols = shape[1] if n.kind == "conv" and len(shape) >= 3 else shape[-1]  # conv: (B*H*W) x out_channels
+        cols = shape[1] if len(shape) >= 3 else shape[-1]  # (B*H*W) x out_channels
         rows = n.output_meta[0].numel // max(cols, 1)
         return wave_efficiency(max(int(rows * scale), 1), max(cols // split, 1), units)
 
@@ -342,6 +354,8 @@ class Evaluator:
         measured = self._curve_times(n, scale / div, config.dtype, n.param_count / div)
         if measured is not None:
             f, b = measured[0], measured[1] if n.requires_grad else 0.0
+        elif (priced := self._kernel_times(n, role if sharded else "replicate", scale, div, config)) is not None:
+            f, b = priced[0], priced[1] if n.requires_grad else 0.0
         else:
             waves = self._wave_efficiency(n, role if sharded else "replicate", scale, t)
             f = op_time(n.kind, n.fwd_flops * scale / div, f_bytes, peak, bw, self.eff, shape_efficiency=waves)
