@@ -62,6 +62,16 @@ GPU_INTRA_NODE_EFFICIENCY = 0.84
 # nccl-tests bus bandwidth on a real cluster.
 GPU_INTER_NODE_EFFICIENCY = 0.90
 
+# GPU, inter-node, by scale: NCCL's achieved bus bandwidth falls as a ring spans more nodes
+# (each step's latency and the fabric's congestion add up). NVIDIA/nccl issue #1229 reports
+# reduce-scatter bus bandwidth on H100 clusters of 4, 8, 16, 32, 64 and 128 nodes as 360, 345,
+# 320, 300, 280 and 260 GB/s: a steady loss per doubling of the node count. Geometric fit over
+# the whole range: (260 / 360) ** (1 / 5) = 0.937 per doubling past 4 nodes (it reproduces the
+# middle points within 3%: 337, 316, 296, 277 GB/s); groups of up to 4 nodes keep
+# GPU_INTER_NODE_EFFICIENCY, and larger groups are extrapolated at the same rate.
+GPU_INTER_NODE_SCALE_BASE_NODES = 4
+GPU_INTER_NODE_LOSS_PER_DOUBLING = (260 / 360) ** (1 / 5)
+
 # CPU (the ``local`` preset): its link figures are measured loopback TCP rates, i.e.
 # already what is achieved, so no further discount applies.
 CPU_EFFICIENCY = 1.0
@@ -238,6 +248,27 @@ def _resolve_efficiency(
 
 
 @functools.lru_cache(maxsize=1024)
+def inter_node_scale(kind: str, num_nodes: int) -> float:
+    """Fraction of the inter-node link's achieved bandwidth left when a collective spans
+    `num_nodes` nodes (1.0 up to GPU_INTER_NODE_SCALE_BASE_NODES; falling per doubling beyond,
+    see GPU_INTER_NODE_LOSS_PER_DOUBLING). CPUs (measured loopback rates) keep 1.0."""
+    if kind != "gpu" or num_nodes <= GPU_INTER_NODE_SCALE_BASE_NODES:
+        return 1.0
+    return GPU_INTER_NODE_LOSS_PER_DOUBLING ** math.log2(num_nodes / GPU_INTER_NODE_SCALE_BASE_NODES)
+
+
+def _scaled_links(cluster: Cluster, shape: "_GroupShape",
+                  efficiency: Mapping[str, float] | None) -> tuple[LinkModel, LinkModel]:
+    """The link models for a collective over a group of `shape`: the inter-node link slowed by
+    the group's node count (inter_node_scale), unless the caller gave its own efficiencies
+    (those describe the achieved rate already)."""
+    intra, inter = link_models(cluster, efficiency)
+    scale = inter_node_scale(cluster.device.kind, shape.num_nodes) if efficiency is None else 1.0
+    if scale < 1.0:
+        inter = LinkModel(alpha=inter.alpha, beta=inter.beta / scale)
+    return intra, inter
+
+
 def _link_models(
     intra: Link, inter: Link, intra_eff: float, inter_eff: float
 ) -> tuple[LinkModel, LinkModel]:
@@ -532,7 +563,7 @@ def collective_candidates(
     _check_op(op)
     _check_bytes(nbytes)
     shape = _group_shape(cluster.devices_per_node, cluster.num_devices, _as_tuple(group_ranks))
-    intra, inter = link_models(cluster, efficiency)
+    intra, inter = _scaled_links(cluster, shape, efficiency)
     return tuple(
         CollectiveCost(op, seconds, name, shape.size, shape.spans_nodes)
         for name, seconds in _candidates(op, nbytes, shape, intra, inter)
@@ -580,7 +611,7 @@ def collective_time(
     measured = _measured(cluster, op, nbytes, shape, efficiency)
     if measured is not None:
         return measured
-    intra, inter = link_models(cluster, efficiency)
+    intra, inter = _scaled_links(cluster, shape, efficiency)
     return _cheapest(op, nbytes, shape, intra, inter)
 
 
@@ -606,6 +637,8 @@ __all__ = [
     "CPU_EFFICIENCY",
     "DEFAULT_EFFICIENCIES",
     "GPU_INTER_NODE_EFFICIENCY",
+    "GPU_INTER_NODE_LOSS_PER_DOUBLING",
+    "GPU_INTER_NODE_SCALE_BASE_NODES",
     "GPU_INTRA_NODE_EFFICIENCY",
     "CollectiveCost",
     "LinkModel",
@@ -616,6 +649,7 @@ __all__ = [
     "collective_candidates",
     "collective_time",
     "hierarchical_all_reduce_time",
+    "inter_node_scale",
     "link_models",
     "optimal_broadcast_chunks",
     "p2p_time",

@@ -12,7 +12,7 @@ import numbers
 from collections.abc import Mapping
 
 from cost_models.comm import (CollectiveCost, _check_bytes, _check_op, _cheapest, _group_shape, _GroupShape,
-                              _measured, link_models)
+                              _measured, _scaled_links)
 from cost_models.hardware import Cluster
 from runtime.mesh import groups_along
 from runtime.vocab import MeshAxis
@@ -115,10 +115,10 @@ def axis_collective_time(
             f"mesh {sizes} has {world} ranks but cluster {cluster.name!r} has "
             f"{cluster.num_devices} devices; the axis sizes must multiply to the device count"
         )
-    intra, inter = link_models(cluster, efficiency)
     worst: CollectiveCost | None = None
     for shape in _axis_shapes(items, axis, cluster.devices_per_node, op == "p2p"):
-        cost = _measured(cluster, op, nbytes, shape, efficiency) or _cheapest(op, nbytes, shape, intra, inter)
+        cost = _measured(cluster, op, nbytes, shape, efficiency) or \
+            _cheapest(op, nbytes, shape, *_scaled_links(cluster, shape, efficiency))
         if worst is None or cost.seconds > worst.seconds:
             worst = cost
     assert worst is not None  # an axis always has at least one group
