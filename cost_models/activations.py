@@ -30,6 +30,7 @@ counted here and the unit test names them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -81,10 +82,7 @@ class TensorRef:
 
     @property
     def elements(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def is_float(self) -> bool:

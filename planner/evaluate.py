@@ -368,7 +368,10 @@ class Evaluator:
                 tp_f, tp_b = tp_f + wf, tp_b + wb
         params = _params_per_rank(n, role if sharded else "replicate", div) if n.param_count else 0.0
         saved = self.saved.node_bytes(n, config, fused_attention=self.fused_attention, divisor=div)
-        return _NodeCost(fwd=f, bwd=b, tp_fwd=tp_f, tp_bwd=tp_b, saved=saved, params=params, temp=2 * n.output_bytes * scale * ds / div)
+        # its output and that output's gradient; a weight read through get_attr is a parameter, counted
+        # once as such and not once per sample
+        temp = 0.0 if n.kind == "param" else 2 * n.output_bytes * scale * ds / div
+        return _NodeCost(fwd=f, bwd=b, tp_fwd=tp_f, tp_bwd=tp_b, saved=saved, params=params, temp=temp)
 
     def _curve_times(self, n: OpInfo, share: float, dtype: str, weights: float) -> tuple[float, float] | None:
         """(forward s, backward s) of `n` off the calibrated op curves (fp32 only), or None."""

@@ -43,6 +43,7 @@ class SavedActivations:
         self._batch = graph.batch_size
         self._root: dict[str, str] = {}
         self._scores: set[str] = set()
+        self._node_cache: dict[tuple, float] = {}
         for n in graph.nodes:
             ins = self._activation_inputs(n)
             first = ins[0] if ins else None
@@ -89,9 +90,12 @@ class SavedActivations:
         """What `n` alone keeps for one micro-batch under `config`'s dtype and recompute mode (the
         attention core left out under selective recomputation), divided by `divisor` (its tensor split):
         the per-op figure the tensor-parallel and sub-graph choices weigh."""
-        saved = saved_by(self.op_view(n, {}, 1), fused_attention)
-        kept = layer_bytes(list(saved), DType(config.dtype).bytes,
-                           selective=config.recompute == Recompute.SELECTIVE).kept
+        key = (n.name, config.dtype, config.recompute == Recompute.SELECTIVE, fused_attention)
+        kept = self._node_cache.get(key)
+        if kept is None:   # the search prices every node under many configs: once per dtype and mode
+            saved = saved_by(self.op_view(n, {}, 1), fused_attention)
+            kept = self._node_cache[key] = layer_bytes(list(saved), DType(config.dtype).bytes,
+                                                       selective=key[2]).kept
         return kept * config.micro_batch_size / self._batch / divisor
 
     def layer(self, layer: Layer, roles: dict[str, str], config: ParallelConfig, *, fused_attention: bool,

@@ -139,3 +139,23 @@ def test_gradients_held_in_fp32_and_the_allocator_margin(graph):
     assert m.fragmentation == pytest.approx(ALLOCATOR_MARGIN * allocated)
     bare = Evaluator(graph, A100, allocator_margin=0.0).evaluate(config, global_batch_size=16)
     assert bare.memory.fragmentation == 0 and bare.peak_memory == pytest.approx(allocated)
+
+
+def test_a_weight_read_through_get_attr_is_no_temporary_activation():
+    class Functional(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(256, 16))
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.w)   # (B, 16) -> (B, 256)
+
+    with torch.device("meta"):
+        graph = planner.capture(Functional(), (torch.empty(4, 16),))
+    ev = Evaluator(graph, A100)
+    config = ParallelConfig(data=8, micro_batch_size=64, dtype="bf16")
+    weight = next(n for n in graph.nodes if n.kind == "param")
+    linear = next(n for n in graph.nodes if n.kind == "linear")
+    assert ev.node_cost(weight, "replicate", config).temp == 0
+    # the output (64, 256) in bf16 and its gradient
+    assert ev.node_cost(linear, "replicate", config).temp == 2 * 64 * 256 * 2
