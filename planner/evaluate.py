@@ -401,10 +401,9 @@ class Evaluator:
         recompute = sum(c.fwd for name, c in zip(layer.nodes, costs) if name in acts.recomputed)
         if config.recompute == Recompute.FULL:
             tp_b += tp_f  # the recomputed forward repeats its all-reduces
-        kept, working = acts.kept, acts.working
         return LayerCost(forward=fwd, backward=sum(c.bwd for c in costs), recompute=recompute,
                          tp_forward=tp_f, tp_backward=tp_b, subgraph_forward=0.0, subgraph_backward=0.0,
-                         saved=kept, working=working, params=params,
+                         saved=acts.kept, working=acts.working, params=params,
                          largest_param_layer=params, temporary=max((c.temp for c in costs), default=0.0),
                          boundary=self._boundary(layer, config))
 
