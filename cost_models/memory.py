@@ -9,7 +9,7 @@ in: 4 bytes where a stack accumulates fp32 main gradients (Megatron-LM's
 --accumulate-allreduce-grads-in-fp32).
 
 What the PyTorch caching allocator reserves beyond the bytes allocated (fragmentation) is a
-stated margin on the device's total, `ALLOCATOR_MARGIN`.
+stated fraction of the allocated bytes, `ALLOCATOR_MARGIN` by default.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from runtime.vocab import DType, Schedule
 # published nanotron benchmark logs of Llama-1B on 8-64 H100s (huggingface.co/nanotron/old_bench,
 # log_metrics.csv peak_allocated_MiB vs peak_reserved_MiB, e.g. dp-2 tp-4 pp-1: 25808 vs 27166 MiB),
 # and 1.83 GiB reserved-but-unallocated at 75.31 GiB allocated in vllm-project/compressed-tensors
-# PR #587 (which reserves 5% of model memory for fragmentation). 5% covers both.
+# PR #587 (2.4%; the PR then reserves 5% of model memory for fragmentation). 5% lies inside the
+# nanotron range and above the vllm case.
 ALLOCATOR_MARGIN = 0.05
 
 
