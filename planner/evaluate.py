@@ -77,7 +77,7 @@ class Evaluator:
     def __init__(self, graph: ModelGraph, cluster: Cluster, *, efficiency: Efficiency | None = None,
                  fused_attention: bool = True, overlap_grad_reduce: bool = True,
                  grad_reduce_bytes: int | None = None, sharding: str = "ilp",
-                 allocator_margin: float = ALLOCATOR_MARGIN) -> None:
+                 allocator_margin: float = ALLOCATOR_MARGIN, zero3_live_parameters: float | None = None) -> None:
         """
         Args:
             efficiency: per-kind efficiencies (default: published facts for the device kind).
@@ -91,7 +91,14 @@ class Evaluator:
                 integer program: shard where it pays), "all" (every region, Megatron's layout).
             allocator_margin: what the caching allocator reserves beyond the bytes allocated, as a
                 fraction of them (fragmentation; cost_models/memory.py ALLOCATOR_MARGIN cites the default).
+            zero3_live_parameters: the most parameters ZeRO-3 holds gathered at once (DeepSpeed's
+                stage3_max_live_parameters, 1e9 by default in DeepSpeed's docs/_pages/config-json.md);
+                None: the current and the prefetched layer whole (FSDP, one unit per layer).
         """
+        if zero3_live_parameters is not None and zero3_live_parameters <= 0:
+            raise ValueError(f"zero3_live_parameters={zero3_live_parameters!r} must be a positive parameter "
+                             "count, or None for whole layers")
+        self.zero3_live_parameters = zero3_live_parameters
         if not 0 <= allocator_margin < 1:
             raise ValueError(f"allocator_margin={allocator_margin!r} must be a fraction in [0, 1) of the "
                              f"allocated bytes (default {ALLOCATOR_MARGIN})")

@@ -123,8 +123,11 @@ class PipelineStrategy(Placement):
             # what each live micro-batch keeps, and one layer's recomputed activations in its backward
             acts = live * sum(c.saved for c in cs) + max((c.working for c in cs), default=0.0)
             gather = 0.0
-            if config.zero == 3:  # the gathered weights of the current and the prefetched layer
-                gather = 2 * max((c.params for c in cs), default=0.0) * DType(config.dtype).bytes
+            if config.zero == 3:  # the gathered weights of the current and the prefetched layer, or the stack's bound
+                live = 2 * max((c.params for c in cs), default=0.0)
+                if ev.zero3_live_parameters is not None:
+                    live = min(live, ev.zero3_live_parameters)
+                gather = live * DType(config.dtype).bytes
             comm_buf = (2 * min(GRAD_BUCKET_BYTES, params * pb.gradients) if d > 1 else 0.0) + \
                 (2 * costs[chunks[-1][1] - 1].boundary if p > 1 else 0.0)
             allocated = MemoryBreakdown(

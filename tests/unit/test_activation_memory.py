@@ -159,3 +159,17 @@ def test_a_weight_read_through_get_attr_is_no_temporary_activation():
     assert ev.node_cost(weight, "replicate", config).temp == 0
     # the output (64, 256) in bf16 and its gradient
     assert ev.node_cost(linear, "replicate", config).temp == 2 * 64 * 256 * 2
+
+
+def test_zero3_gathers_two_layers_or_the_stacks_live_parameter_bound(graph):
+    config = ParallelConfig(data=8, zero=3, micro_batch_size=B, dtype="bf16")
+    # the largest layer's parameters: a block, qkv h(3h) + 3h, proj h^2 + h, MLP h(4h) + 4h and (4h)h + h,
+    # two LayerNorms 2h each: 12 h^2 + 13 h (the lm_head has h x vocabulary = 4096)
+    largest = 12 * H * H + 13 * H
+    weights = graph.num_params * 2 / 8
+    fsdp = Evaluator(graph, A100).evaluate(config, global_batch_size=8 * B).memory
+    assert fsdp.parameters == pytest.approx(weights + 2 * largest * 2)   # current + prefetched layer, bf16
+    deepspeed = Evaluator(graph, A100, zero3_live_parameters=1000).evaluate(config, global_batch_size=8 * B).memory
+    assert deepspeed.parameters == pytest.approx(weights + 1000 * 2)
+    with pytest.raises(ValueError, match="zero3_live_parameters"):
+        Evaluator(graph, A100, zero3_live_parameters=0)
