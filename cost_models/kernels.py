@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from cost_models.compute import Efficiency, op_time
-from cost_models.gemm import GemmShape, combined_efficiency, shape_efficiency
+from cost_models.gemm import GemmShape, shape_efficiency
 from cost_models.op_curves import node_family
 from runtime.vocab import DType, ShardRole, element_bytes
 

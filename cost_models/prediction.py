@@ -40,6 +40,7 @@ class MemoryBreakdown:
     activations: float = 0.0
     comm_buffers: float = 0.0
     temporary: float = 0.0
+    fragmentation: float = 0.0   # reserved by the caching allocator beyond the rest (a stated margin)
 
     @property
     def total(self) -> float:

@@ -31,14 +31,16 @@ from cost_models.kernels import gpu_for, node_seconds
 from cost_models.op_curves import node_curve_times
 from cost_models.overlap import DeviceWork, Overlap, OverlapPreset, tp_exposed
 from cost_models.hardware import Cluster
+from cost_models.memory import ALLOCATOR_MARGIN
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
+from planner.saved import SavedActivations
 from planner.sharding import ShardingPlan, find_sharding
 from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
 from planner.graph.ties import tied_weights
-from runtime.vocab import DType, MeshAxis, ShardRole, element_bytes
+from runtime.vocab import DType, MeshAxis, Recompute, ShardRole, element_bytes
 
 T = TypeVar("T")
 _GEMM_KINDS = ("linear", "conv")   # the ops whose split a tensor-parallel collective feeds
@@ -56,7 +58,7 @@ class LayerCost:
     subgraph_forward: float   # sub-graph collectives over the sub-grids in forward (planner/strategies/subgraph.py)
     subgraph_backward: float  # ... in backward
     saved: float            # activation bytes kept for backward (per recompute mode)
-    working: float          # bytes live while this layer's backward runs under full recompute
+    working: float          # bytes materialized again while this layer's backward runs (recompute)
     params: float           # parameters held per device (count)
     largest_param_layer: float  # same as params (kept for ZeRO-3 gather buffers)
     temporary: float        # largest single output (+ its gradient) in bytes
@@ -79,7 +81,8 @@ class Evaluator:
     def __init__(self, graph: ModelGraph, cluster: Cluster, *, efficiency: Efficiency | None = None,
                  fused_attention: bool = True, overlap: Overlap | None = None,
                  overlap_grad_reduce: bool | None = None, grad_reduce_bytes: int | None = None,
-                 sharding: str = "ilp") -> None:
+                 sharding: str = "ilp", allocator_margin: float = ALLOCATOR_MARGIN,
+                 zero3_live_parameters: float | None = None) -> None:
         """
         Args:
             efficiency: per-kind efficiencies (default: published facts for the device kind).
@@ -92,7 +95,20 @@ class Evaluator:
                 (default: `overlap.grad_reduce_dtype`'s, else the compute dtype's).
             sharding: how tensor-parallel regions are chosen: "ilp" (per layer, by the
                 integer program: shard where it pays), "all" (every region, Megatron's layout).
+            allocator_margin: what the caching allocator reserves beyond the bytes allocated, as a
+                fraction of them (fragmentation; cost_models/memory.py ALLOCATOR_MARGIN cites the default).
+            zero3_live_parameters: the most parameters ZeRO-3 holds gathered at once (DeepSpeed's
+                stage3_max_live_parameters, 1e9 by default in DeepSpeed's docs/_pages/config-json.md);
+                None: the current and the prefetched layer whole (FSDP, one unit per layer).
         """
+        if zero3_live_parameters is not None and zero3_live_parameters <= 0:
+            raise ValueError(f"zero3_live_parameters={zero3_live_parameters!r} must be a positive parameter "
+                             "count, or None for whole layers")
+        self.zero3_live_parameters = zero3_live_parameters
+        if not 0 <= allocator_margin < 1:
+            raise ValueError(f"allocator_margin={allocator_margin!r} must be a fraction in [0, 1) of the "
+                             f"allocated bytes (default {ALLOCATOR_MARGIN})")
+        self.allocator_margin = allocator_margin
         if sharding not in ("ilp", "all"):
             raise ValueError(f"sharding={sharding!r} is not one of 'ilp', 'all'")
         self.sharding_mode = sharding
@@ -117,6 +133,7 @@ class Evaluator:
         self.grad_reduce_bytes = grad_reduce_bytes or (
             DType(self.overlap.grad_reduce_dtype).bytes if self.overlap.grad_reduce_dtype else None)
         self.sharding: ShardingPlan = find_sharding(graph)
+        self.saved = SavedActivations(graph, self.sharding)   # what each op keeps for backward
         self.strategies: tuple[Strategy, ...] = STRATEGIES
         self._nodes = {n.name: n for n in graph.nodes}
         self._layer_cache: dict[tuple, LayerCost] = {}
@@ -243,7 +260,7 @@ class Evaluator:
 
     def layer_cost(self, layer: Layer, config: ParallelConfig) -> LayerCost:
         key = (layer.signature, layer.index == 0, config.tensor, config.micro_batch_size,
-               config.dtype, config.recompute)
+               config.dtype, config.recompute, config.sequence_parallel)
         hit = self._layer_cache.get(key)
         if hit is None:
             hit = self._layer_cache[key] = self._cost_layer(layer, config)
@@ -378,17 +395,12 @@ class Evaluator:
                 elements = max(shard.fwd_allreduce, shard.bwd_allreduce) * scale / 4  # fp32 bytes
                 wf, wb = (self.tp_embedding if role == ShardRole.VOCAB else self.tp_wrapper).at(elements)
                 tp_f, tp_b = tp_f + wf, tp_b + wb
-        saved = n.saved_bytes
-        if n.kind == "attention":
-            # Fused (flash) attention keeps q, k, v, the output and a row statistic;
-            # unfused attention also keeps the (T x T) probabilities.
-            saved = act_in + n.output_bytes + (0 if self.fused_attention else _score_bytes(n))
-        if config.recompute == "selective" and n.kind in ("attention", "softmax"):
-            saved = 0
         params = _params_per_rank(n, role if sharded else "replicate", div) if n.param_count else 0.0
-        return _NodeCost(fwd=f, bwd=b, attn_fwd=f if n.kind in ("attention", "softmax") else 0.0,
-                         tp_fwd=tp_f, tp_bwd=tp_b, saved=saved * scale * ds / div, params=params,
-                         temp=2 * n.output_bytes * scale * ds / div)
+        saved = self.saved.node_bytes(n, config, fused_attention=self.fused_attention, divisor=div)
+        # its output and that output's gradient; a weight read through get_attr is a parameter, counted
+        # once as such and not once per sample
+        temp = 0.0 if n.kind == "param" else 2 * n.output_bytes * scale * ds / div
+        return _NodeCost(fwd=f, bwd=b, tp_fwd=tp_f, tp_bwd=tp_b, saved=saved, params=params, temp=temp)
 
     def _curve_times(self, n: OpInfo, share: float, dtype: str, weights: float) -> tuple[float, float] | None:
         """(forward s, backward s) of `n` off the calibrated op curves (fp32 only), or None."""
@@ -414,20 +426,16 @@ class Evaluator:
         ov = self.overlap
         tp_f = tp_exposed(sum(c.tp_fwd for c in costs), sum(c.fwd for c in gemms), ov.tp_comm, ov.contention)
         tp_b = tp_exposed(sum(c.tp_bwd for c in costs), sum(c.bwd for c in gemms), ov.tp_comm, ov.contention)
-        saved = sum(c.saved for c in costs)
         params = sum(c.params for c in costs)
         scale = config.micro_batch_size / self.graph.batch_size
         layer_in = self._layer_inputs[layer.index] * scale * DType(config.dtype).bytes / 4
-        if config.recompute == "full":
-            recompute, working, kept = fwd, saved, layer_in
+        acts = self.saved.layer(layer, roles, config, fused_attention=self.fused_attention, layer_input=layer_in)
+        recompute = sum(c.fwd for name, c in zip(layer.nodes, costs) if name in acts.recomputed)
+        if config.recompute == Recompute.FULL:
             tp_b += tp_f  # the recomputed forward repeats its all-reduces
-        elif config.recompute == "selective":
-            recompute, working, kept = sum(c.attn_fwd for c in costs), 0.0, saved
-        else:
-            recompute, working, kept = 0.0, 0.0, saved
         return LayerCost(forward=fwd, backward=sum(c.bwd for c in costs), recompute=recompute,
                          tp_forward=tp_f, tp_backward=tp_b, subgraph_forward=0.0, subgraph_backward=0.0,
-                         saved=kept, working=working, params=params,
+                         saved=acts.kept, working=acts.working, params=params,
                          largest_param_layer=params, temporary=max((c.temp for c in costs), default=0.0),
                          boundary=self._boundary(layer, config))
 
@@ -436,10 +444,9 @@ class Evaluator:
 class _NodeCost:
     fwd: float
     bwd: float
-    attn_fwd: float
     tp_fwd: float
     tp_bwd: float
-    saved: float
+    saved: float    # activation bytes this op alone keeps (planner/saved.py node_bytes)
     params: float
     temp: float
 

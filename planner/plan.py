@@ -269,7 +269,9 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
 
 
 def _read_memory(f: Fields) -> MemoryBreakdown:
-    return MemoryBreakdown(**{k: f.number(k, minimum=0) for k in MemoryBreakdown.__dataclass_fields__})
+    # plans written before the fragmentation margin was priced have no such entry: 0
+    return MemoryBreakdown(**{k: f.number(k, **({"default": 0.0} if k == "fragmentation" else {}), minimum=0)
+                              for k in MemoryBreakdown.__dataclass_fields__})
 
 
 def _read_prediction(f: Fields) -> Prediction:

@@ -42,11 +42,12 @@ TIME_NAMES = {
 }
 MEMORY_COLORS = {
     "parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868",
-    "activations": "#8172B3", "comm_buffers": "#C44E52", "temporary": "#8C8C8C",
+    "activations": "#8172B3", "comm_buffers": "#C44E52", "temporary": "#8C8C8C", "fragmentation": "#CCB974",
 }
 MEMORY_NAMES = {
     "parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
     "activations": "activations", "comm_buffers": "comm buffers", "temporary": "temporary",
+    "fragmentation": "allocator fragmentation",
 }
 IDLE_COLOR = "#F2F2F2"
 

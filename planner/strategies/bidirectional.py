@@ -25,6 +25,7 @@ found by bisection (both are monotone in b').
 from __future__ import annotations
 
 from bisect import bisect_left
+from dataclasses import replace
 from typing import Callable
 
 from cost_models import gems
@@ -34,14 +35,14 @@ from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
 from planner.config import ParallelConfig
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, MeshShape, Placement
-from runtime.vocab import DType, Recompute, StrategyName
+from runtime.vocab import DType, StrategyName
 
 
 class _Sizes:
     """Prefix sums over layers: time, parameter bytes, saved activation bytes."""
 
-    def __init__(self, config: ParallelConfig, costs: list, weights: list[float]):
-        pb = param_bytes(config.dtype, 0, config.data).total
+    def __init__(self, config: ParallelConfig, costs: list, weights: list[float], grad_bytes: int | None = None):
+        pb = param_bytes(config.dtype, 0, config.data, grad_bytes).total
         self.w, self.par, self.act = [0.0], [0.0], [0.0]
         for c, wt in zip(costs, weights):
             self.w.append(self.w[-1] + wt)
@@ -66,12 +67,12 @@ def pairs_fit(bounds: list[tuple[int, int]], sizes: _Sizes, cap: float) -> bool:
 
 
 def bidirectional_bounds(config: ParallelConfig, costs: list, weights: list[float], cap: float,
-                         balanced: Callable) -> list[tuple[int, int]]:
+                         balanced: Callable, grad_bytes: int | None = None) -> list[tuple[int, int]]:
     """[lo, hi) layer ranges of the p stages: time-balanced (`balanced(weights, p, None)`) when
     every pair fits in `cap` bytes, else the pair-feasible split with the smallest slowest stage
     (the time-balanced one if none fits)."""
     p = config.pipeline
-    sizes = _Sizes(config, costs, weights)
+    sizes = _Sizes(config, costs, weights, grad_bytes)
     plain = balanced(weights, p, None)
     if pairs_fit(plain, sizes, cap):
         return plain
@@ -190,7 +191,9 @@ class BidirectionalStrategy(Placement):
     def stage_bounds(self, ev, config: ParallelConfig, costs: list, weights: list[float],
                      fits: Fits | None) -> Bounds:
         """Stage r fits together with stage p-1-r."""
-        return bidirectional_bounds(config, costs, weights, ev.memory_cap, balanced_partition)
+        # the pairs fit within what the allocator's fragmentation margin leaves
+        return bidirectional_bounds(config, costs, weights, ev.memory_cap / (1 + ev.allocator_margin),
+                                    balanced_partition, ev.grad_reduce_bytes)
 
     def step(self, ev, config: ParallelConfig, global_batch_size: int, m: int, costs: list,
              bounds: Bounds) -> Prediction:
@@ -210,22 +213,21 @@ class BidirectionalStrategy(Placement):
         crit = max(range(p), key=lambda i: busy[i])
         pair = gems.pair_of(crit, p)
         both = (crit, pair)  # the middle device of an odd pipeline runs its stage for both replicas
-        pb = param_bytes(config.dtype, 0, d)
+        pb = param_bytes(config.dtype, 0, d, ev.grad_reduce_bytes)
         mems, stages = [], []
         for i in range(p):
             j = gems.pair_of(i, p)
             held = per_stage[i] + (per_stage[j] if j != i else [])
             params = sum(c.params for c in held)
-            # One micro-batch in flight per device: A's backward ends before B's forward starts.
-            if config.recompute == Recompute.FULL:
-                acts = max(sum(c.saved for c in per_stage[k]) + max((c.working for c in per_stage[k]), default=0.0)
-                           for k in {i, j})
-            else:
-                acts = max(sum(c.saved for c in per_stage[k]) for k in {i, j})
-            mem = MemoryBreakdown(parameters=params * pb.weights, gradients=params * pb.gradients,
-                                  optimizer=params * pb.optimizer, activations=acts,
-                                  comm_buffers=2 * max(costs[hi - 1].boundary for lo, hi in bounds),
-                                  temporary=max((c.temporary for c in held), default=0.0))
+            # One micro-batch in flight per device: A's backward ends before B's forward starts; one
+            # layer's recomputed activations are live in its backward.
+            acts = max(sum(c.saved for c in per_stage[k]) + max((c.working for c in per_stage[k]), default=0.0)
+                       for k in {i, j})
+            allocated = MemoryBreakdown(parameters=params * pb.weights, gradients=params * pb.gradients,
+                                        optimizer=params * pb.optimizer, activations=acts,
+                                        comm_buffers=2 * max(costs[hi - 1].boundary for lo, hi in bounds),
+                                        temporary=max((c.temporary for c in held), default=0.0))
+            mem = replace(allocated, fragmentation=allocated.total * ev.allocator_margin)
             mems.append((mem, params))
         for k, (lo, hi) in enumerate(bounds):
             stages.append((lo, hi, k, mems[k][0]))

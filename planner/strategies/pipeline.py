@@ -13,6 +13,8 @@ several positions have their copies' gradients summed after it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cost_models.memory import adam_step_bytes, live_micro_batches, param_bytes
 from cost_models.mesh_axes import axis_spans_nodes
 from cost_models.overlap import DeviceWork, p2p_exposed
@@ -22,7 +24,7 @@ from planner.config import ConfigError, ParallelConfig
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, MeshShape, Placement
 from planner.strategies.data import GRAD_BUCKET_BYTES
-from runtime.vocab import DType, MeshAxis, Recompute, Schedule, StrategyName
+from runtime.vocab import DType, MeshAxis, Schedule, StrategyName
 
 
 class PipelineStrategy(Placement):
@@ -79,10 +81,11 @@ class PipelineStrategy(Placement):
         """fits(stage, lo, hi): whether layers [lo, hi) fit on the device that runs that stage.
 
         Weights, gradients and optimizer state per parameter, plus activations
-        times the micro-batches the schedule keeps live on that device; under
-        the interleaved schedule each of the v chunks gets 1/v of the memory.
+        times the micro-batches the schedule keeps live on that device, within the
+        memory the allocator's fragmentation margin leaves; under the interleaved
+        schedule each of the v chunks gets 1/v of the memory.
         """
-        pb = param_bytes(config.dtype, config.zero, config.data).total
+        pb = param_bytes(config.dtype, config.zero, config.data, ev.grad_reduce_bytes).total
         m = config.micro_batches(global_batch_size)
         v = config.virtual_stages
         par, act = [0.0], [0.0]
@@ -90,7 +93,7 @@ class PipelineStrategy(Placement):
             par.append(par[-1] + c.params * pb)
             act.append(act[-1] + c.saved)
         extra = max((c.working for c in costs), default=0.0) + max((c.temporary for c in costs), default=0.0)
-        cap = ev.memory_cap / v
+        cap = ev.memory_cap / (1 + ev.allocator_margin) / v
         live = [live_micro_batches(config.schedule, i, config.pipeline, m, v) for i in range(config.pipeline)]
 
         def fits(stage: int, lo: int, hi: int) -> bool:
@@ -107,7 +110,7 @@ class PipelineStrategy(Placement):
              bounds: Bounds) -> Prediction:
         p, v, d = config.pipeline, config.virtual_stages, config.data
         slots, parts, mems, stages, works = [], [], [], [], []
-        pb = param_bytes(config.dtype, config.zero, d)
+        pb = param_bytes(config.dtype, config.zero, d, ev.grad_reduce_bytes)
         p2p = ev.p2p_seconds(config)
         tie_params, tie_seconds = ev.tie_costs(config, bounds)
         # Gradient and weight traffic on the data axis shares its link with the tensor-parallel
@@ -131,20 +134,22 @@ class PipelineStrategy(Placement):
                 chunk_sizes=tuple(hi - lo for lo, hi in chunks), later_passes=min(p, m) if v > 1 else 1))
             params = sum(c.params for c in cs) + tie_params.get(i, 0.0)
             live = live_micro_batches(config.schedule, i, p, m, v)
-            if config.recompute == Recompute.FULL:
-                acts = live * sum(c.saved for c in cs) + max((c.working for c in cs), default=0.0)
-            else:
-                acts = live * sum(c.saved for c in cs)
+            # what each live micro-batch keeps, and one layer's recomputed activations in its backward
+            acts = live * sum(c.saved for c in cs) + max((c.working for c in cs), default=0.0)
             gather = 0.0
-            if config.zero == 3:  # the gathered weights of the current and the prefetched layer
-                gather = 2 * max((c.params for c in cs), default=0.0) * DType(config.dtype).bytes
+            if config.zero == 3:  # the gathered weights of the current and the prefetched layer, or the stack's bound
+                gathered = 2 * max((c.params for c in cs), default=0.0)
+                if ev.zero3_live_parameters is not None:
+                    gathered = min(gathered, ev.zero3_live_parameters)
+                gather = gathered * DType(config.dtype).bytes
             comm_buf = (2 * min(GRAD_BUCKET_BYTES, params * pb.gradients) if d > 1 else 0.0) + \
                 (2 * costs[chunks[-1][1] - 1].boundary if p > 1 else 0.0)
-            mem = MemoryBreakdown(
+            allocated = MemoryBreakdown(
                 parameters=params * pb.weights + gather, gradients=params * pb.gradients,
                 optimizer=params * pb.optimizer, activations=acts, comm_buffers=comm_buf,
                 temporary=max((c.temporary for c in cs), default=0.0),
             )
+            mem = replace(allocated, fragmentation=allocated.total * ev.allocator_margin)
             mems.append((mem, params))
             for (lo, hi) in chunks:
                 stages.append((lo, hi, i, mem))

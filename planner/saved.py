@@ -1,0 +1,130 @@
+"""The graph side of the activation-memory model (cost_models/activations.py).
+
+Each captured op becomes an `OpView`: its activation inputs with views resolved to the
+tensor they alias (q, k and v sliced from one QKV output are one tensor), attention
+scores marked (the outputs of a product of two activations, QK^T, and of the ops after it
+up to the product that consumes them, attention over V), and the tensor-parallel split
+each tensor has under a config's roles. `SavedActivations.layer` adds up what a layer keeps
+under the config's recompute mode (Korthikanti et al. 2022, sections 4-5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.activations import OpView, TensorRef, layer_bytes, normalize, saved_by
+from planner.config import ParallelConfig
+from planner.graph.model import Layer, ModelGraph, OpInfo
+from planner.sharding import ShardingPlan
+from runtime.vocab import DType, Recompute, ShardRole
+
+# roles whose output stays split over the tensor ranks (a row-parallel op's output is all-reduced)
+_SPLIT_OUTPUT = (ShardRole.COLUMN, ShardRole.COLUMN_OUT, ShardRole.INNER, ShardRole.CHANNELS)
+_NOT_ACTIVATIONS = ("param", "scalar")   # get_attr buffers and non-tensor values
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """One layer on one rank for one micro-batch: `kept` bytes stay saved until its backward,
+    `working` bytes are materialized again while its backward runs (recomputation), and the
+    forward of the nodes in `recomputed` runs again in backward."""
+
+    kept: float
+    working: float
+    recomputed: frozenset[str]
+
+
+class SavedActivations:
+    """What each op of one graph keeps for backward; see module docstring."""
+
+    def __init__(self, graph: ModelGraph, sharding: ShardingPlan) -> None:
+        self._nodes = {n.name: n for n in graph.nodes}
+        self._sharding = sharding
+        self._batch = graph.batch_size
+        self._root: dict[str, str] = {}
+        self._scores: set[str] = set()
+        self._node_cache: dict[tuple, float] = {}
+        for n in graph.nodes:
+            ins = self._activation_inputs(n)
+            first = ins[0] if ins else None
+            self._root[n.name] = self._root[first] if n.kind == "view" and first is not None else n.name
+            float_ins = [i for i in ins if _is_float(self._nodes[i])]
+            if any(i in self._scores for i in ins):
+                if n.kind != "matmul":          # attention over V ends the scores
+                    self._scores.add(n.name)
+            elif n.kind == "matmul" and len(float_ins) >= 2 and _rank(n) >= 3:
+                self._scores.add(n.name)        # QK^T
+
+    def _activation_inputs(self, n: OpInfo) -> list[str]:
+        return [i for i in n.inputs if self._nodes[i].kind not in _NOT_ACTIVATIONS and self._nodes[i].output_meta]
+
+    def _split(self, name: str, roles: dict[str, str], t: int) -> float:
+        role = roles.get(name)
+        return self._sharding.roles[name].divisor(t) if t > 1 and role in _SPLIT_OUTPUT else 1.0
+
+    def _ref(self, name: str, roles: dict[str, str], t: int) -> TensorRef:
+        meta = self._nodes[name].output_meta[0]
+        root = self._root[name]
+        return TensorRef(key=root, shape=meta.shape, dtype=meta.dtype, split=self._split(root, roles, t),
+                         score=name in self._scores, storage=self._nodes[root].output_meta[0].numel)
+
+    def op_view(self, n: OpInfo, roles: dict[str, str], t: int) -> OpView:
+        """`n` for the activation rules, under `roles` (the layer's split roles) on `t` tensor ranks."""
+        base = normalize(n.target)
+        p = n.attr("p") if n.attr("p") is not None else n.attr("dropout_p")
+        if p is None and "dropout" in base:
+            p = n.attr("arg1")   # F.dropout(x, p, ...) records p positionally
+        params = bool(n.param_count) or any(self._nodes[i].kind == "param" for i in n.inputs)
+        own = roles.get(n.name)
+        return OpView(
+            name=n.name, kind=n.kind, base=base,
+            inputs=tuple(self._ref(i, roles, t) for i in self._activation_inputs(n)),
+            output=self._ref(n.name, roles, t) if n.output_meta else None,
+            dropout_p=float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else 0.0,
+            params=params,
+            split=self._sharding.roles[n.name].divisor(t) if own is not None and t > 1 else 1.0,
+            captured=n.saved_bytes,
+        )
+
+    def node_bytes(self, n: OpInfo, config: ParallelConfig, *, fused_attention: bool, divisor: float) -> float:
+        """What `n` alone keeps for one micro-batch under `config`'s dtype and recompute mode (the
+        attention core left out under selective recomputation), divided by `divisor` (its tensor split):
+        the per-op figure the tensor-parallel and sub-graph choices weigh."""
+        key = (n.name, config.dtype, config.recompute == Recompute.SELECTIVE, fused_attention)
+        kept = self._node_cache.get(key)
+        if kept is None:   # the search prices every node under many configs: once per dtype and mode
+            saved = saved_by(self.op_view(n, {}, 1), fused_attention)
+            kept = self._node_cache[key] = layer_bytes(list(saved), DType(config.dtype).bytes,
+                                                       selective=key[2]).kept
+        return kept * config.micro_batch_size / self._batch / divisor
+
+    def layer(self, layer: Layer, roles: dict[str, str], config: ParallelConfig, *, fused_attention: bool,
+              layer_input: float) -> LayerActivations:
+        """`layer`'s activations under `config` (micro-batch, dtype, tensor degree, sequence
+        parallelism, recompute); `layer_input`: bytes of its input for one micro-batch, whole, the one
+        tensor full recomputation keeps."""
+        t = config.tensor
+        sequence = t if config.sequence_parallel else 1
+        scale = config.micro_batch_size / self._batch
+        views = [self.op_view(self._nodes[name], roles, t) for name in layer.nodes]
+        per_op = [saved_by(v, fused_attention) for v in views]
+        selective = config.recompute == Recompute.SELECTIVE
+        total = layer_bytes([s for saved in per_op for s in saved], DType(config.dtype).bytes, sequence,
+                            selective=selective)
+        if config.recompute == Recompute.FULL:
+            return LayerActivations(kept=layer_input / sequence, working=total.total * scale,
+                                    recomputed=frozenset(layer.nodes))
+        if selective and total.core:
+            # the forward of the ops that produce or keep the dropped tensors runs again
+            again = frozenset(v.name for v, saved in zip(views, per_op)
+                              if v.name in self._scores or any(s.core for s in saved))
+            return LayerActivations(kept=total.kept * scale, working=total.core * scale, recomputed=again)
+        return LayerActivations(kept=total.kept * scale, working=0.0, recomputed=frozenset())
+
+
+def _is_float(n: OpInfo) -> bool:
+    return bool(n.output_meta) and n.output_meta[0].dtype.startswith(("float", "bfloat"))
+
+
+def _rank(n: OpInfo) -> int:
+    return len(n.output_meta[0].shape) if n.output_meta else 0
