@@ -149,7 +149,7 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
             except ConfigError:
                 search.infeasible += 1
                 continue
-            why = splits.refusal(ev.node_roles(cfg), cfg.tensor) if cfg.tensor > 1 else None
+            why = splits.refusal(ev.node_roles(cfg), cfg.tensor, cfg.sequence_parallel) if cfg.tensor > 1 else None
             if why is not None:   # a plan must lower: roles the split analysis refuses are skipped
                 search.infeasible += 1
                 search.refused.append((cfg, why))

@@ -77,12 +77,7 @@ class SequenceSplit:
     @classmethod
     def read(cls, f: Fields) -> "SequenceSplit":
         """From a checked document reader; FieldError names the field on any damage."""
-        names = {}
-        for key in ("starts", "nodes", "columns", "params"):
-            items = f.items(key)
-            if not all(isinstance(x, str) for x in items):
-                raise f.error(key, "must be a list of node names")
-            names[key] = tuple(items)
+        names = {key: tuple(f.strings(key)) for key in ("starts", "nodes", "columns", "params")}
         gathers = []
         for k, g in enumerate(f.items("gathers")):
             if not isinstance(g, list) or len(g) != 2 or not all(isinstance(x, str) for x in g):
