@@ -317,20 +317,21 @@ class Evaluator:
         sharded = role != "replicate" and t > 1
         # a padded split (a vocabulary t does not divide) leaves each rank ceil(size / t) of it
         div = self.sharding.roles[n.name].divisor(t) if sharded else 1
-        # the work's divisor: a replicated op between regions runs on T/t tokens under sequence parallelism
-        work = div * sequence_share(self, n.name, role, config)
+        # a replicated op between regions runs on T/t tokens under sequence parallelism (its weights whole)
+        seq = sequence_share(self, n.name, role, config)
+        work = div * seq
         scale = config.micro_batch_size / self.graph.batch_size
         ds = _dtype_scale(n, config.dtype)
         peak, bw = dev.peak(config.dtype), dev.memory_bandwidth
         act_in = sum(mm.nbytes for mm in n.input_meta)
         param_read = max(n.bytes_read - act_in, 0)
-        nbytes = ((act_in + n.bytes_written) * scale + param_read) * ds / work
+        nbytes = ((act_in + n.bytes_written) * scale / seq + param_read) * ds / div
         f_bytes, b_bytes = nbytes, 2 * nbytes
         if n.kind == "attention" and not self.fused_attention:
             # Unfused attention materializes the scores: Q@K^T writes them, softmax
             # reads and writes them, P@V reads them (4 passes; backward 6). Dropout
             # on the probabilities adds a read, a write and a 1-byte mask each way.
-            scores = _score_bytes(n) * scale * ds / work
+            scores = _score_bytes(n) * scale * ds / div
             drop = 2.5 if (n.attr("dropout_p") or 0) > 0 else 0.0
             f_bytes += (4 + drop) * scores
             b_bytes += (6 + drop) * scores
