@@ -266,65 +266,41 @@ def _block(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return x.narrow(dim, group.rank * n, n).contiguous()
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along the sequence; backward reduce-scatters the gradient (a column op's input)."""
+class _SequenceCollective(torch.autograd.Function):
+    """`forward(x, dim, group)` in forward, `backward(grad, dim, group)` in backward: the pairs below."""
 
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """Reduce-scatter along the sequence; backward all-gathers the gradient (a row op's output)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
+    def forward(ctx, x, dim, group, forward, backward):
+        ctx.dim, ctx.group, ctx.backward = dim, group, backward
+        return forward(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group), None, None
+        return ctx.backward(grad, ctx.dim, ctx.group), None, None, None, None
 
 
-class _GatherWhole(torch.autograd.Function):
-    """All-gather along the sequence for a replicated consumer: every rank computes the same gradient
-    of the whole, so backward keeps this rank's block of it."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _block(grad, ctx.dim, ctx.group), None, None
+def _sequence(x: torch.Tensor, dim: int, group: Group | None, forward, backward) -> torch.Tensor:
+    if group is None or group.size == 1:
+        return x
+    return _SequenceCollective.apply(x, dim, group, forward, backward)
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
-    """The whole sequence of a sequence-split `x` for a column-parallel op (gradient reduce-scattered)."""
-    if group is None or group.size == 1:
-        return x
-    return _GatherSequence.apply(x, dim, group)
+    """The whole sequence of a sequence-split `x` for a column-parallel op: all-gather along `dim`;
+    backward reduce-scatters the gradient (every rank's column op gives a partial one)."""
+    return _sequence(x, dim, group, _gather, _reduce_scatter)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
-    """This rank's block along `dim` of the sum of every rank's partial `x` (a row op's output)."""
-    if group is None or group.size == 1:
-        return x
-    return _ReduceScatterSequence.apply(x, dim, group)
+    """This rank's block along `dim` of the sum of every rank's partial `x` (a row op's output);
+    backward all-gathers the gradient."""
+    return _sequence(x, dim, group, _reduce_scatter, _gather)
 
 
 def gather_whole(x: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
-    """The whole sequence of a sequence-split `x` for an op every rank runs alike."""
-    if group is None or group.size == 1:
-        return x
-    return _GatherWhole.apply(x, dim, group)
+    """The whole sequence of a sequence-split `x` for an op every rank runs alike: all-gather along
+    `dim`; every rank computes the same gradient of the whole, so backward keeps its block of it."""
+    return _sequence(x, dim, group, _gather, _block)
 
 
 def sequence_grads(module: nn.Module, group: Group | None) -> None:
