@@ -132,11 +132,11 @@ def sequence_collectives(ev, n: OpInfo, role: str, config: ParallelConfig, scale
     shard = ev.sharding.roles[n.name]
     if role in (ShardRole.ROW, ShardRole.VOCAB):
         return collective("reduce_scatter", shard.fwd_allreduce), collective("all_gather", shard.fwd_allreduce)
-    if n.name in seq.columns:
+    if n.name in seq.gathering:
         return collective("all_gather", shard.bwd_allreduce), collective("reduce_scatter", shard.bwd_allreduce)
     if role != "replicate":
         return 0.0, collective("all_reduce", shard.bwd_allreduce)
-    whole = {v for consumer, v in seq.gathers if consumer == n.name}
+    whole = seq.read_whole.get(n.name, ())
     return sum((collective("all_gather", ev.node(v).output_bytes) for v in whole), 0.0), 0.0
 
 

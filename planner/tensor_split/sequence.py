@@ -21,6 +21,7 @@ it (`SequenceSplit`, part of planner/tensor_split/splits.TensorSplits) for codeg
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from planner.config import ConfigError
 from planner.graph.model import ModelGraph, OpInfo
@@ -64,10 +65,24 @@ class SequenceSplit:
     scatters: tuple[tuple[str, str, int], ...] = ()
     params: tuple[str, ...] = ()
 
-    @property
+    # (cached: the cost model asks for every node of every configuration it prices)
+    @cached_property
     def split(self) -> frozenset[str]:
         """Every node whose output is split along the sequence."""
         return frozenset(self.starts) | frozenset(self.nodes)
+
+    @cached_property
+    def gathering(self) -> frozenset[str]:
+        """The column ops that gather their input along the sequence."""
+        return frozenset(self.columns)
+
+    @cached_property
+    def read_whole(self) -> dict[str, tuple[str, ...]]:
+        """consumer -> the split values it reads whole."""
+        out: dict[str, tuple[str, ...]] = {}
+        for consumer, value in self.gathers:
+            out[consumer] = out.get(consumer, ()) + (value,)
+        return out
 
     def to_dict(self) -> dict:
         return {"length": self.length, "starts": list(self.starts), "nodes": list(self.nodes),

@@ -69,8 +69,8 @@ def test_a_ring_all_reduce_moves_a_reduce_scatter_and_an_all_gather():
 def test_collectives_of_a_region_become_reduce_scatters_and_all_gathers(tiny):
     ev = Evaluator(tiny, _cpu_cluster(2), sharding="all")
     qkv, proj = ev.node("blocks_0_attn_qkv"), ev.node("blocks_0_attn_proj")
-    plain_col, plain_row = ev.node_cost(qkv, ShardRole.COLUMN, _cfg(False)), ev.node_cost(proj, ShardRole.ROW, _cfg(False))
-    sp_col, sp_row = ev.node_cost(qkv, ShardRole.COLUMN, _cfg(True)), ev.node_cost(proj, ShardRole.ROW, _cfg(True))
+    plain_col, sp_col = (ev.node_cost(qkv, ShardRole.COLUMN, _cfg(sp)) for sp in (False, True))
+    plain_row, sp_row = (ev.node_cost(proj, ShardRole.ROW, _cfg(sp)) for sp in (False, True))
     # plain: the column op all-reduces its input's gradient, the row op its output
     assert (plain_col.tp_fwd, plain_col.tp_bwd) == (0.0, pytest.approx(2 * ONE_STEP, rel=1e-12))
     assert (plain_row.tp_fwd, plain_row.tp_bwd) == (pytest.approx(2 * ONE_STEP, rel=1e-12), 0.0)
