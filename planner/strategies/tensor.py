@@ -26,7 +26,7 @@ from planner.graph.model import Layer, OpInfo
 from planner.ilp import Edge, RegionOption, choose_shardings
 from planner.strategies.base import Strategy
 from planner.tensor_split.sequence import SequenceSplit, sequence_stream
-from runtime.vocab import MeshAxis, ShardRole, StrategyName
+from runtime.vocab import DType, MeshAxis, ShardRole, StrategyName
 
 
 class TensorStrategy(Strategy):
@@ -123,21 +123,41 @@ def sequence_collectives(ev, n: OpInfo, role: str, config: ParallelConfig, scale
     micro-batch (`scale`: the micro-batch's fraction of the captured batch times the dtype's size over
     the captured one). Row ops and vocabulary embeddings reduce-scatter their output and all-gather its
     gradient; a column op reading a split value all-gathers it and reduce-scatters its gradient (the
-    bytes the plain all-reduce moves); a replicated op reading a split value whole all-gathers it."""
+    bytes the plain all-reduce moves); a replicated op reading a split value whole all-gathers it; a
+    parameter that meets only this rank's tokens has its gradient all-reduced in every backward."""
     seq, mesh = stream(ev, config.tensor), config.mesh
 
-    def collective(op: str, nbytes: float) -> float:
-        return ev.axis_seconds(mesh, MeshAxis.TENSOR, op, nbytes * scale)
+    def collective(op: str, nbytes: float, factor: float = scale) -> float:
+        return ev.axis_seconds(mesh, MeshAxis.TENSOR, op, nbytes * factor)
 
+    ds = DType(config.dtype).bytes / 4   # parameters do not scale with the micro-batch
+    grads = sum((collective("all_reduce", b, ds) for b in _partial_grads(ev, n, role, seq)), 0.0)
     shard = ev.sharding.roles[n.name]
     if role in (ShardRole.ROW, ShardRole.VOCAB):
-        return collective("reduce_scatter", shard.fwd_allreduce), collective("all_gather", shard.fwd_allreduce)
+        return collective("reduce_scatter", shard.fwd_allreduce), collective("all_gather", shard.fwd_allreduce) + grads
     if n.name in seq.gathering:
         return collective("all_gather", shard.bwd_allreduce), collective("reduce_scatter", shard.bwd_allreduce)
     if role != "replicate":
         return 0.0, collective("all_reduce", shard.bwd_allreduce)
     whole = seq.read_whole.get(n.name, ())
-    return sum((collective("all_gather", ev.node(v).output_bytes) for v in whole), 0.0), 0.0
+    return sum((collective("all_gather", ev.node(v).output_bytes) for v in whole), 0.0), grads
+
+
+def _partial_grads(ev, n: OpInfo, role: str, seq: SequenceSplit) -> list[float]:
+    """Captured bytes of each parameter of `n` whose gradient covers this rank's tokens only, which the
+    lowering all-reduces (runtime.tensor_parallel): a norm's weight and bias on split tokens (a module's
+    tensors taken as equal, as a norm's are), and a row op's bias, added after the reduce-scatter."""
+    if role == ShardRole.ROW and n.name in seq.split:
+        if n.op == "call_module":
+            has_bias = any(p.endswith("bias") for p in n.param_names)
+            return [n.output_meta[0].shape[-1] * n.param_bytes / n.param_count] if has_bias and n.param_count else []
+        return [m.output_bytes for m in map(ev.node, n.inputs)
+                if m.kind == "param" and len(m.output_meta[0].shape) == 1]
+    if role != "replicate" or n.name not in seq.split:
+        return []
+    if n.op == "call_module":
+        return [n.param_bytes / len(n.param_names)] * len(n.param_names) if n.param_names else []
+    return [m.output_bytes for m in map(ev.node, n.inputs) if m.kind == "param" and str(m.target) in seq.params]
 
 
 def sequence_boundary_share(ev, layer: Layer, config: ParallelConfig) -> int:
