@@ -1,7 +1,9 @@
 """Sequence parallelism run for real: the generated rank scripts over gloo train the example GPT
 (dropout 0) for 3 steps under tensor 2 + SP, data 2 x tensor 2 + SP and pipeline 2 x tensor 2 + SP
-(1F1B), and a Hugging Face Llama (RMSNorm, grouped-query attention, an ATen graph) under tensor 2 +
-SP; every loss, gradient and parameter equals the single-process reference (--verify)."""
+(1F1B), and Hugging Face Llama (RMSNorm, grouped-query attention) and BERT (LayerNorm weights and
+biases read directly, learned position and token-type embeddings cut to each rank's tokens, the
+masked-LM head's replicated transform reading the whole sequence), both ATen graphs, under tensor 2 + SP; every loss, gradient and parameter equals the single-process
+reference (--verify)."""
 
 import pytest
 
@@ -19,8 +21,8 @@ FOUR_RANKS = {
 def two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("sp2")
     builds = {"gpt_t2_sp": emit_case(root, "gpt", "t2_sp", dict(tensor=2, sequence_parallel=True)),
-              "llama_t2_sp": emit_fixed(root, HF, {"arch": "llama"}, "llama_t2_sp",
-                                        dict(tensor=2, sequence_parallel=True))}
+              **{f"{arch}_t2_sp": emit_fixed(root, HF, {"arch": arch}, f"{arch}_t2_sp",
+                                             dict(tensor=2, sequence_parallel=True)) for arch in ("llama", "bert")}}
     results = run_many(list(builds.values()), steps=3, backend="gloo", timeout=120, verify=True)
     return dict(zip(builds, results))
 
@@ -37,8 +39,9 @@ def test_gpt_tensor_2_with_sp_equals_single_process(two_ranks):
     assert_exact(two_ranks["gpt_t2_sp"], "gpt t2 sp")
 
 
-def test_llama_tensor_2_with_sp_equals_single_process(two_ranks):
-    assert_verified(two_ranks["llama_t2_sp"], "llama t2 sp")
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_hf_models_at_tensor_2_with_sp_equal_single_process(two_ranks, arch):
+    assert_verified(two_ranks[f"{arch}_t2_sp"], f"{arch} t2 sp")
 
 
 @pytest.mark.parametrize("name", sorted(FOUR_RANKS))
