@@ -34,7 +34,8 @@ input gradient), a row op and a vocabulary embedding reduce-scatter their output
 rank keeps its block of the gradient), and a norm's parameters, which see only this rank's
 tokens, get their gradient all-reduced (`sequence_grads`).
 
-A module built with `group=None` performs no communication (shape checks on meta).
+A module built with `group=None` performs no communication; a shape-only run on meta tensors gives it a
+`ShapeGroup`, whose collectives only make outputs of the local shape.
 """
 
 from __future__ import annotations

@@ -183,3 +183,14 @@ def test_a_pipeline_stage_sends_its_block_of_the_sequence():
     first = partition(plan, graph).stages[0].spec
     # (B, T, C) = (2, 16, 32) at micro-batch 2: each tensor rank sends its 8 tokens to its peer
     assert [tuple(b.shape) for b in first.outputs] == [(2, 8, 32)]
+
+
+def test_a_plan_whose_split_and_config_disagree_on_sp_is_refused(tmp_path):
+    graph = _graph(batch=2)
+    cfg = ParallelConfig(tensor=2, micro_batch_size=2, dtype="fp32", sequence_parallel=True)
+    plan = planner.make_plan(graph, planner.Cluster.preset("local", devices=2), cfg, global_batch_size=4)
+    doc = plan.to_dict()
+    del doc["tensor_splits"]["sequence"]
+    with pytest.raises(ValueError, match=r"the plan's tensor-parallel split is without sequence parallelism, its "
+                                         r"config has sequence_parallel=True; make the plan again"):
+        partition(Plan.from_dict(doc), graph)
