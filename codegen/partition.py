@@ -112,10 +112,14 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
     t, mb = cfg.tensor, cfg.micro_batch_size
     splits = plan.tensor_splits
     if splits is None and t > 1:   # a version-1 plan: decide the split as the planner does now
-        splits = tensor_splits(graph, dict(plan.shardings), t)
+        splits = tensor_splits(graph, dict(plan.shardings), t, cfg.sequence_parallel)
     if splits is not None and splits.tensor != t:
         raise PartitionError(f"the plan's tensor-parallel split is for tensor {splits.tensor}, its config has "
                              f"tensor {t}; make the plan again")
+    if splits is not None and (splits.sequence is not None) != cfg.sequence_parallel:
+        raise PartitionError(f"the plan's tensor-parallel split is {'with' if splits.sequence else 'without'} "
+                             f"sequence parallelism, its config has sequence_parallel={cfg.sequence_parallel}; "
+                             "make the plan again")
     res = apply_splits(gm, splits, example_inputs(graph, mb))
     g = res.graph
     nodes = [n for n in g.nodes]

@@ -83,7 +83,9 @@ def run_meta(gm: fx.GraphModule, graph: fx.Graph, inputs: dict[str, Any], module
 
 
 def _local_modules(gm: fx.GraphModule, shards: dict[str, ModuleShard], t: int) -> dict[str, nn.Module]:
-    return {path: shard_module(gm.get_submodule(path), sh, 0, t, None) for path, sh in shards.items()}
+    # a stand-in group: the split modules' collectives give rank 0's shapes (a sequence-parallel row op
+    # its block of the sequence)
+    return {path: shard_module(gm.get_submodule(path), sh, 0, t, ShapeGroup(t)) for path, sh in shards.items()}
 
 
 def _expected(full_val, split: tuple[int, FeatureSplit] | None, t: int):

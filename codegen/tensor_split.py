@@ -15,10 +15,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from codegen.sequence_split import rewrite as rewrite_sequence, sequence_scatters
 from codegen.shape_rewrite import _rewrite, run_meta
 from codegen.specialize import debake_devices, fold_batch_sizes
 from codegen.weight_ops import rewrite as rewrite_weight_ops
 from planner.tensor_split.analysis import decide
+from planner.tensor_split.sequence import SEQUENCE_DIM
 from planner.tensor_split.rules import TensorSplitError  # noqa: F401  (re-exported)
 from planner.tensor_split.splits import TensorSplits
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard
@@ -72,8 +74,12 @@ def _apply(gm: fx.GraphModule, splits: TensorSplits | None, inputs: dict[str, An
     by_role: dict[ShardRole, list[str]] = {ShardRole.COLUMN: [], ShardRole.ROW: [], ShardRole.VOCAB: []}
     for node, role in splits.weight_ops:
         by_role[ShardRole.COLUMN if role.splits_output else role].append(node)
+    seq = splits.sequence
+    scatters = list(splits.scatters) + (sequence_scatters(seq) if seq else [])
     rewrite_weight_ops(new_graph, by_role[ShardRole.COLUMN], by_role[ShardRole.ROW], by_role[ShardRole.VOCAB],
-                       list(splits.scatters))
+                       scatters, seq)
+    if seq is not None:
+        rewrite_sequence(new_graph, seq)
     attrs = {}
     for ps in splits.params:
         full_attr = gm
@@ -84,6 +90,10 @@ def _apply(gm: fx.GraphModule, splits: TensorSplits | None, inputs: dict[str, An
         attrs[ps.name] = torch.empty(shape, dtype=full_attr.dtype, device="meta", requires_grad=full_attr.requires_grad)
     shards = {sh.path: sh for sh in splits.modules}
     value_splits = {node: (dim, fs) for node, dim, fs in splits.values}
+    if seq is not None:   # the stream's values hold this rank's tokens (an ATen row op's own output is partial)
+        partial = set(by_role[ShardRole.ROW])
+        value_splits.update({node: (SEQUENCE_DIM, FeatureSplit((seq.length,), 0)) for node in seq.split
+                             if node not in partial})
     local = _rewrite(gm, new_graph, shards, value_splits, tensor, inputs, full, attrs)
     return TensorSplitResult(new_graph, shards, value_splits, splits.output, local, full,
                              {ps.name: ps for ps in splits.params})

@@ -11,6 +11,11 @@ fused qkv), a row op drops its bias, all-reduces its partial output (reduce_from
 adds the bias once, and a vocabulary-split embedding becomes vocab_parallel_embedding. The
 weights themselves are split by runtime.tensor_parallel.ParamShard.
 
+Under sequence parallelism (`sequence`, planner/tensor_split/sequence.py) a column op whose input
+is split along the sequence all-gathers it (gather_sequence) instead, a row op and a vocabulary
+embedding that begin the split stream reduce-scatter their output along it
+(reduce_scatter_sequence, and vocab_parallel_embedding's sequence_dim).
+
 The generated code passes the stage module's `tensor_group` attribute (runtime.materialize
 sets it when the process groups exist) to those functions.
 """
@@ -20,19 +25,23 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from planner.tensor_split.sequence import SEQUENCE_DIM, SequenceSplit
 from planner.tensor_split.weight_op import weight_op
 from runtime.materialize import TENSOR_GROUP
-from runtime.tensor_parallel import (FeatureSplit, copy_to_group, reduce_from_group, scatter_to_group,
-                                     vocab_parallel_embedding)
+from runtime.tensor_parallel import (FeatureSplit, copy_to_group, gather_sequence, reduce_from_group,
+                                     reduce_scatter_sequence, scatter_to_group, vocab_parallel_embedding)
 
 
 def rewrite(graph: fx.Graph, columns: list[str], rows: list[str], vocabs: list[str],
-            scatters: list[tuple[str, str, int, FeatureSplit]] = ()) -> None:
+            scatters: list[tuple[str, str, int, FeatureSplit]] = (), sequence: SequenceSplit | None = None) -> None:
     """Insert the tensor-parallel communication around the named nodes of `graph`, in place.
 
     scatters: (node, replicated input, dimension, split): `node` reads this rank's part of
     the input instead (scatter_to_group), one cut per input and split however many read it.
+    sequence: the sequence split (see module docstring), or None.
     """
+    gathered = set(sequence.columns) if sequence else set()
+    scattered = set(sequence.starts) if sequence else set()
     nodes = {n.name: n for n in graph.nodes}
     if not (columns or rows or vocabs or scatters):
         return
@@ -46,7 +55,8 @@ def rewrite(graph: fx.Graph, columns: list[str], rows: list[str], vocabs: list[s
         x = op.x
         if x.name not in copies:
             with graph.inserting_after(x):
-                copies[x.name] = _like(graph.call_function(copy_to_group, (x, group)), n)
+                call = (gather_sequence, (x, SEQUENCE_DIM, group)) if name in gathered else (copy_to_group, (x, group))
+                copies[x.name] = _like(graph.call_function(*call), n)
         n.replace_input_with(x, copies[x.name])
     for name in rows:
         n = nodes[name]
@@ -59,11 +69,16 @@ def rewrite(graph: fx.Graph, columns: list[str], rows: list[str], vocabs: list[s
         elif op.kind == "conv":
             n.args = (n.args[0], n.args[1], None, *n.args[3:])
         with graph.inserting_after(n):
-            total = _like(graph.call_function(reduce_from_group, (n, group)), n)
+            call = (reduce_scatter_sequence, (n, SEQUENCE_DIM, group)) if name in scattered \
+                else (reduce_from_group, (n, group))
+            total = _like(graph.call_function(*call), n)
         out = total
         if op.bias is not None:
             bias = op.bias
-            with graph.inserting_after(total):
+            if name in scattered:   # it meets this rank's tokens only: its gradient is all-reduced
+                with graph.inserting_after(total):
+                    bias = _like(graph.call_function(copy_to_group, (op.bias, group)), n)
+            with graph.inserting_after(bias if bias is not op.bias else total):
                 if op.kind == "conv":
                     spatial = len(n.meta["val"].shape) - 2 if "val" in n.meta else 2
                     bias = _like(graph.call_function(torch.ops.aten.view.default, (op.bias, [-1] + [1] * spatial)), n)
@@ -87,6 +102,8 @@ def rewrite(graph: fx.Graph, columns: list[str], rows: list[str], vocabs: list[s
         n.target, n.args, n.kwargs = vocab_parallel_embedding, (op.x, op.weight, group), {}
         if pad is not None and pad >= 0:
             n.kwargs = {"padding_idx": pad}
+        if name in scattered:
+            n.kwargs = {**n.kwargs, "sequence_dim": SEQUENCE_DIM}
 
 
 def _like(new: fx.Node, model: fx.Node) -> fx.Node:

@@ -39,6 +39,7 @@ from planner.saved import SavedActivations
 from planner.sharding import ShardingPlan, find_sharding
 from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
+from planner.strategies.tensor import sequence_boundary_share, sequence_collectives, sequence_share
 from planner.graph.ties import tied_weights
 from runtime.vocab import DType, MeshAxis, Recompute, ShardRole, element_bytes
 
@@ -344,7 +345,7 @@ class Evaluator:
 
     def _boundary(self, layer: Layer, config: ParallelConfig) -> float:
         return layer.boundary_bytes * config.micro_batch_size / self.graph.batch_size * \
-            DType(config.dtype).bytes / 4
+            DType(config.dtype).bytes / 4 / sequence_boundary_share(self, layer, config)
 
     def node_cost(self, n: OpInfo, role: str, config: ParallelConfig) -> _NodeCost:
         """One node on one device for one micro-batch, with `role` ("replicate" or its split role)."""
@@ -353,12 +354,15 @@ class Evaluator:
         sharded = role != "replicate" and t > 1
         # a padded split (a vocabulary t does not divide) leaves each rank ceil(size / t) of it
         div = self.sharding.roles[n.name].divisor(t) if sharded else 1
+        # a replicated op between regions runs on T/t tokens under sequence parallelism (its weights whole)
+        seq = sequence_share(self, n.name, role, config)
+        work = div * seq
         scale = config.micro_batch_size / self.graph.batch_size
         ds = _dtype_scale(n, config.dtype)
         peak, bw = dev.peak(config.dtype), dev.memory_bandwidth
         act_in = sum(mm.nbytes for mm in n.input_meta)
         param_read = max(n.bytes_read - act_in, 0)
-        nbytes = ((act_in + n.bytes_written) * scale + param_read) * ds / div
+        nbytes = ((act_in + n.bytes_written) * scale / seq + param_read) * ds / div
         f_bytes, b_bytes = nbytes, 2 * nbytes
         if n.kind == "attention" and not self.fused_attention:
             # Unfused attention materializes the scores: Q@K^T writes them, softmax
@@ -368,15 +372,15 @@ class Evaluator:
             drop = 2.5 if (n.attr("dropout_p") or 0) > 0 else 0.0
             f_bytes += (4 + drop) * scores
             b_bytes += (6 + drop) * scores
-        measured = self._curve_times(n, scale / div, config.dtype, n.param_count / div)
+        measured = self._curve_times(n, scale / work, config.dtype, n.param_count / div)
         if measured is not None:
             f, b = measured[0], measured[1] if n.requires_grad else 0.0
-        elif (priced := self._kernel_times(n, role if sharded else "replicate", scale, div, config)) is not None:
+        elif (priced := self._kernel_times(n, role if sharded else "replicate", scale / seq, div, config)) is not None:
             f, b = priced[0], priced[1] if n.requires_grad else 0.0
         else:
             waves = self._wave_efficiency(n, role if sharded else "replicate", scale, t)
-            f = op_time(n.kind, n.fwd_flops * scale / div, f_bytes, peak, bw, self.eff, shape_efficiency=waves)
-            b = op_time(n.kind, n.bwd_flops * scale / div, b_bytes, peak, bw, self.eff,
+            f = op_time(n.kind, n.fwd_flops * scale / work, f_bytes, peak, bw, self.eff, shape_efficiency=waves)
+            b = op_time(n.kind, n.bwd_flops * scale / work, b_bytes, peak, bw, self.eff,
                         kernels=2 if n.param_count or param_read else 1,
                         shape_efficiency=waves, backward=True) if n.requires_grad else 0.0
         f, b = f * self.in_run[0], b * self.in_run[1]
@@ -384,10 +388,13 @@ class Evaluator:
         if sharded:
             shard = self.sharding.roles[n.name]
             mesh = config.mesh
-            if shard.fwd_allreduce:
-                tp_f = self.axis_seconds(mesh, MeshAxis.TENSOR, "all_reduce", shard.fwd_allreduce * scale * ds)
-            if shard.bwd_allreduce:
-                tp_b = self.axis_seconds(mesh, MeshAxis.TENSOR, "all_reduce", shard.bwd_allreduce * scale * ds)
+            if config.sequence_parallel:   # reduce-scatters and all-gathers along the sequence instead
+                tp_f, tp_b = sequence_collectives(self, n, role, config, scale * ds)
+            else:
+                if shard.fwd_allreduce:
+                    tp_f = self.axis_seconds(mesh, MeshAxis.TENSOR, "all_reduce", shard.fwd_allreduce * scale * ds)
+                if shard.bwd_allreduce:
+                    tp_b = self.axis_seconds(mesh, MeshAxis.TENSOR, "all_reduce", shard.bwd_allreduce * scale * ds)
             if shard.fwd_allreduce or shard.bwd_allreduce:
                 # What the runtime adds around the all-reduce (calibrated; 0 otherwise): a vocabulary-
                 # parallel embedding masks the ids it does not hold and zeroes their outputs; a layer's
@@ -395,6 +402,8 @@ class Evaluator:
                 elements = max(shard.fwd_allreduce, shard.bwd_allreduce) * scale / 4  # fp32 bytes
                 wf, wb = (self.tp_embedding if role == ShardRole.VOCAB else self.tp_wrapper).at(elements)
                 tp_f, tp_b = tp_f + wf, tp_b + wb
+        elif config.sequence_parallel and t > 1:   # a replicated op reading a sequence-split value whole
+            tp_f, tp_b = sequence_collectives(self, n, "replicate", config, scale * ds)
         params = _params_per_rank(n, role if sharded else "replicate", div) if n.param_count else 0.0
         saved = self.saved.node_bytes(n, config, fused_attention=self.fused_attention, divisor=div)
         # its output and that output's gradient; a weight read through get_attr is a parameter, counted

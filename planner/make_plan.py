@@ -33,7 +33,7 @@ def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int, sear
     stages = tuple(Stage(index=k, device_index=k % config.pipeline, layers=tuple(names[lo:hi]))
                    for k, (lo, hi) in enumerate(bounds))
     roles = ev.node_roles(config) if roles is None else roles
-    tensor_splits = (splits or SplitCache(ev.graph)).for_plan(roles, config.tensor)
+    tensor_splits = (splits or SplitCache(ev.graph)).for_plan(roles, config.tensor, config.sequence_parallel)
     return Plan(format_version=PLAN_FORMAT_VERSION, model_class=ev.graph.model_class,
                 graph_fingerprint=ev.graph.fingerprint, cluster=ev.cluster, config=config,
                 global_batch_size=global_batch_size, stages=stages, shardings=tuple(sorted(roles.items())),

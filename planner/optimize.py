@@ -36,7 +36,7 @@ from runtime.vocab import Recompute
 OBJECTIVES = ("time", "energy")
 FIXED_KNOBS = ("data", "tensor", "pipeline", "micro_batch_size", "schedule", "virtual_stages", "recompute",
                "zero", "dtype", "bidirectional", "replicas_per_direction", "subgraph", "spatial", "spatial_split",
-               "spatial_until", "spatial_batchnorm")
+               "spatial_until", "spatial_batchnorm", "sequence_parallel")
 LIMITS = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s", "allow_cross_node_tensor",
           "max_micro_batch_size")
 RECOMPUTE_ORDER = tuple(Recompute)   # least recomputation first: none, selective, full
@@ -149,7 +149,7 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
             except ConfigError:
                 search.infeasible += 1
                 continue
-            why = splits.refusal(ev.node_roles(cfg), cfg.tensor) if cfg.tensor > 1 else None
+            why = splits.refusal(ev.node_roles(cfg), cfg.tensor, cfg.sequence_parallel) if cfg.tensor > 1 else None
             if why is not None:   # a plan must lower: roles the split analysis refuses are skipped
                 search.infeasible += 1
                 search.refused.append((cfg, why))

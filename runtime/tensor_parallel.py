@@ -26,7 +26,16 @@ Collectives (Megatron-LM's pattern):
   vocab embed: each rank looks up its rows (others masked to 0), forward all-reduce
   vocab loss:  max, sum-exp and target-logit all-reduces; the logits are never gathered
 
-A module built with `group=None` performs no communication (shape checks on meta).
+Under sequence parallelism (Korthikanti et al. 2022, section 4.2.2; planner/tensor_split/sequence.py
+decides where) the values between regions hold this rank's block of the sequence (dimension
+`sequence_dim`): a column op all-gathers its input along it (backward: reduce-scatter of the
+input gradient), a row op and a vocabulary embedding reduce-scatter their output along it
+(backward: all-gather), a replicated op that needs the whole sequence gathers it (backward: each
+rank keeps its block of the gradient), and a norm's parameters, which see only this rank's
+tokens, get their gradient all-reduced (`sequence_grads`).
+
+A module built with `group=None` performs no communication; a shape-only run on meta tensors gives it a
+`ShapeGroup`, whose collectives only make outputs of the local shape.
 """
 
 from __future__ import annotations
@@ -42,7 +51,8 @@ from torch import nn
 from runtime.comm import Group
 from runtime.vocab import ShardRole
 
-SHARD_ROLES = (ShardRole.COLUMN, ShardRole.COLUMN_OUT, ShardRole.ROW, ShardRole.VOCAB, ShardRole.CHANNELS)
+SHARD_ROLES = (ShardRole.COLUMN, ShardRole.COLUMN_OUT, ShardRole.ROW, ShardRole.VOCAB, ShardRole.CHANNELS,
+               ShardRole.SEQUENCE)
 
 
 class ShardError(ValueError):
@@ -152,6 +162,7 @@ class ModuleShard:
     path: str
     role: str
     split: FeatureSplit
+    sequence_dim: int | None = None   # sequence parallelism: the dimension a column gathers / a row scatters
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", str(self.role))   # a ShardRole member: its plain name, as in the JSON
@@ -160,11 +171,15 @@ class ModuleShard:
 
     def to_dict(self) -> dict:
         # str(): a ShardRole role is written as its plain name (a rank script holds it as a literal)
-        return {"path": self.path, "role": str(self.role), "split": self.split.to_list()}
+        d = {"path": self.path, "role": str(self.role), "split": self.split.to_list()}
+        if self.sequence_dim is not None:
+            d["sequence_dim"] = self.sequence_dim
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModuleShard":
-        return cls(d["path"], d["role"], FeatureSplit.from_list(d["split"]))
+        dim = d.get("sequence_dim")
+        return cls(d["path"], d["role"], FeatureSplit.from_list(d["split"]), None if dim is None else int(dim))
 
 
 class ShapeGroup:
@@ -174,6 +189,12 @@ class ShapeGroup:
         self.size, self.rank = int(size), 0
 
     def all_reduce(self, tensor, op: str = "sum", async_op: bool = False):
+        return None
+
+    def all_gather(self, output, tensor, async_op: bool = False):
+        return None
+
+    def reduce_scatter(self, output, tensor, async_op: bool = False):
         return None
 
 
@@ -224,6 +245,80 @@ def reduce_from_group(x: torch.Tensor, group: Group | None) -> torch.Tensor:
     return _ReduceFromGroup.apply(x, group)
 
 
+def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Every rank's block of `x` along `dim`, concatenated in rank order."""
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((group.size * front.shape[0], *front.shape[1:]))
+    group.all_gather(out.view(-1), front.view(-1))
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """This rank's block along `dim` of the sum over ranks of `x`."""
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // group.size, *front.shape[1:]))
+    group.reduce_scatter(out.view(-1), front.view(-1))
+    return out.movedim(0, dim)
+
+
+def _block(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """This rank's block of `x` along `dim` (a copy)."""
+    n = x.shape[dim] // group.size
+    return x.narrow(dim, group.rank * n, n).contiguous()
+
+
+class _SequenceCollective(torch.autograd.Function):
+    """`forward(x, dim, group)` in forward, `backward(grad, dim, group)` in backward: the pairs below."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, forward, backward):
+        ctx.dim, ctx.group, ctx.backward = dim, group, backward
+        return forward(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.backward(grad, ctx.dim, ctx.group), None, None, None, None
+
+
+def _sequence(x: torch.Tensor, dim: int, group: Group | None, forward, backward) -> torch.Tensor:
+    if group is None or group.size == 1:
+        return x
+    return _SequenceCollective.apply(x, dim, group, forward, backward)
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
+    """The whole sequence of a sequence-split `x` for a column-parallel op: all-gather along `dim`;
+    backward reduce-scatters the gradient (every rank's column op gives a partial one)."""
+    return _sequence(x, dim, group, _gather, _reduce_scatter)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
+    """This rank's block along `dim` of the sum of every rank's partial `x` (a row op's output);
+    backward all-gathers the gradient."""
+    return _sequence(x, dim, group, _reduce_scatter, _gather)
+
+
+def gather_whole(x: torch.Tensor, dim: int, group: Group | None) -> torch.Tensor:
+    """The whole sequence of a sequence-split `x` for an op every rank runs alike: all-gather along
+    `dim`; every rank computes the same gradient of the whole, so backward keeps its block of it."""
+    return _sequence(x, dim, group, _gather, _block)
+
+
+def sequence_grads(module: nn.Module, group: Group | None) -> None:
+    """All-reduce over `group` the gradient of each of `module`'s parameters as it arrives: a norm
+    that runs on this rank's tokens computes its parameters' gradient over those tokens only."""
+    if group is None or group.size == 1:
+        return
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        g = g.contiguous().clone()
+        group.all_reduce(g)
+        return g
+    for p in module.parameters():
+        if p.requires_grad:
+            p.register_hook(hook)
+
+
 def scatter_to_group(x: torch.Tensor, dim: int, factors: tuple[int, ...], split: int,
                      group: Group | None) -> torch.Tensor:
     """This rank's part of a replicated tensor along `dim`, split as FeatureSplit(factors, split):
@@ -243,11 +338,32 @@ def scatter_to_group(x: torch.Tensor, dim: int, factors: tuple[int, ...], split:
 
 
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, group: Group | None,
-                             padding_idx: int | None = None) -> torch.Tensor:
+                             padding_idx: int | None = None, sequence_dim: int | None = None) -> torch.Tensor:
     """embedding(weight, ids, padding_idx) for a table split by rows over `group`: this rank
-    holds rows [rank * n, (rank + 1) * n) of it (n = weight.shape[0], padding included)."""
+    holds rows [rank * n, (rank + 1) * n) of it (n = weight.shape[0], padding included).
+    sequence_dim: reduce-scatter the output along it (sequence parallelism) instead of all-reducing."""
     rank = group.rank if group is not None else 0
-    return _vocab_lookup(ids, weight, rank * weight.shape[0], group, padding_idx)
+    return _vocab_lookup(ids, weight, rank * weight.shape[0], group, padding_idx, sequence_dim)
+
+
+def _combine(partial: torch.Tensor, group: Group | None, sequence_dim: int | None) -> torch.Tensor:
+    """The sum over `group` of every rank's partial output: whole, or this rank's block of the sequence."""
+    if sequence_dim is None:
+        return reduce_from_group(partial, group)
+    return reduce_scatter_sequence(partial, sequence_dim, group)
+
+
+def row_bias(bias: torch.Tensor, group: Group | None, sequence_dim: int | None) -> torch.Tensor:
+    """A row op's bias, added once to the reduced output: under sequence parallelism it meets only this
+    rank's tokens, so its gradient is all-reduced."""
+    return bias if sequence_dim is None else copy_to_group(bias, group)
+
+
+def _column_input(x: torch.Tensor, group: Group | None, sequence_dim: int | None) -> torch.Tensor:
+    """A column op's input: whole on every rank (gradient all-reduced), or gathered along the sequence."""
+    if sequence_dim is None:
+        return copy_to_group(x, group)
+    return gather_sequence(x, sequence_dim, group)
 
 
 # ---------------------------------------------------------------------------
@@ -257,18 +373,20 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, group: Gro
 class _ShardedLinear(nn.Module):
     """A linear layer holding this rank's shard of the weight (and bias) plus its tensor group."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Group | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Group | None,
+                 sequence_dim: int | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.group = group
+        self.sequence_dim = sequence_dim
 
 
 class ColumnParallelLinear(_ShardedLinear):
     """y_local = x W_local^T + b_local: this rank's output features (B, ..., out/t)."""
 
     def forward(self, x):
-        return F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+        return F.linear(_column_input(x, self.group, self.sequence_dim), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.weight.shape[1]}, local_out_features={self.weight.shape[0]}"
@@ -278,8 +396,8 @@ class RowParallelLinear(_ShardedLinear):
     """y = all_reduce(x_local W_local^T) + b: input features split, full output."""
 
     def forward(self, x):
-        y = reduce_from_group(F.linear(x, self.weight), self.group)
-        return y + self.bias if self.bias is not None else y
+        y = _combine(F.linear(x, self.weight), self.group, self.sequence_dim)
+        return y + row_bias(self.bias, self.group, self.sequence_dim) if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return f"local_in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
@@ -317,7 +435,7 @@ class RowParallelConv(_ParallelConv):
 
 
 def _vocab_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int, group: Group | None,
-                  padding_idx: int | None = None) -> torch.Tensor:
+                  padding_idx: int | None = None, sequence_dim: int | None = None) -> torch.Tensor:
     n = weight.shape[0]
     outside = (ids < start) | (ids >= start + n)
     local = (ids - start).masked_fill(outside, 0)
@@ -326,20 +444,21 @@ def _vocab_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int, group: Gr
     pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + n else None
     out = F.embedding(local, weight, padding_idx=pad)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-    return reduce_from_group(out, group)
+    return _combine(out, group, sequence_dim)
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + n) of the table; ids outside give zeros; outputs all-reduced."""
 
-    def __init__(self, weight: torch.Tensor, start: int, group: Group | None):
+    def __init__(self, weight: torch.Tensor, start: int, group: Group | None, sequence_dim: int | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.start = int(start)
         self.group = group
+        self.sequence_dim = sequence_dim
 
     def forward(self, ids):
-        return _vocab_lookup(ids, self.weight, self.start, self.group)
+        return _vocab_lookup(ids, self.weight, self.start, self.group, sequence_dim=self.sequence_dim)
 
     def extra_repr(self) -> str:
         return f"rows={self.start}..{self.start + self.weight.shape[0]}, dim={self.weight.shape[1]}"
@@ -387,12 +506,12 @@ def shard_module(module: nn.Module, shard: ModuleShard, rank: int, num: int, gro
         if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT):
             if split.size != module.out_features:
                 raise ShardError(f"{path}: split of size {split.size} does not match out_features {module.out_features}")
-            return finish(ColumnParallelLinear(take(module.weight, 0), take(module.bias, 0), group))
+            return finish(ColumnParallelLinear(take(module.weight, 0), take(module.bias, 0), group, shard.sequence_dim))
         if role == ShardRole.ROW:
             if split.size != module.in_features:
                 raise ShardError(f"{path}: split of size {split.size} does not match in_features {module.in_features}")
             b = module.bias.detach().clone() if module.bias is not None else None
-            return finish(RowParallelLinear(take(module.weight, 1), b, group))
+            return finish(RowParallelLinear(take(module.weight, 1), b, group, shard.sequence_dim))
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
             raise ShardError(f"{path}: only convolutions with groups=1, zero padding and numeric padding "
@@ -409,9 +528,11 @@ def shard_module(module: nn.Module, shard: ModuleShard, rank: int, num: int, gro
         start = split.contiguous_start(rank, num)
         if start is None:
             raise ShardError(f"{path}: vocabulary rows must be split in contiguous blocks")
-        return finish(VocabParallelEmbedding(take(module.weight, 0), start, group))
+        return finish(VocabParallelEmbedding(take(module.weight, 0), start, group, shard.sequence_dim))
     if role == ShardRole.CHANNELS:
         return finish(shard_channels(module, split, rank, num, path))
+    if role == ShardRole.SEQUENCE:   # whole; runs on this rank's tokens (its gradients: runtime/parallel/tensor.py)
+        return module
     raise ShardError(f"{path}: cannot split a {type(module).__name__} as {role!r}; tensor parallelism splits "
                      "nn.Linear, nn.Conv1d/2d/3d, nn.Embedding and per-channel norms (BatchNorm)")
 

@@ -57,7 +57,9 @@ class ShardRole(StrEnum):
     COLUMN: output features split; COLUMN_OUT: the last projection, logits left split on the
     vocabulary (vocabulary-parallel loss); ROW: input features split, output all-reduced;
     INNER: an op between column and row that keeps the split; VOCAB: an embedding table split by
-    rows; CHANNELS: a per-channel norm between column and row keeps its channels.
+    rows; CHANNELS: a per-channel norm between column and row keeps its channels; SEQUENCE: a module
+    kept whole that runs on this rank's block of the sequence (sequence parallelism), whose
+    parameters' gradients are all-reduced over the tensor axis.
     """
 
     COLUMN = "column"
@@ -66,6 +68,7 @@ class ShardRole(StrEnum):
     INNER = "inner"
     VOCAB = "vocab"
     CHANNELS = "channels"
+    SEQUENCE = "sequence"
 
     @property
     def splits_output(self) -> bool:

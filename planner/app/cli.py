@@ -203,6 +203,8 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--batch", type=BATCH, help="global batch size (samples per optimizer step)")
     for name in ("data", "tensor", "pipeline"):
         p.add_argument(f"--{name}", type=DEGREE, default=1, help=f"{name} degree (default 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism inside the tensor axis (needs --tensor >= 2)")
     p.add_argument("--micro-batch", type=BATCH, default=1, help="samples per micro-batch per data rank")
     p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=list(map(str, Schedule)))
     p.add_argument("--virtual-stages", type=DEGREE, default=1, help="chunks per device (interleaved)")

@@ -50,6 +50,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
         if args.batch is None:
             raise ValueError("give --plan PLAN.json, or the configuration with at least --batch (global batch size)")
         cfg = planner.ParallelConfig(data=args.data, tensor=args.tensor, pipeline=args.pipeline,
+                                     sequence_parallel=args.sequence_parallel,
                                      micro_batch_size=args.micro_batch, schedule=args.schedule,
                                      virtual_stages=args.virtual_stages, recompute=args.recompute, zero=args.zero,
                                      dtype=args.dtype, bidirectional=args.bidirectional,

@@ -110,9 +110,6 @@ RULES: tuple[Rule, ...] = (
     Rule(StrategyName.CONTEXT, Level.RUNTIME, _context,
          (Conflict(lambda c: "context parallelism", lambda c: True),),
          lambda c, _: f"the runtime does not run context parallelism (context={c.context}) yet; use context=1"),
-    Rule(StrategyName.TENSOR, Level.RUNTIME, lambda c: c.sequence_parallel,
-         (Conflict(lambda c: "sequence parallelism", lambda c: True),),
-         lambda c, _: "the runtime does not run sequence parallelism yet; use sequence_parallel=False"),
     # runtime/subgraph.py keeps each path's parameters whole on its sub-grid.
     Rule(StrategyName.SUBGRAPH, Level.RUNTIME, _subgraph,
          (Conflict(lambda c: f"ZeRO stage {c.zero}", lambda c: c.zero != 0),),

@@ -28,6 +28,7 @@ which the batch size does not change.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ import torch.fx as fx
 from planner.config import ConfigError
 from planner.graph.ops import module_path_of, target_name
 from planner.tensor_split.rules import Split, TensorSplitError, _feature_split, _search, _State
+from planner.tensor_split.sequence import SEQUENCE_DIM, SequenceSplit, sequence_stream
 from planner.tensor_split.splits import TensorSplits
 from planner.tensor_split.weight_op import weight_op
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard
@@ -83,14 +85,31 @@ def graph_values(graph) -> dict[str, Any]:
     return full
 
 
-def tensor_splits(graph, roles: dict[str, str], tensor: int) -> TensorSplits | None:
+def tensor_splits(graph, roles: dict[str, str], tensor: int, sequence: bool = False) -> TensorSplits | None:
     """The split of a captured graph (planner.graph.ModelGraph) under `roles` on `tensor` ranks,
     or None when nothing is split (tensor 1 or no role other than replicate) or the graph has no
     fx module to decide on (loaded from JSON; the code generator needs the captured model anyway).
-    Raises TensorSplitError naming the node when the roles cannot be carried out."""
+    sequence: with sequence parallelism (the values between regions split along the sequence).
+    Raises TensorSplitError naming the node when the roles cannot be carried out, and
+    SequenceSplitError (a ConfigError) when the sequence cannot be split."""
     if tensor == 1 or graph.module is None or not any(r != "replicate" for r in roles.values()):
         return None
-    return decide(graph.module, roles, tensor, graph_values(graph))
+    splits = decide(graph.module, roles, tensor, graph_values(graph))
+    return with_sequence(splits, graph, sequence_stream(graph, roles, tensor)) if sequence else splits
+
+
+def with_sequence(splits: TensorSplits, graph, seq: SequenceSplit) -> TensorSplits:
+    """`splits` with the sequence split `seq`: the split modules that begin or read the split stream
+    reduce-scatter or gather along the sequence, and the modules run on split tokens are named so
+    that their parameters' gradients are all-reduced (runtime.tensor_parallel)."""
+    by_name = {n.name: n for n in graph.nodes}
+    along = {by_name[x].module_path for x in seq.starts + seq.columns if by_name[x].op == "call_module"}
+    modules = tuple(dataclasses.replace(sh, sequence_dim=SEQUENCE_DIM) if sh.path in along else sh
+                    for sh in splits.modules)
+    owners = {by_name[x].module_path for x in seq.nodes if by_name[x].op == "call_module"}
+    whole = FeatureSplit((seq.length,), 0)
+    modules += tuple(ModuleShard(p, ShardRole.SEQUENCE, whole) for p in seq.params if p in owners)
+    return dataclasses.replace(splits, modules=modules, sequence=seq)
 
 
 def unsplittable(graph, roles: dict[str, str], tensor: int) -> TensorSplitError | None:
@@ -111,12 +130,12 @@ class SplitCache:
         self.graph = graph
         self._known: dict[tuple, TensorSplits | TensorSplitError | None] = {}
 
-    def get(self, roles: dict[str, str], tensor: int) -> TensorSplits | None:
+    def get(self, roles: dict[str, str], tensor: int, sequence: bool = False) -> TensorSplits | None:
         """As `tensor_splits`; raises the remembered TensorSplitError for roles that failed."""
-        key = (frozenset(roles.items()), tensor)
+        key = (frozenset(roles.items()), tensor, sequence)
         if key not in self._known:
             try:
-                self._known[key] = tensor_splits(self.graph, roles, tensor)
+                self._known[key] = tensor_splits(self.graph, roles, tensor, sequence)
             except TensorSplitError as e:
                 self._known[key] = e
         hit = self._known[key]
@@ -124,18 +143,18 @@ class SplitCache:
             raise hit
         return hit
 
-    def refusal(self, roles: dict[str, str], tensor: int) -> str | None:
+    def refusal(self, roles: dict[str, str], tensor: int, sequence: bool = False) -> str | None:
         """Why a configuration with these roles on `tensor` ranks cannot be lowered, or None."""
         try:
-            self.get(roles, tensor)
+            self.get(roles, tensor, sequence)
         except TensorSplitError as e:
             return str(e)
         return None
 
-    def for_plan(self, roles: dict[str, str], tensor: int) -> TensorSplits | None:
+    def for_plan(self, roles: dict[str, str], tensor: int, sequence: bool = False) -> TensorSplits | None:
         """As `get`, for a plan about to be returned: ConfigError naming the node on failure."""
         try:
-            return self.get(roles, tensor)
+            return self.get(roles, tensor, sequence)
         except TensorSplitError as e:
             raise ConfigError(f"{e}; the tensor-parallel roles cannot be carried out on {tensor} ranks: "
                               "choose another tensor degree") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.tensor_split.sequence import SequenceSplit
 from runtime.documents import Fields
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, ShardError
 from runtime.vocab import ShardRole
@@ -28,6 +29,8 @@ class TensorSplits:
     scatters: (reading node, replicated input, its dimension, split): a replicated tensor that
         meets a split one (a per-head bias or mask) is cut to each rank's part where it is read.
     output: the split of the model output's last dimension (vocabulary-parallel logits), or None.
+    sequence: where the values between regions are split along the sequence (sequence
+        parallelism, planner/tensor_split/sequence.py), or None.
     """
 
     tensor: int
@@ -37,17 +40,22 @@ class TensorSplits:
     weight_ops: tuple[tuple[str, ShardRole], ...] = ()
     scatters: tuple[tuple[str, str, int, FeatureSplit], ...] = ()
     output: FeatureSplit | None = None
+    sequence: SequenceSplit | None = None
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "tensor": self.tensor,
             "values": {node: [dim, *fs.to_list()] for node, dim, fs in self.values},
-            "modules": {sh.path: [str(sh.role), *sh.split.to_list()] for sh in self.modules},
+            "modules": {sh.path: [str(sh.role), *sh.split.to_list()]
+                        + ([] if sh.sequence_dim is None else [sh.sequence_dim]) for sh in self.modules},
             "params": {ps.name: [ps.dim, *ps.split.to_list()] for ps in self.params},
             "weight_ops": {node: str(role) for node, role in self.weight_ops},
             "scatters": [[node, x, dim, *fs.to_list()] for node, x, dim, fs in self.scatters],
             "output": None if self.output is None else self.output.to_list(),
         }
+        if self.sequence is not None:   # absent without sequence parallelism (plans written before it read alike)
+            d["sequence"] = self.sequence.to_dict()
+        return d
 
     @classmethod
     def read(cls, f: Fields) -> "TensorSplits":
@@ -55,10 +63,12 @@ class TensorSplits:
         values = tuple((node, dim, fs) for node, (dim, fs) in _dim_splits(f, "values").items())
         modules = []
         for path, entry in f.sub("modules").data.items():
-            if not isinstance(entry, list) or len(entry) != 3 or entry[0] not in tuple(ShardRole):
-                raise f.error(f"modules.{path}", f"must be [role, factors, split] with a role of "
-                              f"{', '.join(ShardRole)}")
-            modules.append(ModuleShard(path, ShardRole(entry[0]), _split(f, f"modules.{path}", entry[1:])))
+            if not isinstance(entry, list) or len(entry) not in (3, 4) or entry[0] not in tuple(ShardRole) \
+                    or (len(entry) == 4 and not _is_index(entry[3])):
+                raise f.error(f"modules.{path}", f"must be [role, factors, split] or [role, factors, split, "
+                              f"sequence dimension] with a role of {', '.join(ShardRole)}")
+            modules.append(ModuleShard(path, ShardRole(entry[0]), _split(f, f"modules.{path}", entry[1:3]),
+                                       entry[3] if len(entry) == 4 else None))
         params = tuple(ParamShard(name, dim, fs) for name, (dim, fs) in _dim_splits(f, "params").items())
         weight_ops = []
         for node, role in f.sub("weight_ops").data.items():
@@ -72,9 +82,10 @@ class TensorSplits:
                 raise f.error(f"scatters[{k}]", "must be [node, input, dimension, factors, split]")
             scatters.append((entry[0], entry[1], entry[2], _split(f, f"scatters[{k}]", entry[3:])))
         output = f.raw("output")
+        sequence = SequenceSplit.read(f.sub("sequence")) if "sequence" in f.data else None
         return cls(tensor=f.integer("tensor", minimum=2), values=values, modules=tuple(modules), params=params,
                    weight_ops=tuple(weight_ops), scatters=tuple(scatters),
-                   output=None if output is None else _split(f, "output", output))
+                   output=None if output is None else _split(f, "output", output), sequence=sequence)
 
 
 def _is_index(x) -> bool:

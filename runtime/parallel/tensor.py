@@ -1,5 +1,7 @@
 """Tensor parallelism at run time: the stage modules' tensor-parallel layers get the tensor group,
-and the loss of vocabulary-parallel logits knows which classes this rank holds.
+the modules that run on this rank's block of the sequence (sequence parallelism) get their
+parameters' gradients all-reduced over it, and the loss of vocabulary-parallel logits knows which
+classes this rank holds.
 
 The layers themselves are sharded when the stage modules are built (runtime.materialize with
 runtime.tensor_parallel, from the StageSpec's shards); their group exists only once the ranks
@@ -14,7 +16,8 @@ from runtime.materialize import set_tensor_group
 from runtime.parallel.base import ClassSplit, Modules, RuntimeStrategy, Specs
 from runtime.program import Program
 from runtime.spec import StageSpec
-from runtime.vocab import MeshAxis, StrategyName
+from runtime.tensor_parallel import sequence_grads
+from runtime.vocab import MeshAxis, ShardRole, StrategyName
 
 
 def _tensor_group(ctx: DistContext) -> Group | None:
@@ -28,8 +31,11 @@ class Tensor(RuntimeStrategy):
 
     def attach(self, ctx: DistContext, program: Program, specs: Specs, modules: Modules) -> None:
         group = _tensor_group(ctx)
-        for module in modules.values():
+        for k, module in modules.items():
             set_tensor_group(module, group)
+            for sh in specs[k].shards:
+                if sh.role == ShardRole.SEQUENCE:
+                    sequence_grads(module.get_submodule(sh.path), group)
 
     def class_split(self, ctx: DistContext, spec: StageSpec) -> ClassSplit | None:
         """The last stage's vocabulary-parallel logits: this rank holds a slice of the classes

@@ -1,12 +1,14 @@
 """runtime.tensor_parallel: feature splits, sharded modules, and their collectives (2 thread ranks, gloo)."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.tensor_parallel import (FeatureSplit, ModuleShard, ShardError, shard_module,
-                                     vocab_parallel_cross_entropy)
+from runtime.tensor_parallel import (FeatureSplit, ModuleShard, ShardError, gather_whole, sequence_grads,
+                                     shard_module, vocab_parallel_cross_entropy)
 from tests.tp_threads import run_ranks
 
 
@@ -76,3 +78,53 @@ def test_column_row_vocab_and_loss_match_the_full_layers_forward_and_backward():
         torch.testing.assert_close(grads["fc2.bias"], ref["fc2"].bias.grad)
         torch.testing.assert_close(grads["emb"], ref["emb"].weight.grad[6 * r:6 * r + 6])
         torch.testing.assert_close(grads["head"], ref["head"].weight.grad[6 * r:6 * r + 6])
+
+
+def test_sequence_parallel_layers_match_the_full_layers_forward_and_backward():
+    # emb -> LayerNorm -> fc1 (column) -> gelu -> fc2 (row) + residual -> head (column_out), with the
+    # stream between fc2 and the next column split along the sequence (6 tokens, 3 per rank); a second
+    # head reads the whole sequence (gather_whole) through a replicated linear
+    torch.manual_seed(0)
+    emb, ln, fc1, fc2 = nn.Embedding(12, 8), nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+    head, side = nn.Linear(8, 12, bias=False), nn.Linear(8, 1)
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5)
+        ln.bias.uniform_(-0.5, 0.5)
+    ids = torch.randint(0, 12, (3, 6))
+    target = torch.randint(0, 12, (3, 6))
+
+    def full():
+        x = ln(emb(ids))
+        y = fc2(F.gelu(fc1(x))) + x
+        return F.cross_entropy(head(y).reshape(-1, 12), target.reshape(-1)) + side(y).pow(2).mean()
+
+    loss = full()
+    loss.backward()
+
+    def rank(r, group):
+        e = shard_module(emb, ModuleShard("emb", "vocab", FeatureSplit((12,), 0), 1), r, 2, group)
+        a = shard_module(fc1, ModuleShard("fc1", "column", FeatureSplit((16,), 0), 1), r, 2, group)
+        b = shard_module(fc2, ModuleShard("fc2", "row", FeatureSplit((16,), 0), 1), r, 2, group)
+        h = shard_module(head, ModuleShard("head", "column_out", FeatureSplit((12,), 0), 1), r, 2, group)
+        n = copy.deepcopy(ln)
+        s = copy.deepcopy(side)
+        sequence_grads(n, group)
+        x = n(e(ids))                                # (3, 3, 8): this rank's 3 tokens
+        assert x.shape == (3, 3, 8)
+        y = b(F.gelu(a(x))) + x
+        logits = h(y)                                # (3, 6, 6): every token, this rank's classes
+        lo = vocab_parallel_cross_entropy(logits, target, 6 * r, group).mean()
+        lo = lo + s(gather_whole(y, 1, group)).pow(2).mean()
+        lo.backward()
+        return float(lo.detach()), {"fc1": a.weight.grad, "fc2": b.weight.grad, "fc2.bias": b.bias.grad,
+                                    "ln.weight": n.weight.grad, "ln.bias": n.bias.grad, "side": s.weight.grad}
+
+    for r, (lo, grads) in enumerate(run_ranks(2, rank)):
+        assert lo == pytest.approx(float(loss.detach()), rel=1e-6)
+        half = slice(8 * r, 8 * r + 8)
+        torch.testing.assert_close(grads["fc1"], fc1.weight.grad[half])
+        torch.testing.assert_close(grads["fc2"], fc2.weight.grad[:, half])
+        torch.testing.assert_close(grads["fc2.bias"], fc2.bias.grad)
+        torch.testing.assert_close(grads["ln.weight"], ln.weight.grad)
+        torch.testing.assert_close(grads["ln.bias"], ln.bias.grad)
+        torch.testing.assert_close(grads["side"], side.weight.grad)
