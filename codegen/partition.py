@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -41,6 +41,9 @@ from runtime.recompute import Recompute
 from runtime.spatial_geometry import SpatialSpec
 from runtime.spec import Boundary, StageSpec
 from runtime.tensor_parallel import shard_module
+
+
+GraphRewrite = Callable[[fx.GraphModule, dict[str, Any]], tuple[fx.Graph, dict[str, Any]]]
 
 
 class PartitionError(ValueError):
@@ -91,11 +94,14 @@ def _ident(name: str) -> str:
     return s if s and not s[0].isdigit() else f"_{s}"
 
 
-def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = None) -> Partition:
+def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = None,
+              rewrite: GraphRewrite | None = None) -> Partition:
     """Per-stage modules for `plan` (see module docstring).
 
     spatial: the images' tiles (codegen/spatial.py): the layers up to the one holding node
-    `spatial.until` run on them, in the stage that holds that node.
+    `spatial.until` run on them, in the stage that holds that node. rewrite(gm, inputs): a
+    strategy's rewrite of the captured graph before the tensor-parallel split, and the meta
+    stand-ins of the runtime attributes it reads (context parallelism: codegen/context.py).
 
     Raises PartitionError / TensorSplitError / SpatialError (ValueErrors) naming what cannot be cut or split.
     """
@@ -116,7 +122,9 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
     if splits is not None and splits.tensor != t:
         raise PartitionError(f"the plan's tensor-parallel split is for tensor {splits.tensor}, its config has "
                              f"tensor {t}; make the plan again")
-    res = apply_splits(gm, splits, example_inputs(graph, mb))
+    inputs = example_inputs(graph, mb)
+    rewritten, attrs = rewrite(gm, inputs) if rewrite is not None else (None, None)
+    res = apply_splits(gm, splits, inputs, graph=rewritten, attrs=attrs)
     g = res.graph
     nodes = [n for n in g.nodes]
     pos = {n.name: i for i, n in enumerate(nodes)}

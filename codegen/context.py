@@ -1,0 +1,214 @@
+"""Context parallelism on the fx graph: every layer runs on this rank's chunks of each sequence.
+
+A plan with context degree c cuts every sequence of T tokens into 2c chunks in the causal
+load-balanced order (runtime/context_attention.py: rank k of the context group holds chunks k
+and 2c-1-k). The captured graph is rewritten once, before the tensor-parallel split, so that the
+stage code calls the stage's `context` attribute (runtime/parallel/context.py sets it) by name:
+
+    take = context.take(idx, 1)                        a sequence input -> this rank's tokens (B, T/c)
+    arange = context.positions(0, device=...)          torch.arange(T) -> their positions (T/c,)
+    scaled_dot_product_attention = context.attention(q, k, v, causal=True, mode='ring')
+                                                       attention over the whole sequence
+
+Every other op works token by token, so it runs unchanged on T/c tokens; the view/reshape
+constants that still hold T become T/c (codegen/shape_rewrite.py, with the sequence as the split
+dimension of every value that carries it). Attention that reads a mask tensor is refused: a
+(T, T) mask an HF model builds from the sequence length cannot be split with the sequence; the
+attention must be causal through its is_causal flag.
+
+The sequence is the dimension right after the batch dimension of the graph's inputs that have
+one; every input that has it must agree on T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from codegen.shape_rewrite import _rewrite, run_meta
+from codegen.strategies.base import LoweringError
+from planner.graph.model import ModelGraph
+from planner.graph.ops import module_path_of, op_base
+from planner.tensor_split.rules import TensorSplitError
+from runtime.materialize import CONTEXT
+from runtime.tensor_parallel import FeatureSplit
+
+# scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+@dataclass(frozen=True)
+class ContextSpec:
+    """What the rewrite needs: `degree` c ranks per sequence of `seq_len` tokens on dimension `dim`
+    of the inputs (and targets) that carry it; `mode` the attention's exchange
+    (runtime.vocab.ContextAttention's value: "ring" or "ulysses")."""
+
+    degree: int
+    seq_len: int
+    dim: int
+    mode: str
+
+    @property
+    def local_len(self) -> int:
+        """Tokens per rank (two chunks of seq_len / 2c)."""
+        return self.seq_len // self.degree
+
+
+class MetaContext:
+    """The stage's `context` attribute in the build's meta runs: this rank's shapes, no data."""
+
+    def __init__(self, spec: ContextSpec):
+        self.spec = spec
+
+    def take(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x.narrow(dim, 0, self.spec.local_len)
+
+    def positions(self, start: int = 0, *, device=None) -> torch.Tensor:
+        return torch.arange(self.spec.local_len, device="meta") + start
+
+    def attention(self, q, k, v, *, causal: bool, mode: str, scale=None, dropout_p: float = 0.0) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def context_spec(graph: ModelGraph, degree: int, mode: str) -> ContextSpec:
+    """The sequence of `graph`'s inputs and the rewrite's settings; LoweringError when no input has a
+    sequence, when the inputs disagree on its length, or when it does not cut into 2 x degree chunks."""
+    dim = graph.batch_dim + 1
+    lengths = {n.name: n.output_meta[0].shape[dim] for n in graph.nodes
+               if n.op == "placeholder" and n.output_meta and len(n.output_meta[0].shape) > dim}
+    if not lengths:
+        raise LoweringError(f"context parallelism splits the sequence (dimension {dim} of the inputs), but no input "
+                            "of the model has one; use context=1")
+    if len(set(lengths.values())) > 1:
+        raise LoweringError(f"context parallelism splits the sequence (dimension {dim} of the inputs), but the inputs "
+                            f"disagree on its length: {lengths}; use context=1")
+    seq_len = next(iter(lengths.values()))
+    if seq_len % (2 * degree):
+        raise LoweringError(f"context={degree} cuts every sequence into 2 x {degree} = {2 * degree} chunks (the causal "
+                            f"load-balanced layout), but the sequence has {seq_len} tokens, which {2 * degree} does "
+                            f"not divide; use a sequence length that is a multiple of {2 * degree} or another "
+                            "context degree")
+    return ContextSpec(degree, seq_len, dim, str(mode))
+
+
+def context_graph(gm: fx.GraphModule, graph: ModelGraph, spec: ContextSpec,
+                  inputs: dict[str, Any]) -> tuple[fx.Graph, dict[str, Any]]:
+    """(a copy of gm's graph rewritten for context parallelism, the meta stand-ins of the runtime
+    attributes it reads) for codegen.tensor_split.apply_splits; `inputs`: placeholder name -> meta
+    tensor of one micro-batch. LoweringError naming the node that cannot be rewritten."""
+    full = run_meta(gm, gm.graph, inputs, {})
+    kinds = {n.name: n.kind for n in graph.nodes}
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    with g.inserting_after(placeholders[-1]):
+        context = g.get_attr(CONTEXT)
+    seq_inputs = [n for n in placeholders if _has_sequence(full[n.name], spec)]
+    for n in reversed(seq_inputs):
+        with g.inserting_after(context):
+            take = g.call_method("take", (context, n, spec.dim))
+        n.replace_all_uses_with(take, delete_user_cb=lambda user, take=take: user is not take)
+    for n in list(g.nodes):
+        if kinds.get(n.name) == "attention":
+            _attention(n, context, spec)
+        elif n.op == "call_function" and op_base(n.target) == "arange" and _has_sequence(full[n.name], spec, 0):
+            _positions(g, n, context)
+    attrs = {CONTEXT: MetaContext(spec)}
+    splits = {name: (d, FeatureSplit((spec.seq_len,), 0)) for name, d in _sequence_dims(g, full, spec).items()}
+    try:
+        _rewrite(gm, g, {}, splits, spec.degree, inputs, full, attrs)
+    except TensorSplitError as e:
+        raise LoweringError(f"context parallelism (each rank holds {spec.local_len} of {spec.seq_len} tokens): "
+                            f"{e}") from None
+    g.lint()
+    return g, attrs
+
+
+def _has_sequence(value, spec: ContextSpec, dim: int | None = None) -> bool:
+    d = spec.dim if dim is None else dim
+    return isinstance(value, torch.Tensor) and value.dim() > d and value.shape[d] == spec.seq_len \
+        and (dim is None or value.dim() == 1)
+
+
+def _where(n: fx.Node) -> str:
+    return f"node {n.name!r} at {module_path_of(n) or 'the top level'}"
+
+
+def _attention(n: fx.Node, context: fx.Node, spec: ContextSpec) -> None:
+    """The attention node, in place (its name stays: the tensor-parallel split names it), as
+    context.attention(q, k, v, causal=..., mode=...)."""
+    if n.op != "call_function" or op_base(n.target) != "scaled_dot_product_attention":
+        raise LoweringError(f"context parallelism rewrites attention written as scaled_dot_product_attention, but "
+                            f"{_where(n)} is {n.target if n.op != 'call_module' else 'a module'}; use "
+                            "torch.nn.functional.scaled_dot_product_attention in the model, or context=1")
+    args = dict(_SDPA_DEFAULTS)
+    args.update(zip(_SDPA_ARGS, n.args))
+    args.update(n.kwargs)
+    if args["attn_mask"] is not None:
+        mask = args["attn_mask"]
+        raise LoweringError(f"context parallelism cannot split the attention mask of {_where(n)} "
+                            f"({mask.name if isinstance(mask, fx.Node) else mask!r}): a mask tensor built for the "
+                            f"whole sequence of {spec.seq_len} tokens does not follow the sequence's chunks. Make "
+                            "the attention causal through is_causal=True without a mask (a Hugging Face model: "
+                            "no attention_mask and a causal mask the model leaves to SDPA), or use context=1")
+    if args["enable_gqa"]:
+        raise LoweringError(f"context parallelism does not rewrite grouped-query attention (enable_gqa=True) at "
+                            f"{_where(n)}; repeat the key/value heads in the model, or use context=1")
+    n.op, n.target = "call_method", "attention"
+    n.args = (context, args["query"], args["key"], args["value"])
+    n.kwargs = {"causal": bool(args["is_causal"]), "mode": spec.mode, "scale": args["scale"],
+                "dropout_p": args["dropout_p"]}
+
+
+def _positions(g: fx.Graph, n: fx.Node, context: fx.Node) -> None:
+    """torch.arange(T) (or arange(start, start + T)), in place, as context.positions(start): the
+    positions of this rank's tokens. The size arithmetic it read is dropped when nothing else reads it."""
+    args = list(n.args)
+    start, step = (0, 1) if len(args) < 2 else (args[0], args[2] if len(args) > 2 else n.kwargs.get("step", 1))
+    if step != 1:
+        raise LoweringError(f"context parallelism turns torch.arange over the sequence into this rank's positions, "
+                            f"but {_where(n)} steps by {step}; use context=1")
+    old = n.all_input_nodes
+    device = n.kwargs.get("device")
+    n.op, n.target = "call_method", "positions"
+    n.args = (context, start)
+    n.kwargs = {"device": device} if device is not None else {}
+    dead = [a for a in old if not a.users and a.op != "placeholder"]
+    while dead:
+        a = dead.pop()
+        inputs = a.all_input_nodes
+        g.erase_node(a)
+        dead += [b for b in inputs if not b.users and b.op != "placeholder" and b not in dead]
+
+
+def _sequence_dims(g: fx.Graph, full: dict[str, Any], spec: ContextSpec) -> dict[str, int]:
+    """Value -> its sequence dimension, for every value computed from this rank's tokens or positions
+    (its one dimension of length T); LoweringError for a value with several (a (T, T) mask)."""
+    reached: set[str] = set()
+    out: dict[str, int] = {}
+    for n in g.nodes:
+        if n.op == "call_method" and n.target in ("take", "positions"):
+            reached.add(n.name)
+        elif not any(a.name in reached for a in n.all_input_nodes):
+            continue
+        reached.add(n.name)
+        v = full.get(n.name)
+        if not isinstance(v, torch.Tensor):
+            continue
+        dims = [d for d, s in enumerate(v.shape) if s == spec.seq_len]
+        if len(dims) > 1:
+            raise LoweringError(f"context parallelism cannot split {_where(n)}: its shape {tuple(v.shape)} holds the "
+                                f"sequence length {spec.seq_len} on several dimensions (a mask over the whole "
+                                "sequence, or a model size equal to the sequence length); choose a sequence length "
+                                "that differs from the model's other sizes, or use context=1")
+        if dims:
+            out[n.name] = dims[0]
+    return out
+
+
+__all__ = ["ContextSpec", "MetaContext", "context_graph", "context_spec"]
