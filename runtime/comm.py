@@ -27,6 +27,7 @@ import datetime
 import gc
 import os
 import sys
+import threading
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -100,6 +101,15 @@ class Group(Protocol):
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Handle | None:
         """`src` is a global rank in the group."""
 
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False) -> Handle | None:
+        """output (size * n,): block j is member j's block `rank` of its tensor (size * n,), in group
+        order (equal blocks of n elements; both flat and contiguous)."""
+
+    def send_recv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int) -> Handle:
+        """Send `send` to member `dst` and receive `recv` from member `src` (positions in the group,
+        not global ranks) under `tag`, asynchronously; the handle completes when both are done.
+        Messages between two ranks under one tag arrive in the order sent."""
+
 
 class Communicator(Protocol):
     rank: int
@@ -141,6 +151,39 @@ class DoneHandle:
         fn()
 
 
+class JointHandle:
+    """Several operations in flight, completed together (a send and a receive)."""
+
+    def __init__(self, handles: Sequence[Handle]):
+        self._handles = tuple(handles)
+
+    def wait(self) -> None:
+        for h in self._handles:
+            h.wait()
+
+    def on_complete(self, fn: Callable[[], None]) -> None:
+        left = [len(self._handles)]
+        lock = threading.Lock()
+
+        def one_done() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn()
+
+        for h in self._handles:
+            h.on_complete(one_done)
+
+
+def group_send_recv(comm: "Communicator", ranks: tuple[int, ...], send: torch.Tensor, dst: int,
+                    recv: torch.Tensor, src: int, tag: int) -> Handle:
+    """Group.send_recv through the communicator's point-to-point calls: `dst` and `src` are
+    positions in `ranks`. The receive is posted first."""
+    incoming = comm.irecv(recv, ranks[src], tag)
+    return JointHandle((comm.isend(send, ranks[dst], tag), incoming))
+
+
 class SoloGroup:
     """A group of one rank: every collective is the identity."""
 
@@ -170,6 +213,17 @@ class SoloGroup:
 
     def broadcast(self, tensor, src, async_op=False):
         return DoneHandle() if async_op else None
+
+    def all_to_all(self, output, tensor, async_op=False):
+        if output.data_ptr() != tensor.data_ptr():
+            output.copy_(tensor.reshape(-1))
+        return DoneHandle() if async_op else None
+
+    def send_recv(self, send, dst, recv, src, tag):
+        if (dst, src) != (0, 0):
+            raise ValueError(f"send_recv on a group of one rank names members {dst} and {src}; the only member is 0")
+        recv.copy_(send)
+        return DoneHandle()
 
 
 # ---------------------------------------------------------------------------
@@ -252,6 +306,17 @@ class _TorchGroup:
         opts.rootRank = self.ranks.index(src)
         opts.rootTensor = 0
         return self._run(self._pg.broadcast([tensor], opts), "broadcast", async_op)
+
+    def all_to_all(self, output, tensor, async_op=False):
+        import torch.distributed as dist
+
+        return self._run(self._pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions()), "all_to_all",
+                         async_op)
+
+    def send_recv(self, send, dst, recv, src, tag):
+        # On the communicator's point-to-point group, not this group's: gloo can match a p2p
+        # message with a collective of the same process group (see TorchCommunicator.group).
+        return group_send_recv(self._comm, self.ranks, send, dst, recv, src, tag)
 
 
 def _torch_op(op: str):

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from runtime.comm import CommError, Group, PeerFailure, SoloGroup
+from runtime.comm import CommError, Group, PeerFailure, SoloGroup, group_send_recv
 
 # Above every p2p_tag (which stay below 2**29); OpenMPI's MPI_TAG_UB is 2**31 - 1.
 _ABORT_TAG = 1_500_000_000
@@ -127,6 +127,13 @@ class _MpiGroup:
         buf = _np(tensor)
         return self._run(lambda: self._c.Ibcast(buf, root=self.ranks.index(src)), "broadcast", async_op,
                          keep=(buf,))
+
+    def all_to_all(self, output, tensor, async_op=False):
+        bufs = (_np(tensor), _np(output))
+        return self._run(lambda: self._c.Ialltoall(*bufs), "all_to_all", async_op, keep=bufs)
+
+    def send_recv(self, send, dst, recv, src, tag):
+        return group_send_recv(self._comm, self.ranks, send, dst, recv, src, tag)
 
 
 class MpiCommunicator:
