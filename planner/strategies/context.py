@@ -105,6 +105,16 @@ def check_config(ev, config: ParallelConfig) -> None:
                           f"by 2c, or a sequence length divisible by {2 * c}")
     if config.context_attention != ContextAttention.ULYSSES:
         return
+    # the tensor strategy's head split depends on these (its per-layer choice, planner/strategies/tensor.py)
+    key = ("ulysses", c, config.tensor, config.micro_batch_size, config.dtype)
+    refusal = _cache(ev, key, lambda: _ulysses_refusal(ev, config))
+    if refusal:
+        raise ConfigError(refusal)
+
+
+def _ulysses_refusal(ev, config: ParallelConfig) -> str | None:
+    """Why Ulysses cannot deal `config`'s heads per tensor rank to its context ranks, or None."""
+    c = config.context
     for layer in ev.graph.layers:
         for name in layer.nodes:
             n = ev.node(name)
@@ -113,11 +123,11 @@ def check_config(ev, config: ParallelConfig) -> None:
             heads, kv = _local_heads(ev, layer, n, config)
             for what, count in (("attention heads", heads), ("key/value heads", kv)):
                 if count != int(count) or int(count) % c:
-                    raise ConfigError(
-                        f"Ulysses context parallelism deals each tensor rank's heads to the {c} context ranks, but "
-                        f"attention op {n.name!r} has {count:g} {what} per tensor rank (tensor={config.tensor}); "
-                        f"use a context degree dividing {count:g}, a smaller tensor degree, or "
-                        "context_attention='ring'")
+                    return (f"Ulysses context parallelism deals each tensor rank's heads to the {c} context ranks, "
+                            f"but attention op {n.name!r} has {count:g} {what} per tensor rank (tensor="
+                            f"{config.tensor}); use a context degree dividing {count:g}, a smaller tensor degree, "
+                            "or context_attention='ring'")
+    return None
 
 
 def exchange(ev, layer: Layer, n: OpInfo, config: ParallelConfig) -> tuple[ExchangeSeconds, float]:
