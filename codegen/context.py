@@ -37,7 +37,8 @@ from planner.tensor_split.rules import TensorSplitError
 from runtime.materialize import CONTEXT
 from runtime.tensor_parallel import FeatureSplit
 
-# scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+# scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+# grouped-query attention (fewer key/value heads) needs no flag of its own: context_attention reads the heads
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
@@ -71,8 +72,9 @@ class MetaContext:
     def positions(self, start: int = 0, *, device=None) -> torch.Tensor:
         return torch.arange(self.spec.local_len, device="meta") + start
 
-    def attention(self, q, k, v, *, causal: bool, mode: str, scale=None, dropout_p: float = 0.0) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    def attention(self, q, k, v, *, causal: bool, mode: str, scale: float | None = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 def context_spec(graph: ModelGraph, degree: int, mode: str) -> ContextSpec:
@@ -96,8 +98,8 @@ def context_spec(graph: ModelGraph, degree: int, mode: str) -> ContextSpec:
     return ContextSpec(degree, seq_len, dim, str(mode))
 
 
-def context_graph(gm: fx.GraphModule, graph: ModelGraph, spec: ContextSpec,
-                  inputs: dict[str, Any]) -> tuple[fx.Graph, dict[str, Any]]:
+def context_graph(gm: fx.GraphModule, inputs: dict[str, Any], *, graph: ModelGraph,
+                  spec: ContextSpec) -> tuple[fx.Graph, dict[str, Any]]:
     """(a copy of gm's graph rewritten for context parallelism, the meta stand-ins of the runtime
     attributes it reads) for codegen.tensor_split.apply_splits; `inputs`: placeholder name -> meta
     tensor of one micro-batch. LoweringError naming the node that cannot be rewritten."""
@@ -156,13 +158,13 @@ def _attention(n: fx.Node, context: fx.Node, spec: ContextSpec) -> None:
                             f"whole sequence of {spec.seq_len} tokens does not follow the sequence's chunks. Make "
                             "the attention causal through is_causal=True without a mask (a Hugging Face model: "
                             "no attention_mask and a causal mask the model leaves to SDPA), or use context=1")
-    if args["enable_gqa"]:
-        raise LoweringError(f"context parallelism does not rewrite grouped-query attention (enable_gqa=True) at "
-                            f"{_where(n)}; repeat the key/value heads in the model, or use context=1")
+    if isinstance(args["dropout_p"], fx.Node) or args["dropout_p"]:
+        raise LoweringError(f"context parallelism runs attention without dropout, but {_where(n)} has "
+                            f"dropout_p={args['dropout_p']}; set the model's attention dropout to 0, or use context=1")
     n.op, n.target = "call_method", "attention"
     n.args = (context, args["query"], args["key"], args["value"])
-    n.kwargs = {"causal": bool(args["is_causal"]), "mode": spec.mode, "scale": args["scale"],
-                "dropout_p": args["dropout_p"]}
+    n.kwargs = {"causal": bool(args["is_causal"]), "mode": spec.mode,
+                **({"scale": args["scale"]} if args["scale"] is not None else {})}
 
 
 def _positions(g: fx.Graph, n: fx.Node, context: fx.Node) -> None:

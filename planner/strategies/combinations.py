@@ -106,10 +106,7 @@ RULES: tuple[Rule, ...] = (
           Conflict(lambda c: f"recompute {c.recompute!r}", lambda c: c.recompute != Recompute.NONE)),
          lambda c, names: "the runtime runs spatial tiles with gpipe/1f1b/bidirectional pipelines, tensor 1 and no "
                           f"recompute, not with {names}"),
-    # Until they are lowered, the cost model prices these and the runtime refuses them.
-    Rule(StrategyName.CONTEXT, Level.RUNTIME, _context,
-         (Conflict(lambda c: "context parallelism", lambda c: True),),
-         lambda c, _: f"the runtime does not run context parallelism (context={c.context}) yet; use context=1"),
+    # Until it is lowered, the cost model prices this and the runtime refuses it.
     Rule(StrategyName.TENSOR, Level.RUNTIME, lambda c: c.sequence_parallel,
          (Conflict(lambda c: "sequence parallelism", lambda c: True),),
          lambda c, _: "the runtime does not run sequence parallelism yet; use sequence_parallel=False"),
