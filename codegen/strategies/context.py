@@ -32,7 +32,7 @@ def context_twin(plan: Plan) -> Plan:
     why = why_not(c, Level.RUNTIME)   # the combinations the runtime runs
     if why:
         raise LoweringError(f"{why}; plan within those limits (or with context=1)")
-    twin = c.replace(data=c.data * c.context, context=1)
+    twin = c.replace(data=c.data * c.context, context=1, context_attention=ContextAttention.RING)
     return dataclasses.replace(plan, config=twin, global_batch_size=plan.global_batch_size * c.context)
 
 
