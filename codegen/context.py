@@ -156,8 +156,7 @@ def _attention(n: fx.Node, context: fx.Node, spec: ContextSpec) -> None:
         raise LoweringError(f"context parallelism cannot split the attention mask of {_where(n)} "
                             f"({mask.name if isinstance(mask, fx.Node) else mask!r}): a mask tensor built for the "
                             f"whole sequence of {spec.seq_len} tokens does not follow the sequence's chunks. Make "
-                            "the attention causal through is_causal=True without a mask (a Hugging Face model: "
-                            "no attention_mask and a causal mask the model leaves to SDPA), or use context=1")
+                            "the attention causal through is_causal=True without a mask tensor, or use context=1")
     if isinstance(args["dropout_p"], fx.Node) or args["dropout_p"]:
         raise LoweringError(f"context parallelism runs attention without dropout, but {_where(n)} has "
                             f"dropout_p={args['dropout_p']}; set the model's attention dropout to 0, or use context=1")
