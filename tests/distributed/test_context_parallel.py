@@ -16,6 +16,8 @@ from runtime.launcher import run_many
 from tests.parallel_cases import assert_exact, emit_case
 from tests.real_models import HF, graph_of
 
+# full recompute runs the ring's exchange again inside backward
+TWO_RANKS = {"c2_ring": dict(context=2), "c2_recompute_full": dict(context=2, recompute="full")}
 FOUR_RANKS = {
     "d2c2_ulysses": dict(data=2, context=2, context_attention="ulysses"),
     "c2t2_ring": dict(context=2, tensor=2),
@@ -27,14 +29,15 @@ FOUR_RANKS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("context")
-    two = emit_case(root, "gpt", "c2_ring", dict(context=2))
+    two = {name: emit_case(root, "gpt", name, cfg) for name, cfg in TWO_RANKS.items()}
     four = {name: emit_case(root, "gpt", name, cfg) for name, cfg in FOUR_RANKS.items()}
-    results = {"c2_ring": run_many([two], steps=3, backend="gloo", timeout=60, verify=True)[0]}
-    results.update(zip(four, run_many(list(four.values()), steps=3, backend="gloo", timeout=60, verify=True)))
+    results = {}
+    for builds in (two, four):
+        results.update(zip(builds, run_many(list(builds.values()), steps=3, backend="gloo", timeout=60, verify=True)))
     return results
 
 
-@pytest.mark.parametrize("name", ["c2_ring", *FOUR_RANKS])
+@pytest.mark.parametrize("name", [*TWO_RANKS, *FOUR_RANKS])
 def test_context_parallel_run_equals_single_process(runs, name):
     assert_exact(runs[name], name)
     per_rank = list(runs[name].losses.values())
