@@ -78,7 +78,7 @@ def _apply(gm: fx.GraphModule, graph: fx.Graph, splits: TensorSplits | None, inp
         by_role[ShardRole.COLUMN if role.splits_output else role].append(node)
     rewrite_weight_ops(new_graph, by_role[ShardRole.COLUMN], by_role[ShardRole.ROW], by_role[ShardRole.VOCAB],
                        list(splits.scatters))
-    attrs = dict(extra_attrs)
+    attrs = {}
     for ps in splits.params:
         full_attr = gm
         for part in ps.name.split("."):
@@ -86,6 +86,7 @@ def _apply(gm: fx.GraphModule, graph: fx.Graph, splits: TensorSplits | None, inp
         shape = list(full_attr.shape)
         shape[ps.dim] = ps.split.local_size(tensor)
         attrs[ps.name] = torch.empty(shape, dtype=full_attr.dtype, device="meta", requires_grad=full_attr.requires_grad)
+    attrs.update(extra_attrs)   # the runtime attributes of a strategy's rewrite (context parallelism's)
     shards = {sh.path: sh for sh in splits.modules}
     value_splits = {node: (dim, fs) for node, dim, fs in splits.values}
     local = _rewrite(gm, new_graph, shards, value_splits, tensor, inputs, full, attrs)

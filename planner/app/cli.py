@@ -36,7 +36,7 @@ from planner.plan import Plan
 from runtime.checkpoint import Manifest, complete_checkpoints, resolve_checkpoint
 from runtime.checkpoint_restore import to_state_dict
 from runtime.trace import TRACE_WINDOW_STEPS
-from runtime.vocab import DType, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
+from runtime.vocab import ContextAttention, DType, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
 
 # Bounds of the numeric options (argparse refuses anything outside in one line).
 BATCH = count(1, MAX_BATCH, " samples")
@@ -218,6 +218,10 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--spatial-batchnorm", default=SpatialBatchNorm.SYNC.value,
                    choices=list(map(str, SpatialBatchNorm)),
                    help="BatchNorm statistics over the whole image (sync, exact) or per tile")
+    p.add_argument("--context", type=DEGREE, default=1,
+                   help="context-parallel degree: ranks sharing each sequence (every layer's tokens split)")
+    p.add_argument("--context-attention", default=ContextAttention.RING.value, choices=list(map(str, ContextAttention)),
+                   help="how attention reaches the other ranks' keys and values: ring or ulysses (all-to-all)")
     p.add_argument("--recompute", default=Recompute.NONE.value, choices=list(map(str, Recompute)))
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     p.add_argument("--dtype", default=DType.FP32.value, choices=list(map(str, DType)))
