@@ -106,6 +106,12 @@ RULES: tuple[Rule, ...] = (
           Conflict(lambda c: f"recompute {c.recompute!r}", lambda c: c.recompute != Recompute.NONE)),
          lambda c, names: "the runtime runs spatial tiles with gpipe/1f1b/bidirectional pipelines, tensor 1 and no "
                           f"recompute, not with {names}"),
+    # codegen/context.py rewrites the captured graph for the chunks before the tensor-parallel split; sequence
+    # parallelism's split of the stream over the tensor ranks is not proven on those chunks (Megatron runs both).
+    Rule(StrategyName.CONTEXT, Level.RUNTIME, _context,
+         (Conflict(lambda c: "sequence parallelism", lambda c: c.sequence_parallel),),
+         lambda c, names: f"the runtime runs context parallelism (context={c.context}) without {names} "
+                          "(sequence_parallel=False) so far"),
     # Until it is lowered, the cost model prices this and the runtime refuses it.
     Rule(StrategyName.TENSOR, Level.RUNTIME, lambda c: c.sequence_parallel,
          (Conflict(lambda c: "sequence parallelism", lambda c: True),),
