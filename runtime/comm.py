@@ -179,9 +179,17 @@ class JointHandle:
 def group_send_recv(comm: "Communicator", ranks: tuple[int, ...], send: torch.Tensor, dst: int,
                     recv: torch.Tensor, src: int, tag: int) -> Handle:
     """Group.send_recv through the communicator's point-to-point calls: `dst` and `src` are
-    positions in `ranks`. The receive is posted first."""
-    incoming = comm.irecv(recv, ranks[src], tag)
-    return JointHandle((comm.isend(send, ranks[dst], tag), incoming))
+    positions in `ranks`.
+
+    When both are one peer (a ring of two), the lower global rank sends first and the other
+    receives first: NCCL runs the two calls between a pair one after the other on one stream, so
+    two ranks that both received first would wait on each other (gloo and MPI take either order)."""
+    dst_rank, src_rank = ranks[dst], ranks[src]
+    if dst_rank == src_rank and comm.rank < dst_rank:
+        outgoing = comm.isend(send, dst_rank, tag)
+        return JointHandle((outgoing, comm.irecv(recv, src_rank, tag)))
+    incoming = comm.irecv(recv, src_rank, tag)
+    return JointHandle((comm.isend(send, dst_rank, tag), incoming))
 
 
 class SoloGroup:

@@ -3,13 +3,9 @@
 Each rank holds q, k, v (B, H, T_local, D) for its tokens, in its layout order, and gets the
 rows of full-sequence attention for those tokens.
 
-RING (ring attention, Liu et al. 2023; the causal load-balanced order of Megatron-LM's context
-parallelism): key/value blocks pass around the group's ring, one step per rank; each step's
-attention is computed blockwise while the next block is in flight, and the blocks are merged by
-their log-sum-exp (the online softmax of flash attention). Under a causal mask the work is cut by
-chunk pairs: a query chunk attends to an earlier key chunk in full, to its own chunk with the
-causal triangle, and skips later ones. The backward recomputes each block's probabilities from
-the saved log-sum-exp and passes the key/value gradients around the ring with their blocks.
+RING: key/value blocks pass around the group's ring and the blocks' attention is merged by its
+log-sum-exp; the causal mask is applied by chunk pairs, skipping the hidden ones
+(runtime/ring_attention.py).
 
 ULYSSES (DeepSpeed-Ulysses, Jacobs et al. 2023): an all-to-all turns the sequence split into a
 head split (every rank then holds the whole sequence for H / degree heads), ordinary attention
@@ -29,15 +25,10 @@ import torch.nn.functional as F
 
 from runtime.comm import Group
 from runtime.context_layout import ContextLayout, chunk_layout, sequence_order
+from runtime.ring_attention import RingAttention
 from runtime.vocab import ContextAttention
 
 __all__ = ["ContextAttentionError", "ContextLayout", "chunk_layout", "context_attention"]
-
-# Point-to-point tags of the ring's messages: above every pipeline tag (runtime.comm.p2p_tag
-# stays below 2**29) and below the MPI communicator's abort tags.
-RING_TAG = 1 << 29
-_FWD_KV, _BWD_KV, _BWD_DKV = RING_TAG, RING_TAG + 1, RING_TAG + 2
-
 
 class ContextAttentionError(ValueError):
     """Context-parallel attention cannot run with the inputs or options given."""
@@ -60,7 +51,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
     if mode == ContextAttention.RING:
-        return _RingAttention.apply(q, k, v, group, layout, causal, scale)
+        return RingAttention.apply(q, k, v, group, layout, causal, scale)
     return _ulysses(q, k, v, group, layout, causal, scale)
 
 
@@ -135,124 +126,3 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         scatter_dim, gather_dim = ctx.dims
         return _all_to_all(grad.contiguous(), ctx.group, gather_dim, scatter_dim), None, None, None
-
-
-# ---------------------------------------------------------------------------
-# Ring
-
-
-def _tasks(q_chunks: tuple[int, int], kv_chunks: tuple[int, int], chunk: int,
-           causal: bool) -> list[tuple[slice, slice, bool]]:
-    """The blocks one ring step computes: (query rows, key rows, causal triangle?) in local
-    offsets, for this rank's query chunks against the key/value chunks it holds (chunk ids in
-    0 .. 2 * degree - 1). Fully masked pairs are left out; neighbouring query chunks that see
-    the same keys in full are one block."""
-    if not causal:
-        return [(slice(0, 2 * chunk), slice(0, 2 * chunk), False)]
-    tasks: list[tuple[slice, slice, bool]] = []
-    for i, a in enumerate(q_chunks):
-        rows = slice(i * chunk, (i + 1) * chunk)
-        full = [j for j, b in enumerate(kv_chunks) if b < a]
-        if full:
-            keys = slice(full[0] * chunk, (full[-1] + 1) * chunk)
-            last = tasks[-1] if tasks else None
-            if last is not None and not last[2] and last[1] == keys and last[0].stop == rows.start:
-                tasks[-1] = (slice(last[0].start, rows.stop), keys, False)
-            else:
-                tasks.append((rows, keys, False))
-        tasks += [(rows, slice(j * chunk, (j + 1) * chunk), True) for j, b in enumerate(kv_chunks) if b == a]
-    return tasks
-
-
-def _widen(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Key/value heads repeated to `heads` query heads (grouped-query attention)."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _narrow_heads(g: torch.Tensor, heads: int) -> torch.Tensor:
-    """The gradient of _widen: the query-head gradient summed over each key head's group."""
-    if g.shape[1] == heads:
-        return g
-    b, h, t, d = g.shape
-    return g.view(b, heads, h // heads, t, d).sum(2)
-
-
-def _scores(q, k, scale: float, triangle: bool) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if triangle:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
-
-
-class _RingAttention(torch.autograd.Function):
-    """Ring attention over the context group (see the module docstring); fp32 accumulation."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, scale):
-        degree, me, chunk = group.size, group.rank, layout.chunk_len
-        heads = q.shape[1]
-        qf = q.float()
-        out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(qf.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        for step in range(degree):
-            if step < degree - 1:
-                incoming = torch.empty_like(kv)
-                handle = group.send_recv(kv, (me + 1) % degree, incoming, (me - 1) % degree, _FWD_KV)
-            src = chunk_layout(layout.seq_len, degree, (me - step) % degree)
-            kf, vf = _widen(kv[0].float(), heads), _widen(kv[1].float(), heads)
-            for rows, keys, triangle in _tasks(layout.chunks, src.chunks, chunk, causal):
-                s = _scores(qf[:, :, rows], kf[:, :, keys], scale, triangle)
-                block_lse = torch.logsumexp(s, dim=-1)
-                block_out = torch.matmul(torch.exp(s - block_lse.unsqueeze(-1)), vf[:, :, keys])
-                new_lse = torch.logaddexp(lse[:, :, rows], block_lse)
-                out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new_lse).unsqueeze(-1)
-                                   + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
-                lse[:, :, rows] = new_lse
-            if step < degree - 1:
-                handle.wait()
-                kv = incoming
-        result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
-        ctx.group, ctx.layout, ctx.causal, ctx.scale = group, layout, causal, scale
-        return result
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, layout, causal, scale = ctx.group, ctx.layout, ctx.causal, ctx.scale
-        degree, me, chunk = group.size, group.rank, layout.chunk_len
-        heads = q.shape[1]
-        qf, do = q.float(), dout.float()
-        delta = (do * out.float()).sum(-1)  # (B, H, T_local): rowsum(dO * O) of the softmax backward
-        dq = torch.zeros_like(qf)
-        kv = torch.stack([k, v]).contiguous()
-        arriving = None  # the key/value gradient of this step's block, accumulated by the ranks before
-        for step in range(degree):
-            if step < degree - 1:
-                incoming = torch.empty_like(kv)
-                kv_handle = group.send_recv(kv, (me + 1) % degree, incoming, (me - 1) % degree, _BWD_KV)
-            src = chunk_layout(layout.seq_len, degree, (me - step) % degree)
-            kf, vf = _widen(kv[0].float(), heads), _widen(kv[1].float(), heads)
-            dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-            for rows, keys, triangle in _tasks(layout.chunks, src.chunks, chunk, causal):
-                s = _scores(qf[:, :, rows], kf[:, :, keys], scale, triangle)
-                p = torch.exp(s - lse[:, :, rows].unsqueeze(-1))
-                dv[:, :, keys] += torch.matmul(p.transpose(-1, -2), do[:, :, rows])
-                ds = p * (torch.matmul(do[:, :, rows], vf[:, :, keys].transpose(-1, -2))
-                          - delta[:, :, rows].unsqueeze(-1))
-                dq[:, :, rows] += torch.matmul(ds, kf[:, :, keys]) * scale
-                dk[:, :, keys] += torch.matmul(ds.transpose(-1, -2), qf[:, :, rows]) * scale
-            dkv = torch.stack([_narrow_heads(dk, k.shape[1]), _narrow_heads(dv, v.shape[1])])
-            if arriving is not None:
-                dkv_handle.wait()
-                dkv += arriving
-            arriving = torch.empty_like(dkv)
-            # to the next rank, which holds this block next; the last send returns it to its owner
-            dkv_handle = group.send_recv(dkv, (me + 1) % degree, arriving, (me - 1) % degree, _BWD_DKV)
-            if step < degree - 1:
-                kv_handle.wait()
-                kv = incoming
-        dkv_handle.wait()
-        return (dq.to(q.dtype), arriving[0].to(k.dtype), arriving[1].to(v.dtype), None, None, None, None)
