@@ -156,7 +156,7 @@ def adjust(ev, layer: Layer, cost, config: ParallelConfig):
     """`cost` (the whole-sequence LayerCost of `layer`) on one rank of the context axis."""
     c = config.context
     key = ("cost", layer.signature, cost, c, config.context_attention, config.micro_batch_size, config.dtype,
-           config.recompute, tuple(config.mesh.items()))
+           config.recompute, config.data, config.tensor, config.pipeline)   # the degrees fix config.mesh
 
     def make():
         ex_f = ex_b = buffers = 0.0
@@ -216,13 +216,20 @@ class ContextStrategy(Strategy):
 
     def variants(self, ev, num_devices: int, constraints: dict, shapes_of) -> list[ParallelConfig]:
         """For each searched context degree c, every data x tensor x pipeline shape of num_devices / c
-        devices (`shapes_of(n)`), with ring and Ulysses attention (or the pinned one) where they apply."""
+        devices (`shapes_of(n)`), with ring and Ulysses attention (or the pinned one) where they apply.
+
+        Shapes whose micro-batch size mb is a multiple of c are left out: data x c ranks with micro-batches
+        of mb / c samples run the same tokens per rank and micro-batches per step, with the same compute,
+        activations and gradient-sync group, without the attention exchange, and shard ZeRO state c times
+        thinner; context parallelism pays where a micro-batch cannot be split further by samples."""
         modes = [constraints["context_attention"]] if "context_attention" in constraints else list(ContextAttention)
         out = []
         for c in search_degrees(ev, num_devices, constraints):
             if num_devices % c:
                 continue
             for base in shapes_of(num_devices // c):
+                if base.micro_batch_size % c == 0:
+                    continue   # dominated by data x c with micro-batches of mb / c (see variants' docstring)
                 for mode in modes:
                     try:
                         cfg = base.replace(context=c, context_attention=mode)
