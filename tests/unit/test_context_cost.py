@@ -190,3 +190,19 @@ def test_variants_skip_micro_batches_divisible_by_c_and_pin_the_mode(graph, node
         (4, 2, mb, mode) for mb in (1, 3) for mode in ("ring", "ulysses")}
     got = ContextStrategy().variants(ev, 8, {"context": 2, "context_attention": "ring"}, shapes_of)
     assert {c.context_attention for c in got} == {"ring"}
+
+
+def test_cli_optimize_what_if_pins_the_context_constraints(tmp_path, capsys):
+    from planner import Plan
+    from planner.app.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["optimize", "examples/models/gpt.py:build", "--arg", "preset=tiny", "--cluster", "dgx-a100-80gb",
+                 "--batch", "16", "--quiet", "--what-if", "--constraint", "context=2",
+                 "--constraint", "context_attention=ulysses", "-o", str(out)]) == 0
+    assert " c2 ulysses " in capsys.readouterr().out
+    config = Plan.load(out).config
+    assert (config.context, config.context_attention) == (2, "ulysses")
+    assert main(["optimize", "examples/models/gpt.py:build", "--arg", "preset=tiny", "--cluster", "dgx-a100-80gb",
+                 "--batch", "16", "--quiet", "--what-if", "--constraint", "context=two", "-o", str(out)]) == 2
+    assert "context takes a whole number" in capsys.readouterr().err
