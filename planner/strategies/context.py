@@ -181,7 +181,10 @@ def adjust(ev, layer: Layer, cost, config: ParallelConfig):
 def grad_sync_seconds(ev, config: ParallelConfig, params: float, window: float, m: int) -> tuple[float, float]:
     """What summing the gradients over data x context adds to the data-only sync: the data strategy's
     price over the merged group (the data and context axes are adjacent in config.mesh, so a data axis
-    of d x c ranks has the same groups) less its price over the data axis."""
+    of d x c ranks has the same groups) less its price over the data axis. Under ZeRO the merged price
+    also gathers the weight shards over d x c ranks (Megatron's distributed optimizer shards over data
+    x context) while the memory model keeps ZeRO's shards over d: the time at least as long, the memory
+    at least as large as a run's."""
     data = next(s for s in ev.strategies if s.name == StrategyName.DATA)
     merged = config.replace(data=config.data * config.context, context=1, context_attention=ContextAttention.RING)
     e1, o1 = data.grad_sync(ev, merged, params, window, m)
