@@ -118,7 +118,8 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     _check_world(cluster.num_devices, "the cluster")
     graph = capture_ref(args.model, _parse_kv(args.arg), 1)
     plan = optimize(graph, cluster, global_batch_size=args.batch, objective=args.objective,
-                    constraints=constraints, progress=False if args.quiet else None)
+                    constraints=constraints, progress=False if args.quiet else None,
+                    **({"runtime": None} if args.what_if else {}))
     print(plan.summary())
     print()
     print(explain(plan))
@@ -462,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--constraint", action="append", default=[], metavar="KEY=VALUE",
                    help="fixed knob or limit, e.g. tensor=8, max_memory_fraction=0.9 (repeatable)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--what-if", action="store_true",
+                   help="also search what the cost model prices but meshplan's runtime does not run yet (the plan "
+                        "is for comparison; codegen refuses it)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=_cmd_optimize)
 

@@ -156,7 +156,7 @@ def adjust(ev, layer: Layer, cost, config: ParallelConfig):
     """`cost` (the whole-sequence LayerCost of `layer`) on one rank of the context axis."""
     c = config.context
     key = ("cost", layer.signature, cost, c, config.context_attention, config.micro_batch_size, config.dtype,
-           config.recompute, tuple(config.mesh.items()))
+           config.recompute, config.data, config.tensor, config.pipeline)   # the degrees fix config.mesh
 
     def make():
         ex_f = ex_b = buffers = 0.0
@@ -181,7 +181,10 @@ def adjust(ev, layer: Layer, cost, config: ParallelConfig):
 def grad_sync_seconds(ev, config: ParallelConfig, params: float, window: float, m: int) -> tuple[float, float]:
     """What summing the gradients over data x context adds to the data-only sync: the data strategy's
     price over the merged group (the data and context axes are adjacent in config.mesh, so a data axis
-    of d x c ranks has the same groups) less its price over the data axis."""
+    of d x c ranks has the same groups) less its price over the data axis. Under ZeRO the merged price
+    also gathers the weight shards over d x c ranks (Megatron's distributed optimizer shards over data
+    x context) while the memory model keeps ZeRO's shards over d: the time at least as long, the memory
+    at least as large as a run's."""
     data = next(s for s in ev.strategies if s.name == StrategyName.DATA)
     merged = config.replace(data=config.data * config.context, context=1, context_attention=ContextAttention.RING)
     e1, o1 = data.grad_sync(ev, merged, params, window, m)
@@ -216,13 +219,20 @@ class ContextStrategy(Strategy):
 
     def variants(self, ev, num_devices: int, constraints: dict, shapes_of) -> list[ParallelConfig]:
         """For each searched context degree c, every data x tensor x pipeline shape of num_devices / c
-        devices (`shapes_of(n)`), with ring and Ulysses attention (or the pinned one) where they apply."""
+        devices (`shapes_of(n)`), with ring and Ulysses attention (or the pinned one) where they apply.
+
+        Shapes whose micro-batch size mb is a multiple of c are left out: data x c ranks with micro-batches
+        of mb / c samples run the same tokens per rank and micro-batches per step, with the same compute,
+        activations and gradient-sync group, without the attention exchange, and shard ZeRO state c times
+        thinner; context parallelism pays where a micro-batch cannot be split further by samples."""
         modes = [constraints["context_attention"]] if "context_attention" in constraints else list(ContextAttention)
         out = []
         for c in search_degrees(ev, num_devices, constraints):
             if num_devices % c:
                 continue
             for base in shapes_of(num_devices // c):
+                if base.micro_batch_size % c == 0:
+                    continue   # dominated by data x c with micro-batches of mb / c (see variants' docstring)
                 for mode in modes:
                     try:
                         cfg = base.replace(context=c, context_attention=mode)
