@@ -12,9 +12,11 @@ stage code calls the stage's `context` attribute (runtime/parallel/context.py se
 
 Every other op works token by token, so it runs unchanged on T/c tokens; the view/reshape
 constants that still hold T become T/c (codegen/shape_rewrite.py, with the sequence as the split
-dimension of every value that carries it). Attention that reads a mask tensor is refused: a
-(T, T) mask an HF model builds from the sequence length cannot be split with the sequence; the
-attention must be causal through its is_causal flag.
+dimension of every value that carries it). A mask tensor the attention reads is evaluated once at
+build time when it is computed from sizes alone (HF models build their causal mask from the
+sequence length): if it is the causal triangle it becomes causal=True and its arithmetic is
+dropped; any other mask (a parameter, a buffer, one that reads the inputs' values) is refused,
+since a (T, T) mask does not follow the sequence's chunks.
 
 The sequence is the dimension right after the batch dimension of the graph's inputs that have
 one; every input that has it must agree on T.
@@ -110,15 +112,16 @@ def context_graph(gm: fx.GraphModule, inputs: dict[str, Any], *, graph: ModelGra
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     with g.inserting_after(placeholders[-1]):
         context = g.get_attr(CONTEXT)
+    for n in list(g.nodes):   # first: a mask's arithmetic reads the whole sequence's sizes and positions
+        if kinds.get(n.name) == "attention":
+            _attention(g, n, context, spec, inputs)
     seq_inputs = [n for n in placeholders if _has_sequence(full[n.name], spec)]
     for n in reversed(seq_inputs):
         with g.inserting_after(context):
             take = g.call_method("take", (context, n, spec.dim))
         n.replace_all_uses_with(take, delete_user_cb=lambda user, take=take: user is not take)
     for n in list(g.nodes):
-        if kinds.get(n.name) == "attention":
-            _attention(n, context, spec)
-        elif n.op == "call_function" and op_base(n.target) == "arange" and _has_sequence(full[n.name], spec, 0):
+        if n.op == "call_function" and op_base(n.target) == "arange" and _has_sequence(full[n.name], spec, 0):
             _positions(g, n, context)
     attrs = {CONTEXT: MetaContext(spec)}
     splits = {name: (d, FeatureSplit((spec.seq_len,), 0)) for name, d in _sequence_dims(g, full, spec).items()}
@@ -141,9 +144,10 @@ def _where(n: fx.Node) -> str:
     return f"node {n.name!r} at {module_path_of(n) or 'the top level'}"
 
 
-def _attention(n: fx.Node, context: fx.Node, spec: ContextSpec) -> None:
+def _attention(g: fx.Graph, n: fx.Node, context: fx.Node, spec: ContextSpec, inputs: dict[str, Any]) -> None:
     """The attention node, in place (its name stays: the tensor-parallel split names it), as
-    context.attention(q, k, v, causal=..., mode=...)."""
+    context.attention(q, k, v, causal=..., mode=...); a mask computed from sizes alone that is the
+    causal triangle (as HF models build it) becomes causal=True and its arithmetic is dropped."""
     if n.op != "call_function" or op_base(n.target) != "scaled_dot_product_attention":
         raise LoweringError(f"context parallelism rewrites attention written as scaled_dot_product_attention, but "
                             f"{_where(n)} is {n.target if n.op != 'call_module' else 'a module'}; use "
@@ -151,8 +155,12 @@ def _attention(n: fx.Node, context: fx.Node, spec: ContextSpec) -> None:
     args = dict(_SDPA_DEFAULTS)
     args.update(zip(_SDPA_ARGS, n.args))
     args.update(n.kwargs)
+    mask = args["attn_mask"]
+    if isinstance(mask, fx.Node) and not args["is_causal"] and _is_causal_triangle(mask, spec, inputs):
+        args["attn_mask"], args["is_causal"] = None, True
+        n.args, n.kwargs = (args["query"], args["key"], args["value"]), {}
+        _drop_unused(g, [mask])
     if args["attn_mask"] is not None:
-        mask = args["attn_mask"]
         raise LoweringError(f"context parallelism cannot split the attention mask of {_where(n)} "
                             f"({mask.name if isinstance(mask, fx.Node) else mask!r}): a mask tensor built for the "
                             f"whole sequence of {spec.seq_len} tokens does not follow the sequence's chunks. Make "
@@ -179,12 +187,76 @@ def _positions(g: fx.Graph, n: fx.Node, context: fx.Node) -> None:
     n.op, n.target = "call_method", "positions"
     n.args = (context, start)
     n.kwargs = {"device": device} if device is not None else {}
-    dead = [a for a in old if not a.users and a.op != "placeholder"]
+    _drop_unused(g, old)
+
+
+def _drop_unused(g: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase `nodes` that nothing reads any more, and what only they read (placeholders stay)."""
+    dead = [a for a in nodes if not a.users and a.op != "placeholder"]
     while dead:
         a = dead.pop()
         inputs = a.all_input_nodes
         g.erase_node(a)
         dead += [b for b in inputs if not b.users and b.op != "placeholder" and b not in dead]
+
+
+# what a mask's arithmetic may read of an input: its sizes only
+_SIZE_OPS = ("size", "sym_size")
+
+
+def _is_causal_triangle(mask: fx.Node, spec: ContextSpec, inputs: dict[str, Any]) -> bool:
+    """Whether `mask` is computed from sizes alone (no parameter, no input's values) and equals the
+    causal triangle over the whole sequence: True (or 0.0) where a query may see a key at or before
+    it, False (or below -1e30) elsewhere, broadcast over batch and heads. Evaluated once, on the CPU."""
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(x: fx.Node) -> bool:
+        if x in seen:
+            return True
+        seen.add(x)
+        if x.op in ("get_attr", "call_module"):
+            return False
+        for a in x.all_input_nodes:
+            if a.op == "placeholder":
+                if not (x.op in ("call_method", "call_function") and _base(x) in _SIZE_OPS):
+                    return False
+            elif not visit(a):
+                return False
+        order.append(x)
+        return True
+
+    if not visit(mask):
+        return False
+    cpu = torch.device("cpu")
+
+    def concrete(v):
+        if isinstance(v, torch.device):
+            return cpu
+        if isinstance(v, torch.Tensor) and v.is_meta:   # an input: only its sizes are read
+            return torch.zeros(v.shape, dtype=v.dtype)
+        return v
+
+    env: dict[str, Any] = {name: concrete(v) for name, v in inputs.items()}
+    try:
+        for x in order:
+            args = fx.node.map_aggregate(fx.node.map_arg(x.args, lambda a: env[a.name]), concrete)
+            kwargs = fx.node.map_aggregate(fx.node.map_arg(x.kwargs, lambda a: env[a.name]), concrete)
+            env[x.name] = getattr(args[0], x.target)(*args[1:], **kwargs) if x.op == "call_method" \
+                else x.target(*args, **kwargs)
+    except Exception:   # arithmetic that does not run concretely: not a mask this rewrite knows
+        return False
+    m = env[mask.name]
+    if not isinstance(m, torch.Tensor) or m.dim() < 2 or tuple(m.shape[-2:]) != (spec.seq_len, spec.seq_len):
+        return False
+    seen_keys = m if m.dtype == torch.bool else m == 0
+    if m.dtype != torch.bool and not bool((m[~seen_keys] < -1e30).all()):
+        return False
+    return bool((seen_keys == torch.ones(spec.seq_len, spec.seq_len, dtype=torch.bool).tril()).all())
+
+
+def _base(n: fx.Node) -> str:
+    return str(n.target) if n.op == "call_method" else op_base(n.target)
 
 
 def _sequence_dims(g: fx.Graph, full: dict[str, Any], spec: ContextSpec) -> dict[str, int]:
