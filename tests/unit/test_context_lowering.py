@@ -96,6 +96,37 @@ def test_attention_with_a_mask_tensor_is_refused_naming_the_node():
         lower_plan(plan, graph)
 
 
+class _SizedMask(nn.Module):
+    """A mask built from the sequence length in forward(), as HF models build theirs: the causal
+    triangle (tril) or, to be refused, its transpose (triu: each token sees the later ones)."""
+
+    def __init__(self, upper: bool):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.upper = upper
+
+    def forward(self, x):                                    # (B, T=12, 8)
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)  # each (B, 1, T, 8)
+        ones = torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device)
+        mask = ones.triu() if self.upper else ones.tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).squeeze(1)
+
+
+@pytest.mark.parametrize("upper", [False, True])
+def test_a_mask_built_from_sizes_becomes_the_causal_flag_only_if_causal(upper):
+    with torch.device("meta"):
+        graph = planner.capture(_SizedMask(upper), (torch.zeros(2, 12, 8),))
+    config = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", context=2)
+    plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=2), config, 4)
+    if upper:
+        with pytest.raises(LoweringError, match="cannot split the attention mask"):
+            lower_plan(plan, graph)
+        return
+    src = lower_plan(plan, graph)[0].stages[0].source
+    assert "context.attention(getitem, getitem_1, getitem_2, causal = True, mode = 'ring')" in src
+    assert "tril" not in src and "ones" not in src
+
+
 def test_rank_context_takes_targets_and_positions_in_chunk_order():
     rank1 = ContextRank(SoloGroup(0), chunk_layout(8, 2, 1))
     assert rank1.take(torch.arange(8).view(1, 8), 1).tolist() == [[2, 3, 4, 5]]
