@@ -24,8 +24,9 @@ one; every input that has it must agree on T.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -112,9 +113,16 @@ def context_graph(gm: fx.GraphModule, inputs: dict[str, Any], *, graph: ModelGra
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     with g.inserting_after(placeholders[-1]):
         context = g.get_attr(CONTEXT)
+    causal: dict[str, bool] = {}   # mask node -> whether it is the causal triangle (evaluated once)
+
+    def is_causal_mask(m: fx.Node) -> bool:
+        if m.name not in causal:
+            causal[m.name] = _is_causal_triangle(m, spec, inputs)
+        return causal[m.name]
+
     for n in list(g.nodes):   # first: a mask's arithmetic reads the whole sequence's sizes and positions
         if kinds.get(n.name) == "attention":
-            _attention(g, n, context, spec, inputs)
+            _attention(g, n, context, spec, is_causal_mask)
     seq_inputs = [n for n in placeholders if _has_sequence(full[n.name], spec)]
     for n in reversed(seq_inputs):
         with g.inserting_after(context):
@@ -144,7 +152,8 @@ def _where(n: fx.Node) -> str:
     return f"node {n.name!r} at {module_path_of(n) or 'the top level'}"
 
 
-def _attention(g: fx.Graph, n: fx.Node, context: fx.Node, spec: ContextSpec, inputs: dict[str, Any]) -> None:
+def _attention(g: fx.Graph, n: fx.Node, context: fx.Node, spec: ContextSpec,
+               is_causal_mask: Callable[[fx.Node], bool]) -> None:
     """The attention node, in place (its name stays: the tensor-parallel split names it), as
     context.attention(q, k, v, causal=..., mode=...); a mask computed from sizes alone that is the
     causal triangle (as HF models build it) becomes causal=True and its arithmetic is dropped."""
@@ -156,7 +165,7 @@ def _attention(g: fx.Graph, n: fx.Node, context: fx.Node, spec: ContextSpec, inp
     args.update(zip(_SDPA_ARGS, n.args))
     args.update(n.kwargs)
     mask = args["attn_mask"]
-    if isinstance(mask, fx.Node) and not args["is_causal"] and _is_causal_triangle(mask, spec, inputs):
+    if isinstance(mask, fx.Node) and not args["is_causal"] and is_causal_mask(mask):
         args["attn_mask"], args["is_causal"] = None, True
         n.args, n.kwargs = (args["query"], args["key"], args["value"]), {}
         _drop_unused(g, [mask])
@@ -255,13 +264,43 @@ def _is_causal_triangle(mask: fx.Node, spec: ContextSpec, inputs: dict[str, Any]
     return bool((seen_keys == torch.ones(spec.seq_len, spec.seq_len, dtype=torch.bool).tril()).all())
 
 
+_RESHAPES = ("view", "reshape", "_unsafe_view", "flatten", "unflatten")
+
+
+def _moved(n: fx.Node, dim: int, full: dict[str, Any]) -> int:
+    """Where node `n` puts dimension `dim` of its first input: moved by a transpose or permute, shifted
+    by an unsqueeze, found by its offset through a view, kept by any other op (token-wise ops keep
+    the sequence where it was); -1 where it cannot be told."""
+    base, x = _base(n), n.args[0] if n.args else None
+    if not (isinstance(x, fx.Node) and isinstance(full.get(x.name), torch.Tensor)):
+        return dim
+    shape = full[x.name].shape
+    ndim = len(shape)
+    if base == "unsqueeze" and len(n.args) == 2:
+        return dim + (dim >= int(n.args[1]) % (ndim + 1))
+    out = full.get(n.name)
+    if base in _RESHAPES and isinstance(out, torch.Tensor):   # the same elements before the dimension
+        before = math.prod(shape[:dim])
+        return next((k for k in range(out.dim()) if math.prod(out.shape[:k]) == before and out.shape[k] == shape[dim]),
+                    -1)
+    if base in ("transpose", "swapaxes") and len(n.args) == 3 and ndim:
+        a, b = (int(d) % ndim for d in n.args[1:])
+        return b if dim == a else a if dim == b else dim
+    if base == "permute" and ndim:
+        order = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else n.args[1:]
+        order = [int(d) % ndim for d in order]
+        return order.index(dim) if dim in order else dim
+    return dim
+
+
 def _base(n: fx.Node) -> str:
     return str(n.target) if n.op == "call_method" else op_base(n.target)
 
 
 def _sequence_dims(g: fx.Graph, full: dict[str, Any], spec: ContextSpec) -> dict[str, int]:
-    """Value -> its sequence dimension, for every value computed from this rank's tokens or positions
-    (its one dimension of length T); LoweringError for a value with several (a (T, T) mask)."""
+    """Value -> its sequence dimension, for every value computed from this rank's tokens or positions:
+    its one dimension of length T or, where a model size equals T, the one its input's sequence
+    dimension moves to (_moved); LoweringError for a value where that does not decide (a (T, T) mask)."""
     reached: set[str] = set()
     out: dict[str, int] = {}
     for n in g.nodes:
@@ -274,6 +313,10 @@ def _sequence_dims(g: fx.Graph, full: dict[str, Any], spec: ContextSpec) -> dict
         if not isinstance(v, torch.Tensor):
             continue
         dims = [d for d, s in enumerate(v.shape) if s == spec.seq_len]
+        if len(dims) > 1:   # a model size equal to T: the dimension the sequence came in on decides
+            came = {_moved(n, out[a.name], full) for a in n.all_input_nodes if a.name in out}
+            hinted = [d for d in dims if d in came]
+            dims = hinted if len(hinted) == 1 else dims
         if len(dims) > 1:
             raise LoweringError(f"context parallelism cannot split {_where(n)}: its shape {tuple(v.shape)} holds the "
                                 f"sequence length {spec.seq_len} on several dimensions (a mask over the whole "

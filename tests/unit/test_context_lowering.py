@@ -127,6 +127,29 @@ def test_a_mask_built_from_sizes_becomes_the_causal_flag_only_if_causal(upper):
     assert "tril" not in src and "ones" not in src
 
 
+class _Scores(nn.Module):
+    """Causal attention, then attention written out: its (B, T, T) scores hold the sequence twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):                                            # (B, T=12, 8)
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)          # each (B, 1, T, 8)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1)
+        return (h @ h.transpose(1, 2)).softmax(-1) @ h               # scores (B, T, T)
+
+
+def test_a_value_holding_the_sequence_twice_is_refused_naming_it():
+    with torch.device("meta"):
+        graph = planner.capture(_Scores(), (torch.zeros(2, 12, 8),))
+    plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=2),
+                           planner.ParallelConfig(micro_batch_size=2, dtype="fp32", context=2), 4)
+    with pytest.raises(LoweringError, match=r"cannot split node 'matmul' .* shape \(2, 12, 12\) holds the sequence "
+                                            "length 12 on several dimensions"):
+        lower_plan(plan, graph)
+
+
 def test_rank_context_takes_targets_and_positions_in_chunk_order():
     rank1 = ContextRank(SoloGroup(0), chunk_layout(8, 2, 1))
     assert rank1.take(torch.arange(8).view(1, 8), 1).tolist() == [[2, 3, 4, 5]]
