@@ -209,8 +209,9 @@ def _drop_unused(g: fx.Graph, nodes: list[fx.Node]) -> None:
         dead += [b for b in inputs if not b.users and b.op != "placeholder" and b not in dead]
 
 
-# what a mask's arithmetic may read of an input: its sizes only
+# what a mask's arithmetic may read of an input: its sizes (and device, dtype) only
 _SIZE_OPS = ("size", "sym_size")
+_SIZE_ATTRS = ("shape", "device", "dtype")
 
 
 def _is_causal_triangle(mask: fx.Node, spec: ContextSpec, inputs: dict[str, Any]) -> bool:
@@ -228,7 +229,8 @@ def _is_causal_triangle(mask: fx.Node, spec: ContextSpec, inputs: dict[str, Any]
             return False
         for a in x.all_input_nodes:
             if a.op == "placeholder":
-                if not (x.op in ("call_method", "call_function") and _base(x) in _SIZE_OPS):
+                if not (x.op in ("call_method", "call_function") and _base(x) in _SIZE_OPS
+                        or _base(x) == "getattr" and x.args[1:2] and x.args[1] in _SIZE_ATTRS):
                     return False
             elif not visit(a):
                 return False
