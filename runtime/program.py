@@ -271,7 +271,8 @@ class ContextShard:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         if self.degree < 2 or len(self.ranks) != self.degree or len(set(self.ranks)) != self.degree:
-            raise ProgramError(f"context: {self.degree} chunks need {self.degree} distinct ranks, got {list(self.ranks)}")
+            raise ProgramError(f"context: {self.degree} ranks per sequence need {self.degree} distinct ranks, "
+                               f"got {list(self.ranks)}")
         if self.seq_len % (2 * self.degree) or self.dim < 0:
             raise ProgramError(f"context: a sequence of {self.seq_len} tokens does not cut into 2 x {self.degree} "
                                f"chunks (target dim {self.dim})")
