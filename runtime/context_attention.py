@@ -43,11 +43,13 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     layout.local_len, tokens in layout order. `group`: the context-parallel ranks (member i is
     layout rank i). `mode`: "ring" or "ulysses" (runtime.vocab.ContextAttention). `scale`:
     1 / sqrt(D) when None. Returns (B, H, T_local, D): the rows of full-sequence
-    scaled_dot_product_attention(is_causal=causal) for this rank's tokens.
+    scaled_dot_product_attention(is_causal=causal) for this rank's tokens. On meta tensors (a
+    shape-only run, e.g. with runtime.tensor_parallel.ShapeGroup) nothing is exchanged: the
+    local attention gives the output's shape and autograd graph.
     """
     mode = _check(q, k, v, group, layout, mode, attn_mask, dropout_p)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if group.size == 1:
+    if group.size == 1 or q.device.type == "meta":
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
     if mode == ContextAttention.RING:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from runtime.comm import SoloGroup
 from runtime.context_attention import ContextAttentionError, context_attention
 from runtime.context_layout import ContextLayoutError, assemble, chunk_layout, sequence_order
+from runtime.tensor_parallel import ShapeGroup
 
 
 def test_sixteen_tokens_over_two_ranks():
@@ -59,14 +60,6 @@ def test_bad_rank_degree_and_tensor_length_are_refused():
         chunk_layout(16, 2, 0).take(torch.zeros(2, 15), 1)
 
 
-class _Pair:
-    """Member 0 of a group of two, for the checks made before any message is sent."""
-
-    ranks = (0, 1)
-    size = 2
-    rank = 0
-
-
 def _qkv(heads=4, kv_heads=4, tokens=8):
     g = torch.Generator().manual_seed(0)
     return (torch.randn(2, heads, tokens, 8, generator=g), torch.randn(2, kv_heads, tokens, 8, generator=g),
@@ -90,17 +83,17 @@ def test_mismatched_layout_and_shapes_are_refused():
                                                     "context group of 1"):
         context_attention(q, k, v, SoloGroup(0), chunk_layout(16, 2, 0), causal=True, mode="ring")
     with pytest.raises(ContextAttentionError, match="q holds 8 tokens but rank 0 of the context layout holds 16"):
-        context_attention(q, k, v, _Pair(), chunk_layout(32, 2, 0), causal=True, mode="ring")
+        context_attention(q, k, v, ShapeGroup(2), chunk_layout(32, 2, 0), causal=True, mode="ring")
     q3, k3, v3 = _qkv(heads=3, kv_heads=2)
     with pytest.raises(ContextAttentionError, match="3 query heads are not a multiple of 2 key/value heads"):
-        context_attention(q3, k3, v3, _Pair(), chunk_layout(16, 2, 0), causal=True, mode="ring")
+        context_attention(q3, k3, v3, ShapeGroup(2), chunk_layout(16, 2, 0), causal=True, mode="ring")
 
 
 def test_ulysses_needs_heads_divisible_by_the_degree():
     q, k, v = _qkv(heads=3, kv_heads=3)
     with pytest.raises(ContextAttentionError, match="splits the 3 heads over 2 context ranks.*use context_attention "
                                                     "'ring'"):
-        context_attention(q, k, v, _Pair(), chunk_layout(16, 2, 0), causal=True, mode="ulysses")
+        context_attention(q, k, v, ShapeGroup(2), chunk_layout(16, 2, 0), causal=True, mode="ulysses")
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
@@ -120,3 +113,9 @@ def test_solo_group_exchanges_are_copies():
     assert recv.tolist() == [5.0, 6.0]
     with pytest.raises(ValueError, match="names members 1 and 0; the only member is 0"):
         g.send_recv(recv, 1, recv, 0, tag=7)
+
+
+def test_meta_tensors_give_the_local_shape_without_communication():
+    q, k, v = (x.to("meta").requires_grad_() for x in _qkv(tokens=8))
+    out = context_attention(q, k, v, ShapeGroup(2), chunk_layout(16, 2, 0), causal=True, mode="ring")
+    assert (out.device.type, tuple(out.shape), out.requires_grad) == ("meta", (2, 4, 8, 8), True)
