@@ -37,6 +37,8 @@ from runtime.vocab import ContextAttention, DType, MeshAxis, Recompute, Strategy
 # blocks expose their transfers and leave too little work per kernel. The user may still ask.
 MIN_SEARCH_TOKENS_PER_RANK = 1024
 
+_MISSING = object()   # a cache miss (a cached refusal may be None)
+
 
 @dataclass(frozen=True)
 class AttentionShape:
@@ -81,10 +83,12 @@ def sequence_length(ev) -> int:
 
 
 def _cache(ev, key: tuple, make):
+    """What `make()` gives for `key` in this strategy's cache on the Evaluator `ev` (made once)."""
     cache: dict = ev.state(StrategyName.CONTEXT, dict)
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
+    hit = cache.get(key, _MISSING)
+    if hit is _MISSING:
+        hit = cache[key] = make()
+    return hit
 
 
 def _local_heads(ev, layer: Layer, n: OpInfo, config: ParallelConfig) -> tuple[float, float]:
