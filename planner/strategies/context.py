@@ -32,10 +32,15 @@ from planner.strategies.base import Strategy
 from runtime.vocab import ContextAttention, DType, MeshAxis, Recompute, StrategyName
 
 # The search proposes a context degree only where each rank keeps at least this many tokens of a
-# sequence: ring attention hides a key/value transfer behind the attention of one block, whose
-# compute grows with the block's tokens squared while the transfer grows linearly, so thin
-# blocks expose their transfers and leave too little work per kernel. The user may still ask.
-MIN_SEARCH_TOKENS_PER_RANK = 1024
+# sequence. A ring step's block attention (4 n^2 H D FLOPs for n tokens per rank) hides its key/value
+# transfer (4 n H_kv D bytes) only when n >= (peak FLOP/s / link bytes/s) x H_kv / H: for full
+# multi-head attention on NVLink about 989 TFLOP/s / 450 GB/s = 2200 tokens on an H100 and
+# 312 / 300 = 1040 on an A100 (NVIDIA datasheets, as tabled in PUBLISHED.md). Shorter blocks
+# expose their transfers, and a search at pretraining lengths (2048 tokens) stays as large as
+# without context parallelism. The user may still ask for any degree (constraint `context`).
+MIN_SEARCH_TOKENS_PER_RANK = 2048
+
+_MISSING = object()   # a cache miss (a cached refusal may be None)
 
 
 @dataclass(frozen=True)
@@ -81,10 +86,12 @@ def sequence_length(ev) -> int:
 
 
 def _cache(ev, key: tuple, make):
+    """What `make()` gives for `key` in this strategy's cache on the Evaluator `ev` (made once)."""
     cache: dict = ev.state(StrategyName.CONTEXT, dict)
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
+    hit = cache.get(key, _MISSING)
+    if hit is _MISSING:
+        hit = cache[key] = make()
+    return hit
 
 
 def _local_heads(ev, layer: Layer, n: OpInfo, config: ParallelConfig) -> tuple[float, float]:

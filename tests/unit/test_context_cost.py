@@ -173,7 +173,7 @@ def test_a_model_without_attention_is_refused(node):
 
 def test_search_degrees_are_powers_of_two_keeping_enough_tokens_per_rank(node):
     ev = Evaluator(_graph(preset="small", seq_len=4 * MIN_SEARCH_TOKENS_PER_RANK), node)
-    assert search_degrees(ev, 8, {}) == [2, 4]      # 8 would leave 512 tokens per rank
+    assert search_degrees(ev, 8, {}) == [2, 4]      # 8 would leave half the minimum per rank
     assert search_degrees(ev, 6, {}) == [2]         # 4 does not divide 6 devices
     assert search_degrees(ev, 8, {"context": 8}) == [8]
     assert search_degrees(ev, 8, {"context": 1}) == []
