@@ -466,10 +466,11 @@ _RECOMPUTED = ("scaled_dot_product_attention", "softmax", "_softmax", "_safe_sof
 
 
 def _recomputed(n: fx.Node) -> bool:
-    """The attention core selective recomputation drops: fused attention and softmax calls."""
+    """The attention core selective recomputation drops: fused attention and softmax calls, and
+    context parallelism's attention (`context.attention`, codegen/context.py), exchange included."""
     if n.op == "call_function":
         return op_base(n.target) in _RECOMPUTED
-    return n.op == "call_method" and n.target in _RECOMPUTED
+    return n.op == "call_method" and n.target in (*_RECOMPUTED, "attention")
 
 
 def _render_output(ret: Any) -> str:

@@ -16,8 +16,9 @@ from tests.parallel_cases import assert_exact, emit_case
 from tests.real_models import HF, assert_verified, emit_fixed, graph_of
 
 LLAMA = {"arch": "llama"}   # 16 tokens, as wide as a head: views keep the sequence apart from the heads
-# full recompute runs the ring's exchange again inside backward
-TWO_RANKS = {"c2_ring": dict(context=2), "c2_recompute_full": dict(context=2, recompute="full")}
+# recompute runs the exchange again inside backward: full (the layer), selective (the attention alone)
+TWO_RANKS = {"c2_ring": dict(context=2), "c2_recompute_full": dict(context=2, recompute="full"),
+             "c2_recompute_selective_ulysses": dict(context=2, recompute="selective", context_attention="ulysses")}
 FOUR_RANKS = {
     "d2c2_ulysses": dict(data=2, context=2, context_attention="ulysses"),
     "c2t2_ring": dict(context=2, tensor=2),

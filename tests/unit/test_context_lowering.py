@@ -36,6 +36,14 @@ def test_stage_code_takes_tokens_positions_and_attention_from_the_context(d2c2):
     assert "torch.arange" not in src and "torch._C._nn.scaled_dot_product_attention" not in src
 
 
+def test_selective_recompute_recomputes_the_context_attention():
+    parts, _ = lower_plan(plan_for("gpt", context=2, recompute="selective"), graph_of("gpt"))
+    src = parts.stages[0].source
+    assert "self.recompute_scaled_dot_product_attention = Recompute(method='attention')" in src
+    assert ("scaled_dot_product_attention = self.recompute_scaled_dot_product_attention(context, getitem, getitem_1, "
+            "getitem_2, causal = True, mode = 'ring')") in src
+
+
 def test_stage_boundaries_hold_this_ranks_tokens():
     parts, _ = lower_plan(plan_for("gpt", pipeline=2, context=2, schedule="1f1b"), graph_of("gpt"))
     first, last = parts.stages
