@@ -172,6 +172,13 @@ def _executable(path: Path) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
+def _context_line(prog: Program) -> str:
+    """The reader's line on context parallelism: the rank's sequence chunks and its context group."""
+    c, k = prog.context.degree, prog.context.index(prog.rank)
+    return (f"Context: ranks {list(prog.context.ranks)} share each sequence of {prog.context.seq_len} tokens; this "
+            f"rank holds chunks {k} and {2 * c - 1 - k} of {2 * c} (the data axis holds data x context {c})")
+
+
 def rank_script(rank: int, prog: Program, parts: Partition, train: TrainSpec, plan: Plan, model_ref: str,
                 model_kwargs: dict) -> str:
     """The source of one rank's script."""
@@ -189,6 +196,7 @@ def rank_script(rank: int, prog: Program, parts: Partition, train: TrainSpec, pl
         "This rank: " + ", ".join(f"{a} {c}" for (a, _), c in zip(prog.mesh, prog.coords))
         + "; stages " + ", ".join(f"{sp.spec.index} ({sp.spec.layers[0]} .. {sp.spec.layers[-1]})" for sp in mine),
         "Process groups (global ranks): " + ", ".join(f"{a} {g}" for a, g in groups.items()),
+        *([_context_line(prog)] if prog.context else []),
     ]
     head = [
         "#!/usr/bin/env python3",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -41,6 +41,9 @@ from runtime.recompute import Recompute
 from runtime.spatial_geometry import SpatialSpec
 from runtime.spec import Boundary, StageSpec
 from runtime.tensor_parallel import shard_module
+
+
+GraphRewrite = Callable[[fx.GraphModule, dict[str, Any]], tuple[fx.Graph, dict[str, Any]]]
 
 
 class PartitionError(ValueError):
@@ -91,11 +94,14 @@ def _ident(name: str) -> str:
     return s if s and not s[0].isdigit() else f"_{s}"
 
 
-def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = None) -> Partition:
+def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = None,
+              rewrite: GraphRewrite | None = None) -> Partition:
     """Per-stage modules for `plan` (see module docstring).
 
     spatial: the images' tiles (codegen/spatial.py): the layers up to the one holding node
-    `spatial.until` run on them, in the stage that holds that node.
+    `spatial.until` run on them, in the stage that holds that node. rewrite(gm, inputs): a
+    strategy's rewrite of the captured graph before the tensor-parallel split, and the meta
+    stand-ins of the runtime attributes it reads (context parallelism: codegen/context.py).
 
     Raises PartitionError / TensorSplitError / SpatialError (ValueErrors) naming what cannot be cut or split.
     """
@@ -120,7 +126,9 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
         raise PartitionError(f"the plan's tensor-parallel split is {'with' if splits.sequence else 'without'} "
                              f"sequence parallelism, its config has sequence_parallel={cfg.sequence_parallel}; "
                              "make the plan again")
-    res = apply_splits(gm, splits, example_inputs(graph, mb))
+    inputs = example_inputs(graph, mb)
+    rewritten, attrs = rewrite(gm, inputs) if rewrite is not None else (None, None)
+    res = apply_splits(gm, splits, inputs, graph=rewritten, attrs=attrs)
     g = res.graph
     nodes = [n for n in g.nodes]
     pos = {n.name: i for i, n in enumerate(nodes)}
@@ -462,10 +470,11 @@ _RECOMPUTED = ("scaled_dot_product_attention", "softmax", "_softmax", "_safe_sof
 
 
 def _recomputed(n: fx.Node) -> bool:
-    """The attention core selective recomputation drops: fused attention and softmax calls."""
+    """The attention core selective recomputation drops: fused attention and softmax calls, and
+    context parallelism's attention (`context.attention`, codegen/context.py), exchange included."""
     if n.op == "call_function":
         return op_base(n.target) in _RECOMPUTED
-    return n.op == "call_method" and n.target in _RECOMPUTED
+    return n.op == "call_method" and n.target in (*_RECOMPUTED, "attention")
 
 
 def _render_output(ret: Any) -> str:

@@ -48,21 +48,25 @@ class TensorSplitResult:
     param_shards: dict[str, ParamShard] = field(default_factory=dict)
 
 
-def apply_splits(gm: fx.GraphModule, splits: TensorSplits | None, inputs: dict[str, Any]) -> TensorSplitResult:
+def apply_splits(gm: fx.GraphModule, splits: TensorSplits | None, inputs: dict[str, Any], *,
+                 graph: fx.Graph | None = None, attrs: dict[str, Any] | None = None) -> TensorSplitResult:
     """`gm`'s graph specialized to the build and rewritten for the decided `splits` (None: nothing
-    is split). `inputs`: placeholder name -> meta tensor with the micro-batch's shape.
+    is split). `inputs`: placeholder name -> meta tensor with the micro-batch's shape. `graph`:
+    a rewrite of gm's graph to split instead (context parallelism's, codegen/context.py), whose
+    runtime attributes' meta stand-ins are `attrs` (get_attr target -> value).
 
     Raises TensorSplitError when the graph with local sizes does not run (a shape constant
     computed at run time that cannot be rewritten).
     """
-    return _apply(gm, splits, inputs, run_meta(gm, gm.graph, inputs, {}))
+    graph = gm.graph if graph is None else graph
+    return _apply(gm, graph, splits, inputs, run_meta(gm, graph, inputs, {}, attrs=attrs), attrs or {})
 
 
-def _apply(gm: fx.GraphModule, splits: TensorSplits | None, inputs: dict[str, Any],
-           full: dict[str, Any]) -> TensorSplitResult:
+def _apply(gm: fx.GraphModule, graph: fx.Graph, splits: TensorSplits | None, inputs: dict[str, Any],
+           full: dict[str, Any], extra_attrs: dict[str, Any]) -> TensorSplitResult:
     new_graph = fx.Graph()
     out_map: dict[fx.Node, fx.Node] = {}
-    ret = new_graph.graph_copy(gm.graph, out_map)
+    ret = new_graph.graph_copy(graph, out_map)
     new_graph.output(ret)
     for n in list(new_graph.nodes):
         n.type = None
@@ -88,6 +92,7 @@ def _apply(gm: fx.GraphModule, splits: TensorSplits | None, inputs: dict[str, An
         shape = list(full_attr.shape)
         shape[ps.dim] = ps.split.local_size(tensor)
         attrs[ps.name] = torch.empty(shape, dtype=full_attr.dtype, device="meta", requires_grad=full_attr.requires_grad)
+    attrs.update(extra_attrs)   # the runtime attributes of a strategy's rewrite (context parallelism's)
     shards = {sh.path: sh for sh in splits.modules}
     value_splits = {node: (dim, fs) for node, dim, fs in splits.values}
     if seq is not None:   # the stream's values hold this rank's tokens (an ATen row op's own output is partial)
@@ -107,4 +112,4 @@ def split_graph(gm: fx.GraphModule, roles: dict[str, str], tensor: int, inputs: 
     """
     full = run_meta(gm, gm.graph, inputs, {})
     split = tensor > 1 and any(r != "replicate" for r in roles.values())
-    return _apply(gm, decide(gm, roles, tensor, full) if split else None, inputs, full)
+    return _apply(gm, gm.graph, decide(gm, roles, tensor, full) if split else None, inputs, full, {})

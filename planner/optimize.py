@@ -36,7 +36,7 @@ from runtime.vocab import Recompute
 OBJECTIVES = ("time", "energy")
 FIXED_KNOBS = ("data", "tensor", "pipeline", "micro_batch_size", "schedule", "virtual_stages", "recompute",
                "zero", "dtype", "bidirectional", "replicas_per_direction", "subgraph", "spatial", "spatial_split",
-               "spatial_until", "spatial_batchnorm", "sequence_parallel")
+               "spatial_until", "spatial_batchnorm", "sequence_parallel", "context", "context_attention")
 LIMITS = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s", "allow_cross_node_tensor",
           "max_micro_batch_size")
 RECOMPUTE_ORDER = tuple(Recompute)   # least recomputation first: none, selective, full

@@ -26,11 +26,13 @@ from runtime.tensor_parallel import mask_padding, shard_module
 
 
 # Attributes of every stage module that generated code reads: the torch.device its forward
-# runs on (where the captured graph named a device, codegen/specialize.py), and the tensor-
-# parallel group (for the functions codegen/weight_ops.py calls; None until connected).
+# runs on (where the captured graph named a device, codegen/specialize.py), the tensor-
+# parallel group (for the functions codegen/weight_ops.py calls; None until connected), and
+# the rank's context-parallel chunks (runtime/parallel/context.py; None until connected).
 RUN_DEVICE = "run_device"
 TENSOR_GROUP = "tensor_group"
-RUNTIME_ATTRS = (RUN_DEVICE, TENSOR_GROUP)
+CONTEXT = "context"
+RUNTIME_ATTRS = (RUN_DEVICE, TENSOR_GROUP, CONTEXT)
 
 
 class MaterializeError(ValueError):
@@ -209,6 +211,7 @@ def build_stage(stage_cls: type, sspec: StageSpec, spec: TrainSpec, tensor_rank:
     stage.to(device)
     setattr(stage, RUN_DEVICE, torch.device(device))
     setattr(stage, TENSOR_GROUP, None)
+    setattr(stage, CONTEXT, None)
     stage.train()
     return stage
 

@@ -44,6 +44,11 @@ Spatial parallelism (Program.spatial, a SpatialTiles): the tiles of one image ar
 consecutive coordinates of the data axis, which then holds data x degree ranks; the rank's
 tile and its spatial group are fields of their own, and the gradient and statistics
 collectives on the data axis reduce over data x spatial.
+
+Context parallelism (Program.context, a ContextShard) is laid out the same way: the chunks of
+one sequence are `degree` consecutive coordinates of the data axis (data x context ranks), so
+the gradient, ZeRO and loss collectives on the data axis run over data x context (Megatron
+reduces gradients and shards its distributed optimizer over data x context alike).
 """
 
 from __future__ import annotations
@@ -247,6 +252,44 @@ class SpatialTiles:
 
 
 @dataclass(frozen=True)
+class ContextShard:
+    """This rank's part of context parallelism: which chunks of each sequence its stage code runs.
+
+    `degree` ranks share every sequence of `seq_len` tokens; `ranks` is the context group (global
+    ranks, in layout order: the k-th holds chunks k and 2 x degree - 1 - k of the causal
+    load-balanced layout, runtime/context_attention.py). They are `degree` consecutive coordinates
+    of the data axis and read the same micro-batches (Program.data_shard). The stage code takes
+    its tokens from the full inputs itself; the runtime takes the targets, whose sequence is
+    dimension `dim`, in the same order before the loss.
+    """
+
+    degree: int
+    seq_len: int
+    dim: int
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        if self.degree < 2 or len(self.ranks) != self.degree or len(set(self.ranks)) != self.degree:
+            raise ProgramError(f"context: {self.degree} ranks per sequence need {self.degree} distinct ranks, "
+                               f"got {list(self.ranks)}")
+        if self.seq_len % (2 * self.degree) or self.dim < 0:
+            raise ProgramError(f"context: a sequence of {self.seq_len} tokens does not cut into 2 x {self.degree} "
+                               f"chunks (target dim {self.dim})")
+
+    def index(self, rank: int) -> int:
+        """The position of `rank` in the context group."""
+        return self.ranks.index(rank)
+
+    def to_dict(self) -> dict:
+        return {"degree": self.degree, "seq_len": self.seq_len, "dim": self.dim, "ranks": list(self.ranks)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ContextShard":
+        return cls(int(d["degree"]), int(d["seq_len"]), int(d["dim"]), tuple(d["ranks"]))
+
+
+@dataclass(frozen=True)
 class Program:
     """One rank's instructions for one training step.
 
@@ -262,6 +305,7 @@ class Program:
         instrs: the instructions, in order.
         ties: the tied weights this rank holds copies of (see Tie).
         spatial: this rank's image tiles (see SpatialTiles), or None without spatial parallelism.
+        context: this rank's sequence chunks (see ContextShard), or None without context parallelism.
     """
 
     rank: int
@@ -277,6 +321,7 @@ class Program:
     buckets: tuple[Bucket, ...] = ()
     ties: tuple[Tie, ...] = ()
     spatial: SpatialTiles | None = None
+    context: ContextShard | None = None
     format_version: int = PROGRAM_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -296,6 +341,8 @@ class Program:
         if self.spatial is not None and self.rank != self.spatial.ranks[self.spatial.index]:
             raise ProgramError(f"spatial: tile {self.spatial.tile} is rank {self.spatial.ranks[self.spatial.index]}, "
                                f"not {self.rank}")
+        if self.context is not None and self.rank not in self.context.ranks:
+            raise ProgramError(f"context: rank {self.rank} is not in its context group {list(self.context.ranks)}")
 
     # ---- views ----------------------------------------------------------
     @property
@@ -326,12 +373,12 @@ class Program:
 
     def data_shard(self) -> tuple[int, int]:
         """(the data shard this rank reads, the number of shards): its data coordinate of the data
-        axis's size, or with spatial tiles, its image run's (see SpatialTiles)."""
+        axis's size, or with spatial tiles / context chunks, its image's / sequence's run of
+        consecutive coordinates (see SpatialTiles, ContextShard)."""
         names = [a for a, _ in self.mesh]
         coord, size = (self.coord("data"), self.mesh_dict["data"]) if "data" in names else (0, 1)
-        if self.spatial is None:
-            return coord, size
-        return coord // self.spatial.degree, size // self.spatial.degree
+        run = self.spatial.degree if self.spatial else self.context.degree if self.context else 1
+        return coord // run, size // run
 
     def tie(self, index: int) -> Tie:
         """The tied weight `index` (an ALLREDUCE tied's `bucket`)."""
@@ -351,7 +398,10 @@ class Program:
                 + (f"  ZeRO {self.zero}" if self.zero else "")
                 + (f"\n# spatial {self.spatial.degree} ({self.spatial.split} {self.spatial.grid[0]} x "
                    f"{self.spatial.grid[1]}): tile {self.spatial.tile} of ranks {list(self.spatial.ranks)}; "
-                   "the data axis holds data x spatial" if self.spatial else ""))
+                   "the data axis holds data x spatial" if self.spatial else "")
+                + (f"\n# context {self.context.degree}: sequence chunks {self.context.index(self.rank)} and "
+                   f"{2 * self.context.degree - 1 - self.context.index(self.rank)} of {2 * self.context.degree}, "
+                   f"group {list(self.context.ranks)}; the data axis holds data x context" if self.context else ""))
         return "\n".join([head, *(str(i) for i in self.instrs)])
 
     # ---- JSON -----------------------------------------------------------
@@ -368,6 +418,7 @@ class Program:
             "instrs": [i.to_dict() for i in self.instrs],
             **({"ties": [t.to_dict() for t in self.ties]} if self.ties else {}),
             **({"spatial": self.spatial.to_dict()} if self.spatial else {}),
+            **({"context": self.context.to_dict()} if self.context else {}),
         }
 
     @classmethod
@@ -390,6 +441,7 @@ class Program:
                 instrs=tuple(Instr.from_dict(i) for i in d["instrs"]),
                 ties=tuple(Tie.from_dict(t) for t in d.get("ties", ())),
                 spatial=SpatialTiles.from_dict(d["spatial"]) if "spatial" in d else None,
+                context=ContextShard.from_dict(d["context"]) if "context" in d else None,
                 format_version=version,
             )
         except KeyError as e:

@@ -20,11 +20,12 @@ from runtime.vocab import current_axis_name
 GroupOf = Callable[[Sequence[tuple[str, int]], Sequence[int], str], tuple[int, ...]]
 
 _TOP = ("format_version", "rank", "world_size", "mesh", "coords", "stages", "num_stages", "num_micro_batches",
-        "micro_batch_size", "zero", "buckets", "instrs", "ties", "spatial")
+        "micro_batch_size", "zero", "buckets", "instrs", "ties", "spatial", "context")
 _BUCKET = ("stage", "params", "numel", "nbytes")
 _BUCKET_KEYS = _BUCKET + ("decay",)   # decay: optional (default true)
 _TIE = ("index", "name", "copies", "owned", "axis")
 _SPATIAL = ("degree", "split", "grid", "tile", "ranks")
+_CONTEXT = ("degree", "seq_len", "dim", "ranks")
 _INSTR_INT = ("stage", "micro", "peer", "handle", "bucket", "nbytes")
 _INSTR_STR = ("op", "kind", "axis")
 
@@ -47,7 +48,7 @@ def check_program_dict(d: Any, axis_group: GroupOf) -> None:
 
 
 def _check(f: Fields, axis_group: GroupOf) -> None:
-    f.only(_TOP, tuple(k for k in _TOP if k not in ("zero", "buckets", "ties", "spatial")))
+    f.only(_TOP, tuple(k for k in _TOP if k not in ("zero", "buckets", "ties", "spatial", "context")))
     version = f.raw("format_version")
     if version != PROGRAM_FORMAT_VERSION or isinstance(version, bool):
         raise f.error("format_version", f"is {version!r}; this runtime reads {PROGRAM_FORMAT_VERSION}")
@@ -82,6 +83,8 @@ def _check(f: Fields, axis_group: GroupOf) -> None:
     ties = _check_ties(f, stages, mesh, coords, axis_group) if "ties" in f.data else set()
     if "spatial" in f.data:
         _check_spatial(f.sub("spatial"), world, f.raw("rank"))
+    if "context" in f.data:
+        _check_context(f.sub("context"), world, f.raw("rank"))
     created: set[int] = set()
     for i, ins in enumerate(f.items("instrs")):
         g = Fields(ins, _WHERE, f"instrs[{i}]")
@@ -167,6 +170,24 @@ def _check_spatial(t: Fields, world: int, rank: int) -> None:
         raise t.error("ranks", f"must be {degree} distinct ranks, got {ranks}")
     if ranks[i * cols + j] != rank:
         raise t.error("ranks", f"holds rank {ranks[i * cols + j]} at tile ({i}, {j}), not this rank {rank}")
+
+
+def _check_context(t: Fields, world: int, rank: int) -> None:
+    """The "context" entry (runtime.program.ContextShard): degree distinct ranks of the world, this rank
+    among them, and a sequence that cuts into 2 x degree chunks."""
+    t.only(_CONTEXT, _CONTEXT)
+    degree = t.integer("degree", minimum=2, maximum=world)
+    seq_len = t.integer("seq_len", minimum=1)
+    if seq_len % (2 * degree):
+        raise t.error("seq_len", f"is {seq_len}, which does not cut into 2 x {degree} chunks")
+    t.integer("dim", minimum=0)
+    ranks = t.items("ranks")
+    for k, r in enumerate(ranks):
+        t.whole(t.path(f"ranks[{k}]"), r, minimum=0, maximum=world - 1)
+    if len(ranks) != degree or len(set(ranks)) != degree:
+        raise t.error("ranks", f"must be {degree} distinct ranks, got {ranks}")
+    if rank not in ranks:
+        raise t.error("ranks", f"is {ranks}, which does not hold this rank {rank}")
 
 
 def _check_ties(f: Fields, stages: list, mesh: list, coords: list, axis_group: GroupOf) -> set[int]:

@@ -294,11 +294,18 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     data = None
     if any(b.source == "data" for sp in specs.values() for b in sp.inputs) or any(sp.is_last for sp in specs.values()):
         shard, shards = prog.data_shard()
-        data = open_data(spec, prog.micro_batch_size, shard, shards)
-    eval_data = open_data(spec, prog.micro_batch_size, shard, shards, split=Split.EVAL) \
+        data = _batches(prog, open_data(spec, prog.micro_batch_size, shard, shards))
+    eval_data = _batches(prog, open_data(spec, prog.micro_batch_size, shard, shards, split=Split.EVAL)) \
         if data is not None and evaluation is not None else None
     return Prepared(rank, prog, spec, args, backend, device, specs, modules, data, fail_at, restore, signature["hash"],
                     evaluation, eval_data)
+
+
+def _batches(prog: Program, source):
+    """The batch source as the rank's strategies read it (context parallelism: targets in chunk order)."""
+    for strategy in STRATEGIES:
+        source = strategy.batches(prog, source)
+    return source
 
 
 def connect(p: Prepared) -> RankSession:

@@ -36,7 +36,7 @@ from planner.plan import Plan
 from runtime.checkpoint import Manifest, complete_checkpoints, resolve_checkpoint
 from runtime.checkpoint_restore import to_state_dict
 from runtime.trace import TRACE_WINDOW_STEPS
-from runtime.vocab import DType, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
+from runtime.vocab import ContextAttention, DType, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
 
 # Bounds of the numeric options (argparse refuses anything outside in one line).
 BATCH = count(1, MAX_BATCH, " samples")
@@ -118,7 +118,8 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     _check_world(cluster.num_devices, "the cluster")
     graph = capture_ref(args.model, _parse_kv(args.arg), 1)
     plan = optimize(graph, cluster, global_batch_size=args.batch, objective=args.objective,
-                    constraints=constraints, progress=False if args.quiet else None)
+                    constraints=constraints, progress=False if args.quiet else None,
+                    **({"runtime": None} if args.what_if else {}))
     print(plan.summary())
     print()
     print(explain(plan))
@@ -220,6 +221,10 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--spatial-batchnorm", default=SpatialBatchNorm.SYNC.value,
                    choices=list(map(str, SpatialBatchNorm)),
                    help="BatchNorm statistics over the whole image (sync, exact) or per tile")
+    p.add_argument("--context", type=DEGREE, default=1,
+                   help="context-parallel degree: ranks sharing each sequence (every layer's tokens split)")
+    p.add_argument("--context-attention", default=ContextAttention.RING.value, choices=list(map(str, ContextAttention)),
+                   help="how attention reaches the other ranks' keys and values: ring or ulysses (all-to-all)")
     p.add_argument("--recompute", default=Recompute.NONE.value, choices=list(map(str, Recompute)))
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     p.add_argument("--dtype", default=DType.FP32.value, choices=list(map(str, DType)))
@@ -460,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--constraint", action="append", default=[], metavar="KEY=VALUE",
                    help="fixed knob or limit, e.g. tensor=8, max_memory_fraction=0.9 (repeatable)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--what-if", action="store_true",
+                   help="also search what the cost model prices but meshplan's runtime does not run yet (the plan "
+                        "is for comparison; codegen refuses it)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=_cmd_optimize)
 

@@ -109,11 +109,13 @@ def output_dir(path: str, flag: str = "-o") -> Path:
 
 # --constraint KEY=VALUE: what each key takes (planner.optimize checks the names).
 _COUNTS = {"data": 1, "tensor": 1, "pipeline": 1, "micro_batch_size": 1, "virtual_stages": 1,
-           "replicas_per_direction": 1, "subgraph": 1, "spatial": 1, "max_micro_batch_size": 1, "zero": 0}
+           "replicas_per_direction": 1, "subgraph": 1, "spatial": 1, "max_micro_batch_size": 1, "zero": 0,
+           "context": 1}
 _FLAGS = ("bidirectional", "allow_cross_node_tensor", "sequence_parallel")
 _POSITIVE = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s")
 _TEXT = {"schedule": "1f1b", "recompute": "selective", "dtype": "bf16", "spatial_split": "strips_h",
-         "spatial_batchnorm": "sync", "spatial_until": "LAYER_NAME"}
+         "spatial_batchnorm": "sync", "spatial_until": "LAYER_NAME",
+         "context_attention": "ring"}
 
 
 def check_constraints(cons: dict[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,8 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
                                      dtype=args.dtype, bidirectional=args.bidirectional,
                                      replicas_per_direction=args.replicas_per_direction, subgraph=args.subgraph,
                                      spatial=args.spatial, spatial_split=args.spatial_split,
-                                     spatial_until=args.spatial_until, spatial_batchnorm=args.spatial_batchnorm)
+                                     spatial_until=args.spatial_until, spatial_batchnorm=args.spatial_batchnorm,
+                                     context=args.context, context_attention=args.context_attention)
         check_fixed_config(cfg, args.batch)
         scaling = _loss_scaling(args, cfg.dtype)
         if args.cluster in (None, "local"):

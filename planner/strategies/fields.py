@@ -148,6 +148,7 @@ LABELS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str]], ...] = (
     (StrategyName.PIPELINE, _interleaved_label),
     (StrategyName.SPATIAL, _spatial_label),
     (StrategyName.SUBGRAPH, _subgraph_label),
+    (StrategyName.CONTEXT, _context_label),
 )
 
 

@@ -10,11 +10,13 @@ the StageSpecs say.
               them (spatial: the tile and its group; tensor: the tensor group; subgraph: the sub-grid group)
     class_split  how the last stage's logits are split over ranks for the loss (tensor: the
                  vocabulary-parallel cross-entropy)
+    batches   the rank's batch source, as its stage code and loss read it (context: the targets
+              in the sequence chunks' order)
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -45,3 +47,7 @@ class RuntimeStrategy(Protocol):
     def class_split(self, ctx: DistContext, spec: StageSpec) -> ClassSplit | None:
         """The split of stage `spec`'s logits over ranks, for the loss (None: this strategy splits none)."""
         return None
+
+    def batches(self, program: Program, source: Any) -> Any:
+        """The batch source (runtime.batch_source.open_data's) the rank trains on."""
+        return source

@@ -35,7 +35,7 @@ REFUSED = (
     dict(subgraph=2, tensor=2, recompute="full"),
     dict(context=2, spatial=2, spatial_until="conv"),
     dict(spatial=2, spatial_until="conv", tensor=2, schedule="interleaved", virtual_stages=2, pipeline=2),
-    dict(context=2),
+    dict(context=2, tensor=2, sequence_parallel=True),
     dict(subgraph=2, data=2, zero=2),
 )
 

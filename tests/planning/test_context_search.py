@@ -1,0 +1,47 @@
+"""The search with context parallelism: a GPT at a long sequence on one 8-GPU node, where the
+activations of a sequence do not fit a device unless the sequence is split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import planner
+from examples.models import gpt
+from planner import NoFeasiblePlan
+
+# 6.4B-parameter GPT at 256K tokens: under full recompute each of the 32 layers keeps its
+# (256K x 4096) bf16 input, 2 GiB, and a 1F1B first stage holds as many micro-batches as there
+# are stages, so without a sequence split a device holds 64 GiB of layer inputs besides its
+# weights, gradients and optimizer state.
+KW = dict(vocab_size=32000, seq_len=262144, hidden=4096, num_layers=32, num_heads=32)
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def long_gpt():
+    with torch.device("meta"):
+        model = gpt.build(**KW)
+    return planner.capture(model, gpt.example_inputs(batch_size=1, device="meta", **KW))
+
+
+def test_the_search_splits_a_long_sequence_when_nothing_else_fits(long_gpt):
+    cluster = planner.Cluster.preset("dgx-a100-80gb", nodes=1)
+    # runtime=None: a what-if search over everything the cost model prices
+    plan = planner.optimize(long_gpt, cluster, global_batch_size=BATCH, progress=False, runtime=None)
+    assert plan.config.context > 1
+    assert plan.prediction.fits
+    try:
+        plain = planner.optimize(long_gpt, cluster, global_batch_size=BATCH, progress=False, runtime=None,
+                                 constraints={"context": 1})
+    except NoFeasiblePlan:
+        return
+    assert plain.prediction.step_time > plan.prediction.step_time
+
+
+def test_the_constraints_pin_the_context_degree_and_attention(long_gpt):
+    cluster = planner.Cluster.preset("dgx-a100-80gb", nodes=1)
+    plan = planner.optimize(long_gpt, cluster, global_batch_size=BATCH, progress=False, runtime=None,
+                            constraints={"context": 2, "context_attention": "ulysses"})
+    assert (plan.config.context, plan.config.context_attention) == (2, "ulysses")
+    assert all(a.config.context == 2 and a.config.context_attention == "ulysses" for a in plan.alternatives)
