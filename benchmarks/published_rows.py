@@ -29,7 +29,7 @@ class Stack(StrEnum):
     """The training software a run used; `evaluator_options` says what each means to the cost model."""
 
     MEGATRON_2021 = "megatron-2021"
-    DEEPSPEED_2021 = "deepspeed-2021"
+    DEEPSPEED = "deepspeed"
     MEGATRON_DEEPSPEED = "megatron-deepspeed"
     FSDP = "fsdp"
     MEGATRON = "megatron"
@@ -55,9 +55,9 @@ _STACK_OPTIONS: Mapping[Stack, Mapping[str, Any]] = MappingProxyType({
     # attention), fp32 main gradients all-reduced after the pipeline flush.
     Stack.MEGATRON_2021: MappingProxyType(dict(fused_attention=False, overlap_grad_reduce=False,
                                                grad_reduce_bytes=4)),
-    # DeepSpeed ZeRO-3 (SC'21 Table 2's baseline): unfused attention; fp16 gradients
+    # DeepSpeed ZeRO-3 as SC'21 Table 2 ran it (2021): unfused attention; fp16 gradients
     # reduce-scattered while the backward runs.
-    Stack.DEEPSPEED_2021: MappingProxyType(dict(fused_attention=False)),
+    Stack.DEEPSPEED: MappingProxyType(dict(fused_attention=False)),
     # Megatron-DeepSpeed (BLOOM, 2022): unfused attention (a fused softmax kernel, the scores
     # still materialized); its bf16 optimizer keeps and all-reduces fp32 gradients after the
     # pipeline flush (DeepSpeed's pipeline engine reduces once all micro-batches are done).
@@ -166,7 +166,7 @@ _SC21_ROWS = (
 def _sc21(scheme: str, params: float, mp: int, batch: int, gpus: int, mb: int, tflops: float) -> Run:
     common = dict(micro_batch_size=mb, recompute="full", dtype="fp16")
     if scheme == "ZeRO-3":
-        knobs, stack, partition = dict(data=gpus, zero=3, **common), Stack.DEEPSPEED_2021, Partition.PLANNER
+        knobs, stack, partition = dict(data=gpus, zero=3, **common), Stack.DEEPSPEED, Partition.PLANNER
     else:   # PTD-P: tensor 8 and pipeline = model-parallel size / 8 (PUBLISHED.md)
         knobs = dict(data=gpus // mp, tensor=8, pipeline=mp // 8, schedule="1f1b", **common)
         stack, partition = Stack.MEGATRON_2021, Partition.MEGATRON

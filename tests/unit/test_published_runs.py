@@ -106,7 +106,7 @@ def test_megascale_scaling_ratio_by_hand():
 def test_stack_options_mapping():
     assert rows.evaluator_options("megatron-2021") == dict(fused_attention=False, overlap_grad_reduce=False,
                                                             grad_reduce_bytes=4)
-    assert rows.evaluator_options(rows.Stack.DEEPSPEED_2021) == dict(fused_attention=False)
+    assert rows.evaluator_options(rows.Stack.DEEPSPEED) == dict(fused_attention=False)
     assert rows.evaluator_options("megatron")["fused_attention"] is True
     with pytest.raises(ValueError, match="torchtitan"):
         rows.evaluator_options("torchtitan")
