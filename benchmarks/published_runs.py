@@ -24,7 +24,8 @@ published seconds / predicted seconds - 1 for s/iteration rows; + means the cost
 predicts the run faster than it ran. TFLOP/s per GPU use the SC'21 paper's own formula
 (recomputed forward counted, GEMMs only) for every TFLOP/s row, OPT's included (OPT does
 not state its convention):  F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)),
-TFLOP/s per GPU = F / (step time x GPUs).
+TFLOP/s per GPU = F / (step time x GPUs). The TF/s column applies it to every row, so on
+rows whose plan does not recompute it counts a forward pass that did not run.
 
 Target (issue 3), on Table 2: median absolute error <= 10%, every row within 20%; the exit
 status says whether it is met. The other rows are reported, not held to a target.
@@ -176,6 +177,9 @@ def main() -> int:
         print(f"{run.name:<34} {run.gpus:>5} {run.stack.value:<18} {r.config.short():<48} {r.how[:9]:<9} "
               f"{run.published:>12.2f} {unit:<4} {r.predicted:>9.2f} {r.error:>+7.1%} {r.tflops:>6.1f} "
               f"{str(r.fits):>5} {r.peak_gib:>6.1f} {r.seconds:>5.1f}")
+    print("\nsources:")
+    for source in dict.fromkeys(r.source for r in RUNS):
+        print(f"  {source}: {', '.join(dict.fromkeys(r.name for r in RUNS if r.source == source))}")
     s = summary(results)
     print("\nabsolute error (+ = predicted faster than measured):")
     for name in ("all", *(t.value for t in Table)):
