@@ -81,6 +81,12 @@ def _axis_shapes(
     return tuple(shapes)
 
 
+def axis_spans_nodes(mesh: Mapping[str, int], axis: str, devices_per_node: int) -> bool:
+    """Whether a group of ``axis`` of ``mesh`` spans nodes of ``devices_per_node`` devices (so its
+    collectives run on the inter-node link, else on the intra-node one). False for an axis of size 1."""
+    return any(shape.spans_nodes for shape in _axis_shapes(_mesh_items(mesh), axis, devices_per_node, False))
+
+
 def axis_collective_time(
     cluster: Cluster,
     mesh: Mapping[str, int],

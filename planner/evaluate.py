@@ -8,7 +8,8 @@ micro-batch, dtype, recompute) and reused for every copy.
 
 Per micro-batch and device, a layer costs its ops' roofline times (FLOPs
 and bytes divided by the tensor degree where the op is sharded) plus its
-tensor-parallel all-reduces. The Evaluator is one pricing driver with no
+tensor-parallel all-reduces, less the part the stack runs under the split GEMMs
+(`overlap`, cost_models/overlap.py). The Evaluator is one pricing driver with no
 branch on a strategy: it loops over the strategies the config uses
 (planner/strategies/registry.py), which give nodes their split roles (tensor),
 check the config against the graph, adjust layer costs (tiles, sub-grids),
@@ -19,7 +20,7 @@ prices the step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
 from cost_models.comm import collective_time, link_models
@@ -27,6 +28,7 @@ from cost_models.mesh_axes import axis_collective_time
 from cost_models.calibrated import calibrated_efficiency, curve_mix, in_run_factors, op_curves, per_element_cost
 from cost_models.compute import Efficiency, op_time, wave_efficiency
 from cost_models.op_curves import node_curve_times
+from cost_models.overlap import DeviceWork, Overlap, OverlapPreset, tp_exposed
 from cost_models.hardware import Cluster
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
@@ -38,6 +40,7 @@ from planner.graph.ties import tied_weights
 from runtime.vocab import DType, MeshAxis, ShardRole, element_bytes
 
 T = TypeVar("T")
+_GEMM_KINDS = ("linear", "conv")   # the ops whose split a tensor-parallel collective feeds
 
 
 @dataclass(frozen=True)
@@ -73,17 +76,19 @@ class Evaluator:
     """Prices ParallelConfigs of one ModelGraph on one Cluster."""
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, *, efficiency: Efficiency | None = None,
-                 fused_attention: bool = True, overlap_grad_reduce: bool = True,
-                 grad_reduce_bytes: int | None = None, sharding: str = "ilp") -> None:
+                 fused_attention: bool = True, overlap: Overlap | None = None,
+                 overlap_grad_reduce: bool | None = None, grad_reduce_bytes: int | None = None,
+                 sharding: str = "ilp") -> None:
         """
         Args:
             efficiency: per-kind efficiencies (default: published facts for the device kind).
             fused_attention: attention kernels keep no (T x T) score matrix (flash-style).
-            overlap_grad_reduce: the data-parallel gradient sync overlaps the last
-                micro-batch's backward (meshplan's runtime and PyTorch DDP do; Megatron-LM
-                2021 reduced after the pipeline flush).
+            overlap: what the training stack overlaps (cost_models/overlap.py; default: the
+                "meshplan" preset, what meshplan's own runtime does).
+            overlap_grad_reduce: where given, replaces `overlap.grad_reduce` (the data-parallel
+                gradient sync overlaps each stage's last backward passes).
             grad_reduce_bytes: bytes per gradient element in the data-parallel sync
-                (default: the compute dtype's; 4 where fp32 main gradients are reduced).
+                (default: `overlap.grad_reduce_dtype`'s, else the compute dtype's).
             sharding: how tensor-parallel regions are chosen: "ilp" (per layer, by the
                 integer program: shard where it pays), "all" (every region, Megatron's layout).
         """
@@ -105,8 +110,11 @@ class Evaluator:
         self.tp_wrapper = per_element_cost(cluster, "tensor_wrapper.")
         self.tp_embedding = per_element_cost(cluster, "tensor_embedding.")
         self.fused_attention = fused_attention
-        self.overlap_grad_reduce = overlap_grad_reduce
-        self.grad_reduce_bytes = grad_reduce_bytes
+        self.overlap = overlap or Overlap.preset(OverlapPreset.MESHPLAN)
+        if overlap_grad_reduce is not None:
+            self.overlap = replace(self.overlap, grad_reduce=overlap_grad_reduce)
+        self.grad_reduce_bytes = grad_reduce_bytes or (
+            DType(self.overlap.grad_reduce_dtype).bytes if self.overlap.grad_reduce_dtype else None)
         self.sharding: ShardingPlan = find_sharding(graph)
         self.strategies: tuple[Strategy, ...] = STRATEGIES
         self._nodes = {n.name: n for n in graph.nodes}
@@ -140,12 +148,12 @@ class Evaluator:
             self._state[key] = make()
         return self._state[key]
 
-    def grad_sync(self, config: ParallelConfig, params: float, window: float, m: int) -> tuple[float, float]:
+    def grad_sync(self, config: ParallelConfig, params: float, work: DeviceWork, m: int) -> tuple[float, float]:
         """(exposed seconds, on-path seconds) per step of every active strategy's gradient and weight
-        traffic, for the device holding `params` parameters whose last backward takes `window` s."""
+        traffic, for the device holding `params` parameters whose compute per micro-batch is `work`."""
         exposed = on_path = 0.0
         for s in self.active(config):
-            e, o = s.grad_sync(self, config, params, window, m)
+            e, o = s.grad_sync(self, config, params, work, m)
             exposed += e
             on_path += o
         return exposed, on_path
@@ -387,8 +395,11 @@ class Evaluator:
         roles = self.layer_roles(layer, config)
         costs = [self.node_cost(self._nodes[name], roles.get(name, "replicate"), config) for name in layer.nodes]
         fwd = sum(c.fwd for c in costs)
-        tp_f = sum(c.tp_fwd for c in costs)
-        tp_b = sum(c.tp_bwd for c in costs)
+        # The stack may run the tensor-parallel communication under the split GEMMs it feeds.
+        gemms = [c for name, c in zip(layer.nodes, costs) if name in roles and self._nodes[name].kind in _GEMM_KINDS]
+        ov = self.overlap
+        tp_f = tp_exposed(sum(c.tp_fwd for c in costs), sum(c.fwd for c in gemms), ov.tp_comm, ov.contention)
+        tp_b = tp_exposed(sum(c.tp_bwd for c in costs), sum(c.bwd for c in gemms), ov.tp_comm, ov.contention)
         saved = sum(c.saved for c in costs)
         params = sum(c.params for c in costs)
         scale = config.micro_batch_size / self.graph.batch_size

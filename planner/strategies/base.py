@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 from runtime.vocab import StrategyName
 
 if TYPE_CHECKING:
+    from cost_models.overlap import DeviceWork
     from cost_models.prediction import Prediction
     from planner.config import ParallelConfig
     from planner.evaluate import Evaluator, LayerCost
@@ -94,10 +95,11 @@ class Strategy:
         """Stage bounds this strategy imposes (weights: seconds per layer), or None to leave them."""
         return None
 
-    def grad_sync(self, ev: "Evaluator", config: "ParallelConfig", params: float, window: float,
+    def grad_sync(self, ev: "Evaluator", config: "ParallelConfig", params: float, work: "DeviceWork",
                   m: int) -> tuple[float, float]:
         """(exposed seconds, on-path seconds) per step of this strategy's gradient and weight traffic for
-        the device holding `params` parameters, whose last backward (`window` s) can hide it."""
+        the device holding `params` parameters, whose compute per micro-batch (`work`, per layer and
+        chunk) can hide it as the Evaluator's `overlap` allows."""
         return 0.0, 0.0
 
 

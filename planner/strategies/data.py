@@ -1,17 +1,21 @@
 """Data parallelism (d replicas) with ZeRO stages 0-3, planner side: the gradient sync.
 
-ZeRO 0/1 all-reduce the gradients bucket by bucket while backward still runs, so only the
-part longer than the hiding window (at least the last bucket) is exposed; ZeRO-1 then
-gathers the updated weight shards. ZeRO-2 reduce-scatters instead (half the traffic) and
-gathers the weights. ZeRO-3 gathers the weights before each micro-batch's forward and
-again before its backward (the recomputed forward reuses that gather) and reduce-scatters
-the gradients: the next layer's compute waits on its gather, so these sit on the
-critical path in full. Memory per parameter (weights, gradients, optimizer state over d)
-is cost_models.memory.param_bytes.
+ZeRO 0/1 all-reduce the gradients, ZeRO-2 reduce-scatters them (half the traffic); where
+the stack overlaps the gradient reduce (`Overlap.grad_reduce`) the buckets go out during
+each model chunk's last backward pass, so only what outlasts those passes is exposed (at
+least the last bucket; cost_models/overlap.py `chunked_sync_exposed`), else all of it after
+the flush. ZeRO-1/2 then gather the updated weight shards: exposed in full, or under the
+next step's forward when the stack overlaps the parameter gather. ZeRO-3 gathers the
+weights before each micro-batch's forward and again before its backward (the recomputed
+forward reuses that gather) and reduce-scatters each micro-batch's gradients: on the
+critical path in full, or layer by layer behind the previous layer's compute where the
+stack prefetches the gathers and overlaps the reduce (`prefetched_exposed`). Memory per
+parameter (weights, gradients, optimizer state over d) is cost_models.memory.param_bytes.
 """
 
 from __future__ import annotations
 
+from cost_models.overlap import DeviceWork, bucketed_exposed, chunked_sync_exposed, prefetched_exposed
 from planner.config import ParallelConfig
 from planner.strategies.base import Strategy
 from runtime.vocab import DType, MeshAxis, StrategyName
@@ -27,21 +31,43 @@ class DataStrategy(Strategy):
     name = StrategyName.DATA
     named_at_one = True
 
-    def grad_sync(self, ev, config: ParallelConfig, params: float, window: float, m: int) -> tuple[float, float]:
-        grad_bytes = params * (ev.grad_reduce_bytes or DType(config.dtype).bytes)
-        weight_bytes = params * DType(config.dtype).bytes
+    def grad_sync(self, ev, config: ParallelConfig, params: float, work: DeviceWork,
+                  m: int) -> tuple[float, float]:
+        ov = ev.overlap
+        grad_elem = ev.grad_reduce_bytes or DType(config.dtype).bytes
+        weight_elem = DType(config.dtype).bytes
         mesh = config.mesh
 
         def data(op: str, nbytes: float) -> float:
             return ev.axis_seconds(mesh, MeshAxis.DATA, op, nbytes)
 
-        if config.zero <= 1:
-            exposed = max(data("all_reduce", min(GRAD_BUCKET_BYTES, grad_bytes)),
-                          data("all_reduce", grad_bytes) - window)
-            if config.zero == 1:  # updated weight shards are gathered after the step
-                exposed += data("all_gather", weight_bytes)
+        if config.zero <= 2:
+            op = "all_reduce" if config.zero <= 1 else "reduce_scatter"
+            if ov.grad_reduce:
+                exposed = chunked_sync_exposed(
+                    [(b, data(op, n * grad_elem), data(op, min(GRAD_BUCKET_BYTES, n * grad_elem)))
+                     for b, n in work.chunks(params)], work.later_passes, ov.contention)
+            else:
+                exposed = data(op, params * grad_elem)
+            if config.zero >= 1:  # the updated weight shards are gathered after the step
+                weight_bytes = params * weight_elem
+                exposed += bucketed_exposed(data("all_gather", weight_bytes),
+                                            data("all_gather", min(GRAD_BUCKET_BYTES, weight_bytes)),
+                                            work.forward if ov.param_gather else 0.0, ov.contention)
             return exposed, 0.0
-        if config.zero == 2:
-            return max(data("reduce_scatter", min(GRAD_BUCKET_BYTES, grad_bytes)),
-                       data("reduce_scatter", grad_bytes) - window) + data("all_gather", weight_bytes), 0.0
-        return 0.0, m * (2 * data("all_gather", weight_bytes) + data("reduce_scatter", grad_bytes))
+        if not (ov.param_gather or ov.grad_reduce):
+            return 0.0, m * (2 * data("all_gather", params * weight_elem) + data("reduce_scatter", params * grad_elem))
+        held = sum(n for n, _, _ in work.layers)
+        share = params / held if held else 0.0
+        gathers = [data("all_gather", n * share * weight_elem) for n, _, _ in work.layers]
+        reduces = [data("reduce_scatter", n * share * grad_elem) for n, _, _ in work.layers]
+        forwards = [f for _, f, _ in work.layers]
+        backwards = [b for _, _, b in work.layers]
+        if ov.param_gather:  # forward in layer order, backward in reverse, one layer ahead
+            gather = prefetched_exposed(gathers, forwards, ov.contention) + \
+                prefetched_exposed(gathers[::-1], backwards[::-1], ov.contention)
+        else:  # each pass gathers all of the device's weights at once and waits
+            gather = 2 * data("all_gather", params * weight_elem)
+        # layer k's gradients are reduced while layer k-1's backward runs; layer 0's is exposed
+        reduce = prefetched_exposed(reduces, backwards, ov.contention) if ov.grad_reduce else sum(reduces)
+        return 0.0, m * (gather + reduce)

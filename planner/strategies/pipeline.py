@@ -4,21 +4,25 @@ Stages are contiguous layer ranges balanced by time under each device's memory
 (planner/stage_split.py); pipeline position i holds chunks i, i+p, ... The slowest
 device sets the pipeline slot; fill and drain follow the schedule
 (cost_models/schedule.py); every micro-batch's activation and its gradient cross each
-cut once. The data-parallel gradient sync and the other strategies' gradient traffic
-are added after the slot (`Evaluator.grad_sync`); tied weights held by several
-positions have their copies' gradients summed after it.
+cut once, in full inside the slot or, where the stack overlaps sends (`Overlap.p2p`), only
+what outlasts the next compute, plus the fill and drain hops. The data-parallel gradient
+sync and the other strategies' gradient traffic are added after the slot, less what the
+device's compute hides (`Evaluator.grad_sync` with its `DeviceWork`); tied weights held by
+several positions have their copies' gradients summed after it.
 """
 
 from __future__ import annotations
 
 from cost_models.memory import adam_step_bytes, live_micro_batches, param_bytes
+from cost_models.mesh_axes import axis_spans_nodes
+from cost_models.overlap import DeviceWork, p2p_exposed
 from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
 from cost_models.schedule import pipeline_time
 from planner.config import ConfigError, ParallelConfig
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, MeshShape, Placement
 from planner.strategies.data import GRAD_BUCKET_BYTES
-from runtime.vocab import DType, Recompute, Schedule, StrategyName
+from runtime.vocab import DType, MeshAxis, Recompute, Schedule, StrategyName
 
 
 class PipelineStrategy(Placement):
@@ -63,8 +67,9 @@ class PipelineStrategy(Placement):
 
     def lower_bound(self, ev, config: ParallelConfig, costs: list, m: int, slot: float) -> float:
         """Each micro-batch crosses each of the p*v - 1 cuts once forward and once backward (at the cheapest
-        cut's price), and the schedule's fill and drain come on top."""
-        if config.pipeline > 1:
+        cut's price; nothing where the stack hides the sends), and the schedule's fill and drain come
+        on top."""
+        if config.pipeline > 1 and not ev.overlap.p2p:
             p2p = ev.p2p_seconds(config)
             cuts = config.pipeline * config.virtual_stages - 1
             slot += 2 * cuts / config.pipeline * p2p(min(c.boundary for c in costs[:-1]))
@@ -101,10 +106,15 @@ class PipelineStrategy(Placement):
     def step(self, ev, config: ParallelConfig, global_batch_size: int, m: int, costs: list,
              bounds: Bounds) -> Prediction:
         p, v, d = config.pipeline, config.virtual_stages, config.data
-        slots, parts, mems, stages = [], [], [], []
+        slots, parts, mems, stages, works = [], [], [], [], []
         pb = param_bytes(config.dtype, config.zero, d)
         p2p = ev.p2p_seconds(config)
         tie_params, tie_seconds = ev.tie_costs(config, bounds)
+        # Gradient and weight traffic on the data axis shares its link with the tensor-parallel
+        # collectives when both axes run on the same link level: they take turns, so only compute
+        # hides it. On different levels (tensor in a node, data across) they run at once.
+        dpn = ev.cluster.devices_per_node
+        apart = axis_spans_nodes(config.mesh, MeshAxis.DATA, dpn) != axis_spans_nodes(config.mesh, MeshAxis.TENSOR, dpn)
         for i in range(p):
             chunks = [bounds[c] for c in range(i, config.num_stages, p)]
             cs = [c for lo, hi in chunks for c in costs[lo:hi]]
@@ -112,9 +122,13 @@ class PipelineStrategy(Placement):
             bwd = sum(c.backward for c in cs)
             rc = sum(c.recompute for c in cs)
             tp = sum(c.comm_forward + c.comm_backward for c in cs)
-            pp = sum(2 * p2p(costs[hi - 1].boundary) for lo, hi in chunks if p > 1)
+            pp = sum(_sends_exposed(ev, p2p(costs[hi - 1].boundary), costs[lo:hi]) for lo, hi in chunks if p > 1)
             slots.append(fwd + bwd + rc + tp + pp)
             parts.append((fwd, bwd, rc, tp, pp))
+            works.append(DeviceWork(
+                layers=tuple((c.params, c.forward + apart * c.tp_forward,
+                              c.backward + c.recompute + apart * c.tp_backward) for c in cs),
+                chunk_sizes=tuple(hi - lo for lo, hi in chunks), later_passes=min(p, m) if v > 1 else 1))
             params = sum(c.params for c in cs) + tie_params.get(i, 0.0)
             live = live_micro_batches(config.schedule, i, p, m, v)
             if config.recompute == Recompute.FULL:
@@ -139,18 +153,34 @@ class PipelineStrategy(Placement):
         fwd, bwd, rc, tp, pp = parts[crit]
         total, bubble = pipeline_time(config.schedule, p, m, slots[crit], v)
 
-        # Gradient sync and ZeRO traffic for the critical device; the last micro-batch's
-        # backward on it hides the sync, bucket by bucket.
+        # Gradient sync and ZeRO traffic for the critical device, hidden behind its compute as the
+        # stack's overlap allows (planner/strategies/data.py).
         params_crit = mems[crit][1]
-        window = bwd + rc if ev.overlap_grad_reduce else 0.0
-        data_comm, zero_comm = ev.grad_sync(config, params_crit, window, m)
+        data_comm, zero_comm = ev.grad_sync(config, params_crit, works[crit], m)
+        if ev.overlap.p2p and p > 1:
+            # Overlapped sends still cross the cuts one after another while the pipeline fills
+            # and drains: the first micro-batch's activation and the last one's gradient.
+            pp_fill = 2 * (p - 1) * max(p2p(costs[hi - 1].boundary) for lo, hi in bounds[:-1])
+        else:
+            pp_fill = 0.0
         data_comm += tie_seconds  # a tied weight's copies summed after the gradient sync
         opt_params = params_crit / (d if config.zero >= 1 else 1)
         optimizer = opt_params * adam_step_bytes(config.dtype) / (ev.cluster.device.memory_bandwidth * ev.eff.memory)
 
         time = TimeBreakdown(forward=m * fwd, backward=m * bwd, recompute=m * rc, tensor_comm=m * tp,
-                             pipeline_comm=m * pp, bubble=bubble, data_comm=data_comm,
+                             pipeline_comm=m * pp + pp_fill, bubble=bubble, data_comm=data_comm,
                              zero_comm=zero_comm, optimizer=optimizer)
         return ev.prediction(config, global_batch_size, m, costs, stages, time,
                              max((mem for mem, _ in mems), key=lambda x: x.total),
                              busy=m * (fwd + bwd + rc) + optimizer)
+
+
+def _sends_exposed(ev, send: float, chunk: list) -> float:
+    """Exposed seconds of one chunk's two sends per micro-batch (its activation forward, its input
+    gradient backward), `send` s each: in full, or under the chunk's next compute of that
+    direction where the stack overlaps pipeline sends."""
+    ov = ev.overlap
+    if not ov.p2p:
+        return 2 * send
+    return p2p_exposed(send, sum(c.forward for c in chunk), ov.contention) + \
+        p2p_exposed(send, sum(c.backward + c.recompute for c in chunk), ov.contention)
