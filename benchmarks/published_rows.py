@@ -16,6 +16,8 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from cost_models.hardware import Cluster, Link
+from cost_models.overlap import Overlap
+from runtime.vocab import DType
 
 
 class Unit(StrEnum):
@@ -48,27 +50,32 @@ class Partition(StrEnum):
     PLANNER = "planner"
 
 
-# Evaluator options per stack, from the facts each source states (the existing options;
-# cost_models/overlap.py's presets join them when that module lands).
+# Evaluator options per stack, from the facts each source states: attention fused or not, and
+# what the stack overlaps (cost_models/overlap.py; its presets cite their sources).
 _STACK_OPTIONS: Mapping[Stack, Mapping[str, Any]] = MappingProxyType({
     # Megatron-LM SC'21, section 5 and its 2021 code: attention scores materialized (no flash
     # attention), fp32 main gradients all-reduced after the pipeline flush.
-    Stack.MEGATRON_2021: MappingProxyType(dict(fused_attention=False, overlap_grad_reduce=False,
-                                               grad_reduce_bytes=4)),
+    Stack.MEGATRON_2021: MappingProxyType(dict(fused_attention=False, overlap=Overlap.preset("megatron-2021"))),
     # DeepSpeed ZeRO-3 as SC'21 Table 2 ran it (2021): unfused attention; fp16 gradients
-    # reduce-scattered while the backward runs.
-    Stack.DEEPSPEED: MappingProxyType(dict(fused_attention=False)),
+    # reduce-scattered while the backward runs, parameters prefetched.
+    Stack.DEEPSPEED: MappingProxyType(dict(fused_attention=False, overlap=Overlap.preset("deepspeed"))),
     # Megatron-DeepSpeed (BLOOM, 2022): unfused attention (a fused softmax kernel, the scores
     # still materialized); its bf16 optimizer keeps and all-reduces fp32 gradients after the
-    # pipeline flush (DeepSpeed's pipeline engine reduces once all micro-batches are done).
-    Stack.MEGATRON_DEEPSPEED: MappingProxyType(dict(fused_attention=False, overlap_grad_reduce=False,
-                                                    grad_reduce_bytes=4)),
-    # metaseq FSDP (OPT, 2022): unfused attention; FSDP reduce-scatters fp16 gradients while
-    # the backward runs.
-    Stack.FSDP: MappingProxyType(dict(fused_attention=False)),
-    # Megatron-LM as of 2023 (MegaScale's baseline): flash attention, gradients reduced in fp32
-    # while the backward runs (--overlap-grad-reduce).
-    Stack.MEGATRON: MappingProxyType(dict(fused_attention=True, overlap_grad_reduce=True, grad_reduce_bytes=4)),
+    # pipeline flush (DeepSpeed's pipeline engine reduces once all micro-batches are done), and
+    # ZeRO-1 gathers the updated weights inside the optimizer step.
+    Stack.MEGATRON_DEEPSPEED: MappingProxyType(dict(fused_attention=False, overlap=dataclasses.replace(
+        Overlap.preset("deepspeed"), grad_reduce=False, param_gather=False, grad_reduce_dtype=DType.FP32))),
+    # metaseq FSDP (OPT, 2022): unfused attention; FSDP prefetches the next layer's parameters and
+    # reduce-scatters fp16 gradients while the backward runs, the overlap torchtitan's FSDP preset
+    # describes.
+    Stack.FSDP: MappingProxyType(dict(fused_attention=False, overlap=Overlap.preset("torchtitan"))),
+    # Megatron-LM as of 2023 (MegaScale's baseline): flash attention, Megatron-Core's overlap of
+    # gradients, gathers and pipeline sends; gradients reduced in fp32 (Megatron-LM arguments.py
+    # turns accumulate_allreduce_grads_in_fp32 on for bf16). MegaScale section 3.3 presents
+    # tensor-parallel communication overlapped with the GEMMs as its own addition, so the
+    # baseline is taken without it.
+    Stack.MEGATRON: MappingProxyType(dict(fused_attention=True, overlap=dataclasses.replace(
+        Overlap.preset("megatron"), tp_comm=0.0, grad_reduce_dtype=DType.FP32))),
 })
 
 

@@ -11,6 +11,7 @@ import torch
 
 import planner
 from examples.models import gpt
+from cost_models.overlap import Overlap
 from planner.evaluate import Evaluator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,17 +105,22 @@ def test_megascale_scaling_ratio_by_hand():
 
 
 def test_stack_options_mapping():
-    assert rows.evaluator_options("megatron-2021") == dict(fused_attention=False, overlap_grad_reduce=False,
-                                                            grad_reduce_bytes=4)
-    assert rows.evaluator_options(rows.Stack.DEEPSPEED) == dict(fused_attention=False)
-    assert rows.evaluator_options("megatron")["fused_attention"] is True
+    assert rows.evaluator_options("megatron-2021") == dict(fused_attention=False,
+                                                            overlap=Overlap.preset("megatron-2021"))
+    assert rows.evaluator_options(rows.Stack.DEEPSPEED) == dict(fused_attention=False, overlap=Overlap.preset("deepspeed"))
+    bloom = rows.evaluator_options("megatron-deepspeed")["overlap"]   # after the flush, in fp32, gathers in the step
+    assert (bloom.grad_reduce, bloom.param_gather, bloom.grad_reduce_dtype) == (False, False, "fp32")
+    megascale = rows.evaluator_options("megatron")
+    assert megascale["fused_attention"] is True and megascale["overlap"].tp_comm == 0.0
+    assert megascale["overlap"].grad_reduce and megascale["overlap"].grad_reduce_dtype == "fp32"
     with pytest.raises(ValueError, match="torchtitan"):
         rows.evaluator_options("torchtitan")
     graph = planner.capture(gpt.build("tiny"), gpt.example_inputs(1, preset="tiny"))
     cluster = planner.Cluster.preset("dgx-a100-80gb")
     for stack in rows.Stack:   # every stack's options are Evaluator options
-        ev = Evaluator(graph, cluster, **rows.evaluator_options(stack))
-        assert ev.fused_attention == rows.evaluator_options(stack).get("fused_attention", True)
+        options = rows.evaluator_options(stack)
+        ev = Evaluator(graph, cluster, **options)
+        assert (ev.fused_attention, ev.overlap) == (options["fused_attention"], options["overlap"])
     used = {r.stack for r in rows.RUNS}
     assert used == set(rows.Stack)
 
