@@ -66,7 +66,7 @@ class Result:
 
     run: Run
     config: planner.ParallelConfig
-    how: str              # "published" knobs, "search" for the unpublished ones, or why nothing fit
+    how: str              # "published" knobs, "search" for the unpublished ones, "no fit": searched, nothing fit
     step_time: float
     tflops: float
     fits: bool
@@ -131,7 +131,7 @@ def price(run: Run, graph: ModelGraph) -> Result:
             fallback = dict(dict(micro_batch_size=1, recompute="full"), **knobs)
             config = planner.ParallelConfig(**fallback)
             pred = Evaluator(graph, cluster, **options).evaluate(config, run.batch)
-            how = "nothing fits: mb1 rc=full"
+            how = "no fit"
     else:
         bounds = stage_boundaries(graph, knobs.get("pipeline", 1), run.partition)
         config = planner.ParallelConfig(**knobs, stage_boundaries=bounds)
@@ -174,7 +174,7 @@ def main() -> int:
         r = price(run, _graph(run, cache))
         results.append(r)
         unit = "TF/s" if run.unit == Unit.TFLOPS else "s/it"
-        print(f"{run.name:<34} {run.gpus:>5} {run.stack.value:<18} {r.config.short():<48} {r.how[:9]:<9} "
+        print(f"{run.name:<34} {run.gpus:>5} {run.stack.value:<18} {r.config.short():<48} {r.how:<9} "
               f"{run.published:>12.2f} {unit:<4} {r.predicted:>9.2f} {r.error:>+7.1%} {r.tflops:>6.1f} "
               f"{str(r.fits):>5} {r.peak_gib:>6.1f} {r.seconds:>5.1f}")
     print("\nsources:")
