@@ -44,10 +44,10 @@ from runtime.vocab import DType
 # Transformer Engine's userbuffers caps a tensor-parallel overlap at UB_MAX_SM = 32 SMs
 # (TransformerEngine transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp) and
 # NVIDIA's published H100 overlap configurations give it 1 to 24 SMs per GEMM (NeMo/Megatron
-# userbuffers configs, e.g. qkv_wgrad num_sm 24, fc1_dgrad num_sm 2); NCCL runs one thread
-# block per channel, 16 of them being a common count on InfiniBand. 16 SMs of an A100's 108
-# is 0.15, the stated fraction: an assumption drawn from these SM counts, not a measured
-# slowdown.
+# userbuffers configs, e.g. qkv_wgrad num_sm 24, fc1_dgrad num_sm 2). ASSUMPTION: an
+# overlapped collective takes about 16 SMs; 16 of an A100's 108 is 0.15. Drawn from these SM
+# counts, not a measured slowdown; a calibrated cluster's simulator measures its own
+# (fit.comm.overlap_hidden).
 GPU_CONTENTION = 0.15
 
 
