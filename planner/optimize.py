@@ -89,8 +89,11 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
     ev = Evaluator(graph, cluster, **evaluator_options)
     ev.memory_cap = cluster.device.memory_bytes * cons.get("max_memory_fraction", 1.0)
     if runtime is not None:   # price only the tensor-parallel regions the code generator can split
+        # only the degrees the search enumerates (_enumerate_shapes): a region that one never-searched
+        # degree cannot split (heads not divisible by it) must not be replicated for all of them
+        max_t = cluster.num_devices if cons.get("allow_cross_node_tensor") else cluster.devices_per_node
         degrees = [cons["tensor"]] if "tensor" in cons else \
-            [t for t in range(2, cluster.num_devices + 1) if cluster.num_devices % t == 0]
+            [t for t in _divisors(cluster.num_devices) if 2 <= t <= max_t and _divides_splits(ev, t)]
         ev.sharding = runtime.splittable(graph, ev.sharding, degrees)
     splits = SplitCache(graph)
     search = _Search()
@@ -204,6 +207,15 @@ def _divisors(n: int) -> list[int]:
     """The divisors of n, ascending, in O(sqrt n) steps (n may be a batch of 2**31)."""
     small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
     return small + [n // k for k in reversed(small) if k * k != n]
+
+
+def _divides_splits(ev: Evaluator, t: int) -> bool:
+    """Whether tensor degree `t` divides every split size that cannot be padded (heads...)."""
+    try:
+        ev.sharding.check(t)
+    except ValueError:
+        return False
+    return True
 
 
 def _best_dtype(cluster: Cluster, allowed: tuple[str, ...]) -> str:
