@@ -139,6 +139,10 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
     all-reduce, and recomputation widens the window that hides the gradient
     sync, so neither knob is monotone in time.
     """
+    # the split analysis' verdict on the shape's tensor roles, asked once: the roles follow the tensor
+    # degree, micro-batch and dtype (planner/strategies/tensor.py caches them so), not recompute or ZeRO
+    why: str | None = None
+    checked = base.tensor == 1
     for recompute in _options(cons, "recompute", RECOMPUTE_ORDER):
         for zero in _options(cons, "zero", (0, 1, 2, 3) if base.data > 1 else (0,)):
             try:
@@ -152,7 +156,8 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
             except ConfigError:
                 search.infeasible += 1
                 continue
-            why = splits.refusal(ev.node_roles(cfg), cfg.tensor) if cfg.tensor > 1 else None
+            if not checked:
+                why, checked = splits.refusal(ev.node_roles(cfg), cfg.tensor), True
             if why is not None:   # a plan must lower: roles the split analysis refuses are skipped
                 search.infeasible += 1
                 search.refused.append((cfg, why))
