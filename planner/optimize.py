@@ -89,8 +89,11 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
     ev = Evaluator(graph, cluster, **evaluator_options)
     ev.memory_cap = cluster.device.memory_bytes * cons.get("max_memory_fraction", 1.0)
     if runtime is not None:   # price only the tensor-parallel regions the code generator can split
+        # only the degrees the search enumerates (_enumerate_shapes): a region that one never-searched
+        # degree cannot split (heads not divisible by it) must not be replicated for all of them
+        max_t = cluster.num_devices if cons.get("allow_cross_node_tensor") else cluster.devices_per_node
         degrees = [cons["tensor"]] if "tensor" in cons else \
-            [t for t in range(2, cluster.num_devices + 1) if cluster.num_devices % t == 0]
+            [t for t in _divisors(cluster.num_devices) if 2 <= t <= max_t and _divides_splits(ev, t)]
         ev.sharding = runtime.splittable(graph, ev.sharding, degrees)
     splits = SplitCache(graph)
     search = _Search()
@@ -136,6 +139,10 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
     all-reduce, and recomputation widens the window that hides the gradient
     sync, so neither knob is monotone in time.
     """
+    # the split analysis' verdict on the shape's tensor roles, asked once: the roles follow the tensor
+    # degree, micro-batch and dtype (planner/strategies/tensor.py caches them so), not recompute or ZeRO
+    why: str | None = None
+    checked = base.tensor == 1
     for recompute in _options(cons, "recompute", RECOMPUTE_ORDER):
         for zero in _options(cons, "zero", (0, 1, 2, 3) if base.data > 1 else (0,)):
             try:
@@ -149,7 +156,8 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
             except ConfigError:
                 search.infeasible += 1
                 continue
-            why = splits.refusal(ev.node_roles(cfg), cfg.tensor, cfg.sequence_parallel) if cfg.tensor > 1 else None
+            if not checked:
+                why, checked = splits.refusal(ev.node_roles(cfg), cfg.tensor, cfg.sequence_parallel), True
             if why is not None:   # a plan must lower: roles the split analysis refuses are skipped
                 search.infeasible += 1
                 search.refused.append((cfg, why))
@@ -204,6 +212,15 @@ def _divisors(n: int) -> list[int]:
     """The divisors of n, ascending, in O(sqrt n) steps (n may be a batch of 2**31)."""
     small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
     return small + [n // k for k in reversed(small) if k * k != n]
+
+
+def _divides_splits(ev: Evaluator, t: int) -> bool:
+    """Whether tensor degree `t` divides every split size that cannot be padded (heads...)."""
+    try:
+        ev.sharding.check(t)
+    except ValueError:
+        return False
+    return True
 
 
 def _best_dtype(cluster: Cluster, allowed: tuple[str, ...]) -> str:
