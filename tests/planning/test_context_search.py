@@ -27,16 +27,23 @@ def long_gpt():
 
 def test_the_search_splits_a_long_sequence_when_nothing_else_fits(long_gpt):
     cluster = planner.Cluster.preset("dgx-a100-80gb", nodes=1)
-    # runtime=None: a what-if search over everything the cost model prices
-    plan = planner.optimize(long_gpt, cluster, global_batch_size=BATCH, progress=False, runtime=None)
+    # runtime=None: a what-if search over everything the cost model prices; sequence parallelism
+    # (which also divides these activations, by the tensor degree) is left out: a stack without it
+    no_sp = {"sequence_parallel": False}
+    plan = planner.optimize(long_gpt, cluster, global_batch_size=BATCH, progress=False, runtime=None,
+                            constraints=no_sp)
     assert plan.config.context > 1
     assert plan.prediction.fits
     try:
         plain = planner.optimize(long_gpt, cluster, global_batch_size=BATCH, progress=False, runtime=None,
-                                 constraints={"context": 1})
+                                 constraints={**no_sp, "context": 1})
     except NoFeasiblePlan:
-        return
-    assert plain.prediction.step_time > plan.prediction.step_time
+        plain = None
+    assert plain is None or plain.prediction.step_time > plan.prediction.step_time
+    # with every dimension open the search does at least as well as without sequence parallelism
+    both = planner.optimize(long_gpt, cluster, global_batch_size=BATCH, progress=False, runtime=None)
+    assert both.prediction.fits
+    assert both.prediction.step_time <= plan.prediction.step_time * (1 + 1e-9)
 
 
 def test_the_constraints_pin_the_context_degree_and_attention(long_gpt):
