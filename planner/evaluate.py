@@ -140,6 +140,11 @@ class Evaluator:
         self._layer_cache: dict[tuple, LayerCost] = {}
         self._state: dict[str, Any] = {}   # per strategy, what it keeps for this graph (see state())
         self._bounds_cache: dict[tuple, list[tuple[int, int]]] = {}
+        # the search prices thousands of configs x hundreds of layers: what repeats is kept
+        self._active_cache: dict[Any, tuple[Strategy, ...]] = {}
+        self._boundary_cache: dict[tuple, float] = {}
+        self._axis_cache: dict[tuple, float] = {}
+        self._roles_cache: dict[tuple, dict[str, str]] = {}
         self._fwd_flops_per_sample = graph.total_fwd_flops / graph.batch_size
         self._layer_inputs = self._input_bytes_per_layer()
         self.tokens_per_sample = _tokens_per_sample(graph)
@@ -149,13 +154,16 @@ class Evaluator:
     def evaluate(self, config: ParallelConfig, global_batch_size: int) -> Prediction:
         self.check(config, global_batch_size)
         m = config.micro_batches(global_batch_size)
-        costs = [self.layer_cost(layer, config) for layer in self.graph.layers]
+        costs = self.layer_costs(config)
         bounds = self.stage_bounds(config, costs, global_batch_size)
         return self.placement(config).step(self, config, global_batch_size, m, costs, bounds)
 
-    def active(self, config: ParallelConfig) -> list[Strategy]:
+    def active(self, config: ParallelConfig) -> tuple[Strategy, ...]:
         """The registered strategies `config` uses, in composition order."""
-        return [s for s in self.strategies if s.active(config)]
+        hit = self._active_cache.get(config)
+        if hit is None:
+            hit = self._active_cache[config] = tuple(s for s in self.strategies if s.active(config))
+        return hit
 
     def placement(self, config: ParallelConfig) -> Placement:
         """The strategy that lays out `config`'s stages and prices its step: the last active Placement."""
@@ -260,15 +268,38 @@ class Evaluator:
             raise ConfigError(f"{e}; choose a dtype this device supports") from None
 
     def layer_cost(self, layer: Layer, config: ParallelConfig) -> LayerCost:
-        key = (layer.signature, layer.index == 0, config.tensor, config.micro_batch_size,
-               config.dtype, config.recompute, config.sequence_parallel)
+        """One layer on one device for one micro-batch under `config` (see LayerCost)."""
+        return self._layer_cost(layer, config, self._layer_key(config), self._adjusters(config))
+
+    def layer_costs(self, config: ParallelConfig) -> list[LayerCost]:
+        """`layer_cost` of every layer of the graph, in order (the search's inner loop: what depends only on
+        the config is worked out once)."""
+        key, adjusters = self._layer_key(config), self._adjusters(config)
+        return [self._layer_cost(layer, config, key, adjusters) for layer in self.graph.layers]
+
+    @staticmethod
+    def _layer_key(config: ParallelConfig) -> tuple:
+        return (config.tensor, config.micro_batch_size, config.dtype, config.recompute, config.sequence_parallel)
+
+    def _layer_cost(self, layer: Layer, config: ParallelConfig, key: tuple,
+                    adjusters: tuple[Strategy, ...]) -> LayerCost:
+        key = (layer.signature, layer.index == 0, *key)
         hit = self._layer_cache.get(key)
         if hit is None:
             hit = self._layer_cache[key] = self._cost_layer(layer, config)
         if hit.boundary != self._boundary(layer, config):  # same body, different cut (last layer)
             hit = self._cost_layer(layer, config)
-        for s in self.active(config):   # per tile, per sub-grid, ...
+        for s in adjusters:   # per tile, per sub-grid, ...
             hit = s.layer_cost(self, layer, hit, config)
+        return hit
+
+    def _adjusters(self, config: ParallelConfig) -> tuple[Strategy, ...]:
+        """The active strategies that adjust a layer's cost (override Strategy.layer_cost)."""
+        key = ("adjusters", config)
+        hit = self._active_cache.get(key)
+        if hit is None:
+            hit = self._active_cache[key] = tuple(s for s in self.active(config)
+                                                  if type(s).layer_cost is not Strategy.layer_cost)
         return hit
 
     def stage_bounds(self, config: ParallelConfig, costs: list[LayerCost],
@@ -307,7 +338,11 @@ class Evaluator:
         (0 on an axis of size 1)."""
         if mesh[axis] <= 1 or nbytes <= 0:
             return 0.0
-        return axis_collective_time(self.cluster, mesh, axis, op, nbytes).seconds
+        key = (tuple(mesh.items()), axis, op, nbytes)
+        hit = self._axis_cache.get(key)
+        if hit is None:
+            hit = self._axis_cache[key] = axis_collective_time(self.cluster, mesh, axis, op, nbytes).seconds
+        return hit
 
     def p2p_seconds(self, config: ParallelConfig):
         """p2p seconds for n bytes between neighbouring pipeline ranks."""
@@ -344,6 +379,13 @@ class Evaluator:
         return [first] + [layers[k - 1].boundary_bytes for k in range(1, len(layers))]
 
     def _boundary(self, layer: Layer, config: ParallelConfig) -> float:
+        key = (layer.index, config.micro_batch_size, config.dtype, config.tensor, config.sequence_parallel)
+        hit = self._boundary_cache.get(key)
+        if hit is None:
+            hit = self._boundary_cache[key] = self._boundary_bytes(layer, config)
+        return hit
+
+    def _boundary_bytes(self, layer: Layer, config: ParallelConfig) -> float:
         return layer.boundary_bytes * config.micro_batch_size / self.graph.batch_size * \
             DType(config.dtype).bytes / 4 / sequence_boundary_share(self, layer, config)
 
@@ -416,8 +458,16 @@ class Evaluator:
         return node_curve_times(n, self.curves, self.curve_mix, share, weights) if dtype == "fp32" else None
 
     def node_roles(self, config: ParallelConfig) -> dict[str, str]:
-        """Split role of every non-replicated node under `config` (fx node name -> role)."""
-        return {name: role for layer in self.graph.layers for name, role in self.layer_roles(layer, config).items()}
+        """Split role of every non-replicated node under `config` (fx node name -> role).
+
+        Cached on what the tensor strategy's choice depends on (planner/strategies/tensor.py keys its
+        per-layer decision the same way); the search asks once per mesh shape."""
+        key = ("roles", config.tensor, config.micro_batch_size, config.dtype, config.sequence_parallel)
+        hit = self._roles_cache.get(key)
+        if hit is None:
+            hit = self._roles_cache[key] = {name: role for layer in self.graph.layers
+                                            for name, role in self.layer_roles(layer, config).items()}
+        return dict(hit)
 
     def layer_roles(self, layer: Layer, config: ParallelConfig) -> dict[str, str]:
         """The split roles the active strategies give `layer`'s nodes (the others are replicated)."""

@@ -27,7 +27,7 @@ def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int, sear
     Raises ConfigError naming the node when the tensor-parallel roles cannot be carried out.
     """
     pred = ev.evaluate(config, global_batch_size)
-    costs = [ev.layer_cost(layer, config) for layer in ev.graph.layers]
+    costs = ev.layer_costs(config)
     bounds = ev.stage_bounds(config, costs, global_batch_size)
     names = [layer.name for layer in ev.graph.layers]
     stages = tuple(Stage(index=k, device_index=k % config.pipeline, layers=tuple(names[lo:hi]))

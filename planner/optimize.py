@@ -287,7 +287,7 @@ def _lower_bound(ev: Evaluator, cfg: ParallelConfig, batch: int, objective: str)
     Every configuration derived from `cfg` by the inner loop costs at least this much.
     """
     try:
-        costs = [ev.layer_cost(layer, cfg) for layer in ev.graph.layers]
+        costs = ev.layer_costs(cfg)
     except ConfigError:
         return float("inf")
     m = batch // (cfg.micro_batch_size * cfg.data)

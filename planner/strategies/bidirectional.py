@@ -55,9 +55,12 @@ class _Sizes:
 
     def device(self, first: tuple[int, int], second: tuple[int, int] | None) -> float:
         """Bytes on a device holding these layer ranges (second None: one stage for both replicas)."""
-        ranges = [first] if second is None else [first, second]
-        return sum(self.par[hi] - self.par[lo] for lo, hi in ranges) + \
-            max(self.act[hi] - self.act[lo] for lo, hi in ranges) + self.extra
+        par, act = self.par, self.act
+        lo, hi = first
+        if second is None:
+            return par[hi] - par[lo] + act[hi] - act[lo] + self.extra
+        lo2, hi2 = second   # the search calls this in its innermost loop: no lists, no generators
+        return par[hi] - par[lo] + par[hi2] - par[lo2] + max(act[hi] - act[lo], act[hi2] - act[lo2]) + self.extra
 
 
 def pairs_fit(bounds: list[tuple[int, int]], sizes: _Sizes, cap: float) -> bool:
