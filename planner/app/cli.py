@@ -22,6 +22,7 @@ import torch
 from codegen.dataset_flags import add_dataset_flags
 from codegen.train_flags import add_flags
 from cost_models.hardware import Cluster
+from cost_models.overlap import Overlap, OverlapPreset
 from cost_models.simulate import simulate_steady
 from planner.app import calibrate_run
 from planner.app.cli_args import (MAX_BATCH, MAX_WORLD, check_constraints, count, nonnegative_number, output_dir,
@@ -119,6 +120,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     graph = capture_ref(args.model, _parse_kv(args.arg), 1)
     plan = optimize(graph, cluster, global_batch_size=args.batch, objective=args.objective,
                     constraints=constraints, progress=False if args.quiet else None,
+                    overlap=Overlap.preset(args.stack),
                     **({"runtime": None} if args.what_if else {}))
     print(plan.summary())
     print()
@@ -468,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--what-if", action="store_true",
                    help="also search what the cost model prices but meshplan's runtime does not run yet (the plan "
                         "is for comparison; codegen refuses it)")
+    p.add_argument("--stack", default=OverlapPreset.MESHPLAN.value, choices=list(map(str, OverlapPreset)),
+                   help="the training stack whose communication overlap the cost model assumes "
+                        "(cost_models/overlap.py; default meshplan, what this runtime does)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=_cmd_optimize)
 

@@ -281,3 +281,21 @@ def test_a_reduce_scatter_over_many_nodes_runs_at_the_scaled_rate():
     given = collective_time(cluster, "reduce_scatter", 2**30, range(0, cluster.num_devices, 8),
                             efficiency={"inter": 0.9})
     assert given.seconds == pytest.approx(ring_reduce_scatter_time(inter, 2**30, 128))
+
+
+def test_cli_optimize_prices_the_named_stack(tmp_path, capsys):
+    # every config costs no more where the stack hides more, so the best plan is no slower
+    from planner import Plan
+    from planner.app.cli import main
+
+    times = {}
+    for stack in ("megatron-2021", "megatron"):
+        out = tmp_path / f"{stack}.json"
+        assert main(["optimize", "examples/models/gpt.py:build", "--arg", "preset=tiny", "--cluster", "dgx-a100-80gb",
+                     "--nodes", "2", "--batch", "32", "--quiet", "--stack", stack, "-o", str(out)]) == 0
+        times[stack] = Plan.load(out).prediction.step_time
+    assert times["megatron"] <= times["megatron-2021"]
+    with pytest.raises(SystemExit):
+        main(["optimize", "examples/models/gpt.py:build", "--cluster", "dgx-a100-80gb", "--batch", "8",
+              "--stack", "megatorn"])
+    assert "invalid choice: 'megatorn'" in capsys.readouterr().err
