@@ -58,7 +58,10 @@ _STACK_OPTIONS: Mapping[Stack, Mapping[str, Any]] = MappingProxyType({
     Stack.MEGATRON_2021: MappingProxyType(dict(fused_attention=False, overlap=Overlap.preset("megatron-2021"))),
     # DeepSpeed ZeRO-3 as SC'21 Table 2 ran it (2021): unfused attention; fp16 gradients
     # reduce-scattered while the backward runs, parameters prefetched.
-    Stack.DEEPSPEED: MappingProxyType(dict(fused_attention=False, overlap=Overlap.preset("deepspeed"))),
+    # DeepSpeed's defaults bound what ZeRO-3 holds gathered: stage3_max_live_parameters 1e9
+    # (deepspeed/runtime/zero/config.py), besides the prefetch bound the overlap preset states.
+    Stack.DEEPSPEED: MappingProxyType(dict(fused_attention=False, overlap=Overlap.preset("deepspeed"),
+                                           zero3_live_parameters=1e9)),
     # Megatron-DeepSpeed (BLOOM, 2022): unfused attention (a fused softmax kernel, the scores
     # still materialized); its bf16 optimizer keeps and all-reduces fp32 gradients after the
     # pipeline flush (DeepSpeed's pipeline engine reduces once all micro-batches are done), and
@@ -77,6 +80,24 @@ _STACK_OPTIONS: Mapping[Stack, Mapping[str, Any]] = MappingProxyType({
     Stack.MEGATRON: MappingProxyType(dict(fused_attention=True, overlap=dataclasses.replace(
         Overlap.preset("megatron"), tp_comm=0.0, grad_reduce_dtype=DType.FP32))),
 })
+
+
+# The dimensions a stack could not run when its rows were measured, pinned off where the search
+# chooses a row's unpublished knobs: sequence parallelism came with Megatron-LM v3 (2022,
+# Korthikanti et al.) and reached neither DeepSpeed ZeRO-3 of 2021, Megatron-DeepSpeed's BLOOM
+# run nor metaseq's FSDP; context parallelism came to Megatron-Core in 2024, after MegaScale.
+_STACK_LACKS: Mapping[Stack, Mapping[str, Any]] = MappingProxyType({
+    Stack.MEGATRON_2021: MappingProxyType(dict(sequence_parallel=False, context=1)),
+    Stack.DEEPSPEED: MappingProxyType(dict(sequence_parallel=False, context=1)),
+    Stack.MEGATRON_DEEPSPEED: MappingProxyType(dict(sequence_parallel=False, context=1)),
+    Stack.FSDP: MappingProxyType(dict(sequence_parallel=False, context=1)),
+    Stack.MEGATRON: MappingProxyType(dict(context=1)),
+})
+
+
+def stack_constraints(stack: Stack | str) -> dict[str, Any]:
+    """Search constraints that keep the search to what `stack` could run (see _STACK_LACKS)."""
+    return dict(_STACK_LACKS[Stack(stack)])
 
 
 def evaluator_options(stack: Stack | str) -> dict[str, Any]:

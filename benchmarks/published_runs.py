@@ -52,7 +52,7 @@ from planner.evaluate import Evaluator  # noqa: E402
 from planner.graph.model import ModelGraph  # noqa: E402
 from published_rows import (  # noqa: E402
     MEGASCALE_NAME, RUNS, Partition, Run, Table, Unit, cluster_for, evaluator_options, paper_flops,
-    per_gpu_scaling,
+    per_gpu_scaling, stack_constraints,
 )
 
 # MegaScale section 6.1 (PUBLISHED.md): the per-GPU throughput kept from the first to the last
@@ -124,7 +124,8 @@ def price(run: Run, graph: ModelGraph) -> Result:
     t0 = time.perf_counter()
     if run.searched:
         try:
-            plan = planner.optimize(graph, cluster, global_batch_size=run.batch, constraints=knobs,
+            plan = planner.optimize(graph, cluster, global_batch_size=run.batch,
+                                    constraints={**stack_constraints(run.stack), **knobs},
                                     progress=False, keep_alternatives=0, runtime=None, **options)
             config, pred, how = plan.config, plan.prediction, "search"
         except planner.NoFeasiblePlan:

@@ -79,6 +79,9 @@ class Overlap:
         contention: seconds of critical path each hidden second of traffic still costs (0..1).
         grad_reduce_dtype: the dtype gradients are reduced in (None: the compute dtype);
             fp32 where a stack reduces fp32 main gradients.
+        prefetch_params: the most parameters (elements) ZeRO-3 gathers ahead of their use; a layer
+            holding more gathers the rest when it starts, exposed (None: the whole next layer, as
+            FSDP's one unit per layer prefetches).
     """
 
     tp_comm: float = 0.0
@@ -87,8 +90,15 @@ class Overlap:
     p2p: bool = False
     contention: float = 0.0
     grad_reduce_dtype: DType | None = None
+    prefetch_params: float | None = None
 
     def __post_init__(self) -> None:
+        if self.prefetch_params is not None:
+            v = self.prefetch_params
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v > 0:
+                raise ValueError(f"Overlap.prefetch_params must be a positive parameter count or None "
+                                 f"(the whole next layer), got {v!r}")
+            object.__setattr__(self, "prefetch_params", float(v))
         for name in ("tp_comm", "contention"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
@@ -148,7 +158,10 @@ _PRESETS: dict[OverlapPreset, Overlap] = {
     # DeepSpeed ZeRO (docs "ZeRO optimizations": overlap_comm, stage3_prefetch_bucket_size):
     # gradient reduction overlapped with backward, ZeRO-3 parameters prefetched; no
     # tensor-parallel overlap, blocking pipeline p2p.
-    OverlapPreset.DEEPSPEED: Overlap(grad_reduce=True, param_gather=True, contention=GPU_CONTENTION),
+    # Its prefetch is bounded: stage3_prefetch_bucket_size, "maximum number of parameter elements to
+    # fetch ahead of use", defaults to 5e7 (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig).
+    OverlapPreset.DEEPSPEED: Overlap(grad_reduce=True, param_gather=True, contention=GPU_CONTENTION,
+                                     prefetch_params=5e7),
     # torchtitan (docs/fsdp.md, FSDP2): each layer's all-gather prefetched one layer ahead and the
     # reduce-scatter overlapped with backward; async tensor parallelism is optional
     # (--parallelism.enable_async_tensor_parallel, off by default); torch.distributed.pipelining

@@ -64,8 +64,13 @@ class DataStrategy(Strategy):
         forwards = [f for _, f, _ in work.layers]
         backwards = [b for _, _, b in work.layers]
         if ov.param_gather:  # forward in layer order, backward in reverse, one layer ahead
-            gather = prefetched_exposed(gathers, forwards, ov.contention) + \
-                prefetched_exposed(gathers[::-1], backwards[::-1], ov.contention)
+            # up to the stack's prefetch bound ahead; the rest of a layer is gathered when it starts
+            cap = ov.prefetch_params
+            ahead = gathers if cap is None else \
+                [data("all_gather", min(n * share, cap) * weight_elem) for n, _, _ in work.layers]
+            late = sum(g - a for g, a in zip(gathers, ahead))
+            gather = prefetched_exposed(ahead, forwards, ov.contention) + \
+                prefetched_exposed(ahead[::-1], backwards[::-1], ov.contention) + 2 * late
         else:  # each pass gathers all of the device's weights at once and waits
             gather = 2 * data("all_gather", params * weight_elem)
         # layer k's gradients are reduced while layer k-1's backward runs; layer 0's is exposed

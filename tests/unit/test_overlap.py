@@ -194,6 +194,33 @@ def test_zero3_prefetch_leaves_the_first_gather_of_each_pass_and_the_last_reduce
     assert plain.evaluate(config, 4).time.zero_comm == pytest.approx(3 * one_pass(sum(params)))
 
 
+def test_zero3_prefetch_bound_gathers_the_rest_of_a_layer_when_it_starts(tiny):
+    # The same case with a prefetch bound of p parameters (DeepSpeed's stage3_prefetch_bucket_size):
+    # each layer gathers min(n, p) ahead and the rest, one_pass(n) - one_pass(min(n, p)), exposed
+    # in both passes. A bound above every layer changes nothing.
+    config = ParallelConfig(data=2, micro_batch_size=2, zero=3, dtype="fp32")
+    slow = _cluster(2, flops=1e3, memory_bandwidth=1e3)
+    ev = Evaluator(tiny, slow, overlap=Overlap(param_gather=True, grad_reduce=True))
+    params = _params(ev, config)
+    whole = ev.evaluate(config, 4).time.zero_comm
+
+    def one_pass(n):
+        return ALPHA + n * 4 / 2 / BANDWIDTH if n else 0.0
+
+    p = max(params) / 2
+    bounded = Evaluator(tiny, slow, overlap=Overlap(param_gather=True, grad_reduce=True, prefetch_params=p))
+    late = sum(one_pass(n) - one_pass(min(n, p)) for n in params)
+    expected = one_pass(min(params[0], p)) + one_pass(min(params[-1], p)) + 2 * late + one_pass(params[0])
+    assert bounded.evaluate(config, 4).time.zero_comm == pytest.approx(expected)
+    assert expected > whole
+    roomy = Evaluator(tiny, slow, overlap=Overlap(param_gather=True, grad_reduce=True, prefetch_params=1e18))
+    assert roomy.evaluate(config, 4).time.zero_comm == pytest.approx(whole)
+    assert Overlap.preset("deepspeed").prefetch_params == 5e7
+    assert Overlap.from_dict(Overlap.preset("deepspeed").to_dict()) == Overlap.preset("deepspeed")
+    with pytest.raises(ValueError, match="prefetch_params"):
+        Overlap(prefetch_params=0)
+
+
 def test_overlapped_sends_leave_the_fill_and_drain_hops(tiny):
     # pipeline 2, compute of seconds: each send hides under the next compute; the first
     # activation and the last gradient still cross the cut: 2 x (a + boundary/bandwidth).

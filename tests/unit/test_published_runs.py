@@ -107,7 +107,8 @@ def test_megascale_scaling_ratio_by_hand():
 def test_stack_options_mapping():
     assert rows.evaluator_options("megatron-2021") == dict(fused_attention=False,
                                                             overlap=Overlap.preset("megatron-2021"))
-    assert rows.evaluator_options(rows.Stack.DEEPSPEED) == dict(fused_attention=False, overlap=Overlap.preset("deepspeed"))
+    assert rows.evaluator_options(rows.Stack.DEEPSPEED) == dict(fused_attention=False, overlap=Overlap.preset("deepspeed"),
+                                                                zero3_live_parameters=1e9)
     bloom = rows.evaluator_options("megatron-deepspeed")["overlap"]   # after the flush, in fp32, gathers in the step
     assert (bloom.grad_reduce, bloom.param_gather, bloom.grad_reduce_dtype) == (False, False, "fp32")
     megascale = rows.evaluator_options("megatron")
@@ -123,6 +124,16 @@ def test_stack_options_mapping():
         assert (ev.fused_attention, ev.overlap) == (options["fused_attention"], options["overlap"])
     used = {r.stack for r in rows.RUNS}
     assert used == set(rows.Stack)
+
+
+def test_searched_rows_keep_to_what_their_stack_could_run():
+    # no sequence parallelism before Megatron-LM v3, no context parallelism before Megatron-Core 2024
+    for stack in rows.Stack:
+        assert rows.stack_constraints(stack)["context"] == 1
+    assert "sequence_parallel" not in rows.stack_constraints("megatron")
+    assert rows.stack_constraints("fsdp")["sequence_parallel"] is False
+    from planner.optimize import FIXED_KNOBS
+    assert all(k in FIXED_KNOBS for stack in rows.Stack for k in rows.stack_constraints(stack))
 
 
 def test_jean_zay_cluster_has_its_omni_path_network():
