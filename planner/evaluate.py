@@ -145,6 +145,7 @@ class Evaluator:
         self._boundary_cache: dict[tuple, float] = {}
         self._axis_cache: dict[tuple, float] = {}
         self._roles_cache: dict[tuple, dict[str, str]] = {}
+        self._costs_cache: dict[tuple, tuple[LayerCost, ...]] = {}
         self._fwd_flops_per_sample = graph.total_fwd_flops / graph.batch_size
         self._layer_inputs = self._input_bytes_per_layer()
         self.tokens_per_sample = _tokens_per_sample(graph)
@@ -275,6 +276,12 @@ class Evaluator:
         """`layer_cost` of every layer of the graph, in order (the search's inner loop: what depends only on
         the config is worked out once)."""
         key, adjusters = self._layer_key(config), self._adjusters(config)
+        if not adjusters:   # then the costs depend on the key alone: data, pipeline and ZeRO share them
+            hit = self._costs_cache.get(key)
+            if hit is None:
+                hit = self._costs_cache[key] = tuple(self._layer_cost(layer, config, key, ())
+                                                     for layer in self.graph.layers)
+            return list(hit)
         return [self._layer_cost(layer, config, key, adjusters) for layer in self.graph.layers]
 
     @staticmethod
