@@ -117,7 +117,7 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
                     where = by_name[i].module_path or i
                     heads = by_name[i].input_meta[0].shape[1]
                     constraints.append((f"the heads of {where}", heads, False, region))
-                    kv = _kv_heads(by_name[i], by_name)
+                    kv = _kv_heads(by_name[i], by_name, anc)
                     if kv != heads:   # grouped-query attention: each rank holds whole key/value heads
                         constraints.append((f"the key/value heads of {where}", kv, False, region))
             for r in rows:
@@ -128,11 +128,12 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
     return ShardingPlan(roles=roles, constraints=tuple(dict.fromkeys(constraints)))
 
 
-def _kv_heads(attn: OpInfo, by_name: dict) -> int:
+def _kv_heads(attn: OpInfo, by_name: dict, anc: dict[str, bool]) -> int:
     """The key/value heads of an attention node (B, H, T, D) inputs: the fewest heads of a
     (B, h, T, D) tensor on the way back from its key input to the key projection. Grouped-query
     attention reads H / Hkv as few (SDPA's enable_gqa), or repeats them to H first (Hugging Face's
-    repeat_kv: unsqueeze, expand, reshape), so the walk passes the repeat and finds Hkv."""
+    repeat_kv: unsqueeze, expand, reshape), so the walk passes the repeat and finds Hkv. The walk
+    follows the values computed from weights (`anc`), never a rotary table or a mask beside them."""
     batch, rest = attn.input_meta[0].shape[0], tuple(attn.input_meta[1].shape[2:])
     heads = attn.input_meta[1].shape[1]
     cur = by_name.get(attn.inputs[1])
@@ -142,8 +143,7 @@ def _kv_heads(attn: OpInfo, by_name: dict) -> int:
         shape = tuple(cur.output_meta[0].shape)
         if len(shape) == 4 and shape[0] == batch and shape[2:] == rest:
             heads = min(heads, shape[1])
-        src = [by_name[i] for i in cur.inputs if i in by_name and _is_activation(by_name[i])
-               and by_name[i].kind != "param"]
+        src = [by_name[i] for i in cur.inputs if anc.get(i, False) and _is_activation(by_name.get(i))]
         cur = src[0] if src else None
     return heads
 

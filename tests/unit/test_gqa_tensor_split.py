@@ -2,7 +2,9 @@
 Llama-70B (8 query heads, 2 key/value heads, SwiGLU, no bias) splits q's heads and k/v's heads in
 matching contiguous blocks at tensor 2, the plan stores that split and round-trips, tensor 4 is
 refused naming the key/value heads, and a partition whose query heads do not follow their key/value
-heads is refused by the attention rule."""
+heads is refused by the attention rule. Hugging Face Llama (8 heads, 2 key/value heads) repeats its
+key/value heads to 8 (repeat_kv) before attention: the sharding plan still finds the 2 behind the
+repeat (even beside a batch-1 rotary table), and the split gives each rank its kv head's block."""
 
 import pytest
 import torch
@@ -10,6 +12,8 @@ import torch
 import planner
 from examples.models import gpt
 from planner import ConfigError, Plan
+from planner.graph.capture import capture_ref
+from planner.sharding import find_sharding
 from planner.tensor_split.rules import Split, _Fail, _grouped_heads, _State
 from runtime.tensor_parallel import FeatureSplit
 
@@ -92,3 +96,30 @@ def test_the_attention_rule_refuses_query_heads_that_do_not_follow_their_key_val
 def test_the_attention_rule_refuses_a_degree_that_does_not_divide_the_key_value_heads():
     with pytest.raises(_Fail, match="has 2 key/value heads, and the tensor degree 4 does not divide them"):
         _grouped_heads("attn", _heads(FeatureSplit((8,), 0), FeatureSplit((2,), 0)), 8, 2, _State(t=4, choices={}))
+
+
+HF_LLAMA = ("examples/models/hf.py:build", {"arch": "llama", "num_attention_heads": 8, "num_key_value_heads": 2})
+
+
+@pytest.fixture(scope="module")
+def llama_graph():
+    return capture_ref(*HF_LLAMA, batch_size=1)
+
+
+def test_the_key_value_heads_are_found_behind_hf_repeat_kv(llama_graph):
+    heads = [(what, size) for what, size, paddable, _r in find_sharding(llama_graph).constraints
+             if not paddable and "layers.0." in what]
+    assert heads == [("the heads of model.layers.0.self_attn", 8),
+                     ("the key/value heads of model.layers.0.self_attn", 2)]
+
+
+def test_hf_llama_at_tensor_2_splits_k_by_its_key_value_heads(llama_graph):
+    params = {p.name: (p.dim, p.split) for p in _plan(llama_graph, 2).tensor_splits.params}
+    assert params["model.layers.0.self_attn.q_proj.weight"] == (0, FeatureSplit((8, 8), 0))   # 8 heads of 8
+    assert params["model.layers.0.self_attn.k_proj.weight"] == (0, FeatureSplit((2, 8), 0))   # 2 kv heads of 8
+
+
+def test_hf_llama_at_tensor_4_is_refused_naming_the_key_value_heads(llama_graph):
+    with pytest.raises(ConfigError, match=r"tensor degree 4 does not divide the key/value heads of "
+                                          r"model\.layers\.0\.self_attn = 2"):
+        _plan(llama_graph, 4)
