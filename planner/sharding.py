@@ -14,8 +14,10 @@ with a vocabulary-parallel loss. Embeddings split their vocabulary and
 all-reduce their output. Everything else is replicated on the t ranks.
 
 Roles do not depend on t; `ShardingPlan.constraints` lists the split sizes
-(heads, features, channels, vocabulary): t must divide the heads; a vocabulary or a
-feature count that t does not divide is padded to a multiple of t (runtime/tensor_parallel.py).
+(heads, features, channels, vocabulary): t must divide the heads, and the key/value heads of
+grouped-query attention (each rank holds whole key/value heads and the query heads reading
+them); a vocabulary or a feature count that t does not divide is padded to a multiple of t
+(runtime/tensor_parallel.py).
 """
 
 from __future__ import annotations
