@@ -14,8 +14,10 @@ with a vocabulary-parallel loss. Embeddings split their vocabulary and
 all-reduce their output. Everything else is replicated on the t ranks.
 
 Roles do not depend on t; `ShardingPlan.constraints` lists the split sizes
-(heads, features, channels, vocabulary): t must divide the heads; a vocabulary or a
-feature count that t does not divide is padded to a multiple of t (runtime/tensor_parallel.py).
+(heads, features, channels, vocabulary): t must divide the heads, and the key/value heads of
+grouped-query attention (each rank holds whole key/value heads and the query heads reading
+them); a vocabulary or a feature count that t does not divide is padded to a multiple of t
+(runtime/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -114,14 +116,38 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
             for i in inner:
                 roles[i] = NodeShard(ShardRole.INNER, region=region, split_size=size)
                 if by_name[i].kind == "attention" and by_name[i].input_meta:
-                    constraints.append((f"the heads of {by_name[i].module_path or i}",
-                                        by_name[i].input_meta[0].shape[1], False, region))
+                    where = by_name[i].module_path or i
+                    heads = by_name[i].input_meta[0].shape[1]
+                    constraints.append((f"the heads of {where}", heads, False, region))
+                    kv = _kv_heads(by_name[i], by_name, anc)
+                    if kv != heads:   # grouped-query attention: each rank holds whole key/value heads
+                        constraints.append((f"the key/value heads of {where}", kv, False, region))
             for r in rows:
                 roles[r] = NodeShard(ShardRole.ROW, fwd_allreduce=by_name[r].output_bytes, region=region,
                                      split_size=size)
     for n in graph.nodes:
         roles.setdefault(n.name, NodeShard("replicate"))
     return ShardingPlan(roles=roles, constraints=tuple(dict.fromkeys(constraints)))
+
+
+def _kv_heads(attn: OpInfo, by_name: dict, anc: dict[str, bool]) -> int:
+    """The key/value heads of an attention node (B, H, T, D) inputs: the fewest heads of a
+    (B, h, T, D) tensor on the way back from its key input to the key projection. Grouped-query
+    attention reads H / Hkv as few (SDPA's enable_gqa), or repeats them to H first (Hugging Face's
+    repeat_kv: unsqueeze, expand, reshape), so the walk passes the repeat and finds Hkv. The walk
+    follows the values computed from weights (`anc`), never a rotary table or a mask beside them."""
+    batch, rest = attn.input_meta[0].shape[0], tuple(attn.input_meta[1].shape[2:])
+    heads = attn.input_meta[1].shape[1]
+    cur = by_name.get(attn.inputs[1])
+    for _ in range(64):   # a repeat and a rotary embedding are a dozen ops; far below this bound
+        if cur is None or cur.kind not in ("view", "elementwise", "concat") or not cur.output_meta:
+            break
+        shape = tuple(cur.output_meta[0].shape)
+        if len(shape) == 4 and shape[0] == batch and shape[2:] == rest:
+            heads = min(heads, shape[1])
+        src = [by_name[i] for i in cur.inputs if anc.get(i, False) and _is_activation(by_name.get(i))]
+        cur = src[0] if src else None
+    return heads
 
 
 def _order(graph: ModelGraph):

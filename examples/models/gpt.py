@@ -185,9 +185,9 @@ class CausalSelfAttention(nn.Module):
     row-parallel one in the Megatron pattern; heads are independent in between.
     With grouped-query attention (num_kv_heads < num_heads) the projections are
     ``q`` (C -> C), ``k`` and ``v`` (C -> KV*D), each column-parallel; every key/value
-    head serves num_heads / num_kv_heads consecutive query heads. The cost model shards
-    them by heads; the code generator has no split rule yet for attention whose query and
-    key/value head counts differ, so a plan for a GQA model keeps its attention replicated.
+    head serves num_heads / num_kv_heads consecutive query heads. Tensor parallelism splits
+    q by its heads and k, v by theirs in matching contiguous blocks (the tensor degree must
+    divide num_kv_heads; planner/tensor_split/rules.py).
     """
 
     def __init__(self, cfg: GPTConfig):

@@ -11,10 +11,12 @@ special-cased; the rules (rules.py) follow the split dimension through the graph
   is indexed by q/k/v, so it fails and H is taken). The column weight is then partitioned
   per part: each rank holds its heads of q, of k and of v.
 * views, permutes, transposes and integer indexing move the split dimension; elementwise ops
-  and attention keep it (attention over heads); a replicated tensor meeting it (T5's
-  per-head position bias, a mask per head) is cut to the rank's part where it is read (every
-  tensor rank computes a replicated value alike; its gradient is all-reduced); a reduction,
-  softmax, contraction or slice across it is an error naming the node.
+  and attention keep it (attention over heads; grouped-query attention takes q split by its
+  heads and k, v by theirs, each rank holding the query heads that read its key/value heads);
+  a replicated tensor meeting it (T5's per-head position bias, a mask per head) is cut to the
+  rank's part where it is read (every tensor rank computes a replicated value alike; its
+  gradient is all-reduced); a reduction, softmax, contraction or slice across it is an error
+  naming the node.
 * a row op's input features are partitioned the way its input is split; a per-channel norm
   (BatchNorm) between column and row keeps its channels.
 * a column_out op (the last projection) leaves the model output split on its last dimension

@@ -449,7 +449,11 @@ def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
         for x in qkv:
             if x.dim != nd - 3:
                 raise _Fail(name, "attention inputs must be split on the heads dimension (B, H, T, D)")
-        _unify(name, qkv, st)
+        q_heads, kv_heads = full[n.args[0].name].shape[nd - 3], full[n.args[1].name].shape[nd - 3]
+        if q_heads == kv_heads:
+            _unify(name, qkv, st)
+        else:
+            _grouped_heads(name, qkv, q_heads, kv_heads, st)
         for a in list(n.args[3:]) + list(n.kwargs.values()):
             if isinstance(a, fx.Node) and split_of(a) is None and isinstance(full.get(a.name), torch.Tensor):
                 m = full[a.name]
@@ -511,6 +515,30 @@ def _unify(name: str, splits: list[Split], st: _State) -> None:
             if s.size != d0.size:
                 raise _Fail(name, "tensors split with different sizes meet")
             st.decided[st.root(s.origin)] = FeatureSplit(d0.factors, d0.split)
+
+
+def _grouped_heads(name: str, qkv: list[Split], q_heads: int, kv_heads: int, st: _State) -> None:
+    """Grouped-query attention (SDPA with enable_gqa): k and v split alike over their `kv_heads`
+    heads, q over its `q_heads`, and every rank holding exactly the query heads that read its
+    key/value heads (query head h reads key/value head h // (q_heads / kv_heads)), so that each
+    rank's attention is the same grouped-query attention on fewer heads. Contiguous blocks of both
+    satisfy it: rank r holds kv heads [r*Hkv/t, (r+1)*Hkv/t) and q heads [r*H/t, (r+1)*H/t)."""
+    t = st.t
+    q, k, v = qkv
+    _unify(name, [k, v], st)
+    if kv_heads % t:
+        raise _Fail(name, f"grouped-query attention has {kv_heads} key/value heads, and the tensor degree {t} "
+                          f"does not divide them; choose a tensor degree that divides {kv_heads}")
+    q_fs, kv_fs = _feature_split(q, st), _feature_split(k, st)
+    if q_fs.size != q_heads or kv_fs.size != kv_heads or q_fs.padded(t) or kv_fs.padded(t):
+        raise _Fail(name, "grouped-query attention inputs must be split by whole heads")
+    group = q_heads // kv_heads
+    for r in range(t):
+        kv_idx = kv_fs.indices(r, t)
+        want = (kv_idx[:, None] * group + torch.arange(group)).flatten()
+        if not torch.equal(q_fs.indices(r, t), want):
+            raise _Fail(name, f"grouped-query attention: rank {r}'s query heads are not those that read its "
+                              f"key/value heads (q split {q_fs.to_list()}, k/v split {kv_fs.to_list()})")
 
 
 def _same_partition(a: Split, b: Split, t: int) -> bool:
