@@ -1,4 +1,4 @@
-"""The measured runs of ../shared/reference/PUBLISHED.md as data, for benchmarks/published_runs.py.
+"""The measured runs of docs/reference/PUBLISHED.md (the public calibration set) as data, for benchmarks/published_runs.py.
 
 One `Run` per published row: which model (an examples/models/gpt.py preset), how many GPUs,
 the global batch, the parallel knobs the source publishes (ParallelConfig fields), the

@@ -1,4 +1,4 @@
-"""Check the cost model against every measured run of ../shared/reference/PUBLISHED.md.
+"""Check the cost model against every measured run of docs/reference/PUBLISHED.md.
 
     python benchmarks/published_runs.py [--json OUT]
 

@@ -1,5 +1,5 @@
 """Cluster presets: DGX A100 (80 GB), DGX H100, Summit, from published hardware facts
-(../shared/reference/PUBLISHED.md), and ``local``: this machine's CPU processes, measured.
+(docs/reference/PUBLISHED.md), and ``local``: this machine's CPU processes, measured.
 
 Plain data: each preset is a :class:`NodeSpec` holding the fields of the Device and the
 two Links its nodes are made of; :meth:`cost_models.hardware.Cluster.preset` builds (and

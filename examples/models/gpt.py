@@ -139,7 +139,7 @@ PRESETS: dict[str, dict[str, int | str | bool]] = {
     "1t": dict(vocab_size=51200, seq_len=2048, hidden=25600, num_layers=128,
                num_heads=160),
     # BLOOM-176B: bigscience tr11-176B-ml README (h 14336, 70 layers, 112 heads, vocab 250880,
-    # tied embeddings, ALiBi); ../shared/reference/PUBLISHED.md, "More measured runs".
+    # tied embeddings, ALiBi); docs/reference/PUBLISHED.md, "More measured runs".
     "bloom-176b": dict(vocab_size=250880, seq_len=2048, hidden=14336, num_layers=70,
                        num_heads=112, tie_embeddings=True, positions=Positions.NONE.value),
     # OPT-175B: arXiv 2205.01068 Table 1 (96 layers, 96 heads, h 12288), ReLU (section 2.1),

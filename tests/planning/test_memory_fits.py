@@ -1,6 +1,6 @@
 """A configuration published as run fits in the predicted memory: GPT-175B on 384 A100 80GB with
 tensor 8, pipeline 12, data 4, micro-batch 1 and full recomputation (Megatron-LM SC'21, Narayanan
-et al., Table 2, PTD-P row; shared/reference/PUBLISHED.md), priced with the facts of that run
+et al., Table 2, PTD-P row; docs/reference/PUBLISHED.md), priced with the facts of that run
 (scores materialized, fp32 main gradients, dropout 0.1, 8 blocks per stage)."""
 
 from __future__ import annotations
