@@ -141,7 +141,8 @@ class Evaluator:
         self._state: dict[str, Any] = {}   # per strategy, what it keeps for this graph (see state())
         self._bounds_cache: dict[tuple, list[tuple[int, int]]] = {}
         # the search prices thousands of configs x hundreds of layers: what repeats is kept
-        self._active_cache: dict[Any, tuple[Strategy, ...]] = {}
+        self._active_cache: dict[ParallelConfig, tuple[Strategy, ...]] = {}
+        self._adjusters_cache: dict[ParallelConfig, tuple[Strategy, ...]] = {}
         self._boundary_cache: dict[tuple, float] = {}
         self._axis_cache: dict[tuple, float] = {}
         self._roles_cache: dict[tuple, dict[str, str]] = {}
@@ -302,11 +303,10 @@ class Evaluator:
 
     def _adjusters(self, config: ParallelConfig) -> tuple[Strategy, ...]:
         """The active strategies that adjust a layer's cost (override Strategy.layer_cost)."""
-        key = ("adjusters", config)
-        hit = self._active_cache.get(key)
+        hit = self._adjusters_cache.get(config)
         if hit is None:
-            hit = self._active_cache[key] = tuple(s for s in self.active(config)
-                                                  if type(s).layer_cost is not Strategy.layer_cost)
+            hit = self._adjusters_cache[config] = tuple(s for s in self.active(config)
+                                                        if type(s).layer_cost is not Strategy.layer_cost)
         return hit
 
     def stage_bounds(self, config: ParallelConfig, costs: list[LayerCost],
