@@ -56,6 +56,7 @@ class _Search:
     seconds: float = 0.0
     priced: list[tuple[ParallelConfig, Prediction]] = field(default_factory=list)
     refused: list[tuple[ParallelConfig, str]] = field(default_factory=list)  # roles the split analysis refused
+    blocked: str | None = None   # the first refusal of the target's runtime in the inner loop
 
 
 def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, example_inputs: Any = None,
@@ -115,8 +116,7 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
         blocked = [runtime.why_not(b, global_batch_size) for b in bases if not runtime.allows(b, global_batch_size)]
         bases = [b for b in bases if runtime.allows(b, global_batch_size)]
         if not bases and blocked:
-            raise NoFeasiblePlan(f"every configuration the constraints allow needs something the {runtime.target} "
-                                 f"target cannot run ({blocked[0]}); pass runtime=None for a what-if search")
+            raise NoFeasiblePlan(_blocked_message(runtime, blocked[0]))
     search.bases = len(bases)
     if not bases:
         raise NoFeasiblePlan(_no_base_message(ev, cluster, global_batch_size, cons))
@@ -134,6 +134,8 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
         best = _inner(ev, base, global_batch_size, objective, cons, search, best, runtime, splits)
     search.seconds = time.perf_counter() - t0
     bar.close(f"{search.evaluated} priced, {search.pruned} pruned")
+    if best is None and not search.priced and search.blocked and runtime is not None:
+        raise NoFeasiblePlan(_blocked_message(runtime, search.blocked))
     if best is None:
         raise NoFeasiblePlan(_infeasible_message(search, cluster, cons))
     stats = (("candidates", search.bases), ("evaluated", search.evaluated), ("pruned", search.pruned),
@@ -162,7 +164,8 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
                 cfg = base.replace(recompute=recompute, zero=zero)
             except ConfigError:   # a combination planner/strategies/combinations.py refuses
                 continue
-            if runtime is not None and not runtime.allows(cfg, batch):
+            if runtime is not None and (refusal := runtime.why_not(cfg, batch)):
+                search.blocked = search.blocked or refusal
                 continue
             try:
                 pred = ev.evaluate(cfg, batch)
@@ -367,6 +370,11 @@ def _alternatives(search: _Search, best, objective: str, cons: dict, keep: int) 
         if len(out) >= keep:
             break
     return tuple(out)
+
+
+def _blocked_message(runtime: RuntimeSupport, refusal: str) -> str:
+    return (f"every configuration the constraints allow needs something the {runtime.target} target cannot run "
+            f"({refusal}); pass runtime=None for a what-if search")
 
 
 def _smallest(search: _Search) -> tuple[ParallelConfig, Prediction] | None:
