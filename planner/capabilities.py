@@ -19,7 +19,7 @@ from planner.strategies.combinations import why_not as combination_refusal
 from planner.strategies.registry import STRATEGIES
 from planner.sharding import ShardingPlan, without_regions
 from planner.tensor_split.analysis import unsplittable
-from runtime.vocab import Schedule, StrategyName, Target
+from runtime.vocab import Schedule, ShardRole, StrategyName, Target
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -48,8 +48,13 @@ _TORCH_WHY: dict[str, str] = {
                           "for the CUDA flash, memory-efficient and cuDNN scaled_dot_product_attention kernels (not "
                           "the CPU kernel, nor attention written as matmul and softmax) and has no Ulysses head "
                           "split, so it does not carry out meshplan's context-parallel plans",
-    "recompute": "torch.utils.checkpoint recomputes whole modules, and PyTorch has no Megatron-style selective "
-                 "recomputation of attention's softmax and dropout",
+    # Megatron's selective recompute (Korthikanti et al. 2022, section 5) frees attention's QK^T scores and
+    # softmax; a torch.utils.checkpoint policy keeps or recomputes outputs by op, and the one that keeps the
+    # matrix products (create_selective_checkpoint_contexts) keeps the scores, a matrix product themselves
+    "recompute": "a selective torch.utils.checkpoint policy that keeps the matrix products (the closest torch has to "
+                 "Megatron's selective recompute) still keeps attention's (batch, heads, T, T) scores where "
+                 "attention runs as matmuls, which Megatron's selective recompute frees and the cost model counts "
+                 "as freed",
     # torch/amp/grad_scaler.py reduces found_inf over nothing; FSDP's ShardedGradScaler all-reduces it over one
     # process group
     "dtype": "fp16 needs dynamic loss scaling whose overflow check agrees on every rank, and torch.amp.GradScaler "
@@ -61,6 +66,10 @@ _TORCH_WHY: dict[str, str] = {
     "schedule": "torch.distributed.pipelining's Schedule1F1B needs at least as many micro-batches as pipeline "
                 "stages",
 }
+
+
+# the tensor-parallel roles of the ops whose weights are split
+_WEIGHT_ROLES = (ShardRole.COLUMN, ShardRole.COLUMN_OUT, ShardRole.ROW, ShardRole.VOCAB)
 
 
 class TargetError(ConfigError):
@@ -104,6 +113,9 @@ class RuntimeSupport:
     backends: tuple[str, ...] = ("gloo", "nccl", "mpi")
     stack: OverlapPreset = OverlapPreset.MESHPLAN
     fill_1f1b: bool = False
+    # the op kinds (planner/graph/ops.py) whose weights the target splits over the tensor axis; None: every
+    # kind the split analysis accepts
+    split_kinds: tuple[str, ...] | None = None
 
     @classmethod
     def for_target(cls, target: Target | str) -> "RuntimeSupport":
@@ -171,8 +183,15 @@ class RuntimeSupport:
         the tensor `degrees` (planner/tensor_split/, on the captured graph's shapes: no model run).
 
         A region that fails is replicated together with its copies in every layer of the same
-        signature (a model's repeated blocks fail alike).
+        signature (a model's repeated blocks fail alike). Where the target splits the weights of some
+        op kinds only (`split_kinds`), a region that splits another kind's weight or the channels of a
+        norm is replicated first.
         """
+        if self.split_kinds is not None:
+            kinds = {n.name: n.kind for n in graph.nodes}
+            sharding = without_regions(sharding, {
+                r.region for name, r in sharding.roles.items() if r.sharded and r.region >= 0 and (
+                    r.role == ShardRole.CHANNELS or (r.role in _WEIGHT_ROLES and kinds.get(name) not in self.split_kinds))})
         if graph.module is None:
             return sharding
         key = _region_keys(graph, sharding)
@@ -232,9 +251,11 @@ def check_target(plan: "Plan", target: Target | str | None = None, *, backend: s
 
 MESHPLAN_RUNTIME = RuntimeSupport()
 # PyTorch's stack (planner.parallelize and the torch script): replicate or fully_shard for data parallelism and
-# ZeRO, DTensor ColwiseParallel/RowwiseParallel/SequenceParallel, PipelineStage with ScheduleGPipe,
+# ZeRO, DTensor ColwiseParallel/RowwiseParallel (defined for nn.Linear and nn.Embedding only,
+# torch/distributed/tensor/parallel/style.py: split_kinds) and SequenceParallel, PipelineStage with ScheduleGPipe,
 # Schedule1F1B or ScheduleInterleaved1F1B, torch.utils.checkpoint per block; why each other option is left
 # out: _TORCH_WHY. torchtitan's overlap preset describes the same stack (FSDP2 prefetch, pipelining's waits).
 TORCH_RUNTIME = RuntimeSupport(target=Target.TORCH, recompute=("none", "full"), dtypes=("fp32", "bf16"),
                                bidirectional=False, spatial=False, subgraph=False, context=False,
-                               backends=("gloo", "nccl"), stack=OverlapPreset.TORCHTITAN, fill_1f1b=True)
+                               backends=("gloo", "nccl"), stack=OverlapPreset.TORCHTITAN, fill_1f1b=True,
+                               split_kinds=("linear", "embedding"))

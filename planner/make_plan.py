@@ -65,5 +65,6 @@ def make_plan(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, 
     if support is None:
         return plan_for(Evaluator(graph, cluster, **evaluator_options), config, global_batch_size)
     # priced with what the target's stack overlaps, unless told otherwise
-    options = {"overlap": Overlap.preset(support.stack), **evaluator_options}
-    return plan_for(Evaluator(graph, cluster, **options), config, global_batch_size, target=support.target)
+    ev = Evaluator(graph, cluster, **{"overlap": Overlap.preset(support.stack), **evaluator_options})
+    ev.sharding = support.splittable(graph, ev.sharding, [config.tensor])   # the regions the target splits
+    return plan_for(ev, config, global_batch_size, target=support.target)

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import planner
-from codegen.emit import capture_ref
 from examples.models import gpt, resnet
 from planner.app.cli import main
 from planner.capabilities import (MESHPLAN_RUNTIME, TORCH_RUNTIME, RuntimeSupport, TargetError, as_target,
@@ -20,6 +19,7 @@ from planner.capabilities import (MESHPLAN_RUNTIME, TORCH_RUNTIME, RuntimeSuppor
 from planner.config import ConfigError, ParallelConfig
 from planner.plan import PlanFileError
 from runtime.vocab import Target
+from tests.real_models import HF, graph_of
 
 
 def _gpt(**kw):
@@ -95,9 +95,11 @@ REFUSED = (
      "kernels (not the CPU kernel, nor attention written as matmul and softmax) and has no Ulysses head split, "
      "so it does not carry out meshplan's context-parallel plans; use context=1, or plan for the meshplan target"),
     (dict(recompute="selective"),
-     "the torch target does not run recompute='selective': torch.utils.checkpoint recomputes whole modules, "
-     "and PyTorch has no Megatron-style selective recomputation of attention's softmax and dropout; use "
-     "recompute='none' or recompute='full', or plan for the meshplan target"),
+     "the torch target does not run recompute='selective': a selective torch.utils.checkpoint policy that keeps "
+     "the matrix products (the closest torch has to Megatron's selective recompute) still keeps attention's "
+     "(batch, heads, T, T) scores where attention runs as matmuls, which Megatron's selective recompute frees "
+     "and the cost model counts as freed; use recompute='none' or recompute='full', or plan for the meshplan "
+     "target"),
     (dict(data=2, dtype="fp16"),
      "the torch target does not run fp16 training: fp16 needs dynamic loss scaling whose overflow check agrees "
      "on every rank, and torch.amp.GradScaler checks only this rank's gradient shards (FSDP's ShardedGradScaler "
@@ -163,7 +165,7 @@ def test_on_v100s_meshplan_trains_fp16_and_the_torch_target_fp32(small_gpt):
 
 
 def test_the_hugging_face_llama_on_v100s_searches_only_what_torch_runs():
-    llama = capture_ref("examples/models/hf.py:build", {"arch": "llama"}, batch_size=1)
+    llama = graph_of(HF, (("arch", "llama"),))   # shared with the real-model tests' capture
     mesh, tor = _both(llama, _summit_node(), 32)
     assert mesh.config.dtype == "fp16" and tor.config.dtype == "fp32"
     _runs_on_torch(tor)
@@ -178,15 +180,39 @@ def test_where_meshplan_recomputes_selectively_the_torch_target_recomputes_fully
     _runs_on_torch(tor)
 
 
-def test_where_meshplan_tiles_an_image_the_torch_target_does_not():
-    """One 1024^2 image per step on 8 H100s: meshplan's runtime splits it into spatial tiles; the torch
-    target has no tiles and takes another split."""
+@pytest.fixture(scope="module")
+def resnet_1k():
     model = resnet.build(depth=8, width=16, image_size=1024)
-    graph = planner.capture(model, resnet.example_inputs(1, "meta", image_size=1024))
-    mesh, tor = _both(graph, planner.Cluster.preset("dgx-h100"), 1)
+    return planner.capture(model, resnet.example_inputs(1, "meta", image_size=1024))
+
+
+def _split_weight_kinds(plan, graph) -> set[str]:
+    """The op kinds of the nodes whose weights the plan splits over the tensor axis."""
+    kinds = {n.name: n.kind for n in graph.nodes}
+    return {kinds[name] for name, role in plan.shardings if role in ("column", "column_out", "row", "vocab")}
+
+
+def test_where_meshplan_tiles_an_image_the_torch_target_does_not(resnet_1k):
+    """One 1024^2 image per step on 8 H100s: meshplan's runtime splits it into spatial tiles; the torch
+    target has no tiles, and no convolution split either (torch's tensor-parallel styles are for Linear
+    and Embedding modules)."""
+    mesh, tor = _both(resnet_1k, planner.Cluster.preset("dgx-h100"), 1)
     assert mesh.config.spatial == 8
     assert tor.config.spatial == 1 and tor.config.num_devices == 8
+    assert _split_weight_kinds(tor, resnet_1k) == set()
     _runs_on_torch(tor)
+
+
+def test_the_torch_target_splits_linear_and_embedding_weights_only(resnet_1k, small_gpt):
+    cluster = planner.Cluster.preset("local", devices=2)
+    cfg = ParallelConfig(tensor=2, dtype="fp32")
+    assert _split_weight_kinds(planner.make_plan(resnet_1k, cluster, cfg, global_batch_size=2, target="meshplan"),
+                               resnet_1k) == {"conv"}
+    assert _split_weight_kinds(planner.make_plan(resnet_1k, cluster, cfg, global_batch_size=2, target="torch"),
+                               resnet_1k) == set()
+    gpt_plan = planner.make_plan(small_gpt, cluster, cfg, global_batch_size=2, target="torch")
+    kinds = _split_weight_kinds(gpt_plan, small_gpt)
+    assert "linear" in kinds and kinds <= {"linear", "embedding"}
 
 
 @pytest.mark.parametrize("pinned, strategy", [
