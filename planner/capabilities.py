@@ -189,9 +189,9 @@ class RuntimeSupport:
         """
         if self.split_kinds is not None:
             kinds = {n.name: n.kind for n in graph.nodes}
-            sharding = without_regions(sharding, {
-                r.region for name, r in sharding.roles.items() if r.sharded and r.region >= 0 and (
-                    r.role == ShardRole.CHANNELS or (r.role in _WEIGHT_ROLES and kinds.get(name) not in self.split_kinds))})
+            other = {r.region for name, r in sharding.roles.items() if r.sharded and r.region >= 0 and (
+                r.role == ShardRole.CHANNELS or (r.role in _WEIGHT_ROLES and kinds.get(name) not in self.split_kinds))}
+            sharding = without_regions(sharding, other)
         if graph.module is None:
             return sharding
         key = _region_keys(graph, sharding)
