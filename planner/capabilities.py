@@ -62,6 +62,8 @@ _TORCH_WHY: dict[str, str] = {
              "tensor-parallel DTensor gradients)",
     "backend": "meshplan's MPI path (mpi4py) belongs to its own runtime; PyTorch's stack runs on gloo or NCCL "
                "process groups",
+    "tensor_in_pipelines": "its pipeline stages (codegen/torch_target/pipeline.py) take no tensor-parallel "
+                           "styles yet",
     # Schedule1F1B.__init__ raises unless n_microbatches >= the number of stages
     "schedule": "torch.distributed.pipelining's Schedule1F1B needs at least as many micro-batches as pipeline "
                 "stages",
@@ -116,6 +118,7 @@ class RuntimeSupport:
     # the op kinds (planner/graph/ops.py) whose weights the target splits over the tensor axis; None: every
     # kind the split analysis accepts
     split_kinds: tuple[str, ...] | None = None
+    tensor_in_pipelines: bool = True   # pipeline stages split over a tensor axis
 
     @classmethod
     def for_target(cls, target: Target | str) -> "RuntimeSupport":
@@ -152,6 +155,9 @@ class RuntimeSupport:
         refusal = combination_refusal(config, Level.RUNTIME)
         if refusal:
             return refusal
+        if not self.tensor_in_pipelines and config.pipeline > 1 and config.tensor > 1:
+            return self._refusal("tensor_in_pipelines", f"pipeline {config.pipeline} with tensor {config.tensor} "
+                                 "inside its stages", "use pipeline=1 or tensor=1")
         if config.dtype not in self.dtypes:
             return self._refusal("dtype", f"{config.dtype} training", _one_of("dtype", self.dtypes))
         if self.fill_1f1b and global_batch_size is not None and config.pipeline > 1 \
@@ -258,4 +264,4 @@ MESHPLAN_RUNTIME = RuntimeSupport()
 TORCH_RUNTIME = RuntimeSupport(target=Target.TORCH, recompute=("none", "full"), dtypes=("fp32", "bf16"),
                                bidirectional=False, spatial=False, subgraph=False, context=False,
                                backends=("gloo", "nccl"), stack=OverlapPreset.TORCHTITAN, fill_1f1b=True,
-                               split_kinds=("linear", "embedding"))
+                               split_kinds=("linear", "embedding"), tensor_in_pipelines=False)

@@ -105,6 +105,10 @@ REFUSED = (
      "on every rank, and torch.amp.GradScaler checks only this rank's gradient shards (FSDP's ShardedGradScaler "
      "is not proven with tensor-parallel DTensor gradients); use dtype='fp32' or dtype='bf16', or plan for the "
      "meshplan target"),
+    (dict(pipeline=2, tensor=2, micro_batch_size=2),
+     "the torch target does not run pipeline 2 with tensor 2 inside its stages: its pipeline stages "
+     "(codegen/torch_target/pipeline.py) take no tensor-parallel styles yet; use pipeline=1 or tensor=1, or plan "
+     "for the meshplan target"),
     # batch 8 / (micro-batch 2 x data 2) = 2 micro-batches for 4 stages
     (dict(pipeline=4, data=2, micro_batch_size=2),
      "the torch target does not run 1f1b with 2 micro-batches (global batch 8 / (micro_batch_size 2 x data 2)) "
