@@ -73,7 +73,10 @@ class ModuleStyle:
 
     groups: for COLWISE_STRIDED, the equal parts of the output features each split into t blocks
         (3 for a fused qkv), else 1.
-    dim: for SEQUENCE_SCATTER the output's sequence dimension, for SEQUENCE_GATHER the input's; else None.
+    dim: under sequence parallelism, the sequence dimension split at a column's input (the columns of a
+        region; BERT's decoder, after the head gathered the sequence, has None), at a row's or vocabulary
+        embedding's output, at a SEQUENCE_SCATTER module's output or a SEQUENCE_GATHER module's input;
+        else None.
     """
 
     path: str
@@ -215,6 +218,9 @@ def _tensor_styles(plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ..
     by_path = {m.path: m for m in ts.modules}
     by_param = {p.name: p for p in ts.params}
     aliases = {name: group for group in graph.shared_params for name in group}
+    seq = ts.sequence
+    split_at = set() if seq is None else {*seq.columns, *seq.starts}   # nodes whose input / output is split
+    sequence_dim = None if seq is None else next((m.sequence_dim for m in ts.modules if m.sequence_dim is not None), 1)
     styles: dict[str, ModuleStyle] = {}
     for node in graph.nodes:
         if node.kind not in ("linear", "embedding"):
@@ -232,10 +238,9 @@ def _tensor_styles(plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ..
             split = weights[0].split
         if role == "replicate":
             continue
-        styles[path] = ModuleStyle(path, _style(path, node.kind, ShardRole(role), split, t), _groups(split))
-    sequence_dim = None
-    if ts.sequence is not None:
-        sequence_dim = next((m.sequence_dim for m in ts.modules if m.sequence_dim is not None), 1)
+        styles[path] = ModuleStyle(path, _style(path, node.kind, ShardRole(role), split, t), _groups(split),
+                                   sequence_dim if node.name in split_at else None)
+    if seq is not None:
         _add_sequence_styles(plan, graph, styles, sequence_dim)
     return tuple(styles.values()), sequence_dim
 
