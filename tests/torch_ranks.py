@@ -7,6 +7,7 @@ to OUT/<case>.pt. The graphs and plans are read from OUT (tests/torch_cases.prep
     CASE: MODEL:CONFIG          train STEPS steps under CONFIG (tests/torch_cases.CONFIGS)
           MODEL:CONFIG:amp      the same under bf16 autocast
           MODEL:CONFIG:capture  the same, the graph captured by parallelize from example inputs
+          MODEL:CONFIG:mesh     the same on a DeviceMesh built here and handed to parallelize
           MODEL:dcp:A:B         train the first STEPS - 1 steps under A, save a Distributed Checkpoint
                                 (model, optimizer, LR schedule), load it under B into a model whose
                                 weights were zeroed, and train the last step
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import planner
 from planner.graph.model import ModelGraph
@@ -27,7 +29,8 @@ from runtime.refs import load_module
 from tests import torch_cases as tc
 
 
-def _parallel(model: str, config: str, root: Path, *, capture: bool = False, zeroed: bool = False):
+def _parallel(model: str, config: str, root: Path, *, capture: bool = False, own_mesh: bool = False,
+              zeroed: bool = False):
     m = tc.build(model)
     if zeroed:   # the checkpoint must bring every weight back
         with torch.no_grad():
@@ -39,7 +42,11 @@ def _parallel(model: str, config: str, root: Path, *, capture: bool = False, zer
         inputs = load_module(ref.rsplit(":", 1)[0]).example_inputs(2, **kwargs)
         pm = planner.parallelize(m, plan, example_inputs=inputs)
     else:
-        pm = planner.parallelize(m, plan, graph=ModelGraph.load(root / f"graph_{model}.json"))
+        mesh = None
+        if own_mesh:
+            dims = [(axis, n) for axis, n in plan.mesh.items() if n > 1]
+            mesh = init_device_mesh("cpu", tuple(n for _, n in dims), mesh_dim_names=tuple(a for a, _ in dims))
+        pm = planner.parallelize(m, plan, graph=ModelGraph.load(root / f"graph_{model}.json"), mesh=mesh)
     opt, sched = tc.make_optimizer(pm.parameters())
     return pm, opt, sched
 
@@ -59,10 +66,10 @@ def run_case(case: str, out: Path) -> dict:
                         local=pm.local_batch, mean=pm.mean_over_data)
         losses, norms = losses + more[0], norms + more[1]
     else:
-        pm, opt, sched = _parallel(model, config, out, capture=rest == ["capture"])
+        pm, opt, sched = _parallel(model, config, out, capture=rest == ["capture"], own_mesh=rest == ["mesh"])
         losses, norms = tc.train(model, pm, pm.clip_grad_norm_, opt, sched, range(tc.STEPS), local=pm.local_batch, mean=pm.mean_over_data,
                                  amp=rest == ["amp"])
-    return {"losses": losses, "norms": norms, "params": tc.full_params(pm.module)}
+    return {"losses": losses, "norms": norms, "params": tc.full_params(pm.module), "state_keys": sorted(pm.state_dict())}
 
 
 def main(argv: list[str]) -> None:

@@ -53,6 +53,7 @@ from runtime.vocab import MeshAxis, Recompute, ShardRole
 # Axes the torch target builds; the others (spatial tiles, sub-graph sub-grids, context rings) have
 # no torch counterpart here.
 _TORCH_AXES = (MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.TENSOR)
+_MATMUL_KINDS = ("linear", "matmul", "attention", "conv")   # OpInfo kinds of a block's matrix products
 
 
 class TorchLayoutError(ValueError):
@@ -199,12 +200,15 @@ def _data_layout(data: int, zero: int, blocks: tuple[str, ...]) -> DataLayout:
 
 
 def _blocks(plan: Plan, graph: ModelGraph) -> tuple[str, ...]:
-    """The plan's repeated layers that are modules (the transformer blocks), in model order."""
+    """The plan's blocks, in model order: its repeated layers that are modules and hold matrix products
+    (the transformer blocks; a LayerNorm layer that happens to repeat, as BERT's do, is not one)."""
     layers = [name for stage in plan.stages for name in stage.layers]
-    signature = {layer.name: layer.signature for layer in graph.layers}
-    repeats = Counter(signature[name] for name in layers)
+    by_name = {layer.name: layer for layer in graph.layers}
+    kinds = {n.name: n.kind for n in graph.nodes}
+    repeats = Counter(by_name[name].signature for name in layers)
     paths = {n.module_path for n in graph.nodes}
-    return tuple(name for name in layers if repeats[signature[name]] > 1
+    return tuple(name for name in layers if repeats[by_name[name].signature] > 1
+                 and any(kinds[n] in _MATMUL_KINDS for n in by_name[name].nodes)
                  and any(p == name or p.startswith(name + ".") for p in paths))
 
 

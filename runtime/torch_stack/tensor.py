@@ -73,7 +73,7 @@ def style_of(entry: dict, sequence_dim: int | None) -> ParallelStyle:
     return PrepareModuleInput(input_layouts=seq, desired_input_layouts=Replicate(), use_local_output=True)
 
 
-def apply_tensor(model: nn.Module, layout: dict, tp_mesh: DeviceMesh) -> nn.Module:
+def apply_tensor(model: nn.Module, layout: dict, tp_mesh: DeviceMesh | None) -> nn.Module:
     """Split `model` in place over `tp_mesh` as the layout's `tensor` entries say, then tie its tied
     parameters again (a style replaces a module's parameters with DTensors, which unties them)."""
     sequence_dim = layout.get("sequence_dim")
@@ -88,8 +88,7 @@ def retie(model: nn.Module, ties) -> None:
     """Make every group of tied parameter names one parameter again: the split one (a DTensor) where a
     style split any, all split members having the same placements; TieMismatch otherwise."""
     for names in ties:
-        owners = [(model.get_submodule(n.rpartition(".")[0]) if "." in n else model, n.rpartition(".")[2])
-                  for n in names]
+        owners = [(model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names]
         params = [getattr(m, attr) for m, attr in owners]
         split = [(n, p) for n, p in zip(names, params) if isinstance(p, DTensor)]
         if not split:

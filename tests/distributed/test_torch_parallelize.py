@@ -5,7 +5,7 @@ norms and parameters of the single-process run (tests/torch_cases.py, --verify's
 tensor 2 with sequence parallelism, ZeRO-2 with selective recompute (GPT) and ZeRO-3 with full
 recompute (Llama).
 
-Also: bf16 autocast (the looser bf16 tolerance: 2e-2 of each loss and of how far training moved each
+Also: a DeviceMesh handed to parallelize, bf16 autocast (the looser bf16 tolerance: 2e-2 of each loss and of how far training moved each
 parameter), a graph captured by parallelize from example inputs, and Distributed Checkpoints written
 under ZeRO-3 data 2 and read under tensor 2 (Llama) and the other way (GPT, whose fused qkv is strided)
 continuing the reference.
@@ -25,9 +25,9 @@ from runtime.torch_stack.mesh import MeshMismatch
 from tests import torch_cases as tc
 
 TWO = [f"{m}:{c}" for m in tc.MODELS for c in ("d2_zero3", "t2", "t2_sp")] + [
-    "llama:d2", "bert:d2", "gpt:d2:capture", "gpt:t2:amp", "gpt:d2_zero2_selective", "llama:d2_zero3_full",
+    "llama:d2", "bert:d2:mesh", "gpt:d2:capture", "gpt:t2:amp", "gpt:d2_zero2_selective", "llama:d2_zero3_full",
     "llama:dcp:d2_zero3:t2", "gpt:dcp:t2:d2_zero3"]
-FOUR = [f"{m}:d2t2" for m in tc.MODELS]
+FOUR = ["gpt:d2t2", "llama:d2t2:mesh", "bert:d2t2"]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,14 @@ def test_parallel_loop_equals_single_process(results, references, case):
     model, amp = case.split(":")[0], case.endswith(":amp")
     bad = tc.mismatches(results[case], references[(model, amp)], "bf16" if amp else "fp32")
     assert not bad, f"{case}: " + "; ".join(bad[:8])
+
+
+def test_state_dict_names_are_the_models_own(results):
+    """ParallelModel.state_dict() (what DCP saves) names every entry as the unparallelized model does:
+    no wrapper prefixes (checkpoint_wrapper, fully_shard), tied names kept."""
+    want = {m: sorted(tc.build(m).state_dict()) for m in tc.MODELS}
+    for case, result in results.items():
+        assert result["state_keys"] == want[case.split(":")[0]], case
 
 
 def test_clipping_scaled_every_step(references):

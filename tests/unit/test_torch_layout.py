@@ -108,6 +108,12 @@ def test_bert_tied_decoder_and_embedding_share_the_vocabulary_split():
     assert ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight") in lay.ties
 
 
+def test_bert_blocks_are_the_encoder_layers_not_its_repeated_norms():
+    lay = _layout(HF, {"arch": "bert"}, data=2, zero=3, recompute="full")
+    assert lay.data.units == ("bert.encoder.layer.0", "bert.encoder.layer.1")
+    assert lay.checkpoint_units == lay.data.units
+
+
 def test_bert_sequence_parallel_scatters_and_gathers():
     lay = _layout(HF, {"arch": "bert"}, data=2, tensor=2, sequence_parallel=True)
     styles = _styles(lay)
