@@ -5,10 +5,10 @@ norms and parameters of the single-process run (tests/torch_cases.py, --verify's
 tensor 2 with sequence parallelism, ZeRO-2 with selective recompute (GPT), ZeRO-3 with full
 recompute (Llama) and ZeRO-3 x tensor 2 (Llama: fully_shard over tensor-parallel DTensors).
 
-Also: a DeviceMesh handed to parallelize, bf16 autocast (the looser bf16 tolerance: 2e-2 of each loss and of how far training moved each
-parameter), a graph captured by parallelize from example inputs, and Distributed Checkpoints written
-under ZeRO-3 data 2 and read under tensor 2 (Llama) and the other way (GPT, whose fused qkv is strided)
-continuing the reference.
+Also: a DeviceMesh handed to parallelize, bf16 autocast (the looser bf16 tolerance: 2e-2 of each loss
+and of how far training moved each parameter), a graph captured by parallelize from example inputs,
+and Distributed Checkpoints written under ZeRO-3 data 2 and read under tensor 2 (Llama) and the other
+way (GPT, whose fused qkv is strided), continuing the reference.
 One 2-rank launch runs every 2-device case one after another, one 4-rank launch the 4-device ones.
 """
 
