@@ -227,6 +227,8 @@ def _blocks(plan: Plan, graph: ModelGraph) -> tuple[str, ...]:
 def _tensor_styles(plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ...], int | None]:
     """Styles by module path (graph order) and the sequence dimension under sequence parallelism."""
     ts = plan.tensor_splits
+    if ts is None and not plan.shardings:   # a tensor axis that splits nothing: its ranks compute alike
+        return (), None
     if ts is None:
         raise TorchLayoutError("the plan has tensor degree > 1 but no tensor split (a version-1 plan file); "
                                "make the plan again with this meshplan")
@@ -254,23 +256,15 @@ def _tensor_styles(plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ..
             split = weights[0].split
         if role == "replicate":
             continue
-        styles[path] = ModuleStyle(path, _style(path, node.kind, ShardRole(role), split, t), _groups(split),
+        styles[path] = ModuleStyle(path, _style(path, node.kind, ShardRole(role), split, t), split.groups,
                                    sequence_dim if node.name in split_at else None)
     if seq is not None:
         _add_sequence_styles(plan, graph, styles, sequence_dim)
     return tuple(styles.values()), sequence_dim
 
 
-def _groups(split: FeatureSplit) -> int:
-    """Equal parts of the feature dimension that are each split into t contiguous blocks."""
-    out = 1
-    for f in split.factors[: split.split]:
-        out *= f
-    return out
-
-
 def _style(path: str, kind: str, role: ShardRole, split: FeatureSplit, t: int) -> TensorStyle:
-    groups = _groups(split)
+    groups = split.groups
     if kind == "embedding":
         if role == ShardRole.VOCAB and groups == 1:
             return TensorStyle.EMBEDDING_ROWWISE

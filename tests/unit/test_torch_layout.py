@@ -4,6 +4,7 @@ the planner makes for these tiny models (hand-read from their configurations).""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -150,3 +151,16 @@ def test_refusals_name_the_thing():
     # a row split that is not one block per rank (q_r, k_r, v_r of a fused input) has no torch style
     with pytest.raises(TorchLayoutError, match="'blocks.0.attn.out'"):
         _style("blocks.0.attn.out", "linear", ShardRole.ROW, FeatureSplit((3, 4, 8), 1), 2)
+
+
+def test_a_tensor_axis_that_splits_nothing_gets_no_styles():
+    """The search may pick a tensor axis whose ranks replicate every op (a model too small to split
+    profitably): the layout keeps the tensor dimension in the mesh and applies no style."""
+    graph = graph_of(GPT, ())
+    config = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", data=2, tensor=2)
+    plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=4), config, 8)
+    plain = dataclasses.replace(plan, shardings=(), tensor_splits=None)
+    layout = torch_layout(plain, graph)
+    assert layout.tensor == () and [(d.axis, d.size) for d in layout.mesh] == [(MeshAxis.DATA, 2), (MeshAxis.TENSOR, 2)]
+    with pytest.raises(TorchLayoutError, match="version-1 plan file"):
+        torch_layout(dataclasses.replace(plan, tensor_splits=None), graph)
