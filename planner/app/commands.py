@@ -72,6 +72,8 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
     if dataset is not None:
         check_dataset(dataset, plan.global_batch_size)
     evaluation = eval_setting(None, args.eval_every, args.eval_batches)
+    if getattr(args, "target", "meshplan") == "torch":
+        return _torch_codegen(args, plan, graph, kwargs, data_kwargs, dataset, opt, schedule, evaluation, scaling)
     build = emit(plan, args.model, args.data_ref, args.output, model_kwargs=kwargs, data_kwargs=data_kwargs,
                  dataset=dataset,
                  graph=graph, loss=args.loss, optimizer=opt, seed=args.seed, data_seed=args.data_seed,
@@ -80,6 +82,22 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
     print(plan.summary())
     print(f"\nwrote {build.path}/: plan.json, build.json, programs.json, {build.world_size} rank scripts, "
           "run_rank.py, launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh")
+    print(f"run it here with:  meshplan run {shlex.quote(str(build.path))} --steps 10")
+    return 0
+
+
+def _torch_codegen(args: argparse.Namespace, plan, graph, kwargs: dict, data_kwargs: dict | None, dataset, opt,
+                   schedule, evaluation, scaling) -> int:
+    """`meshplan codegen --target torch`: the one SPMD script for PyTorch's parallel stack (codegen/torch_target)."""
+    from codegen.torch_target.script import emit_torch
+
+    build = emit_torch(plan, args.model, args.data_ref, args.output, graph=graph, model_kwargs=kwargs,
+                       data_kwargs=data_kwargs, dataset=dataset, loss=args.loss, optimizer=opt, seed=args.seed,
+                       data_seed=args.data_seed, init=args.init, checkpoint=args.checkpoint, evaluation=evaluation,
+                       schedule=schedule, clip_grad=args.clip_grad, loss_scale=scaling)
+    print(plan.summary())
+    print(f"\nwrote {build.path}/: plan.json, build.json, {build.script.name} (the same on every rank), "
+          "launch_torchrun.sh, launch_srun.sh")
     print(f"run it here with:  meshplan run {shlex.quote(str(build.path))} --steps 10")
     return 0
 
