@@ -1,0 +1,7 @@
+"""The torch target: a plan applied with PyTorch's own parallel stack (DeviceMesh, DTensor
+tensor/sequence parallel styles, FSDP2, torch.distributed.pipelining, activation checkpointing, DCP).
+
+layout.py: `TorchLayout` and `torch_layout(plan, graph)`, the one derivation of a plan's torch
+layout, applied by planner.parallelize (through runtime/torch_stack) and written out by the torch
+script. Importing this package does no work.
+"""
