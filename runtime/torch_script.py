@@ -143,12 +143,11 @@ def whole_buffers(modules: list[nn.Module], rank: int) -> dict | None:
 
 class WholeModelRecorder:
     """Rank 0's record of every step for --verify (runtime/step_record.py's file format, as a
-    one-stage rank holding the whole model: coordinates 0 on every axis of `mesh`)."""
+    one-stage rank holding the whole model; no coordinates: assemble_files reads them as 0 on every axis)."""
 
-    def __init__(self, modules: list[nn.Module], rank: int, mesh: dict[str, int]):
+    def __init__(self, modules: list[nn.Module], rank: int):
         self._modules = modules
         self._rank = rank
-        self._coords = [0] * len(mesh)
         self._steps: list[dict] = []
         self._current: dict = {}
         self._names: list[str] = []
@@ -176,7 +175,7 @@ class WholeModelRecorder:
     def save(self, run_dir: Path) -> None:
         if self._rank != 0:
             return
-        header = {"coords": self._coords, "stage_specs": {"0": json.dumps(whole_model_spec().to_dict())},
+        header = {"coords": [], "stage_specs": {"0": json.dumps(whole_model_spec().to_dict())},
                   "buckets": [], "optimizer_params": [f"0/{n}" for n in self._names], "shapes": self._shapes}
         torch.save({**header, "steps": self._steps}, Path(run_dir) / "steps_rank_0000.pt")
 
@@ -227,10 +226,13 @@ class Runner:
 
 
 def optimizer_for(spec: OptimizerSpec, params: list, device: torch.device) -> OptimizerSpec:
-    """`spec` with the implementation the torch script steps `params` with: torch's fused optimizer
-    kernels have no DTensor sharding rule (aten._fused_sgd_ and _fused_adamw_ raise
-    NotImplementedError on DTensors), so DTensor parameters get the foreach kernels where `spec`
-    resolves to fused (the run records the implementation; the reference steps with the same)."""
-    if spec.resolve_impl(device) is OptimizerImpl.FUSED and any(isinstance(p, dist.tensor.DTensor) for p in params):
-        return spec.with_impl(OptimizerImpl.FOREACH)
-    return spec
+    """`spec` with the implementation the torch script steps `params` with. torch's fused optimizer
+    kernels have no DTensor sharding rule (aten._fused_sgd_ raises NotImplementedError on DTensors),
+    and its foreach kernels refuse a list that mixes DTensors and plain tensors (a tensor-parallel
+    model's replicated norms beside its split Linears): DTensor parameters get the foreach kernels
+    when every parameter is one, else the for-loop. The run records the implementation (the
+    reference steps with the same, runtime/reference.like_the_ranks)."""
+    dtensors = sum(isinstance(p, dist.tensor.DTensor) for p in params)
+    if not dtensors or spec.resolve_impl(device) is OptimizerImpl.FOR_LOOP:
+        return spec
+    return spec.with_impl(OptimizerImpl.FOREACH if dtensors == len(params) else OptimizerImpl.FOR_LOOP)

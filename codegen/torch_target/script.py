@@ -108,11 +108,12 @@ def _micro_batches(plan: Plan) -> int:
 def torch_script(plan: Plan, layout: TorchLayout, train: TrainSpec) -> str:
     """The source of train_torch.py (compiled here: a script that does not compile is never written)."""
     cfg = plan.config
-    axes = [a for a, _ in layout.mesh]
+    axes = tuple(str(d.axis) for d in layout.mesh)
     summary = [
         f"Model: {train.model_ref} {train.model_kwargs or ''}".rstrip(),
-        "Plan:  " + " x ".join(f"{a} {s}" for a, s in layout.mesh)
-        + f", {cfg.schedule}" + (f" (v={cfg.virtual_stages})" if cfg.schedule == "interleaved" else "")
+        "Plan:  " + " x ".join(f"{a} {s}" for a, s in plan.mesh.items() if s > 1 or a == "data")
+        + (f", {cfg.schedule}" + (f" (v={cfg.virtual_stages})" if cfg.schedule == "interleaved" else "")
+           if cfg.pipeline > 1 else "")
         + f", {_micro_batches(plan)} micro-batches of {cfg.micro_batch_size} per data rank, recompute "
         f"{cfg.recompute}, ZeRO {cfg.zero}, {cfg.dtype}",
     ]
@@ -148,18 +149,15 @@ def torch_script(plan: Plan, layout: TorchLayout, train: TrainSpec) -> str:
         "from runtime.metrics import StepLog, check_loss",
         "from runtime.reference import autocast_for",
         "from runtime.spec import TrainSpec",
-        "from runtime.torch_script import (WholeModelRecorder, check_world, join, optimizer_for, "
-        "save_whole_parameters,",
-        "                                  script_args, write_rank_result)",
-        *parallel.runtime_imports,
+        "from runtime.torch_script import (Runner, WholeModelRecorder, check_world, join, optimizer_for,",
+        "                                  save_whole_parameters, script_args, write_rank_result)",
         "",
         "# the model, data, optimizer, lr schedule and seeds of the build (runtime/spec.py)",
         f"TRAIN = TrainSpec.from_dict({py_literal(train.to_dict())})",
         f"WORLD_SIZE = {plan.config.num_devices}",
-        f"MESH_AXES = {tuple(axes)!r}",
-        f"MESH_SHAPE = {tuple(s for _, s in layout.mesh)!r}",
+        f"MESH_AXES = {axes!r}",
+        f"MESH_SHAPE = {tuple(d.size for d in layout.mesh)!r}",
         f"MICRO_BATCH_SIZE = {cfg.micro_batch_size}   # samples",
-        f"MICRO_BATCHES = {_micro_batches(plan)}   # per data rank and step",
         "",
         "",
     ]
@@ -204,7 +202,7 @@ def train(args, rank, backend):
     out = Path(args.out)
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    recorder = WholeModelRecorder(runner.modules, rank, dict(zip(MESH_AXES, MESH_SHAPE))) if args.save_steps else None
+    recorder = WholeModelRecorder(runner.modules, rank) if args.save_steps else None
     log = StepLog(out / "metrics.jsonl", 0, args.steps, TRAIN.global_batch_size, TRAIN.work, device,
                   progress=not args.no_progress) if rank == 0 else None
     losses, seconds = [], []
