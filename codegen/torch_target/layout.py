@@ -42,12 +42,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.tensor_parallel import FeatureSplit
+from runtime.torch_stack.vocab import DataKind, TensorStyle
 from runtime.vocab import MeshAxis, Recompute, ShardRole
 
 # Axes the torch target builds; the others (spatial tiles, sub-graph sub-grids, context rings) have
@@ -57,27 +57,6 @@ _TORCH_AXES = (MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.TENSOR)
 
 class TorchLayoutError(ValueError):
     """A plan the torch target cannot express; the message names the axis or module and what to do."""
-
-
-class TensorStyle(StrEnum):
-    """How one module is split over the tensor axis (see the module docstring)."""
-
-    COLWISE = "colwise"
-    COLWISE_STRIDED = "colwise_strided"
-    OUTPUT_COLWISE = "output_colwise"
-    ROWWISE = "rowwise"
-    EMBEDDING_ROWWISE = "embedding_rowwise"
-    SEQUENCE = "sequence"
-    SEQUENCE_SCATTER = "sequence_scatter"
-    SEQUENCE_GATHER = "sequence_gather"
-
-
-class DataKind(StrEnum):
-    """What wraps the model over the data axis: nothing (data degree 1), replicate, or fully_shard."""
-
-    NONE = "none"
-    REPLICATE = "replicate"
-    FULLY_SHARD = "fully_shard"
 
 
 @dataclass(frozen=True)
