@@ -149,6 +149,7 @@ def torch_script(plan: Plan, layout: TorchLayout, train: TrainSpec) -> str:
         "from runtime.metrics import StepLog, check_loss",
         "from runtime.reference import autocast_for",
         "from runtime.spec import TrainSpec",
+        "from runtime.torch_stack.grad_norm import clip_grad_norm_, total_norm",
         "from runtime.torch_script import (Runner, WholeModelRecorder, check_world, join, optimizer_for,",
         "                                  save_whole_parameters, script_args, write_rank_result)",
         "",
@@ -205,7 +206,7 @@ def train(args, rank, backend):
     recorder = WholeModelRecorder(runner.modules, rank) if args.save_steps else None
     log = StepLog(out / "metrics.jsonl", 0, args.steps, TRAIN.global_batch_size, TRAIN.work, device,
                   progress=not args.no_progress) if rank == 0 else None
-    losses, seconds = [], []
+    losses, seconds, norms = [], [], []
     try:
         for step in range(args.steps):
             start = time.perf_counter()
@@ -218,6 +219,11 @@ def train(args, rank, backend):
             loss = global_loss(runner.step(data.micro_batches(step)), runner.holds_loss, device)
             if recorder is not None:
                 recorder.before_step()   # the step's starting parameters and complete gradients, for --verify
+            # the global gradient norm over every mesh (runtime/torch_stack/grad_norm.py), clipped as the build says
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = float(clip_grad_norm_(params, TRAIN.clip_grad) if TRAIN.clip_grad is not None
+                         else total_norm(grads, 2.0))
+            norms.append(norm)
             optimizer.step()
             scheduler.step()
             if recorder is not None:
@@ -225,7 +231,7 @@ def train(args, rank, backend):
             seconds.append(time.perf_counter() - start)
             losses.append(loss)
             if log is not None:
-                log.write(log.fields(StepResult(step, loss, seconds[-1], lr=lr)))
+                log.write(log.fields(StepResult(step, loss, seconds[-1], lr=lr, grad_norm=norm)))
             check_loss(loss, step, rank)
     finally:
         if log is not None:
@@ -234,7 +240,7 @@ def train(args, rank, backend):
         save_whole_parameters(runner.modules, rank, run_dir)
     if recorder is not None:
         recorder.save(run_dir)
-    write_rank_result(run_dir, rank, losses, seconds, optimizer_spec.resolve_impl(device).value)
+    write_rank_result(run_dir, rank, losses, seconds, optimizer_spec.resolve_impl(device).value, norms)
     dist.barrier()
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from codegen.torch_target.layout import DataKind, ModuleStyle, TensorStyle, TorchLayout
+from codegen.torch_target.layout import ModuleStyle, TorchLayout
+from runtime.torch_stack.vocab import DataKind, TensorStyle
 from runtime.vocab import Recompute
 
 
@@ -78,23 +79,24 @@ def parallelize_source(layout: TorchLayout) -> ParallelSource:
 
 
 def _tie_lines(layout: TorchLayout) -> list[str]:
-    """Every name of a tied parameter set to one parameter again: the one a tensor style distributed
-    (a DTensor; the others are still the whole tensor), else the canonical name's."""
+    """Every name of a tied parameter a style split set to the split one (a DTensor) again, as
+    runtime/torch_stack/tensor.retie does; groups no style touched are still one parameter."""
     styled = {s.path for s in layout.tensor}
-    lines = ["    # tied weights: one parameter under several names; the styles above made each name its own"]
+    lines = []
     for group in layout.ties:
-        source = next((n for n in group if n.rpartition(".")[0] in styled), group[0])
-        for name in group:
+        source = next((n for n in group if n.rpartition(".")[0] in styled), None)
+        for name in group if source is not None else ():
             if name != source:
                 path, _, leaf = name.rpartition(".")
                 lines.append(f"    setattr(model.get_submodule({path!r}), {leaf!r}, model.get_parameter({source!r}))")
-    return lines
+    return ["    # tied weights: one parameter under several names; the styles above split one of them"] + lines \
+        if lines else []
 
 
 def _tensor_lines(layout: TorchLayout, imports: list[str]) -> list[str]:
     """parallelize_module over mesh['tensor'] with one torch style per module path."""
     calls = [(s.path, _style_call(s, layout.sequence_dim)) for s in layout.tensor]
-    names = sorted({call.split("(", 1)[0] for _p, call in calls})
+    names = sorted({call.split("(", 1)[0] for _p, call in calls} - {"StridedColwiseParallel"})
     imports.append(f"from torch.distributed.tensor.parallel import {', '.join(names)}, parallelize_module")
     placements = [name for name in ("Replicate", "Shard") if any(f"{name}(" in call for _p, call in calls)]
     if placements:
@@ -108,13 +110,15 @@ def _tensor_lines(layout: TorchLayout, imports: list[str]) -> list[str]:
 
 
 def _style_call(style: ModuleStyle, seq: int | None) -> str:
-    """The torch ParallelStyle of one module, as source (see layout.py's module docstring)."""
+    """The torch ParallelStyle of one module, as source: runtime/torch_stack/tensor.style_of's, with
+    torch's defaults left out (the activations between regions: Replicate, or Shard(seq) under
+    sequence parallelism)."""
     shard_in = f"input_layouts=Shard({seq})" if seq is not None else ""
     kind = style.style
     if kind is TensorStyle.COLWISE:
         return f"ColwiseParallel({shard_in})"
     if kind is TensorStyle.COLWISE_STRIDED:
-        return f"StridedColwiseParallel(groups={style.groups}{', ' + shard_in if shard_in else ''})"
+        return f"StridedColwiseParallel({style.groups}{', ' + shard_in if shard_in else ''})"
     if kind is TensorStyle.OUTPUT_COLWISE:
         return f"ColwiseParallel({shard_in + ', ' if shard_in else ''}output_layouts=Replicate())"
     if kind is TensorStyle.ROWWISE:
@@ -123,10 +127,12 @@ def _style_call(style: ModuleStyle, seq: int | None) -> str:
         return "RowwiseParallel(input_layouts=Replicate()" + (f", output_layouts=Shard({seq}))" if seq is not None
                                                               else ")")
     if kind is TensorStyle.SEQUENCE:
-        return f"SequenceParallel(sequence_dim={seq})"
+        return f"SequenceParallel(sequence_dim={seq}, use_local_output=True)"
     if kind is TensorStyle.SEQUENCE_SCATTER:
-        return (f"PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard({style.dim}))")
-    return f"PrepareModuleInput(input_layouts=Shard({style.dim}), desired_input_layouts=Replicate())"
+        return f"PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard({style.dim}), " \
+               "use_local_output=True)"
+    return f"PrepareModuleInput(input_layouts=Shard({style.dim}), desired_input_layouts=Replicate(), " \
+           "use_local_output=True)"
 
 
 def _checkpoint_lines(layout: TorchLayout, imports: list[str], helpers: list[str]) -> list[str]:
@@ -139,7 +145,7 @@ def _checkpoint_lines(layout: TorchLayout, imports: list[str], helpers: list[str
         helpers += [
             "# selective recompute: keep the matmul outputs, recompute the softmax, norms and elementwise work",
             "KEEP = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,",
-            "        torch.ops.aten.linear.default)",
+            "        torch.ops.aten.baddbmm.default, torch.ops.aten.linear.default)",
             "",
             "",
             "def keep_matmuls(ctx, op, *args, **kwargs):",
