@@ -162,7 +162,7 @@ def torch_script(plan: Plan, layout: TorchLayout, train: TrainSpec) -> str:
         "",
         "",
     ]
-    text = "\n".join(head + parallel.functions + _BODY.splitlines() + [""])
+    text = "\n".join(head + parallel.functions + _BODY.strip("\n").splitlines() + [""])
     compile(text, SCRIPT, "exec")
     return text
 

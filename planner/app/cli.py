@@ -163,7 +163,10 @@ _EPILOG_CODEGEN = """examples:
   meshplan codegen examples/models/gpt.py:build --arg preset=tiny --batch 8 \\
       --data 2 --tensor 2 --pipeline 2 --micro-batch 2 --schedule 1f1b --dtype fp32 -o build
   meshplan codegen examples/models/gpt.py:build --arg preset=tiny --plan plan.json -o build
-Writes plan.json, one rank_XXXX.py per rank and launch scripts (torchrun, mpirun, srun)."""
+  meshplan codegen examples/models/gpt.py:build --batch 8 --data 2 --tensor 2 --target torch -o build
+Writes plan.json, one rank_XXXX.py per rank and launch scripts (torchrun, mpirun, srun); with
+--target torch one train_torch.py for every rank (PyTorch's DeviceMesh, DTensor, FSDP2) and the
+torchrun and srun scripts."""
 
 _EPILOG_RUN = """examples:
   meshplan run build --steps 3 --verify

@@ -3,6 +3,7 @@
     meshplan codegen examples/models/gpt.py:build --arg preset=tiny --batch 8 \\
         --data 2 --tensor 2 --pipeline 2 --micro-batch 2 --schedule 1f1b --dtype fp32 -o build/
     meshplan codegen examples/models/gpt.py:build --plan plan.json -o build/
+    meshplan codegen examples/models/gpt.py:build --batch 8 --data 2 --tensor 2 --target torch -o build/
     meshplan run build/ --steps 3 --backend gloo --verify
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import planner
 from codegen.dataset_flags import check_dataset, dataset_spec
 from codegen.emit import capture_ref, emit
+from codegen.torch_target.script import emit_torch
 from codegen.train_flags import optimizer_and_schedule
 from planner.capabilities import MESHPLAN_RUNTIME
 from planner.config import ConfigError
@@ -89,8 +91,6 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
 def _torch_codegen(args: argparse.Namespace, plan, graph, kwargs: dict, data_kwargs: dict | None, dataset, opt,
                    schedule, evaluation, scaling) -> int:
     """`meshplan codegen --target torch`: the one SPMD script for PyTorch's parallel stack (codegen/torch_target)."""
-    from codegen.torch_target.script import emit_torch
-
     build = emit_torch(plan, args.model, args.data_ref, args.output, graph=graph, model_kwargs=kwargs,
                        data_kwargs=data_kwargs, dataset=dataset, loss=args.loss, optimizer=opt, seed=args.seed,
                        data_seed=args.data_seed, init=args.init, checkpoint=args.checkpoint, evaluation=evaluation,
