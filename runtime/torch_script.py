@@ -5,7 +5,11 @@ The script is one SPMD program, the same on every rank, that applies the plan wi
 parallel stack (DeviceMesh, DTensor, FSDP2, torch.distributed.pipelining). It is started exactly as
 a meshplan build's ranks are (`meshplan run`, launch_torchrun.sh, launch_srun.sh) and takes the same
 options (runtime/rank_main.parse_args); those it cannot honour are refused before it talks to any
-other rank, with the same message on every rank.
+other rank, with the same message on every rank. It records no Timeline (--trace and --no-trace
+change nothing; `meshplan run` then writes no trace) and runs no heartbeats (--heartbeat-timeout
+changes nothing): a failing rank exits with its error, the launcher ends the others after its
+grace period (runtime/launcher.py, runtime/lifetime.py), and a rank waiting on a dead peer fails
+after --timeout seconds, torch.distributed's collective timeout.
 
 What --verify reads (runtime/verify.py) is written in the form of a one-stage build whose rank 0
 holds the whole model: rank 0 gathers every parameter and gradient as whole tensors under the
