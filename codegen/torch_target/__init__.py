@@ -1,0 +1,1 @@
+"""PyTorch's own parallel stack as a target of meshplan plans."""

@@ -1,0 +1,167 @@
+"""`codegen.torch_target.pipeline`: a plan's pipeline as torch.distributed.pipelining runs it.
+
+`pipeline_layout(plan, graph)` cuts the captured graph into stage modules with meshplan's own
+partition (codegen/partition.py: it works on captures where torch's tracer front end,
+torch.distributed.pipelining.pipeline / SplitPoint, fails) and records, as plain data, what a
+rank needs to run them with torch's schedules: the schedule, the micro-batch count, and per
+stage (chunk) its pipeline position, the model modules and tensors its code reads, and its
+class source. `stage_classes(layout)` turns that source into classes; the torch script writes
+the same source out instead (`PipelineLayout.source()`). runtime/torch_stack/pipeline.py builds
+this rank's stage modules from the user's model and wraps them in PipelineStage.
+
+Each stage class has the shape torch's stages call: the previous stage's outputs come
+positionally (in the order that stage returns them), and every model input comes by name
+(`schedule.step(input_ids=..., target=...)` hands the same keyword inputs to every stage, so
+a stage that reads an input of the model, not only the first, gets it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from codegen.partition import PartitionError, StagePart, partition, stage_imports
+from planner.graph.model import ModelGraph
+from planner.plan import Plan
+from runtime.spec import StageSpec
+from runtime.vocab import Schedule
+
+
+class PipelineLayoutError(ValueError):
+    """A plan's pipeline that torch.distributed.pipelining cannot run; the message names the numbers."""
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """One pipeline stage (a chunk under the interleaved schedule).
+
+    position: the place on the pipeline axis that runs it (stage k runs at k % pipeline).
+    spec: its inputs (one micro-batch's shapes; "recv" from the previous stage, "data" the
+        model's inputs by name), the model modules and tensors its code reads, its tied weights.
+    class_name / source: its class as torch's schedule calls it (`forward(*received, **inputs)`),
+        a subclass of the partition's `Stage<k>` class, whose source comes first in `source`.
+    """
+
+    position: int
+    spec: StageSpec
+    class_name: str
+    source: str
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    def to_dict(self) -> dict:
+        return {"position": self.position, "spec": self.spec.to_dict(), "class_name": self.class_name,
+                "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StageLayout":
+        return cls(position=int(d["position"]), spec=StageSpec.from_dict(d["spec"]), class_name=str(d["class_name"]),
+                   source=str(d["source"]))
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """A plan's pipeline: `pipeline` positions, `virtual_stages` chunks each, `num_micro_batches`
+    micro-batches of `micro_batch_size` samples per data rank and step, run by `schedule`.
+
+    inputs: the model's input names (forward's parameters the graph reads), in forward's order.
+    imports: the import lines the stage classes' source needs.
+    """
+
+    schedule: Schedule
+    pipeline: int
+    virtual_stages: int
+    num_micro_batches: int
+    micro_batch_size: int
+    inputs: tuple[str, ...]
+    imports: tuple[str, ...]
+    stages: tuple[StageLayout, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline * self.virtual_stages
+
+    def stages_at(self, position: int) -> tuple[StageLayout, ...]:
+        """The stages pipeline position `position` runs, in stage order."""
+        return tuple(s for s in self.stages if s.position == position)
+
+    def source(self) -> str:
+        """Python source defining every stage class (imports first)."""
+        return "\n".join(self.imports) + "\n\n\n" + "\n\n".join(s.source for s in self.stages)
+
+    def to_dict(self) -> dict:
+        return {"schedule": self.schedule.value, "pipeline": self.pipeline, "virtual_stages": self.virtual_stages,
+                "num_micro_batches": self.num_micro_batches, "micro_batch_size": self.micro_batch_size,
+                "inputs": list(self.inputs), "imports": list(self.imports),
+                "stages": [s.to_dict() for s in self.stages]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PipelineLayout":
+        return cls(schedule=Schedule(d["schedule"]), pipeline=int(d["pipeline"]),
+                   virtual_stages=int(d["virtual_stages"]), num_micro_batches=int(d["num_micro_batches"]),
+                   micro_batch_size=int(d["micro_batch_size"]), inputs=tuple(str(x) for x in d["inputs"]),
+                   imports=tuple(str(x) for x in d["imports"]),
+                   stages=tuple(StageLayout.from_dict(s) for s in d["stages"]))
+
+
+def pipeline_layout(plan: Plan, graph: ModelGraph) -> PipelineLayout | None:
+    """The pipeline of `plan` over `graph`'s captured model, or None when the plan has one stage.
+
+    Raises PipelineLayoutError for what torch's schedules or this target do not run (the
+    bidirectional pipeline, tensor parallelism inside stages, a batch dimension other than 0,
+    1F1B with fewer micro-batches than stages), PartitionError where the graph cannot be cut.
+    """
+    cfg = plan.config
+    if cfg.num_stages == 1:
+        return None
+    if cfg.bidirectional:
+        raise PipelineLayoutError("the torch target runs one-directional pipelines; the plan's bidirectional "
+                                  "pipeline (GEMS) runs on meshplan's own runtime: plan for target 'meshplan'")
+    if cfg.tensor > 1:
+        raise PipelineLayoutError(f"the torch target does not yet combine pipeline {cfg.pipeline} with tensor "
+                                  f"{cfg.tensor}; plan without one of them, or for target 'meshplan'")
+    if graph.batch_dim != 0:
+        raise PipelineLayoutError(f"torch's pipeline schedules split the batch on dimension 0; the model's batch "
+                                  f"dimension is {graph.batch_dim}")
+    m = cfg.micro_batches(plan.global_batch_size)
+    schedule = Schedule(cfg.schedule)
+    if schedule == Schedule.ONE_F_ONE_B and m < cfg.num_stages:
+        # torch's Schedule1F1B refuses this (torch/distributed/pipelining/schedules.py, Schedule1F1B.__init__)
+        raise PipelineLayoutError(f"1F1B with {cfg.num_stages} stages needs at least {cfg.num_stages} micro-batches "
+                                  f"per step, the plan has {m}; raise the global batch or use schedule 'gpipe'")
+    parts = partition(plan, graph)
+    inputs = tuple(str(n.target).lstrip("*") for n in graph.module.graph.nodes if n.op == "placeholder")
+    stages = tuple(StageLayout(position=p.device_index, spec=p.spec, class_name=f"Pipe{p.class_name}",
+                               source=p.source + "\n\n" + _call_shape(p)) for p in parts.stages)
+    return PipelineLayout(schedule=schedule, pipeline=cfg.pipeline, virtual_stages=cfg.virtual_stages,
+                          num_micro_batches=m, micro_batch_size=cfg.micro_batch_size, inputs=inputs,
+                          imports=tuple(stage_imports(list(parts.stages))), stages=stages)
+
+
+def _call_shape(part: StagePart) -> str:
+    """The subclass of the stage's class that torch's schedule calls: received tensors
+    positionally, the model's inputs by name, each passed on where the stage's forward takes it."""
+    ins = part.spec.inputs
+    received = [b.name for b in ins if b.source == "recv"]
+    args = [b.name if b.source == "recv" else f"inputs[{b.data_key!r}]" for b in ins]
+    params = ", ".join(["self", *received, "**inputs"])
+    return (f"class Pipe{part.class_name}({part.class_name}):\n"
+            f'    """{part.class_name} as torch.distributed.pipelining calls it: the previous stage\'s outputs '
+            f'positionally, the model\'s inputs by name."""\n\n'
+            f"    def forward({params}):\n"
+            f"        return super().forward({', '.join(args)})\n")
+
+
+def stage_classes(layout: PipelineLayout, position: int) -> dict[int, type[torch.nn.Module]]:
+    """stage index -> its class, for the stages pipeline position `position` runs (executed from
+    the layout's source, as the torch script defines them)."""
+    namespace: dict = {"__name__": "meshplan_torch_stages"}
+    exec(compile(layout.source(), "<meshplan torch stages>", "exec"), namespace)
+    return {s.index: namespace[s.class_name] for s in layout.stages_at(position)}
+
+
+__all__ = ["PartitionError", "PipelineLayout", "PipelineLayoutError", "StageLayout", "pipeline_layout",
+           "stage_classes"]
