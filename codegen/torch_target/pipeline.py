@@ -148,11 +148,15 @@ def _call_shape(part: StagePart) -> str:
     received = [b.name for b in ins if b.source == "recv"]
     args = [b.name if b.source == "recv" else f"inputs[{b.data_key!r}]" for b in ins]
     params = ", ".join(["self", *received, "**inputs"])
+    call = f"super().forward({', '.join(args)})"
+    body = f"        return {call}\n" if part.spec.is_last else (
+        f"        outputs = {call}\n"
+        "        # torch's point-to-point sends take contiguous tensors only\n"
+        "        return tuple(t.contiguous() for t in outputs)\n")
     return (f"class Pipe{part.class_name}({part.class_name}):\n"
             f'    """{part.class_name} as torch.distributed.pipelining calls it: the previous stage\'s outputs '
             f'positionally, the model\'s inputs by name."""\n\n'
-            f"    def forward({params}):\n"
-            f"        return super().forward({', '.join(args)})\n")
+            f"    def forward({params}):\n" + body)
 
 
 def stage_classes(layout: PipelineLayout, position: int) -> dict[int, type[torch.nn.Module]]:
