@@ -110,14 +110,12 @@ def run_case(case: Case, layout: dict, rank: int, world: int) -> dict:
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.device_mesh import init_device_mesh
 
-    from codegen.torch_target.pipeline import PipelineLayout, stage_classes
-    from runtime.torch_stack.pipeline import build_pipeline
+    from codegen.torch_target.pipeline import PipelineLayout, rank_pipeline
 
     lay = PipelineLayout.from_dict(layout)
     d = case.data
     assert d * lay.pipeline == world
     mesh = init_device_mesh("cpu", (d, lay.pipeline), mesh_dim_names=("data", "pipeline"))
-    pos = mesh["pipeline"].get_local_rank()
     dc = mesh["data"].get_local_rank()
     model = build_model(case)
 
@@ -125,10 +123,7 @@ def run_case(case: Case, layout: dict, rank: int, world: int) -> dict:
         if d > 1:
             replicate(module, mesh=mesh["data"])
 
-    run = build_pipeline(model, stage_classes(lay, pos), [s.spec for s in lay.stages],
-                         [s.position for s in lay.stages], schedule=lay.schedule,
-                         num_micro_batches=lay.num_micro_batches, pipe_group=mesh["pipeline"].get_group(),
-                         loss_fn=loss_fn, wrap=wrap)
+    run = rank_pipeline(lay, model, mesh, loss_fn, wrap=wrap)
     opt = torch.optim.SGD(run.parameters(), **SGD)
     per = BATCH // d
     losses = []

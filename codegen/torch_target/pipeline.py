@@ -17,94 +17,21 @@ a stage that reads an input of the model, not only the first, gets it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from codegen.partition import PartitionError, StagePart, partition, stage_imports
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
-from runtime.spec import StageSpec
-from runtime.vocab import Schedule
+from runtime.torch_stack.pipeline import PipelineRun, build_pipeline
+from runtime.torch_stack.pipeline_layout import PipelineLayout, StageLayout
+from runtime.vocab import MeshAxis, Schedule
 
 
 class PipelineLayoutError(ValueError):
     """A plan's pipeline that torch.distributed.pipelining cannot run; the message names the numbers."""
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    """One pipeline stage (a chunk under the interleaved schedule).
-
-    position: the place on the pipeline axis that runs it (stage k runs at k % pipeline).
-    spec: its inputs (one micro-batch's shapes; "recv" from the previous stage, "data" the
-        model's inputs by name), the model modules and tensors its code reads, its tied weights.
-    class_name / source: its class as torch's schedule calls it (`forward(*received, **inputs)`),
-        a subclass of the partition's `Stage<k>` class, whose source comes first in `source`.
-    """
-
-    position: int
-    spec: StageSpec
-    class_name: str
-    source: str
-
-    @property
-    def index(self) -> int:
-        return self.spec.index
-
-    def to_dict(self) -> dict:
-        return {"position": self.position, "spec": self.spec.to_dict(), "class_name": self.class_name,
-                "source": self.source}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "StageLayout":
-        return cls(position=int(d["position"]), spec=StageSpec.from_dict(d["spec"]), class_name=str(d["class_name"]),
-                   source=str(d["source"]))
-
-
-@dataclass(frozen=True)
-class PipelineLayout:
-    """A plan's pipeline: `pipeline` positions, `virtual_stages` chunks each, `num_micro_batches`
-    micro-batches of `micro_batch_size` samples per data rank and step, run by `schedule`.
-
-    inputs: the model's input names (forward's parameters the graph reads), in forward's order.
-    imports: the import lines the stage classes' source needs.
-    """
-
-    schedule: Schedule
-    pipeline: int
-    virtual_stages: int
-    num_micro_batches: int
-    micro_batch_size: int
-    inputs: tuple[str, ...]
-    imports: tuple[str, ...]
-    stages: tuple[StageLayout, ...]
-
-    @property
-    def num_stages(self) -> int:
-        return self.pipeline * self.virtual_stages
-
-    def stages_at(self, position: int) -> tuple[StageLayout, ...]:
-        """The stages pipeline position `position` runs, in stage order."""
-        return tuple(s for s in self.stages if s.position == position)
-
-    def source(self) -> str:
-        """Python source defining every stage class (imports first)."""
-        return "\n".join(self.imports) + "\n\n\n" + "\n\n".join(s.source for s in self.stages)
-
-    def to_dict(self) -> dict:
-        return {"schedule": self.schedule.value, "pipeline": self.pipeline, "virtual_stages": self.virtual_stages,
-                "num_micro_batches": self.num_micro_batches, "micro_batch_size": self.micro_batch_size,
-                "inputs": list(self.inputs), "imports": list(self.imports),
-                "stages": [s.to_dict() for s in self.stages]}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "PipelineLayout":
-        return cls(schedule=Schedule(d["schedule"]), pipeline=int(d["pipeline"]),
-                   virtual_stages=int(d["virtual_stages"]), num_micro_batches=int(d["num_micro_batches"]),
-                   micro_batch_size=int(d["micro_batch_size"]), inputs=tuple(str(x) for x in d["inputs"]),
-                   imports=tuple(str(x) for x in d["imports"]),
-                   stages=tuple(StageLayout.from_dict(s) for s in d["stages"]))
 
 
 def pipeline_layout(plan: Plan, graph: ModelGraph) -> PipelineLayout | None:
@@ -159,7 +86,7 @@ def _call_shape(part: StagePart) -> str:
             f"    def forward({params}):\n" + body)
 
 
-def stage_classes(layout: PipelineLayout, position: int) -> dict[int, type[torch.nn.Module]]:
+def stage_classes(layout: PipelineLayout, position: int) -> dict[int, type[nn.Module]]:
     """stage index -> its class, for the stages pipeline position `position` runs (executed from
     the layout's source, as the torch script defines them)."""
     namespace: dict = {"__name__": "meshplan_torch_stages"}
@@ -167,5 +94,21 @@ def stage_classes(layout: PipelineLayout, position: int) -> dict[int, type[torch
     return {s.index: namespace[s.class_name] for s in layout.stages_at(position)}
 
 
+def rank_pipeline(layout: PipelineLayout, model: nn.Module, mesh, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                  *, wrap: Callable[[nn.Module], None] | None = None,
+                  device: torch.device | str = "cpu") -> PipelineRun:
+    """This rank's stages of `layout` over the user's `model` (its own tensors), in PipelineStages
+    under the plan's schedule: runtime.torch_stack.pipeline.build_pipeline with the stage classes
+    of this rank's position on `mesh`'s "pipeline" dimension (a torch DeviceMesh).
+
+    loss_fn(output, target): the mean loss of one micro-batch. wrap(stage_module): data
+    parallelism applied to each stage module before it is wrapped (replicate / fully_shard).
+    """
+    pipe = mesh[MeshAxis.PIPELINE.value]
+    classes = stage_classes(layout, pipe.get_local_rank())
+    return build_pipeline(layout, model, classes, pipe_group=pipe.get_group(), loss_fn=loss_fn, wrap=wrap,
+                          device=device)
+
+
 __all__ = ["PartitionError", "PipelineLayout", "PipelineLayoutError", "StageLayout", "pipeline_layout",
-           "stage_classes"]
+           "rank_pipeline", "stage_classes"]

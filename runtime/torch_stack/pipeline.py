@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from runtime.materialize import CONTEXT, RUN_DEVICE, TENSOR_GROUP, _set_path
 from runtime.spec import StageSpec
+from runtime.torch_stack.pipeline_layout import PipelineLayout
 from runtime.vocab import Schedule
 
 # one stage per rank: the schedule classes of torch.distributed.pipelining for each plan schedule
@@ -96,14 +97,14 @@ class TiedWeight:
     group: Any
 
 
-def tied_weights(specs: Sequence[StageSpec], positions: Sequence[int], pipe_group) -> tuple[TiedWeight, ...]:
+def tied_weights(layout: PipelineLayout, pipe_group) -> tuple[TiedWeight, ...]:
     """The weights held on several pipeline positions, each with the group of its holders along this
-    rank's pipeline axis. Every rank of the pipeline group calls this with the same specs (it creates
-    the groups: members only, the same order on all)."""
+    rank's pipeline axis. Every rank of the pipeline group calls this (it creates the groups:
+    members only, in the same order on all)."""
     held: dict[tuple[str, ...], set[int]] = {}
-    for spec in specs:
-        for grp in spec.shared:
-            held.setdefault(tuple(grp), set()).add(positions[spec.index])
+    for stage in layout.stages:
+        for grp in stage.spec.shared:
+            held.setdefault(tuple(grp), set()).add(stage.position)
     ranks = dist.get_process_group_ranks(pipe_group)
     me = dist.get_rank()
     out = []
@@ -187,18 +188,15 @@ class PipelineRun:
             dist.all_reduce(grad, group=tie.group)
 
 
-def build_pipeline(model: nn.Module, classes: Mapping[int, type[nn.Module]], specs: Sequence[StageSpec],
-                   positions: Sequence[int], *, schedule: Schedule | str, num_micro_batches: int, pipe_group,
-                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], device: torch.device | str = "cpu",
-                   wrap: Callable[[nn.Module], None] | None = None) -> PipelineRun:
-    """This rank's stages of a pipeline over `model`, in torch.distributed.pipelining.
+def build_pipeline(layout: PipelineLayout, model: nn.Module, classes: Mapping[int, type[nn.Module]], *, pipe_group,
+                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], wrap: Callable[[nn.Module], None] | None = None,
+                   device: torch.device | str = "cpu") -> PipelineRun:
+    """This rank's stages of `layout` over `model`, in torch.distributed.pipelining.
 
     Args:
+        layout: the plan's pipeline (codegen.torch_target.pipeline.pipeline_layout).
         model: the user's model, whole on every rank (its tensors are shared, not copied).
-        classes: stage index -> stage class, at least for this rank's stages.
-        specs: every stage's StageSpec, in stage order; positions[k]: the pipeline position running
-            stage k (k % pipeline).
-        schedule: "gpipe", "1f1b" or "interleaved"; num_micro_batches: per step and data rank.
+        classes: stage index -> stage class, at least for this rank's stages (the layout's source).
         pipe_group: the process group along the pipeline axis (this rank's position is its rank in it).
         loss_fn(output, target): the mean loss of one micro-batch (the last stage's output).
         wrap: applied to each stage module before it becomes a PipelineStage (data parallelism:
@@ -207,25 +205,24 @@ def build_pipeline(model: nn.Module, classes: Mapping[int, type[nn.Module]], spe
     Collective over the pipeline group (tied-weight groups are made here). PipelineBuildError for
     stages that cannot be built.
     """
-    if len(specs) != len(positions) or [s.index for s in specs] != list(range(len(specs))):
-        raise PipelineBuildError(f"need every stage's spec in order with its position; got stages "
-                                 f"{[s.index for s in specs]} and {len(positions)} positions")
     me = dist.get_rank(pipe_group)
-    mine = [s for s in specs if positions[s.index] == me]
-    if not mine:
-        raise PipelineBuildError(f"pipeline position {me} runs no stage; the positions are {sorted(set(positions))}")
+    if dist.get_world_size(pipe_group) != layout.pipeline:
+        raise PipelineBuildError(f"the layout's pipeline has {layout.pipeline} positions, the pipeline group "
+                                 f"{dist.get_world_size(pipe_group)} ranks; build the mesh from the same plan")
+    mine = layout.stages_at(me)
     missing = [s.index for s in mine if s.index not in classes]
     if missing:
         raise PipelineBuildError(f"no class for stage(s) {missing}, which pipeline position {me} runs")
-    modules = {s.index: stage_module(classes[s.index], s, model, device) for s in mine}
+    modules = {s.index: stage_module(classes[s.index], s.spec, model, device) for s in mine}
     _check_unshared(modules)
-    ties = tied_weights(specs, positions, pipe_group)
+    ties = tied_weights(layout, pipe_group)
     for s in sorted(modules):
         if wrap is not None:
             wrap(modules[s])
-    stages = [PipelineStage(modules[s.index], s.index, len(specs), torch.device(device), group=pipe_group)
+    stages = [PipelineStage(modules[s.index], s.index, layout.num_stages, torch.device(device), group=pipe_group)
               for s in mine]
-    return PipelineRun(modules, stages, make_schedule(stages, Schedule(schedule), num_micro_batches, loss_fn), ties)
+    return PipelineRun(modules, stages, make_schedule(stages, layout.schedule, layout.num_micro_batches, loss_fn),
+                       ties)
 
 
 __all__ = ["PipelineBuildError", "PipelineRun", "TiedWeight", "build_pipeline", "make_schedule", "stage_module",
