@@ -1,13 +1,13 @@
 """Pipeline plans run on torch.distributed.pipelining (runtime/torch_stack/pipeline.py) as real
 processes (gloo), and their single-process reference.
 
-A case is a model and a plan configuration. The test process makes the plan and its
-PipelineLayout (codegen/torch_target/pipeline.py) and hands the layout to the ranks as JSON; one
-set of `world` spawned processes runs every case in turn (Python, torch and transformers start
-once). Each rank trains 3 steps with torch.optim.SGD (momentum) in a hand-written loop around
+A case is a model and a plan configuration. The test process makes the plan and its TorchLayout
+(codegen/torch_target/layout.py; its pipeline from codegen/torch_target/pipeline.py) and hands the
+layout to the ranks as JSON; one set of `world` spawned processes runs every case in turn (Python,
+torch and transformers start once). Each rank trains 3 steps with torch.optim.SGD (momentum) in a hand-written loop around
 the schedule's step and saves its losses and its stages' parameters (whole, under the model's
-names). The mesh is (data, pipeline), pipeline fastest: with data 2 x pipeline 2, ranks 0 and 1
-are the pipeline of data rank 0. Data rank k trains on samples [k * B/d, (k+1) * B/d) of the
+names). The mesh is the plan's (pipeline, data), data fastest: with pipeline 2 x data 2, ranks 0
+and 2 are the pipeline of data rank 0. Data rank k trains on samples [k * B/d, (k+1) * B/d) of the
 global batch B; the reference trains the whole batch in one process.
 """
 
@@ -69,9 +69,9 @@ def batch(case: Case, step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]
 
 
 def layout_json(case: Case) -> str:
-    """The case's plan, as the PipelineLayout every rank runs (JSON)."""
+    """The case's plan, as the TorchLayout every rank applies (JSON)."""
     import planner
-    from codegen.torch_target.pipeline import pipeline_layout
+    from codegen.torch_target.layout import torch_layout
     from planner.app.commands import make_fixed_plan
     from tests.real_models import graph_of
 
@@ -79,7 +79,7 @@ def layout_json(case: Case) -> str:
     graph = graph_of(ref, tuple(sorted(kwargs.items())))
     config = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", **dict(case.config))
     plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=config.num_devices), config, BATCH)
-    return json.dumps(pipeline_layout(plan, graph).to_dict())
+    return json.dumps(torch_layout(plan, graph).to_dict())
 
 
 def loss_fn(output, target: torch.Tensor) -> torch.Tensor:
@@ -107,23 +107,20 @@ def reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor], dict[st
 def run_case(case: Case, layout: dict, rank: int, world: int) -> dict:
     """This rank's part of `case`: {"losses": per step (the global batch's), "params": name -> whole tensor}."""
     import torch.distributed as dist
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from codegen.torch_target.pipeline import PipelineLayout, rank_pipeline
+    from codegen.torch_target.layout import TorchLayout
+    from codegen.torch_target.pipeline import rank_pipeline
+    from runtime.torch_stack.data import apply_data
+    from runtime.torch_stack.mesh import build_mesh
 
-    lay = PipelineLayout.from_dict(layout)
+    lay = TorchLayout.from_dict(layout)
+    mesh = build_mesh(layout, "cpu")
     d = case.data
-    assert d * lay.pipeline == world
-    mesh = init_device_mesh("cpu", (d, lay.pipeline), mesh_dim_names=("data", "pipeline"))
-    dc = mesh["data"].get_local_rank()
+    data_mesh = mesh["data"] if d > 1 else None
+    dc = data_mesh.get_local_rank() if d > 1 else 0
     model = build_model(case)
-
-    def wrap(module: torch.nn.Module) -> None:   # data parallelism: gradients averaged over the data axis
-        if d > 1:
-            replicate(module, mesh=mesh["data"])
-
-    run = rank_pipeline(lay, model, mesh, loss_fn, wrap=wrap)
+    # data parallelism on each stage module, as the layout says (replicate: gradients averaged over data)
+    run = rank_pipeline(lay.pipeline, model, mesh, loss_fn, wrap=lambda m: apply_data(m, layout, data_mesh))
     opt = torch.optim.SGD(run.parameters(), **SGD)
     per = BATCH // d
     losses = []

@@ -3,7 +3,8 @@
 For the example GPT, a Hugging Face Llama and a BERT (whose input embedding and prediction head
 share one weight, held by the first and the last stage): pipeline 2 interleaved (2 chunks per
 position, 2 ranks) and data 2 x pipeline 2 with 1F1B (4 ranks), 3 steps of SGD with momentum in a
-hand-written loop around the schedule's step. The stages hold the model's own tensors; their
+hand-written loop around the schedule's step (the data-parallel runs replicate each stage module
+over the data axis, or fully_shard it under ZeRO-3). The stages hold the model's own tensors; their
 losses and every parameter equal the single-process run's within the fp32 tolerances of
 `meshplan run --verify` (runtime/verify.py). One launch per world size runs all its cases.
 """
@@ -23,7 +24,9 @@ INTERLEAVED = (("pipeline", 2), ("schedule", "interleaved"), ("virtual_stages", 
 DATA_PIPELINE = (("data", 2), ("pipeline", 2), ("schedule", "1f1b"))
 LAUNCHES = {
     "p2_interleaved": (2, [Case(f"{m}_p2_interleaved", m, INTERLEAVED) for m in MODELS]),
-    "d2p2_1f1b": (4, [Case(f"{m}_d2p2", m, DATA_PIPELINE) for m in MODELS]),
+    # BERT under ZeRO-3: its tied weight's gradient is summed over the pipeline as fully_shard's shards
+    "d2p2_1f1b": (4, [Case("gpt_d2p2", "gpt", DATA_PIPELINE), Case("llama_d2p2", "llama", DATA_PIPELINE),
+                      Case("bert_d2p2_zero3", "bert", (*DATA_PIPELINE, ("zero", 3)))]),
 }
 
 
