@@ -25,6 +25,7 @@ import torch
 STEPS = 3
 BATCH = 8          # global batch; micro-batch 2
 SGD = {"lr": 0.05, "momentum": 0.9}
+CLIP = 0.5         # gradient-norm clipping (the tiny models' norms are above it: every step clips)
 # tiny models: the test runs each in several processes on a 2-core machine
 MODELS = {
     "gpt": ("examples/models/gpt.py:build", {}),
@@ -88,24 +89,27 @@ def loss_fn(output, target: torch.Tensor) -> torch.Tensor:
     return compute_loss("cross_entropy", output, target)
 
 
-def reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Single process, whole batch: (losses, parameters after the steps, parameters before), by model name."""
+def reference(case: Case) -> tuple[list[float], list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Single process, whole batch: (losses, gradient norms, parameters after the steps, parameters
+    before), by model name."""
     model = build_model(case)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), **SGD)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         inputs, targets = batch(case, step)
         opt.zero_grad()
         loss = loss_fn(model(**inputs), targets)
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         losses.append(float(loss.detach()))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, start
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, start
 
 
 def run_case(case: Case, layout: dict, rank: int, world: int) -> dict:
-    """This rank's part of `case`: {"losses": per step (the global batch's), "params": name -> whole tensor}."""
+    """This rank's part of `case`: {"losses" and "norms" (the gradient's before clipping): per step,
+    the global batch's; "params": name -> whole tensor}."""
     import torch.distributed as dist
 
     from codegen.torch_target.layout import TorchLayout
@@ -123,7 +127,7 @@ def run_case(case: Case, layout: dict, rank: int, world: int) -> dict:
     run = rank_pipeline(lay.pipeline, model, mesh, loss_fn, wrap=lambda m: apply_data(m, layout, data_mesh))
     opt = torch.optim.SGD(run.parameters(), **SGD)
     per = BATCH // d
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         inputs, targets = batch(case, step)
         inputs = {k: v[dc * per:(dc + 1) * per] for k, v in inputs.items()}
@@ -131,6 +135,7 @@ def run_case(case: Case, layout: dict, rank: int, world: int) -> dict:
         opt.zero_grad()
         mb_losses: list = []
         run.step(target=targets, losses=mb_losses, **inputs)
+        norms.append(float(run.clip_grad_norm_(CLIP)))
         opt.step()
         # the step's loss: the mean over micro-batches on the last stage's ranks, averaged over data
         mine = torch.stack(mb_losses).mean().detach().reshape(1) / d if run.has_last_stage else torch.zeros(1)
@@ -140,7 +145,7 @@ def run_case(case: Case, layout: dict, rank: int, world: int) -> dict:
     for name, p in run.named_parameters():
         t = p.detach()
         params[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "norms": norms, "params": params}
 
 
 def run_rank(rank: int, world: int, port: int, cases: list[Case], layouts: dict[str, str], out: str) -> None:

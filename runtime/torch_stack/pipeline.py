@@ -21,6 +21,7 @@ single-process model, which uses the one tensor in both places).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -33,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from runtime.materialize import CONTEXT, RUN_DEVICE, TENSOR_GROUP, _set_path
 from runtime.spec import StageSpec
+from runtime.torch_stack.grad_norm import total_norm
 from runtime.torch_stack.pipeline_layout import PipelineLayout
 from runtime.vocab import Schedule
 
@@ -139,13 +141,14 @@ class PipelineRun:
 
     modules: stage index -> its module (holding the model's own tensors; wrapped for data
     parallelism where `wrap` did so); stages: their PipelineStages; schedule: torch's schedule over
-    them; ties: the weights shared with other positions.
+    them; ties: the weights shared with other positions; pipe_group: the pipeline axis's process group.
     """
 
     modules: dict[int, nn.Module]
     stages: list[PipelineStage]
     schedule: Any
     ties: tuple[TiedWeight, ...]
+    pipe_group: Any
 
     @property
     def has_last_stage(self) -> bool:
@@ -171,6 +174,30 @@ class PipelineRun:
         out = self.schedule.step(*args, target=target, losses=losses, **inputs)
         self.sum_tied_grads()
         return out
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, eps: float = 1e-6) -> torch.Tensor:
+        """Scale this rank's gradients so that the whole model's gradient norm (over every pipeline
+        position, each tied weight counted once) is at most `max_norm` (torch's rule: factor
+        max_norm / (norm + eps), clamped to 1); returns the norm before clipping, the same on every rank.
+        Call after `step` (the tied weights' gradients summed)."""
+        norm_type = float(norm_type)
+        params = dict(self.named_parameters())
+        me = dist.get_rank(self.pipe_group)
+        # a tied weight's copies hold one summed gradient: the first position holding it counts it
+        counted_elsewhere = {n for tie in self.ties if tie.positions[0] != me for n in tie.names}
+        grads = [p.grad for n, p in params.items() if p.grad is not None and n not in counted_elsewhere]
+        part = total_norm(grads, norm_type).reshape(1).clone()
+        inf = math.isinf(norm_type)
+        if not inf:
+            part = part.pow(norm_type)
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.pipe_group)
+        norm = part[0] if inf else part[0].pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+        for p in params.values():
+            if p.grad is not None:
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                local.mul_(coef.to(local.device, local.dtype))
+        return norm
 
     def sum_tied_grads(self) -> None:
         """Sum the gradient of every weight held on several positions over its holders."""
@@ -222,7 +249,7 @@ def build_pipeline(layout: PipelineLayout, model: nn.Module, classes: Mapping[in
     stages = [PipelineStage(modules[s.index], s.index, layout.num_stages, torch.device(device), group=pipe_group)
               for s in mine]
     return PipelineRun(modules, stages, make_schedule(stages, layout.schedule, layout.num_micro_batches, loss_fn),
-                       ties)
+                       ties, pipe_group)
 
 
 __all__ = ["PipelineBuildError", "PipelineRun", "TiedWeight", "build_pipeline", "make_schedule", "stage_module",

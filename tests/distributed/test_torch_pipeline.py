@@ -3,10 +3,10 @@
 For the example GPT, a Hugging Face Llama and a BERT (whose input embedding and prediction head
 share one weight, held by the first and the last stage): pipeline 2 interleaved (2 chunks per
 position, 2 ranks) and data 2 x pipeline 2 with 1F1B (4 ranks), 3 steps of SGD with momentum in a
-hand-written loop around the schedule's step (the data-parallel runs replicate each stage module
-over the data axis, or fully_shard it under ZeRO-3). The stages hold the model's own tensors; their
-losses and every parameter equal the single-process run's within the fp32 tolerances of
-`meshplan run --verify` (runtime/verify.py). One launch per world size runs all its cases.
+hand-written loop around the schedule's step, the gradient clipped to norm 0.5 (the data-parallel runs
+replicate each stage module over the data axis, or fully_shard it under ZeRO-3). The stages hold
+the model's own tensors; their losses, gradient norms and every parameter equal the single-process
+run's within the fp32 tolerances of `meshplan run --verify` (runtime/verify.py). One launch per world size runs all its cases.
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ LAUNCHES = {
 
 
 def assert_equals_reference(case: Case, ranks: list[dict]) -> None:
-    want_losses, want, start = reference(case)
+    want_losses, want_norms, want, start = reference(case)
     for r, got in enumerate(ranks):
         for step, (a, b) in enumerate(zip(got["losses"], want_losses)):
             assert abs(a - b) <= TOL["loss"] * abs(b), f"{case.name} rank {r} step {step}: loss {a} vs {b}"
+        for step, (a, b) in enumerate(zip(got["norms"], want_norms)):
+            assert abs(a - b) <= TOL["grad_rtol"] * b, f"{case.name} rank {r} step {step}: gradient norm {a} vs {b}"
     # every parameter of the model is held by some rank (a tied weight under any of its names)
     model = build_model(case)
     alias = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
