@@ -221,12 +221,15 @@ def whole_model_view(info: dict) -> tuple[dict[int, Program], dict[int, StageSpe
 @dataclass(frozen=True)
 class Runner:
     """What the torch script trains on this rank: its modules (the whole parallelized model, or its
-    pipeline stages), `step(micro_batches) -> this rank's mean loss` (forward and backward), and
-    whether this rank computes the loss (a pipeline's last stage does; every rank without pipelines)."""
+    pipeline stages), `step(micro_batches) -> this rank's mean loss` (forward and backward), whether
+    this rank computes the loss (a pipeline's last stage does; every rank without pipelines), and
+    `grad_norm(max_norm) -> the whole model's gradient norm` before clipping (clipping to max_norm
+    unless it is None; a collective)."""
 
     modules: list
     step: Callable[[list], float]
     holds_loss: bool
+    grad_norm: Callable[[float | None], float]
 
 
 def optimizer_for(spec: OptimizerSpec, params: list, device: torch.device) -> OptimizerSpec:

@@ -149,7 +149,6 @@ def torch_script(plan: Plan, layout: TorchLayout, train: TrainSpec) -> str:
         "from runtime.metrics import StepLog, check_loss",
         "from runtime.reference import autocast_for",
         "from runtime.spec import TrainSpec",
-        "from runtime.torch_stack.grad_norm import clip_grad_norm_, total_norm",
         "from runtime.torch_script import (Runner, WholeModelRecorder, check_world, join, optimizer_for,",
         "                                  save_whole_parameters, script_args, write_rank_result)",
         "",
@@ -219,10 +218,7 @@ def train(args, rank, backend):
             loss = global_loss(runner.step(data.micro_batches(step)), runner.holds_loss, device)
             if recorder is not None:
                 recorder.before_step()   # the step's starting parameters and complete gradients, for --verify
-            # the global gradient norm over every mesh (runtime/torch_stack/grad_norm.py), clipped as the build says
-            grads = [p.grad for p in params if p.grad is not None]
-            norm = float(clip_grad_norm_(params, TRAIN.clip_grad) if TRAIN.clip_grad is not None
-                         else total_norm(grads, 2.0))
+            norm = runner.grad_norm(TRAIN.clip_grad)   # the global gradient norm, clipped as the build says
             norms.append(norm)
             optimizer.step()
             scheduler.step()

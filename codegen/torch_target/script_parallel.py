@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from codegen.pysrc import py_literal
 from codegen.torch_target.layout import ModuleStyle, TorchLayout
 from runtime.torch_stack.vocab import DataKind, TensorStyle
-from runtime.vocab import Recompute
+from runtime.vocab import Recompute, Schedule
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,9 @@ class ParallelSource:
 
 def parallelize_source(layout: TorchLayout) -> ParallelSource:
     """parallelize(model, mesh, device) -> Runner for `layout`, with the imports its calls need."""
-    imports: list[str] = []
+    if layout.pipeline is not None:
+        return _pipeline_source(layout)
+    imports: list[str] = ["from runtime.torch_stack.grad_norm import clip_grad_norm_, total_norm"]
     body: list[str] = []
     helpers: list[str] = []
     if layout.tensor:
@@ -40,26 +43,14 @@ def parallelize_source(layout: TorchLayout) -> ParallelSource:
         body += _tie_lines(layout)
     if layout.checkpoint_units:
         body += _checkpoint_lines(layout, imports, helpers)
-    if layout.data.kind is DataKind.FULLY_SHARD:
-        imports.append("from torch.distributed.fsdp import fully_shard")
-        reshard = layout.data.reshard_after_forward
-        body += ["    # " + ("ZeRO-3" if reshard else "ZeRO-2") + " over mesh['data'] (FSDP2): parameters, gradients and "
-                 "optimizer state sharded; each block's",
-                 "    # parameters are gathered for its forward and backward, " + (
-                     "and freed after its forward" if reshard else "and kept from forward to backward"),
-                 f"    for path in {list(layout.data.units)!r}:",
-                 f"        fully_shard(model.get_submodule(path), mesh=mesh['data'], reshard_after_forward={reshard!r})",
-                 f"    fully_shard(model, mesh=mesh['data'], reshard_after_forward={reshard!r})"]
-    elif layout.data.kind is DataKind.REPLICATE:
-        imports.append("from torch.distributed._composable.replicate_with_fsdp import replicate")
-        body += ["    # data parallelism over mesh['data']: whole parameters, gradients averaged over the replicas",
-                 "    replicate(model, mesh=mesh['data'])"]
+    body += _data_lines(layout, imports, "model", units=True)
     functions = [
         *helpers,
         "def parallelize(model, mesh, device):",
         '    """The plan applied to the whole `model` in place; the Runner that trains it on this rank."""',
         *body,
-        "    return Runner([model], lambda batches: forward_backward(model, batches), holds_loss=True)",
+        "    return Runner([model], lambda batches: forward_backward(model, batches), holds_loss=True,",
+        "                  grad_norm=lambda max_norm: grad_norm(model, max_norm))",
         "",
         "",
         "def forward_backward(model, batches):",
@@ -74,8 +65,116 @@ def parallelize_source(layout: TorchLayout) -> ParallelSource:
         "    return total",
         "",
         "",
+        "def grad_norm(model, max_norm):",
+        '    """The whole model\'s gradient norm before clipping, over every mesh its gradients live on',
+        '    (runtime/torch_stack/grad_norm.py); the gradients clipped to max_norm unless it is None."""',
+        "    params = list(model.parameters())",
+        "    if max_norm is not None:",
+        "        return float(clip_grad_norm_(params, max_norm))",
+        "    return float(total_norm([p.grad for p in params if p.grad is not None], 2.0))",
+        "",
+        "",
     ]
     return ParallelSource(tuple(dict.fromkeys(imports)), functions)
+
+
+def _data_lines(layout: TorchLayout, imports: list[str], module: str, units: bool) -> list[str]:
+    """The data-parallel wrapper of `module` (a name in the generated code) over mesh['data']; with
+    `units`, fully_shard on each of the layout's units first."""
+    if layout.data.kind is DataKind.FULLY_SHARD:
+        imports.append("from torch.distributed.fsdp import fully_shard")
+        reshard = layout.data.reshard_after_forward
+        lines = ["    # " + ("ZeRO-3" if reshard else "ZeRO-2") + " over mesh['data'] (FSDP2): parameters, gradients "
+                 "and optimizer state sharded; each unit's",
+                 "    # parameters are gathered for its forward and backward, " + (
+                     "and freed after its forward" if reshard else "and kept from forward to backward")]
+        if units and layout.data.units:
+            lines += [f"    for path in {list(layout.data.units)!r}:",
+                      f"        fully_shard(model.get_submodule(path), mesh=mesh['data'], reshard_after_forward={reshard!r})"]
+        return lines + [f"    fully_shard({module}, mesh=mesh['data'], reshard_after_forward={reshard!r})"]
+    if layout.data.kind is DataKind.REPLICATE:
+        imports.append("from torch.distributed._composable.replicate_with_fsdp import replicate")
+        return ["    # data parallelism over mesh['data']: whole parameters, gradients averaged over the replicas",
+                f"    replicate({module}, mesh=mesh['data'])"]
+    return []
+
+
+# torch.distributed.pipelining's schedule class per plan schedule
+_SCHEDULES = {Schedule.GPIPE: "ScheduleGPipe", Schedule.ONE_F_ONE_B: "Schedule1F1B",
+              Schedule.INTERLEAVED: "ScheduleInterleaved1F1B"}
+
+
+def _pipeline_source(layout: TorchLayout) -> ParallelSource:
+    """A pipeline plan: the stage classes (meshplan's partition of the captured model; each holds the
+    model's own modules), this position's stage modules wrapped for the data axis, PipelineStage and
+    the plan's schedule, written out; runtime/torch_stack/pipeline.py's PipelineRun steps them."""
+    pipe = layout.pipeline
+    schedule = _SCHEDULES[pipe.schedule]
+    imports = [f"from torch.distributed.pipelining import PipelineStage, {schedule}",
+               "from runtime.torch_stack.pipeline import PipelineRun, stage_module, tied_weights",
+               "from runtime.torch_stack.pipeline_layout import PipelineLayout",
+               *pipe.imports]
+    wrap = _data_lines(layout, imports, "module", units=False)
+    # the layout as data, less the classes' source (written out above it)
+    data = pipe.to_dict()
+    data["imports"] = []
+    data["stages"] = [{**st, "source": ""} for st in data["stages"]]
+    stages = "stages[0]" if pipe.schedule is not Schedule.INTERLEAVED else "stages"
+    functions = [
+        "# " + "=" * 78,
+        f"# the pipeline's {pipe.num_stages} stages: meshplan's partition of the captured model (each calls the",
+        "# model's own modules, attached under their paths by stage_module)",
+        "# " + "=" * 78,
+        "",
+        *"\n\n".join(st.source for st in pipe.stages).rstrip().splitlines(),
+        "",
+        "",
+        "# the plan's pipeline as data (stage specs and pipeline positions; the classes' source is above)",
+        f"PIPELINE = PipelineLayout.from_dict({py_literal(data)})",
+        f"STAGE_CLASSES = {{{', '.join(f'{st.index}: {st.class_name}' for st in pipe.stages)}}}",
+        f"INPUTS = {pipe.inputs!r}   # the model's inputs by name, as every stage takes them",
+        "",
+        "",
+        "def parallelize(model, mesh, device):",
+        '    """This pipeline position\'s stages of the whole `model` (its own tensors), in PipelineStages under',
+        f'    the plan\'s schedule ({pipe.schedule}, {pipe.num_micro_batches} micro-batches); the Runner that trains them."""',
+        "    pipe = mesh['pipeline']",
+        "    mine = PIPELINE.stages_at(pipe.get_local_rank())",
+        "    modules = {}",
+        "    for stage in mine:",
+        "        module = modules[stage.index] = stage_module(STAGE_CLASSES[stage.index], stage.spec, model, device)",
+        *["    " + line for line in wrap],
+        f"    stages = [PipelineStage(modules[s.index], s.index, {pipe.num_stages}, device, group=pipe.get_group()) "
+        "for s in mine]",
+        f"    schedule = {schedule}({stages}, {pipe.num_micro_batches}, loss_fn=micro_batch_loss)",
+        "    # weights stages on several positions hold (a tied embedding and head): gradients summed over them",
+        "    run = PipelineRun(modules, stages, schedule, tied_weights(PIPELINE, pipe.get_group()), pipe.get_group())",
+        "    return Runner(list(modules.values()), lambda batches: pipeline_step(run, batches),",
+        "                  holds_loss=run.has_last_stage,",
+        "                  grad_norm=lambda max_norm: float(run.clip_grad_norm_(math.inf if max_norm is None else max_norm)))",
+        "",
+        "",
+        "def micro_batch_loss(output, target):",
+        '    """The mean loss of one micro-batch (the schedule averages the gradients over micro-batches)."""',
+        "    return compute_loss(TRAIN.loss, output, target)",
+        "",
+        "",
+        "def pipeline_step(run, batches):",
+        '    """One step\'s forwards and backwards through the schedule: this rank\'s micro-batches joined into',
+        "    its batch, which the schedule cuts into the same micro-batches again; the mean micro-batch loss",
+        '    on the last stage\'s ranks (0.0 elsewhere)."""',
+        "    inputs = [b[0] for b in batches]",
+        "    if isinstance(inputs[0], dict):",
+        "        joined = {k: torch.cat([x[k] for x in inputs]) for k in inputs[0]}",
+        "    else:",
+        "        joined = {name: torch.cat([x[i] for x in inputs]) for i, name in enumerate(INPUTS)}",
+        "    losses = []",
+        "    run.step(target=torch.cat([b[1] for b in batches]), losses=losses, **joined)",
+        "    return float(torch.stack(losses).mean()) if losses else 0.0",
+        "",
+        "",
+    ]
+    return ParallelSource(tuple(dict.fromkeys(["import math", *imports])), functions)
 
 
 def _tie_lines(layout: TorchLayout) -> list[str]:

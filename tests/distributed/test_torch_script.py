@@ -1,6 +1,6 @@
 """`meshplan codegen --target torch`: the one generated SPMD script trains the example GPT, a Hugging Face
-Llama and a BERT with PyTorch's own parallel stack (DeviceMesh, DTensor tensor parallelism, FSDP2) and
-equals the single-process run: every build runs as real processes over gloo and passes `--verify`
+Llama and a BERT with PyTorch's own parallel stack (DeviceMesh, DTensor tensor parallelism, FSDP2,
+torch.distributed.pipelining's 1F1B and interleaved schedules) and equals the single-process run: every build runs as real processes over gloo and passes `--verify`
 (runtime/verify.py: each step's loss, gradients and global gradient norm from the run's own parameters,
 then the trajectory's losses and final parameters).
 
@@ -26,11 +26,13 @@ D2T2 = dict(data=2, tensor=2)
 TWO_RANKS = {
     "gpt_d2_zero3": (GPT, {}, CONFIGS["d2_zero3"]),
     "gpt_t2": (GPT, {}, CONFIGS["t2"]),
+    "gpt_p2_interleaved": (GPT, {}, CONFIGS["p2_interleaved"]),
     "llama_t2": (HF, {"arch": "llama"}, CONFIGS["t2"]),
     "bert_d2_zero3": (HF, {"arch": "bert"}, CONFIGS["d2_zero3"]),
 }
 FOUR_RANKS = {
     "gpt_d2t2": (GPT, {}, D2T2),
+    "gpt_d2p2": (GPT, {}, CONFIGS["d2p2"]),
     "llama_d2t2": (HF, {"arch": "llama"}, D2T2),
     "bert_d2t2": (HF, {"arch": "bert"}, D2T2),
 }
