@@ -10,7 +10,9 @@ import json
 
 import pytest
 
+from codegen.torch_target.layout import DataLayout, MeshDim, ModuleStyle, TorchLayout
 from codegen.torch_target.script import SCRIPT, TorchTargetError, emit_torch
+from codegen.torch_target.script_parallel import parallelize_source
 from cost_models.hardware import Cluster
 from planner.config import ParallelConfig
 from planner.graph.capture import capture_ref
@@ -21,6 +23,8 @@ from runtime.loss_scale import LossScaleSpec
 from runtime.optim import OptimizerSpec
 from runtime.rank_main import LaunchError
 from runtime.torch_script import WHOLE_MODEL_KEY, check_world, script_args, whole_model_view
+from runtime.torch_stack.vocab import DataKind, TensorStyle
+from runtime.vocab import MeshAxis, Recompute
 from tests.hostile_cases import HOSTILE, HOSTILE_DIR, hostile_kwargs, load_rank_script, markers, write_model
 
 SGD = OptimizerSpec(name="sgd", lr=0.1)
@@ -117,3 +121,35 @@ def test_a_build_names_only_its_own_scripts(tmp_path):
     (tmp_path / "run_rank.py").write_text("")
     assert entry_script(tmp_path, {}) == tmp_path / "run_rank.py"
     assert entry_script(tmp_path, {"entry": SCRIPT}) == tmp_path / SCRIPT
+
+
+def test_a_layout_is_written_out_as_explicit_torch_calls():
+    hostile = HOSTILE[0]   # a module path from the model is a literal in the script, never code
+    layout = TorchLayout(
+        mesh=(MeshDim(MeshAxis.DATA, 2), MeshDim(MeshAxis.TENSOR, 2)),
+        tensor=(ModuleStyle("wte", TensorStyle.EMBEDDING_ROWWISE), ModuleStyle("h.0.qkv", TensorStyle.COLWISE_STRIDED, 3),
+                ModuleStyle(hostile, TensorStyle.ROWWISE), ModuleStyle("ln", TensorStyle.SEQUENCE),
+                ModuleStyle("head", TensorStyle.OUTPUT_COLWISE)),
+        sequence_dim=1, data=DataLayout(DataKind.FULLY_SHARD, reshard_after_forward=False, units=("h.0",)),
+        recompute=Recompute.FULL, checkpoint_units=("h.0",), ties=(("wte.weight", "head.weight"), ("a.w", "b.w")))
+    src = parallelize_source(layout)
+    text = "\n".join(src.functions)
+    for line in (
+            "        'wte': RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),",
+            "        'h.0.qkv': StridedColwiseParallel(3, input_layouts=Shard(1)),",
+            f"        {hostile!r}: RowwiseParallel(output_layouts=Shard(1)),",
+            "        'ln': SequenceParallel(sequence_dim=1, use_local_output=True),",
+            "        'head': ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),",
+            # the tie goes to the split copy; a group no style touched stays one parameter
+            "    setattr(model.get_submodule('head'), 'weight', model.get_parameter('wte.weight'))",
+            "        model.get_submodule(parent).register_module(name, checkpoint_wrapper(model.get_submodule(path)))",
+            "        fully_shard(model.get_submodule(path), mesh=mesh['data'], reshard_after_forward=False)",
+            "    fully_shard(model, mesh=mesh['data'], reshard_after_forward=False)"):
+        assert line in text.splitlines(), line
+    assert "'b.w'" not in text
+    assert text.index("parallelize_module") < text.index("setattr") < text.index("checkpoint_wrapper(") \
+        < text.index("fully_shard(")                                  # torchtitan's order
+    assert "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, " \
+           "parallelize_module" in src.imports
+    assert "from runtime.torch_stack.tensor import StridedColwiseParallel" in src.imports
+    compile("\n".join(src.imports) + "\n" + text, "parallelize", "exec")
