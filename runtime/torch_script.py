@@ -98,11 +98,23 @@ def check_world(world_size: int) -> int:
     return rank
 
 
-def model_name(name: str) -> str:
-    """The model's own name of a parameter or buffer of a wrapped module (see _WRAPPER_PARTS)."""
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every name of `model`'s parameters and buffers -> its canonical name, the one
+    named_parameters / named_buffers give it (the first; a tied weight has several names, and a
+    pipeline stage may hold it under another than the canonical one). Call before parallelizing."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        out[name] = first.setdefault(id(t), name)
+    return out
+
+
+def model_name(name: str, canonical: dict[str, str]) -> str:
+    """The model's canonical name (`canonical_names`) of a parameter or buffer of a wrapped module
+    (see _WRAPPER_PARTS)."""
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
-    return name
+    return canonical.get(name, name)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -125,23 +137,24 @@ def _gathered(local: dict, rank: int) -> dict | None:
     return out
 
 
-def whole_parameters(modules: list[nn.Module], rank: int, grads: bool = False) -> dict | None:
-    """On rank 0: model name -> (whole value, whole gradient or None) of every parameter the
-    `modules` of all ranks hold (with `grads`), else model name -> whole value. Every rank calls it."""
+def whole_parameters(modules: list[nn.Module], rank: int, canonical: dict[str, str],
+                     grads: bool = False) -> dict | None:
+    """On rank 0: canonical name -> (whole value, whole gradient or None) of every parameter the
+    `modules` of all ranks hold (with `grads`), else canonical name -> whole value. Every rank calls it."""
     local = {}
     for m in modules:
         for name, p in m.named_parameters():
             value = _whole(p)
             if grads:
-                local[model_name(name)] = (value, _whole(p.grad) if p.grad is not None else None)
+                local[model_name(name, canonical)] = (value, _whole(p.grad) if p.grad is not None else None)
             else:
-                local[model_name(name)] = value
+                local[model_name(name, canonical)] = value
     return _gathered(local, rank)
 
 
-def whole_buffers(modules: list[nn.Module], rank: int) -> dict | None:
+def whole_buffers(modules: list[nn.Module], rank: int, canonical: dict[str, str]) -> dict | None:
     """On rank 0: model name -> whole value of every floating-point buffer the `modules` hold."""
-    local = {model_name(n): _whole(b) for m in modules for n, b in m.named_buffers() if b.is_floating_point()}
+    local = {model_name(n, canonical): _whole(b) for m in modules for n, b in m.named_buffers() if b.is_floating_point()}
     return _gathered(local, rank)
 
 
@@ -149,20 +162,21 @@ class WholeModelRecorder:
     """Rank 0's record of every step for --verify (runtime/step_record.py's file format, as a
     one-stage rank holding the whole model; no coordinates: assemble_files reads them as 0 on every axis)."""
 
-    def __init__(self, modules: list[nn.Module], rank: int):
+    def __init__(self, modules: list[nn.Module], rank: int, canonical: dict[str, str]):
         self._modules = modules
         self._rank = rank
+        self._canonical = canonical
         self._steps: list[dict] = []
         self._current: dict = {}
         self._names: list[str] = []
         self._shapes: dict[str, list[int]] = {}
 
     def start(self, step: int) -> None:
-        self._current = {"step": step, "buffers_start": {"0": whole_buffers(self._modules, self._rank)}}
+        self._current = {"step": step, "buffers_start": {"0": whole_buffers(self._modules, self._rank, self._canonical)}}
 
     def before_step(self) -> None:
         """After backward (gradients complete), before clipping and the optimizer step."""
-        whole = whole_parameters(self._modules, self._rank, grads=True)
+        whole = whole_parameters(self._modules, self._rank, self._canonical, grads=True)
         if whole is None:
             return
         self._names = sorted(whole)
@@ -172,7 +186,7 @@ class WholeModelRecorder:
             for i, n in enumerate(self._names)}}
 
     def end(self, loss: float) -> None:
-        self._current["buffers"] = {"0": whole_buffers(self._modules, self._rank)}
+        self._current["buffers"] = {"0": whole_buffers(self._modules, self._rank, self._canonical)}
         self._current["loss"] = loss
         self._steps.append(self._current)
 
@@ -184,9 +198,9 @@ class WholeModelRecorder:
         torch.save({**header, "steps": self._steps}, Path(run_dir) / "steps_rank_0000.pt")
 
 
-def save_whole_parameters(modules: list[nn.Module], rank: int, run_dir: Path) -> None:
+def save_whole_parameters(modules: list[nn.Module], rank: int, run_dir: Path, canonical: dict[str, str]) -> None:
     """run/params_rank_0000.pt: the whole model's final parameters as stage 0's (rank 0 writes it)."""
-    whole = whole_parameters(modules, rank)
+    whole = whole_parameters(modules, rank, canonical)
     if whole is not None:
         torch.save({0: whole}, Path(run_dir) / "params_rank_0000.pt")
 

@@ -149,8 +149,8 @@ def torch_script(plan: Plan, layout: TorchLayout, train: TrainSpec) -> str:
         "from runtime.metrics import StepLog, check_loss",
         "from runtime.reference import autocast_for",
         "from runtime.spec import TrainSpec",
-        "from runtime.torch_script import (Runner, WholeModelRecorder, check_world, join, optimizer_for,",
-        "                                  save_whole_parameters, script_args, write_rank_result)",
+        "from runtime.torch_script import (Runner, WholeModelRecorder, canonical_names, check_world, join,",
+        "                                  optimizer_for, save_whole_parameters, script_args, write_rank_result)",
         "",
         "# the model, data, optimizer, lr schedule and seeds of the build (runtime/spec.py)",
         f"TRAIN = TrainSpec.from_dict({py_literal(train.to_dict())})",
@@ -190,6 +190,7 @@ def train(args, rank, backend):
     # the whole model on every rank, initialised exactly as the single-process run (same seed), then split
     model = build_model(TRAIN).to(device)
     model.train()
+    names = canonical_names(model)   # for --verify's records: the model's own name of every tensor
     runner = parallelize(model, mesh, device)
     params = [p for m in runner.modules for p in m.parameters() if p.requires_grad]
     optimizer_spec = optimizer_for(TRAIN.optimizer, params, device)   # fused kernels take no DTensors
@@ -202,7 +203,7 @@ def train(args, rank, backend):
     out = Path(args.out)
     run_dir = out / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
-    recorder = WholeModelRecorder(runner.modules, rank) if args.save_steps else None
+    recorder = WholeModelRecorder(runner.modules, rank, names) if args.save_steps else None
     log = StepLog(out / "metrics.jsonl", 0, args.steps, TRAIN.global_batch_size, TRAIN.work, device,
                   progress=not args.no_progress) if rank == 0 else None
     losses, seconds, norms = [], [], []
@@ -233,7 +234,7 @@ def train(args, rank, backend):
         if log is not None:
             log.close()
     if args.save_params:
-        save_whole_parameters(runner.modules, rank, run_dir)
+        save_whole_parameters(runner.modules, rank, run_dir, names)
     if recorder is not None:
         recorder.save(run_dir)
     write_rank_result(run_dir, rank, losses, seconds, optimizer_spec.resolve_impl(device).value, norms)

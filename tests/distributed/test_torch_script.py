@@ -28,7 +28,7 @@ TWO_RANKS = {
     "gpt_t2": (GPT, {}, CONFIGS["t2"]),
     "gpt_p2_interleaved": (GPT, {}, CONFIGS["p2_interleaved"]),
     "llama_t2": (HF, {"arch": "llama"}, CONFIGS["t2"]),
-    "bert_d2_zero3": (HF, {"arch": "bert"}, CONFIGS["d2_zero3"]),
+    "bert_p2_interleaved": (HF, {"arch": "bert"}, CONFIGS["p2_interleaved"]),   # its tie spans positions
 }
 FOUR_RANKS = {
     "gpt_d2t2": (GPT, {}, D2T2),
