@@ -31,12 +31,13 @@ from codegen.pysrc import doc_text, py_literal
 from codegen.torch_target.layout import TorchLayout, torch_layout
 from codegen.torch_target.script_parallel import parallelize_source
 from planner.graph.model import ModelGraph
+from planner.capabilities import check_target
 from planner.plan import Plan
 from runtime.spec import TrainSpec
 from runtime.torch_script import WHOLE_MODEL_KEY
+from runtime.vocab import Target
 
 SCRIPT = "train_torch.py"
-TARGET = "torch"   # build.json's "target" of a torch build (meshplan builds have none)
 
 
 class TorchTargetError(ValueError):
@@ -61,19 +62,19 @@ def emit_torch(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir:
     """Write the torch build directory for `plan` (see the module docstring).
 
     Args and `setup` as codegen.emit.emit's training setup (model_kwargs, data_kwargs, loss, optimizer,
-    seed, data_seed, init, checkpoint, root, dataset, schedule, clip_grad).
+    seed, data_seed, init, checkpoint, root, dataset, schedule, clip_grad; loss_scale and evaluation are
+    refused: the torch target trains in fp32 or bf16 and does not evaluate).
 
-    Raises PlanMismatchError when model_ref builds another model than the plan's, TorchTargetError for
-    a setup the script does not carry out (held-out evaluation, fp16 loss scaling), and the layout's
+    Raises TargetError (planner/capabilities.py) for a plan the torch target does not run,
+    PlanMismatchError when model_ref builds another model than the plan's, TorchTargetError for a setup
+    the script does not carry out (held-out evaluation), and the layout's
     ValueErrors for plans PyTorch's stack does not express.
     """
+    check_target(plan, Target.TORCH)
     graph, train = train_spec(plan, model_ref, data_ref, graph=graph, **setup)
     if train.eval is not None:
         raise TorchTargetError("the torch target's script does not evaluate on held-out batches; leave out "
                                "--eval-every / --eval-batches, or generate a meshplan build")
-    if train.loss_scale is not None:
-        raise TorchTargetError("the torch target's script does not scale fp16 losses; use --dtype bf16, "
-                               "--no-loss-scale, or generate a meshplan build")
     layout = torch_layout(plan, graph)
     text = torch_script(plan, layout, train)
     out = Path(out_dir)
@@ -82,7 +83,8 @@ def emit_torch(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir:
     plan.save(out / "plan.json")
     graph.save(out / GRAPH_FILE)
     (out / "build.json").write_text(json.dumps({
-        "train": train.to_dict(), "world_size": world, "mesh": dict(plan.mesh), "target": TARGET, "entry": SCRIPT,
+        "train": train.to_dict(), "world_size": world, "mesh": dict(plan.mesh), "target": Target.TORCH.value,
+        "entry": SCRIPT,
         "schedule": plan.config.schedule, "micro_batches": _micro_batches(plan),
         "graph_fingerprint": plan.graph_fingerprint, "random_ops": random_ops(graph),
         WHOLE_MODEL_KEY: {"micro_batch_size": plan.config.micro_batch_size, "micro_batches": _micro_batches(plan)},

@@ -264,7 +264,7 @@ def _add_codegen_and_run(sub) -> None:
                    help="--dtype fp16: double the loss scale after this many steps without overflow (default 2000)")
     p.add_argument("--no-loss-scale", action="store_true",
                    help="--dtype fp16 without dynamic loss scaling (on by default for fp16)")
-    p.add_argument("--target", default="meshplan", choices=["meshplan", "torch"],
+    p.add_argument("--target", default=Target.MESHPLAN.value, choices=list(map(str, Target)),
                    help="what runs the plan: meshplan's own runtime (one script per rank, default) or PyTorch's "
                         "parallel stack (one SPMD script, train_torch.py: DeviceMesh, DTensor, FSDP2, pipelining)")
     p.add_argument("-o", "--output", default="build", help="build directory (default build)")

@@ -18,6 +18,7 @@ from codegen.torch_target.script import SCRIPT, emit_torch
 from planner.app.cli import main
 from planner.app.commands import make_fixed_plan
 from runtime.launcher import run_many
+from runtime.vocab import Target
 from tests.real_models import CONFIGS, HF, SGD, assert_verified, graph_of
 
 GPT = "examples/models/gpt.py:build"
@@ -42,7 +43,7 @@ def emit_torch_fixed(root, name: str, ref: str, kwargs: dict, cfg: dict):
     """The torch build of the model under configuration `cfg` (micro-batch 2, global batch 8)."""
     graph = graph_of(ref, tuple(sorted(kwargs.items())))
     config = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", **cfg)
-    plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=config.num_devices), config, 8)
+    plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=config.num_devices), config, 8, Target.TORCH)
     return emit_torch(plan, ref, None, root / name, model_kwargs=kwargs, graph=graph, optimizer=SGD).path
 
 

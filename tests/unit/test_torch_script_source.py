@@ -14,6 +14,7 @@ from codegen.torch_target.layout import DataLayout, MeshDim, ModuleStyle, TorchL
 from codegen.torch_target.script import SCRIPT, TorchTargetError, emit_torch
 from codegen.torch_target.script_parallel import parallelize_source
 from cost_models.hardware import Cluster
+from planner.capabilities import TargetError
 from planner.config import ParallelConfig
 from planner.graph.capture import capture_ref
 from planner.make_plan import make_plan
@@ -85,7 +86,7 @@ def test_setups_the_script_does_not_carry_out_are_refused(hostile, tmp_path):
         emit_torch(plan, ref, None, tmp_path / "a", graph=graph, model_kwargs=kwargs, evaluation=EvalSpec(every=1))
     fp16 = make_plan(graph, Cluster.preset("local", devices=2), ParallelConfig(data=2, micro_batch_size=2, dtype="fp16"),
                      global_batch_size=4)
-    with pytest.raises(TorchTargetError, match="fp16 losses"):
+    with pytest.raises(TargetError, match="fp16"):
         emit_torch(fp16, ref, None, tmp_path / "b", graph=graph, model_kwargs=kwargs, loss_scale=LossScaleSpec())
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
@@ -153,3 +154,12 @@ def test_a_layout_is_written_out_as_explicit_torch_calls():
            "parallelize_module" in src.imports
     assert "from runtime.torch_stack.tensor import StridedColwiseParallel" in src.imports
     compile("\n".join(src.imports) + "\n" + text, "parallelize", "exec")
+
+
+def test_codegen_refuses_a_configuration_the_torch_target_does_not_run_before_capturing(tmp_path, capsys):
+    from planner.app.cli import main
+
+    out = tmp_path / "build"
+    assert main(["codegen", "examples/models/gpt.py:build", "--batch", "8", "--data", "2", "--recompute", "selective",
+                 "--target", "torch", "-o", str(out)]) == 2
+    assert "codegen --target torch for d2" in capsys.readouterr().err and not (out / "build.json").exists()
