@@ -206,15 +206,18 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (B, H, T, D) and k, v (B, KV, T, D) from x (B, T, C)."""
+        """q (B, H, T, D) and k, v (B, KV, T, D) from x (B, T, C).
+
+        The head counts are written -1 (inferred), as Hugging Face models write them, so that the
+        same code runs on a tensor-parallel rank's local features (H / t heads)."""
         if self.kv_heads == self.num_heads:
             qkv = self.qkv(x)                                              # (B, T, 3C)
-            qkv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim))    # (B, T, 3, H, D)
+            qkv = qkv.unflatten(-1, (3, -1, self.head_dim))                # (B, T, 3, H, D)
             qkv = qkv.permute(2, 0, 3, 1, 4)                               # (3, B, H, T, D)
             return qkv[0], qkv[1], qkv[2]
-        q = self.q(x).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)   # (B, H, T, D)
-        k = self.k(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)    # (B, KV, T, D)
-        v = self.v(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)    # (B, KV, T, D)
+        q = self.q(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)   # (B, H, T, D)
+        k = self.k(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)   # (B, KV, T, D)
+        v = self.v(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)   # (B, KV, T, D)
         return q, k, v   # attention lets each key/value head serve H / KV query heads (enable_gqa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
