@@ -54,20 +54,19 @@ QUICK = ("d2", "t2")
 TARGETS = ("meshplan", "torch")
 
 
-def make_builds(name: str, args, out: Path) -> dict[str, Path]:
-    """The meshplan and the torch build of plan `name` under out/<target>; ValueError if their plans differ."""
+def make_builds(name: str, graph, args, out: Path) -> dict[str, Path]:
+    """The meshplan and the torch build of plan `name` for the captured GPT `graph` under out/<target>;
+    ValueError if their plans differ."""
     import planner
-    from codegen.emit import capture_ref, emit
+    from codegen.emit import emit
     from codegen.torch_target.script import emit_torch
     from planner.app.commands import make_fixed_plan
     from runtime.vocab import Target
 
-    kw = {"preset": args.preset}
-    graph = capture_ref(GPT, kw, batch_size=args.micro_batch)
     cfg = planner.ParallelConfig(micro_batch_size=args.micro_batch, dtype="fp32", **PLANS[name])
     plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=cfg.num_devices), cfg, args.batch,
                            Target.TORCH)
-    setup = dict(model_kwargs=kw, graph=graph, optimizer=SGD)
+    setup = dict(model_kwargs={"preset": args.preset}, graph=graph, optimizer=SGD)
     builds = {"meshplan": emit(plan, GPT, None, out / "meshplan", **setup).path,
               "torch": emit_torch(plan, GPT, None, out / "torch", **setup).path}
     plans = {t: json.loads((b / "plan.json").read_text()) for t, b in builds.items()}
@@ -129,8 +128,11 @@ def main(argv=None) -> int:
     if args.steps <= args.warmup:
         ap.error(f"--steps {args.steps} leaves no step after --warmup {args.warmup}; give more steps")
     os.environ["OMP_NUM_THREADS"] = "1"   # the ranks inherit it: one thread per rank on a shared CPU
+    from codegen.emit import capture_ref
+
+    graph = capture_ref(GPT, {"preset": args.preset}, batch_size=args.micro_batch)
     with tempfile.TemporaryDirectory() as tmp:
-        builds = {p: make_builds(p, args, Path(tmp) / p) for p in args.plans}
+        builds = {p: make_builds(p, graph, args, Path(tmp) / p) for p in args.plans}
         times = run_alternating(builds, args, Path(tmp))
     figures = {p: summarize(times[p], args.warmup) for p in args.plans}
     print(f"GPT preset {args.preset!r}, global batch {args.batch} in micro-batches of {args.micro_batch}, SGD momentum, "
