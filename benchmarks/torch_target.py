@@ -18,8 +18,9 @@ clock around the whole step: batch read, forward, backward, gradient communicati
 Both run with --no-trace (meshplan's executor would otherwise record a Timeline over its first steps).
 
 Printed per plan: the median step time of each target over every round's steps after warm-up, the
-ratio torch / meshplan of those medians, and its spread: the min..max over the rounds of the ratio of
-that round's two medians. A measurement without a target: the exit status is 0 whatever the ratio.
+ratio torch / meshplan of those medians, and its spread: the min..max and the median over the rounds of
+the ratio of that round's two medians (the pooled ratio may fall outside the rounds' range when the
+load changed between rounds). A measurement without a target: the exit status is 0 whatever the ratio.
 
     python benchmarks/torch_target.py [--plans d2 t2 ...] [--rounds 3] [--steps 12] [--warmup 2]
                                       [--preset small] [--batch 16] [--micro-batch 4] [--json FILE]
@@ -93,9 +94,10 @@ def run_alternating(builds: dict[str, dict[str, Path]], args, tmp: Path) -> dict
                     runs.append((p, t, copy))
         print(f"{world} ranks: {len(runs)} runs of {args.steps} steps ({', '.join(plans)})", flush=True)
         results = run_many([c for _p, _t, c in runs], steps=args.steps, timeout=120, extra_args=["--no-trace"])
-        for (p, t, copy), res in zip(runs, results):
-            if res.returncode:
-                raise RuntimeError(f"{p} ({t}) failed with exit status {res.returncode}:\n{res.output[-4000:]}")
+        if results[0].returncode:   # one set of processes ran them all: its exit status and output are shared
+            raise RuntimeError(f"the {world}-rank runs failed with exit status {results[0].returncode}:\n"
+                               f"{results[0].output[-4000:]}")
+        for p, t, copy in runs:
             lines = (copy / "metrics.jsonl").read_text().splitlines()
             times[p][t].append([json.loads(ln)["seconds"] for ln in lines])
     return times
@@ -135,13 +137,15 @@ def main(argv=None) -> int:
         builds = {p: make_builds(p, graph, args, Path(tmp) / p) for p in args.plans}
         times = run_alternating(builds, args, Path(tmp))
     figures = {p: summarize(times[p], args.warmup) for p in args.plans}
-    print(f"GPT preset {args.preset!r}, global batch {args.batch} in micro-batches of {args.micro_batch}, SGD momentum, "
-          f"gloo CPU; {args.rounds} alternating rounds of {args.steps} steps per target "
+    print(f"GPT preset {args.preset!r}, global batch {args.batch} in micro-batches of {args.micro_batch}, "
+          f"SGD momentum, gloo CPU; {args.rounds} alternating rounds of {args.steps} steps per target "
           f"(median after {args.warmup} warm-up steps of every run)")
-    print(f"  {'plan':<10} {'meshplan ms':>12} {'torch ms':>10} {'torch/meshplan':>15}  per-round spread")
+    print(f"  {'plan':<10} {'meshplan ms':>12} {'torch ms':>10} {'torch/meshplan':>15}  "
+          "per-round ratios: min..max (median)")
     for p, f in figures.items():
+        rounds = f["round_ratios"]
         print(f"  {p:<10} {f['meshplan_s'] * 1e3:12.1f} {f['torch_s'] * 1e3:10.1f} {f['ratio']:15.3f}  "
-              f"{min(f['round_ratios']):.3f}..{max(f['round_ratios']):.3f}")
+              f"{min(rounds):.3f}..{max(rounds):.3f} ({statistics.median(rounds):.3f})")
     if args.json:
         args.json.write_text(json.dumps({"preset": args.preset, "batch": args.batch, "micro_batch": args.micro_batch,
                                          "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
