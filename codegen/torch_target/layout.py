@@ -46,11 +46,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
+from codegen.torch_target.pipeline import pipeline_layout
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.tensor_parallel import FeatureSplit
+from runtime.torch_stack.pipeline_layout import PipelineLayout
 from runtime.torch_stack.vocab import DataKind, TensorStyle
 from runtime.vocab import MeshAxis, Recompute, ShardRole
 
@@ -122,7 +123,7 @@ class TorchLayout:
     recompute: Recompute = Recompute.NONE
     checkpoint_units: tuple[str, ...] = ()
     ties: tuple[tuple[str, ...], ...] = ()
-    pipeline: Any = None
+    pipeline: PipelineLayout | None = None
 
     @property
     def world_size(self) -> int:
@@ -152,7 +153,6 @@ class TorchLayout:
     def from_dict(cls, d: dict) -> "TorchLayout":
         pipeline = None
         if d.get("pipeline") is not None:
-            from codegen.torch_target.pipeline import PipelineLayout   # the pipeline part's record
             pipeline = PipelineLayout.from_dict(d["pipeline"])
         data = d["data"]
         return cls(
@@ -178,11 +178,12 @@ def torch_layout(plan: Plan, graph: ModelGraph) -> TorchLayout:
         if size > 1 and MeshAxis(axis) not in _TORCH_AXES:
             raise TorchLayoutError(f"the torch target has no {axis} axis (the plan's {axis} degree is {size}); "
                                    f"plan with optimize(..., target='torch') or run it with meshplan's runtime")
-    if cfg.pipeline > 1 or cfg.bidirectional:
-        raise TorchLayoutError(f"the plan has {cfg.pipeline} pipeline stages; pipeline plans are not applied by "
-                               f"the torch target on this branch yet: run it with meshplan's runtime")
-    mesh = tuple(MeshDim(MeshAxis(a), n) for a, n in plan.mesh.items() if n > 1 and a != MeshAxis.PIPELINE)
-    blocks = _blocks(plan, graph)
+    pipeline = pipeline_layout(plan, graph)
+    mesh = tuple(MeshDim(MeshAxis(a), n) for a, n in plan.mesh.items() if n > 1)
+    # A pipeline stage's code calls the blocks' parts, never a block's forward, so fully_shard units and
+    # checkpoint wrappers on the blocks would not run: the stage module is the one fully_shard unit, and
+    # recomputation is written into the stage code (codegen/partition.py).
+    blocks = _blocks(plan, graph) if pipeline is None else ()
     tensor, sequence_dim = _tensor_styles(plan, graph) if cfg.tensor > 1 else ((), None)
     data = _data_layout(cfg.data, cfg.zero, blocks)
     strided = [s.path for s in tensor if s.style is TensorStyle.COLWISE_STRIDED]
@@ -200,6 +201,7 @@ def torch_layout(plan: Plan, graph: ModelGraph) -> TorchLayout:
         recompute=Recompute(cfg.recompute),
         checkpoint_units=() if cfg.recompute == Recompute.NONE else blocks,
         ties=tuple(tuple(g) for g in graph.shared_params),
+        pipeline=pipeline,
     )
 
 

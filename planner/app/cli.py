@@ -166,7 +166,10 @@ _EPILOG_CODEGEN = """examples:
   meshplan codegen examples/models/gpt.py:build --arg preset=tiny --batch 8 \\
       --data 2 --tensor 2 --pipeline 2 --micro-batch 2 --schedule 1f1b --dtype fp32 -o build
   meshplan codegen examples/models/gpt.py:build --arg preset=tiny --plan plan.json -o build
-Writes plan.json, one rank_XXXX.py per rank and launch scripts (torchrun, mpirun, srun)."""
+  meshplan codegen examples/models/gpt.py:build --batch 8 --data 2 --tensor 2 --target torch -o build
+Writes plan.json, one rank_XXXX.py per rank and launch scripts (torchrun, mpirun, srun); with
+--target torch one train_torch.py for every rank (PyTorch's DeviceMesh, DTensor, FSDP2) and the
+torchrun and srun scripts."""
 
 _EPILOG_RUN = """examples:
   meshplan run build --steps 3 --verify
@@ -261,6 +264,9 @@ def _add_codegen_and_run(sub) -> None:
                    help="--dtype fp16: double the loss scale after this many steps without overflow (default 2000)")
     p.add_argument("--no-loss-scale", action="store_true",
                    help="--dtype fp16 without dynamic loss scaling (on by default for fp16)")
+    p.add_argument("--target", default=Target.MESHPLAN.value, choices=list(map(str, Target)),
+                   help="what runs the plan: meshplan's own runtime (one script per rank, default) or PyTorch's "
+                        "parallel stack (one SPMD script, train_torch.py: DeviceMesh, DTensor, FSDP2, pipelining)")
     p.add_argument("-o", "--output", default="build", help="build directory (default build)")
     p.set_defaults(func=_cmd_codegen)
 

@@ -3,6 +3,7 @@
     meshplan codegen examples/models/gpt.py:build --arg preset=tiny --batch 8 \\
         --data 2 --tensor 2 --pipeline 2 --micro-batch 2 --schedule 1f1b --dtype fp32 -o build/
     meshplan codegen examples/models/gpt.py:build --plan plan.json -o build/
+    meshplan codegen examples/models/gpt.py:build --batch 8 --data 2 --tensor 2 --target torch -o build/
     meshplan run build/ --steps 3 --backend gloo --verify
 """
 
@@ -17,8 +18,9 @@ from pathlib import Path
 import planner
 from codegen.dataset_flags import check_dataset, dataset_spec
 from codegen.emit import capture_ref, emit
+from codegen.torch_target.script import emit_torch
 from codegen.train_flags import optimizer_and_schedule
-from planner.capabilities import MESHPLAN_RUNTIME
+from planner.capabilities import RuntimeSupport, TargetError
 from planner.config import ConfigError
 from planner.evaluate import Evaluator
 from planner.make_plan import plan_for
@@ -28,6 +30,7 @@ from runtime.launcher import read_build, run_local
 from runtime.lifetime import Interrupted
 from runtime.loss_scale import loss_scale_for
 from runtime.tensorboard_log import require_tensorboard
+from runtime.vocab import Target
 
 
 # Rank scripts one codegen writes (each is lowered, checked and compiled: the MLP at data 1024 takes
@@ -59,6 +62,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
                                      spatial_until=args.spatial_until, spatial_batchnorm=args.spatial_batchnorm,
                                      context=args.context, context_attention=args.context_attention)
         check_fixed_config(cfg, args.batch)
+        check_target_config(cfg, args.batch, args.target)
         scaling = _loss_scaling(args, cfg.dtype)
         if args.cluster in (None, "local"):
             cluster = planner.Cluster.preset("local", devices=cfg.num_devices)
@@ -67,11 +71,13 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
         else:
             cluster = planner.Cluster.load(args.cluster)
         graph = capture_ref(args.model, kwargs, batch_size=cfg.micro_batch_size)
-        plan = make_fixed_plan(graph, cluster, cfg, args.batch)
+        plan = make_fixed_plan(graph, cluster, cfg, args.batch, args.target)
     opt, schedule = optimizer_and_schedule(args)
     if dataset is not None:
         check_dataset(dataset, plan.global_batch_size)
     evaluation = eval_setting(None, args.eval_every, args.eval_batches)
+    if args.target == Target.TORCH:
+        return _torch_codegen(args, plan, graph, kwargs, data_kwargs, dataset, opt, schedule, evaluation, scaling)
     build = emit(plan, args.model, args.data_ref, args.output, model_kwargs=kwargs, data_kwargs=data_kwargs,
                  dataset=dataset,
                  graph=graph, loss=args.loss, optimizer=opt, seed=args.seed, data_seed=args.data_seed,
@@ -80,6 +86,20 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
     print(plan.summary())
     print(f"\nwrote {build.path}/: plan.json, build.json, programs.json, {build.world_size} rank scripts, "
           "run_rank.py, launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh")
+    print(f"run it here with:  meshplan run {shlex.quote(str(build.path))} --steps 10")
+    return 0
+
+
+def _torch_codegen(args: argparse.Namespace, plan, graph, kwargs: dict, data_kwargs: dict | None, dataset, opt,
+                   schedule, evaluation, scaling) -> int:
+    """`meshplan codegen --target torch`: the one SPMD script for PyTorch's parallel stack (codegen/torch_target)."""
+    build = emit_torch(plan, args.model, args.data_ref, args.output, graph=graph, model_kwargs=kwargs,
+                       data_kwargs=data_kwargs, dataset=dataset, loss=args.loss, optimizer=opt, seed=args.seed,
+                       data_seed=args.data_seed, init=args.init, checkpoint=args.checkpoint, evaluation=evaluation,
+                       schedule=schedule, clip_grad=args.clip_grad, loss_scale=scaling)
+    print(plan.summary())
+    print(f"\nwrote {build.path}/: plan.json, build.json, {build.script.name} (the same on every rank), "
+          "launch_torchrun.sh, launch_srun.sh")
     print(f"run it here with:  meshplan run {shlex.quote(str(build.path))} --steps 10")
     return 0
 
@@ -103,15 +123,23 @@ def check_fixed_config(cfg, global_batch_size: int) -> None:
     cfg.micro_batches(global_batch_size)
 
 
-def make_fixed_plan(graph, cluster, cfg, global_batch_size: int):
-    """make_plan for a fixed config, with every tensor-parallel region the graph offers that the code
-    generator can split (Megatron's layout), whatever regions the evaluator's own search would keep."""
+def check_target_config(cfg, global_batch_size: int, target: Target) -> None:
+    """TargetError (a ConfigError) before any capture when `target` does not run the configuration."""
+    why = RuntimeSupport.for_target(target).why_not(cfg, global_batch_size)
+    if why:
+        raise TargetError(f"codegen --target {target} for {cfg.short()}: {why}")
+
+
+def make_fixed_plan(graph, cluster, cfg, global_batch_size: int, target: Target = Target.MESHPLAN):
+    """make_plan for a fixed config, with every tensor-parallel region the graph offers that `target`
+    can split (Megatron's layout), whatever regions the evaluator's own search would keep."""
+    support = RuntimeSupport.for_target(target)
     ev = Evaluator(graph, cluster)
     roles = None
     if cfg.tensor > 1:
-        sharding = MESHPLAN_RUNTIME.splittable(graph, ev.sharding, [cfg.tensor])
+        sharding = support.splittable(graph, ev.sharding, [cfg.tensor])
         roles = {n: r.role for n, r in sharding.roles.items() if r.sharded}
-    return plan_for(ev, cfg, global_batch_size, roles=roles)
+    return plan_for(ev, cfg, global_batch_size, roles=roles, target=support.target)
 
 
 def checkpoint_args(args: argparse.Namespace) -> list[str]:

@@ -9,16 +9,24 @@ user's own training loop.
         pm.clip_grad_norm_(1.0)
         optimizer.step(); optimizer.zero_grad(); scheduler.step()
 
+A pipeline plan's model is this rank's stages (codegen/torch_target/pipeline.py: meshplan's own
+partition, holding the model's own tensors) run by torch's schedule; the loop steps the pipeline:
+
+    pm = planner.parallelize(model, plan, graph=graph, loss_fn=loss_fn)   # loss_fn(output, target)
+    for inputs, targets in batches:                                       # inputs: dict by name
+        losses = []
+        pm.pipeline.step(target=pm.local_batch(targets), losses=losses, **pm.local_batch(inputs))
+        optimizer.step(); optimizer.zero_grad()
+
 The layout comes from codegen/torch_target/layout.py (the same derivation the torch script writes
-out) and is applied by runtime/torch_stack. Pipeline plans are refused until the pipeline part of the
-torch target is in.
+out) and is applied by runtime/torch_stack.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -27,13 +35,16 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.device_mesh import DeviceMesh
 
 from codegen.torch_target.layout import TorchLayout, torch_layout
+from codegen.torch_target.pipeline import rank_pipeline
 from planner.graph.capture import capture
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.torch_stack import dcp
 from runtime.torch_stack.apply import apply_layout
+from runtime.torch_stack.data import apply_data
 from runtime.torch_stack.grad_norm import clip_grad_norm_
 from runtime.torch_stack.mesh import build_mesh, check_mesh, check_world, mesh_dims
+from runtime.torch_stack.pipeline import PipelineRun
 
 
 class ParallelizeError(ValueError):
@@ -52,17 +63,23 @@ class ParallelModel:
     module: nn.Module
     mesh: DeviceMesh
     layout: TorchLayout
+    pipeline: PipelineRun | None = None   # a pipeline plan: this rank's stages and torch's schedule
 
     def __call__(self, *args, **kwargs) -> Any:
+        if self.pipeline is not None:
+            raise ParallelizeError("a pipeline plan's model runs micro-batches through its schedule: call "
+                                   "pm.pipeline.step(target=..., losses=[], **inputs) instead of pm(...)")
         return self.module(*args, **kwargs)
 
     forward = __call__
 
     def parameters(self):
-        return self.module.parameters()
+        """This rank's parameters (of its pipeline stages, under a pipeline plan)."""
+        return iter(self.pipeline.parameters()) if self.pipeline is not None else self.module.parameters()
 
     def named_parameters(self):
-        return self.module.named_parameters()
+        return iter(self.pipeline.named_parameters()) if self.pipeline is not None else \
+            self.module.named_parameters()
 
     @property
     def num_data(self) -> int:
@@ -100,6 +117,8 @@ class ParallelModel:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients to total norm `max_norm` across every mesh; returns the norm before clipping
         (the single-process model's norm)."""
+        if self.pipeline is not None:
+            return self.pipeline.clip_grad_norm_(max_norm, norm_type)
         return clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
 
     def state_dict(self) -> dict:
@@ -123,12 +142,14 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None, graph: ModelGraph | None = None,
-                example_inputs: Any = None) -> ParallelModel:
+                example_inputs: Any = None, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+                ) -> ParallelModel:
     """Apply `plan` to `model` (in place) inside an initialized process group of the plan's size.
 
     The layout needs the model's captured graph: pass `graph` (the ModelGraph the plan was made from)
     or `example_inputs` (forward's inputs for a small batch; the model is captured now). `mesh`: a
-    DeviceMesh with the plan's dimensions (built from the plan when None).
+    DeviceMesh with the plan's dimensions (built from the plan when None). loss_fn(output, target):
+    for pipeline plans, the mean loss of one micro-batch, run on the last stage by the schedule.
     """
     if graph is None:
         if example_inputs is None:
@@ -149,5 +170,19 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
         mesh = build_mesh(layout_dict, "cuda" if dist.get_backend() == "nccl" else "cpu")
     else:
         check_mesh(mesh, layout_dict)
+    if layout.pipeline is not None:
+        if loss_fn is None:
+            raise ParallelizeError(f"the plan has {layout.pipeline.num_stages} pipeline stages, whose schedule "
+                                   "computes the loss on the last stage: pass loss_fn=(output, target) -> the mean "
+                                   "loss of one micro-batch")
+        data_mesh = mesh["data"] if "data" in (mesh.mesh_dim_names or ()) else None
+        run = rank_pipeline(layout.pipeline, model, mesh, loss_fn, wrap=lambda m: apply_data(m, layout_dict, data_mesh),
+                            device=_device(mesh))
+        return ParallelModel(model, mesh, layout, run)
     apply_layout(model, layout_dict, mesh)
     return ParallelModel(model, mesh, layout)
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device on `mesh` (its current CUDA device under NCCL)."""
+    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")

@@ -12,4 +12,6 @@ data.py       replicate / fully_shard over the data axis
 apply.py      all of the above in torch's order (tensor, checkpointing, data)
 grad_norm.py  clip_grad_norm_ correct across DTensors on different meshes
 dcp.py        Distributed Checkpoint save and load that reshard between plans
+pipeline_layout.py  a plan's pipeline as plain data (PipelineLayout: schedule, stages, their class source)
+pipeline.py   this rank's stages (the model's own tensors) in PipelineStages under the plan's schedule
 """
