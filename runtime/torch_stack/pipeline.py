@@ -216,8 +216,8 @@ class PipelineRun:
 
 
 def build_pipeline(layout: PipelineLayout, model: nn.Module, classes: Mapping[int, type[nn.Module]], *, pipe_group,
-                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], wrap: Callable[[nn.Module], None] | None = None,
-                   device: torch.device | str = "cpu") -> PipelineRun:
+                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                   wrap: Callable[[nn.Module], None] | None = None, device: torch.device | str = "cpu") -> PipelineRun:
     """This rank's stages of `layout` over `model`, in torch.distributed.pipelining.
 
     Args:
