@@ -12,11 +12,12 @@ import torch
 
 import planner
 from codegen.emit import capture_ref
+from codegen.torch_target.layout import DataKind, DataLayout, MeshDim, TorchLayout, torch_layout
 from codegen.torch_target.pipeline import PipelineLayout, PipelineLayoutError, pipeline_layout, stage_classes
 from planner.app.commands import make_fixed_plan
 from runtime.spec import Boundary
 from runtime.torch_stack.pipeline import stage_module
-from runtime.vocab import Schedule
+from runtime.vocab import MeshAxis, Schedule
 
 GPT = "examples/models/gpt.py:build"
 
@@ -26,11 +27,13 @@ def gpt_graph():
     return capture_ref(GPT, {}, batch_size=2)
 
 
-def layout_of(batch: int = 8, **cfg) -> PipelineLayout | None:
-    graph = gpt_graph()
+def plan_of(batch: int = 8, **cfg) -> planner.Plan:
     config = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", **cfg)
-    plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=config.num_devices), config, batch)
-    return pipeline_layout(plan, graph)
+    return make_fixed_plan(gpt_graph(), planner.Cluster.preset("local", devices=config.num_devices), config, batch)
+
+
+def layout_of(batch: int = 8, **cfg) -> PipelineLayout | None:
+    return pipeline_layout(plan_of(batch, **cfg), gpt_graph())
 
 
 def test_two_stages_at_a_given_boundary():
@@ -60,6 +63,19 @@ def test_interleaved_places_chunk_k_at_k_mod_pipeline_and_round_trips():
 
 def test_plans_without_a_pipeline_have_no_pipeline_layout():
     assert layout_of(data=2) is None
+
+
+def test_the_torch_layout_of_a_pipeline_plan():
+    plan = plan_of(data=2, pipeline=2, zero=3, recompute="full", schedule="1f1b", stage_boundaries=("blocks.1",))
+    lay = torch_layout(plan, gpt_graph())
+    # meshplan's rank order: pipeline outermost, data inside it
+    assert lay.mesh == (MeshDim(MeshAxis.PIPELINE, 2), MeshDim(MeshAxis.DATA, 2))
+    assert lay.pipeline == pipeline_layout(plan, gpt_graph())
+    # the stage module is the one fully_shard unit; recomputation lives in the stage code
+    assert lay.data == DataLayout(DataKind.FULLY_SHARD, reshard_after_forward=True, units=())
+    assert lay.checkpoint_units == ()
+    assert "checkpoint(self.layer_blocks_0" in lay.pipeline.stages[0].source
+    assert TorchLayout.from_dict(json.loads(json.dumps(lay.to_dict()))) == lay
 
 
 def test_1f1b_with_fewer_micro_batches_than_stages_is_refused():
