@@ -54,6 +54,7 @@ from runtime.vocab import MeshAxis, Recompute, ShardRole
 # Axes the torch target builds; the others (spatial tiles, sub-graph sub-grids, context rings) have
 # no torch counterpart here.
 _TORCH_AXES = (MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.TENSOR)
+_MATMUL_KINDS = ("linear", "matmul", "attention", "conv")   # OpInfo kinds of a block's matrix products
 
 
 class TorchLayoutError(ValueError):
@@ -74,7 +75,10 @@ class ModuleStyle:
 
     groups: for COLWISE_STRIDED, the equal parts of the output features each split into t blocks
         (3 for a fused qkv), else 1.
-    dim: for SEQUENCE_SCATTER the output's sequence dimension, for SEQUENCE_GATHER the input's; else None.
+    dim: under sequence parallelism, the sequence dimension split at a column's input (the columns of a
+        region; BERT's decoder, after the head gathered the sequence, has None), at a row's or vocabulary
+        embedding's output, at a SEQUENCE_SCATTER module's output or a SEQUENCE_GATHER module's input;
+        else None.
     """
 
     path: str
@@ -198,12 +202,15 @@ def _data_layout(data: int, zero: int, blocks: tuple[str, ...]) -> DataLayout:
 
 
 def _blocks(plan: Plan, graph: ModelGraph) -> tuple[str, ...]:
-    """The plan's repeated layers that are modules (the transformer blocks), in model order."""
+    """The plan's blocks, in model order: its repeated layers that are modules and hold matrix products
+    (the transformer blocks; a LayerNorm layer that happens to repeat, as BERT's do, is not one)."""
     layers = [name for stage in plan.stages for name in stage.layers]
-    signature = {layer.name: layer.signature for layer in graph.layers}
-    repeats = Counter(signature[name] for name in layers)
+    by_name = {layer.name: layer for layer in graph.layers}
+    kinds = {n.name: n.kind for n in graph.nodes}
+    repeats = Counter(by_name[name].signature for name in layers)
     paths = {n.module_path for n in graph.nodes}
-    return tuple(name for name in layers if repeats[signature[name]] > 1
+    return tuple(name for name in layers if repeats[by_name[name].signature] > 1
+                 and any(kinds[n] in _MATMUL_KINDS for n in by_name[name].nodes)
                  and any(p == name or p.startswith(name + ".") for p in paths))
 
 
@@ -217,6 +224,9 @@ def _tensor_styles(plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ..
     by_path = {m.path: m for m in ts.modules}
     by_param = {p.name: p for p in ts.params}
     aliases = {name: group for group in graph.shared_params for name in group}
+    seq = ts.sequence
+    split_at = set() if seq is None else {*seq.columns, *seq.starts}   # nodes whose input / output is split
+    sequence_dim = None if seq is None else next((m.sequence_dim for m in ts.modules if m.sequence_dim is not None), 1)
     styles: dict[str, ModuleStyle] = {}
     for node in graph.nodes:
         if node.kind not in ("linear", "embedding"):
@@ -234,10 +244,9 @@ def _tensor_styles(plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ..
             split = weights[0].split
         if role == "replicate":
             continue
-        styles[path] = ModuleStyle(path, _style(path, node.kind, ShardRole(role), split, t), _groups(split))
-    sequence_dim = None
-    if ts.sequence is not None:
-        sequence_dim = next((m.sequence_dim for m in ts.modules if m.sequence_dim is not None), 1)
+        styles[path] = ModuleStyle(path, _style(path, node.kind, ShardRole(role), split, t), _groups(split),
+                                   sequence_dim if node.name in split_at else None)
+    if seq is not None:
         _add_sequence_styles(plan, graph, styles, sequence_dim)
     return tuple(styles.values()), sequence_dim
 

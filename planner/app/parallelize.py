@@ -161,6 +161,9 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
                                f"but this model captures as {graph.fingerprint[:12]} ({graph.model_class}); make "
                                f"the plan for this model, or pass the graph the plan was made from")
     layout = torch_layout(plan, graph)
+    if layout.pipeline is not None:
+        raise ParallelizeError(f"the plan has {plan.config.pipeline} pipeline stages; parallelize does not build "
+                               f"pipeline stages yet: run the plan with meshplan's runtime")
     layout_dict = layout.to_dict()
     check_world(mesh_dims(layout_dict))
     if mesh is None:

@@ -51,7 +51,10 @@ def test_gpt_sequence_parallel_adds_norms_and_position_scatter():
         assert styles[path] == (SEQ, 1, None)
     # wpe's (T, C) table meets the split activation: cut along its dimension 0
     assert styles["wpe"] == (TensorStyle.SEQUENCE_SCATTER, 1, 0)
-    assert styles["blocks.1.attn.qkv"] == (TensorStyle.COLWISE_STRIDED, 3, None)
+    # every column gathers the sequence at its input, every row (and the embedding) scatters it
+    assert styles["blocks.1.attn.qkv"] == (TensorStyle.COLWISE_STRIDED, 3, 1)
+    assert styles["blocks.1.attn.proj"] == (R, 1, 1) and styles["wte"] == (E, 1, 1)
+    assert styles["lm_head"] == (O, 1, 1)
 
 
 @pytest.mark.parametrize("zero, kind, reshard", [(0, DataKind.REPLICATE, True), (1, DataKind.FULLY_SHARD, False),
@@ -105,12 +108,21 @@ def test_bert_tied_decoder_and_embedding_share_the_vocabulary_split():
     assert ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight") in lay.ties
 
 
+def test_bert_blocks_are_the_encoder_layers_not_its_repeated_norms():
+    lay = _layout(HF, {"arch": "bert"}, data=2, zero=3, recompute="full")
+    assert lay.data.units == ("bert.encoder.layer.0", "bert.encoder.layer.1")
+    assert lay.checkpoint_units == lay.data.units
+
+
 def test_bert_sequence_parallel_scatters_and_gathers():
     lay = _layout(HF, {"arch": "bert"}, data=2, tensor=2, sequence_parallel=True)
     styles = _styles(lay)
     assert styles["bert.embeddings.token_type_embeddings"] == (TensorStyle.SEQUENCE_SCATTER, 1, 1)
     assert styles["bert.embeddings.position_embeddings"] == (TensorStyle.SEQUENCE_SCATTER, 1, 1)
     assert styles["cls.predictions.transform.dense"] == (TensorStyle.SEQUENCE_GATHER, 1, 1)
+    # the head gathered the sequence, so the decoder's input is whole
+    assert styles["cls.predictions.decoder"] == (O, 1, None)
+    assert styles["bert.encoder.layer.0.attention.self.query"] == (C, 1, 1)
     assert styles["bert.encoder.layer.1.output.LayerNorm"] == (SEQ, 1, None)
     assert styles["bert.embeddings.LayerNorm"] == (SEQ, 1, None)
 
