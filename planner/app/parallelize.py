@@ -161,9 +161,10 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
                                f"but this model captures as {graph.fingerprint[:12]} ({graph.model_class}); make "
                                f"the plan for this model, or pass the graph the plan was made from")
     layout = torch_layout(plan, graph)
-    if layout.pipeline is not None:
-        raise ParallelizeError(f"the plan has {plan.config.pipeline} pipeline stages; parallelize does not build "
-                               f"pipeline stages yet: run the plan with meshplan's runtime")
+    if layout.pipeline is not None and loss_fn is None:
+        raise ParallelizeError(f"the plan has {layout.pipeline.num_stages} pipeline stages, whose schedule "
+                               "computes the loss on the last stage: pass loss_fn=(output, target) -> the mean "
+                               "loss of one micro-batch")
     layout_dict = layout.to_dict()
     check_world(mesh_dims(layout_dict))
     if mesh is None:
@@ -171,13 +172,9 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
     else:
         check_mesh(mesh, layout_dict)
     if layout.pipeline is not None:
-        if loss_fn is None:
-            raise ParallelizeError(f"the plan has {layout.pipeline.num_stages} pipeline stages, whose schedule "
-                                   "computes the loss on the last stage: pass loss_fn=(output, target) -> the mean "
-                                   "loss of one micro-batch")
         data_mesh = mesh["data"] if "data" in (mesh.mesh_dim_names or ()) else None
-        run = rank_pipeline(layout.pipeline, model, mesh, loss_fn, wrap=lambda m: apply_data(m, layout_dict, data_mesh),
-                            device=_device(mesh))
+        run = rank_pipeline(layout.pipeline, model, mesh, loss_fn, device=_device(mesh),
+                            wrap=lambda m: apply_data(m, layout_dict, data_mesh))
         return ParallelModel(model, mesh, layout, run)
     apply_layout(model, layout_dict, mesh)
     return ParallelModel(model, mesh, layout)
