@@ -37,13 +37,16 @@ MODELS = {
 @dataclass(frozen=True)
 class Case:
     """A model (a key of MODELS) and ParallelConfig fields as (name, value) pairs. parallelize: the
-    ranks apply the plan with planner.parallelize (capturing the model themselves), else they build
-    the stages from the TorchLayout with codegen.torch_target.pipeline.rank_pipeline."""
+    ranks apply the plan with planner.parallelize (capturing the model themselves) and save a
+    Distributed Checkpoint after training, else they build the stages from the TorchLayout with
+    codegen.torch_target.pipeline.rank_pipeline. load_from: the case loads that case's checkpoint
+    into its own plan instead of training (its parameters then equal that case's reference)."""
 
     name: str
     model: str
     config: tuple
     parallelize: bool = False
+    load_from: str = ""        # a case whose checkpoint this one loads instead of training (parallelize)
 
     @property
     def data(self) -> int:
@@ -112,17 +115,23 @@ def reference(case: Case) -> tuple[list[float], list[float], dict[str, torch.Ten
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, start
 
 
-def _pipeline(case: Case, made: dict, model: torch.nn.Module):
-    """(this rank's PipelineRun, its data rank, the data degree) for `case`'s plan over `model`."""
-    if case.parallelize:
-        import planner
-        from planner.plan import Plan
-        from runtime.refs import load_callable
+def _parallelized(case: Case, made: dict, model: torch.nn.Module):
+    """planner.parallelize of `case`'s plan over `model`, the ranks capturing the model themselves."""
+    import planner
+    from planner.plan import Plan
+    from runtime.refs import load_callable
 
-        ref, kwargs = _ref(case)
-        example = load_callable(ref.rsplit(":", 1)[0] + ":example_inputs", None, "example inputs")(2, **kwargs)
-        pm = planner.parallelize(model, Plan.from_dict(made["plan"]), example_inputs=example, loss_fn=loss_fn)
-        return pm.pipeline, pm.data_rank, pm.num_data
+    ref, kwargs = _ref(case)
+    example = load_callable(ref.rsplit(":", 1)[0] + ":example_inputs", None, "example inputs")(2, **kwargs)
+    return planner.parallelize(model, Plan.from_dict(made["plan"]), example_inputs=example, loss_fn=loss_fn)
+
+
+def _pipeline(case: Case, made: dict, model: torch.nn.Module):
+    """(this rank's PipelineRun, its data rank, the data degree, the ParallelModel or None) for
+    `case`'s plan over `model`."""
+    if case.parallelize:
+        pm = _parallelized(case, made, model)
+        return pm.pipeline, pm.data_rank, pm.num_data, pm
 
     from codegen.torch_target.layout import TorchLayout
     from codegen.torch_target.pipeline import rank_pipeline
@@ -135,16 +144,29 @@ def _pipeline(case: Case, made: dict, model: torch.nn.Module):
     # data parallelism on each stage module, as the layout says (replicate or fully_shard over data)
     run = rank_pipeline(TorchLayout.from_dict(layout).pipeline, model, mesh, loss_fn,
                         wrap=lambda m: apply_data(m, layout, data_mesh))
-    return run, data_mesh.get_local_rank() if data_mesh is not None else 0, case.data
+    return run, data_mesh.get_local_rank() if data_mesh is not None else 0, case.data, None
 
 
-def run_case(case: Case, made: dict) -> dict:
+def _whole(named) -> dict[str, torch.Tensor]:
+    """name -> the whole tensor (DTensors gathered), copied."""
+    out = {}
+    for name, p in named:
+        t = p.detach()
+        out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    return out
+
+
+def run_case(case: Case, made: dict, out: Path) -> dict:
     """This rank's part of `case`: {"losses" and "norms" (the gradient's before clipping): per step,
     the global batch's; "params": name -> whole tensor}."""
     import torch.distributed as dist
 
     model = build_model(case)
-    run, dc, d = _pipeline(case, made, model)
+    if case.load_from:
+        pm = _parallelized(case, made, model)
+        pm.load(out / f"{case.load_from}_dcp")
+        return {"losses": [], "norms": [], "params": _whole(pm.named_parameters())}
+    run, dc, d, pm = _pipeline(case, made, model)
     opt = torch.optim.SGD(run.parameters(), **SGD)
     per = BATCH // d
     losses, norms = [], []
@@ -161,11 +183,9 @@ def run_case(case: Case, made: dict) -> dict:
         mine = torch.stack(mb_losses).mean().detach().reshape(1) / d if run.has_last_stage else torch.zeros(1)
         dist.all_reduce(mine)
         losses.append(float(mine))
-    params = {}
-    for name, p in run.named_parameters():
-        t = p.detach()
-        params[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
-    return {"losses": losses, "norms": norms, "params": params}
+    if pm is not None:
+        pm.save(out / f"{case.name}_dcp", opt)
+    return {"losses": losses, "norms": norms, "params": _whole(run.named_parameters())}
 
 
 def run_rank(rank: int, world: int, port: int, cases: list[Case], made: dict[str, str], out: str) -> None:
@@ -177,7 +197,7 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], made: dict[str
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for case in cases:
-            result = run_case(case, json.loads(made[case.name]))
+            result = run_case(case, json.loads(made[case.name]), Path(out))
             torch.save(result, Path(out) / f"{case.name}_rank{rank}.pt")
             dist.barrier()
     finally:

@@ -121,24 +121,29 @@ class ParallelModel:
             return self.pipeline.clip_grad_norm_(max_norm, norm_type)
         return clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
 
+    def _stateful(self) -> nn.Module:
+        """The module whose state this rank saves and loads: the model, or under a pipeline plan its
+        stages' tensors under the model's names (the rest of the model is other ranks')."""
+        return self.pipeline.state_module(self.module) if self.pipeline is not None else self.module
+
     def state_dict(self) -> dict:
         """The model's state as DTensors under canonical names (torch.distributed.checkpoint.state_dict)."""
-        return get_model_state_dict(self.module)
+        return get_model_state_dict(self._stateful())
 
     def load_state_dict(self, state: dict) -> None:
         """Load a state from state_dict() of this or any other plan of the same model (DTensors or full
         tensors; each is resharded to this rank's placement)."""
-        set_model_state_dict(self.module, state)
+        set_model_state_dict(self._stateful(), state)
 
     def save(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
              extra: dict | None = None) -> None:
         """Distributed Checkpoint of the model (and optimizer, and `extra` state) under directory `path`."""
-        dcp.save(path, self.module, optimizer, extra)
+        dcp.save(path, self._stateful(), optimizer, extra)
 
     def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
              extra: dict | None = None) -> dict | None:
         """Load a checkpoint written by save() under any plan; returns `extra` filled in."""
-        return dcp.load(path, self.module, optimizer, extra)
+        return dcp.load(path, self._stateful(), optimizer, extra)
 
 
 def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None, graph: ModelGraph | None = None,

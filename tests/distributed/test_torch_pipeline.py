@@ -6,8 +6,9 @@ position, 2 ranks) and data 2 x pipeline 2 with 1F1B (4 ranks), 3 steps of SGD w
 hand-written loop around the schedule's step, the gradient clipped to norm 0.5 (the data-parallel runs
 replicate each stage module over the data axis, or fully_shard it under ZeRO-3). The stages hold
 the model's own tensors; their losses, gradient norms and every parameter equal the single-process
-run's within the fp32 tolerances of `meshplan run --verify` (runtime/verify.py). One launch per
-world size runs all its cases.
+run's within the fp32 tolerances of `meshplan run --verify` (runtime/verify.py). The data 2 x
+pipeline 2 GPT run's Distributed Checkpoint, loaded under data 4 with ZeRO-3, holds the same
+parameters. One launch per world size runs all its cases.
 """
 
 from __future__ import annotations
@@ -32,11 +33,16 @@ LAUNCHES = {
                            Case("bert_p2_interleaved", "bert", INTERLEAVED)]),
     "d2p2_1f1b": (4, [Case("gpt_d2p2", "gpt", DATA_PIPELINE, parallelize=True),
                       Case("llama_d2p2", "llama", DATA_PIPELINE),
-                      Case("bert_d2p2_zero3", "bert", (*DATA_PIPELINE, ("zero", 3)))]),
+                      Case("bert_d2p2_zero3", "bert", (*DATA_PIPELINE, ("zero", 3))),
+                      # the pipeline run's Distributed Checkpoint read under data 4 with ZeRO-3
+                      Case("gpt_d4_zero3_from_d2p2", "gpt", (("data", 4), ("zero", 3)), parallelize=True,
+                           load_from="gpt_d2p2")]),
 }
 
 
 def assert_equals_reference(case: Case, ranks: list[dict]) -> None:
+    """The case's losses, norms and parameters (those of a loaded checkpoint: its source's run) equal
+    the single-process run's."""
     want_losses, want_norms, want, start = reference(case)
     for r, got in enumerate(ranks):
         for step, (a, b) in enumerate(zip(got["losses"], want_losses)):
