@@ -2,13 +2,14 @@
 processes (gloo), and their single-process reference.
 
 A case is a model and a plan configuration. The test process makes the plan and its TorchLayout
-(codegen/torch_target/layout.py; its pipeline from codegen/torch_target/pipeline.py) and hands the
-layout to the ranks as JSON; one set of `world` spawned processes runs every case in turn (Python,
+(codegen/torch_target/layout.py; its pipeline from codegen/torch_target/pipeline.py) and hands
+both to the ranks as JSON; one set of `world` spawned processes runs every case in turn (Python,
 torch and transformers start once). Each rank trains 3 steps with torch.optim.SGD (momentum) in a
 hand-written loop around the schedule's step, the gradient clipped, and saves its losses, gradient
-norms and its stages' parameters (whole, under the model's names). The mesh is the plan's (pipeline, data), data fastest: with pipeline 2 x data 2, ranks 0
-and 2 are the pipeline of data rank 0. Data rank k trains on samples [k * B/d, (k+1) * B/d) of the
-global batch B; the reference trains the whole batch in one process.
+norms and its stages' parameters (whole, under the model's names). The mesh is the plan's
+(pipeline, data), data fastest: with pipeline 2 x data 2, ranks 0 and 2 are the pipeline of data
+rank 0. Data rank k trains on samples [k * B/d, (k+1) * B/d) of the global batch B; the reference
+trains the whole batch in one process.
 """
 
 from __future__ import annotations
