@@ -1,34 +1,104 @@
-"""What meshplan's runtime can execute, so that the search never picks a plan it cannot run.
+"""What each target runs, so that the search never picks a plan its target cannot run.
 
-The cost model may price more than the runtime runs; `optimize` searches only
-what `RuntimeSupport` allows unless asked for a what-if search with `runtime=None`.
+A target (runtime.vocab.Target) is what carries a plan out: meshplan's own runtime, or PyTorch's
+parallel stack (DeviceMesh, DTensor, FSDP2, torch.distributed.pipelining) through
+planner.parallelize and the torch script. The cost model may price more than a target runs;
+`optimize` searches only what the target's `RuntimeSupport` allows unless asked for a what-if
+search with `runtime=None`, and `check_target` refuses a plan its target does not run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from planner.config import ParallelConfig
+from cost_models.overlap import OverlapPreset
+from planner.config import ConfigError, ParallelConfig
 from planner.strategies.combinations import Level
 from planner.strategies.combinations import why_not as combination_refusal
 from planner.strategies.registry import STRATEGIES
 from planner.sharding import ShardingPlan, without_regions
 from planner.tensor_split.analysis import unsplittable
-from runtime.vocab import StrategyName
+from runtime.vocab import Schedule, ShardRole, StrategyName, Target
 
-# the strategies RuntimeSupport switches on and off (its boolean field of the strategy's name), and the
-# refusal where a config uses one that is off
-_SWITCHED: dict[StrategyName, str] = {
-    StrategyName.BIDIRECTIONAL: "the runtime does not run bidirectional pipelines yet",
-    StrategyName.SPATIAL: "the runtime does not run spatial plans",
-    StrategyName.SUBGRAPH: "the runtime does not run sub-graph parallel plans",
+if TYPE_CHECKING:
+    from planner.plan import Plan
+
+# the strategies RuntimeSupport switches on and off (its boolean field of the strategy's name): what a refusal
+# calls the strategy, and the setting that leaves it out
+_SWITCHED: dict[StrategyName, tuple[str, str]] = {
+    StrategyName.BIDIRECTIONAL: ("bidirectional (GEMS) pipelines", "bidirectional=False"),
+    StrategyName.SPATIAL: ("spatial parallelism", "spatial=1"),
+    StrategyName.SUBGRAPH: ("sub-graph parallelism", "subgraph=1"),
+    StrategyName.CONTEXT: ("context parallelism", "context=1"),
 }
+
+# Why the torch target leaves an option out (the part of a refusal after the colon), by the option's key in
+# RuntimeSupport._refusal. Checked against torch 2.13's sources: torch/distributed/pipelining/schedules.py,
+# torch/distributed/tensor/experimental/_context_parallel/_attention.py, torch/amp/grad_scaler.py.
+_TORCH_WHY: dict[str, str] = {
+    StrategyName.BIDIRECTIONAL: "torch.distributed.pipelining has no schedule that runs a second pipeline "
+                                "replica's stages in reverse over the same devices",
+    StrategyName.SPATIAL: "PyTorch has no tiling of convolutions over devices with halo exchange",
+    StrategyName.SUBGRAPH: "PyTorch places no fork/join branches of a model on sub-grids of one data replica",
+    # context_parallel's dispatch table (_context_parallel/_attention.py) holds only
+    # aten._scaled_dot_product_{flash,efficient,cudnn}_attention and their backwards, and its rotate
+    # methods pass key/value blocks around a ring (all-gather or all-to-all): no head split.
+    StrategyName.CONTEXT: "torch.distributed.tensor.experimental.context_parallel swaps in ring attention only "
+                          "for the CUDA flash, memory-efficient and cuDNN scaled_dot_product_attention kernels (not "
+                          "the CPU kernel, nor attention written as matmul and softmax) and has no Ulysses head "
+                          "split, so it does not carry out meshplan's context-parallel plans",
+    # Megatron's selective recompute (Korthikanti et al. 2022, section 5) frees attention's QK^T scores and
+    # softmax; a torch.utils.checkpoint policy keeps or recomputes outputs by op, and the one that keeps the
+    # matrix products (create_selective_checkpoint_contexts) keeps the scores, a matrix product themselves
+    "recompute": "a selective torch.utils.checkpoint policy that keeps the matrix products (the closest torch has to "
+                 "Megatron's selective recompute) still keeps attention's (batch, heads, T, T) scores where "
+                 "attention runs as matmuls, which Megatron's selective recompute frees and the cost model counts "
+                 "as freed",
+    # torch/amp/grad_scaler.py reduces found_inf over nothing; FSDP's ShardedGradScaler all-reduces it over one
+    # process group
+    "dtype": "fp16 needs dynamic loss scaling whose overflow check agrees on every rank, and torch.amp.GradScaler "
+             "checks only this rank's gradient shards (FSDP's ShardedGradScaler is not proven with "
+             "tensor-parallel DTensor gradients)",
+    "backend": "meshplan's MPI path (mpi4py) belongs to its own runtime; PyTorch's stack runs on gloo or NCCL "
+               "process groups",
+    "tensor_in_pipelines": "its pipeline stages (codegen/torch_target/pipeline.py) take no tensor-parallel "
+                           "styles yet",
+    # Schedule1F1B.__init__ raises unless n_microbatches >= the number of stages
+    "schedule": "torch.distributed.pipelining's Schedule1F1B needs at least as many micro-batches as pipeline "
+                "stages",
+}
+
+
+# the tensor-parallel roles of the ops whose weights are split
+_WEIGHT_ROLES = (ShardRole.COLUMN, ShardRole.COLUMN_OUT, ShardRole.ROW, ShardRole.VOCAB)
+
+
+class TargetError(ConfigError):
+    """An unknown target, or a plan or configuration its target does not run; the message names the target
+    and the strategy, and says what to change."""
+
+
+def as_target(value: Any) -> Target:
+    """`value` (a Target or its string) as a Target; TargetError listing the targets otherwise."""
+    try:
+        return Target(value)
+    except ValueError:
+        raise TargetError(f"target {value!r} is not one of {', '.join(Target)}: meshplan runs a plan with "
+                          "meshplan's own runtime, torch with PyTorch's DeviceMesh/DTensor/FSDP2/pipelining "
+                          "stack") from None
 
 
 @dataclass(frozen=True)
 class RuntimeSupport:
-    """The configurations the runtime executes exactly (proven by tests/distributed)."""
+    """The configurations a target executes exactly (for meshplan's runtime, proven by tests/distributed).
 
+    `stack` is the overlap preset (cost_models/overlap.py) that describes what the target's stack hides
+    behind compute, the one the search prices with unless told otherwise. `fill_1f1b`: the 1f1b schedule
+    needs at least as many micro-batches per step as pipeline stages.
+    """
+
+    target: Target = Target.MESHPLAN
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -36,41 +106,98 @@ class RuntimeSupport:
     # fp16 trains with dynamic loss scaling (runtime/loss_scale.py); bf16 and fp32 need none.
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
     # Spatial tiles: tests/distributed/test_spatial_build.py; sub-graph parallelism:
-    # tests/distributed/test_subgraph.py. The compositions each runs are the RUNTIME rules of
-    # planner/strategies/combinations.py; the others are priced, not run.
+    # tests/distributed/test_subgraph.py; context parallelism: tests/distributed/test_context_parallel.py.
+    # The compositions each runs are the RUNTIME rules of planner/strategies/combinations.py; the
+    # others are priced, not run.
     spatial: bool = True
     subgraph: bool = True
+    context: bool = True
+    backends: tuple[str, ...] = ("gloo", "nccl", "mpi")
+    stack: OverlapPreset = OverlapPreset.MESHPLAN
+    fill_1f1b: bool = False
+    # the op kinds (planner/graph/ops.py) whose weights the target splits over the tensor axis; None: every
+    # kind the split analysis accepts
+    split_kinds: tuple[str, ...] | None = None
+    tensor_in_pipelines: bool = True   # pipeline stages split over a tensor axis
 
-    def allows(self, config: ParallelConfig) -> bool:
-        return self.why_not(config) is None
+    @classmethod
+    def for_target(cls, target: Target | str) -> "RuntimeSupport":
+        """What `target` runs (a Target or its string; TargetError listing the targets otherwise)."""
+        return {Target.MESHPLAN: MESHPLAN_RUNTIME, Target.TORCH: TORCH_RUNTIME}[as_target(target)]
 
-    def why_not(self, config: ParallelConfig) -> str | None:
-        """A sentence saying what the runtime cannot run in `config`, or None."""
-        off = next((_SWITCHED[s.name] for s in STRATEGIES
+    def allows(self, config: ParallelConfig, global_batch_size: int | None = None) -> bool:
+        return self.why_not(config, global_batch_size) is None
+
+    def why_not(self, config: ParallelConfig, global_batch_size: int | None = None) -> str | None:
+        """A sentence naming this target and what it cannot run in `config` (and, given the global batch in
+        samples, in its micro-batches), with what to change, another target that runs it included; or None."""
+        why = self._own_refusal(config, global_batch_size)
+        if why is None:
+            return None
+        others = [t.value for t in Target if t != self.target
+                  and RuntimeSupport.for_target(t)._own_refusal(config, global_batch_size) is None]
+        return why + (f", or plan for the {' or '.join(others)} target" if others else "")
+
+    def _own_refusal(self, config: ParallelConfig, global_batch_size: int | None) -> str | None:
+        off = next((s.name for s in STRATEGIES
                     if s.name in _SWITCHED and not getattr(self, s.name) and s.active(config)), None)
-        if off:
-            return off
+        if off is not None:
+            what, use = _SWITCHED[off]
+            return self._refusal(off, what, f"use {use}")
         if config.schedule not in self.schedules:
-            return f"the runtime does not run the {config.schedule} schedule"
+            return self._refusal("schedule", f"the {config.schedule} schedule", _one_of("schedule", self.schedules))
         if config.recompute not in self.recompute:
-            return f"the runtime does not run recompute={config.recompute!r}"
+            return self._refusal("recompute", f"recompute={config.recompute!r}",
+                                 _one_of("recompute", self.recompute))
         if config.zero not in self.zero_stages:
-            return f"the runtime does not run ZeRO stage {config.zero}"
-        refusal = combination_refusal(config, Level.RUNTIME)   # planner/strategies/combinations.py
+            return self._refusal("zero", f"ZeRO stage {config.zero}", _one_of("zero", self.zero_stages))
+        # meshplan's runtime rules (combinations.py); they name only strategies the torch target switches off
+        refusal = combination_refusal(config, Level.RUNTIME)
         if refusal:
             return refusal
+        if not self.tensor_in_pipelines and config.pipeline > 1 and config.tensor > 1:
+            return self._refusal("tensor_in_pipelines", f"pipeline {config.pipeline} with tensor {config.tensor} "
+                                 "inside its stages", "use pipeline=1 or tensor=1")
         if config.dtype not in self.dtypes:
-            return f"the runtime does not train in {config.dtype}; use one of {', '.join(self.dtypes)}"
+            return self._refusal("dtype", f"{config.dtype} training", _one_of("dtype", self.dtypes))
+        if self.fill_1f1b and global_batch_size is not None and config.pipeline > 1 \
+                and config.schedule == Schedule.ONE_F_ONE_B:
+            m = global_batch_size // (config.micro_batch_size * config.data)
+            if m < config.pipeline:
+                return self._refusal("schedule", f"1f1b with {m} micro-batches (global batch {global_batch_size} / "
+                                     f"(micro_batch_size {config.micro_batch_size} x data {config.data})) on "
+                                     f"pipeline {config.pipeline}",
+                                     "use schedule='gpipe', a smaller micro-batch or a larger batch")
         return None
 
+    def why_not_backend(self, backend: str) -> str | None:
+        """A sentence naming this target and the communication `backend` ("gloo", "nccl", "mpi") if it does not
+        run on it; None if it does."""
+        if backend in self.backends:
+            return None
+        others = [t.value for t in Target if t != self.target and backend in RuntimeSupport.for_target(t).backends]
+        return self._refusal("backend", f"on the {backend} backend", _one_of("backend", self.backends)) + (
+            f", or plan for the {' or '.join(others)} target" if others else "")
+
+    def _refusal(self, key: str, what: str, advice: str) -> str:
+        """"the <target> target does not run <what>: <why>; <advice>" (why: the torch target's _TORCH_WHY)."""
+        why = _TORCH_WHY.get(key) if self.target == Target.TORCH else None
+        return f"the {self.target} target does not run {what}" + (f": {why}" if why else "") + f"; {advice}"
 
     def splittable(self, graph, sharding: ShardingPlan, degrees) -> ShardingPlan:
         """`sharding` without the tensor-parallel regions the code generator cannot split for any of
         the tensor `degrees` (planner/tensor_split/, on the captured graph's shapes: no model run).
 
         A region that fails is replicated together with its copies in every layer of the same
-        signature (a model's repeated blocks fail alike).
+        signature (a model's repeated blocks fail alike). Where the target splits the weights of some
+        op kinds only (`split_kinds`), a region that splits another kind's weight or the channels of a
+        norm is replicated first.
         """
+        if self.split_kinds is not None:
+            kinds = {n.name: n.kind for n in graph.nodes}
+            other = {r.region for name, r in sharding.roles.items() if r.sharded and r.region >= 0 and (
+                r.role == ShardRole.CHANNELS or (r.role in _WEIGHT_ROLES and kinds.get(name) not in self.split_kinds))}
+            sharding = without_regions(sharding, other)
         if graph.module is None:
             return sharding
         key = _region_keys(graph, sharding)
@@ -113,4 +240,28 @@ def _failing_regions(graph, sharding: ShardingPlan, node: str | None) -> set[int
             and sharding.roles[i].region >= 0}
 
 
+def _one_of(name: str, allowed: tuple) -> str:
+    """"use name='a' or name='b'" for the values `allowed`."""
+    return "use " + " or ".join(f"{name}={a!r}" for a in allowed)
+
+
+def check_target(plan: "Plan", target: Target | str | None = None, *, backend: str | None = None) -> None:
+    """TargetError unless `target` (default: the target the plan was made for) runs `plan`, on `backend`
+    ("gloo", "nccl", "mpi") where given. What codegen calls before it writes a build for a target."""
+    support = RuntimeSupport.for_target(plan.target if target is None else target)
+    why = support.why_not(plan.config, plan.global_batch_size) or (
+        support.why_not_backend(backend) if backend is not None else None)
+    if why:
+        raise TargetError(f"plan {plan.config.short()}: {why}")
+
+
 MESHPLAN_RUNTIME = RuntimeSupport()
+# PyTorch's stack (planner.parallelize and the torch script): replicate or fully_shard for data parallelism and
+# ZeRO, DTensor ColwiseParallel/RowwiseParallel (defined for nn.Linear and nn.Embedding only,
+# torch/distributed/tensor/parallel/style.py: split_kinds) and SequenceParallel, PipelineStage with ScheduleGPipe,
+# Schedule1F1B or ScheduleInterleaved1F1B, torch.utils.checkpoint per block; why each other option is left
+# out: _TORCH_WHY. torchtitan's overlap preset describes the same stack (FSDP2 prefetch, pipelining's waits).
+TORCH_RUNTIME = RuntimeSupport(target=Target.TORCH, recompute=("none", "full"), dtypes=("fp32", "bf16"),
+                               bidirectional=False, spatial=False, subgraph=False, context=False,
+                               backends=("gloo", "nccl"), stack=OverlapPreset.TORCHTITAN, fill_1f1b=True,
+                               split_kinds=("linear", "embedding"), tensor_in_pipelines=False)

@@ -11,18 +11,23 @@ from __future__ import annotations
 from typing import Any
 
 from cost_models.hardware import Cluster
+from cost_models.overlap import Overlap
+from planner.capabilities import RuntimeSupport, TargetError
 from planner.config import ParallelConfig
 from planner.evaluate import Evaluator, as_graph
 from planner.plan import PLAN_FORMAT_VERSION, Plan, Stage
 from planner.subgraph import check_splittable
 from planner.tensor_split.analysis import SplitCache
+from runtime.vocab import Target
 
 
 def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int, search: tuple = (),
-             splits: SplitCache | None = None, roles: dict[str, str] | None = None) -> Plan:
+             splits: SplitCache | None = None, roles: dict[str, str] | None = None,
+             target: Target = Target.MESHPLAN) -> Plan:
     """The Plan for `config` as `ev` prices it, with its tensor-parallel split decided (`splits`:
     the search's cache of split analyses, if it has one). `roles`: the tensor-parallel roles
-    (fx node name -> role) to split by instead of the evaluator's choice for `config`.
+    (fx node name -> role) to split by instead of the evaluator's choice for `config`. `target`:
+    what the plan is for (recorded in it; the caller has checked that the target runs it).
 
     Raises ConfigError naming the node when the tensor-parallel roles cannot be carried out.
     """
@@ -38,14 +43,28 @@ def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int, sear
                 graph_fingerprint=ev.graph.fingerprint, cluster=ev.cluster, config=config,
                 global_batch_size=global_batch_size, stages=stages, shardings=tuple(sorted(roles.items())),
                 prediction=pred, search=tuple(search), subgraph=check_splittable(ev.graph, config.subgraph),
-                tensor_splits=tensor_splits)
+                tensor_splits=tensor_splits, target=Target(target).value)
 
 
 def make_plan(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, global_batch_size: int,
-              example_inputs: Any = None, **evaluator_options: Any) -> Plan:
+              example_inputs: Any = None, target: Target | str | None = None, **evaluator_options: Any) -> Plan:
     """Build the Plan for a fixed ParallelConfig (stages balanced unless the config names them).
 
-    Raises ConfigError (ValueError) naming the numbers when the config cannot run.
+    `target` (a runtime.vocab.Target or its string): the plan is for that target, which must run
+    `config`; None makes the plan for meshplan's runtime without asking whether it runs it (a what-if
+    plan, as before targets existed).
+
+    Raises ConfigError (ValueError) naming the numbers when the config cannot run; TargetError (a
+    ConfigError) naming the target and the strategy when `target` does not run it.
     """
+    support = None if target is None else RuntimeSupport.for_target(target)
+    why = support.why_not(config, global_batch_size) if support is not None else None
+    if why:
+        raise TargetError(f"make_plan for {config.short()}: {why}")
     graph = as_graph(model_or_graph, example_inputs)
-    return plan_for(Evaluator(graph, cluster, **evaluator_options), config, global_batch_size)
+    if support is None:
+        return plan_for(Evaluator(graph, cluster, **evaluator_options), config, global_batch_size)
+    # priced with what the target's stack overlaps, unless told otherwise
+    ev = Evaluator(graph, cluster, **{"overlap": Overlap.preset(support.stack), **evaluator_options})
+    ev.sharding = support.splittable(graph, ev.sharding, [config.tensor])   # the regions the target splits
+    return plan_for(ev, config, global_batch_size, target=support.target)

@@ -22,7 +22,8 @@ from typing import Any
 
 from cost_models.hardware import Cluster
 from cost_models.prediction import Prediction
-from planner.capabilities import MESHPLAN_RUNTIME, RuntimeSupport
+from cost_models.overlap import Overlap
+from planner.capabilities import MESHPLAN_RUNTIME, RuntimeSupport, TargetError
 from planner.config import ConfigError, ParallelConfig
 from planner.evaluate import Evaluator, as_graph
 from planner.make_plan import plan_for
@@ -31,7 +32,7 @@ from planner.progress import Progress
 from planner.strategies.base import MeshShape
 from planner.subgraph import describe
 from planner.tensor_split.analysis import SplitCache
-from runtime.vocab import Recompute
+from runtime.vocab import Recompute, Target
 
 OBJECTIVES = ("time", "energy")
 FIXED_KNOBS = ("data", "tensor", "pipeline", "micro_batch_size", "schedule", "virtual_stages", "recompute",
@@ -55,12 +56,13 @@ class _Search:
     seconds: float = 0.0
     priced: list[tuple[ParallelConfig, Prediction]] = field(default_factory=list)
     refused: list[tuple[ParallelConfig, str]] = field(default_factory=list)  # roles the split analysis refused
+    blocked: str | None = None   # the first refusal of the target's runtime in the inner loop
 
 
 def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, example_inputs: Any = None,
              objective: str = "time", constraints: dict | None = None, progress: bool | None = None,
              keep_alternatives: int = 8, runtime: RuntimeSupport | None = MESHPLAN_RUNTIME,
-             **evaluator_options: Any) -> Plan:
+             target: Target | str | None = None, **evaluator_options: Any) -> Plan:
     """Search for the plan that minimizes `objective` under `constraints`.
 
     Args:
@@ -75,15 +77,26 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
         keep_alternatives: how many runner-up configurations the plan records for explain().
         runtime: what the runtime executes (default: meshplan's); only those configurations are
             searched. None searches everything the cost model prices (a what-if search).
-        evaluator_options: passed to the Evaluator (efficiency, fused_attention, ...).
+        target: what will run the plan, a runtime.vocab.Target or its string ("meshplan", "torch"):
+            searches what that target runs (planner/capabilities.py), priced with its stack's overlap
+            unless `overlap` is given, and records the target in the plan. Give `target` or `runtime`,
+            not both.
+        evaluator_options: passed to the Evaluator (efficiency, fused_attention, overlap, ...).
 
     Raises:
         NoFeasiblePlan: nothing fits; names the smallest need and the knobs that would help.
         ValueError: unknown objective or constraint (with the closest known name).
+        TargetError: an unknown target, or a target given together with `runtime`.
     """
     t0 = time.perf_counter()
     if objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r} is not one of {', '.join(OBJECTIVES)}")
+    if target is not None:
+        if runtime is not MESHPLAN_RUNTIME:
+            raise TargetError(f"optimize got target={str(target)!r} and a runtime; give one: the target says what "
+                              "runs the plan, runtime=None searches what no target runs (a what-if search)")
+        runtime = RuntimeSupport.for_target(target)
+        evaluator_options = {"overlap": Overlap.preset(runtime.stack), **evaluator_options}
     cons = _check_constraints(constraints or {})
     graph = as_graph(model_or_graph, example_inputs)
     ev = Evaluator(graph, cluster, **evaluator_options)
@@ -100,11 +113,10 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
     dtypes = runtime.dtypes if runtime is not None else ("bf16", "fp16", "fp32")
     bases = _enumerate(ev, cluster, global_batch_size, cons, dtypes)
     if runtime is not None:
-        blocked = [runtime.why_not(b) for b in bases if not runtime.allows(b)]
-        bases = [b for b in bases if runtime.allows(b)]
+        blocked = [runtime.why_not(b, global_batch_size) for b in bases if not runtime.allows(b, global_batch_size)]
+        bases = [b for b in bases if runtime.allows(b, global_batch_size)]
         if not bases and blocked:
-            raise NoFeasiblePlan(f"every configuration the constraints allow needs something the runtime cannot "
-                                 f"run ({blocked[0]}); pass runtime=None for a what-if search")
+            raise NoFeasiblePlan(_blocked_message(runtime, blocked[0]))
     search.bases = len(bases)
     if not bases:
         raise NoFeasiblePlan(_no_base_message(ev, cluster, global_batch_size, cons))
@@ -122,11 +134,14 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
         best = _inner(ev, base, global_batch_size, objective, cons, search, best, runtime, splits)
     search.seconds = time.perf_counter() - t0
     bar.close(f"{search.evaluated} priced, {search.pruned} pruned")
+    if best is None and not search.priced and search.blocked and runtime is not None:
+        raise NoFeasiblePlan(_blocked_message(runtime, search.blocked))
     if best is None:
         raise NoFeasiblePlan(_infeasible_message(search, cluster, cons))
     stats = (("candidates", search.bases), ("evaluated", search.evaluated), ("pruned", search.pruned),
              ("rejected", search.infeasible), ("seconds", round(search.seconds, 3)), ("objective", objective))
-    plan = plan_for(ev, best[1], global_batch_size, search=stats, splits=splits)
+    plan = plan_for(ev, best[1], global_batch_size, search=stats, splits=splits,
+                    target=runtime.target if runtime is not None else Target.MESHPLAN)
     alts = _alternatives(search, best, objective, cons, keep_alternatives)
     return Plan(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__}, "alternatives": alts})
 
@@ -149,7 +164,8 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
                 cfg = base.replace(recompute=recompute, zero=zero)
             except ConfigError:   # a combination planner/strategies/combinations.py refuses
                 continue
-            if runtime is not None and not runtime.allows(cfg):
+            if runtime is not None and (refusal := runtime.why_not(cfg, batch)):
+                search.blocked = search.blocked or refusal
                 continue
             try:
                 pred = ev.evaluate(cfg, batch)
@@ -354,6 +370,11 @@ def _alternatives(search: _Search, best, objective: str, cons: dict, keep: int) 
         if len(out) >= keep:
             break
     return tuple(out)
+
+
+def _blocked_message(runtime: RuntimeSupport, refusal: str) -> str:
+    return (f"every configuration the constraints allow needs something the {runtime.target} target cannot run "
+            f"({refusal}); pass runtime=None for a what-if search")
 
 
 def _smallest(search: _Search) -> tuple[ParallelConfig, Prediction] | None:

@@ -20,7 +20,7 @@ from planner.strategies import describe
 from planner.subgraph import Region
 from planner.tensor_split.splits import TensorSplits
 from runtime.documents import FieldError, Fields, read_document
-from runtime.vocab import ShardRole
+from runtime.vocab import ShardRole, Target
 
 PLAN_FORMAT_VERSION = 2   # 2: the tensor-parallel split is stored ("tensor_splits"); 1 still loads
 # The largest global batch (samples per step) and world (devices) a plan may have: far past
@@ -85,6 +85,9 @@ class Plan:
     # the split of every value over the tensor ranks, decided by the planner (planner/tensor_split/);
     # None where nothing is split, or in a plan read from a version-1 file (codegen then decides it)
     tensor_splits: TensorSplits | None = None
+    # what the plan was made for (a runtime.vocab.Target value; planner/capabilities.py says what each runs);
+    # written only when not meshplan's own runtime, so plans of earlier builds read unchanged
+    target: str = Target.MESHPLAN
 
     # ---- views ----------------------------------------------------------
     @property
@@ -100,7 +103,8 @@ class Plan:
         gib = 2**30
         lines = [
             f"Plan for {self.model_class} on {self.cluster.name} "
-            f"({self.cluster.num_nodes} x {self.cluster.devices_per_node} = {self.cluster.num_devices} devices)",
+            f"({self.cluster.num_nodes} x {self.cluster.devices_per_node} = {self.cluster.num_devices} devices)"
+            + (f" for the {self.target} target" if self.target != Target.MESHPLAN else ""),
             f"  mesh: " + " x ".join(f"{k} {v}" for k, v in self.mesh.items()) +
             f"   micro-batch {c.micro_batch_size} x {p.num_micro_batches}   schedule {describe.schedule_text(c)}"
             + f"   recompute {c.recompute}   ZeRO {c.zero}   {c.dtype}",
@@ -149,6 +153,7 @@ class Plan:
             "alternatives": [a.to_dict() for a in self.alternatives],
             **({"subgraph": [r.to_dict() for r in self.subgraph]} if self.subgraph else {}),
             **({"tensor_splits": self.tensor_splits.to_dict()} if self.tensor_splits is not None else {}),
+            **({"target": self.target} if self.target != Target.MESHPLAN else {}),
         }
 
     @classmethod
@@ -253,6 +258,9 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
                           f"but the prediction priced {sp.first_layer}..{sp.last_layer} ({sp.num_layers}); "
                           "make the plan again (meshplan optimize, or codegen with the configuration)")
     search = f.sub("search", {})
+    target = f.text("target", Target.MESHPLAN.value)
+    if target not in set(Target):
+        raise f.error("target", f"is {target!r}; known targets: {', '.join(Target)}")
     plan = Plan(
         format_version=version, model_class=f.text("model_class"), graph_fingerprint=f.text("graph_fingerprint"),
         cluster=cluster, config=config, global_batch_size=batch,
@@ -261,6 +269,7 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
         alternatives=tuple(f.each("alternatives", Alternative.read, [])),
         subgraph=tuple(f.each("subgraph", Region.read, [])),
         tensor_splits=TensorSplits.read(f.sub("tensor_splits")) if "tensor_splits" in f.data else None,
+        target=Target(target).value,
     )
     problem = next(describe.plan_problems(plan), None)
     if problem is not None:

@@ -1,5 +1,5 @@
 """The one vocabulary every package shares: mesh axes, shard roles, dtypes, pipeline
-schedules, recompute modes and spatial splits.
+schedules, recompute modes, spatial splits and the targets that run a plan.
 
 They are StrEnums, so a member equals its plain string ("data" == MeshAxis.DATA) and JSON
 files keep their spellings; code names the member, never the literal. The runtime owns them
@@ -49,6 +49,19 @@ class StrategyName(StrEnum):
     SPATIAL = "spatial"
     SUBGRAPH = "subgraph"
     CONTEXT = "context"
+
+
+class Target(StrEnum):
+    """What carries a plan out.
+
+    MESHPLAN: meshplan's own runtime (codegen's per-rank Programs over gloo, NCCL or MPI).
+    TORCH: PyTorch's parallel stack (DeviceMesh, DTensor tensor/sequence parallelism, FSDP2,
+    torch.distributed.pipelining, Distributed Checkpoint) through planner.parallelize or the
+    generated torch script; planner/capabilities.py says which strategies each runs.
+    """
+
+    MESHPLAN = "meshplan"
+    TORCH = "torch"
 
 
 class ShardRole(StrEnum):

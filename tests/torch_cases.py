@@ -38,6 +38,7 @@ CONFIGS = {
     "d2_zero2_selective": dict(data=2, zero=2, recompute="selective"),
     "d2_zero3_full": dict(data=2, zero=3, recompute="full"),
     "t2_sp": dict(tensor=2, sequence_parallel=True),
+    "d2t2_zero3": dict(data=2, tensor=2, zero=3),
 }
 STEPS = 3
 BATCH = 8

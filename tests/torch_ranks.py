@@ -56,20 +56,24 @@ def run_case(case: str, out: Path) -> dict:
     if config == "dcp":
         first, second = rest
         pm, opt, sched = _parallel(model, first, out)
-        losses, norms = tc.train(model, pm, pm.clip_grad_norm_, opt, sched, range(tc.STEPS - 1), local=pm.local_batch, mean=pm.mean_over_data)
+        losses, norms = _train(model, pm, opt, sched, range(tc.STEPS - 1))
         path = out / f"checkpoint_{model}"
         pm.save(path, opt, extra={"scheduler": sched.state_dict()})
         pm, opt, sched = _parallel(model, second, out, zeroed=True)
         extra = pm.load(path, opt, extra={"scheduler": sched.state_dict()})
         sched.load_state_dict(extra["scheduler"])
-        more = tc.train(model, pm, pm.clip_grad_norm_, opt, sched, range(tc.STEPS - 1, tc.STEPS),
-                        local=pm.local_batch, mean=pm.mean_over_data)
+        more = _train(model, pm, opt, sched, range(tc.STEPS - 1, tc.STEPS))
         losses, norms = losses + more[0], norms + more[1]
     else:
         pm, opt, sched = _parallel(model, config, out, capture=rest == ["capture"], own_mesh=rest == ["mesh"])
-        losses, norms = tc.train(model, pm, pm.clip_grad_norm_, opt, sched, range(tc.STEPS), local=pm.local_batch, mean=pm.mean_over_data,
-                                 amp=rest == ["amp"])
-    return {"losses": losses, "norms": norms, "params": tc.full_params(pm.module), "state_keys": sorted(pm.state_dict())}
+        losses, norms = _train(model, pm, opt, sched, range(tc.STEPS), amp=rest == ["amp"])
+    return {"losses": losses, "norms": norms, "params": tc.full_params(pm.module),
+            "state_keys": sorted(pm.state_dict())}
+
+
+def _train(model: str, pm, opt, sched, steps: range, amp: bool = False):
+    return tc.train(model, pm, pm.clip_grad_norm_, opt, sched, steps, local=pm.local_batch, mean=pm.mean_over_data,
+                    amp=amp)
 
 
 def main(argv: list[str]) -> None:

@@ -19,8 +19,9 @@ op that reads the weight (runtime.vocab.ShardRole):
   ROW         -> ROWWISE (RowwiseParallel: input features split, output all-reduced).
   VOCAB       -> EMBEDDING_ROWWISE (RowwiseParallel on nn.Embedding: table rows split by vocabulary).
 With sequence parallelism (Korthikanti et al. 2022, section 4.2.2) the norms between regions run on
-this rank's block of the sequence (SEQUENCE: torch's SequenceParallel); columns take a sequence-split
-input, rows and vocabulary embeddings give one (the `sequence_dim` of the layout); a replicated module
+this rank's block of the sequence (SEQUENCE: torch's SequenceParallel); the columns of a region take a
+sequence-split input, rows and vocabulary embeddings give one (the module's `dim`; a column after the
+sequence was gathered, BERT's decoder, takes its input whole); a replicated module
 whose output meets the split activation (GPT's position table) is cut to this rank's tokens
 (SEQUENCE_SCATTER, its output dimension in `dim`), and one that reads a split activation whole
 (BERT's prediction head) gathers it (SEQUENCE_GATHER, `dim` the input's sequence dimension).
@@ -30,7 +31,10 @@ and optimizer state whole, gradients all-reduced and averaged), 3 -> FULLY_SHARD
 resharding after forward; 1 and 2 -> FULLY_SHARD with reshard_after_forward=False (parameters stay
 gathered from forward to backward, gradients reduce-scattered: ZeRO-2; torch has no stage that shards
 only the optimizer state, so ZeRO-1 runs as ZeRO-2, which holds less). The blocks are the plan's
-repeated layers (the transformer blocks).
+repeated layers that hold matrix products (the transformer blocks).
+
+A fused projection split by parts (COLWISE_STRIDED) is refused under fully_shard: FSDP2 cuts the rank's
+[q_r, k_r, v_r] into contiguous pieces that no DTensor placement describes.
 
 Recompute: "full" -> every block under torch.utils.checkpoint (checkpoint_wrapper); "selective" ->
 the same blocks under a selective-checkpoint policy that keeps the matmul outputs and recomputes the
@@ -181,11 +185,19 @@ def torch_layout(plan: Plan, graph: ModelGraph) -> TorchLayout:
     # recomputation is written into the stage code (codegen/partition.py).
     blocks = _blocks(plan, graph) if pipeline is None else ()
     tensor, sequence_dim = _tensor_styles(plan, graph) if cfg.tensor > 1 else ((), None)
+    data = _data_layout(cfg.data, cfg.zero, blocks)
+    strided = [s.path for s in tensor if s.style is TensorStyle.COLWISE_STRIDED]
+    if strided and data.kind is DataKind.FULLY_SHARD:
+        # fully_shard cuts a rank's [q_r, k_r, v_r] into contiguous halves, a shard no DTensor placement
+        # describes: training would run, but the whole parameter (full_tensor, state_dict, DCP) would not
+        raise TorchLayoutError(f"module {strided[0]!r}: a fused projection split by parts (q_r, k_r, v_r) cannot "
+                               f"also be sharded by fully_shard (ZeRO {cfg.zero}); plan it with ZeRO 0, or write "
+                               f"the projections as separate Linears")
     return TorchLayout(
         mesh=mesh or (MeshDim(MeshAxis.DATA, 1),),
         tensor=tensor,
         sequence_dim=sequence_dim,
-        data=_data_layout(cfg.data, cfg.zero, blocks),
+        data=data,
         recompute=Recompute(cfg.recompute),
         checkpoint_units=() if cfg.recompute == Recompute.NONE else blocks,
         ties=tuple(tuple(g) for g in graph.shared_params),

@@ -37,7 +37,7 @@ from planner.plan import Plan
 from runtime.checkpoint import Manifest, complete_checkpoints, resolve_checkpoint
 from runtime.checkpoint_restore import to_state_dict
 from runtime.trace import TRACE_WINDOW_STEPS
-from runtime.vocab import ContextAttention, DType, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
+from runtime.vocab import ContextAttention, DType, Recompute, Schedule, SpatialBatchNorm, SpatialSplit, Target
 
 # Bounds of the numeric options (argparse refuses anything outside in one line).
 BATCH = count(1, MAX_BATCH, " samples")
@@ -56,6 +56,7 @@ _EPILOG_OPTIMIZE = """examples:
   meshplan optimize examples/models/gpt.py:build --arg preset=gpt3-175b --cluster dgx-a100-80gb --nodes 16 --batch 1536
   meshplan optimize examples/models/gpt.py:build --arg preset=1t --cluster dgx-a100-80gb --nodes 384 \\
       --batch 3072 --constraint tensor=8 --constraint max_memory_fraction=0.9 -o plan_1t.json
+  meshplan optimize examples/models/gpt.py:build --arg preset=tiny --cluster dgx-a100-80gb --batch 16 --target torch
 Prints the plan, the runners-up with the reason each lost, and writes the plan as JSON."""
 
 _EPILOG_SHOW = """examples:
@@ -118,10 +119,12 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     cluster = resolve_cluster(args.cluster, args.nodes, args.devices)
     _check_world(cluster.num_devices, "the cluster")
     graph = capture_ref(args.model, _parse_kv(args.arg), 1)
+    if args.what_if and args.target != Target.MESHPLAN:
+        raise ValueError(f"--what-if searches what no target runs yet; drop --target {args.target} or --what-if")
+    stack = {"overlap": Overlap.preset(args.stack)} if args.stack else {}   # else the target's stack
     plan = optimize(graph, cluster, global_batch_size=args.batch, objective=args.objective,
-                    constraints=constraints, progress=False if args.quiet else None,
-                    overlap=Overlap.preset(args.stack),
-                    **({"runtime": None} if args.what_if else {}))
+                    constraints=constraints, progress=False if args.quiet else None, **stack,
+                    **({"runtime": None} if args.what_if else {"target": args.target}))
     print(plan.summary())
     print()
     print(explain(plan))
@@ -470,9 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--what-if", action="store_true",
                    help="also search what the cost model prices but meshplan's runtime does not run yet (the plan "
                         "is for comparison; codegen refuses it)")
-    p.add_argument("--stack", default=OverlapPreset.MESHPLAN.value, choices=list(map(str, OverlapPreset)),
+    p.add_argument("--target", default=Target.MESHPLAN.value, choices=list(map(str, Target)),
+                   help="what will run the plan: meshplan's own runtime (default), or torch (PyTorch's DeviceMesh, "
+                        "DTensor, FSDP2 and pipelining, through planner.parallelize or codegen --target torch); the "
+                        "search picks only strategies the target runs")
+    p.add_argument("--stack", default=None, choices=list(map(str, OverlapPreset)),
                    help="the training stack whose communication overlap the cost model assumes "
-                        "(cost_models/overlap.py; default meshplan, what this runtime does)")
+                        "(cost_models/overlap.py; default: the target's, meshplan for meshplan, torchtitan for torch)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     p.set_defaults(func=_cmd_optimize)
 

@@ -2,13 +2,13 @@
 3 steps by a hand-written loop (forward, cross-entropy, backward, clip_grad_norm_, SGD with momentum,
 StepLR) under data 2, ZeRO-3 data 2, tensor 2 and data 2 x tensor 2 end with the losses, gradient
 norms and parameters of the single-process run (tests/torch_cases.py, --verify's tolerances); so do
-tensor 2 with sequence parallelism, ZeRO-2 with selective recompute (GPT) and ZeRO-3 with full
-recompute (Llama).
+tensor 2 with sequence parallelism, ZeRO-2 with selective recompute (GPT), ZeRO-3 with full
+recompute (Llama) and ZeRO-3 x tensor 2 (Llama: fully_shard over tensor-parallel DTensors).
 
-Also: a DeviceMesh handed to parallelize, bf16 autocast (the looser bf16 tolerance: 2e-2 of each loss and of how far training moved each
-parameter), a graph captured by parallelize from example inputs, and Distributed Checkpoints written
-under ZeRO-3 data 2 and read under tensor 2 (Llama) and the other way (GPT, whose fused qkv is strided)
-continuing the reference.
+Also: a DeviceMesh handed to parallelize, bf16 autocast (the looser bf16 tolerance: 2e-2 of each loss
+and of how far training moved each parameter), a graph captured by parallelize from example inputs,
+and Distributed Checkpoints written under ZeRO-3 data 2 and read under tensor 2 (Llama) and the other
+way (GPT, whose fused qkv is strided), continuing the reference.
 One 2-rank launch runs every 2-device case one after another, one 4-rank launch the 4-device ones.
 """
 
@@ -26,7 +26,7 @@ from tests import torch_cases as tc
 TWO = [f"{m}:{c}" for m in tc.MODELS for c in ("d2_zero3", "t2", "t2_sp")] + [
     "llama:d2", "bert:d2:mesh", "gpt:d2:capture", "gpt:t2:amp", "gpt:d2_zero2_selective", "llama:d2_zero3_full",
     "llama:dcp:d2_zero3:t2", "gpt:dcp:t2:d2_zero3"]
-FOUR = ["gpt:d2t2", "llama:d2t2:mesh", "bert:d2t2"]
+FOUR = ["gpt:d2t2", "llama:d2t2:mesh", "bert:d2t2", "llama:d2t2_zero3"]
 
 
 @pytest.fixture(scope="module")

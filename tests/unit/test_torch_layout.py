@@ -128,9 +128,11 @@ def test_bert_sequence_parallel_scatters_and_gathers():
 
 
 def test_round_trip_through_json():
-    lay = _layout(GPT, {}, data=2, tensor=2, zero=3, recompute="selective", sequence_parallel=True)
+    lay = _layout(HF, {"arch": "llama"}, data=2, tensor=2, zero=3, recompute="selective", sequence_parallel=True)
     back = TorchLayout.from_dict(json.loads(json.dumps(lay.to_dict())))
-    assert back == lay
+    assert back == lay and lay.data.kind is DataKind.FULLY_SHARD and lay.sequence_dim == 1
+    strided = _layout(GPT, {}, tensor=2, sequence_parallel=True)
+    assert TorchLayout.from_dict(json.loads(json.dumps(strided.to_dict()))) == strided
     assert isinstance(back.tensor[0].style, TensorStyle) and isinstance(back.recompute, Recompute)
 
 
@@ -141,6 +143,8 @@ def test_refusals_name_the_thing():
     other = graph_of(HF, (("arch", "llama"),))
     with pytest.raises(TorchLayoutError, match="made for graph"):
         torch_layout(plan, other)
+    with pytest.raises(TorchLayoutError, match="'blocks.0.attn.qkv'.* fully_shard"):
+        _layout(GPT, {}, data=2, tensor=2, zero=3)
     # a row split that is not one block per rank (q_r, k_r, v_r of a fused input) has no torch style
     with pytest.raises(TorchLayoutError, match="'blocks.0.attn.out'"):
         _style("blocks.0.attn.out", "linear", ShardRole.ROW, FeatureSplit((3, 4, 8), 1), 2)
