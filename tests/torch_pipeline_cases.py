@@ -86,7 +86,10 @@ def plan_and_layout(case: Case) -> str:
     from tests.real_models import graph_of
 
     ref, kwargs = _ref(case)
-    graph = graph_of(ref, tuple(sorted(kwargs.items())))
+    if case.parallelize:   # captured as the ranks capture it in planner.parallelize: the real model, CPU inputs
+        graph = planner.capture(build_model(case), _example_inputs(case))
+    else:
+        graph = graph_of(ref, tuple(sorted(kwargs.items())))
     config = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", **dict(case.config))
     plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=config.num_devices), config, BATCH)
     return json.dumps({"plan": plan.to_dict(), "layout": torch_layout(plan, graph).to_dict()})
@@ -120,11 +123,17 @@ def _parallelized(case: Case, made: dict, model: torch.nn.Module):
     """planner.parallelize of `case`'s plan over `model`, the ranks capturing the model themselves."""
     import planner
     from planner.plan import Plan
+
+    return planner.parallelize(model, Plan.from_dict(made["plan"]), example_inputs=_example_inputs(case),
+                               loss_fn=loss_fn)
+
+
+def _example_inputs(case: Case):
+    """The model file's example inputs for 2 samples (what the plan's graph and the ranks capture)."""
     from runtime.refs import load_callable
 
     ref, kwargs = _ref(case)
-    example = load_callable(ref.rsplit(":", 1)[0] + ":example_inputs", None, "example inputs")(2, **kwargs)
-    return planner.parallelize(model, Plan.from_dict(made["plan"]), example_inputs=example, loss_fn=loss_fn)
+    return load_callable(ref.rsplit(":", 1)[0] + ":example_inputs", None, "example inputs")(2, **kwargs)
 
 
 def _pipeline(case: Case, made: dict, model: torch.nn.Module):

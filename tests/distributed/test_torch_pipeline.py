@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from runtime.verify import TOLERANCES
 from tests.torch_pipeline_cases import SGD, STEPS, Case, build_model, reference, run_cases
@@ -24,16 +23,16 @@ from tests.torch_pipeline_cases import SGD, STEPS, Case, build_model, reference,
 TOL = TOLERANCES["fp32"]
 INTERLEAVED = (("pipeline", 2), ("schedule", "interleaved"), ("virtual_stages", 2))
 DATA_PIPELINE = (("data", 2), ("pipeline", 2), ("schedule", "1f1b"))
-# The GPT runs go through planner.parallelize (its ranks capture it: quick for the example GPT), the
-# Hugging Face ones through the TorchLayout the test process derives; BERT's data 2 x pipeline 2 runs
-# ZeRO-3, its tied weight's gradient summed over the pipeline as fully_shard's shards.
+# Every run goes through planner.parallelize (its ranks capture the model; the plan comes from the same
+# capture); BERT's data 2 x pipeline 2 runs ZeRO-3, its tied weight's gradient summed over the pipeline
+# as fully_shard's shards.
 LAUNCHES = {
     "p2_interleaved": (2, [Case("gpt_p2_interleaved", "gpt", INTERLEAVED, parallelize=True),
-                           Case("llama_p2_interleaved", "llama", INTERLEAVED),
-                           Case("bert_p2_interleaved", "bert", INTERLEAVED)]),
+                           Case("llama_p2_interleaved", "llama", INTERLEAVED, parallelize=True),
+                           Case("bert_p2_interleaved", "bert", INTERLEAVED, parallelize=True)]),
     "d2p2_1f1b": (4, [Case("gpt_d2p2", "gpt", DATA_PIPELINE, parallelize=True),
-                      Case("llama_d2p2", "llama", DATA_PIPELINE),
-                      Case("bert_d2p2_zero3", "bert", (*DATA_PIPELINE, ("zero", 3))),
+                      Case("llama_d2p2", "llama", DATA_PIPELINE, parallelize=True),
+                      Case("bert_d2p2_zero3", "bert", (*DATA_PIPELINE, ("zero", 3)), parallelize=True),
                       # the pipeline run's Distributed Checkpoint read under data 4 with ZeRO-3
                       Case("gpt_d4_zero3_from_d2p2", "gpt", (("data", 4), ("zero", 3)), parallelize=True,
                            load_from="gpt_d2p2")]),
