@@ -164,7 +164,10 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
     if graph.fingerprint != plan.graph_fingerprint:
         raise ParallelizeError(f"the plan was made for the graph {plan.graph_fingerprint[:12]} ({plan.model_class}) "
                                f"but this model captures as {graph.fingerprint[:12]} ({graph.model_class}); make "
-                               f"the plan for this model, or pass the graph the plan was made from")
+                               f"the plan for this model, or pass the graph the plan was made from. Some models "
+                               f"(Hugging Face's among them) trace differently on meta tensors than on a real "
+                               f"device: plan from planner.capture(model, example_inputs) of the model as "
+                               f"parallelize gets it")
     layout = torch_layout(plan, graph)
     if layout.pipeline is not None and loss_fn is None:
         raise ParallelizeError(f"the plan has {layout.pipeline.num_stages} pipeline stages, whose schedule "
