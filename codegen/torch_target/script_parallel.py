@@ -44,6 +44,11 @@ def parallelize_source(layout: TorchLayout) -> ParallelSource:
     if layout.checkpoint_units:
         body += _checkpoint_lines(layout, imports, helpers)
     body += _data_lines(layout, imports, "model", units=True)
+    # FSDP2's replicate and fully_shard reduce gradients after every backward unless told not to:
+    # the micro-batches' gradients are summed locally and reduced once, after the last
+    sync = [] if layout.data.kind is DataKind.NONE else [
+        "        # gradients summed over the micro-batches here, reduced over mesh['data'] once, after the last",
+        "        model.set_requires_gradient_sync(k == len(batches) - 1)"]
     functions = [
         *helpers,
         "def parallelize(model, mesh, device):",
@@ -57,7 +62,8 @@ def parallelize_source(layout: TorchLayout) -> ParallelSource:
         '    """Forward and backward of this rank\'s micro-batches (each one\'s mean loss scaled by 1/len(batches),',
         '    so that gradients average over the batch); this rank\'s mean loss (a float)."""',
         "    total = 0.0",
-        "    for inputs, targets in batches:",
+        "    for k, (inputs, targets) in enumerate(batches):",
+        *sync,
         "        with autocast_for(TRAIN):",
         "            loss = compute_loss(TRAIN.loss, call_model(model, inputs), targets)",
         "        (loss / len(batches)).backward()",
