@@ -62,6 +62,10 @@ _TORCH_WHY: dict[str, str] = {
              "tensor-parallel DTensor gradients)",
     "backend": "meshplan's MPI path (mpi4py) belongs to its own runtime; PyTorch's stack runs on gloo or NCCL "
                "process groups",
+    # fully_shard cuts the rank's [q_r, k_r, v_r] rows into contiguous pieces, which no DTensor placement
+    # describes: the full parameter (full_tensor, state dicts, DCP) would come out wrong
+    "fully_shard_part_splits": "FSDP2's fully_shard cannot shard a weight that tensor parallelism splits by "
+                               "parts (a fused projection whose rank r holds q_r, k_r and v_r)",
     "tensor_in_pipelines": "its pipeline stages (codegen/torch_target/pipeline.py) take no tensor-parallel "
                            "styles yet",
     # Schedule1F1B.__init__ raises unless n_microbatches >= the number of stages
@@ -119,6 +123,7 @@ class RuntimeSupport:
     # kind the split analysis accepts
     split_kinds: tuple[str, ...] | None = None
     tensor_in_pipelines: bool = True   # pipeline stages split over a tensor axis
+    fully_shard_part_splits: bool = True   # ZeRO over data ranks with a fused projection split by parts
 
     @classmethod
     def for_target(cls, target: Target | str) -> "RuntimeSupport":
@@ -168,6 +173,20 @@ class RuntimeSupport:
                                      f"(micro_batch_size {config.micro_batch_size} x data {config.data})) on "
                                      f"pipeline {config.pipeline}",
                                      "use schedule='gpipe', a smaller micro-batch or a larger batch")
+        return None
+
+    def why_not_splits(self, config: ParallelConfig, splits) -> str | None:
+        """A sentence naming this target and what it cannot run in `config` with the tensor-parallel split
+        `splits` (planner/tensor_split TensorSplits, None where nothing is split, or a function giving them,
+        called only when `config` could be refused) the plan makes; or None."""
+        if self.fully_shard_part_splits or config.tensor == 1 or config.data == 1 or config.zero == 0:
+            return None
+        splits = splits() if callable(splits) else splits
+        parts = () if splits is None else splits.part_splits()
+        if parts:
+            return self._refusal("fully_shard_part_splits", f"ZeRO {config.zero} with module {parts[0]!r} split by "
+                                 f"parts over {config.tensor} tensor ranks",
+                                 "use zero=0, or write the fused projection as separate Linears")
         return None
 
     def why_not_backend(self, backend: str) -> str | None:
@@ -249,7 +268,8 @@ def check_target(plan: "Plan", target: Target | str | None = None, *, backend: s
     """TargetError unless `target` (default: the target the plan was made for) runs `plan`, on `backend`
     ("gloo", "nccl", "mpi") where given. What codegen calls before it writes a build for a target."""
     support = RuntimeSupport.for_target(plan.target if target is None else target)
-    why = support.why_not(plan.config, plan.global_batch_size) or (
+    why = support.why_not(plan.config, plan.global_batch_size) or \
+        support.why_not_splits(plan.config, plan.tensor_splits) or (
         support.why_not_backend(backend) if backend is not None else None)
     if why:
         raise TargetError(f"plan {plan.config.short()}: {why}")
@@ -264,4 +284,5 @@ MESHPLAN_RUNTIME = RuntimeSupport()
 TORCH_RUNTIME = RuntimeSupport(target=Target.TORCH, recompute=("none", "full"), dtypes=("fp32", "bf16"),
                                bidirectional=False, spatial=False, subgraph=False, context=False,
                                backends=("gloo", "nccl"), stack=OverlapPreset.TORCHTITAN, fill_1f1b=True,
-                               split_kinds=("linear", "embedding"), tensor_in_pipelines=False)
+                               split_kinds=("linear", "embedding"), tensor_in_pipelines=False,
+                               fully_shard_part_splits=False)

@@ -9,6 +9,7 @@ product of all degrees.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -130,13 +131,18 @@ class ParallelConfig:
 
         Context sits next to tensor, as Megatron-LM orders them: its ring exchanges are the
         busiest traffic after tensor parallelism's, so its groups stay within a node where they fit."""
+        return dict(self._mesh_axes)
+
+    @functools.cached_property
+    def _mesh_axes(self) -> tuple[tuple[str, int], ...]:
+        """`mesh` as (axis, size) pairs, worked out once per config (the search asks for it often)."""
         # the sub-grids of one data replica sit next to each other, so their collectives stay in a node
         middle = ({MeshAxis.SPATIAL: self.spatial} if self.spatial > 1 else
                   {MeshAxis.SUBGRAPH: self.subgraph} if self.subgraph > 1 else {})
         context = {MeshAxis.CONTEXT: self.context} if self.context > 1 else {}
         axes = {MeshAxis.PIPELINE: self.pipeline, MeshAxis.DATA: self.data, **middle, **context,
                 MeshAxis.TENSOR: self.tensor}
-        return {a.value: n for a, n in axes.items()}   # plain strings: reprs and messages stay readable
+        return tuple((a.value, n) for a, n in axes.items())   # plain strings: reprs and messages stay readable
 
     def micro_batches(self, global_batch_size: int) -> int:
         """Micro-batches per step on each pipeline; ValueError when the batch does not split evenly."""

@@ -67,4 +67,8 @@ def make_plan(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, 
     # priced with what the target's stack overlaps, unless told otherwise
     ev = Evaluator(graph, cluster, **{"overlap": Overlap.preset(support.stack), **evaluator_options})
     ev.sharding = support.splittable(graph, ev.sharding, [config.tensor])   # the regions the target splits
-    return plan_for(ev, config, global_batch_size, target=support.target)
+    plan = plan_for(ev, config, global_batch_size, target=support.target)
+    why = support.why_not_splits(config, plan.tensor_splits)
+    if why:
+        raise TargetError(f"make_plan for {config.short()}: {why}")
+    return plan

@@ -178,6 +178,10 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
                 search.infeasible += 1
                 search.refused.append((cfg, why))
                 continue
+            if runtime is not None and (refusal := runtime.why_not_splits(
+                    cfg, lambda: splits.get(ev.node_roles(cfg), cfg.tensor, cfg.sequence_parallel))):
+                search.blocked = search.blocked or refusal   # the target cannot run this split with this ZeRO
+                continue
             search.evaluated += 1
             search.priced.append((cfg, pred))
             value = _objective(pred, objective)

@@ -75,6 +75,12 @@ class FeatureSplit:
     def size(self) -> int:
         return math.prod(self.factors)
 
+    @property
+    def groups(self) -> int:
+        """Equal parts of the dimension that are each split into contiguous blocks (3 for a fused
+        q/k/v projection split by heads: rank r holds q_r, k_r, v_r; 1 for one contiguous block each)."""
+        return math.prod(self.factors[: self.split])
+
     def padded(self, num: int) -> bool:
         """Whether `num` ranks split it with padding (a plain split that `num` does not divide)."""
         return len(self.factors) == 1 and self.size % num != 0

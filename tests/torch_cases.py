@@ -35,6 +35,10 @@ CONFIGS = {
     "d2_zero3": dict(data=2, zero=3),
     "t2": dict(tensor=2),
     "d2t2": dict(data=2, tensor=2),
+    "d2_zero2_selective": dict(data=2, zero=2, recompute="selective"),
+    "d2_zero3_full": dict(data=2, zero=3, recompute="full"),
+    "t2_sp": dict(tensor=2, sequence_parallel=True),
+    "d2t2_zero3": dict(data=2, tensor=2, zero=3),
 }
 STEPS = 3
 BATCH = 8
@@ -70,6 +74,23 @@ def plan_of(model: str, config: str | dict) -> Plan:
 def graph(model: str):
     ref, kwargs = MODELS[model]
     return graph_of(ref, tuple(sorted(kwargs.items())))
+
+
+def configs_of(case: str) -> tuple[str, tuple[str, ...]]:
+    """The model and the CONFIGS names a rank case ("MODEL:CONFIG[:amp|:capture]", "MODEL:dcp:A:B") runs."""
+    model, config, *rest = case.split(":")
+    return model, tuple(rest) if config == "dcp" else (config,)
+
+
+def prepare(root: Path, cases: list[str]) -> None:
+    """Write the graph of every model and the plan of every configuration the cases need under `root`
+    (graph_MODEL.json, plan_MODEL_CONFIG.json), so that the ranks read them instead of capturing."""
+    for case in cases:
+        model, configs = configs_of(case)
+        if not (root / f"graph_{model}.json").exists():
+            graph(model).save(root / f"graph_{model}.json")
+        for config in configs:
+            plan_of(model, config).save(root / f"plan_{model}_{config}.json")
 
 
 def call(fn, inputs):

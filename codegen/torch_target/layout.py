@@ -19,8 +19,9 @@ op that reads the weight (runtime.vocab.ShardRole):
   ROW         -> ROWWISE (RowwiseParallel: input features split, output all-reduced).
   VOCAB       -> EMBEDDING_ROWWISE (RowwiseParallel on nn.Embedding: table rows split by vocabulary).
 With sequence parallelism (Korthikanti et al. 2022, section 4.2.2) the norms between regions run on
-this rank's block of the sequence (SEQUENCE: torch's SequenceParallel); columns take a sequence-split
-input, rows and vocabulary embeddings give one (the `sequence_dim` of the layout); a replicated module
+this rank's block of the sequence (SEQUENCE: torch's SequenceParallel); the columns of a region take a
+sequence-split input, rows and vocabulary embeddings give one (the module's `dim`; a column after the
+sequence was gathered, BERT's decoder, takes its input whole); a replicated module
 whose output meets the split activation (GPT's position table) is cut to this rank's tokens
 (SEQUENCE_SCATTER, its output dimension in `dim`), and one that reads a split activation whole
 (BERT's prediction head) gathers it (SEQUENCE_GATHER, `dim` the input's sequence dimension).
@@ -30,7 +31,10 @@ and optimizer state whole, gradients all-reduced and averaged), 3 -> FULLY_SHARD
 resharding after forward; 1 and 2 -> FULLY_SHARD with reshard_after_forward=False (parameters stay
 gathered from forward to backward, gradients reduce-scattered: ZeRO-2; torch has no stage that shards
 only the optimizer state, so ZeRO-1 runs as ZeRO-2, which holds less). The blocks are the plan's
-repeated layers (the transformer blocks).
+repeated layers that hold matrix products (the transformer blocks).
+
+A fused projection split by parts (COLWISE_STRIDED) is refused under fully_shard: FSDP2 cuts the rank's
+[q_r, k_r, v_r] into contiguous pieces that no DTensor placement describes.
 
 Recompute: "full" -> every block under torch.utils.checkpoint (checkpoint_wrapper); "selective" ->
 the same blocks under a selective-checkpoint policy that keeps the matmul outputs and recomputes the
@@ -54,6 +58,7 @@ from runtime.vocab import MeshAxis, Recompute, ShardRole
 # Axes the torch target builds; the others (spatial tiles, sub-graph sub-grids, context rings) have
 # no torch counterpart here.
 _TORCH_AXES = (MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.TENSOR)
+_MATMUL_KINDS = ("linear", "matmul", "attention", "conv")   # OpInfo kinds of a block's matrix products
 
 
 class TorchLayoutError(ValueError):
@@ -74,7 +79,10 @@ class ModuleStyle:
 
     groups: for COLWISE_STRIDED, the equal parts of the output features each split into t blocks
         (3 for a fused qkv), else 1.
-    dim: for SEQUENCE_SCATTER the output's sequence dimension, for SEQUENCE_GATHER the input's; else None.
+    dim: under sequence parallelism, the sequence dimension split at a column's input (the columns of a
+        region; BERT's decoder, after the head gathered the sequence, has None), at a row's or vocabulary
+        embedding's output, at a SEQUENCE_SCATTER module's output or a SEQUENCE_GATHER module's input;
+        else None.
     """
 
     path: str
@@ -177,11 +185,19 @@ def torch_layout(plan: Plan, graph: ModelGraph) -> TorchLayout:
     # recomputation is written into the stage code (codegen/partition.py).
     blocks = _blocks(plan, graph) if pipeline is None else ()
     tensor, sequence_dim = _tensor_styles(plan, graph) if cfg.tensor > 1 else ((), None)
+    data = _data_layout(cfg.data, cfg.zero, blocks)
+    strided = [s.path for s in tensor if s.style is TensorStyle.COLWISE_STRIDED]
+    if strided and data.kind is DataKind.FULLY_SHARD:
+        # fully_shard cuts a rank's [q_r, k_r, v_r] into contiguous halves, a shard no DTensor placement
+        # describes: training would run, but the whole parameter (full_tensor, state_dict, DCP) would not
+        raise TorchLayoutError(f"module {strided[0]!r}: a fused projection split by parts (q_r, k_r, v_r) cannot "
+                               f"also be sharded by fully_shard (ZeRO {cfg.zero}); plan it with ZeRO 0, or write "
+                               f"the projections as separate Linears")
     return TorchLayout(
         mesh=mesh or (MeshDim(MeshAxis.DATA, 1),),
         tensor=tensor,
         sequence_dim=sequence_dim,
-        data=_data_layout(cfg.data, cfg.zero, blocks),
+        data=data,
         recompute=Recompute(cfg.recompute),
         checkpoint_units=() if cfg.recompute == Recompute.NONE else blocks,
         ties=tuple(tuple(g) for g in graph.shared_params),
@@ -198,18 +214,23 @@ def _data_layout(data: int, zero: int, blocks: tuple[str, ...]) -> DataLayout:
 
 
 def _blocks(plan: Plan, graph: ModelGraph) -> tuple[str, ...]:
-    """The plan's repeated layers that are modules (the transformer blocks), in model order."""
+    """The plan's blocks, in model order: its repeated layers that are modules and hold matrix products
+    (the transformer blocks; a LayerNorm layer that happens to repeat, as BERT's do, is not one)."""
     layers = [name for stage in plan.stages for name in stage.layers]
-    signature = {layer.name: layer.signature for layer in graph.layers}
-    repeats = Counter(signature[name] for name in layers)
+    by_name = {layer.name: layer for layer in graph.layers}
+    kinds = {n.name: n.kind for n in graph.nodes}
+    repeats = Counter(by_name[name].signature for name in layers)
     paths = {n.module_path for n in graph.nodes}
-    return tuple(name for name in layers if repeats[signature[name]] > 1
+    return tuple(name for name in layers if repeats[by_name[name].signature] > 1
+                 and any(kinds[n] in _MATMUL_KINDS for n in by_name[name].nodes)
                  and any(p == name or p.startswith(name + ".") for p in paths))
 
 
 def _tensor_styles(plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ...], int | None]:
     """Styles by module path (graph order) and the sequence dimension under sequence parallelism."""
     ts = plan.tensor_splits
+    if ts is None and not plan.shardings:   # a tensor axis that splits nothing: its ranks compute alike
+        return (), None
     if ts is None:
         raise TorchLayoutError("the plan has tensor degree > 1 but no tensor split (a version-1 plan file); "
                                "make the plan again with this meshplan")
@@ -217,6 +238,9 @@ def _tensor_styles(plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ..
     by_path = {m.path: m for m in ts.modules}
     by_param = {p.name: p for p in ts.params}
     aliases = {name: group for group in graph.shared_params for name in group}
+    seq = ts.sequence
+    split_at = set() if seq is None else {*seq.columns, *seq.starts}   # nodes whose input / output is split
+    sequence_dim = None if seq is None else next((m.sequence_dim for m in ts.modules if m.sequence_dim is not None), 1)
     styles: dict[str, ModuleStyle] = {}
     for node in graph.nodes:
         if node.kind not in ("linear", "embedding"):
@@ -234,24 +258,15 @@ def _tensor_styles(plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ..
             split = weights[0].split
         if role == "replicate":
             continue
-        styles[path] = ModuleStyle(path, _style(path, node.kind, ShardRole(role), split, t), _groups(split))
-    sequence_dim = None
-    if ts.sequence is not None:
-        sequence_dim = next((m.sequence_dim for m in ts.modules if m.sequence_dim is not None), 1)
+        styles[path] = ModuleStyle(path, _style(path, node.kind, ShardRole(role), split, t), split.groups,
+                                   sequence_dim if node.name in split_at else None)
+    if seq is not None:
         _add_sequence_styles(plan, graph, styles, sequence_dim)
     return tuple(styles.values()), sequence_dim
 
 
-def _groups(split: FeatureSplit) -> int:
-    """Equal parts of the feature dimension that are each split into t contiguous blocks."""
-    out = 1
-    for f in split.factors[: split.split]:
-        out *= f
-    return out
-
-
 def _style(path: str, kind: str, role: ShardRole, split: FeatureSplit, t: int) -> TensorStyle:
-    groups = _groups(split)
+    groups = split.groups
     if kind == "embedding":
         if role == ShardRole.VOCAB and groups == 1:
             return TensorStyle.EMBEDDING_ROWWISE

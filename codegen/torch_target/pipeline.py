@@ -5,9 +5,11 @@ partition (codegen/partition.py: it works on captures where torch's tracer front
 torch.distributed.pipelining.pipeline / SplitPoint, fails) and records, as plain data, what a
 rank needs to run them with torch's schedules: the schedule, the micro-batch count, and per
 stage (chunk) its pipeline position, the model modules and tensors its code reads, and its
-class source. `stage_classes(layout)` turns that source into classes; the torch script writes
-the same source out instead (`PipelineLayout.source()`). runtime/torch_stack/pipeline.py builds
-this rank's stage modules from the user's model and wraps them in PipelineStage.
+class source. `stage_classes(layout, position)` turns that source into classes; the torch script
+writes the same source out instead (`PipelineLayout.source()`). runtime/torch_stack/pipeline.py
+(`build_pipeline`) builds this rank's stage modules from the user's model and wraps them in
+PipelineStages under the plan's schedule; `rank_pipeline(layout, model, mesh, loss_fn)` does both
+for planner.parallelize.
 
 Each stage class has the shape torch's stages call: the previous stage's outputs come
 positionally (in the order that stage returns them), and every model input comes by name

@@ -121,24 +121,29 @@ class ParallelModel:
             return self.pipeline.clip_grad_norm_(max_norm, norm_type)
         return clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
 
+    def _stateful(self) -> nn.Module:
+        """The module whose state this rank saves and loads: the model, or under a pipeline plan its
+        stages' tensors under the model's names (the rest of the model is other ranks')."""
+        return self.pipeline.state_module(self.module) if self.pipeline is not None else self.module
+
     def state_dict(self) -> dict:
         """The model's state as DTensors under canonical names (torch.distributed.checkpoint.state_dict)."""
-        return get_model_state_dict(self.module)
+        return get_model_state_dict(self._stateful())
 
     def load_state_dict(self, state: dict) -> None:
         """Load a state from state_dict() of this or any other plan of the same model (DTensors or full
         tensors; each is resharded to this rank's placement)."""
-        set_model_state_dict(self.module, state)
+        set_model_state_dict(self._stateful(), state)
 
     def save(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
              extra: dict | None = None) -> None:
         """Distributed Checkpoint of the model (and optimizer, and `extra` state) under directory `path`."""
-        dcp.save(path, self.module, optimizer, extra)
+        dcp.save(path, self._stateful(), optimizer, extra)
 
     def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
              extra: dict | None = None) -> dict | None:
         """Load a checkpoint written by save() under any plan; returns `extra` filled in."""
-        return dcp.load(path, self.module, optimizer, extra)
+        return dcp.load(path, self._stateful(), optimizer, extra)
 
 
 def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None, graph: ModelGraph | None = None,
@@ -161,6 +166,10 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
                                f"but this model captures as {graph.fingerprint[:12]} ({graph.model_class}); make "
                                f"the plan for this model, or pass the graph the plan was made from")
     layout = torch_layout(plan, graph)
+    if layout.pipeline is not None and loss_fn is None:
+        raise ParallelizeError(f"the plan has {layout.pipeline.num_stages} pipeline stages, whose schedule "
+                               "computes the loss on the last stage: pass loss_fn=(output, target) -> the mean "
+                               "loss of one micro-batch")
     layout_dict = layout.to_dict()
     check_world(mesh_dims(layout_dict))
     if mesh is None:
@@ -168,13 +177,9 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
     else:
         check_mesh(mesh, layout_dict)
     if layout.pipeline is not None:
-        if loss_fn is None:
-            raise ParallelizeError(f"the plan has {layout.pipeline.num_stages} pipeline stages, whose schedule "
-                                   "computes the loss on the last stage: pass loss_fn=(output, target) -> the mean "
-                                   "loss of one micro-batch")
         data_mesh = mesh["data"] if "data" in (mesh.mesh_dim_names or ()) else None
-        run = rank_pipeline(layout.pipeline, model, mesh, loss_fn, wrap=lambda m: apply_data(m, layout_dict, data_mesh),
-                            device=_device(mesh))
+        run = rank_pipeline(layout.pipeline, model, mesh, loss_fn, device=_device(mesh),
+                            wrap=lambda m: apply_data(m, layout_dict, data_mesh))
         return ParallelModel(model, mesh, layout, run)
     apply_layout(model, layout_dict, mesh)
     return ParallelModel(model, mesh, layout)

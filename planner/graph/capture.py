@@ -37,6 +37,8 @@ from planner.graph.branches import find_branches
 from planner.graph.export import export_dynamic_batch
 from planner.graph.model import ModelGraph, OpInfo, TensorMeta
 from planner.graph.layers import NodeView, find_layers
+from planner.graph.replay import ForwardMemo
+from planner.graph.replay import inputs as replay_inputs
 from planner.graph.ops import classify, module_path_of, module_stack, target_name
 
 
@@ -230,8 +232,10 @@ class _State:
     seen_params: set[int] = field(default_factory=set)
     param_ids: set[int] = field(default_factory=set)                 # ids of the meta stand-ins of parameters
     saved_ids: set[int] = field(default_factory=set)
+    saved_order: list[int] = field(default_factory=list)             # saved_ids in the order autograd saved them
     saved_bytes: int = 0
     bwd_cache: dict[str, int] = field(default_factory=dict)
+    memo: ForwardMemo = field(default_factory=ForwardMemo)           # repeated nodes run once
 
 
 def _analyze(gm: torch.fx.GraphModule, model: nn.Module, method: str, meta_args: tuple,
@@ -246,6 +250,7 @@ def _analyze(gm: torch.fx.GraphModule, model: nn.Module, method: str, meta_args:
         base = t._base if t._base is not None else t
         if id(base) not in st.param_ids and id(base) not in st.saved_ids:
             st.saved_ids.add(id(base))
+            st.saved_order.append(id(base))
             st.keep.append(base)
             st.saved_bytes += base.numel() * base.element_size()
         return t
@@ -253,16 +258,13 @@ def _analyze(gm: torch.fx.GraphModule, model: nn.Module, method: str, meta_args:
     counter = FlopCounterMode(display=False)
     with torch.enable_grad(), counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for node in gm.graph.nodes:
-            flops_before = counter.get_total_flops()
-            saved_before = st.saved_bytes
             module = gm.get_submodule(node.target) if node.op == "call_module" else None
             try:
-                value, params = _run(node, gm, module, env, placeholders, st)
+                value, params, fwd, saved = _run_once(node, gm, module, env, placeholders, st, counter)
             except Exception as e:
                 raise _NodeFailure(node, module, env, e) from e
             env[node.name] = value
-            fwd = counter.get_total_flops() - flops_before
-            infos.append(_op_info(node, module, value, params, env, st, fwd, st.saved_bytes - saved_before, gm))
+            infos.append(_op_info(node, module, value, params, env, st, fwd, saved, gm))
             views.append(NodeView(name=node.name, op=node.op,
                                   users=tuple(u.name for u in node.users),
                                   owner=_owner(node), module_path=_module_path(node)))
@@ -350,6 +352,30 @@ def _fetch_attr(gm: torch.fx.GraphModule, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _run_once(node, gm, module, env, placeholders, st: _State,
+              counter: FlopCounterMode) -> tuple[Any, list[tuple[str, torch.Tensor]], int, int]:
+    """Run one node, or replay the run of an earlier node of the same signature (planner/graph/replay.py).
+    Returns (value, [(param name, real param)] it owns, forward FLOPs, bytes it saved for backward)."""
+    key = ins = None
+    if node.op in ("call_module", "call_function", "call_method") and node.target != "_guards_fn":
+        args, kwargs = _node_args(node, env)
+        state = [] if module is None else [_meta_param(v, st) for _k, v in
+                                           (*module.named_parameters(), *module.named_buffers())]
+        key = st.memo.key(node, module, args, kwargs, state, st.saved_ids, st.param_ids)
+        ins = replay_inputs(args, kwargs, state)
+        hit = st.memo.replay(key, ins, st.keep, st.saved_ids)
+        if hit is not None:
+            value, fwd, saved = hit
+            params = [(f"{node.target}.{k}", v) for k, v in module.named_parameters()] if module is not None else []
+            return value, params, fwd, saved
+    flops_before, saved_before, order_before = counter.get_total_flops(), st.saved_bytes, len(st.saved_order)
+    value, params = _run(node, gm, module, env, placeholders, st)
+    fwd, saved = counter.get_total_flops() - flops_before, st.saved_bytes - saved_before
+    if key is not None:
+        st.memo.record(key, ins, value, fwd, saved, set(st.saved_order[order_before:]))
+    return value, params, fwd, saved
 
 
 def _run(node, gm, module, env, placeholders, st) -> tuple[Any, list[tuple[str, torch.Tensor]]]:

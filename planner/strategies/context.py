@@ -107,6 +107,9 @@ def check_config(ev, config: ParallelConfig) -> None:
     """ConfigError naming the numbers when `config`'s context degree cannot split `ev`'s model."""
     c = config.context
     seq = sequence_length(ev)
+    refusal = _cache(ev, ("dropout",), lambda: _dropout_refusal(ev))
+    if refusal:
+        raise ConfigError(refusal)
     if seq % (2 * c):
         raise ConfigError(f"context={c} cuts each sequence into 2 x {c} = {2 * c} chunks (the causal load-balanced "
                           f"order), but the sequence has {seq} tokens; use a context degree c with {seq} divisible "
@@ -118,6 +121,19 @@ def check_config(ev, config: ParallelConfig) -> None:
     refusal = _cache(ev, key, lambda: _ulysses_refusal(ev, config))
     if refusal:
         raise ConfigError(refusal)
+
+
+def _dropout_refusal(ev) -> str | None:
+    """Why the context-parallel attention (runtime/context_attention.py, which has no dropout) cannot
+    run `ev`'s model, or None: an attention op with dropout (scaled_dot_product_attention's dropout_p,
+    keyword or fifth argument); codegen/context.py refuses the same at build time."""
+    for n in ev.graph.nodes:
+        p = n.attr("dropout_p", n.attr("arg4", 0.0)) if n.kind == "attention" else 0.0
+        if isinstance(p, (int, float)) and p > 0:
+            return (f"context parallelism runs attention without dropout, but attention op {n.name!r} "
+                    f"({n.module_path or 'the top level'}) has dropout_p={p}; set the model's attention dropout "
+                    "to 0, or use context=1")
+    return None
 
 
 def _ulysses_refusal(ev, config: ParallelConfig) -> str | None:

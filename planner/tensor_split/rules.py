@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from planner.graph.ops import module_path_of, target_name
 from planner.tensor_split.weight_op import weight_op
@@ -238,6 +237,20 @@ def _index_map(node: str, ndim: int, index, s: Split) -> Split:
     return Split(out_dim + s.dim - in_dim, s.factors, s.split, s.origin)
 
 
+def _input_nodes(x: Any, out: list) -> list:
+    """The fx Nodes among a node's arguments, in order and with repeats: the Node leaves
+    torch.utils._pytree.tree_flatten finds (slices stay leaves), without its cost per node."""
+    if isinstance(x, fx.Node):
+        out.append(x)
+    elif isinstance(x, (tuple, list)):
+        for i in x:
+            _input_nodes(i, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _input_nodes(v, out)
+    return out
+
+
 def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st: _State):
     """One pass over the graph; returns (value splits, module uses, output split)."""
     vals: dict[str, Any] = {}       # node -> Split | tuple of Split | None
@@ -254,7 +267,7 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
         name = n.name
         role = roles.get(name, "replicate")
         out = full.get(name)
-        tensor_args = [a for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, fx.Node)]
+        tensor_args = _input_nodes((n.args, n.kwargs), [])
         in_splits = [(a, split_of(a)) for a in tensor_args]
         sharded = [(a, s) for a, s in in_splits if s is not None]
         tuple_inputs = [a for a in tensor_args if isinstance(vals.get(a.name), tuple)]

@@ -42,6 +42,11 @@ class TensorSplits:
     output: FeatureSplit | None = None
     sequence: SequenceSplit | None = None
 
+    def part_splits(self) -> tuple[str, ...]:
+        """Paths of the split modules whose split is not one contiguous block per rank (FeatureSplit.groups
+        > 1: a fused projection split by parts)."""
+        return tuple(m.path for m in self.modules if m.split.groups > 1)
+
     def to_dict(self) -> dict:
         d = {
             "tensor": self.tensor,

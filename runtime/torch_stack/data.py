@@ -1,5 +1,7 @@
-"""Data parallelism over the data mesh: torch's FSDP-based `replicate` (ZeRO 0: parameters and
-optimizer state whole, gradients all-reduced and averaged over the data ranks) or FSDP2's
+"""Data parallelism over the data mesh: torch's FSDP-based `replicate`
+(torch.distributed._composable.replicate_with_fsdp; ZeRO 0: parameters and optimizer state whole,
+gradients all-reduced and averaged over the data ranks; built on FSDP2's parameter handling, it takes
+the DTensor parameters tensor parallelism leaves, so data x tensor composes) or FSDP2's
 `fully_shard` on every block, then the root (ZeRO 3 reshards after forward; ZeRO 1 and 2 keep the
 gathered parameters until backward)."""
 

@@ -5,7 +5,9 @@ DTensors on different meshes (a tensor-parallel weight on (data, tensor), a norm
 a plain tensor beside them). Here each gradient contributes the p-th power of its local shard's norm
 (the max for p = inf), gradients with the same mesh and placements are summed locally, and the sum is
 reduced over exactly the mesh dimensions that shard them (a replicated dimension holds copies and is
-not summed). The total norm equals the single-process norm of the whole gradients.
+not summed). A gradient still Partial over a dimension (a sequence-parallel norm's weight: every rank
+holds its tokens' share) is summed over it first. The total norm equals the single-process norm of
+the whole gradients.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
@@ -30,6 +32,8 @@ def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     inf = math.isinf(norm_type)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
+        if isinstance(g, DTensor) and any(p.is_partial() for p in g.placements):
+            g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(g.to_local() if isinstance(g, DTensor) else g)
     parts = []

@@ -141,7 +141,8 @@ class PipelineRun:
 
     modules: stage index -> its module (holding the model's own tensors; wrapped for data
     parallelism where `wrap` did so); stages: their PipelineStages; schedule: torch's schedule over
-    them; ties: the weights shared with other positions; pipe_group: the pipeline axis's process group.
+    them; ties: the weights shared with other positions; pipe_group: the pipeline axis's process group;
+    specs: this rank's stages' specs.
     """
 
     modules: dict[int, nn.Module]
@@ -149,6 +150,7 @@ class PipelineRun:
     schedule: Any
     ties: tuple[TiedWeight, ...]
     pipe_group: Any
+    specs: tuple[StageSpec, ...]
 
     @property
     def has_last_stage(self) -> bool:
@@ -167,6 +169,24 @@ class PipelineRun:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters()]
+
+    def state_module(self, model: nn.Module) -> nn.Module:
+        """A module holding this rank's stages' parameters and persistent buffers (the same tensors)
+        under the names `model` gives them, a tied weight under all of its names: what its state
+        dict and a Distributed Checkpoint see, so that a checkpoint of a pipeline plan holds the
+        model's names and loads under any other plan (and the other way round)."""
+        out = nn.Module()
+        persistent = {name for name, _ in model.named_buffers()} - {
+            f"{path}.{b}" if path else b for path, m in model.named_modules() for b in m._non_persistent_buffers_set}
+        aliases = {name: grp for spec in self.specs for grp in spec.shared for name in grp}
+        for s in sorted(self.modules):
+            for name, p in self.modules[s].named_parameters(remove_duplicate=False):
+                for alias in aliases.get(name, (name,)):
+                    _set_path(out, alias, p, "parameter")
+            for name, b in self.modules[s].named_buffers():
+                if name in persistent:
+                    _set_path(out, name, b, "buffer")
+        return out
 
     def step(self, *args, target: torch.Tensor | None = None, losses: list | None = None, **inputs):
         """One training step's forwards and backwards: `schedule.step` with the model's inputs by
@@ -216,8 +236,8 @@ class PipelineRun:
 
 
 def build_pipeline(layout: PipelineLayout, model: nn.Module, classes: Mapping[int, type[nn.Module]], *, pipe_group,
-                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], wrap: Callable[[nn.Module], None] | None = None,
-                   device: torch.device | str = "cpu") -> PipelineRun:
+                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                   wrap: Callable[[nn.Module], None] | None = None, device: torch.device | str = "cpu") -> PipelineRun:
     """This rank's stages of `layout` over `model`, in torch.distributed.pipelining.
 
     Args:
@@ -249,7 +269,7 @@ def build_pipeline(layout: PipelineLayout, model: nn.Module, classes: Mapping[in
     stages = [PipelineStage(modules[s.index], s.index, layout.num_stages, torch.device(device), group=pipe_group)
               for s in mine]
     return PipelineRun(modules, stages, make_schedule(stages, layout.schedule, layout.num_micro_batches, loss_fn),
-                       ties, pipe_group)
+                       ties, pipe_group, tuple(s.spec for s in mine))
 
 
 __all__ = ["PipelineBuildError", "PipelineRun", "TiedWeight", "build_pipeline", "make_schedule", "stage_module",

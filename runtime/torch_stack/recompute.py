@@ -19,9 +19,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from runtime.vocab import Recompute
 
-# the matrix products whose outputs selective recompute keeps
+# the matrix products whose outputs selective recompute keeps (nn.Linear reaches the policy as mm/addmm)
 _KEPT = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-         torch.ops.aten.baddbmm.default, torch.ops.aten.linear.default)
+         torch.ops.aten.baddbmm.default)
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:

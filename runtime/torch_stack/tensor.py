@@ -3,8 +3,10 @@
 
 Under sequence parallelism (Korthikanti et al. 2022, section 4.2.2) the activations between regions
 are split along `sequence_dim`: columns take that split input (all-gathered), rows and vocabulary
-embeddings give it (reduce-scattered). Every style hands the module's caller a local torch.Tensor,
-so the model's own code runs on a rank's features (heads) or tokens unchanged.
+embeddings give it (reduce-scattered). Inside a region every style hands the model's code a local
+torch.Tensor (a rank's features, its heads); between regions under sequence parallelism the
+activations stay DTensors placed Shard(sequence_dim), so the model's code between regions (residual
+adds, a norm, `hidden_states.shape`) sees the whole sequence's shape while each rank holds its tokens.
 """
 
 from __future__ import annotations
@@ -50,28 +52,28 @@ class StridedColwiseParallel(ColwiseParallel):
 
 
 def style_of(entry: dict, sequence_dim: int | None) -> ParallelStyle:
-    """torch's ParallelStyle for one layout entry {"path", "style", "groups", "dim"}."""
+    """torch's ParallelStyle for one layout entry {"path", "style", "groups", "dim"}; `dim` of a tensor
+    style is the sequence dimension split at its input (columns) or output (rows, embeddings)."""
     style = TensorStyle(entry["style"])
-    between = Replicate() if sequence_dim is None else Shard(sequence_dim)   # activations between regions
+    dim = entry["dim"]
+    seq = Replicate() if dim is None else Shard(int(dim))
     if style is TensorStyle.COLWISE:
-        return ColwiseParallel(input_layouts=between)
+        return ColwiseParallel(input_layouts=seq)
     if style is TensorStyle.COLWISE_STRIDED:
-        return StridedColwiseParallel(int(entry["groups"]), input_layouts=between)
+        return StridedColwiseParallel(int(entry["groups"]), input_layouts=seq)
     if style is TensorStyle.OUTPUT_COLWISE:
-        return ColwiseParallel(input_layouts=between, output_layouts=Replicate())
+        return ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
     if style in (TensorStyle.ROWWISE, TensorStyle.EMBEDDING_ROWWISE):
         return RowwiseParallel(input_layouts=Shard(-1) if style is TensorStyle.ROWWISE else Replicate(),
-                               output_layouts=between)
+                               output_layouts=seq, use_local_output=dim is None)
     if style is TensorStyle.SEQUENCE:
-        return SequenceParallel(sequence_dim=sequence_dim, use_local_output=True)
+        return SequenceParallel(sequence_dim=sequence_dim)
     if style is TensorStyle.SEQUENCE_SCATTER:
-        return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(int(entry["dim"])),
-                                   use_local_output=True)
-    return PrepareModuleInput(input_layouts=Shard(int(entry["dim"])), desired_input_layouts=Replicate(),
-                              use_local_output=True)
+        return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq, use_local_output=False)
+    return PrepareModuleInput(input_layouts=seq, desired_input_layouts=Replicate(), use_local_output=True)
 
 
-def apply_tensor(model: nn.Module, layout: dict, tp_mesh: DeviceMesh) -> nn.Module:
+def apply_tensor(model: nn.Module, layout: dict, tp_mesh: DeviceMesh | None) -> nn.Module:
     """Split `model` in place over `tp_mesh` as the layout's `tensor` entries say, then tie its tied
     parameters again (a style replaces a module's parameters with DTensors, which unties them)."""
     sequence_dim = layout.get("sequence_dim")
@@ -86,8 +88,7 @@ def retie(model: nn.Module, ties) -> None:
     """Make every group of tied parameter names one parameter again: the split one (a DTensor) where a
     style split any, all split members having the same placements; TieMismatch otherwise."""
     for names in ties:
-        owners = [(model.get_submodule(n.rpartition(".")[0]) if "." in n else model, n.rpartition(".")[2])
-                  for n in names]
+        owners = [(model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names]
         params = [getattr(m, attr) for m, attr in owners]
         split = [(n, p) for n, p in zip(names, params) if isinstance(p, DTensor)]
         if not split:

@@ -46,8 +46,8 @@ def test_build_directory_is_readable_and_complete(tmp_path):
     assert "class Stage1(torch.nn.Module)" in text and "def layer_blocks_1(self" in text
     assert f"GROUPS = {{'{MeshAxis.PIPELINE}': [1, 5], 'data': [5, 7], 'tensor': [4, 5]}}" in text
     assert "#   B s1 m0" in text and "PROGRAM = {" in text
-    # the tensor-parallel local sizes are in the code: 4 heads over 2 ranks
-    assert "unflatten(-1, (3, 2, 8))" in text
+    # the split qkv's heads: the example GPT writes the count as -1, inferred from the local features
+    assert "unflatten(-1, (3, -1, 8))" in text
     assert os.access(build / "launch_srun.sh", os.X_OK) and "#SBATCH --ntasks=8" in (build / "launch_srun.sh").read_text()
 
 

@@ -282,6 +282,32 @@ def test_check_target_refuses_a_plan_its_target_does_not_run(small_gpt):
         check_target(tor, backend="mpi")
 
 
+def test_zero_with_a_fused_projection_split_by_parts_is_refused_for_torch_and_searched_around(small_gpt):
+    """The example GPT's fused qkv splits by parts (rank r holds q_r, k_r, v_r), which fully_shard cannot
+    shard further: the torch target refuses ZeRO >= 1 beside it, make_plan says so, and the search picks
+    ZeRO 0 where the shape is pinned; meshplan's runtime runs it."""
+    cluster = planner.Cluster.preset("local", devices=4)
+    cfg = ParallelConfig(data=2, tensor=2, zero=3, dtype="fp32")
+    with pytest.raises(TargetError, match=r"make_plan for d2 t2 .* z3 fp32: the torch target does not run ZeRO 3 "
+                                          r"with module 'blocks.0.attn.qkv' split by parts over 2 tensor ranks: "
+                                          r"FSDP2's fully_shard cannot shard .*; use zero=0, or write the fused "
+                                          r"projection as separate Linears"):
+        planner.make_plan(small_gpt, cluster, cfg, global_batch_size=8, target="torch")
+    meshplan_plan = planner.make_plan(small_gpt, cluster, cfg, global_batch_size=8, target="meshplan")
+    assert meshplan_plan.tensor_splits.part_splits()[0] == "blocks.0.attn.qkv"
+    with pytest.raises(TargetError, match="split by parts"):
+        check_target(meshplan_plan, "torch")
+    assert TORCH_RUNTIME.why_not_splits(cfg.replace(zero=0), meshplan_plan.tensor_splits) is None
+    assert MESHPLAN_RUNTIME.why_not_splits(cfg, meshplan_plan.tensor_splits) is None
+    pinned = dict(data=2, tensor=2, pipeline=1, micro_batch_size=1, dtype="fp32")
+    plan = planner.optimize(small_gpt, cluster, global_batch_size=8, progress=False, target="torch",
+                            constraints=pinned)
+    assert plan.config.zero == 0 and plan.tensor_splits.part_splits()
+    with pytest.raises(planner.NoFeasiblePlan, match="split by parts"):
+        planner.optimize(small_gpt, cluster, global_batch_size=8, progress=False, target="torch",
+                         constraints={**pinned, "zero": 3})
+
+
 # ---- the command line ----------------------------------------------------------------------------
 
 

@@ -163,6 +163,14 @@ def test_ulysses_needs_heads_per_tensor_rank_divisible_by_c(graph, node):
     check_config(ev, ParallelConfig(tensor=2, context=4, context_attention="ring"))   # ring keeps all heads
 
 
+def test_attention_dropout_is_refused_as_the_lowering_refuses_it(node):
+    ev = Evaluator(_graph(preset="small", seq_len=64, dropout=0.1), node)
+    with pytest.raises(ConfigError, match=r"attention op 'scaled_dot_product_attention' \(blocks.0.attn\) has "
+                                          r"dropout_p=0.1; set the model's attention dropout to 0, or use context=1"):
+        check_config(ev, ParallelConfig(data=2, context=2))
+    check_config(Evaluator(_graph(preset="small", seq_len=64), node), ParallelConfig(data=2, context=2))
+
+
 def test_a_model_without_attention_is_refused(node):
     ev = Evaluator(_graph(mlp, in_features=8, hidden=16, num_layers=2, out_features=4), node)
     with pytest.raises(ConfigError, match="no attention op; use context=1"):

@@ -4,6 +4,7 @@ the planner makes for these tiny models (hand-read from their configurations).""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -51,7 +52,10 @@ def test_gpt_sequence_parallel_adds_norms_and_position_scatter():
         assert styles[path] == (SEQ, 1, None)
     # wpe's (T, C) table meets the split activation: cut along its dimension 0
     assert styles["wpe"] == (TensorStyle.SEQUENCE_SCATTER, 1, 0)
-    assert styles["blocks.1.attn.qkv"] == (TensorStyle.COLWISE_STRIDED, 3, None)
+    # every column gathers the sequence at its input, every row (and the embedding) scatters it
+    assert styles["blocks.1.attn.qkv"] == (TensorStyle.COLWISE_STRIDED, 3, 1)
+    assert styles["blocks.1.attn.proj"] == (R, 1, 1) and styles["wte"] == (E, 1, 1)
+    assert styles["lm_head"] == (O, 1, 1)
 
 
 @pytest.mark.parametrize("zero, kind, reshard", [(0, DataKind.REPLICATE, True), (1, DataKind.FULLY_SHARD, False),
@@ -105,20 +109,31 @@ def test_bert_tied_decoder_and_embedding_share_the_vocabulary_split():
     assert ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight") in lay.ties
 
 
+def test_bert_blocks_are_the_encoder_layers_not_its_repeated_norms():
+    lay = _layout(HF, {"arch": "bert"}, data=2, zero=3, recompute="full")
+    assert lay.data.units == ("bert.encoder.layer.0", "bert.encoder.layer.1")
+    assert lay.checkpoint_units == lay.data.units
+
+
 def test_bert_sequence_parallel_scatters_and_gathers():
     lay = _layout(HF, {"arch": "bert"}, data=2, tensor=2, sequence_parallel=True)
     styles = _styles(lay)
     assert styles["bert.embeddings.token_type_embeddings"] == (TensorStyle.SEQUENCE_SCATTER, 1, 1)
     assert styles["bert.embeddings.position_embeddings"] == (TensorStyle.SEQUENCE_SCATTER, 1, 1)
     assert styles["cls.predictions.transform.dense"] == (TensorStyle.SEQUENCE_GATHER, 1, 1)
+    # the head gathered the sequence, so the decoder's input is whole
+    assert styles["cls.predictions.decoder"] == (O, 1, None)
+    assert styles["bert.encoder.layer.0.attention.self.query"] == (C, 1, 1)
     assert styles["bert.encoder.layer.1.output.LayerNorm"] == (SEQ, 1, None)
     assert styles["bert.embeddings.LayerNorm"] == (SEQ, 1, None)
 
 
 def test_round_trip_through_json():
-    lay = _layout(GPT, {}, data=2, tensor=2, zero=3, recompute="selective", sequence_parallel=True)
+    lay = _layout(HF, {"arch": "llama"}, data=2, tensor=2, zero=3, recompute="selective", sequence_parallel=True)
     back = TorchLayout.from_dict(json.loads(json.dumps(lay.to_dict())))
-    assert back == lay
+    assert back == lay and lay.data.kind is DataKind.FULLY_SHARD and lay.sequence_dim == 1
+    strided = _layout(GPT, {}, tensor=2, sequence_parallel=True)
+    assert TorchLayout.from_dict(json.loads(json.dumps(strided.to_dict()))) == strided
     assert isinstance(back.tensor[0].style, TensorStyle) and isinstance(back.recompute, Recompute)
 
 
@@ -126,11 +141,24 @@ def test_refusals_name_the_thing():
     graph = graph_of(GPT, ())
     config = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", data=2, pipeline=2)
     plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=4), config, 8)
-    with pytest.raises(TorchLayoutError, match="2 pipeline stages"):
-        torch_layout(plan, graph)
     other = graph_of(HF, (("arch", "llama"),))
     with pytest.raises(TorchLayoutError, match="made for graph"):
         torch_layout(plan, other)
+    with pytest.raises(TorchLayoutError, match="'blocks.0.attn.qkv'.* fully_shard"):
+        _layout(GPT, {}, data=2, tensor=2, zero=3)
     # a row split that is not one block per rank (q_r, k_r, v_r of a fused input) has no torch style
     with pytest.raises(TorchLayoutError, match="'blocks.0.attn.out'"):
         _style("blocks.0.attn.out", "linear", ShardRole.ROW, FeatureSplit((3, 4, 8), 1), 2)
+
+
+def test_a_tensor_axis_that_splits_nothing_gets_no_styles():
+    """The search may pick a tensor axis whose ranks replicate every op (a model too small to split
+    profitably): the layout keeps the tensor dimension in the mesh and applies no style."""
+    graph = graph_of(GPT, ())
+    config = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", data=2, tensor=2)
+    plan = make_fixed_plan(graph, planner.Cluster.preset("local", devices=4), config, 8)
+    plain = dataclasses.replace(plan, shardings=(), tensor_splits=None)
+    layout = torch_layout(plain, graph)
+    assert layout.tensor == () and [(d.axis, d.size) for d in layout.mesh] == [(MeshAxis.DATA, 2), (MeshAxis.TENSOR, 2)]
+    with pytest.raises(TorchLayoutError, match="version-1 plan file"):
+        torch_layout(dataclasses.replace(plan, tensor_splits=None), graph)
