@@ -44,6 +44,11 @@ def parallelize_source(layout: TorchLayout) -> ParallelSource:
     if layout.checkpoint_units:
         body += _checkpoint_lines(layout, imports, helpers)
     body += _data_lines(layout, imports, "model", units=True)
+    # FSDP2's replicate and fully_shard reduce gradients after every backward unless told not to:
+    # the micro-batches' gradients are summed locally and reduced once, after the last
+    sync = [] if layout.data.kind is DataKind.NONE else [
+        "        # gradients summed over the micro-batches here, reduced over mesh['data'] once, after the last",
+        "        model.set_requires_gradient_sync(k == len(batches) - 1)"]
     functions = [
         *helpers,
         "def parallelize(model, mesh, device):",
@@ -57,7 +62,8 @@ def parallelize_source(layout: TorchLayout) -> ParallelSource:
         '    """Forward and backward of this rank\'s micro-batches (each one\'s mean loss scaled by 1/len(batches),',
         '    so that gradients average over the batch); this rank\'s mean loss (a float)."""',
         "    total = 0.0",
-        "    for inputs, targets in batches:",
+        "    for k, (inputs, targets) in enumerate(batches):",
+        *sync,
         "        with autocast_for(TRAIN):",
         "            loss = compute_loss(TRAIN.loss, call_model(model, inputs), targets)",
         "        (loss / len(batches)).backward()",
@@ -148,7 +154,8 @@ def _pipeline_source(layout: TorchLayout) -> ParallelSource:
         "for s in mine]",
         f"    schedule = {schedule}({stages}, {pipe.num_micro_batches}, loss_fn=micro_batch_loss)",
         "    # weights stages on several positions hold (a tied embedding and head): gradients summed over them",
-        "    run = PipelineRun(modules, stages, schedule, tied_weights(PIPELINE, pipe.get_group()), pipe.get_group())",
+        "    run = PipelineRun(modules, stages, schedule, tied_weights(PIPELINE, pipe.get_group()), pipe.get_group(),",
+        "                      tuple(s.spec for s in mine))",
         "    return Runner(list(modules.values()), lambda batches: pipeline_step(run, batches),",
         "                  holds_loss=run.has_last_stage,",
         "                  grad_norm=lambda max_norm: float(run.clip_grad_norm_(math.inf if max_norm is None else max_norm)))",
