@@ -126,7 +126,7 @@ def run_local(build: str | os.PathLike, steps: int = 1, backend: str = "gloo", *
 
 def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gloo", *, timeout: float = 120.0,
              verify: bool = False, rtol: float | None = None, atol: float | None = None,
-             extra_args: list[str] | None = None,
+             extra_args: list[str] | None = None, build_args: list[list[str]] | None = None,
              world_size: int | None = None, grace: float = 15.0, wall_timeout: float | None = None,
              quiet: bool = True, through_workers: bool = True, progress: bool = False) -> list[RunResult]:
     """Run several builds with the same number of ranks, one after the other.
@@ -134,10 +134,16 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     With `through_workers` one set of processes (`python -m runtime.worker`) runs every
     build's run_rank.py in turn, paying Python's and torch's start-up once; each build
     still runs its generated rank scripts, with its own rendezvous port.
+    `build_args[i]` are more rank-script options for builds[i] alone, after `extra_args` (its own
+    --checkpoint-dir, --resume or --sabotage); they need `through_workers`.
     With `progress` (one build) the launcher draws the progress display; the ranks never do
     (--no-progress), so that their output, captured in run/, holds no bar.
     """
     builds = [Path(b) for b in builds]
+    own = [list(a) for a in build_args] if build_args is not None else [[] for _ in builds]
+    if len(own) != len(builds) or (build_args is not None and not through_workers):
+        raise ValueError(f"build_args: give one list of options per build ({len(builds)}, got {len(own)}), "
+                         "and run them through_workers")
     infos = [read_build(b) for b in builds]
     # Held until run_many returns (runtime/dir_lock.py): a second run of a build is refused at once.
     held = lock_directories(builds, "build")  # noqa: F841
@@ -149,21 +155,22 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
             *(extra_args or [])]
     if verify:
         base += [flag for flag in ("--save-params", "--save-steps") if flag not in base]
-    first_step = _resumed_step(base) if verify or progress else 0  # before the run saves newer checkpoints
+    # before the run saves newer checkpoints
+    first_steps = [_resumed_step([*base, *a]) if verify or progress else 0 for a in own]
     for b in builds:
         if (b / "run").exists():
             shutil.rmtree(b / "run")
         (b / "run").mkdir(parents=True)
     log_dir = builds[0] / "run"
-    display = RunProgress(builds[0] / "metrics.jsonl", first_step, steps, sys.stderr) \
+    display = RunProgress(builds[0] / "metrics.jsonl", first_steps[0], steps, sys.stderr) \
         if progress and len(builds) == 1 else None
     env = local_env(dict(os.environ))
     wall = wall_timeout or len(builds) * (timeout * 3 + 60 * steps)
     # The launcher hosts each build's rendezvous store (as torchrun's agent does), so the store
     # outlives any rank: a failing rank 0 can still tell the others why. MPI runs use one for heartbeats.
     stores = [host_store(LOOPBACK, 0, timeout) for _ in (builds if backend != "mpi" else builds[:1])]
-    per_build = [[*base, "--master-port", str(st.port)] for st in stores] if backend != "mpi" \
-        else [list(base) for _ in builds]
+    per_build = [[*base, *a, "--master-port", str(st.port)] for st, a in zip(stores, own)] if backend != "mpi" \
+        else [[*base, *a] for a in own]
     if through_workers:
         cmd = [sys.executable, "-m", "runtime.worker"]
         for b, a in zip(builds, per_build):
@@ -214,7 +221,7 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     if not quiet:
         print(output)
     results = []
-    for b in builds:
+    for b, first_step in zip(builds, first_steps):
         result = RunResult(rc, world, output=output)
         if backend != "mpi":
             result.returncodes = {r: c for r, (c, _t) in exits.items()}

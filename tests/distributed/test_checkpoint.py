@@ -43,13 +43,18 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def builds(root):
-    return {
+    out = {
         "d2p2": emit_case(root, "gpt", "d2p2", dict(data=2, pipeline=2)),  # SGD with momentum
         "d4_zero1": emit_case(root, "gpt", "d4_zero1", dict(data=4, zero=1)),
         "d2t2": emit_case(root, "gpt", "d2t2", dict(data=2, tensor=2)),
         "mlp_d2": emit_case(root, "mlp", "d2_zero3", dict(data=2, zero=3), optimizer=ADAMW),
         "mlp_t2": emit_case(root, "mlp", "t2", dict(tensor=2), optimizer=ADAMW),
     }
+    # the same builds again, for a second run in one launch (a run's outputs are its build's)
+    for name in ("d2p2", "mlp_t2"):
+        out[f"{name}_again"] = out[name].with_name(f"{out[name].name}_again")
+        shutil.copytree(out[name], out[f"{name}_again"])
+    return out
 
 
 def _ok(res, label):
@@ -57,20 +62,41 @@ def _ok(res, label):
 
 
 @pytest.fixture(scope="module")
-def six_steps(builds, root):
-    """gpt, data 2 x pipeline 2 (4 ranks), AdamW: 6 steps with a checkpoint every 3."""
-    b, ckpt = builds["d2p2"], root / "c_d2p2"
-    res = run_local(b, steps=6, timeout=60, extra_args=["--checkpoint-dir", str(ckpt), "--save-every", "3",
-                                                        "--save-params"])
-    _ok(res, "6 steps")
-    return res, saved_params(b), ckpt
+def sources(builds, root):
+    """gpt on 4 ranks, in one launch: 6 steps each with a checkpoint every 3, of data 2 x pipeline 2
+    (root/c_d2p2, its parameters saved) and data 4 with ZeRO-1 (root/c_d4)."""
+    ckpts = {"d2p2": root / "c_d2p2", "d4_zero1": root / "c_d4"}
+    results = run_many([builds[n] for n in ckpts], steps=6, timeout=60, build_args=[
+        ["--checkpoint-dir", str(c), "--save-every", "3", *(["--save-params"] if n == "d2p2" else [])]
+        for n, c in ckpts.items()])
+    for n, res in zip(ckpts, results):
+        _ok(res, f"{n}: 6 steps")
+    return dict(zip(ckpts, results)), saved_params(builds["d2p2"])
 
 
-def test_resume_on_the_same_plan_is_bit_exact(builds, six_steps):
+@pytest.fixture(scope="module")
+def six_steps(sources, root):
+    """gpt, data 2 x pipeline 2 (4 ranks), SGD with momentum: 6 steps with a checkpoint every 3."""
+    return sources[0]["d2p2"], sources[1], root / "c_d2p2"
+
+
+@pytest.fixture(scope="module")
+def resumed(builds, sources, root):
+    """3 steps after step 3, in one launch: data 2 x pipeline 2 from its own checkpoint ("same"), and from
+    data 4 ZeRO-1's into data 2 x pipeline 2 (the build's copy) and data 2 x tensor 2."""
+    jobs = {"same": (builds["d2p2"], root / "c_d2p2"), "d2p2": (builds["d2p2_again"], root / "c_d4"),
+            "d2t2": (builds["d2t2"], root / "c_d4")}
+    results = run_many([b for b, _c in jobs.values()], steps=3, timeout=60,
+                       extra_args=["--save-params", "--save-steps"],
+                       build_args=[["--resume", str(step_dir(c, 3))] for _b, c in jobs.values()])
+    return dict(zip(jobs, results))
+
+
+def test_resume_on_the_same_plan_is_bit_exact(builds, six_steps, resumed):
     six, p6, ckpt = six_steps
     assert [d.name for d in complete_checkpoints(ckpt)] == ["step_00000003", "step_00000006"]
     b = builds["d2p2"]
-    res = run_local(b, steps=3, timeout=60, extra_args=["--resume", str(step_dir(ckpt, 3)), "--save-params"])
+    res = resumed["same"]
     _ok(res, "resume")
     for r in range(4):
         assert res.losses[r] == six.losses[r][3:], f"rank {r}: losses of steps 3-5 differ"
@@ -113,11 +139,9 @@ def _target_params_after_load(build: Path, rank: int, ckpt: Path) -> dict[str, t
     return {k: v for m in prep.modules.values() for k, v in m.named_parameters()}
 
 
-def test_reshard_on_load(builds, root, tmp_path):
-    """data 4 + ZeRO-1 (optimizer state in flat shards) -> data 2 x pipeline 2 and data 2 x tensor 2."""
-    ckpt = root / "c_d4"
-    src = run_local(builds["d4_zero1"], steps=3, timeout=60, extra_args=["--checkpoint-dir", str(ckpt)])
-    _ok(src, "data 4 ZeRO-1")
+def test_reshard_on_load(builds, root, resumed, tmp_path):
+    """data 4 + ZeRO-1 (optimizer state in flat shards) after step 3 -> data 2 x pipeline 2 and data 2 x tensor 2."""
+    ckpt = step_dir(root / "c_d4", 3)
     to_state_dict(ckpt, tmp_path / "whole.pt")
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
     # the same parameters, exactly: each target rank holds its slice of the checkpoint's tensors
@@ -133,10 +157,7 @@ def test_reshard_on_load(builds, root, tmp_path):
             want = local_slice(whole[name], split, tcoord, 2)
             assert torch.equal(t, want), f"rank {rank} {name}"
     # and training continues as the single process would: 3 more steps equal steps 3-5 of the reference
-    targets = [builds["d2p2"], builds["d2t2"]]
-    results = run_many(targets, steps=3, timeout=60, extra_args=["--resume", str(ckpt), "--save-params",
-                                                                  "--save-steps"])
-    for b, res in zip(targets, results):
+    for b, res in ((builds["d2p2_again"], resumed["d2p2"]), (builds["d2t2"], resumed["d2t2"])):
         _ok(res, f"resume {b.name} from data 4")
         cmp = verify_build(b, 3, res.losses, first_step=3)
         print(f"{b.name} resumed from data 4 ZeRO-1: {cmp.summary()}")
@@ -301,9 +322,11 @@ def test_two_concurrent_runs_of_one_build_the_second_is_refused(builds, capsys):
     from planner.app.cli import main
 
     build = builds["mlp_t2"]
+    shutil.rmtree(build / "run", ignore_errors=True)   # so that run/ is seen only once the first run made it
     first = _start_run(build)
     try:
-        holder = _wait_for_holder(build / LOCK_NAME, first, lambda h: h.pid == first.pid)
+        # the launcher locks the build, then clears and makes run/: stop it only after that
+        holder = _wait_for_holder(build / LOCK_NAME, first, lambda h: h.pid == first.pid and (build / "run").is_dir())
         os.kill(first.pid, signal.SIGSTOP)  # the launcher holds the lock: keep it from finishing
         capsys.readouterr()
         assert main(["run", str(build), "--steps", "1", "--timeout", "30"]) == 2
@@ -320,8 +343,10 @@ def test_resume_from_another_runs_checkpoint_needs_the_flag(builds, tmp_path, ca
     b = str(builds["mlp_t2"])
     run = ["run", b, "--steps", "1", "--timeout", "30"]
     dir_a, dir_b = tmp_path / "run_a", tmp_path / "run_b"
-    for d in (dir_a, dir_b):
-        assert main([*run, "--checkpoint-dir", str(d)]) == 0
+    # two runs of the build (run a through its copy), each into its own directory, in one launch
+    for d, res in zip((dir_a, dir_b), run_many([builds["mlp_t2_again"], builds["mlp_t2"]], steps=1, timeout=30,
+                                               build_args=[["--checkpoint-dir", str(d)] for d in (dir_a, dir_b)])):
+        _ok(res, f"the run into {d.name}")
     id_a, id_b = (Manifest.load(resolve_checkpoint(d)).run_id for d in (dir_a, dir_b))
     assert id_a and id_b and id_a != id_b
     capsys.readouterr()

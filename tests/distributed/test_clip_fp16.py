@@ -53,9 +53,12 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(root):
+    """Every plan's verified run; data 2 x pipeline 2 also saves a checkpoint after step 3 (root/ckpt_d2p2)."""
     builds = {name: emit_fp16(root, name, cfg) for name, cfg in PLANS.items()}
     four = [n for n in builds if n != "d2_zero3"]
-    results = dict(zip(four, run_many([builds[n] for n in four], steps=STEPS, timeout=60, verify=True)))
+    ckpt = ["--checkpoint-dir", str(root / "ckpt_d2p2"), "--save-every", "3"]
+    results = dict(zip(four, run_many([builds[n] for n in four], steps=STEPS, timeout=60, verify=True,
+                                      build_args=[ckpt if n == "d2p2" else [] for n in four])))
     results["d2_zero3"] = run_many([builds["d2_zero3"]], steps=STEPS, timeout=60, verify=True)[0]
     return builds, results
 
@@ -78,10 +81,9 @@ def test_clipped_fp16_run_with_skipped_steps_equals_grad_scaler_reference(runs, 
 
 
 def test_resume_after_the_scale_changed_is_bit_identical(runs, root):
-    b = runs[0]["d2p2"]
+    """The verified 6-step run (its parameters saved) is the run that went on from the checkpoint."""
+    b, six = runs[0]["d2p2"], runs[1]["d2p2"]
     ckpt = root / "ckpt_d2p2"
-    six = run_local(b, steps=STEPS, timeout=60, extra_args=["--checkpoint-dir", str(ckpt), "--save-every", "3",
-                                                            "--save-params"])
     assert six.returncode == 0, six.output[-4000:]
     first = outcomes(b)
     assert first["loss_scales"][3] != SCALING.init_scale, "the checkpoint must hold a changed scale"

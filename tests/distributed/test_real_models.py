@@ -53,10 +53,13 @@ def two_rank_runs(root):
 
 @pytest.fixture(scope="module")
 def four_rank_runs(root):
+    """The 4-rank builds' verified runs; gpt2_d2p2 also saves its checkpoint (root/gpt2_d2p2_ckpt)."""
     builds = {f"{a}_d2p2": emit_fixed(root, HF, {"arch": a}, f"{a}_d2p2", CONFIGS["d2p2"]) for a in HF_ARCHS}
     builds.update({f"{a}_optimized": emit_optimized(root, HF, {"arch": a}, f"{a}_optimized") for a in HF_ARCHS})
     builds.update({name: emit_fixed(root, HF, kw, name, cfg, micro=mb) for name, (kw, cfg, mb) in EXTRA_FOUR.items()})
-    return dict(zip(builds, run_many(list(builds.values()), steps=3, timeout=60, verify=True)))
+    own = {"gpt2_d2p2": ["--checkpoint-dir", str(root / "gpt2_d2p2_ckpt")]}
+    return dict(zip(builds, run_many(list(builds.values()), steps=3, timeout=60, verify=True,
+                                     build_args=[own.get(n, []) for n in builds])))
 
 
 @pytest.mark.parametrize("arch", HF_ARCHS)
@@ -81,15 +84,15 @@ def test_zero3_ties_and_padded_tensor_parallelism_on_four_ranks(four_rank_runs, 
     assert_verified(four_rank_runs[name], name)
 
 
-def test_tied_weight_across_stages_is_summed_and_converted_tied(root, tmp_path):
+def test_tied_weight_across_stages_is_summed_and_converted_tied(root, four_rank_runs, tmp_path):
     """GPT-2's token embedding and output layer, cut into two stages under data 2 x pipeline 2: each
-    stage holds a copy, the copies' gradients are summed (ALLREDUCE tied), the checkpoint converts to
-    a state_dict that loads strict into the model and leaves it tied, equal to the reference."""
+    stage holds a copy, the copies' gradients are summed (ALLREDUCE tied), the checkpoint of its 3-step
+    run converts to a state_dict that loads strict into the model and leaves it tied, equal to the reference."""
     build = root / "gpt2_d2p2"
     programs = (build / "programs.json").read_text()
     assert '"kind": "tied"' in programs and "tie:0,1" in programs
-    ckpt = tmp_path / "ckpt"
-    res = run_local(build, steps=3, timeout=60, extra_args=["--checkpoint-dir", str(ckpt)])
+    ckpt = root / "gpt2_d2p2_ckpt"
+    res = four_rank_runs["gpt2_d2p2"]
     assert res.returncode == 0, res.output[-3000:]
     to_state_dict(ckpt, tmp_path / "model.pt")
     sd = torch.load(tmp_path / "model.pt", weights_only=True)

@@ -59,9 +59,12 @@ def record(build: Path, rank: int = 0) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(root):
+    """Every plan's verified run; data 2 x pipeline 2 also saves a checkpoint after step 4 (root/ckpt)."""
     builds = {name: codegen(root, name, plan) for name, plan in PLANS.items()}
     four = ["d2p2", "d2t2"]   # run_many starts builds of one world size together
-    results = dict(zip(four, run_many([builds[n] for n in four], steps=STEPS, timeout=120, verify=True)))
+    ckpt = ["--checkpoint-dir", str(root / "ckpt"), "--save-every", "4"]
+    results = dict(zip(four, run_many([builds[n] for n in four], steps=STEPS, timeout=120, verify=True,
+                                      build_args=[ckpt, []])))
     results["d2_zero3"] = run_many([builds["d2_zero3"]], steps=STEPS, timeout=120, verify=True)[0]
     return builds, results
 
@@ -85,10 +88,9 @@ def test_every_training_feature_together_equals_the_single_process_run(runs, nam
 
 
 def test_resume_mid_epoch_with_schedule_and_loss_scale_is_bit_identical(runs, root):
-    build = runs[0]["d2p2"]
+    """The verified 6-step run (its parameters saved) is the uninterrupted run."""
+    build, full = runs[0]["d2p2"], runs[1]["d2p2"]
     ckpt = root / "ckpt"
-    full = run_local(build, steps=STEPS, timeout=120, extra_args=["--checkpoint-dir", str(ckpt),
-                                                                  "--save-every", "4", "--save-params"])
     assert full.returncode == 0, full.output[-4000:]
     first = record(build)
     assert any(first["skipped"][:4]) and len(set(first["loss_scales"][:5])) > 1, \

@@ -5,11 +5,20 @@ trip optimize -> codegen --plan -> run --verify for a Hugging Face model, and it
 made for another model.
 """
 
+import shutil
+
 import pytest
 
 from planner.app.cli import main
-from runtime.launcher import run_many
+from runtime.launcher import read_build, run_many
 from tests.real_models import CONFIGS, HF, assert_verified, emit_fixed
+
+# (build, sabotage, a problem --verify must name)
+SABOTAGED = [
+    ("tied", "drop-bucket", "the gradient of"),
+    ("tied", "skip-tied-sum", "the gradient of transformer.wte.weight"),
+    ("halo", "drop-halo-grad", "the gradient of features.0"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -22,13 +31,27 @@ def builds(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("build,sabotage,bad", [
-    ("tied", "drop-bucket", "the gradient of"),
-    ("tied", "skip-tied-sum", "the gradient of transformer.wte.weight"),
-    ("halo", "drop-halo-grad", "the gradient of features.0"),
-])
-def test_verify_fails_a_run_that_loses_gradients(builds, sabotage, build, bad):
-    res, = run_many([builds[build]], steps=2, timeout=60, verify=True, extra_args=["--sabotage", sabotage])
+@pytest.fixture(scope="module")
+def runs(builds):
+    """(build, sabotage or None) -> its 2-step run with --verify. Each sabotaged run uses a copy of its build
+    (a run's outputs are its build's), and the runs of one world size share one launch."""
+    jobs = {(name, None): (b, []) for name, b in builds.items()}
+    for name, what, _bad in SABOTAGED:
+        copy = builds[name].with_name(f"{builds[name].name}_{what}")
+        shutil.copytree(builds[name], copy)
+        jobs[(name, what)] = (copy, ["--sabotage", what])
+    results = {}
+    for world in sorted({read_build(b)["world_size"] for b, _a in jobs.values()}):
+        keys = [k for k, (b, _a) in jobs.items() if read_build(b)["world_size"] == world]
+        res = run_many([jobs[k][0] for k in keys], steps=2, timeout=60, verify=True,
+                       build_args=[jobs[k][1] for k in keys])
+        results.update(zip(keys, res))
+    return results
+
+
+@pytest.mark.parametrize("build,sabotage,bad", SABOTAGED)
+def test_verify_fails_a_run_that_loses_gradients(runs, sabotage, build, bad):
+    res = runs[(build, sabotage)]
     assert res.returncode == 0, res.output[-3000:]
     cmp = res.comparison
     assert not cmp.ok, f"--verify missed {sabotage}: {cmp.summary()}"
@@ -36,9 +59,8 @@ def test_verify_fails_a_run_that_loses_gradients(builds, sabotage, build, bad):
 
 
 @pytest.mark.parametrize("build", ["tied", "halo"])
-def test_the_same_builds_untouched_pass(builds, build):
-    res, = run_many([builds[build]], steps=2, timeout=60, verify=True)
-    assert_verified(res, build)
+def test_the_same_builds_untouched_pass(runs, build):
+    assert_verified(runs[(build, None)], build)
 
 
 def test_cli_optimize_codegen_run_verify_for_a_hugging_face_model(tmp_path, capsys):
