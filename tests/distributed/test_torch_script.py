@@ -4,7 +4,7 @@ torch.distributed.pipelining's 1F1B and interleaved schedules) and equals the si
 (runtime/verify.py: each step's loss, gradients and global gradient norm from the run's own parameters,
 then the trajectory's losses and final parameters).
 
-Cheap by design: the GPT over every configuration, Llama and BERT over two; the builds of one world size
+Every model under every configuration; the builds of one world size
 share one set of worker processes (runtime/worker.py), and one GPT build goes through the CLI
 (`meshplan codegen --target torch`, `meshplan run --verify`) as a user would.
 """
@@ -23,20 +23,13 @@ from tests.real_models import CONFIGS, HF, SGD, assert_verified, graph_of
 
 GPT = "examples/models/gpt.py:build"
 D2T2 = dict(data=2, tensor=2)
-# name -> (model reference, its arguments, configuration)
-TWO_RANKS = {
-    "gpt_d2_zero3": (GPT, {}, CONFIGS["d2_zero3"]),
-    "gpt_t2": (GPT, {}, CONFIGS["t2"]),
-    "gpt_p2_interleaved": (GPT, {}, CONFIGS["p2_interleaved"]),
-    "llama_t2": (HF, {"arch": "llama"}, CONFIGS["t2"]),
-    "bert_p2_interleaved": (HF, {"arch": "bert"}, CONFIGS["p2_interleaved"]),   # its tie spans positions
-}
-FOUR_RANKS = {
-    "gpt_d2t2": (GPT, {}, D2T2),
-    "gpt_d2p2": (GPT, {}, CONFIGS["d2p2"]),
-    "llama_d2t2": (HF, {"arch": "llama"}, D2T2),
-    "bert_d2t2": (HF, {"arch": "bert"}, D2T2),
-}
+MODELS = {"gpt": (GPT, {}), "llama": (HF, {"arch": "llama"}), "bert": (HF, {"arch": "bert"})}
+# name -> (model reference, its arguments, configuration): every model under every configuration the
+# issue names (data 2, data 2 ZeRO-3, tensor 2, pipeline 2 interleaved on 2 ranks; data 2 x tensor 2 and
+# data 2 x pipeline 2 1F1B on 4); BERT's interleaved pipeline puts its tied embedding on two positions
+TWO_RANKS = {f"{m}_{c}": (*MODELS[m], CONFIGS[c]) for m in MODELS for c in ("d2", "d2_zero3", "t2", "p2_interleaved")}
+FOUR_RANKS = {**{f"{m}_d2t2": (*MODELS[m], D2T2) for m in MODELS},
+              **{f"{m}_d2p2": (*MODELS[m], CONFIGS["d2p2"]) for m in MODELS}}
 
 
 def emit_torch_fixed(root, name: str, ref: str, kwargs: dict, cfg: dict):
