@@ -1,4 +1,5 @@
-"""Stage partition: the binary-search + greedy split equals a brute-force search, with and without memory."""
+"""Stage partition: the search over range sums with a greedy check equals a brute-force search, with and
+without memory."""
 
 import itertools
 import random
@@ -46,6 +47,25 @@ def test_matches_brute_force(seed):
             assert max(sum(weights[lo:hi]) for lo, hi in got) == pytest.approx(want)
             if f is not None:
                 assert all(f(k, lo, hi) for k, (lo, hi) in enumerate(got))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_matches_brute_force_with_many_equal_sums(seed):
+    """Repeated blocks between a lighter and a heavier end (a transformer's layers): many ranges share a
+    sum, so the search must land exactly on the best one, not near it."""
+    rng = random.Random(1000 + seed)
+    n = rng.randint(3, 10)
+    parts = rng.randint(2, n)
+    weights = [rng.choice((0.5, 1.0, 2.0))] + [1.0] * (n - 2) + [rng.choice((1.0, 1.5, 3.0))]
+    cap = rng.randint(1, n)
+
+    def fits(k, lo, hi):
+        return hi - lo <= cap
+
+    for f in (None, fits):
+        want = _brute(weights, parts, f) or _brute(weights, parts)
+        got = balanced_partition(weights, parts, f)
+        assert max(sum(weights[lo:hi]) for lo, hi in got) == pytest.approx(want, rel=1e-12)
 
 
 def test_memory_moves_layers_off_the_first_stage():
