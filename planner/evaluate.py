@@ -283,6 +283,16 @@ class Evaluator:
                 hit = self._costs_cache[key] = tuple(self._layer_cost(layer, config, key, ())
                                                      for layer in self.graph.layers)
             return list(hit)
+        if all(s.layer_cost_by_signature for s in adjusters):   # repeated blocks: each distinct layer once
+            seen: dict[tuple, LayerCost] = {}
+            out = []
+            for layer in self.graph.layers:
+                k = (layer.signature, layer.index == 0, self._boundary(layer, config))
+                hit = seen.get(k)
+                if hit is None:
+                    hit = seen[k] = self._layer_cost(layer, config, key, adjusters)
+                out.append(hit)
+            return out
         return [self._layer_cost(layer, config, key, adjusters) for layer in self.graph.layers]
 
     @staticmethod

@@ -45,7 +45,9 @@ def find_branches(infos: tuple[OpInfo, ...], views: list[NodeView]) -> tuple[Bra
         comps = _components(region, succ, pred)
         real = [c for c in comps if any(by_name[n].is_compute for n in c)]
         if len(real) >= 2:
-            paths = tuple(tuple(sorted(c, key=order.__getitem__)) for c in real)
+            # in graph order (the components come out of sets): the same model gives the same plan file
+            paths = tuple(sorted((tuple(sorted(c, key=order.__getitem__)) for c in real),
+                                 key=lambda p: order[p[0]]))
             branches.append(Branch(kind="parallel", fork=f, join=join, paths=paths,
                                    width=len(paths), module_path=module_of.get(join, "")))
 

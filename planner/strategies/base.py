@@ -85,6 +85,10 @@ class Strategy:
         """Split roles this strategy gives `layer`'s nodes (fx node name -> role; the rest replicated)."""
         return {}
 
+    # True where layer_cost depends on the layer only through its signature (and `cost`, `config`): the
+    # Evaluator then adjusts each distinct layer of a model's repeated blocks once per configuration
+    layer_cost_by_signature: bool = False
+
     def layer_cost(self, ev: "Evaluator", layer: "Layer", cost: "LayerCost",
                    config: "ParallelConfig") -> "LayerCost":
         """`cost` (one layer, one device, one micro-batch) adjusted for this strategy."""

@@ -32,6 +32,8 @@ class SubgraphStrategy(Strategy):
     """See module docstring; regions and per-layer costs are cached in the Evaluator's state."""
 
     name = StrategyName.SUBGRAPH
+    # a layer's split regions follow its structure, so layers of one signature split alike
+    layer_cost_by_signature = True
 
     def pinned_on(self, constraints: dict) -> bool:
         return constraints.get("subgraph", 1) != 1
