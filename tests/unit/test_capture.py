@@ -120,6 +120,10 @@ def test_inception_branches_are_found():
             assert len(subs) == 1
             owners |= subs
         assert owners == {"b1", "b2", "b3", "b4"}
+        # in graph order (the paths of a plan file must not depend on set order)
+        index = {n.name: i for i, n in enumerate(g.nodes)}
+        firsts = [index[p[0]] for p in br.paths]
+        assert firsts == sorted(firsts)
 
 
 def test_resnet_1001_captures_on_meta():
