@@ -1,0 +1,63 @@
+"""Checkpoints of the torch target's script (runtime/torch_script_checkpoint.py): a Distributed Checkpoint
+saved under one plan resumes under another and continues exactly, and each runtime refuses the other's
+checkpoints.
+
+One launch set: the example GPT's torch build at data 2 ZeRO-3 runs 2 steps and saves; its torch build at
+tensor 2 resumes for step 2 under --verify (runtime/verify.py: step 2's loss, gradients and norm from the
+resumed parameters, then the final parameters against the single-process run's 3 steps).
+"""
+
+import json
+
+import pytest
+
+from runtime.checkpoint import MANIFEST, TORCH_LATEST, CheckpointError, resolve_checkpoint
+from runtime.launcher import run_many
+from runtime.rank_main import parse_args
+from runtime.torch_script_checkpoint import TorchCheckpoint, open_checkpoints
+from tests.distributed.test_torch_script import GPT, emit_torch_fixed
+from tests.real_models import CONFIGS, assert_verified
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """(checkpoint root, the d2 ZeRO-3 run's result, the t2 run's result resumed from it)."""
+    root = tmp_path_factory.mktemp("torch_ckpt")
+    ckpt = root / "ckpt"
+    zero3 = emit_torch_fixed(root, "gpt_d2_zero3", GPT, {}, CONFIGS["d2_zero3"])
+    tensor = emit_torch_fixed(root, "gpt_t2", GPT, {}, CONFIGS["t2"])
+    first, = run_many([zero3], steps=2, timeout=60, extra_args=["--checkpoint-dir", str(ckpt)])
+    assert first.returncode == 0, first.output[-4000:]
+    second, = run_many([tensor], steps=1, timeout=60, verify=True, extra_args=["--resume", str(ckpt)])
+    return ckpt, first, second
+
+
+def test_checkpoint_of_one_plan_resumes_under_another_exactly(resumed):
+    ckpt, first, second = resumed
+    assert second.returncode == 0, second.output[-4000:]
+    assert (ckpt / TORCH_LATEST).read_text() == "step_00000002"
+    info = TorchCheckpoint.load(ckpt / "step_00000002")
+    assert (info.step, info.samples, info.model_ref) == (2, 16, GPT)   # 2 steps of a global batch of 8
+    assert second.first_step == 2 and second.resumed_from == str(ckpt / "step_00000002")
+    assert len(second.losses[0]) == 1
+    assert_verified(second, "d2 ZeRO-3 for 2 steps, then t2 for step 2")
+
+
+def test_meshplan_runtime_refuses_a_torch_checkpoint(resumed):
+    ckpt, _, _ = resumed
+    for path in (ckpt, ckpt / "step_00000002"):
+        with pytest.raises(CheckpointError, match="Distributed Checkpoint of a torch build"):
+            resolve_checkpoint(path)
+
+
+def test_torch_build_refuses_a_meshplan_runtime_checkpoint(tmp_path):
+    step = tmp_path / "ckpt" / "step_00000003"
+    step.mkdir(parents=True)
+    (step / MANIFEST).write_text(json.dumps({"step": 3}))
+    for path in (step, step.parent):
+        args = parse_args(["--resume", str(path)], str(tmp_path))
+        with pytest.raises(CheckpointError, match="meshplan codegen without --target torch"):
+            open_checkpoints(args, GPT, 8)
+    args = parse_args(["--checkpoint-dir", str(step.parent)], str(tmp_path))
+    with pytest.raises(CheckpointError, match="checkpoint of meshplan's own runtime"):
+        open_checkpoints(args, GPT, 8)
