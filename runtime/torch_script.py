@@ -9,7 +9,8 @@ other rank, with the same message on every rank. It records no Timeline (--trace
 change nothing; `meshplan run` then writes no trace) and runs no heartbeats (--heartbeat-timeout
 changes nothing): a failing rank exits with its error, the launcher ends the others after its
 grace period (runtime/launcher.py, runtime/lifetime.py), and a rank waiting on a dead peer fails
-after --timeout seconds, torch.distributed's collective timeout.
+after --timeout seconds, torch.distributed's collective timeout. Checkpoints (--checkpoint-dir,
+--save-every, --resume) are Distributed Checkpoints: runtime/torch_script_checkpoint.py.
 
 What --verify reads (runtime/verify.py) is written in the form of a one-stage build whose rank 0
 holds the whole model: rank 0 gathers every parameter and gradient as whole tensors under the
@@ -54,7 +55,8 @@ def script_args(argv: list[str], default_out: str) -> argparse.Namespace:
     cannot honour, naming them and what to use instead."""
     args = parse_args(argv, default_out)
     refused = [flag for flag, given in (
-        ("--backend mpi", args.backend == "mpi"), ("--eval-every", args.eval_every), ("--eval-batches", args.eval_batches),
+        ("--backend mpi", args.backend == "mpi"), ("--eval-every", args.eval_every),
+        ("--eval-batches", args.eval_batches),
         ("--tensorboard", args.tensorboard), ("--sabotage", args.sabotage), ("--fail-at", args.fail_at),
         ("--track-memory", args.track_memory), ("--probe-comm", args.probe_comm)) if given]
     if refused:

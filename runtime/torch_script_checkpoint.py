@@ -96,8 +96,8 @@ def resolve(path: str | os.PathLike) -> Path:
     if not p.is_dir():
         raise CheckpointError(f"checkpoint {p} does not exist; give a step directory or the --checkpoint-dir "
                               "of an earlier run of a torch build")
-    raise CheckpointError(f"{p} holds no complete torch checkpoint (no {TORCH_INFO} nor {TORCH_LATEST}: a save that was "
-                          "interrupted, or another directory); run with --checkpoint-dir to make one")
+    raise CheckpointError(f"{p} holds no complete torch checkpoint (no {TORCH_INFO} nor {TORCH_LATEST}: a save "
+                          "that was interrupted, or another directory); run with --checkpoint-dir to make one")
 
 
 def _owner(root: Path) -> TorchCheckpoint | None:

@@ -9,7 +9,8 @@
                                applies the plan written out as explicit torch calls (init_device_mesh,
                                parallelize_module, checkpoint wrappers, fully_shard / replicate,
                                PipelineStage and the plan's schedule) and trains with the build's
-                               optimizer, lr schedule, data and seeds
+                               optimizer, lr schedule, data and seeds; saves and resumes Distributed
+                               Checkpoints (runtime/torch_script_checkpoint.py)
       launch_torchrun.sh       torchrun (gloo on CPU, nccl on GPU)
       launch_srun.sh           a Slurm batch script (srun)
 
