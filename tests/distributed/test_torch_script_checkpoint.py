@@ -3,8 +3,9 @@ saved under one plan resumes under another and continues exactly, and each runti
 checkpoints.
 
 One launch set: the example GPT's torch build at data 2 ZeRO-3 runs 2 steps and saves; its torch build at
-tensor 2 resumes for step 2 under --verify (runtime/verify.py: step 2's loss, gradients and norm from the
-resumed parameters, then the final parameters against the single-process run's 3 steps).
+tensor 2 resumes for step 2 through `meshplan run --resume --verify` (runtime/verify.py: step 2's loss,
+gradients and norm from the resumed parameters, then the final parameters against the single-process
+run's 3 steps).
 """
 
 import json
@@ -12,39 +13,39 @@ import json
 import pytest
 
 from runtime.checkpoint import MANIFEST, TORCH_LATEST, CheckpointError, resolve_checkpoint
+from planner.app.cli import main
 from runtime.launcher import run_many
 from runtime.rank_main import parse_args
 from runtime.torch_script_checkpoint import TorchCheckpoint, open_checkpoints
 from tests.distributed.test_torch_script import GPT, emit_torch_fixed
-from tests.real_models import CONFIGS, assert_verified
+from tests.real_models import CONFIGS
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    """(checkpoint root, the d2 ZeRO-3 run's result, the t2 run's result resumed from it)."""
+def saved(tmp_path_factory):
+    """(the checkpoint root the d2 ZeRO-3 build saved after 2 steps, the t2 build's directory)."""
     root = tmp_path_factory.mktemp("torch_ckpt")
     ckpt = root / "ckpt"
     zero3 = emit_torch_fixed(root, "gpt_d2_zero3", GPT, {}, CONFIGS["d2_zero3"])
-    tensor = emit_torch_fixed(root, "gpt_t2", GPT, {}, CONFIGS["t2"])
     first, = run_many([zero3], steps=2, timeout=60, extra_args=["--checkpoint-dir", str(ckpt)])
     assert first.returncode == 0, first.output[-4000:]
-    second, = run_many([tensor], steps=1, timeout=60, verify=True, extra_args=["--resume", str(ckpt)])
-    return ckpt, first, second
+    return ckpt, emit_torch_fixed(root, "gpt_t2", GPT, {}, CONFIGS["t2"])
 
 
-def test_checkpoint_of_one_plan_resumes_under_another_exactly(resumed):
-    ckpt, first, second = resumed
-    assert second.returncode == 0, second.output[-4000:]
+def test_checkpoint_of_one_plan_resumes_under_another_exactly(saved, capsys):
+    ckpt, tensor = saved
     assert (ckpt / TORCH_LATEST).read_text() == "step_00000002"
     info = TorchCheckpoint.load(ckpt / "step_00000002")
     assert (info.step, info.samples, info.model_ref) == (2, 16, GPT)   # 2 steps of a global batch of 8
-    assert second.first_step == 2 and second.resumed_from == str(ckpt / "step_00000002")
-    assert len(second.losses[0]) == 1
-    assert_verified(second, "d2 ZeRO-3 for 2 steps, then t2 for step 2")
+    capsys.readouterr()
+    assert main(["run", str(tensor), "--steps", "1", "--verify", "--quiet", "--resume", str(ckpt)]) == 0
+    assert "verify against the single-process reference: OK: 1 step(s)" in capsys.readouterr().out
+    record = json.loads((tensor / "run" / "rank_0001.json").read_text())
+    assert (record["first_step"], len(record["losses"]), record["resumed_from"]) == (2, 1, str(ckpt / "step_00000002"))
 
 
-def test_meshplan_runtime_refuses_a_torch_checkpoint(resumed):
-    ckpt, _, _ = resumed
+def test_meshplan_runtime_refuses_a_torch_checkpoint(saved):
+    ckpt, _ = saved
     for path in (ckpt, ckpt / "step_00000002"):
         with pytest.raises(CheckpointError, match="Distributed Checkpoint of a torch build"):
             resolve_checkpoint(path)
