@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from runtime.checkpoint import MANIFEST, TORCH_LATEST, CheckpointError, resolve_checkpoint
+from runtime.checkpoint import MANIFEST, TORCH_INFO, TORCH_LATEST, CheckpointError, resolve_checkpoint
 from planner.app.cli import main
 from runtime.launcher import run_many
 from runtime.rank_main import parse_args
@@ -62,3 +62,24 @@ def test_torch_build_refuses_a_meshplan_runtime_checkpoint(tmp_path):
     args = parse_args(["--checkpoint-dir", str(step.parent)], str(tmp_path))
     with pytest.raises(CheckpointError, match="checkpoint of meshplan's own runtime"):
         open_checkpoints(args, GPT, 8)
+
+
+def test_a_checkpoint_directory_holds_one_run(saved, tmp_path):
+    ckpt, _ = saved
+    owner = TorchCheckpoint.load(ckpt / "step_00000002").run_id
+    with pytest.raises(CheckpointError, match=f"holds the checkpoints of run {owner}.*--resume {ckpt}"):
+        open_checkpoints(parse_args(["--checkpoint-dir", str(ckpt)], str(tmp_path)), GPT, 8)
+    resumed = open_checkpoints(parse_args(["--resume", str(ckpt), "--checkpoint-dir", str(ckpt)], str(tmp_path)),
+                               GPT, 8)
+    assert (resumed.run_id, resumed.resumed) == (owner, ckpt / "step_00000002")
+    other = tmp_path / "other"                   # another run's checkpoint root
+    (other / "step_00000005").mkdir(parents=True)
+    (other / "step_00000005" / TORCH_INFO).write_text(json.dumps(TorchCheckpoint(5, 40, "0123456789ab", GPT).to_dict()))
+    (other / TORCH_LATEST).write_text("step_00000005")
+    argv = ["--resume", str(ckpt), "--checkpoint-dir", str(other)]
+    with pytest.raises(CheckpointError, match="pass --resume-from-other-run"):
+        open_checkpoints(parse_args(argv, str(tmp_path)), GPT, 8)
+    assert open_checkpoints(parse_args([*argv, "--resume-from-other-run"], str(tmp_path)), GPT, 8).run_id \
+        == "0123456789ab"
+    with pytest.raises(CheckpointError, match="saved by a build of examples/models/gpt.py:build, not of m.py:build"):
+        open_checkpoints(parse_args(["--resume", str(ckpt)], str(tmp_path)), "m.py:build", 8)
