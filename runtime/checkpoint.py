@@ -54,6 +54,9 @@ from runtime.optim import optimizer_order
 
 CHECKPOINT_FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+# a torch build's checkpoints (runtime/torch_script_checkpoint.py): ROOT/latest, and a record in each step directory
+TORCH_LATEST = "latest"
+TORCH_INFO = "torch_checkpoint.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -86,6 +89,10 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if not p.is_dir():
         raise CheckpointError(f"checkpoint {p} does not exist; give a checkpoint directory (step_XXXXXXXX) "
                               "or the --checkpoint-dir of an earlier run")
+    if (p / TORCH_LATEST).is_file() or (p / TORCH_INFO).is_file():
+        raise CheckpointError(f"{p} is a Distributed Checkpoint of a torch build (meshplan codegen --target torch); "
+                              "meshplan's runtime reads its own checkpoints only: resume it with a torch build of "
+                              "the model, or start this build without --resume")
     done = complete_checkpoints(p)
     if done:
         return done[-1]

@@ -261,9 +261,13 @@ def _resumed_step(args: list[str]) -> int:
     """The step a run with `--resume CHECKPOINT` among its rank arguments starts at (else 0)."""
     if "--resume" not in args:
         return 0
-    from runtime.checkpoint import Manifest, resolve_checkpoint
+    from runtime.checkpoint import TORCH_INFO, TORCH_LATEST, Manifest, resolve_checkpoint
+    from runtime.torch_script_checkpoint import TorchCheckpoint, resolve
 
-    return Manifest.load(resolve_checkpoint(args[args.index("--resume") + 1])).step
+    path = Path(args[args.index("--resume") + 1])
+    if (path / TORCH_LATEST).is_file() or (path / TORCH_INFO).is_file():   # a torch build's checkpoint
+        return TorchCheckpoint.load(resolve(path)).step
+    return Manifest.load(resolve_checkpoint(path)).step
 
 
 def local_env(env: dict) -> dict:

@@ -9,7 +9,8 @@ other rank, with the same message on every rank. It records no Timeline (--trace
 change nothing; `meshplan run` then writes no trace) and runs no heartbeats (--heartbeat-timeout
 changes nothing): a failing rank exits with its error, the launcher ends the others after its
 grace period (runtime/launcher.py, runtime/lifetime.py), and a rank waiting on a dead peer fails
-after --timeout seconds, torch.distributed's collective timeout.
+after --timeout seconds, torch.distributed's collective timeout. Checkpoints (--checkpoint-dir,
+--save-every, --resume) are Distributed Checkpoints: runtime/torch_script_checkpoint.py.
 
 What --verify reads (runtime/verify.py) is written in the form of a one-stage build whose rank 0
 holds the whole model: rank 0 gathers every parameter and gradient as whole tensors under the
@@ -54,8 +55,8 @@ def script_args(argv: list[str], default_out: str) -> argparse.Namespace:
     cannot honour, naming them and what to use instead."""
     args = parse_args(argv, default_out)
     refused = [flag for flag, given in (
-        ("--backend mpi", args.backend == "mpi"), ("--checkpoint-dir", args.checkpoint_dir),
-        ("--resume", args.resume), ("--eval-every", args.eval_every), ("--eval-batches", args.eval_batches),
+        ("--backend mpi", args.backend == "mpi"), ("--eval-every", args.eval_every),
+        ("--eval-batches", args.eval_batches),
         ("--tensorboard", args.tensorboard), ("--sabotage", args.sabotage), ("--fail-at", args.fail_at),
         ("--track-memory", args.track_memory), ("--probe-comm", args.probe_comm)) if given]
     if refused:
@@ -206,11 +207,12 @@ def save_whole_parameters(modules: list[nn.Module], rank: int, run_dir: Path, ca
 
 
 def write_rank_result(run_dir: Path, rank: int, losses: list[float], seconds: list[float], optimizer_impl: str,
-                      grad_norms: list[float] | None = None) -> None:
+                      grad_norms: list[float] | None = None, first_step: int = 0,
+                      resumed_from: Path | None = None) -> None:
     """run/rank_XXXX.json as meshplan's rank scripts write it (runtime/rank_main.py): what
-    `meshplan run` reports and --verify compares."""
-    record = {"rank": rank, "losses": losses, "seconds": seconds, "stages": [0], "first_step": 0,
-              "optimizer_impl": optimizer_impl}
+    `meshplan run` reports and --verify compares; `first_step`: the step a resumed run started at."""
+    record = {"rank": rank, "losses": losses, "seconds": seconds, "stages": [0], "first_step": first_step,
+              "optimizer_impl": optimizer_impl, **({"resumed_from": str(resumed_from)} if resumed_from else {})}
     if grad_norms is not None:
         record.update(grad_norms=grad_norms, loss_scales=[None] * len(grad_norms), skipped=[False] * len(grad_norms))
     (Path(run_dir) / f"rank_{rank:04d}.json").write_text(json.dumps(record))
@@ -235,12 +237,15 @@ def whole_model_view(info: dict) -> tuple[dict[int, Program], dict[int, StageSpe
 @dataclass(frozen=True)
 class Runner:
     """What the torch script trains on this rank: its modules (the whole parallelized model, or its
-    pipeline stages), `step(micro_batches) -> this rank's mean loss` (forward and backward), whether
+    pipeline stages), the module whose state a checkpoint holds (the model, or a pipeline rank's stages'
+    tensors under the model's names: PipelineRun.state_module), `step(micro_batches) -> this rank's
+    mean loss` (forward and backward), whether
     this rank computes the loss (a pipeline's last stage does; every rank without pipelines), and
     `grad_norm(max_norm) -> the whole model's gradient norm` before clipping (clipping to max_norm
     unless it is None; a collective)."""
 
     modules: list
+    state: nn.Module
     step: Callable[[list], float]
     holds_loss: bool
     grad_norm: Callable[[float | None], float]

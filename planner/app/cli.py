@@ -36,6 +36,8 @@ from planner.optimize import explain, optimize
 from planner.plan import Plan
 from runtime.checkpoint import Manifest, complete_checkpoints, resolve_checkpoint
 from runtime.checkpoint_restore import to_state_dict
+from runtime.launcher import read_build
+from runtime.torch_script_checkpoint import resolve as resolve_torch_checkpoint
 from runtime.trace import TRACE_WINDOW_STEPS
 from runtime.vocab import ContextAttention, DType, Recompute, Schedule, SpatialBatchNorm, SpatialSplit, Target
 
@@ -199,7 +201,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.checkpoint_dir:
         output_dir(args.checkpoint_dir, "--checkpoint-dir")
     if args.resume:  # here, not after every rank has started and built its model
-        resolve_checkpoint(args.resume)
+        torch_build = read_build(args.build).get("target") == Target.TORCH   # its checkpoints are DCP directories
+        (resolve_torch_checkpoint if torch_build else resolve_checkpoint)(args.resume)
     return run_command(args)
 
 

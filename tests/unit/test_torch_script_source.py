@@ -92,8 +92,9 @@ def test_setups_the_script_does_not_carry_out_are_refused(hostile, tmp_path):
 
 
 def test_launch_options_the_script_cannot_honour_are_refused(monkeypatch):
-    with pytest.raises(LaunchError, match="--backend mpi, --resume"):
-        script_args(["--backend", "mpi", "--resume", "ckpt"], ".")
+    with pytest.raises(LaunchError, match="does not take --backend mpi, --tensorboard; generate a meshplan build"):
+        script_args(["--backend", "mpi", "--resume", "ckpt", "--tensorboard", "tb"], ".")
+    assert script_args(["--checkpoint-dir", "c", "--save-every", "2"], ".").save_every == 2   # checkpoints: DCP
     assert script_args(["--steps", "3", "--save-steps", "--no-trace"], ".").steps == 3
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -101,6 +102,24 @@ def test_launch_options_the_script_cannot_honour_are_refused(monkeypatch):
         check_world(4)
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert check_world(4) == 1
+
+
+def test_the_script_saves_and_resumes_distributed_checkpoints(hostile_build):
+    lines = hostile_build.script.read_text().splitlines()
+    for line in (
+            "from runtime.torch_script_checkpoint import open_checkpoints",
+            "        checkpoints = open_checkpoints(args, TRAIN.model_ref, TRAIN.global_batch_size)",
+            "    checkpoints.claim(rank)",
+            "    first = checkpoints.resume(runner.state, optimizer, scheduler)",
+            "        for step in range(first, first + args.steps):",
+            "            if checkpoints.due(step + 1, last=step == first + args.steps - 1):",
+            "                checkpoints.save(step + 1, rank, runner.state, optimizer, scheduler)",
+            "        checkpoints.release()",
+            # the state a checkpoint holds: the whole model without pipelines
+            "    return Runner([model], model, lambda batches: forward_backward(model, batches), holds_loss=True,"):
+        assert line in lines, line
+    assert lines.index("    checkpoints.claim(rank)") < lines.index("    first = checkpoints.resume(runner.state, "
+                                                                    "optimizer, scheduler)")
 
 
 def test_verify_reads_a_torch_build_as_rank_0_holding_the_whole_model():

@@ -1,0 +1,215 @@
+"""Checkpoints of the torch target's script (codegen/torch_target/script.py): Distributed Checkpoint
+directories, saved and resumed with the flags meshplan's own runtime takes (--checkpoint-dir,
+--save-every, --resume, --resume-from-other-run; runtime/rank_main.parse_args).
+
+Layout under a checkpoint root ROOT (--checkpoint-dir):
+
+    ROOT/step_00000002/               a torch.distributed.checkpoint directory (.metadata, *.distcp):
+                                      the model's parameters and persistent buffers under the model's own
+                                      names, the optimizer's state, the lr schedule's state and the step
+                                      (runtime/torch_stack/dcp.py); every rank writes its own shards
+    ROOT/step_00000002/torch_checkpoint.json   rank 0's record (`TorchCheckpoint`), written after every
+                                      rank's shards are in place
+    ROOT/latest                       the name of the newest complete step directory, replaced atomically
+                                      (runtime/files.write_atomic) last: an interrupted save leaves the
+                                      previous checkpoint as the one `--resume ROOT` takes
+    ROOT/meshplan.lock                rank 0's lock while a run writes ROOT (runtime/dir_lock.py)
+
+The step stored is the next step to run; the data factory is a pure function of data_seed and the step
+(runtime/data.py), so the step is the whole data position. DCP reshards every tensor from the saved
+shards to the loading rank's placement: a checkpoint saved under one plan (d2 ZeRO-3) resumes under
+another (t2, a pipeline) of the same model. Random state is not saved: a model with random ops
+(dropout) resumes with another stream than an uninterrupted run.
+
+How this differs from meshplan's own checkpoints (runtime/checkpoint.py: rank files + manifest.json):
+a torch build reads only these DCP directories and meshplan's runtime only its own format; each
+refuses the other's checkpoint, saying which build resumes it. Run ids follow meshplan's rules
+(runtime/checkpoint_run.py): a new run does not write into a ROOT holding another run's
+checkpoints; a run resuming from another run's checkpoint needs --resume-from-other-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.checkpoint import (MANIFEST, TORCH_INFO, TORCH_LATEST, CheckpointError, complete_checkpoints,
+                                step_dir)
+from runtime.dir_lock import DirLock, Holder
+from runtime.files import write_atomic
+from runtime.lr_schedule import load_scheduler_state, scheduler_state
+from runtime.torch_stack import dcp
+
+FORMAT_VERSION = 1
+# an optimizer group's choice of kernels (torch.optim's foreach / fused flags)
+_KERNEL_KEYS = ("foreach", "fused")
+
+
+@dataclass(frozen=True)
+class TorchCheckpoint:
+    """Rank 0's record of a complete torch checkpoint. step: the next step to run; samples: samples
+    consumed (step x global batch); run_id: the run that saved it (runtime/checkpoint_run.py)."""
+
+    step: int
+    samples: int
+    run_id: str
+    model_ref: str
+    format: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TorchCheckpoint":
+        return cls(int(d["step"]), int(d["samples"]), str(d["run_id"]), str(d["model_ref"]), int(d["format"]))
+
+    @classmethod
+    def load(cls, ckpt: Path) -> "TorchCheckpoint":
+        return cls.from_dict(json.loads((ckpt / TORCH_INFO).read_text()))
+
+
+def _refuse_meshplan(p: Path, flag: str) -> None:
+    """CheckpointError when `p` is (or holds) a checkpoint of meshplan's own runtime."""
+    if (p / MANIFEST).is_file() or complete_checkpoints(p):
+        raise CheckpointError(
+            f"{flag} {p} is a checkpoint of meshplan's own runtime (rank files and {MANIFEST}); a torch build "
+            "reads and writes Distributed Checkpoints only: resume it with the meshplan build of the plan "
+            "(meshplan codegen without --target torch), or give this torch build another directory")
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The torch checkpoint `--resume path` names: `path` itself if complete, else ROOT/latest's."""
+    p = Path(path)
+    _refuse_meshplan(p, "--resume")
+    if (p / TORCH_INFO).is_file():
+        return p
+    latest = p / TORCH_LATEST
+    if latest.is_file():
+        return p / latest.read_text().strip()
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint {p} does not exist; give a step directory or the --checkpoint-dir "
+                              "of an earlier run of a torch build")
+    raise CheckpointError(f"{p} holds no complete torch checkpoint (no {TORCH_INFO} nor {TORCH_LATEST}: a save "
+                          "that was interrupted, or another directory); run with --checkpoint-dir to make one")
+
+
+def _owner(root: Path) -> TorchCheckpoint | None:
+    """The newest complete checkpoint under `root` (its run owns `root`), or None."""
+    latest = root / TORCH_LATEST
+    return TorchCheckpoint.load(root / latest.read_text().strip()) if latest.is_file() else None
+
+
+def run_to_continue(root: str | os.PathLike | None, resumed: TorchCheckpoint | None, *, allow_other_run: bool) -> str:
+    """The run id a run continues (a new one for a new run), under runtime/checkpoint_run.py's rules for
+    writing into --checkpoint-dir `root`; CheckpointError when they refuse it."""
+    fresh = resumed.run_id if resumed is not None else uuid.uuid4().hex[:12]
+    if root is None:
+        return fresh
+    root = Path(root)
+    _refuse_meshplan(root, "--checkpoint-dir")
+    owner = _owner(root)
+    if owner is None:
+        return fresh
+    if resumed is None:
+        raise CheckpointError(f"--checkpoint-dir {root} holds the checkpoints of run {owner.run_id} (newest: step "
+                              f"{owner.step}); a new run does not write into it: resume that run with --resume {root}, "
+                              "or give a new --checkpoint-dir")
+    if resumed.run_id != owner.run_id and not allow_other_run:
+        raise CheckpointError(f"the resumed checkpoint belongs to run {resumed.run_id}, but --checkpoint-dir {root} "
+                              f"holds run {owner.run_id}'s; give a new --checkpoint-dir, or pass "
+                              "--resume-from-other-run to continue that run from this state")
+    return owner.run_id
+
+
+@dataclass
+class ScriptCheckpoints:
+    """One run's checkpointing: where it resumes from, where and how often it saves, its run id, and
+    rank 0's lock on --checkpoint-dir. Built by `open_checkpoints` on every rank."""
+
+    root: Path | None
+    save_every: int
+    resumed: Path | None
+    run_id: str
+    model_ref: str
+    global_batch_size: int
+    allow_other_run: bool
+    lock: DirLock | None = None
+
+    def claim(self, rank: int) -> None:
+        """Rank 0 locks --checkpoint-dir for the run (runtime/dir_lock.py) and checks the rules again under
+        the lock; every rank calls it (a collective), takes rank 0's run id (a new run's id is drawn on
+        every rank) and raises rank 0's refusal, so that none waits on it."""
+        if self.root is None:
+            return
+        outcome = [None, self.run_id]
+        if rank == 0:
+            try:
+                self.lock = DirLock.acquire(self.root, Holder.here(self.run_id), "checkpoint directory")
+                resumed = TorchCheckpoint.load(self.resumed) if self.resumed is not None else None
+                run_to_continue(self.root, resumed, allow_other_run=self.allow_other_run)
+            except ValueError as e:
+                outcome[0] = str(e)
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            self.release()
+            raise CheckpointError(outcome[0])
+        self.run_id = outcome[1]
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def due(self, next_step: int, last: bool) -> bool:
+        """Whether the run saves after step next_step - 1: after the last step, and every --save-every."""
+        return self.root is not None and (last or (self.save_every > 0 and next_step % self.save_every == 0))
+
+    def resume(self, state: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> int:
+        """Load the resumed checkpoint into this rank's `state` module (the model, or a pipeline rank's
+        stages under the model's names), the optimizer and the lr schedule; returns the step to run next
+        (0 without --resume)."""
+        if self.resumed is None:
+            return 0
+        # the kernels this plan steps with (runtime/torch_script.optimizer_for), not the saving plan's: the
+        # checkpoint's param_groups carry those, and foreach kernels refuse this plan's mix of DTensors and tensors
+        kernels = [{k: g[k] for k in _KERNEL_KEYS if k in g} for g in optimizer.param_groups]
+        extra = dcp.load(self.resumed, state, optimizer, {"schedule": scheduler_state(scheduler, optimizer), "step": 0})
+        for group, kept in zip(optimizer.param_groups, kernels):
+            group.update(kept)
+        load_scheduler_state(scheduler, optimizer, extra["schedule"])
+        return int(extra["step"])
+
+    def save(self, next_step: int, rank: int, state: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> Path:
+        """Every rank writes its shards of the state after step next_step - 1 into ROOT/step_XXXXXXXX;
+        then rank 0 completes it (torch_checkpoint.json) and points ROOT/latest at it."""
+        ckpt = step_dir(self.root, next_step)
+        dcp.save(ckpt, state, optimizer, {"schedule": scheduler_state(scheduler, optimizer), "step": next_step})
+        dist.barrier()   # every rank's shards are written before rank 0 calls the checkpoint complete
+        if rank == 0:
+            info = TorchCheckpoint(next_step, next_step * self.global_batch_size, self.run_id, self.model_ref)
+            write_atomic(ckpt / TORCH_INFO, json.dumps(info.to_dict(), indent=1).encode())
+            write_atomic(self.root / TORCH_LATEST, ckpt.name.encode())
+        dist.barrier()
+        return ckpt
+
+
+def open_checkpoints(args, model_ref: str, global_batch_size: int) -> ScriptCheckpoints:
+    """The run's checkpointing from the launch options (file checks only, the same on every rank, before
+    any communication); CheckpointError for a checkpoint it cannot resume or a directory it must not
+    write."""
+    resumed = resolve(args.resume) if args.resume else None
+    info = TorchCheckpoint.load(resumed) if resumed is not None else None
+    if info is not None and info.model_ref != model_ref:
+        raise CheckpointError(f"checkpoint {resumed} was saved by a build of {info.model_ref}, not of {model_ref}; "
+                              "resume it with a build of that model")
+    run_id = run_to_continue(args.checkpoint_dir, info, allow_other_run=args.resume_from_other_run)
+    root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    return ScriptCheckpoints(root, args.save_every, resumed, run_id, model_ref, global_batch_size,
+                             args.resume_from_other_run)
