@@ -105,7 +105,7 @@ class Plan:
             f"Plan for {self.model_class} on {self.cluster.name} "
             f"({self.cluster.num_nodes} x {self.cluster.devices_per_node} = {self.cluster.num_devices} devices)"
             + (f" for the {self.target} target" if self.target != Target.MESHPLAN else ""),
-            f"  mesh: " + " x ".join(f"{k} {v}" for k, v in self.mesh.items()) +
+            "  mesh: " + " x ".join(f"{k} {v}" for k, v in self.mesh.items()) +
             f"   micro-batch {c.micro_batch_size} x {p.num_micro_batches}   schedule {describe.schedule_text(c)}"
             + f"   recompute {c.recompute}   ZeRO {c.zero}   {c.dtype}",
             *describe.config_lines(c),

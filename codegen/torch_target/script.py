@@ -123,7 +123,7 @@ def torch_script(plan: Plan, layout: TorchLayout, train: TrainSpec) -> str:
     parallel = parallelize_source(layout)
     head = [
         "#!/usr/bin/env python3",
-        f'"""meshplan build for PyTorch\'s own parallel stack: one script, the same on every rank.',
+        '"""meshplan build for PyTorch\'s own parallel stack: one script, the same on every rank.',
         "",
         *(doc_text(line) for line in summary),
         "",
