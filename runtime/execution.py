@@ -1,0 +1,85 @@
+"""`Execution`: how the runtime executes a stage's compute, as the plan decides and the cost model prices it.
+
+These choices change how fast a step runs and how much memory it holds, never what it computes
+(within the dtype's rounding), so they sit beside the parallel configuration rather than in it:
+
+- compile: each stage's repeated blocks run through torch.compile (regional compilation, static
+  shapes per micro-batch), which fuses elementwise work and removes most per-kernel host cost;
+- loss: how the last stage computes the loss (LossImpl): "full" materializes the logits and runs
+  the loss over them upcast to fp32; "chunked" computes cross-entropy over chunks of tokens from
+  the last hidden state and the output layer's weight, never holding the full logits;
+- loss_chunk_tokens: tokens per chunk of the chunked loss (0: the runtime's default);
+- vocab_multiple: the output layer's (and its tied embedding's) rows are padded to a multiple of
+  this many (1: no padding), so the vocabulary GEMMs run on aligned shapes; logits, the loss,
+  metrics and checkpoints keep the real vocabulary.
+
+A plan records them (written only when not the defaults, so earlier plans read unchanged),
+codegen writes them into the build's TrainSpec, and planner.evaluate prices the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import StrEnum
+
+from runtime.documents import Fields
+
+
+class LossImpl(StrEnum):
+    """How the last stage computes a cross-entropy loss."""
+
+    FULL = "full"          # the whole (tokens x vocabulary) logits, the loss over them in fp32
+    CHUNKED = "chunked"    # fused: chunks of tokens from the hidden state and the output weight
+
+
+# The most rows a vocabulary may be padded to a multiple of (far past any device's preference).
+MAX_VOCAB_MULTIPLE = 4096
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How a stage's compute runs (see module docstring). Defaults: eager, full loss, no padding."""
+
+    compile: bool = False
+    loss: str = LossImpl.FULL
+    loss_chunk_tokens: int = 0
+    vocab_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"Execution.compile must be true or false, got {self.compile!r}")
+        try:
+            object.__setattr__(self, "loss", LossImpl(self.loss).value)
+        except ValueError:
+            raise ValueError(f"Execution.loss {self.loss!r} is not one of {', '.join(LossImpl)}") from None
+        if isinstance(self.loss_chunk_tokens, bool) or not isinstance(self.loss_chunk_tokens, int) \
+                or self.loss_chunk_tokens < 0:
+            raise ValueError(f"Execution.loss_chunk_tokens must be a whole number >= 0 (0: the runtime's default), "
+                             f"got {self.loss_chunk_tokens!r}")
+        if isinstance(self.vocab_multiple, bool) or not isinstance(self.vocab_multiple, int) \
+                or not 1 <= self.vocab_multiple <= MAX_VOCAB_MULTIPLE:
+            raise ValueError(f"Execution.vocab_multiple must be a whole number in 1..{MAX_VOCAB_MULTIPLE} "
+                             f"(1: no padding), got {self.vocab_multiple!r}")
+
+    @property
+    def is_default(self) -> bool:
+        return self == Execution()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def read(cls, f: Fields) -> "Execution":
+        """From a document's fields (runtime.documents), every field optional."""
+        f.known({}, ("compile", "loss", "loss_chunk_tokens", "vocab_multiple"))
+        loss = f.text("loss", LossImpl.FULL.value)
+        if loss not in tuple(LossImpl):
+            raise f.error("loss", f"must be one of {', '.join(LossImpl)}, got {loss!r}")
+        return cls(compile=f.boolean("compile", False), loss=loss,
+                   loss_chunk_tokens=f.integer("loss_chunk_tokens", 0, minimum=0),
+                   vocab_multiple=f.integer("vocab_multiple", 1, minimum=1, maximum=MAX_VOCAB_MULTIPLE))
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "execution") -> "Execution":
+        return cls.read(Fields(d, where))
