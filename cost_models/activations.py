@@ -79,6 +79,7 @@ class TensorRef:
     split: float = 1.0
     score: bool = False
     storage: int = 0
+    run_fp32: bool = False   # autocast runs this value in fp32 (a residual stream, a norm's output)
 
     @property
     def elements(self) -> int:
@@ -140,12 +141,20 @@ def normalize(name: str) -> str:
 
 
 def _keep(t: TensorRef, core: bool = False) -> SavedTensor:
-    """Keep tensor `t` and the storage it views (an activation in the compute dtype, or its own dtype
-    if not a float)."""
+    """Keep tensor `t` and the storage it views (an activation in the compute dtype, in fp32 where autocast
+    runs it in fp32, or its own dtype if not a float)."""
     n = t.storage or t.elements
     if t.is_float:
-        return SavedTensor(t.key, n, Width.ACTIVATION, t.split, core=core)
+        return SavedTensor(t.key, n, Width.FP32 if t.run_fp32 else Width.ACTIVATION, t.split, core=core)
     return SavedTensor(t.key, n, Width.NATIVE, t.split, element_bytes(t.dtype), core=core)
+
+
+def _keep_cast(t: TensorRef, core: bool = False) -> SavedTensor:
+    """What an autocast-lowered op (linear, matmul, conv, attention) keeps of its input `t`: under autocast
+    an fp32 input is cast to the 16-bit dtype and the op keeps that copy, a tensor of its own."""
+    if t.is_float and t.run_fp32:
+        return SavedTensor(f"{t.key}@16bit", t.elements, Width.ACTIVATION, t.split, core=core)
+    return _keep(t, core)
 
 
 def saved_by(op: OpView, fused_attention: bool = True) -> tuple[SavedTensor, ...]:
@@ -154,9 +163,9 @@ def saved_by(op: OpView, fused_attention: bool = True) -> tuple[SavedTensor, ...
     kind = op.kind
     if kind in ("linear", "conv"):
         # grad of the weight reads the input (the weight itself is a parameter, not counted)
-        return (_keep(op.inputs[0]),) if op.inputs else ()
+        return (_keep_cast(op.inputs[0]),) if op.inputs else ()
     if kind == "matmul":
-        return tuple(_keep(t, core=t.score) for t in floats)
+        return tuple(_keep_cast(t, core=t.score) for t in floats)
     if kind == "norm":
         return _norm(op)
     if kind == "softmax":
@@ -191,7 +200,7 @@ def _attention(op: OpView, fused: bool) -> tuple[SavedTensor, ...]:
     """q, k, v (the inputs, kept by the recomputed region too) and the output; fused kernels add an
     fp32 log-sum-exp per query row, unfused ones the probabilities, their dropout mask and the
     dropout output (Korthikanti et al. 2022, section 4.1)."""
-    kept = [_keep(t) for t in op.inputs if t.is_float]
+    kept = [_keep_cast(t) for t in op.inputs if t.is_float]
     if op.output is None:
         return tuple(kept)
     kept.append(_keep(op.output, core=True))

@@ -71,28 +71,30 @@ class GemmShape:
         return 2.0 * self.batch * self.m * self.n * self.k
 
 
-def tile_rate(bm: int, bn: int) -> float:
-    """Rate of a bm x bn tile over the largest tile's (operand loads per multiply-add, TILE_LOAD)."""
-    return _reuse_rate(bm, bn) / max(_reuse_rate(a, b) for a, b in TILES)
+def tile_rate(bm: int, bn: int, tile_load: float = TILE_LOAD) -> float:
+    """Rate of a bm x bn tile over the largest tile's (operand loads per multiply-add, `tile_load`)."""
+    return _reuse_rate(bm, bn, tile_load) / max(_reuse_rate(a, b, tile_load) for a, b in TILES)
 
 
-def _reuse_rate(bm: int, bn: int) -> float:
+def _reuse_rate(bm: int, bn: int, tile_load: float) -> float:
     reuse = bm * bn / (bm + bn)
-    return reuse / (reuse + TILE_LOAD)
+    return reuse / (reuse + tile_load)
 
 
-@functools.lru_cache(maxsize=4096)
-def shape_efficiency(shape: GemmShape, units: int) -> float:
+@functools.lru_cache(maxsize=16384)
+def shape_efficiency(shape: GemmShape, units: int, tile_load: float = TILE_LOAD, k_fill: float = K_FILL) -> float:
     """Fraction of the large-GEMM FLOP rate a GEMM of `shape` reaches on `units` SMs.
 
     The fastest tile and split-K choice: its waves x per-tile time (tile elements x
-    (K per split + K_FILL) / tile_rate) against the ideal (every SM busy on useful
+    (K per split + k_fill) / tile_rate) against the ideal (every SM busy on useful
     multiply-adds the whole time). 1.0 when the device has no SM count (a CPU).
+    `tile_load` and `k_fill` default to this module's assumptions; a fitted GPU
+    (cost_models/gpu_costs.py) passes its own.
     """
     if units <= 0:
         return 1.0
     ideal = shape.batch * shape.m * shape.n * shape.k / units
-    best = min(_tile_time(shape, bm, bn, split, units)
+    best = min(_tile_time(shape, bm, bn, split, units, tile_load, k_fill)
                for bm, bn in TILES for split in SPLIT_K
                if split == 1 or _tiles(shape, bm, bn) < units)
     return min(ideal / best, 1.0)
@@ -102,12 +104,13 @@ def _tiles(shape: GemmShape, bm: int, bn: int) -> int:
     return shape.batch * -(-shape.m // bm) * -(-shape.n // bn)
 
 
-def _tile_time(shape: GemmShape, bm: int, bn: int, split: int, units: int) -> float:
+def _tile_time(shape: GemmShape, bm: int, bn: int, split: int, units: int, tile_load: float,
+               k_fill: float) -> float:
     """Multiply-add slots of one SM the schedule takes (waves x one tile's K loop)."""
     tiles = _tiles(shape, bm, bn) * split
     waves = -(-tiles // units)
     k_per_block = -(-shape.k // split)
-    return waves * bm * bn * (k_per_block + K_FILL) / tile_rate(bm, bn)
+    return waves * bm * bn * (k_per_block + k_fill) / tile_rate(bm, bn, tile_load)
 
 
 def combined_efficiency(shapes: list[GemmShape], units: int) -> float:
@@ -117,3 +120,12 @@ def combined_efficiency(shapes: list[GemmShape], units: int) -> float:
     if not total:
         return 1.0
     return total / sum(s.flops / shape_efficiency(s, units) for s in shapes)
+
+
+def aligned(shape: GemmShape, elem_bytes: int) -> bool:
+    """Whether every dimension is a multiple of 16 bytes of the element type (8 elements of a 16-bit
+    dtype, 4 of fp32): what the aligned tensor-core kernels need (NVIDIA, "Matrix Multiplication
+    Background User's Guide", section 4.1); a GEMM that misses it runs a slower kernel
+    (GpuCosts.gemm_misaligned)."""
+    step = max(16 // max(elem_bytes, 1), 1)
+    return shape.m % step == 0 and shape.n % step == 0 and shape.k % step == 0

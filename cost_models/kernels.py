@@ -26,7 +26,8 @@ import math
 from dataclasses import dataclass
 
 from cost_models.compute import Efficiency, op_time
-from cost_models.gemm import GemmShape, shape_efficiency
+from cost_models.gemm import GemmShape, aligned, shape_efficiency
+from cost_models.gpu_costs import GpuCosts
 from cost_models.op_curves import node_family
 from runtime.vocab import DType, ShardRole, element_bytes
 
@@ -83,35 +84,55 @@ class AttentionShape:
 @dataclass(frozen=True)
 class Gpu:
     """What prices a kernel: peak FLOP/s of the compute dtype, memory bandwidth (bytes/s),
-    SM count, the efficiencies, and bytes per element of the compute dtype."""
+    SM count, the efficiencies, bytes per element of the compute dtype, and the device's
+    GpuCosts (the GEMM shape model's constants, alignment, attention, norm and softmax
+    bandwidth shares; cost_models/gpu_costs.py)."""
 
     peak: float
     bandwidth: float
     units: int
     eff: Efficiency
     elem_bytes: int
+    costs: GpuCosts = GpuCosts()
 
-    def gemm(self, shape: GemmShape, nbytes: float, backward: bool = False) -> float:
-        """Seconds of one GEMM kernel moving `nbytes`."""
-        return op_time("matmul", shape.flops, nbytes, self.peak, self.bandwidth, self.eff,
-                       shape_efficiency=shape_efficiency(shape, self.units), backward=backward)
+    def gemm(self, shape: GemmShape, nbytes: float, backward: bool = False, *, elem_bytes: int | None = None,
+             peak: float | None = None) -> float:
+        """Seconds of one GEMM kernel moving `nbytes` (operands of `elem_bytes`, default the compute dtype's,
+        at `peak` FLOP/s, default the compute dtype's): the shape model's efficiency, and the misaligned
+        kernels' rate where a dimension is not a multiple of 16 bytes."""
+        c = self.costs
+        se = shape_efficiency(shape, self.units, c.gemm_tile_load, c.gemm_k_fill)
+        if self.units > 0 and not aligned(shape, elem_bytes or self.elem_bytes):
+            se *= c.gemm_misaligned
+        return op_time("matmul", shape.flops, nbytes, peak or self.peak, self.bandwidth, self.eff,
+                       shape_efficiency=se, backward=backward)
 
-    def stream(self, kind: str, nbytes: float, backward: bool = False) -> float:
-        """Seconds of one memory-bound kernel moving `nbytes`."""
-        return op_time(kind, 0.0, nbytes, self.peak, self.bandwidth, self.eff, backward=backward)
+    def stream(self, kind: str, nbytes: float, backward: bool = False, kernels: int = 1) -> float:
+        """Seconds of `kernels` memory-bound kernels moving `nbytes` in all: norms and softmax-family
+        kernels at their own share of the bandwidth (GpuCosts.norm_efficiency, softmax_efficiency),
+        the rest at the streaming share (Efficiency.memory)."""
+        share = {"norm": self.costs.norm_efficiency, "softmax": self.costs.softmax_efficiency}.get(kind)
+        memory = self.eff.memory * (share / self.costs.stream_efficiency if share else 1.0)
+        return nbytes / (self.bandwidth * memory) + self.eff.overhead(kind, kernels, backward)
+
+    @property
+    def kernel_gap(self) -> float:
+        """Device seconds one more kernel adds (Efficiency.kernel_overhead)."""
+        return self.eff.kernel_overhead
 
 
-def flash_efficiency(shape: AttentionShape) -> float:
+def flash_efficiency(shape: AttentionShape, costs: GpuCosts = GpuCosts()) -> float:
     """Rate of a FlashAttention-2 forward over its best (long sequence, head dim 128), <= 1.
 
     Each query block sweeps all key blocks; loading it and writing its output costs about one
-    more key block (ATTENTION_BLOCK keys), so a sweep of tk keys runs tk / (tk + block) of the
-    long-sequence rate. The softmax work per score element is fixed while the matmul work grows
-    with the head dim: d / (d + HEAD_DIM_FILL), relative to head dim 128.
+    more key block (`costs.attention_block` keys, ATTENTION_BLOCK by default), so a sweep of tk
+    keys runs tk / (tk + block) of the long-sequence rate. The softmax work per score element is
+    fixed while the matmul work grows with the head dim: d / (d + fill), relative to head dim 128
+    (`costs.attention_head_dim_fill`, HEAD_DIM_FILL by default).
     """
-    d = shape.head_dim
-    seq = shape.tk / (shape.tk + ATTENTION_BLOCK)
-    dim = (d / (d + HEAD_DIM_FILL)) * ((128 + HEAD_DIM_FILL) / 128)
+    d, fill = shape.head_dim, costs.attention_head_dim_fill
+    seq = shape.tk / (shape.tk + costs.attention_block)
+    dim = (d / (d + fill)) * ((128 + fill) / 128)
     return min(seq * dim, 1.0)
 
 
@@ -120,11 +141,12 @@ def fused_attention_seconds(shape: AttentionShape, gpu: Gpu, nbytes: float) -> t
     flash rate; `nbytes` the forward's q, k, v and output (the backward also reads the output
     gradient and writes q, k, v gradients: twice that)."""
     flops = shape.full_flops * shape.computed_fraction
-    rate = ATTENTION_SHARE * flash_efficiency(shape)
+    c = gpu.costs
+    rate = c.attention_share * flash_efficiency(shape, c)
     f = op_time("attention", flops, nbytes, gpu.peak, gpu.bandwidth, gpu.eff, shape_efficiency=rate)
     # backward: the main kernel plus the small one that forms rowsum(dO * O) first
     b = op_time("attention", 2.5 * flops, 2 * nbytes, gpu.peak, gpu.bandwidth, gpu.eff, kernels=2,
-                shape_efficiency=rate * ATTENTION_BACKWARD_SHARE, backward=True)
+                shape_efficiency=rate * c.attention_backward_share, backward=True)
     return f, b
 
 
@@ -190,13 +212,15 @@ def pass_bytes(family: str, inputs: float, output: float, elem_bytes: int, rows:
 
 
 def node_seconds(node, gpu: Gpu, *, role: str, share: float, div: float,
-                 fused_attention: bool) -> tuple[float, float] | None:
+                 fused_attention: bool, widths: tuple[tuple[int, ...], int] | None = None) -> tuple[float, float] | None:
     """(forward s, backward s) of one captured node (planner.graph OpInfo: kind, target, attrs,
     input_meta, output_meta, fwd_flops, bwd_flops, param_count) on one rank, or None for kinds
     priced elsewhere (convolutions, embeddings, pools, losses, ...).
 
     `share`: the micro-batch over the captured batch; `role`: its tensor-parallel split role
     ("replicate" when whole); `div`: what the split divides by (below the degree when padded).
+    `widths`: (bytes per element of each input in input_meta, of the output) as the run holds them
+    (cost_models/autocast.py: an fp32 residual under autocast); default the compute dtype's for floats.
     """
     if not node.output_meta:
         return None
@@ -217,16 +241,19 @@ def node_seconds(node, gpu: Gpu, *, role: str, share: float, div: float,
     if family is None:
         return None
     e, per_rank = gpu.elem_bytes, share / div
-    inputs = sum(m.numel * _bytes_per(m, e) for m in node.input_meta) * per_rank
     out = node.output_meta[0]
-    output = out.numel * _bytes_per(out, e) * per_rank
+    if widths is not None and len(widths[0]) == len(node.input_meta):
+        inputs = sum(m.numel * w for m, w in zip(node.input_meta, widths[0])) * per_rank
+        output = out.numel * widths[1] * per_rank
+    else:
+        inputs = sum(m.numel * _bytes_per(m, e) for m in node.input_meta) * per_rank
+        output = out.numel * _bytes_per(out, e) * per_rank
     rows = out.numel / out.shape[-1] * per_rank if family == "norm" and len(out.shape) > 1 else 0.0
     f_bytes, b_bytes = pass_bytes(family, inputs, output, e, rows, node.param_count * e / div)
     kind = "norm" if family == "norm" else "elementwise"
     f = gpu.stream(kind, f_bytes)
     # a norm's backward is two kernels: the input gradient and the weight gradients
-    b = op_time(kind, 0.0, b_bytes, gpu.peak, gpu.bandwidth, gpu.eff, kernels=2 if node.param_count else 1,
-                backward=True)
+    b = gpu.stream(kind, b_bytes, True, kernels=2 if node.param_count else 1)
     return f, b
 
 
@@ -313,7 +340,8 @@ def _whole(x: float) -> int:
     return max(int(round(x)), 1)
 
 
-def gpu_for(device, dtype: str, eff: Efficiency) -> Gpu:
-    """The Gpu pricing kernels of compute dtype `dtype` on `device` (a cost_models.hardware.Device)."""
+def gpu_for(device, dtype: str, eff: Efficiency, costs: GpuCosts | None = None) -> Gpu:
+    """The Gpu pricing kernels of compute dtype `dtype` on `device` (a cost_models.hardware.Device), with
+    the device's GpuCosts (default: the published defaults)."""
     return Gpu(peak=device.peak(dtype), bandwidth=device.memory_bandwidth, units=device.compute_units, eff=eff,
-               elem_bytes=DType(dtype).bytes)
+               elem_bytes=DType(dtype).bytes, costs=costs or GpuCosts())

@@ -65,6 +65,21 @@ def param_bytes(dtype: str, zero: int, data: int, grad_bytes: int | None = None)
     )
 
 
+def autocast_param_bytes(zero: int, data: int, state_bytes: int = 8) -> ParamBytes:
+    """Per-parameter bytes on one device as meshplan's runtime allocates them under torch.autocast
+    (runtime/grads.py): fp32 parameters (ZeRO-3 keeps a 1/d shard between uses), fp32 gradients in full
+    (ZeRO-1/2 reduce-scatter into a shard gradient of 1/d besides them), and `state_bytes` of fp32
+    optimizer state (AdamW's m and v: 8) sharded by ZeRO-1 and up. The 16-bit copies autocast makes of
+    the weights are per micro-batch in flight, counted apart (MemoryBreakdown.weight_copies)."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {zero!r}")
+    if data < 1:
+        raise ValueError(f"data degree must be >= 1, got {data!r}")
+    return ParamBytes(weights=4.0 / data if zero >= 3 else 4.0,
+                      gradients=4.0 + (4.0 / data if zero >= 1 else 0.0),
+                      optimizer=state_bytes / data if zero >= 1 else float(state_bytes))
+
+
 def adam_step_bytes(dtype: str) -> int:
     """Bytes moved per parameter by one fused Adam step (memory-bound).
 

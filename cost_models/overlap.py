@@ -82,6 +82,11 @@ class Overlap:
         prefetch_params: the most parameters (elements) ZeRO-3 gathers ahead of their use; a layer
             holding more gathers the rest when it starts, exposed (None: the whole next layer, as
             FSDP's one unit per layer prefetches).
+        autocast: the stack runs mixed precision through torch.autocast over fp32 parameters (meshplan's
+            runtime and the torch target): values run in the dtype autocast gives each op, with its
+            casts (cost_models/autocast.py), and a rank holds fp32 weights and gradients; False: 16-bit
+            weights and activations, fp32 master weights in the optimizer (Megatron-LM, DeepSpeed,
+            FSDP2 with a bf16 param_dtype).
     """
 
     tp_comm: float = 0.0
@@ -91,6 +96,7 @@ class Overlap:
     contention: float = 0.0
     grad_reduce_dtype: DType | None = None
     prefetch_params: float | None = None
+    autocast: bool = True
 
     def __post_init__(self) -> None:
         if self.prefetch_params is not None:
@@ -104,7 +110,7 @@ class Overlap:
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
                 raise ValueError(f"Overlap.{name} must be a number in [0, 1], got {value!r}")
             object.__setattr__(self, name, float(value))
-        for name in ("grad_reduce", "param_gather", "p2p"):
+        for name in ("grad_reduce", "param_gather", "p2p", "autocast"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Overlap.{name} must be true or false, got {getattr(self, name)!r}")
         if self.grad_reduce_dtype is not None:
@@ -149,24 +155,25 @@ _PRESETS: dict[OverlapPreset, Overlap] = {
     OverlapPreset.MESHPLAN: Overlap(),
     # Megatron-LM SC'21 (Narayanan et al., section 4 and its released scripts): no tensor-parallel
     # overlap, fp32 main gradients all-reduced after the pipeline flush, blocking p2p.
-    OverlapPreset.MEGATRON_2021: Overlap(grad_reduce=False, grad_reduce_dtype=DType.FP32),
+    OverlapPreset.MEGATRON_2021: Overlap(grad_reduce=False, grad_reduce_dtype=DType.FP32, autocast=False),
     # Megatron-Core (Megatron-LM arguments.py): --tp-comm-overlap (Transformer Engine userbuffers,
     # the all-gather/reduce-scatter of a layer split under its GEMMs), --overlap-grad-reduce,
     # --overlap-param-gather (distributed optimizer), --overlap-p2p-comm (interleaved 1F1B).
     OverlapPreset.MEGATRON: Overlap(tp_comm=1.0, grad_reduce=True, param_gather=True, p2p=True,
-                                    contention=GPU_CONTENTION),
+                                    contention=GPU_CONTENTION, autocast=False),
     # DeepSpeed ZeRO (docs "ZeRO optimizations": overlap_comm, stage3_prefetch_bucket_size):
     # gradient reduction overlapped with backward, ZeRO-3 parameters prefetched; no
     # tensor-parallel overlap, blocking pipeline p2p.
     # Its prefetch is bounded: stage3_prefetch_bucket_size, "maximum number of parameter elements to
     # fetch ahead of use", defaults to 5e7 (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig).
     OverlapPreset.DEEPSPEED: Overlap(grad_reduce=True, param_gather=True, contention=GPU_CONTENTION,
-                                     prefetch_params=5e7),
+                                     prefetch_params=5e7, autocast=False),
     # torchtitan (docs/fsdp.md, FSDP2): each layer's all-gather prefetched one layer ahead and the
     # reduce-scatter overlapped with backward; async tensor parallelism is optional
     # (--parallelism.enable_async_tensor_parallel, off by default); torch.distributed.pipelining
     # waits its batched sends and receives around each action.
-    OverlapPreset.TORCHTITAN: Overlap(grad_reduce=True, param_gather=True, contention=GPU_CONTENTION),
+    OverlapPreset.TORCHTITAN: Overlap(grad_reduce=True, param_gather=True, contention=GPU_CONTENTION,
+                                      autocast=False),
 }
 
 

@@ -23,7 +23,9 @@ class TimeBreakdown:
     bubble: float = 0.0           # pipeline fill and drain
     data_comm: float = 0.0        # data-parallel gradient sync left exposed after overlap
     zero_comm: float = 0.0        # ZeRO parameter gathers / gradient reduce-scatters on the critical path
-    optimizer: float = 0.0
+    optimizer: float = 0.0        # the step's end: optimizer step, gradient norm, zeroing; waits at syncs (GPU)
+    loss: float = 0.0             # the loss on the last stage, forward and backward (GPU)
+    host: float = 0.0             # seconds the device waits for the host to dispatch its kernels (GPU)
 
     @property
     def total(self) -> float:
@@ -41,10 +43,19 @@ class MemoryBreakdown:
     comm_buffers: float = 0.0
     temporary: float = 0.0
     fragmentation: float = 0.0   # reserved by the caching allocator beyond the rest (a stated margin)
+    weight_copies: float = 0.0   # the 16-bit weight copies autocast keeps for backward, per micro-batch in flight
+    loss: float = 0.0            # the loss's buffers at its peak beyond what its forward kept (GPU)
 
     @property
     def total(self) -> float:
+        """Bytes reserved at the peak: what is allocated plus the allocator's fragmentation margin."""
         return sum(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    @property
+    def allocated(self) -> float:
+        """Bytes allocated at the peak (torch.cuda.max_memory_allocated's figure): the total without the
+        fragmentation margin."""
+        return self.total - self.fragmentation
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,8 @@ class StagePrediction:
     forward: float                # s per micro-batch, including tensor-parallel collectives
     backward: float               # s per micro-batch, including recompute and collectives
     memory: MemoryBreakdown
+    host_forward: float = 0.0     # GPU: host s dispatching one micro-batch's forward / backward
+    host_backward: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,12 @@ class Prediction:
     step_energy: float = 0.0      # joules per step over all devices (busy x active W + idle x idle W)
 
     @property
+    def allocated_memory(self) -> float:
+        """Bytes allocated at the peak on the fullest device: what a measurement of allocated memory
+        (torch.cuda.max_memory_allocated) is compared with; `peak_memory` adds the fragmentation margin."""
+        return self.memory.allocated
+
+    @property
     def bubble_fraction(self) -> float:
         return self.time.bubble / self.step_time if self.step_time else 0.0
 
@@ -89,8 +108,8 @@ class Prediction:
             + f"   MFU {self.mfu:.1%}   {self.step_energy:,.1f} J/step",
             "time: " + ", ".join(f"{f.name} {getattr(t, f.name) * 1e3:,.1f} ms"
                                  for f in dataclasses.fields(t) if getattr(t, f.name) > 0),
-            f"peak memory {self.peak_memory / gib:,.2f} GiB of {self.memory_capacity / gib:,.0f} GiB "
-            f"({'fits' if self.fits else 'DOES NOT FIT'}): "
+            f"peak memory {self.allocated_memory / gib:,.2f} GiB allocated, {self.peak_memory / gib:,.2f} GiB "
+            f"reserved of {self.memory_capacity / gib:,.0f} GiB ({'fits' if self.fits else 'DOES NOT FIT'}): "
             + ", ".join(f"{f.name} {getattr(m, f.name) / gib:,.2f}" for f in dataclasses.fields(m)
                         if getattr(m, f.name) > 0),
         ]

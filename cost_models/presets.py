@@ -98,6 +98,22 @@ _V100_16GB = MappingProxyType(dict(
     idle_watts=40.0,  # assumption (see above)
 ))
 
+# The H100's kernel, host and optimizer constants (cost_models/gpu_costs.py), as
+# cost_models.gpu_fit.fit_gpu fits them to the project's H100 op table
+# (cost_models/reference/h100_ops.csv: one H100 80GB HBM3 SXM, PyTorch 2.11, CUDA 13.0);
+# tests/unit/test_gpu_fit.py fits them again from the table and checks these values.
+_H100_FIT = MappingProxyType({f"fit.gpu.{k}": v for k, v in dict(
+    gemm_ceiling=0.7796, gemm_tile_load=8.0, gemm_k_fill=128.0, gemm_misaligned=0.1368,
+    attention_share=0.9518, attention_block=1024.0, attention_head_dim_fill=16.0,
+    attention_backward_share=0.8293, stream_efficiency=0.8846, norm_efficiency=0.4605,
+    softmax_efficiency=0.5984, kernel_gap=5e-06, host_op=1.014e-05, host_backward_share=0.5,
+    host_gemm=1.328e-05, adam_fused_per_tensor=5.664e-06, adam_fused_efficiency=0.7664,
+    adam_foreach_per_tensor=1.53e-05, adam_foreach_efficiency=0.3184, h2d_pinned=5.472e10,
+    h2d_pageable=1.799e10,
+    source="fit to the H100 op table cost_models/reference/h100_ops.csv (207 rows) by "
+           "cost_models/gpu_fit.fit_gpu",
+).items()})
+
 GPU_PRESETS = MappingProxyType({
     "dgx-a100-80gb": NodeSpec(
         device=_A100_80GB,
@@ -120,7 +136,9 @@ GPU_PRESETS = MappingProxyType({
         # PUBLISHED.md: 400 Gb/s per GPU (ConnectX-7) = 50e9 B/s.
         inter_node=MappingProxyType(dict(bandwidth=50e9, latency=_IB_LATENCY)),
         source="DGX H100: PUBLISHED.md (NVIDIA datasheets; NCCL issue #1264); fp32/tf32 "
-        "peaks from the NVIDIA H100 datasheet; idle power and latencies assumed",
+        "peaks from the NVIDIA H100 datasheet; idle power and latencies assumed; kernel, host and "
+        "optimizer constants fit to the project's H100 op table (fit.gpu.*)",
+        measurements=_H100_FIT,
     ),
     "summit": NodeSpec(
         device=_V100_16GB,

@@ -92,7 +92,9 @@ class ComputeCosts:
         (fit.after_reduce.*). This is why the simulated step is longer than the planner's
         analytic one on small models. The executor's time between instructions (gap) and
         issuing asynchronous ones (issue) comes from the cluster too."""
-        if cluster is None:
+        if cluster is None or cluster.device.kind == "gpu":
+            # a GPU's stage times already take the host's dispatch into account where it is longer
+            # (planner.evaluate), as does the optimizer phase
             return cls(forward={s.index: s.forward for s in prediction.stages},
                        backward={s.index: s.backward for s in prediction.stages},
                        optimizer=prediction.time.optimizer)

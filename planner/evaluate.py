@@ -26,8 +26,13 @@ from typing import Any, Callable, TypeVar
 from cost_models.comm import collective_time, link_models
 from cost_models.mesh_axes import axis_collective_time
 from cost_models.calibrated import calibrated_efficiency, curve_mix, in_run_factors, op_curves, per_element_cost
+from cost_models.autocast import FLOAT32
 from cost_models.compute import Efficiency, op_time, wave_efficiency
+from cost_models.gpu_costs import gpu_costs
+from cost_models.gpu_fit import efficiency_of
+from cost_models.gpu_node import GpuGraph
 from cost_models.kernels import gpu_for, node_seconds
+from cost_models.step_costs import LossCost, StepSetup, Work, chunked_loss_cost, full_loss_cost, h2d_seconds
 from cost_models.op_curves import node_curve_times
 from cost_models.overlap import DeviceWork, Overlap, OverlapPreset, tp_exposed
 from cost_models.hardware import Cluster
@@ -41,6 +46,7 @@ from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
 from planner.strategies.tensor import sequence_boundary_share, sequence_collectives, sequence_share
 from planner.graph.ties import tied_weights
+from runtime.execution import Execution, LossImpl
 from runtime.vocab import DType, MeshAxis, Recompute, ShardRole, element_bytes
 
 T = TypeVar("T")
@@ -64,6 +70,16 @@ class LayerCost:
     largest_param_layer: float  # same as params (kept for ZeRO-3 gather buffers)
     temporary: float        # largest single output (+ its gradient) in bytes
     boundary: float         # bytes crossing the cut after this layer
+    # On a GPU (0 elsewhere): host seconds dispatching the layer's ops (cost_models/gpu_node.py); of
+    # forward/backward, the loss's part on the last layer (cost_models/step_costs.py) and its bytes at its
+    # peak; the 16-bit weight copies autocast keeps per micro-batch; parameter tensors (optimizer launches).
+    host_forward: float = 0.0
+    host_backward: float = 0.0
+    loss_forward: float = 0.0
+    loss_backward: float = 0.0
+    loss_peak: float = 0.0
+    weight_copies: float = 0.0
+    tensors: int = 0
 
     @property
     def comm_forward(self) -> float:
@@ -83,7 +99,8 @@ class Evaluator:
                  fused_attention: bool = True, overlap: Overlap | None = None,
                  overlap_grad_reduce: bool | None = None, grad_reduce_bytes: int | None = None,
                  sharding: str = "ilp", allocator_margin: float = ALLOCATOR_MARGIN,
-                 zero3_live_parameters: float | None = None) -> None:
+                 zero3_live_parameters: float | None = None, execution: Execution | None = None,
+                 setup: StepSetup | None = None) -> None:
         """
         Args:
             efficiency: per-kind efficiencies (default: published facts for the device kind).
@@ -101,6 +118,10 @@ class Evaluator:
             zero3_live_parameters: the most parameters ZeRO-3 holds gathered at once (DeepSpeed's
                 stage3_max_live_parameters, 1e9 by default in DeepSpeed's docs/_pages/config-json.md);
                 None: the current and the prefetched layer whole (FSDP, one unit per layer).
+            execution: how the runtime executes the stages (runtime/execution.py: compiled or eager, the
+                full or the fused chunked loss, vocabulary padding; default eager, full loss).
+            setup: the step besides the model (cost_models/step_costs.StepSetup: optimizer and its
+                implementation, clipping, how gradients are zeroed; default AdamW, auto, no clipping).
         """
         if zero3_live_parameters is not None and zero3_live_parameters <= 0:
             raise ValueError(f"zero3_live_parameters={zero3_live_parameters!r} must be a positive parameter "
@@ -118,8 +139,14 @@ class Evaluator:
         self.memory_cap = float(cluster.device.memory_bytes)
         self.graph = graph
         self.cluster = cluster
+        # A GPU's kernel, host and optimizer constants: a calibrated file's or a preset's fit.gpu.*, else the
+        # published defaults (cost_models/gpu_costs.py); None on a CPU.
+        self.gpu_costs = gpu_costs(cluster) if cluster.device.kind == "gpu" else None
         # A calibrated cluster file carries its measured efficiencies (meshplan calibrate).
-        self.eff = efficiency or calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)
+        self.eff = efficiency or calibrated_efficiency(cluster) or (
+            efficiency_of(self.gpu_costs) if self.gpu_costs is not None else Efficiency.default_for(cluster.device))
+        self.execution = execution or Execution()
+        self.setup = setup or StepSetup()
         self.curves = op_curves(cluster) if efficiency is None else {}  # ... and its op curves (fp32)
         self.curve_mix = curve_mix(cluster)
         # a node's time in a training run over its per-op price (1, 1 unless calibrated with the probe run)
@@ -134,7 +161,11 @@ class Evaluator:
         self.grad_reduce_bytes = grad_reduce_bytes or (
             DType(self.overlap.grad_reduce_dtype).bytes if self.overlap.grad_reduce_dtype else None)
         self.sharding: ShardingPlan = find_sharding(graph)
-        self.saved = SavedActivations(graph, self.sharding)   # what each op keeps for backward
+        # On a GPU: the dtype every value runs in (autocast), the casts, the host's dispatch per node
+        self.gpu_graph = GpuGraph(graph.nodes, autocast=self.overlap.autocast) if self.gpu_costs is not None else None
+        fp32 = frozenset(k for k, v in self.gpu_graph.dtypes.items() if v == FLOAT32) \
+            if self.gpu_graph is not None and self.overlap.autocast else frozenset()
+        self.saved = SavedActivations(graph, self.sharding, fp32)   # what each op keeps for backward
         self.strategies: tuple[Strategy, ...] = STRATEGIES
         self._nodes = {n.name: n for n in graph.nodes}
         self._layer_cache: dict[tuple, LayerCost] = {}
@@ -151,6 +182,8 @@ class Evaluator:
         self._layer_inputs = self._input_bytes_per_layer()
         self.tokens_per_sample = _tokens_per_sample(graph)
         self.ties = tied_weights(graph)
+        self._logits = self._find_logits()
+        self._logits_layer = next((layer.index for layer in graph.layers if self._logits in layer.nodes), -1)
 
     # ---- public ---------------------------------------------------------
     def evaluate(self, config: ParallelConfig, global_batch_size: int) -> Prediction:
@@ -199,13 +232,19 @@ class Evaluator:
         samples = global_batch_size / step
         model_flops = 3 * self._fwd_flops_per_sample * samples / config.num_devices
         peak_flops = dev.peak(config.dtype)
+        # a stage's forward and backward per micro-batch: its device time, or on a GPU the host's dispatching
+        # its kernels where that is longer (the simulator runs the instructions with these times)
         stage_preds = tuple(
             StagePrediction(
                 index=k, first_layer=self.graph.layers[lo].name, last_layer=self.graph.layers[hi - 1].name,
                 num_layers=hi - lo,
-                forward=sum(c.forward + c.comm_forward for c in costs[lo:hi]),
-                backward=sum(c.backward + c.recompute + c.comm_backward for c in costs[lo:hi]),
+                forward=max(sum(c.forward + c.comm_forward for c in costs[lo:hi]),
+                            sum(c.host_forward for c in costs[lo:hi])),
+                backward=max(sum(c.backward + c.recompute + c.comm_backward for c in costs[lo:hi]),
+                             sum(c.host_backward for c in costs[lo:hi])),
                 memory=mem,
+                host_forward=sum(c.host_forward for c in costs[lo:hi]),
+                host_backward=sum(c.host_backward for c in costs[lo:hi]),
             )
             for k, (lo, hi, _i, mem) in enumerate(sorted(stages, key=lambda s: s[0]))
         )
@@ -373,11 +412,20 @@ class Evaluator:
         """(forward s, backward s) of `n` priced as the GPU kernels it runs (GEMMs by shape, flash or
         unfused attention, memory passes: cost_models/kernels.py); None on a CPU or for kinds priced
         by the roofline below."""
-        dev = self.cluster.device
-        if dev.kind != "gpu":
+        if self.gpu_costs is None:
             return None
-        return node_seconds(n, gpu_for(dev, config.dtype, self.eff), role=role, share=scale, div=div,
-                            fused_attention=self.fused_attention)
+        mixed = config.dtype != DType.FP32
+        widths = self.gpu_graph.widths(n, DType(config.dtype).bytes) if mixed and self.overlap.autocast else None
+        return node_seconds(n, self.gpu(config.dtype), role=role, share=scale, div=div,
+                            fused_attention=self.fused_attention, widths=widths)
+
+    def gpu(self, dtype: str):
+        """The cost_models.kernels.Gpu pricing `dtype` kernels on this cluster's device (a GPU)."""
+        key = ("gpu", dtype)
+        hit = self._state.get(key)
+        if hit is None:
+            hit = self._state[key] = gpu_for(self.cluster.device, dtype, self.eff, self.gpu_costs)
+        return hit
 
     def _wave_efficiency(self, n: OpInfo, role: str, scale: float, t: int) -> float:
         """Wave quantization of a conv's implicit GEMM on this device, for its per-rank shape."""
@@ -406,8 +454,10 @@ class Evaluator:
         return layer.boundary_bytes * config.micro_batch_size / self.graph.batch_size * \
             DType(config.dtype).bytes / 4 / sequence_boundary_share(self, layer, config)
 
-    def node_cost(self, n: OpInfo, role: str, config: ParallelConfig) -> _NodeCost:
-        """One node on one device for one micro-batch, with `role` ("replicate" or its split role)."""
+    def node_cost(self, n: OpInfo, role: str, config: ParallelConfig, *, fused_head: bool = False) -> _NodeCost:
+        """One node on one device for one micro-batch, with `role` ("replicate" or its split role).
+        `fused_head`: the node is the output layer the fused chunked loss computes itself (its GEMMs are the
+        loss's; its casts and its gradient's accumulation stay here)."""
         dev = self.cluster.device
         t = config.tensor
         sharded = role != "replicate" and t > 1
@@ -443,6 +493,11 @@ class Evaluator:
                         kernels=2 if n.param_count or param_read else 1,
                         shape_efficiency=waves, backward=True) if n.requires_grad else 0.0
         f, b = f * self.in_run[0], b * self.in_run[1]
+        if fused_head:
+            f = b = 0.0
+        hf = hb = copies = 0.0
+        if self.gpu_graph is not None:
+            f, b, hf, hb, copies = self._gpu_extras(n, config, f, b, scale / seq, div)
         tp_f = tp_b = 0.0
         if sharded:
             shard = self.sharding.roles[n.name]
@@ -468,7 +523,26 @@ class Evaluator:
         # its output and that output's gradient; a weight read through get_attr is a parameter, counted
         # once as such and not once per sample
         temp = 0.0 if n.kind == "param" else 2 * n.output_bytes * scale * ds / div
-        return _NodeCost(fwd=f, bwd=b, tp_fwd=tp_f, tp_bwd=tp_b, saved=saved, params=params, temp=temp)
+        return _NodeCost(fwd=f, bwd=b, tp_fwd=tp_f, tp_bwd=tp_b, saved=saved, params=params, temp=temp,
+                         host_fwd=hf, host_bwd=hb, weight_copies=copies,
+                         tensors=len(n.param_names) if n.param_count else 0)
+
+    def _gpu_extras(self, n: OpInfo, config: ParallelConfig, f: float, b: float, share: float,
+                    div: float) -> tuple[float, float, float, float, float]:
+        """(forward s, backward s, host forward s, host backward s, weight-copy bytes) of `n` on a GPU: its
+        kernels `f`, `b` plus autocast's casts and eager autograd's extra work (cost_models/gpu_node.py),
+        and, where the runtime zeroes gradients in place, adding its weights' gradients into them."""
+        gpu = self.gpu(config.dtype)
+        mixed = config.dtype != DType.FP32
+        x = self.gpu_graph.extras(n, gpu, share=share, div=div, low_bytes=DType(config.dtype).bytes if mixed else 0,
+                                  compiled=self.execution.compile)
+        f, b = f + x.forward, b + (x.backward if n.requires_grad else 0.0)
+        hf, hb = x.host_forward, x.host_backward
+        if self.setup.zero_grad_in_place and self.overlap.autocast and n.param_count and n.requires_grad:
+            tensors = max(len(n.param_names), 1)
+            b += gpu.stream("elementwise", 12.0 * n.param_count / div, True, kernels=tensors)
+            hb += tensors * gpu.costs.host_op * gpu.costs.host_backward_share
+        return f, b, hf, hb, x.weight_copies
 
     def _curve_times(self, n: OpInfo, share: float, dtype: str, weights: float) -> tuple[float, float] | None:
         """(forward s, backward s) of `n` off the calibrated op curves (fp32 only), or None."""
@@ -495,7 +569,9 @@ class Evaluator:
 
     def _cost_layer(self, layer: Layer, config: ParallelConfig) -> LayerCost:
         roles = self.layer_roles(layer, config)
-        costs = [self.node_cost(self._nodes[name], roles.get(name, "replicate"), config) for name in layer.nodes]
+        head = self._fused_head(config)
+        costs = [self.node_cost(self._nodes[name], roles.get(name, "replicate"), config, fused_head=name == head)
+                 for name in layer.nodes]
         fwd = sum(c.fwd for c in costs)
         # The stack may run the tensor-parallel communication under the split GEMMs it feeds.
         gemms = [c for name, c in zip(layer.nodes, costs) if name in roles and self._nodes[name].kind in _GEMM_KINDS]
@@ -509,11 +585,86 @@ class Evaluator:
         recompute = sum(c.fwd for name, c in zip(layer.nodes, costs) if name in acts.recomputed)
         if config.recompute == Recompute.FULL:
             tp_b += tp_f  # the recomputed forward repeats its all-reduces
-        return LayerCost(forward=fwd, backward=sum(c.bwd for c in costs), recompute=recompute,
+        bwd = sum(c.bwd for c in costs)
+        host_f = sum(c.host_fwd for c in costs)
+        host_b = sum(c.host_bwd for c in costs) + sum(c.host_fwd for name, c in zip(layer.nodes, costs)
+                                                      if name in acts.recomputed)
+        temp = max((c.temp for c in costs), default=0.0)
+        loss = self._loss_cost(config, roles) if layer.index == self._logits_layer else None
+        extra = self._batch_copies(layer, config)
+        fwd, host_f = fwd + extra.device, host_f + extra.host
+        if loss is not None:
+            fwd, bwd = fwd + loss.forward.device, bwd + loss.backward.device
+            host_f, host_b = host_f + loss.forward.host, host_b + loss.backward.host
+        return LayerCost(forward=fwd, backward=bwd, recompute=recompute,
                          tp_forward=tp_f, tp_backward=tp_b, subgraph_forward=0.0, subgraph_backward=0.0,
-                         saved=acts.kept, working=acts.working, params=params,
-                         largest_param_layer=params, temporary=max((c.temp for c in costs), default=0.0),
-                         boundary=self._boundary(layer, config))
+                         saved=acts.kept + (loss.kept_bytes if loss is not None else 0.0), working=acts.working,
+                         params=params, largest_param_layer=params, temporary=temp,
+                         boundary=self._boundary(layer, config), host_forward=host_f, host_backward=host_b,
+                         loss_forward=loss.forward.device if loss is not None else 0.0,
+                         loss_backward=loss.backward.device if loss is not None else 0.0,
+                         loss_peak=max(loss.peak_bytes - loss.kept_bytes, 0.0) if loss is not None else 0.0,
+                         weight_copies=sum(c.weight_copies for c in costs), tensors=sum(c.tensors for c in costs))
+
+    # ---- the step outside the captured graph, on a GPU (cost_models/step_costs.py) -------------------
+    def _find_logits(self) -> str | None:
+        """The node whose output the loss reads: the model output's first tensor, views resolved."""
+        outs = [n for n in self.graph.nodes if n.kind == "output" and n.inputs]
+        if not outs:
+            return None
+        name = outs[0].inputs[0]
+        while self._nodes[name].kind == "view" and self._nodes[name].inputs:
+            name = self._nodes[name].inputs[0]
+        return name if self._nodes[name].output_meta else None
+
+    def _fused_head(self, config: ParallelConfig) -> str | None:
+        """The output linear the fused chunked loss computes itself, under this Evaluator's execution."""
+        if self.gpu_costs is None or self.execution.loss != LossImpl.CHUNKED or self._logits is None:
+            return None
+        return self._logits if self._nodes[self._logits].kind == "linear" else None
+
+    def _loss_cost(self, config: ParallelConfig, roles: dict[str, str]) -> LossCost | None:
+        """The loss of one micro-batch on the rank holding the logits (a GPU; None elsewhere, or for a loss
+        over a few values per sample)."""
+        if self.gpu_costs is None or self._logits is None or self.setup.loss != "cross_entropy":
+            return None
+        n = self._nodes[self._logits]
+        meta = n.output_meta[0]
+        classes = meta.shape[-1] if meta.shape else 1
+        role = roles.get(n.name, "replicate")
+        t = config.tensor
+        div = self.sharding.roles[n.name].divisor(t) if role != "replicate" and t > 1 else 1
+        tokens = meta.numel / max(classes, 1) * config.micro_batch_size / self.graph.batch_size / \
+            sequence_share(self, n.name, role, config)
+        gpu = self.gpu(config.dtype)
+        parallel = t if div > 1 else 1
+
+        def allreduce(nbytes: float) -> float:
+            return self.axis_seconds(config.mesh, MeshAxis.TENSOR, "all_reduce", nbytes)
+        if self._fused_head(config) == n.name:
+            m = self.execution.vocab_multiple
+            vocab = -(-int(classes / div) // m) * m
+            return chunked_loss_cost(gpu, tokens, vocab, n.input_meta[0].shape[-1],
+                                     chunk_tokens=self.execution.loss_chunk_tokens, vocab_parallel=parallel,
+                                     allreduce=allreduce)
+        mixed = config.dtype != DType.FP32
+        low = self.overlap.autocast is False or self.gpu_graph.dtypes.get(n.name) != FLOAT32
+        return full_loss_cost(gpu, tokens, classes / div, logits_bytes=2 if mixed and low else 4,
+                              vocab_parallel=parallel, allreduce=allreduce)
+
+    def _batch_copies(self, layer: Layer, config: ParallelConfig) -> Work:
+        """Host-to-device copies of a micro-batch: the inputs before the first layer, the targets (int64,
+        one per logits row) before the layer holding the logits (a GPU; nothing elsewhere)."""
+        if self.gpu_costs is None:
+            return Work()
+        scale = config.micro_batch_size / self.graph.batch_size
+        nbytes = 0.0
+        if layer.index == 0:
+            nbytes += sum(n.output_bytes for n in self.graph.nodes if n.kind == "input") * scale
+        if layer.index == self._logits_layer and self._logits is not None:
+            meta = self._nodes[self._logits].output_meta[0]
+            nbytes += meta.numel / max(meta.shape[-1] if meta.shape else 1, 1) * 8 * scale
+        return h2d_seconds(self.gpu(config.dtype), nbytes, self.setup.pinned_batches) if nbytes else Work()
 
 
 @dataclass(frozen=True)
@@ -525,6 +676,10 @@ class _NodeCost:
     saved: float    # activation bytes this op alone keeps (planner/saved.py node_bytes)
     params: float
     temp: float
+    host_fwd: float = 0.0       # GPU: host s dispatching its forward / backward ops
+    host_bwd: float = 0.0
+    weight_copies: float = 0.0  # GPU: bytes of the 16-bit weight copies autocast keeps
+    tensors: int = 0            # parameter tensors it holds
 
 
 def _params_per_rank(n: OpInfo, role: str, t: float) -> float:

@@ -277,9 +277,14 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
     return plan
 
 
+# entries plans written before they were priced lack: 0 (the fragmentation margin; on a GPU, autocast's weight
+# copies, the loss's buffers and its time, the host's dispatch)
+_LATER_MEMORY = ("fragmentation", "weight_copies", "loss")
+_LATER_TIME = ("loss", "host")
+
+
 def _read_memory(f: Fields) -> MemoryBreakdown:
-    # plans written before the fragmentation margin was priced have no such entry: 0
-    return MemoryBreakdown(**{k: f.number(k, **({"default": 0.0} if k == "fragmentation" else {}), minimum=0)
+    return MemoryBreakdown(**{k: f.number(k, **({"default": 0.0} if k in _LATER_MEMORY else {}), minimum=0)
                               for k in MemoryBreakdown.__dataclass_fields__})
 
 
@@ -287,7 +292,8 @@ def _read_prediction(f: Fields) -> Prediction:
     time = f.sub("time")
     return Prediction(
         step_time=f.number("step_time", minimum=0),
-        time=TimeBreakdown(**{k: time.number(k) for k in TimeBreakdown.__dataclass_fields__}),
+        time=TimeBreakdown(**{k: time.number(k, **({"default": 0.0} if k in _LATER_TIME else {}))
+                              for k in TimeBreakdown.__dataclass_fields__}),
         peak_memory=f.number("peak_memory", minimum=0), memory=_read_memory(f.sub("memory")),
         memory_capacity=f.number("memory_capacity", minimum=0), fits=f.boolean("fits"),
         samples_per_s=f.number("samples_per_s", minimum=0), tokens_per_s=f.optional_number("tokens_per_s"),
@@ -296,6 +302,7 @@ def _read_prediction(f: Fields) -> Prediction:
         stages=tuple(f.each("stages", lambda s: StagePrediction(
             index=s.integer("index", minimum=0), first_layer=s.text("first_layer"), last_layer=s.text("last_layer"),
             num_layers=s.integer("num_layers", minimum=1), forward=s.number("forward", minimum=0),
-            backward=s.number("backward", minimum=0), memory=_read_memory(s.sub("memory"))))),
+            backward=s.number("backward", minimum=0), memory=_read_memory(s.sub("memory")),
+            host_forward=s.number("host_forward", 0.0, minimum=0), host_backward=s.number("host_backward", 0.0, minimum=0)))),
         step_energy=f.number("step_energy", 0.0, minimum=0),
     )

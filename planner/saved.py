@@ -37,7 +37,11 @@ class LayerActivations:
 class SavedActivations:
     """What each op of one graph keeps for backward; see module docstring."""
 
-    def __init__(self, graph: ModelGraph, sharding: ShardingPlan) -> None:
+    def __init__(self, graph: ModelGraph, sharding: ShardingPlan, fp32_values: frozenset[str] = frozenset()) -> None:
+        """`fp32_values`: the values a mixed-precision run holds in fp32 (cost_models/autocast.py: under
+        torch.autocast, a residual stream fed by an fp32 embedding, a norm's output); they are kept 4 bytes
+        an element, and an autocast-lowered op reading one keeps its 16-bit copy."""
+        self._fp32 = fp32_values
         self._nodes = {n.name: n for n in graph.nodes}
         self._sharding = sharding
         self._batch = graph.batch_size
@@ -62,14 +66,16 @@ class SavedActivations:
         role = roles.get(name)
         return self._sharding.roles[name].divisor(t) if t > 1 and role in _SPLIT_OUTPUT else 1.0
 
-    def _ref(self, name: str, roles: dict[str, str], t: int) -> TensorRef:
+    def _ref(self, name: str, roles: dict[str, str], t: int, mixed: bool = False) -> TensorRef:
         meta = self._nodes[name].output_meta[0]
         root = self._root[name]
         return TensorRef(key=root, shape=meta.shape, dtype=meta.dtype, split=self._split(root, roles, t),
-                         score=name in self._scores, storage=self._nodes[root].output_meta[0].numel)
+                         score=name in self._scores, storage=self._nodes[root].output_meta[0].numel,
+                         run_fp32=mixed and root in self._fp32)
 
-    def op_view(self, n: OpInfo, roles: dict[str, str], t: int) -> OpView:
-        """`n` for the activation rules, under `roles` (the layer's split roles) on `t` tensor ranks."""
+    def op_view(self, n: OpInfo, roles: dict[str, str], t: int, mixed: bool = False) -> OpView:
+        """`n` for the activation rules, under `roles` (the layer's split roles) on `t` tensor ranks;
+        `mixed`: a 16-bit compute dtype (the fp32 values then hold 4 bytes an element)."""
         base = normalize(n.target)
         p = n.attr("p") if n.attr("p") is not None else n.attr("dropout_p")
         if p is None and "dropout" in base:
@@ -78,8 +84,8 @@ class SavedActivations:
         own = roles.get(n.name)
         return OpView(
             name=n.name, kind=n.kind, base=base,
-            inputs=tuple(self._ref(i, roles, t) for i in self._activation_inputs(n)),
-            output=self._ref(n.name, roles, t) if n.output_meta else None,
+            inputs=tuple(self._ref(i, roles, t, mixed) for i in self._activation_inputs(n)),
+            output=self._ref(n.name, roles, t, mixed) if n.output_meta else None,
             dropout_p=float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else 0.0,
             params=params,
             split=self._sharding.roles[n.name].divisor(t) if own is not None and t > 1 else 1.0,
@@ -93,7 +99,7 @@ class SavedActivations:
         key = (n.name, config.dtype, config.recompute == Recompute.SELECTIVE, fused_attention)
         kept = self._node_cache.get(key)
         if kept is None:   # the search prices every node under many configs: once per dtype and mode
-            saved = saved_by(self.op_view(n, {}, 1), fused_attention)
+            saved = saved_by(self.op_view(n, {}, 1, config.dtype != DType.FP32), fused_attention)
             kept = self._node_cache[key] = layer_bytes(list(saved), DType(config.dtype).bytes,
                                                        selective=key[2]).kept
         return kept * config.micro_batch_size / self._batch / divisor
@@ -106,7 +112,8 @@ class SavedActivations:
         t = config.tensor
         sequence = t if config.sequence_parallel else 1
         scale = config.micro_batch_size / self._batch
-        views = [self.op_view(self._nodes[name], roles, t) for name in layer.nodes]
+        mixed = config.dtype != DType.FP32
+        views = [self.op_view(self._nodes[name], roles, t, mixed) for name in layer.nodes]
         per_op = [saved_by(v, fused_attention) for v in views]
         selective = config.recompute == Recompute.SELECTIVE
         total = layer_bytes([s for saved in per_op for s in saved], DType(config.dtype).bytes, sequence,

@@ -30,25 +30,30 @@ from typing import Callable
 
 from cost_models import gems
 from cost_models.comm import collective_time
-from cost_models.memory import adam_step_bytes, param_bytes
+from cost_models.memory import param_bytes
 from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
 from planner.config import ParallelConfig
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, MeshShape, Placement
+from planner.strategies.pipeline import optimizer_work, param_bytes_for
 from runtime.vocab import DType, StrategyName
 
 
 class _Sizes:
     """Prefix sums over layers: time, parameter bytes, saved activation bytes."""
 
-    def __init__(self, config: ParallelConfig, costs: list, weights: list[float], grad_bytes: int | None = None):
-        pb = param_bytes(config.dtype, 0, config.data, grad_bytes).total
+    def __init__(self, config: ParallelConfig, costs: list, weights: list[float], grad_bytes: int | None = None,
+                 per_param: float | None = None):
+        """`per_param`: bytes a device holds per parameter (default: cost_models.memory.param_bytes of the
+        config without ZeRO, gradients `grad_bytes` wide)."""
+        pb = per_param if per_param is not None else param_bytes(config.dtype, 0, config.data, grad_bytes).total
         self.w, self.par, self.act = [0.0], [0.0], [0.0]
         for c, wt in zip(costs, weights):
             self.w.append(self.w[-1] + wt)
             self.par.append(self.par[-1] + c.params * pb)
-            self.act.append(self.act[-1] + c.saved)
-        self.extra = max((c.working for c in costs), default=0.0) + max((c.temporary for c in costs), default=0.0)
+            self.act.append(self.act[-1] + c.saved + getattr(c, "weight_copies", 0.0))
+        self.extra = max((c.working for c in costs), default=0.0) + \
+            max((max(c.temporary, getattr(c, "loss_peak", 0.0)) for c in costs), default=0.0)
 
     def time(self, lo: int, hi: int) -> float:
         return self.w[hi] - self.w[lo]
@@ -70,12 +75,13 @@ def pairs_fit(bounds: list[tuple[int, int]], sizes: _Sizes, cap: float) -> bool:
 
 
 def bidirectional_bounds(config: ParallelConfig, costs: list, weights: list[float], cap: float,
-                         balanced: Callable, grad_bytes: int | None = None) -> list[tuple[int, int]]:
+                         balanced: Callable, grad_bytes: int | None = None,
+                         per_param: float | None = None) -> list[tuple[int, int]]:
     """[lo, hi) layer ranges of the p stages: time-balanced (`balanced(weights, p, None)`) when
     every pair fits in `cap` bytes, else the pair-feasible split with the smallest slowest stage
     (the time-balanced one if none fits)."""
     p = config.pipeline
-    sizes = _Sizes(config, costs, weights, grad_bytes)
+    sizes = _Sizes(config, costs, weights, grad_bytes, per_param)
     plain = balanced(weights, p, None)
     if pairs_fit(plain, sizes, cap):
         return plain
@@ -196,7 +202,8 @@ class BidirectionalStrategy(Placement):
         """Stage r fits together with stage p-1-r."""
         # the pairs fit within what the allocator's fragmentation margin leaves
         return bidirectional_bounds(config, costs, weights, ev.memory_cap / (1 + ev.allocator_margin),
-                                    balanced_partition, ev.grad_reduce_bytes)
+                                    balanced_partition, ev.grad_reduce_bytes,
+                                    per_param=param_bytes_for(ev, replace(config, zero=0)).total)
 
     def step(self, ev, config: ParallelConfig, global_batch_size: int, m: int, costs: list,
              bounds: Bounds) -> Prediction:
@@ -207,8 +214,11 @@ class BidirectionalStrategy(Placement):
         bc = [sum(c.backward for c in cs) for cs in per_stage]
         rc = [sum(c.recompute for c in cs) for cs in per_stage]
         tp = [sum(c.comm_forward + c.comm_backward for c in cs) for cs in per_stage]
-        f = [fc[k] + sum(c.comm_forward for c in per_stage[k]) for k in range(p)]
-        b = [bc[k] + rc[k] + sum(c.comm_backward for c in per_stage[k]) for k in range(p)]
+        f_dev = [fc[k] + sum(c.comm_forward for c in per_stage[k]) for k in range(p)]
+        b_dev = [bc[k] + rc[k] + sum(c.comm_backward for c in per_stage[k]) for k in range(p)]
+        # on a GPU a pass takes the host's dispatching its kernels where that is longer (planner/strategies/pipeline.py)
+        f = [max(f_dev[k], sum(c.host_forward for c in per_stage[k])) for k in range(p)]
+        b = [max(b_dev[k], sum(c.host_backward for c in per_stage[k])) for k in range(p)]
         link = ev.p2p_seconds(config)
         hop = max(link(costs[hi - 1].boundary) for lo, hi in bounds[:-1])
         with_p2p, _ = gems.step_time(f, b, T, hop)
@@ -216,7 +226,7 @@ class BidirectionalStrategy(Placement):
         crit = max(range(p), key=lambda i: busy[i])
         pair = gems.pair_of(crit, p)
         both = (crit, pair)  # the middle device of an odd pipeline runs its stage for both replicas
-        pb = param_bytes(config.dtype, 0, d, ev.grad_reduce_bytes)
+        pb = param_bytes_for(ev, replace(config, zero=0))
         mems, stages = [], []
         for i in range(p):
             j = gems.pair_of(i, p)
@@ -226,26 +236,29 @@ class BidirectionalStrategy(Placement):
             # layer's recomputed activations are live in its backward.
             acts = max(sum(c.saved for c in per_stage[k]) + max((c.working for c in per_stage[k]), default=0.0)
                        for k in {i, j})
+            loss_peak = max((c.loss_peak for c in held), default=0.0)
             allocated = MemoryBreakdown(parameters=params * pb.weights, gradients=params * pb.gradients,
                                         optimizer=params * pb.optimizer, activations=acts,
                                         comm_buffers=2 * max(costs[hi - 1].boundary for lo, hi in bounds),
-                                        temporary=max((c.temporary for c in held), default=0.0))
+                                        temporary=max(max((c.temporary for c in held), default=0.0) - loss_peak, 0.0),
+                                        weight_copies=sum(c.weight_copies for c in held), loss=loss_peak)
             mem = replace(allocated, fragmentation=allocated.total * ev.allocator_margin)
-            mems.append((mem, params))
+            mems.append((mem, params, sum(c.tensors for c in held)))
         for k, (lo, hi) in enumerate(bounds):
             stages.append((lo, hi, k, mems[k][0]))
         # Devices r and p-1-r (in every data replica) hold copies of the same two stages and
         # all-reduce their flattened gradients after the step, higher stage first.
         data_comm = max(_pair_allreduce(ev, config, i, mems[i][1]) for i in range(p))
-        optimizer = mems[crit][1] * adam_step_bytes(config.dtype) / \
-            (ev.cluster.device.memory_bandwidth * ev.eff.memory)
+        opt = optimizer_work(ev, config, mems[crit][1], mems[crit][2], mems[crit][1])
+        optimizer = max(opt.device, opt.host)
+        host = T * sum(f[k] - f_dev[k] + b[k] - b_dev[k] for k in both)   # busy[crit]'s wait for the host
         time = TimeBreakdown(
             forward=T * sum(fc[k] for k in both), backward=T * sum(bc[k] for k in both),
             recompute=T * sum(rc[k] for k in both), tensor_comm=T * sum(tp[k] for k in both),
             pipeline_comm=with_p2p - without_p2p, bubble=without_p2p - busy[crit],
-            data_comm=data_comm, optimizer=optimizer)
+            data_comm=data_comm, optimizer=optimizer, host=host)
         return ev.prediction(config, global_batch_size, m, costs, stages, time,
-                             max((mem for mem, _ in mems), key=lambda x: x.total),
+                             max((mem for mem, _, _ in mems), key=lambda x: x.total),
                              busy=busy[crit] + optimizer)
 
 

@@ -197,7 +197,8 @@ def adjust(ev, layer: Layer, cost, config: ParallelConfig):
             cost, forward=cost.forward / c, backward=cost.backward / c, recompute=cost.recompute / c,
             tp_forward=cost.tp_forward / c + ex_f, tp_backward=cost.tp_backward / c + ex_b,
             saved=cost.saved / c, working=cost.working / c, temporary=cost.temporary / c + buffers,
-            boundary=cost.boundary / c)
+            boundary=cost.boundary / c, loss_forward=cost.loss_forward / c, loss_backward=cost.loss_backward / c,
+            loss_peak=cost.loss_peak / c)
 
     return _cache(ev, key, make)
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.memory import adam_step_bytes, live_micro_batches, param_bytes
+from cost_models.memory import adam_step_bytes, autocast_param_bytes, live_micro_batches, param_bytes
 from cost_models.mesh_axes import axis_spans_nodes
 from cost_models.overlap import DeviceWork, p2p_exposed
 from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
 from cost_models.schedule import pipeline_time
+from cost_models.step_costs import Work, optimizer_cost
 from planner.config import ConfigError, ParallelConfig
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, MeshShape, Placement
@@ -85,14 +86,15 @@ class PipelineStrategy(Placement):
         memory the allocator's fragmentation margin leaves; under the interleaved
         schedule each of the v chunks gets 1/v of the memory.
         """
-        pb = param_bytes(config.dtype, config.zero, config.data, ev.grad_reduce_bytes).total
+        pb = param_bytes_for(ev, config).total
         m = config.micro_batches(global_batch_size)
         v = config.virtual_stages
         par, act = [0.0], [0.0]
         for c in costs:
             par.append(par[-1] + c.params * pb)
-            act.append(act[-1] + c.saved)
-        extra = max((c.working for c in costs), default=0.0) + max((c.temporary for c in costs), default=0.0)
+            act.append(act[-1] + c.saved + c.weight_copies)
+        extra = max((c.working for c in costs), default=0.0) + \
+            max((max(c.temporary, c.loss_peak) for c in costs), default=0.0)
         cap = ev.memory_cap / (1 + ev.allocator_margin) / v
         live = [live_micro_batches(config.schedule, i, config.pipeline, m, v) for i in range(config.pipeline)]
 
@@ -109,8 +111,9 @@ class PipelineStrategy(Placement):
     def step(self, ev, config: ParallelConfig, global_batch_size: int, m: int, costs: list,
              bounds: Bounds) -> Prediction:
         p, v, d = config.pipeline, config.virtual_stages, config.data
-        slots, parts, mems, stages, works = [], [], [], [], []
-        pb = param_bytes(config.dtype, config.zero, d, ev.grad_reduce_bytes)
+        slots, hosts, halves, parts, mems, stages, works = [], [], [], [], [], [], []
+        pb = param_bytes_for(ev, config)
+        autocast = _autocast_memory(ev, config)
         p2p = ev.p2p_seconds(config)
         tie_params, tie_seconds = ev.tie_costs(config, bounds)
         # Gradient and weight traffic on the data axis shares its link with the tensor-parallel
@@ -127,7 +130,14 @@ class PipelineStrategy(Placement):
             tp = sum(c.comm_forward + c.comm_backward for c in cs)
             pp = sum(_sends_exposed(ev, p2p(costs[hi - 1].boundary), costs[lo:hi]) for lo, hi in chunks if p > 1)
             slots.append(fwd + bwd + rc + tp + pp)
-            parts.append((fwd, bwd, rc, tp, pp))
+            # on a GPU the host dispatches every kernel: each forward and backward instruction (a chunk's, for
+            # one micro-batch) takes whichever of the device's kernels and the host's dispatching them is
+            # longer, as the simulator prices it (StagePrediction.forward / backward hold the same)
+            excess = [_host_excess(costs[lo:hi]) for lo, hi in chunks]
+            hosts.append(sum(f + b for f, b in excess))
+            halves.append((fwd + sum(c.comm_forward for c in cs) + pp / 2 + sum(f for f, _ in excess),
+                           bwd + rc + sum(c.comm_backward for c in cs) + pp / 2 + sum(b for _, b in excess)))
+            parts.append((fwd, bwd, rc, tp, pp, sum(c.loss_forward for c in cs), sum(c.loss_backward for c in cs)))
             works.append(DeviceWork(
                 layers=tuple((c.params, c.forward + apart * c.tp_forward,
                               c.backward + c.recompute + apart * c.tp_backward) for c in cs),
@@ -137,26 +147,39 @@ class PipelineStrategy(Placement):
             # what each live micro-batch keeps, and one layer's recomputed activations in its backward
             acts = live * sum(c.saved for c in cs) + max((c.working for c in cs), default=0.0)
             gather = 0.0
-            if config.zero == 3:  # the gathered weights of the current and the prefetched layer, or the stack's bound
+            if config.zero == 3 and autocast:   # meshplan's runtime gathers a stage's parameters whole (fp32)
+                gather = sum(c.params for c in cs) * 4.0
+            elif config.zero == 3:  # the gathered weights of the current and the prefetched layer, or the stack's bound
                 gathered = 2 * max((c.params for c in cs), default=0.0)
                 if ev.zero3_live_parameters is not None:
                     gathered = min(gathered, ev.zero3_live_parameters)
                 gather = gathered * DType(config.dtype).bytes
-            comm_buf = (2 * min(GRAD_BUCKET_BYTES, params * pb.gradients) if d > 1 else 0.0) + \
-                (2 * costs[chunks[-1][1] - 1].boundary if p > 1 else 0.0)
+            # gradient buckets: meshplan's runtime reduces the gradients in place (they are views of its
+            # buckets, runtime/grads.py); other stacks copy a bucket out and back
+            buckets = 0.0 if autocast else 2 * min(GRAD_BUCKET_BYTES, params * pb.gradients)
+            comm_buf = (buckets if d > 1 else 0.0) + (2 * costs[chunks[-1][1] - 1].boundary if p > 1 else 0.0)
+            loss_peak = max((c.loss_peak for c in cs), default=0.0)
             allocated = MemoryBreakdown(
                 parameters=params * pb.weights + gather, gradients=params * pb.gradients,
                 optimizer=params * pb.optimizer, activations=acts, comm_buffers=comm_buf,
-                temporary=max((c.temporary for c in cs), default=0.0),
+                temporary=max(max((c.temporary for c in cs), default=0.0) - loss_peak, 0.0),
+                weight_copies=live * sum(c.weight_copies for c in cs), loss=loss_peak,
             )
             mem = replace(allocated, fragmentation=allocated.total * ev.allocator_margin)
-            mems.append((mem, params))
+            mems.append((mem, params, sum(c.tensors for c in cs)))
             for (lo, hi) in chunks:
                 stages.append((lo, hi, i, mem))
 
-        crit = max(range(p), key=lambda i: slots[i])
-        fwd, bwd, rc, tp, pp = parts[crit]
-        total, bubble = pipeline_time(config.schedule, p, m, slots[crit], v)
+        effective = [slot + host for slot, host in zip(slots, hosts)]
+        crit = max(range(p), key=lambda i: effective[i])
+        fwd, bwd, rc, tp, pp, loss_f, loss_b = parts[crit]
+        pace = effective[crit]
+        if config.schedule == Schedule.GPIPE and p > 1:
+            # every forward runs before any backward: the slowest forward and the slowest backward set the
+            # pace apart (they differ where the devices' host and device times weigh differently)
+            pace = max(f for f, _ in halves) + max(b for _, b in halves)
+        total, bubble = pipeline_time(config.schedule, p, m, pace, v)
+        bubble += m * (pace - effective[crit])
 
         # Gradient sync and ZeRO traffic for the critical device, hidden behind its compute as the
         # stack's overlap allows (planner/strategies/data.py).
@@ -170,14 +193,58 @@ class PipelineStrategy(Placement):
             pp_fill = 0.0
         data_comm += tie_seconds  # a tied weight's copies summed after the gradient sync
         opt_params = params_crit / (d if config.zero >= 1 else 1)
-        optimizer = opt_params * adam_step_bytes(config.dtype) / (ev.cluster.device.memory_bandwidth * ev.eff.memory)
+        opt = optimizer_work(ev, config, opt_params, mems[crit][2], params_crit)
+        # the device waits for the host where it dispatches a slot's kernels slower than they run
+        host = m * (effective[crit] - slots[crit])
+        # the step's end: the optimizer phase (its kernels, or the host's dispatching them if longer) and,
+        # after each sync (a loss read per micro-batch and at the step's end, the norm where it clips),
+        # the time to dispatch the next kernel
+        optimizer = max(opt.device, opt.host)
+        if ev.gpu_costs is not None:
+            optimizer += (m + 1 + ev.setup.clip_grad) * ev.gpu_costs.host_op
 
-        time = TimeBreakdown(forward=m * fwd, backward=m * bwd, recompute=m * rc, tensor_comm=m * tp,
-                             pipeline_comm=m * pp + pp_fill, bubble=bubble, data_comm=data_comm,
-                             zero_comm=zero_comm, optimizer=optimizer)
+        # the loss runs inside the last stage's forward and backward; the breakdown shows it apart
+        time = TimeBreakdown(forward=m * (fwd - loss_f), backward=m * (bwd - loss_b), recompute=m * rc,
+                             tensor_comm=m * tp, pipeline_comm=m * pp + pp_fill, bubble=bubble, data_comm=data_comm,
+                             zero_comm=zero_comm, optimizer=optimizer, loss=m * (loss_f + loss_b), host=host)
         return ev.prediction(config, global_batch_size, m, costs, stages, time,
-                             max((mem for mem, _ in mems), key=lambda x: x.total),
+                             max((mem for mem, _, _ in mems), key=lambda x: x.total),
                              busy=m * (fwd + bwd + rc) + optimizer)
+
+
+def _host_excess(chunk: list) -> tuple[float, float]:
+    """Seconds a chunk's forward and its backward instruction wait for the host beyond their device time
+    (GPU; 0 where the host keeps ahead)."""
+    f = sum(c.forward + c.comm_forward for c in chunk)
+    b = sum(c.backward + c.recompute + c.comm_backward for c in chunk)
+    return max(sum(c.host_forward for c in chunk) - f, 0.0), max(sum(c.host_backward for c in chunk) - b, 0.0)
+
+
+def _autocast_memory(ev, config: ParallelConfig) -> bool:
+    """Whether a rank holds what meshplan's runtime allocates under torch.autocast (fp32 weights and
+    gradients, 16-bit weight copies per micro-batch: cost_models/memory.autocast_param_bytes)."""
+    return ev.gpu_costs is not None and ev.overlap.autocast
+
+
+def param_bytes_for(ev, config: ParallelConfig):
+    """Bytes per parameter a rank holds for `config` on this stack (cost_models/memory.py)."""
+    if _autocast_memory(ev, config):
+        return autocast_param_bytes(config.zero, config.data, ev.setup.state_bytes)
+    return param_bytes(config.dtype, config.zero, config.data, ev.grad_reduce_bytes)
+
+
+def optimizer_work(ev, config: ParallelConfig, opt_params: float, tensors: int, params: float) -> Work:
+    """The optimizer phase of the critical device: on a GPU the step by implementation, the gradient norm
+    where the step clips, and zeroing the gradients (cost_models/step_costs.optimizer_cost); elsewhere the
+    step's bytes at the memory bandwidth (a calibrated CPU cluster's simulator adds the measured fixed
+    costs)."""
+    if ev.gpu_costs is None:
+        return Work(opt_params * adam_step_bytes(config.dtype) / (ev.cluster.device.memory_bandwidth * ev.eff.memory))
+    if config.zero >= 1:   # the optimizer steps one flat shard per gradient bucket
+        tensors = max(int(-(-params * 4 // GRAD_BUCKET_BYTES)), 1)
+    return optimizer_cost(ev.gpu(config.dtype), opt_params, tensors, impl=ev.setup.impl_on_gpu(),
+                          clip=ev.setup.clip_grad, zero_in_place=ev.setup.zero_grad_in_place and ev.overlap.autocast,
+                          groups=2)
 
 
 def _sends_exposed(ev, send: float, chunk: list) -> float:

@@ -27,6 +27,7 @@ import planner
 from cost_models.activations import OpView, SavedTensor, TensorRef, Width, layer_bytes, saved_by
 from cost_models.hardware import Cluster
 from cost_models.memory import ALLOCATOR_MARGIN, param_bytes
+from cost_models.overlap import Overlap
 from examples.models import gpt
 from planner import ParallelConfig
 from planner.evaluate import Evaluator
@@ -49,7 +50,8 @@ def _block(graph):
 
 
 def _cost(graph, t, recompute, sp=False, fused=False):
-    ev = Evaluator(graph, A100, fused_attention=fused, sharding="all")
+    # the paper counts Megatron-LM's layer: 16-bit weights and activations, no autocast (cost_models/autocast.py)
+    ev = Evaluator(graph, A100, fused_attention=fused, sharding="all", overlap=Overlap.preset("megatron-2021"))
     config = ParallelConfig(data=8 // t, tensor=t, micro_batch_size=B, dtype="bf16", recompute=recompute,
                             sequence_parallel=sp)
     return ev, config, ev.layer_cost(_block(graph), config)
@@ -167,9 +169,12 @@ def test_zero3_gathers_two_layers_or_the_stacks_live_parameter_bound(graph):
     # two LayerNorms 2h each: 12 h^2 + 13 h (the lm_head has h x vocabulary = 4096)
     largest = 12 * H * H + 13 * H
     weights = graph.num_params * 2 / 8
-    fsdp = Evaluator(graph, A100).evaluate(config, global_batch_size=8 * B).memory
+    # stacks that hold 16-bit weights (FSDP2 with a bf16 param_dtype, DeepSpeed); meshplan's own runtime
+    # gathers a stage's fp32 weights whole (test_autocast_memory.py)
+    fsdp = Evaluator(graph, A100, overlap=Overlap.preset("torchtitan")).evaluate(config, global_batch_size=8 * B).memory
     assert fsdp.parameters == pytest.approx(weights + 2 * largest * 2)   # current + prefetched layer, bf16
-    deepspeed = Evaluator(graph, A100, zero3_live_parameters=1000).evaluate(config, global_batch_size=8 * B).memory
+    deepspeed = Evaluator(graph, A100, zero3_live_parameters=1000, overlap=Overlap.preset("deepspeed")).evaluate(
+        config, global_batch_size=8 * B).memory
     assert deepspeed.parameters == pytest.approx(weights + 1000 * 2)
     with pytest.raises(ValueError, match="zero3_live_parameters"):
         Evaluator(graph, A100, zero3_live_parameters=0)

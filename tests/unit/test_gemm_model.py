@@ -12,6 +12,7 @@ from cost_models.hardware import Cluster
 from cost_models.kernels import (AttentionShape, flash_efficiency, fused_attention_seconds, gpu_for, pass_bytes,
                                  unfused_attention_seconds)
 from cost_models.memory import adam_step_bytes
+from cost_models.overlap import Overlap
 from examples.models import gpt
 from planner.evaluate import Evaluator
 
@@ -149,7 +150,9 @@ def small_gpt():
 
 
 def test_layer_norm_and_gelu_nodes_priced_by_their_bytes(small_gpt):
-    ev = Evaluator(small_gpt, A100)
+    # a stack that runs 16-bit activations throughout (no autocast: tests/unit/test_autocast_costs.py prices
+    # the fp32 norms and the casts autocast adds)
+    ev = Evaluator(small_gpt, A100, overlap=Overlap.preset("megatron"))
     cfg = planner.ParallelConfig(micro_batch_size=2, dtype="bf16")
     nodes = {n.target: n for n in small_gpt.nodes if n.module_path.startswith("blocks.0")}
     x = 2 * 64 * 128 * 2               # (B, T, C) = (2, 64, 128) in bf16
@@ -169,11 +172,23 @@ def test_adam_step_bytes_by_hand():
     assert adam_step_bytes("fp32") == 16 + 12
 
 
-def test_optimizer_step_time_is_its_memory_traffic(small_gpt):
-    # one A100: every parameter's Adam step moves 28 bytes at 1.6 TB/s
+def test_optimizer_phase_is_the_fused_step_the_zeroing_and_the_syncs(small_gpt):
+    # One A100, AdamW fused (what the runtime runs on a GPU): a cost per parameter tensor, and 28 bytes a
+    # parameter at its share of the 2.0 TB/s (cost_models/gpu_costs.py defaults: 5.5 us, 0.70); the runtime
+    # zeroes the fp32 gradients in place (4 bytes a parameter at 1.6 TB/s, a kernel per tensor); after the
+    # step's three syncs (the loss read of each of its two micro-batches, and the step's end) the host
+    # dispatches again.
+    # The host dispatches the fused step in 4 ops per parameter group (2 groups: decayed or not) and a zero_()
+    # per tensor, 10.1 us each; the phase takes the longer of the host's dispatching and the device's kernels.
     one = Cluster.preset("dgx-a100-80gb", devices=1)
     pred = planner.evaluate(small_gpt, one, planner.ParallelConfig(dtype="bf16"), global_batch_size=2)
-    assert pred.time.optimizer == pytest.approx(small_gpt.num_params * 28 / BW)
+    params = small_gpt.num_params
+    tensors = sum(len(n.param_names) for n in small_gpt.nodes if n.param_count)
+    device = tensors * 5.5e-6 + params * 28 / (2.0e12 * 0.70) + params * 4 / BW + tensors * LAUNCH
+    host = (2 * 4 + tensors) * 10.1e-6
+    assert host > device    # this small model's optimizer phase is host-bound
+    assert pred.num_micro_batches == 2
+    assert pred.time.optimizer == pytest.approx(max(device, host) + 3 * 10.1e-6)
 
 
 def test_calibrated_gpu_efficiency_sets_the_large_gemm_rate(small_gpt):
