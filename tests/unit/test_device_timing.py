@@ -244,3 +244,59 @@ def test_compare_of_a_cpu_run_is_unchanged():
     text = cmp.report()
     assert "clock: host perf_counter" in text and "host ms" not in text and "host timeline" not in text
     assert {k.op: round(k.error, 6) for k in cmp.kinds} == {"F": 0.0, "B": 0.5}
+
+
+class _FakeCuda:
+    """torch.cuda's events, synchronize and device guard over a fake GPU timer that runs `rate` times
+    as fast as the host's clock (drift), `offset` seconds apart from it; events run when recorded."""
+
+    def __init__(self, host, rate: float, offset: float):
+        self.host, self.rate, self.offset = host, rate, offset
+        outer = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = outer.offset + outer.host() * outer.rate
+
+            def query(self):
+                return self.at is not None
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return (other.at - self.at) * 1e3
+        self.Event = Event
+
+
+def test_cuda_clock_places_device_events_on_the_host_clock_and_corrects_drift(monkeypatch):
+    import contextlib
+
+    from runtime import device_clock
+
+    host = Host()
+    fake = _FakeCuda(host, rate=1 + 1e-4, offset=123.0)     # 100 ppm fast, an arbitrary zero
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    host.t = 5.0
+    clock = device_clock.CudaClock(torch.device("cuda"), host)
+    host.t = 105.0
+    e = clock.record()
+    assert clock.done(e) and clock.elapsed(e) == pytest.approx(100.0 * (1 + 1e-4))
+    host.t = 200.0
+    place = clock.placement()                     # the second anchor at host time 200
+    assert place(clock.elapsed(e)) == pytest.approx(105.0, abs=1e-9)   # 10 ms of drift corrected
+    clock.release(e)
+    assert clock.record() is e                    # events are reused
+    # over a short run the drift is not corrected: the anchors' uncertainty would dominate it
+    host.t = 0.0
+    short = device_clock.CudaClock(torch.device("cuda"), host)
+    host.t = 0.5
+    e = short.record()
+    host.t = device_clock.MIN_DRIFT_SPAN * 0.75
+    assert short.placement()(short.elapsed(e)) == pytest.approx(0.5 * (1 + 1e-4))

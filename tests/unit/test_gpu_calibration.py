@@ -276,3 +276,27 @@ def test_cli_gpu_calibration_writes_the_cluster_and_the_op_table(monkeypatch, tm
         [(r.op, r.shape, round(r.ms, 5)) for r in _rows()]
     assert f"wrote {table}" in capsys.readouterr().out
     assert GPU_OPS_KEY == "raw.gpu_ops"
+
+
+def test_the_cuda_timer_reads_event_pairs_around_each_call(monkeypatch):
+    """cuda_timer's glue (events on the current stream, elapsed_time, synchronize) over fake events."""
+    device_ms = {"t": 0.0}
+    synced = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self, stream=None):
+            self.at = device_ms["t"]
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+
+    def call(i):
+        device_ms["t"] += [5.0, 1.0, 2.0, 9.0][i]
+    timer = gpu_ops.cuda_timer(torch.device("cuda"))
+    assert timer.device_ms(call, warmup=1, repeat=3) == 2.0      # calls 1, 2, 3 took 1, 2 and 9 ms
+    assert synced == [torch.device("cuda")] * 2
