@@ -143,16 +143,12 @@ class Timer:
 
     def host_ms(self, call: Callable[[int], object], warmup: int, repeat: int) -> float:
         """Median wall milliseconds of call(i) followed by a sync, over `repeat` calls after `warmup`."""
-        for i in range(warmup):
-            call(i)
-        self.sync()
-        times = []
-        for i in range(warmup, warmup + repeat):
-            t0 = time.perf_counter()
-            call(i)
-            self.sync()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        wall = Timer(mark=time.perf_counter, ms=_wall_ms, sync=self.sync)
+        return wall.device_ms(lambda i: (call(i), self.sync()), warmup, repeat)
+
+
+def _wall_ms(a: float, b: float) -> float:
+    return (b - a) * 1e3
 
 
 def cuda_timer(device: torch.device) -> Timer:
@@ -166,7 +162,7 @@ def cuda_timer(device: torch.device) -> Timer:
 
 def host_timer() -> Timer:
     """The host's perf_counter and no device to wait for (a CPU device: how the unit tests drive the loop)."""
-    return Timer(mark=time.perf_counter, ms=lambda a, b: (b - a) * 1e3, sync=lambda: None)
+    return Timer(mark=time.perf_counter, ms=_wall_ms, sync=lambda: None)
 
 
 # --- the families ---------------------------------------------------------------------------------
