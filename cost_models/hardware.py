@@ -22,7 +22,7 @@ Summit figures, or ``local``, measured on this machine), or from YAML/JSON files
     intra_node: {bandwidth: 300e9, latency: 3e-6}
     inter_node: {bandwidth: 25e9, latency: 6e-6}
     source: where the figures came from    # optional
-    measurements: {}                       # optional raw measured numbers, kept as is
+    measurements: {}                       # optional raw measured numbers (or tables of records), kept as is
 
 Nothing here runs at import time; the ``local`` preset measures (once, then cached)
 only when asked for.
@@ -147,21 +147,48 @@ def _peak_table(value: Any) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(table.items()))
 
 
-def _measurement_table(value: Any) -> tuple[tuple[str, int | float | str], ...]:
-    """Raw measurements (mapping or pairs of name -> number or text) as sorted pairs."""
-    pairs = _pairs(value, "Cluster", "measurements", "names to numbers or text")
-    table: dict[str, int | float | str] = {}
+def _scalar(item: Any, field: str, *, allow_none: bool = False) -> int | float | str | None:
+    """A measured value JSON and YAML both carry exactly: an int, a finite float, text (or None)."""
+    if item is None and allow_none:
+        return None
+    if isinstance(item, bool) or not isinstance(item, (int, float, str)):
+        raise _FieldError("Cluster", field, f"must be a number or text{' or null' if allow_none else ''}, "
+                                            f"got {item!r}")
+    if isinstance(item, float) and not math.isfinite(item):
+        raise _FieldError("Cluster", field, f"must be finite, got {item!r}")
+    return item
+
+
+def _record_table(item: Any, field: str) -> tuple[tuple[tuple[str, Any], ...], ...]:
+    """A table of records (a list of mappings of column name -> number, text or null, e.g. the op rows
+    of a GPU calibration, raw.gpu_ops) as hashable nested pairs, rows and columns in their order."""
+    if not all(isinstance(row, (Mapping, tuple)) for row in item):
+        raise _FieldError("Cluster", field, f"must be a number, text or a list of records (mappings of column "
+                                            f"names to numbers, text or null), got {item!r}")
+    rows = []
+    for i, row in enumerate(item):
+        pairs = _pairs(row, "Cluster", f"{field}[{i}]", "column names to numbers, text or null")
+        if any(not isinstance(k, str) for k, _ in pairs) or len({k for k, _ in pairs}) != len(pairs):
+            raise _FieldError("Cluster", f"{field}[{i}]", "must have unique text column names")
+        rows.append(tuple((k, _scalar(v, f"{field}[{i}].{k}", allow_none=True)) for k, v in pairs))
+    return tuple(rows)
+
+
+def _measurement_table(value: Any) -> tuple[tuple[str, Any], ...]:
+    """Raw measurements (mapping or pairs of name -> number, text, or a table of records) as sorted pairs."""
+    pairs = _pairs(value, "Cluster", "measurements", "names to numbers, text or tables")
+    table: dict[str, Any] = {}
     for key, item in pairs:
         field = f"measurements.{key}"
         if not isinstance(key, str) or key in table:
             raise _FieldError("Cluster", field, "must be a unique text name")
-        # Only values that JSON and YAML both carry exactly: ints, finite floats, text.
-        if isinstance(item, bool) or not isinstance(item, (int, float, str)):
-            raise _FieldError("Cluster", field, f"must be a number or text, got {item!r}")
-        if isinstance(item, float) and not math.isfinite(item):
-            raise _FieldError("Cluster", field, f"must be finite, got {item!r}")
-        table[key] = item
+        table[key] = _record_table(item, field) if isinstance(item, (list, tuple)) else _scalar(item, field)
     return tuple(sorted(table.items()))
+
+
+def _measurement_value(item: Any) -> Any:
+    """A measurement as the file holds it: a table of records as a list of mappings."""
+    return [dict(row) for row in item] if isinstance(item, tuple) else item
 
 
 # --- the value types ------------------------------------------------------------------
@@ -283,8 +310,9 @@ class Cluster:
         intra_node: link between two devices of the same node.
         inter_node: link between devices of different nodes.
         source: free text saying where the figures came from.
-        measurements: raw measured numbers (name -> int, float or text) as sorted pairs;
-            a dict is accepted and converted. Kept unchanged through save/load.
+        measurements: raw measured numbers (name -> int, float or text, or a table of records:
+            a list of mappings of column -> number, text or null, kept as nested pairs) as sorted
+            pairs; a dict is accepted and converted. Kept unchanged through save/load.
     """
 
     name: str
@@ -294,7 +322,7 @@ class Cluster:
     intra_node: Link
     inter_node: Link
     source: str = ""
-    measurements: tuple[tuple[str, int | float | str], ...] = ()
+    measurements: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         set_, own = object.__setattr__, "Cluster"
@@ -389,7 +417,7 @@ class Cluster:
             "intra_node": _link_dict(self.intra_node),
             "inter_node": _link_dict(self.inter_node),
             "source": self.source,
-            "measurements": dict(self.measurements),
+            "measurements": {k: _measurement_value(v) for k, v in self.measurements},
         }
 
     @classmethod
@@ -546,7 +574,7 @@ _CLUSTER_FIELDS = MappingProxyType({
 _CLUSTER_OPTIONAL = MappingProxyType({
     "format_version": f"file format version, {FORMAT_VERSION}",
     "source": "where the figures came from, text",
-    "measurements": "raw measured numbers, a mapping",
+    "measurements": "raw measured numbers (or lists of records), a mapping",
 })
 _DEVICE_FIELDS = MappingProxyType({
     "name": "device model name, text",

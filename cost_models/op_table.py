@@ -44,7 +44,7 @@ class OpRow:
     def dims(self) -> dict[str, int]:
         """The named sizes in `shape`: "M2048 K768 N2304" -> {"M": 2048, "K": 768, "N": 2304};
         "params10000000 tensors100" -> {"params": ..., "tensors": 100}."""
-        return {k: int(v) for k, v in re.findall(r"\b([A-Za-z]+)(\d+)\b", self.shape)}
+        return shape_dims(self.shape)
 
     @property
     def seconds(self) -> float:
@@ -53,6 +53,38 @@ class OpRow:
     def to_dict(self) -> dict:
         return {"op": self.op, "shape": self.shape, "dtype": self.dtype, "ms": self.ms,
                 "tflops": self.tflops, "gbps": self.gbps}
+
+    @classmethod
+    def from_dict(cls, d) -> "OpRow":
+        """The row `to_dict` wrote (a mapping, or pairs as a Cluster's measurements keep it)."""
+        d = dict(d)
+        try:
+            return cls(op=str(d["op"]), shape=str(d["shape"]), dtype=str(d["dtype"]), ms=float(d["ms"]),
+                       tflops=None if d.get("tflops") is None else float(d["tflops"]),
+                       gbps=None if d.get("gbps") is None else float(d["gbps"]))
+        except (KeyError, TypeError, ValueError):
+            raise OpTableError(f"an op row needs op, shape, dtype and a number ms (tflops, gbps: numbers or "
+                               f"null), got {d!r}") from None
+
+
+def shape_dims(shape: str) -> dict[str, int]:
+    """The named sizes in an op row's shape text (OpRow.dims)."""
+    return {k: int(v) for k, v in re.findall(r"\b([A-Za-z]+)(\d+)\b", shape)}
+
+
+# Where a GPU calibration keeps its op rows in a Cluster's measurements (a table of records: to_dict's).
+GPU_OPS_KEY = "raw.gpu_ops"
+
+
+def measured_rows(measurements) -> list[OpRow]:
+    """The op rows a GPU calibration stored in a Cluster's `measurements` (pairs or a mapping) under
+    GPU_OPS_KEY; [] when it holds none (a preset, a CPU calibration)."""
+    table = dict(measurements).get(GPU_OPS_KEY)
+    if table is None:
+        return []
+    if isinstance(table, (str, int, float)):
+        raise OpTableError(f"measurement {GPU_OPS_KEY} must be a list of op rows, got {table!r}")
+    return [OpRow.from_dict(r) for r in table]
 
 
 def parse_op_table(text: str, where: str = "op table") -> list[OpRow]:

@@ -32,7 +32,7 @@ from runtime.stage import StageRunner
 from runtime.running_stats import RunningStats
 from runtime.ties import TieSync
 from runtime.trace import Recorder
-from runtime.vocab import MeshAxis
+from runtime.vocab import MeshAxis, Track
 
 
 def _as(t: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -172,7 +172,7 @@ class Executor:
                     raise RankFailure(f"rank {self.ctx.rank} failed at step {step}, instruction {idx} '{ins}': "
                                       "RuntimeError: injected fault (--fail-at)")
                 inject(self.fault, self.ctx.rank, f"step {step}, instruction {idx} '{ins}'")
-            start = rec.now()
+            start = rec.mark(device=not ins.is_async)
             try:
                 self._exec(idx, ins, step, micro, handles, recv_act, recv_grad, out_act, out_grad, loss_buf)
             except RankFailure:
@@ -184,9 +184,8 @@ class Executor:
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 raise RankFailure(f"rank {self.ctx.rank} failed at step {step}, instruction {idx} '{ins}': "
                                   f"{type(e).__name__}: {first[:400]}") from e
-            end = rec.now()
             if not ins.is_async:
-                rec.add(step, idx, self._names[idx], ins.op, start, end)
+                rec.add_interval(step, idx, self._names[idx], ins.op, start, rec.mark())
 
     def run_step(self, step: int) -> StepResult:
         t0 = time.perf_counter()
@@ -208,20 +207,22 @@ class Executor:
                           grad_norm=out.grad_norm, loss_scale=out.loss_scale, skipped=out.skipped)
 
     # ------------------------------------------------------------------
-    def _record_async(self, step: int, idx: int, ins: Instr, h: Handle, start: float) -> None:
-        """Record an asynchronous instruction from its issue to its completion (comm track).
+    def _record_async(self, step: int, idx: int, ins: Instr, h: Handle, start) -> None:
+        """Record an asynchronous instruction from its issue (the Recorder's mark `start`) to its
+        completion (comm track).
 
-        The completion callback runs on the communication thread: it only notes the time;
-        the event is built after the step."""
+        The completion callback runs on the communication thread: it only takes a mark (on a GPU
+        an event on the stream the callback runs with, which follows the collective); the event
+        is built after the step."""
         if not self.recorder.enabled:
             return
-        done = self._completions
-        h.on_complete(lambda: done.append((step, idx, start, time.perf_counter())))
+        done, rec = self._completions, self.recorder
+        h.on_complete(lambda: done.append((step, idx, start, rec.mark())))
 
     def _flush_completions(self) -> None:
         rec, instrs = self.recorder, self.program.instrs
         for step, idx, start, end in self._completions:
-            rec.add(step, idx, self._names[idx], instrs[idx].op, start, end - rec.origin, track="comm")
+            rec.add_interval(step, idx, self._names[idx], instrs[idx].op, start, end, track=Track.COMM)
         self._completions.clear()
 
     def _exec(self, idx, ins: Instr, step, micro, handles, recv_act, recv_grad, out_act, out_grad, loss_buf):
@@ -253,7 +254,7 @@ class Executor:
             attached = self._attached.get(idx)
             if attached and self.grads is not None:
                 instrs = self.program.instrs
-                start = self.recorder.now
+                start = self.recorder.mark
 
                 def on_launch_for(j):
                     def cb(h):
@@ -287,7 +288,7 @@ class Executor:
                            if b.source == "recv" and b.requires_grad]
             # Tensors travel in the dtype the spec promises (under autocast an activation may be
             # bf16 where the spec says float32: it is sent upcast, losslessly).
-            start = self.recorder.now()
+            start = self.recorder.mark()
             hs = [self.ctx.comm.isend(t, ins.peer, p2p_tag(ins.kind, ins.stage, ins.micro, k))
                   for k, t in enumerate(tensors)]
             h = _Multi(hs)
@@ -302,7 +303,7 @@ class Executor:
                 consumer = ins.stage
                 specs = [b for b in self.stages[consumer].spec.outputs if b.requires_grad]
             bufs = [torch.empty(b.shape, dtype=getattr(torch, b.dtype), device=self.device) for b in specs]
-            start = self.recorder.now()
+            start = self.recorder.mark()
             hs = [self.ctx.comm.irecv(t, ins.peer, p2p_tag(ins.kind, ins.stage, ins.micro, k))
                   for k, t in enumerate(bufs)]
             h = _Multi(hs)
@@ -318,24 +319,24 @@ class Executor:
             h, early = self.grads.launch(ins.bucket)
             if not early:
                 handles[ins.handle] = h
-                self._record_async(step, idx, ins, h, self.recorder.now())
+                self._record_async(step, idx, ins, h, self.recorder.mark())
         elif op == "ALLGATHER" and ins.kind == "params":
-            start = self.recorder.now()
+            start = self.recorder.mark()
             h = self.grads.gather_params(ins.bucket)
             handles[ins.handle] = h
             self._record_async(step, idx, ins, h, start)
         elif op == "ALLREDUCE" and ins.kind == "tied":
-            start = self.recorder.now()
+            start = self.recorder.mark()
             h = self.ties.launch(ins.bucket)
             handles[ins.handle] = h
             self._record_async(step, idx, ins, h, start)
         elif op == "ALLREDUCE" and ins.kind == "loss":
-            start = self.recorder.now()
+            start = self.recorder.mark()
             h = self.ctx.group(ins.axis).all_reduce(loss_buf, async_op=True)
             handles[ins.handle] = h
             self._record_async(step, idx, ins, h, start)
         elif op == "BROADCAST" and ins.kind == "loss":
-            start = self.recorder.now()
+            start = self.recorder.mark()
             h = self.ctx.group(ins.axis).broadcast(loss_buf, ins.peer, async_op=True)
             handles[ins.handle] = h
             self._record_async(step, idx, ins, h, start)
@@ -354,7 +355,7 @@ class Executor:
                 if self.scheduler is not None:
                     self.scheduler.step()
         elif op == "ALLREDUCE" and ins.kind == "stats":
-            start = self.recorder.now()
+            start = self.recorder.mark()
             h = self.stats.launch(ins.stage)
             handles[ins.handle] = h
             self._record_async(step, idx, ins, h, start)

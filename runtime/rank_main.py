@@ -18,7 +18,9 @@ Outputs (under --out, default the build directory):
                              implementation ("optimizer_impl", runtime/optim.py; null without an optimizer),
                              with --probe-comm the time of a 1 MiB all-reduce over all ranks before the first
                              step, and with evaluation its setting "eval" and results "evals" (runtime/evaluation.py)
-  run/timeline_rank_XXXX.json  this rank's Timeline (the first TRACE_WINDOW_STEPS steps; all with --trace)
+  run/timeline_rank_XXXX.json  this rank's Timeline (the first TRACE_WINDOW_STEPS steps; all with --trace); on a
+                             GPU each instruction timed on the device with CUDA events, the host's times beside
+                             them (runtime/device_clock.py)
   run/params_rank_XXXX.pt    with --save-params: final parameters of its stages
 """
 
@@ -66,6 +68,7 @@ from runtime.step_record import StepRecorder
 from runtime.ties import TieSync
 from runtime.metrics import StepLog, check_loss
 from runtime.tensorboard_log import require_tensorboard
+from runtime.device_clock import CudaClock
 from runtime.trace import PROBE_BYTES, TRACE_WINDOW_STEPS, Recorder, probe_all_reduce, shared_origin
 from runtime.vocab import MeshAxis
 from runtime.watchdog import Watchdog
@@ -345,6 +348,8 @@ def connect(p: Prepared) -> RankSession:
         comm.barrier()
         recorder = Recorder(p.rank, origin=shared_origin(_world_broadcast(comm, p.program.world_size, p.device)),
                             enabled=not p.args.no_trace)
+        if p.device.type == "cuda" and not p.args.no_trace:   # time the instructions on the device too
+            recorder.device = CudaClock(p.device, recorder.now)
         guard = make_gradient_step(comm.group(range(p.program.world_size)), p.device, p.modules, p.specs, grads,
                                    held, tcoord_of(p.program), p.spec, p.rank)
         if p.restore is not None:
@@ -587,6 +592,7 @@ def _train_steps(session: RankSession, first: int, metrics,
             r, memory = measure_step_memory(p.device, lambda: ex.run_step(step))
         else:
             r = ex.run_step(step)
+        ex.recorder.collect()   # the device times of what the device has passed; never waits
         if steps is not None:
             steps.end(r.loss)
         if p.evaluation is not None and p.evaluation.due(step):

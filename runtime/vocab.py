@@ -165,3 +165,26 @@ class SpatialBatchNorm(StrEnum):
 
     SYNC = "sync"
     LOCAL = "local"
+
+
+class Track(StrEnum):
+    """Where a Timeline event sits (runtime/trace.py).
+
+    COMPUTE: a blocking instruction; COMM: an asynchronous one, from its issue to its completion.
+    Both are on the clock the run was timed with: the host's perf_counter on CPUs, CUDA events on
+    the device on a GPU. HOST and HOST_COMM: the same instructions as the host ran them (its
+    perf_counter), recorded beside the device ones on a GPU only."""
+
+    COMPUTE = "compute"
+    COMM = "comm"
+    HOST = "host"
+    HOST_COMM = "host_comm"
+
+
+class Clock(StrEnum):
+    """What timed a Timeline's COMPUTE and COMM events: the host's perf_counter around each
+    instruction (HOST), or CUDA events on the device's streams (CUDA; the host's intervals are
+    then on the HOST tracks)."""
+
+    HOST = "host"
+    CUDA = "cuda"

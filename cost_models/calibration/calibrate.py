@@ -354,8 +354,9 @@ def calibrate(ranks: int | None = None, *, quick: bool = True, backend: str = "g
     """Measure this machine with `ranks` processes (default: one per usable CPU, at least 2)."""
 
     if backend == "nccl":
-        raise CalibrationError("NCCL calibration needs the op timings on the GPU, which calibrate does not "
-                               "measure yet; use --backend gloo or mpi")
+        raise CalibrationError("calibrate measures CPU processes over gloo or MPI; a GPU is calibrated on its own "
+                               "(meshplan calibrate --device cuda: its op table, cost_models/calibration/"
+                               "gpu_calibrate.py), and collectives between GPUs are not measured yet")
     n = ranks if ranks is not None else max(local_machine._usable_cpus(), 2)
     if progress:
         progress(f"calibrating with {n} rank processes ({'quick' if quick else 'full'}, {backend}) ...")

@@ -21,7 +21,9 @@ import torch
 # planner/__init__ already imports capture, the search and torch before this module runs.
 from codegen.dataset_flags import add_dataset_flags
 from codegen.train_flags import add_flags
+from cost_models.calibration.gpu_calibrate import calibrate_gpu, calibration_device
 from cost_models.hardware import Cluster
+from cost_models.op_table import format_op_table, measured_rows
 from cost_models.overlap import Overlap, OverlapPreset
 from cost_models.simulate import simulate_steady
 from planner.app import calibrate_run
@@ -361,25 +363,51 @@ def _add_checkpoint(sub) -> None:
 _EPILOG_CALIBRATE = """examples:
   meshplan calibrate --out cluster.yaml                 # quick: 2 ranks on 2 cores, under a minute
   meshplan calibrate --full --ranks 4 --out cluster.json
+  meshplan calibrate --device cuda --out h100.yaml --op-table h100_ops.csv   # a GPU: under 2 minutes quick
   meshplan optimize examples/models/gpt.py:build --arg preset=tiny --cluster cluster.yaml --batch 16
-Starts RANKS processes that time the cost model's op kinds and the runtime's collectives
-and p2p, fits per-kind efficiencies and alpha-beta per group size, then trains a small
-probe transformer data-parallel through the runtime (traced, 5 launches) to fit how much
-longer forward and backward take in a run than their per-op prices, and writes a cluster
-file (fits under measurements fit.*, raw numbers under raw.*) that Cluster.load reads back."""
+On CPUs (--device cpu, the default without a GPU): starts RANKS processes that time the cost
+model's op kinds and the runtime's collectives and p2p, fits per-kind efficiencies and
+alpha-beta per group size, then trains a small probe transformer data-parallel through the
+runtime (traced, 5 launches) to fit how much longer forward and backward take in a run than
+their per-op prices. On a GPU (--device cuda, the default where there is one): times the op
+table of that one device with CUDA events (GEMMs by shape and dtype, attention, norms,
+elementwise ops, the loss, AdamW, copies, the host's launch and layer costs; no collectives:
+one GPU has no peer) and fits the GPU cost model to it. Either way it writes a cluster file
+(fits under measurements fit.*, raw numbers under raw.*) that Cluster.load reads back."""
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     if Path(args.out).suffix.lower() not in (".yaml", ".yml", ".json"):
         raise ValueError(f"--out {args.out}: name the cluster file .yaml, .yml or .json")
+    device = calibration_device(args.device)
+    if device.type == "cuda":
+        for flag, given in (("--ranks", args.ranks is not None), ("--backend", args.backend is not None)):
+            if given:
+                raise ValueError(f"{flag}: a GPU calibration measures this one device in this process (collectives "
+                                 "are not measured on one GPU); leave it out, or calibrate CPU processes with "
+                                 "--device cpu")
+    elif args.op_table:
+        raise ValueError(f"--op-table {args.op_table}: the op table is measured on a GPU (--device cuda); this "
+                         f"calibration runs on {device.type.upper()} processes")
+    if args.op_table and Path(args.op_table).suffix.lower() != ".csv":
+        raise ValueError(f"--op-table {args.op_table}: name the op table .csv")
     output_file(args.out, "--out")  # before minutes of measuring
-    cluster = calibrate_run.calibrate_machine(args.ranks, quick=not args.full, backend=args.backend,
-                                              timeout=args.timeout, run_probe=args.run_probe,
-                                              progress=lambda line: print(line, flush=True))
+    if args.op_table:
+        output_file(args.op_table, "--op-table")
+    progress = lambda line: print(line, flush=True)  # noqa: E731
+    if device.type == "cuda":
+        cluster = calibrate_gpu(device, quick=not args.full, progress=progress)
+    else:
+        cluster = calibrate_run.calibrate_machine(args.ranks, quick=not args.full, backend=args.backend or "gloo",
+                                                  timeout=args.timeout, run_probe=args.run_probe, progress=progress)
     cluster.save(args.out)
     print()
     print(cluster.summary().split("\n  measurements:")[0])
     print(f"\nwrote {args.out}")
+    if args.op_table:
+        rows = measured_rows(cluster.measurements)
+        Path(args.op_table).expanduser().write_text(format_op_table(rows))
+        print(f"wrote {args.op_table} ({len(rows)} op rows)")
     return 0
 
 
@@ -441,12 +469,21 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--ranks", type=count(2, MAX_RANKS, " (processes on this machine)"),
                    help="rank processes (default: one per usable CPU, at least 2)")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="few repeats and message sizes (the default)")
-    mode.add_argument("--full", action="store_true", help="more repeats and message sizes (about 4x longer)")
-    p.add_argument("--backend", default="gloo", choices=["gloo", "mpi"])
-    p.add_argument("--timeout", type=positive_number, default=300.0, help="seconds the measurement may take")
+    mode.add_argument("--quick", action="store_true",
+                      help="few repeats and message sizes, on a GPU fewer op shapes: under 2 minutes (the default)")
+    mode.add_argument("--full", action="store_true",
+                      help="more repeats and message sizes (about 4x longer); on a GPU every shape of the H100 op table")
+    p.add_argument("--backend", default=None, choices=["gloo", "mpi"],
+                   help="the CPU processes' communicator (default gloo)")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
+                   help="what to calibrate: CPU processes, or one CUDA device's op table (default: cuda when "
+                        "this machine has a GPU, else cpu)")
+    p.add_argument("--op-table", metavar="OUT.csv",
+                   help="--device cuda: also write the measured op rows as CSV (the columns of the H100 op table)")
+    p.add_argument("--timeout", type=positive_number, default=300.0,
+                   help="seconds the CPU measurement may take")
     p.add_argument("--no-run-probe", dest="run_probe", action="store_false",
-                   help="skip the last part: training a small probe transformer through the runtime, traced, "
+                   help="CPU: skip the last part: training a small probe transformer through the runtime, traced, "
                         "to measure how much longer compute takes in a run than its per-op prices "
                         "(fit.in_run.*; about 25 s on 2 cores)")
     p.set_defaults(func=_cmd_calibrate)

@@ -19,6 +19,14 @@ leaving out the one whose memory was counted, against the simulated step. Per in
 kind: on every rank, the summed duration of that kind's instructions in a
 step (median over steps), totalled over ranks, measured and predicted (a
 predicted SEND/RECV ends no earlier than its WAIT, as the trace records it).
+
+Which clock measured them: on a CPU the host's perf_counter around each instruction; on a GPU
+CUDA events on the device (runtime/device_clock.py), since the host only queues the kernels
+(its backward is the time to queue it, and the next synchronizing instruction waits for the
+device). A GPU run's host intervals are shown beside the device ones: the host's step, each
+kind's host time, and how far the device ran behind the host (the host's lead): a step whose
+device never fell more than HOST_BOUND_LEAD of it behind the host had no work queued ahead, so
+the host's launches and syncs bounded it (host-bound); otherwise the device did (device-bound).
 Memory: per rank, the predicted footprint of the device it is (parameters,
 gradients, optimizer state, activations kept, buffers; see for_runtime)
 against the measured peak.
@@ -47,8 +55,8 @@ from planner.strategies.data import GRAD_BUCKET_BYTES
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.program import COLLECTIVE_OPS, Program
-from runtime.trace import Event, Timeline
-from runtime.vocab import ShardRole
+from runtime.trace import HOST_TRACKS, INSTRUCTION_TRACKS, Event, Timeline
+from runtime.vocab import Clock, ShardRole, Track
 
 _KIND_OF_OP = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "recv", "ALLREDUCE": "collective",
                "ALLGATHER": "collective", "REDUCESCATTER": "collective", "BROADCAST": "collective",
@@ -62,6 +70,12 @@ _STEP_BYTES_PER_PARAM = {"sgd": 12.0, "sgd_momentum": 20.0, "adamw": 28.0}
 # A run whose probe all-reduce took more than this many times longer or shorter than at
 # calibration ran on a machine in another state (compare warns; benchmarks/accuracy.py says so).
 TRANSFER_DRIFT = 1.5
+# A GPU step whose device never ran more than this share of the step behind the host is host-bound:
+# the device had no work queued ahead and waited for each launch. (A heuristic: a device-bound
+# step's backward alone typically leaves the device a third of the step behind the host.)
+HOST_BOUND_LEAD = 0.1
+_CLOCK_TEXT = {Clock.HOST: "host perf_counter around each instruction",
+               Clock.CUDA: "CUDA events on the device (the host's times beside them)"}
 
 
 class CompareError(ValueError):
@@ -70,11 +84,14 @@ class CompareError(ValueError):
 
 @dataclass(frozen=True)
 class KindError:
-    """One instruction kind: seconds per step summed over ranks, measured and predicted."""
+    """One instruction kind: seconds per step summed over ranks, measured (on the run's clock) and
+    predicted; `host`: the same instructions on the host's clock (a GPU run's host track; None on
+    a CPU run, whose one clock is the host's)."""
 
     op: str
     measured: float
     predicted: float
+    host: float | None = None
 
     @property
     def error(self) -> float | None:
@@ -108,6 +125,17 @@ class Comparison:
     # (s in this run, s at calibration) of an all-reduce of 1 MiB over all ranks, when the run
     # was started with --probe-comm and the cluster was calibrated for that group size
     transfer: tuple[float, float] | None = None
+    clock: str = Clock.HOST    # what measured `measured_step` and the kinds (runtime.vocab.Clock)
+    host_step: float | None = None   # a GPU run: the median step on the host's clock (same steps)
+    host_lead: float | None = None   # a GPU run: the median over steps of how far the device ran behind the host
+
+    @property
+    def host_bound(self) -> bool | None:
+        """Whether the device never ran far behind the host (HOST_BOUND_LEAD of the step): the host's
+        launches and syncs set the pace. None without a host timeline (a CPU run)."""
+        if self.host_lead is None:
+            return None
+        return self.host_lead <= HOST_BOUND_LEAD * self.measured_step
 
     @property
     def transfer_ratio(self) -> float | None:
@@ -130,10 +158,20 @@ class Comparison:
                  f"  step time: predicted {self.predicted_step * ms:.3f} ms (simulated; analytic "
                  f"{self.analytic_step * ms:.3f} ms), measured {self.measured_step * ms:.3f} ms (median of "
                  f"{len(self.measured_steps)} steps): error {self.step_error:+.1%}",
-                 f"  {'kind':<14}{'measured ms':>12}{'predicted ms':>14}{'error':>9}   (per step, summed over ranks)"]
+                 f"  clock: {_CLOCK_TEXT.get(self.clock, self.clock)}"]
+        if self.host_step is not None:
+            lead = self.host_lead or 0.0
+            lines.append(f"  host timeline: {self.host_step * ms:.3f} ms per step; the device ran at most "
+                         f"{lead * ms:.3f} ms behind the host ({lead / self.measured_step:.0%} of the step): "
+                         + ("host-bound (the device waited for the host's launches and syncs)" if self.host_bound
+                            else "device-bound"))
+        host = any(k.host is not None for k in self.kinds)
+        lines.append(f"  {'kind':<14}{'measured ms':>12}{'predicted ms':>14}{'error':>9}"
+                     + (f"{'host ms':>10}" if host else "") + "   (per step, summed over ranks)")
         for k in self.kinds:
             err = f"{k.error:+.0%}" if k.error is not None else "n/a"
-            lines.append(f"  {k.op:<14}{k.measured * ms:>12.3f}{k.predicted * ms:>14.3f}{err:>9}")
+            lines.append(f"  {k.op:<14}{k.measured * ms:>12.3f}{k.predicted * ms:>14.3f}{err:>9}"
+                         + (f"{k.host * ms:>10.3f}" if k.host is not None else ""))
         ratio = self.transfer_ratio
         if ratio is not None:
             lines.append(f"  machine state: a 1 MiB all-reduce over all ranks took {self.transfer[0] * ms:.3f} ms in "
@@ -305,15 +343,36 @@ def compare_build(build: str | Path, cluster: "Cluster", *, skip_steps: int = 1)
     # the measured steps compared are steps after the first: the steady state, where ranks do
     # not start a step together
     predicted = simulate_steady(progs, costs, cluster)
-    kinds = _kind_table(measured, as_observed(predicted, progs), sorted(kept))
     memory = _memory_table(build, progs, pred)
-    median = statistics.median(kept.values())
-    cmp = Comparison(build=str(build), cluster=cluster.name, measured_step=median,
-                     measured_steps=tuple(kept.values()),
-                     typical_step=min(kept, key=lambda s: abs(kept[s] - median)), predicted_step=predicted.step_times()[0],
-                     analytic_step=pred.step_time, kinds=kinds, memory=memory,
-                     transfer=_transfer(build, cluster, len(progs)))
+    cmp = measured_comparison(measured, kept, as_observed(predicted, progs), build=str(build), cluster=cluster.name,
+                              analytic_step=pred.step_time, memory=memory,
+                              transfer=_transfer(build, cluster, len(progs)))
     return cmp, predicted, measured, plan
+
+
+def measured_comparison(measured: "Timeline", kept: dict[int, float], predicted: "Timeline", **fields) -> Comparison:
+    """The Comparison of a measured Timeline's steps `kept` ({step: s}, measured_steps) with a predicted
+    one-step Timeline: the step times, the per-kind table, and on a GPU run the host's view beside the
+    device's. `fields`: the rest of Comparison's fields (build, cluster, analytic_step, memory, transfer)."""
+    steps = sorted(kept)
+    median = statistics.median(kept.values())
+    host_step = host_lead = None
+    if measured.has_host_track:
+        host_steps = measured.step_times(HOST_TRACKS)
+        host_step = statistics.median(host_steps.get(s, 0.0) for s in steps)
+        host_lead = statistics.median(_device_lag(measured, s) for s in steps)
+    return Comparison(measured_step=median, measured_steps=tuple(kept.values()),
+                      typical_step=min(kept, key=lambda s: abs(kept[s] - median)),
+                      predicted_step=predicted.step_times()[0], kinds=_kind_table(measured, predicted, steps),
+                      clock=measured.clock, host_step=host_step, host_lead=host_lead, **fields)
+
+
+def _device_lag(tl: "Timeline", step: int) -> float:
+    """The most seconds a blocking instruction of `step` ended on the device after it ended on the host
+    (any rank): how far the host had run ahead of the device's compute stream. 0 without a host track."""
+    host = {(e.rank, e.index): e.end for e in tl.events if e.step == step and e.track == Track.HOST}
+    return max((e.end - host[(e.rank, e.index)] for e in tl.events
+                if e.step == step and e.track == Track.COMPUTE and (e.rank, e.index) in host), default=0.0)
 
 
 def _transfer(build: Path, cluster, world: int) -> tuple[float, float] | None:
@@ -355,13 +414,15 @@ def _memory_steps(build: Path) -> set[int]:
     return steps
 
 
-def _per_step_kind(tl: "Timeline", steps: list[int]) -> dict[str, float]:
-    """op -> median over `steps` of the seconds of that op's instructions, summed over ranks."""
+def _per_step_kind(tl: "Timeline", steps: list[int],
+                   tracks: tuple[str, ...] = INSTRUCTION_TRACKS) -> dict[str, float]:
+    """op -> median over `steps` of the seconds of that op's instructions on `tracks` (default: on the
+    run's clock), summed over ranks."""
     out: dict[str, list[float]] = {}
     for s in steps:
         tot: dict[str, float] = {}
         for e in tl.events:
-            if e.step == s:
+            if e.step == s and e.track in tracks:
                 tot[e.op] = tot.get(e.op, 0.0) + e.duration
         for op, t in tot.items():
             out.setdefault(op, []).append(t)
@@ -389,10 +450,12 @@ def as_observed(predicted: "Timeline", programs: dict) -> "Timeline":
 
 def _kind_table(measured: "Timeline", predicted: "Timeline", steps: list[int]) -> tuple[KindError, ...]:
     meas = _per_step_kind(measured, steps)
+    host = _per_step_kind(measured, steps, HOST_TRACKS) if measured.has_host_track else None
     pred = _per_step_kind(predicted, [0])
     order = list(_KIND_OF_OP)
     ops = sorted(set(meas) | set(pred), key=lambda o: order.index(o) if o in order else len(order))
-    return tuple(KindError(op, meas.get(op, 0.0), pred.get(op, 0.0)) for op in ops)
+    return tuple(KindError(op, meas.get(op, 0.0), pred.get(op, 0.0), None if host is None else host.get(op, 0.0))
+                 for op in ops)
 
 
 def _memory_table(build: Path, progs: dict, pred) -> tuple[RankMemory, ...]:
@@ -414,7 +477,7 @@ def records(tl: "Timeline") -> list:
     backward, optimizer. WAITs (idle) and the asynchronous transfers, which would cover the
     chart from issue to completion, are left out (trace.json shows them in Perfetto)."""
     return [ScheduleRecord(e.rank, e.name, _KIND_OF_OP.get(e.op, "other"), e.start, e.end)
-            for e in tl.events if e.track == "compute" and e.op != "WAIT"]
+            for e in tl.events if e.track == Track.COMPUTE and e.op != "WAIT"]
 
 
 def draw(plan, predicted: "Timeline", measured: "Timeline", step: int, out_stem: str | Path) -> list[Path]:

@@ -16,7 +16,7 @@ from planner.app.cli import main
 @pytest.mark.timeout(900)
 def test_calibrate_then_compare_a_traced_run(tmp_path, capsys):
     cluster_file = tmp_path / "cluster.yaml"
-    assert main(["calibrate", "--out", str(cluster_file)]) == 0
+    assert main(["calibrate", "--device", "cpu", "--out", str(cluster_file)]) == 0
     text = capsys.readouterr().out
     assert "all_reduce     group 2" in text and "linear" in text and f"wrote {cluster_file}" in text
     cluster = Cluster.load(cluster_file)
