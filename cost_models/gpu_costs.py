@@ -56,6 +56,9 @@ class GpuCosts:
     stream_efficiency: float = 0.80
     norm_efficiency: float = 0.80
     softmax_efficiency: float = 0.80
+    # A copy that converts dtype (an autocast cast, logits.float()) runs ATen's unrolled, unvectorized
+    # elementwise kernel: this share of the bandwidth (the same as streaming unless fit).
+    cast_efficiency: float = 0.80
     # Device time between back-to-back kernels of one stream (launch latency not hidden, ramp and tail):
     # "a few microseconds", the default every GPU kind used before the op tables (ASSUMPTION).
     kernel_gap: float = 5e-6
@@ -63,7 +66,7 @@ class GpuCosts:
     # launch_1000_small_adds / 1000 on the H100 machine (10.1 us); the default is that figure.
     host_op: float = 10.1e-6
     # A backward op is dispatched by the autograd engine in C++, without the Python frame: this share of
-    # host_op. ASSUMPTION (half), until a calibration measures an autograd-recorded layer (host_layer rows).
+    # host_op. ASSUMPTION (half), until a calibration measures an autograd-recorded layer (host_linear_fwd_bwd).
     host_backward_share: float = 0.5
     # Host seconds to dispatch one GEMM call (torch.mm / addmm through cuBLASLt: the heuristic lookup and
     # the launch), and one attention call: fit to the H100 table's small GEMMs, which it dominates. Host
@@ -92,7 +95,7 @@ class GpuCosts:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"GpuCosts.{f.name} must be a number >= 0, got {v!r}")
         for name in ("gemm_ceiling", "gemm_misaligned", "stream_efficiency", "norm_efficiency",
-                     "softmax_efficiency", "adam_fused_efficiency", "adam_foreach_efficiency"):
+                     "softmax_efficiency", "cast_efficiency", "adam_fused_efficiency", "adam_foreach_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"GpuCosts.{name} must be a fraction in (0, 1], got {getattr(self, name)!r}")
 

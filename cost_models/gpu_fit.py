@@ -20,11 +20,12 @@ that determine it (relative least squares):
       gemm_misaligned                the rows with a dimension off 16 bytes (vocabulary 50257)
     attention_share, _block,         sdpa_fwd, then sdpa_fwd_bwd for attention_backward_share
       _head_dim_fill
-    norm_efficiency                  layernorm_fwd, layernorm_fwd_bwd
-    softmax_efficiency               xent_fp32_fwd_bwd, xent_bf16_fwd_bwd
+    softmax_efficiency               xent_bf16_fwd_bwd (no cast), then
+    cast_efficiency                  xent_fp32_fwd_bwd (its two casts of every logit)
+    norm_efficiency                  layernorm_fwd, layernorm_fwd_bwd (autocast's cast to fp32 included)
     adam_*                           adamw_fused, adamw_foreach
     h2d_pinned, h2d_pageable         copy_h2d_pinned, copy_h2d_pageable
-    host_backward_share              host_layer_fwd_bwd rows where a calibration measured them
+    host_backward_share              host_linear_fwd_bwd rows where a calibration measured them
 
 A constant whose rows are absent keeps its default (cost_models/gpu_costs.py says where each
 default comes from). Rows the model does not price (`EXCLUDED`) are named with the reason.
@@ -112,15 +113,30 @@ def row_kernels(row: OpRow, device, costs: GpuCosts) -> list[Op] | None:
         gpu = gpu_of(device, "bf16", costs)
         rows, h = d["N"], d["h"]
         e = rows * h
-        ops = [Op(fwd_host, gpu.stream("elementwise", 6 * e)),                   # autocast: x bf16 -> fp32
+        ops = [Op(fwd_host, gpu.stream("cast", 6 * e)),                          # autocast: x bf16 -> fp32
                Op(fwd_host, gpu.stream("norm", 8 * e + 8 * rows + 8 * h))]       # LayerNorm in fp32
         if op == "layernorm_fwd_bwd":
             ops += [Op(bwd_host, gpu.stream("norm", 12 * e + 8 * rows + 16 * h, True, kernels=2)),
-                    Op(bwd_host, gpu.stream("elementwise", 6 * e, True))]        # dx fp32 -> bf16
+                    Op(bwd_host, gpu.stream("cast", 6 * e, True))]               # dx fp32 -> bf16
         return ops
     if op == "gelu_fwd":
         gpu = gpu_of(device, "bf16", costs)
         return [Op(fwd_host, gpu.stream("elementwise", 4 * d["N"] * d["h"]))]
+    if op == "add_residual":   # x + y: two full tensors read, one written
+        gpu = gpu_of(device, "bf16", costs)
+        return [Op(fwd_host, gpu.stream("elementwise", 6 * d["N"] * d["h"]))]
+    if op == "host_linear_fwd_bwd":
+        # one autograd-recorded nn.Linear forward and torch.autograd.grad of x, weight and bias, on tiny
+        # tensors (the device keeps up): the forward's GEMM call; the backward's two GEMMs and the bias
+        # gradient's sum; under bf16 autocast the casts of x, weight and bias and their gradients' casts back
+        ops = [Op(costs.host_gemm, 0.0), Op(costs.host_op, 0.0)]          # addmm; autograd.grad's call
+        ops += [Op(costs.host_gemm * costs.host_backward_share, 0.0)] * 2 + [Op(bwd_host, 0.0)]
+        if dt == "bf16":
+            ops += [Op(fwd_host, 0.0)] * 3 + [Op(bwd_host, 0.0)] * 3
+        return ops
+    if op == "host_item_sync":   # x.item(): a copy to the host after the device's last kernel
+        gpu = gpu_of(device, "fp32", costs)
+        return [Op(fwd_host, gpu.kernel_gap)]
     if op == "add":
         # one full tensor read and one written: a third full tensor would exceed the HBM's peak on the
         # largest row (16384 x 8192 in 0.1996 ms), so the second operand is broadcast or the same tensor
@@ -160,21 +176,21 @@ def loss_passes(gpu: Gpu, tokens: int, vocab: int, *, upcast: bool, host: float 
         backward: nll_loss_backward (fills a zero gradient, scatters -1/N), log_softmax_backward (reads dy and
                   y, writes dx), [the cast's backward: reads 4, writes 2 bytes per logit]
 
-    log_softmax's two kernels run at the softmax share of the bandwidth, the fill and the casts at the
-    streaming share. `host`, `backward_host`: seconds to dispatch one op (default: GpuCosts.host_op and its
+    log_softmax's two kernels run at the softmax share of the bandwidth, the casts at the cast share and the
+    fill at the streaming share. `host`, `backward_host`: seconds to dispatch one op (default: GpuCosts.host_op and its
     backward share)."""
     c = gpu.costs
     fh = c.host_op if host is None else host
     bh = c.host_op * c.host_backward_share if backward_host is None else backward_host
     e = tokens * vocab
     w = 4 if upcast else gpu.elem_bytes
-    fwd = [Op(fh, gpu.stream("elementwise", 6 * e))] if upcast else []
+    fwd = [Op(fh, gpu.stream("cast", 6 * e))] if upcast else []
     fwd += [Op(fh, gpu.stream("softmax", 2 * w * e)),                       # log_softmax
             Op(fh, gpu.kernel_gap)]                                          # nll_loss (reads one logit a row)
     bwd = [Op(bh, gpu.stream("elementwise", w * e, True)),                   # nll_loss_backward's zero fill
            Op(bh, gpu.stream("softmax", 3 * w * e, True))]                   # log_softmax_backward
     if upcast:
-        bwd.append(Op(bh, gpu.stream("elementwise", 6 * e, True)))
+        bwd.append(Op(bh, gpu.stream("cast", 6 * e, True)))
     return fwd, bwd
 
 
@@ -193,7 +209,7 @@ def predict_row(row: OpRow, device, costs: GpuCosts) -> float | None:
     ops = row_kernels(row, device, costs)
     if ops is None:
         return None
-    if row.op == "launch_1000_small_adds":   # a wall time: the host's, the device keeping up
+    if row.op in ("launch_1000_small_adds", "host_linear_fwd_bwd"):   # wall times: the host's
         return max(queue_seconds(ops))
     return queue_seconds(ops)[1]
 
@@ -247,21 +263,25 @@ def fit_gpu(rows: Iterable[OpRow], device, base: GpuCosts | None = None, source:
     c = base or GpuCosts()
     if by.get("launch_1000_small_adds"):
         c = c.replace(host_op=statistics.median(r.seconds for r in by["launch_1000_small_adds"]) / 1000)
-    c = _fit1(by.get("add", []) + by.get("gelu_fwd", []) + by.get("copy_d2d", []), device, c, "stream_efficiency",
-              0.2, 1.0)
+    c = _fit1(by.get("add", []) + by.get("add_residual", []) + by.get("gelu_fwd", []) + by.get("copy_d2d", []),
+              device, c, "stream_efficiency", 0.2, 1.0)
     gemm = [r for op in ("mm_fwd", "mm_dgrad", "mm_wgrad") for r in by.get(op, [])]
     if gemm:
         c = _fit_gemm(gemm, device, c)
     if by.get("sdpa_fwd"):
         c = _fit_attention(by["sdpa_fwd"], device, c)
     c = _fit1(by.get("sdpa_fwd_bwd", []), device, c, "attention_backward_share", 0.2, 1.5)
+    # the 16-bit loss has no cast: it fixes the softmax share, and the upcast one then the cast share
+    xent = by.get("xent_fp32_fwd_bwd", []) + by.get("xent_bf16_fwd_bwd", [])
+    for _ in range(3):
+        c = _fit1(by.get("xent_bf16_fwd_bwd", []) or xent, device, c, "softmax_efficiency", 0.1, 1.0)
+        c = _fit1(by.get("xent_fp32_fwd_bwd", []), device, c, "cast_efficiency", 0.1, 1.0)
     c = _fit1(by.get("layernorm_fwd", []) + by.get("layernorm_fwd_bwd", []), device, c, "norm_efficiency", 0.1, 1.0)
-    c = _fit1(by.get("xent_fp32_fwd_bwd", []) + by.get("xent_bf16_fwd_bwd", []), device, c, "softmax_efficiency",
-              0.1, 1.0)
     for impl in ("fused", "foreach"):
         c = _fit_adam(by.get(f"adamw_{impl}", []), device, c, impl)
     c = _fit1(by.get("copy_h2d_pinned", []), device, c, "h2d_pinned", 1e9, 200e9)
     c = _fit1(by.get("copy_h2d_pageable", []), device, c, "h2d_pageable", 1e9, 200e9)
+    c = _fit1(by.get("host_linear_fwd_bwd", []), device, c, "host_backward_share", 0.05, 3.0)
     return c.replace(source=source or f"fit to {len(rows)} op-table rows by cost_models/gpu_fit.fit_gpu")
 
 
@@ -292,7 +312,7 @@ def _aligned_row(r: OpRow) -> bool:
 
 def _fit_attention(rows: list[OpRow], device, c: GpuCosts) -> GpuCosts:
     best = None
-    for block in (64.0, 128.0, 256.0, 512.0, 1024.0):
+    for block in (64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0):
         for fill in (0.0, 16.0, 32.0, 64.0, 128.0):
             t = _fit1(rows, device, c.replace(attention_block=block, attention_head_dim_fill=fill),
                       "attention_share", 0.2, 2.0)
@@ -330,7 +350,7 @@ def family(op: str) -> str:
         return "attention"
     if op.startswith("layernorm"):
         return "norm"
-    if op in ("gelu_fwd", "add", "copy_d2d"):
+    if op in ("gelu_fwd", "add", "add_residual", "copy_d2d"):
         return "elementwise"
     if op.startswith("xent"):
         return "loss"

@@ -105,13 +105,13 @@ class GpuGraph:
         w = cw.weight_cast_bytes / div
         if not compiled:
             if cw.fwd_kernels:
-                f += gpu.stream("elementwise", act_f + w, kernels=cw.fwd_kernels)
+                f += gpu.stream("cast", act_f + w, kernels=cw.fwd_kernels)
             if cw.bwd_kernels:
-                b += gpu.stream("elementwise", act_b + (w if cw.bwd_bytes else 0.0), True, kernels=cw.bwd_kernels)
+                b += gpu.stream("cast", act_b + (w if cw.bwd_bytes else 0.0), True, kernels=cw.bwd_kernels)
         else:   # casts fuse into the neighbouring kernels; the weights are still read and cast once
             if w:
-                f += gpu.stream("elementwise", w, kernels=1)
-                b += gpu.stream("elementwise", w, True, kernels=1) if cw.bwd_bytes else 0.0
+                f += gpu.stream("cast", w, kernels=1)
+                b += gpu.stream("cast", w, True, kernels=1) if cw.bwd_bytes else 0.0
         whole = self._slices.get(node.name, 0.0)
         if whole and node.requires_grad and not compiled:
             e = self.width(node.name, low_bytes) if low_bytes else 4

@@ -108,10 +108,11 @@ class Gpu:
                        shape_efficiency=se, backward=backward)
 
     def stream(self, kind: str, nbytes: float, backward: bool = False, kernels: int = 1) -> float:
-        """Seconds of `kernels` memory-bound kernels moving `nbytes` in all: norms and softmax-family
-        kernels at their own share of the bandwidth (GpuCosts.norm_efficiency, softmax_efficiency),
-        the rest at the streaming share (Efficiency.memory)."""
-        share = {"norm": self.costs.norm_efficiency, "softmax": self.costs.softmax_efficiency}.get(kind)
+        """Seconds of `kernels` memory-bound kernels moving `nbytes` in all: norms, softmax-family kernels and
+        dtype-converting copies ("cast") at their own share of the bandwidth (GpuCosts.norm_efficiency,
+        softmax_efficiency, cast_efficiency), the rest at the streaming share (Efficiency.memory)."""
+        share = {"norm": self.costs.norm_efficiency, "softmax": self.costs.softmax_efficiency,
+                 "cast": self.costs.cast_efficiency}.get(kind)
         memory = self.eff.memory * (share / self.costs.stream_efficiency if share else 1.0)
         return nbytes / (self.bandwidth * memory) + self.eff.overhead(kind, kernels, backward)
 

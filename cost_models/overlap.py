@@ -59,6 +59,7 @@ class OverlapPreset(StrEnum):
     MEGATRON = "megatron"
     DEEPSPEED = "deepspeed"
     TORCHTITAN = "torchtitan"
+    TORCH = "torch"          # meshplan's torch target: PyTorch's stack as torchtitan runs it, under autocast
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,10 @@ _PRESETS: dict[OverlapPreset, Overlap] = {
     # waits its batched sends and receives around each action.
     OverlapPreset.TORCHTITAN: Overlap(grad_reduce=True, param_gather=True, contention=GPU_CONTENTION,
                                       autocast=False),
+    # meshplan's torch target (planner.parallelize, codegen --target torch): the same overlap, but its loop
+    # trains fp32 parameters under torch.autocast (codegen/torch_target/script_parallel.py), FSDP2 without a
+    # 16-bit param_dtype
+    OverlapPreset.TORCH: Overlap(grad_reduce=True, param_gather=True, contention=GPU_CONTENTION, autocast=True),
 }
 
 

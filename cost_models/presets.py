@@ -105,8 +105,8 @@ _V100_16GB = MappingProxyType(dict(
 _H100_FIT = MappingProxyType({f"fit.gpu.{k}": v for k, v in dict(
     gemm_ceiling=0.7796, gemm_tile_load=8.0, gemm_k_fill=128.0, gemm_misaligned=0.1368,
     attention_share=0.9518, attention_block=1024.0, attention_head_dim_fill=16.0,
-    attention_backward_share=0.8293, stream_efficiency=0.8846, norm_efficiency=0.4605,
-    softmax_efficiency=0.5984, kernel_gap=5e-06, host_op=1.014e-05, host_backward_share=0.5,
+    attention_backward_share=0.8293, stream_efficiency=0.8846, norm_efficiency=0.5668,
+    softmax_efficiency=0.6389, cast_efficiency=0.5733, kernel_gap=5e-06, host_op=1.014e-05, host_backward_share=0.5,
     host_gemm=1.328e-05, adam_fused_per_tensor=5.664e-06, adam_fused_efficiency=0.7664,
     adam_foreach_per_tensor=1.53e-05, adam_foreach_efficiency=0.3184, h2d_pinned=5.472e10,
     h2d_pageable=1.799e10,

@@ -43,7 +43,8 @@ class StepSetup:
     norm (or checks fp16 overflow), which computes the norm over every gradient; zero_grad_in_place: the
     runtime zeroes gradients in place before each step's backward (runtime/executor.py ZERO_GRAD), so the
     backward adds into them; pinned_batches: batches are copied to the device from pinned memory; loss:
-    the loss the last stage computes (runtime/losses.py: "cross_entropy" or "mse")."""
+    the loss the last stage computes (runtime/losses.py: "cross_entropy" or "mse"); grad_norm: the step
+    computes the global gradient norm (meshplan's runtime does every step, for its metrics: runtime/grad_step.py)."""
 
     optimizer: str = "adamw"
     optimizer_impl: str = "auto"
@@ -51,6 +52,7 @@ class StepSetup:
     zero_grad_in_place: bool = True
     pinned_batches: bool = False
     loss: str = "cross_entropy"
+    grad_norm: bool = True
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adamw", "sgd"):
@@ -154,18 +156,27 @@ def chunked_loss_cost(gpu: Gpu, tokens: float, vocab: float, hidden: int, *, chu
         LossCost(Work(), Work(), 0.0, 0.0)
 
 
+# The runtime's global gradient norm (runtime/grad_norm.py) runs per optimizer tensor: a float64
+# vector_norm of its gradient, its square, and the add into the running total.
+NORM_KERNELS_PER_TENSOR = 3
+
+
 def optimizer_cost(gpu: Gpu, params: float, tensors: int, *, impl: str, clip: bool, zero_in_place: bool,
-                   groups: int = 1) -> Work:
-    """One optimizer phase on one rank holding `params` parameters in `tensors` tensors: the global
-    gradient norm when the step clips (torch's foreach norm reads every gradient once, 4 bytes each, one
-    multi-tensor kernel per group), the AdamW step by implementation, and zeroing the gradients in place
-    (4 bytes written each, a kernel per tensor) when the runtime zeroes rather than frees them."""
+                   norm: bool = True, groups: int = 1) -> Work:
+    """One optimizer phase on one rank holding `params` parameters in `tensors` tensors: the global gradient
+    norm (`norm`: meshplan's runtime computes it every step, for its metrics and clipping: three kernels per
+    tensor reading its gradient once, runtime/grad_norm.py), clipping (`clip`: a multiply per tensor, reading
+    and writing each gradient), the AdamW step by implementation, and zeroing the gradients in place (4 bytes
+    written each, a kernel per tensor) when the runtime zeroes rather than frees them."""
     c = gpu.costs
     dev = adam_seconds(gpu, params, tensors, impl)
     host = groups * c.host_op * (4 if impl in ("fused", "foreach") else tensors)
+    if norm:
+        dev += gpu.stream("elementwise", 4.0 * params, kernels=NORM_KERNELS_PER_TENSOR * tensors)
+        host += NORM_KERNELS_PER_TENSOR * tensors * c.host_op
     if clip:
-        dev += gpu.stream("elementwise", 4.0 * params, kernels=2) + tensors * c.adam_foreach_per_tensor / 4
-        host += 4 * c.host_op
+        dev += gpu.stream("elementwise", 8.0 * params, kernels=tensors)
+        host += tensors * c.host_op
     if zero_in_place:
         dev += gpu.stream("elementwise", 4.0 * params, kernels=tensors)
         host += tensors * c.host_op

@@ -280,9 +280,10 @@ MESHPLAN_RUNTIME = RuntimeSupport()
 # ZeRO, DTensor ColwiseParallel/RowwiseParallel (defined for nn.Linear and nn.Embedding only,
 # torch/distributed/tensor/parallel/style.py: split_kinds) and SequenceParallel, PipelineStage with ScheduleGPipe,
 # Schedule1F1B or ScheduleInterleaved1F1B, torch.utils.checkpoint per block; why each other option is left
-# out: _TORCH_WHY. torchtitan's overlap preset describes the same stack (FSDP2 prefetch, pipelining's waits).
+# out: _TORCH_WHY. torchtitan's overlap preset describes the same stack (FSDP2 prefetch, pipelining's waits); its
+# "torch" twin trains under autocast, as the target's loop does.
 TORCH_RUNTIME = RuntimeSupport(target=Target.TORCH, recompute=("none", "full"), dtypes=("fp32", "bf16"),
                                bidirectional=False, spatial=False, subgraph=False, context=False,
-                               backends=("gloo", "nccl"), stack=OverlapPreset.TORCHTITAN, fill_1f1b=True,
+                               backends=("gloo", "nccl"), stack=OverlapPreset.TORCH, fill_1f1b=True,
                                split_kinds=("linear", "embedding"), tensor_in_pipelines=False,
                                fully_shard_part_splits=False)

@@ -522,7 +522,8 @@ class Evaluator:
         saved = self.saved.node_bytes(n, config, fused_attention=self.fused_attention, divisor=div)
         # its output and that output's gradient; a weight read through get_attr is a parameter, counted
         # once as such and not once per sample
-        temp = 0.0 if n.kind == "param" else 2 * n.output_bytes * scale * ds / div
+        # (the output layer the fused loss computes itself never holds its whole output)
+        temp = 0.0 if n.kind == "param" or fused_head else 2 * n.output_bytes * scale * ds / div
         return _NodeCost(fwd=f, bwd=b, tp_fwd=tp_f, tp_bwd=tp_b, saved=saved, params=params, temp=temp,
                          host_fwd=hf, host_bwd=hb, weight_copies=copies,
                          tensors=len(n.param_names) if n.param_count else 0)

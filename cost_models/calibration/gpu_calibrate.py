@@ -27,6 +27,7 @@ import torch
 
 from cost_models.calibration.calibrate import CalibrationError
 from cost_models.calibration.gpu_ops import measure_gpu_ops
+from cost_models.gpu_fit import error_report, fit_gpu
 from cost_models.hardware import Cluster, Device, Link
 from cost_models.op_table import GPU_OPS_KEY, OpRow
 from cost_models.presets import GPU_PRESETS
@@ -87,7 +88,12 @@ def _preset_for(name: str):
 
 
 def gpu_device(rows: list[OpRow], info: GpuInfo) -> tuple[Device, str]:
-    """(the Device the rows and `info` describe, the text of where its figures come from)."""
+    """(the Device the rows and `info` describe, the text of where its figures come from).
+
+    For a GPU model a preset knows (H100, A100, V100) the peaks and the memory bandwidth stay the preset's
+    nominal figures, so the fitted fractions of them (fit.gpu.*) compare with the preset's own; for another
+    GPU they are the fastest measured GEMM per dtype and the measured device copy."""
+    match = _preset_for(info.name)
     peaks = {}
     for dtype in _PEAK_DTYPES:
         rates = [r.tflops for r in rows if r.op in _GEMMS and r.dtype == dtype and r.tflops]
@@ -98,30 +104,31 @@ def gpu_device(rows: list[OpRow], info: GpuInfo) -> tuple[Device, str]:
     copy = [r.gbps for r in rows if r.op == "copy_d2d" and r.gbps]
     if not copy:
         raise CalibrationError("the GPU calibration measured no device copy (copy_d2d); see its output")
-    match = _preset_for(info.name)
     watts = (match[1].device["active_watts"], match[1].device["idle_watts"]) if match else _ASSUMED_WATTS
+    if match:
+        peaks, bandwidth = dict(match[1].device["peak_flops"]), float(match[1].device["memory_bandwidth"])
+        figures = f"peak FLOP/s and memory bandwidth: preset {match[0]}'s nominal figures (the fits are fractions of them)"
+    else:
+        bandwidth = max(copy) * 1e9
+        figures = "peak FLOP/s: the fastest measured GEMM per dtype; memory bandwidth: the measured device copy"
     device = Device(name=info.name, kind="gpu", peak_flops=peaks, memory_bytes=info.memory_bytes,
-                    memory_bandwidth=max(copy) * 1e9, active_watts=watts[0], idle_watts=watts[1],
+                    memory_bandwidth=bandwidth, active_watts=watts[0], idle_watts=watts[1],
                     compute_units=info.sm_count)
     power = f"power from preset {match[0]}" if match else "power assumed"
-    return device, (f"peak FLOP/s: the fastest measured GEMM per dtype; memory bandwidth: the measured device "
-                    f"copy; {power}")
+    return device, f"{figures}; {power}"
 
 
 def fit_measurements(rows: list[OpRow], device: Device, progress: Callable[[str], None] | None = print) -> dict:
-    """fit.gpu.* of the GPU cost model fit to `rows` (cost_models.gpu_fit.fit_gpu); {} when this build has
-    no such module, which `progress` says: the raw rows are kept and can be fit later."""
-    try:
-        from cost_models.gpu_fit import fit_gpu
-    except ModuleNotFoundError as e:   # the fit lands separately; this guard goes when it has
-        if e.name != "cost_models.gpu_fit":
-            raise
-        if progress:
-            progress("  fit skipped: this build has no cost_models.gpu_fit; the cluster file keeps the raw op rows "
-                     f"({GPU_OPS_KEY}) to fit later")
-        return {}
-    fitted = fit_gpu(rows, device)
-    return dict(fitted.to_measurements() if hasattr(fitted, "to_measurements") else fitted)
+    """fit.gpu.* of the GPU cost model fit to `rows` (cost_models.gpu_fit.fit_gpu), with the fit's per-family
+    errors printed through `progress`."""
+    t0 = time.perf_counter()
+    fitted = fit_gpu(rows, device, source=f"fit to {len(rows)} op rows measured on this {device.name} by "
+                                          "meshplan calibrate (cost_models/gpu_fit.fit_gpu)")
+    if progress:
+        progress(f"  fit the GPU cost model's constants to the rows in {time.perf_counter() - t0:.1f} s:")
+        for line in error_report(rows, device, fitted).splitlines():
+            progress("    " + line)
+    return fitted.to_measurements()
 
 
 def gpu_cluster(rows: list[OpRow], info: GpuInfo, *, quick: bool, seconds: float = 0.0, name: str = "gpu-calibrated",

@@ -48,12 +48,14 @@ from cost_models.compute import Efficiency
 from cost_models.hardware import Cluster
 from cost_models.memory import param_bytes
 from cost_models.simulate import ComputeCosts, simulate_steady
+from cost_models.step_costs import StepSetup
 from planner.app.schedule_view import ScheduleRecord
 from planner.app.visualize import save_figure, schedule_figure, style
 from planner.evaluate import Evaluator
 from planner.strategies.data import GRAD_BUCKET_BYTES
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
+from runtime.execution import Execution
 from runtime.program import COLLECTIVE_OPS, Program
 from runtime.trace import HOST_TRACKS, INSTRUCTION_TRACKS, Event, Timeline
 from runtime.vocab import Clock, ShardRole, Track
@@ -228,16 +230,36 @@ def predicted_costs(build: str | Path, cluster: "Cluster"):
     config = dataclasses.replace(plan.config, stage_boundaries=bounds or None)
     mode = "all" if plan.config.tensor > 1 and \
         Evaluator(graph, cluster, sharding="all").node_roles(config) == dict(plan.shardings) else "ilp"
-    pred = Evaluator(graph, cluster, sharding=mode).evaluate(config, plan.global_batch_size)
+    gpu = cluster.device.kind == "gpu"
+    # on a GPU the Evaluator prices the build's own step (its optimizer and implementation, clipping, loss
+    # and execution options) as the runtime runs it; on a CPU the calibrated fixed costs are added below
+    options = dict(setup=setup_of(train), execution=execution_of(train)) if gpu else {}
+    pred = Evaluator(graph, cluster, sharding=mode, **options).evaluate(config, plan.global_batch_size)
     tensors = _param_tensors(graph, plan)
-    pred = for_runtime(pred, plan.config, train.get("optimizer") or {}, cluster, _largest_weights(graph, plan),
-                       tensors)
+    if not gpu:
+        pred = for_runtime(pred, plan.config, train.get("optimizer") or {}, cluster, _largest_weights(graph, plan),
+                           tensors)
     grad_bytes = max((s.memory.gradients for s in pred.stages), default=0.0)
     costs = ComputeCosts.from_prediction(pred, cluster, loss_elements=_loss_elements(graph, plan),
                                          vocab_split=_vocab_split(graph, plan), grad_tensors=tensors,
                                          grad_bytes=grad_bytes,
                                          reduced_grad_bytes=grad_bytes if _reduces_grads(progs) else 0.0)
     return dataclasses.replace(plan, cluster=cluster, prediction=pred), pred, costs, progs, cluster
+
+
+def setup_of(train: dict) -> StepSetup:
+    """The StepSetup (cost_models/step_costs.py) of a build's training description (build.json "train")."""
+    opt = train.get("optimizer") or {}
+    name = opt.get("name", "sgd")
+    return StepSetup(optimizer=name if name in ("adamw", "sgd") else "adamw", optimizer_impl=opt.get("impl", "auto"),
+                     clip_grad=train.get("clip_grad") is not None,
+                     loss=train.get("loss", "cross_entropy"))
+
+
+def execution_of(train: dict) -> Execution:
+    """The Execution options (runtime/execution.py) a build's training description records (defaults if none)."""
+    doc = train.get("execution")
+    return Execution.from_dict(doc, "build.json train.execution") if doc else Execution()
 
 
 def _loss_elements(graph, plan) -> float:
@@ -459,7 +481,8 @@ def _kind_table(measured: "Timeline", predicted: "Timeline", steps: list[int]) -
 
 
 def _memory_table(build: Path, progs: dict, pred) -> tuple[RankMemory, ...]:
-    by_stage = {s.index: s.memory.total for s in pred.stages}
+    # allocated bytes, as the runtime measures them (the fragmentation margin is the reserve beyond them)
+    by_stage = {s.index: s.memory.allocated for s in pred.stages}
     out = []
     for r, prog in sorted(progs.items()):
         f = build / "run" / f"rank_{r:04d}.json"

@@ -153,7 +153,7 @@ class PipelineStrategy(Placement):
                 gathered = 2 * max((c.params for c in cs), default=0.0)
                 if ev.zero3_live_parameters is not None:
                     gathered = min(gathered, ev.zero3_live_parameters)
-                gather = gathered * DType(config.dtype).bytes
+                gather = gathered * (4 if ev.overlap.autocast and ev.gpu_costs is not None else DType(config.dtype).bytes)
             # gradient buckets: meshplan's runtime reduces the gradients in place (they are views of its
             # buckets, runtime/grads.py); other stacks copy a bucket out and back
             buckets = 0.0 if autocast else 2 * min(GRAD_BUCKET_BYTES, params * pb.gradients)
@@ -197,11 +197,11 @@ class PipelineStrategy(Placement):
         # the device waits for the host where it dispatches a slot's kernels slower than they run
         host = m * (effective[crit] - slots[crit])
         # the step's end: the optimizer phase (its kernels, or the host's dispatching them if longer) and,
-        # after each sync (a loss read per micro-batch and at the step's end, the norm where it clips),
+        # after each sync (a loss read per micro-batch and at the step's end, the gradient norm),
         # the time to dispatch the next kernel
         optimizer = max(opt.device, opt.host)
         if ev.gpu_costs is not None:
-            optimizer += (m + 1 + ev.setup.clip_grad) * ev.gpu_costs.host_op
+            optimizer += (m + 1 + (ev.setup.grad_norm or ev.setup.clip_grad)) * ev.gpu_costs.host_op
 
         # the loss runs inside the last stage's forward and backward; the breakdown shows it apart
         time = TimeBreakdown(forward=m * (fwd - loss_f), backward=m * (bwd - loss_b), recompute=m * rc,
@@ -221,15 +221,19 @@ def _host_excess(chunk: list) -> tuple[float, float]:
 
 
 def _autocast_memory(ev, config: ParallelConfig) -> bool:
-    """Whether a rank holds what meshplan's runtime allocates under torch.autocast (fp32 weights and
-    gradients, 16-bit weight copies per micro-batch: cost_models/memory.autocast_param_bytes)."""
-    return ev.gpu_costs is not None and ev.overlap.autocast
+    """Whether a rank holds what meshplan's own runtime allocates under torch.autocast (fp32 weights and
+    gradients in its buckets, a stage gathered whole under ZeRO-3: cost_models/memory.autocast_param_bytes)."""
+    return ev.gpu_costs is not None and ev.overlap.autocast and not ev.overlap.param_gather
 
 
 def param_bytes_for(ev, config: ParallelConfig):
-    """Bytes per parameter a rank holds for `config` on this stack (cost_models/memory.py)."""
+    """Bytes per parameter a rank holds for `config` on this stack (cost_models/memory.py): meshplan's runtime
+    as it allocates them; a stack training fp32 parameters under autocast with FSDP (the torch target) 4-byte
+    weights and gradients sharded as ZeRO says; a 16-bit stack its 16-bit weights and fp32 optimizer state."""
     if _autocast_memory(ev, config):
         return autocast_param_bytes(config.zero, config.data, ev.setup.state_bytes)
+    if ev.gpu_costs is not None and ev.overlap.autocast:
+        return param_bytes(DType.FP32, config.zero, config.data, 4)
     return param_bytes(config.dtype, config.zero, config.data, ev.grad_reduce_bytes)
 
 
@@ -242,9 +246,10 @@ def optimizer_work(ev, config: ParallelConfig, opt_params: float, tensors: int, 
         return Work(opt_params * adam_step_bytes(config.dtype) / (ev.cluster.device.memory_bandwidth * ev.eff.memory))
     if config.zero >= 1:   # the optimizer steps one flat shard per gradient bucket
         tensors = max(int(-(-params * 4 // GRAD_BUCKET_BYTES)), 1)
+    runtime = ev.overlap.autocast   # meshplan's own runtime (other stacks fuse the norm and free their gradients)
     return optimizer_cost(ev.gpu(config.dtype), opt_params, tensors, impl=ev.setup.impl_on_gpu(),
-                          clip=ev.setup.clip_grad, zero_in_place=ev.setup.zero_grad_in_place and ev.overlap.autocast,
-                          groups=2)
+                          clip=ev.setup.clip_grad, zero_in_place=ev.setup.zero_grad_in_place and runtime,
+                          norm=ev.setup.grad_norm and runtime, groups=2)
 
 
 def _sends_exposed(ev, send: float, chunk: list) -> float:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import planner
+from cost_models.overlap import Overlap
 from examples.models import gpt
 from planner.evaluate import Evaluator
 
@@ -29,7 +30,9 @@ def test_gpt175b_ptdp_row_fits_on_a100_80gb(gpt175b):
                                     recompute="full", dtype="fp16",
                                     stage_boundaries=tuple(blocks[k * 8] for k in range(1, P)))
     cluster = planner.Cluster.preset("dgx-a100-80gb", nodes=48)
-    ev = Evaluator(gpt175b, cluster, fused_attention=False, overlap_grad_reduce=False, grad_reduce_bytes=4)
+    # Megatron-LM's stack: 16-bit weights and activations, no autocast (cost_models/overlap.py)
+    ev = Evaluator(gpt175b, cluster, fused_attention=False, overlap_grad_reduce=False, grad_reduce_bytes=4,
+                   overlap=Overlap.preset("megatron-2021"))
     pred = ev.evaluate(config, global_batch_size=1536)
     assert pred.fits and pred.peak_memory < 80 * 2**30
     # Stage 0 (the embedding dropout and blocks 0-7) holds 12 micro-batches under 1F1B (p - 0, 384 of them

@@ -40,7 +40,8 @@ def _small_gpus(n: int, memory_gib: float) -> Cluster:
 
 
 def _exhaustive(graph, cluster, batch):
-    """Price every configuration (all schedules, recompute modes, ZeRO stages, micro-batches)."""
+    """Price every configuration (all schedules, recompute modes, ZeRO stages, micro-batches, sequence
+    parallelism where the tensor degree allows it)."""
     ev = Evaluator(graph, cluster)
     n = cluster.num_devices
     best = None
@@ -48,14 +49,15 @@ def _exhaustive(graph, cluster, batch):
         if n % (t * p):
             continue
         d = n // (t * p)
-        for mb, sched, v, rc, z, dt in itertools.product(range(1, batch + 1), ("gpipe", "1f1b", "interleaved"),
-                                                         (1, 2, 4), ("none", "selective", "full"), (0, 1, 2, 3),
-                                                         ("bf16",)):
-            if (sched == "interleaved") != (v > 1) or (z and d == 1) or t > cluster.devices_per_node:
+        for mb, sched, v, rc, z, dt, sp in itertools.product(range(1, batch + 1), ("gpipe", "1f1b", "interleaved"),
+                                                             (1, 2, 4), ("none", "selective", "full"), (0, 1, 2, 3),
+                                                             ("bf16",), (False, True)):
+            if (sched == "interleaved") != (v > 1) or (z and d == 1) or t > cluster.devices_per_node or \
+                    (sp and t == 1):
                 continue
             try:
                 cfg = ParallelConfig(data=d, tensor=t, pipeline=p, micro_batch_size=mb, schedule=sched,
-                                     virtual_stages=v, recompute=rc, zero=z, dtype=dt)
+                                     virtual_stages=v, recompute=rc, zero=z, dtype=dt, sequence_parallel=sp)
                 pred = ev.evaluate(cfg, batch)
             except ConfigError:
                 continue
