@@ -1,0 +1,67 @@
+"""The end-to-end H100 case (../shared/reference/gpu/H100.md, "One end-to-end case"), priced on this CPU:
+a 163M-parameter GPT (vocabulary 50304, 1024 tokens, hidden 768, 12 layers, 12 heads) at global batch
+16 x 1024 in one micro-batch, bf16 autocast over fp32 weights, fused AdamW, on one H100.
+
+Measured with `meshplan run --backend nccl` at data 1 (the median of steps 5-24): 66.2-67.6 ms per step
+and 17,504 MiB of torch.cuda.max_memory_allocated. The cost model's constants come from the op table
+(cost_models/reference/h100_ops.csv), never from this case; the run was eager, with the full fp32 loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import planner
+from codegen.lower import lower
+from cost_models.simulate import ComputeCosts, simulate
+from examples.models import gpt
+from runtime.execution import Execution
+
+KW = dict(vocab_size=50304, seq_len=1024, hidden=768, num_layers=12, num_heads=12)
+MEASURED_STEP = (66.2e-3 + 67.6e-3) / 2
+MEASURED_ALLOCATED = 17504 * 2**20
+
+
+@pytest.fixture(scope="module")
+def case():
+    with torch.device("meta"):
+        model = gpt.build(**KW)
+    graph = planner.capture(model, gpt.example_inputs(batch_size=16, device="meta", **KW))
+    cluster = planner.Cluster.preset("dgx-h100", devices=1)
+    plan = planner.make_plan(graph, cluster, planner.ParallelConfig(micro_batch_size=16, dtype="bf16"),
+                             global_batch_size=16, execution=Execution())
+    return graph, cluster, plan
+
+
+def test_the_h100_case_is_predicted_within_10_percent_in_time_and_memory(case):
+    _graph, _cluster, plan = case
+    pred = plan.prediction
+    assert pred.step_time == pytest.approx(MEASURED_STEP, rel=0.10)
+    assert pred.allocated_memory == pytest.approx(MEASURED_ALLOCATED, rel=0.10)
+    # the reserve beyond what is allocated is reported beside it, and the fit check counts it
+    assert pred.peak_memory > pred.allocated_memory and pred.fits
+
+
+def test_the_h100_case_term_by_term(case):
+    graph, _cluster, plan = case
+    t, m = plan.prediction.time, plan.prediction.memory
+    tokens, vocab, params = 16 * 1024, 50304, graph.num_params
+    # the loss over 16384 x 50304 logits upcast to fp32: the op table's xent_fp32_fwd_bwd row, 14.04 ms
+    assert t.loss == pytest.approx(14.04e-3, rel=0.10)
+    # the model is large enough for the device to set the pace: the host never makes it wait
+    assert t.host == 0
+    # memory as allocated: fp32 weights and gradients, AdamW's two fp32 states, the 16-bit copies of every
+    # Linear's weight autocast keeps for backward, the loss's fp32 log-probabilities (kept) and the two
+    # gradients beside them in its backward
+    assert (m.parameters, m.gradients, m.optimizer) == pytest.approx((4 * params, 4 * params, 8 * params))
+    linears = sum(n.param_count for n in graph.nodes if n.kind == "linear")
+    assert m.weight_copies == pytest.approx(2 * linears)
+    assert m.loss == pytest.approx(8 * tokens * vocab)
+    assert m.activations > 4 * tokens * vocab
+
+
+def test_the_simulator_agrees_with_the_analytic_step(case):
+    graph, cluster, plan = case
+    timeline = simulate(lower(plan, graph), ComputeCosts.from_prediction(plan.prediction, cluster), cluster)
+    assert timeline.step_times()[0] == pytest.approx(plan.prediction.step_time, rel=0.02)
