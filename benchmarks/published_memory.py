@@ -26,6 +26,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cost_models.overlap import Overlap  # noqa: E402
+
 GiB = 2**30
 GB = 1e9
 
@@ -72,6 +74,8 @@ TORCHTITAN_8B = MemoryRow(
     global_batch_size=16, published=82.4 * GiB, measure="max reserved",
     note="torchtitan's selective op AC also recomputes elementwise ops and every other matmul; "
          "Megatron's selective (the model's) recomputes only the attention core; H100 96 GB HBM2e",
+    # FSDP2 with a bf16 param_dtype: 16-bit weights gathered a layer at a time, fp32 shards and optimizer state
+    evaluator=dict(overlap=Overlap.preset("torchtitan")),
 )
 
 ROWS: tuple[MemoryRow, ...] = (
@@ -84,7 +88,8 @@ ROWS: tuple[MemoryRow, ...] = (
         config=dict(data=8, tensor=4, pipeline=12, micro_batch_size=2, zero=1, recompute="full", dtype="bf16"),
         global_batch_size=2048, published=60 * GB, measure="stated (about)",
         note="scores materialized (Megatron's fused softmax); DeepSpeed's bf16 optimizer keeps fp32 gradients",
-        evaluator=dict(fused_attention=False, grad_reduce_bytes=4, overlap_grad_reduce=False),
+        evaluator=dict(fused_attention=False, grad_reduce_bytes=4, overlap_grad_reduce=False,
+                       overlap=Overlap.preset("deepspeed")),   # 16-bit weights and activations (no autocast)
     ),
     TORCHTITAN_8B,
     replace(TORCHTITAN_8B, run="Llama 3.1 8B, torchtitan FSDP, 128 GPUs", gpus=128,
@@ -98,6 +103,7 @@ ROWS: tuple[MemoryRow, ...] = (
                     dtype="bf16"),
         global_batch_size=512, published=71.9 * GiB, measure="max reserved",
         note="Float8 linears and torch.compile (the model prices bf16); torchtitan's TP is sequence-parallel",
+        evaluator=dict(overlap=Overlap.preset("torchtitan")),
     ),
 )
 
