@@ -61,7 +61,10 @@ this rank's vocabulary shard).
   (above), the weight cast to the compute dtype (V_local x C x 2 bytes, when a cast is needed), and
   when the compute dtype is 16-bit, one V_local x C product in it before it is added to the fp32
   accumulator. The backward of one call runs once: a second backward through the same graph
-  (retain_graph) raises ChunkedLossError.
+  (retain_graph) raises ChunkedLossError. The kept gradients live per call in flight: a pipeline
+  schedule that runs several forwards of the last stage before their backwards (GPipe) keeps one set
+  per micro-batch (1F1B: one), and a stage recomputed in backward (activation checkpointing) runs
+  this forward, its 3U included, twice.
 * A group of t > 1 ranks: the chunk logits are recomputed in backward, so that forward needs the
   global statistics only once, for all chunks (the gradient of a chunk needs the global
   log-sum-exp; forming it in forward would cost one collective per chunk, or a second logits pass).
@@ -82,6 +85,9 @@ op sequence; the GEMMs' own reads and writes excluded). A gradient-forming pass:
 bias (16-bit compute only: read 2, write 4), max (read 4), subtract and exp in place (8 + 8), row sum
 (read 4), the bias gradient's GEMV (read 4, with a bias only), the per-row scaling with the cast
 (read 4, write 2; fp32: 8 in place); the onehot scatter and the target gather touch one logit a row.
+These are CUDA's figures, where a 16-bit + fp32 op casts inside the kernel; on CPU TensorIterator would
+cast through a chunk-sized temporary, so there the upcast and the bias, and the scaling and the cast,
+are two passes each (16-bit: +8 and +8 bytes), with no temporary.
     grads in forward:  36 bytes (16-bit compute) or 32 (fp32), +4 with a bias
     recompute:         forward 30 (16-bit) or 24 (fp32); backward 28 or 24, +4 with a bias
     chunked_eval:      30 (16-bit) or 24 (fp32)
@@ -228,32 +234,41 @@ def _logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, s: _Set
         z = torch.mm(h, w.t()) if bias is None else torch.addmm(bias, h, w.t())
     else:
         product = torch.mm(h, w.t())
-        # the upcast and the bias in one pass (16-bit + fp32 promotes to fp32, as the reference's sum)
-        z = product.to(s.stats) if bias is None else torch.add(product, bias)
+        if bias is not None and product.is_cuda:
+            # the upcast and the bias in one pass (16-bit + fp32 promotes to fp32, as the reference's
+            # sum); on CPU TensorIterator would upcast the product into a temporary first
+            z = torch.add(product, bias)
+        else:
+            z = product.to(s.stats)
+            if bias is not None:
+                z.add_(bias)
         del product
     if s.vocab_valid < z.shape[1]:
         z[:, s.vocab_valid:] = -math.inf
     return z
 
 
-def _gradients(e, norm, tg: _Targets, scale, h, w, s: _Setup, grads, a: int, b: int) -> None:
-    """Turn a chunk's e = exp(logits - shift) (rows, V_local; consumed), whose row sums are `norm`
-    (rows,; None: 1, e is the softmax), into its gradient of the logits (softmax - onehot) scaled
-    per row by `scale` (rows,), and add its part to grads = [grad hidden (tokens, C) | None, grad
-    weight accumulator (V_local, C) | None, grad bias accumulator (V_local,) | None]; rows a..b of
-    hidden. The softmax's division folds into the per-row factor: (e - norm * onehot) * scale / norm."""
-    gh, gw, gb = grads
+def _grad_logits(e, norm, tg: _Targets, scale, s: _Setup, gb, a: int, b: int) -> torch.Tensor:
+    """The gradient of a chunk's logits in the compute dtype, (softmax - onehot) scaled per row by
+    `scale` (rows,), from e = exp(logits - shift) (rows, V_local; consumed: a 16-bit gradient is a new
+    tensor, the caller drops e before the GEMMs) whose row sums are `norm` (rows,; None: 1, e is the
+    softmax); adds its sum over the rows to the grad bias accumulator gb (V_local,) unless None. The
+    softmax's division folds into the per-row factor: (e - norm * onehot) * scale / norm."""
     inside = tg.inside[a:b].to(e.dtype)
     e.scatter_add_(1, tg.local[a:b].unsqueeze(1), -(inside if norm is None else inside * norm).unsqueeze(1))
     factor = scale if norm is None else scale / norm
     if gb is not None:
-        gb.addmv_(e.t(), factor)                                      # sum over the rows
-    if s.compute == s.stats:
-        g = e.mul_(factor.unsqueeze(1))
-    else:
-        g = torch.empty(e.shape, dtype=s.compute, device=e.device)
-        torch.mul(e, factor.unsqueeze(1), out=g)                      # scaled and cast in one pass
-        del e
+        gb.addmv_(e.t(), factor)
+    if s.compute == s.stats or not e.is_cuda:
+        # on CPU a mul into a 16-bit out= would compute into an fp32 temporary of the chunk, then cast
+        return e.mul_(factor.unsqueeze(1)).to(s.compute)
+    g = torch.empty(e.shape, dtype=s.compute, device=e.device)
+    return torch.mul(e, factor.unsqueeze(1), out=g)                   # scaled and cast in one pass
+
+
+def _grad_matmuls(g, h, w, s: _Setup, gh, gw, a: int, b: int) -> None:
+    """Add a chunk's part (rows a..b; g its logits' gradient, h its hidden, both in the compute dtype)
+    to grad hidden gh (tokens, C) and the grad weight accumulator gw (V_local, C), each unless None."""
     if gh is not None:
         if gh.dtype == s.compute:
             torch.mm(g, w, out=gh[a:b])
@@ -291,8 +306,12 @@ def _statistics(h2, w, bias, tg: _Targets, s: _Setup, *, argmax: bool = False, g
         total = z.sum(1)
         torch.add(shift, total.log(), out=lse[a:b])
         if grads is not None:
-            _gradients(z, total, tg, scale[a:b], h, w, s, grads, a, b)
-        del z
+            g = _grad_logits(z, total, tg, scale[a:b], s, grads[2], a, b)
+            del z                      # a 16-bit gradient is a copy: the fp32 chunk goes before the GEMMs
+            _grad_matmuls(g, h, w, s, grads[0], grads[1], a, b)
+            del g
+        else:
+            del z
     return lse, picked, best, hit
 
 
@@ -360,8 +379,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 for a, b in _chunks(s):
                     h = h2[a:b].to(s.compute)
                     p = _logits(h, w, b32, s).sub_(lse[a:b].unsqueeze(1)).exp_()   # softmax from the global lse
-                    _gradients(p, None, tg, scale[a:b], h, w, s, [gh, gw, gb], a, b)
+                    g = _grad_logits(p, None, tg, scale[a:b], s, gb, a, b)
                     del p
+                    _grad_matmuls(g, h, w, s, gh, gw, a, b)
+                    del g
                 if gh is not None:
                     s.group.all_reduce(gh)   # every rank's classes add to hidden's gradient
                 grad_out = None              # already applied through scale
