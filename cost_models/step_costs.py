@@ -22,16 +22,22 @@ from cost_models.gemm import GemmShape
 from cost_models.gpu_fit import adam_seconds, loss_passes
 from cost_models.kernels import Gpu
 
-# The chunked loss's chunk when the build leaves it to the runtime: one chunk's fp32 logits stay under
-# this many bytes, in whole multiples of CHUNK_ALIGN tokens so the chunk's GEMMs stay aligned
-# (runtime/chunked_loss.py states the same rule).
+# The chunked loss's chunk when the build leaves it to the runtime (runtime/chunked_loss.py auto_chunk_tokens,
+# which tests/unit/test_step_costs.py checks this against): one chunk's fp32 logits stay under CHUNK_LOGIT_BYTES,
+# the chunks as equal as may be, rounded up to a multiple of CHUNK_ALIGN rows where that stays within it.
 CHUNK_LOGIT_BYTES = 256 * 2**20
 CHUNK_ALIGN = 64
 
 
-def default_chunk_tokens(vocab: int) -> int:
+def default_chunk_tokens(tokens: int, vocab: int) -> int:
     """Tokens per chunk of the chunked loss when the build does not set them (see CHUNK_LOGIT_BYTES)."""
-    return max(CHUNK_LOGIT_BYTES // (4 * max(vocab, 1)) // CHUNK_ALIGN * CHUNK_ALIGN, CHUNK_ALIGN)
+    rows_max = max(1, CHUNK_LOGIT_BYTES // (4 * max(int(vocab), 1)))
+    if tokens <= rows_max:
+        return max(int(tokens), 1)
+    n = -(-tokens // rows_max)
+    rows = -(-tokens // n)
+    aligned = -(-rows // CHUNK_ALIGN) * CHUNK_ALIGN
+    return aligned if aligned <= rows_max else rows
 
 
 @dataclass(frozen=True)
@@ -122,38 +128,55 @@ def full_loss_cost(gpu: Gpu, tokens: float, vocab: float, *, logits_bytes: int, 
 
 
 def chunked_loss_cost(gpu: Gpu, tokens: float, vocab: float, hidden: int, *, chunk_tokens: int = 0,
-                      vocab_parallel: int = 1, allreduce=None) -> LossCost:
+                      vocab_parallel: int = 1, allreduce=None, gather=None) -> LossCost:
     """The fused chunked loss (runtime/chunked_loss.py) over `tokens` hidden states of width `hidden` and
-    `vocab` output rows on this rank, including the output layer's GEMMs it replaces: per chunk of c tokens
-    the logits GEMM (c x vocab x hidden), their fp32 log-sum-exp and softmax gradient (passes over the chunk
-    in fp32: the cast 6, the log-sum-exp 4, exp and the one-hot correction 8 and the cast of the gradient 6
-    bytes a logit), and the two gradient GEMMs (input and weight); 3 GEMM passes in all, as the unfused
-    head's forward and backward. Memory: one chunk's logits and gradient (12 bytes a logit) and the
-    gradients of the hidden states (4 bytes each) and of the weight (4 bytes each) formed in forward."""
+    `vocab` output rows on this rank, the output layer's GEMMs included, as that module states its work
+    (U = one GEMM pass over tokens x vocab x hidden; per logit, the elementwise bytes of its chunk body):
+
+    * one rank (no vocabulary split): the gradients are formed in forward chunk by chunk: forward 3U and 36
+      bytes a logit; backward scales the kept gradients (of the hidden states, 2 bytes each, and of the
+      weight, 4 bytes each); kept from forward to backward: those gradients;
+    * a vocabulary split over t > 1 ranks: forward U and 30 bytes a logit with one all-gather of 2 fp32
+      values a token (`gather(nbytes)`), backward recomputes the logits: 3U and 28 bytes a logit, and one
+      all-reduce of the hidden states' gradient (`allreduce(nbytes)`); kept: a log-sum-exp a token.
+
+    Transient at its peak: one chunk's logits (6 bytes each in 16-bit compute), the weight's 16-bit cast and
+    a 16-bit weight-sized product before it joins its fp32 accumulator (4 bytes each)."""
     n, v = max(int(round(tokens)), 1), max(int(round(vocab)), 1)
-    chunk = chunk_tokens or default_chunk_tokens(v)
-    chunk = min(chunk, n)
-    chunks = -(-n // chunk)
+    chunk = min(chunk_tokens or default_chunk_tokens(n, v), n)
+    sizes = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
     c = gpu.costs
     e = gpu.elem_bytes
-    dev = host = 0.0
-    for size in ([chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])):
-        logits = float(size) * v
-        gemm_bytes = (size * hidden + v * hidden + size * v) * e
-        dev += gpu.gemm(GemmShape(size, v, hidden), gemm_bytes)                      # logits
-        dev += gpu.gemm(GemmShape(size, hidden, v), gemm_bytes, True)                # d hidden
-        dev += gpu.gemm(GemmShape(v, hidden, size), gemm_bytes, True)                # d weight
-        dev += gpu.stream("softmax", 24 * logits, kernels=6)
-        host += 3 * c.host_gemm + 6 * c.host_op
-    if vocab_parallel > 1 and allreduce is not None:
-        dev += 3 * allreduce(4.0 * n)
-        host += 3 * c.host_op
-    peak = 12.0 * min(chunk, n) * v + 4.0 * n * hidden + 4.0 * v * hidden
-    # the whole computation runs in forward (gradients formed there, scaled in backward)
-    return LossCost(forward=Work(dev, host), backward=Work(gpu.stream("elementwise", 8.0 * (n + v) * hidden),
-                                                           2 * c.host_op * c.host_backward_share),
-                    peak_bytes=peak, kept_bytes=4.0 * (n + v) * hidden) if chunks else \
-        LossCost(Work(), Work(), 0.0, 0.0)
+
+    def passes(k: int, backward: bool) -> Work:
+        """k GEMM passes over every chunk (the logits, the input gradient, the weight gradient, in order)."""
+        dev = 0.0
+        for size in sizes:
+            nbytes = (size * hidden + v * hidden + size * v) * e
+            shapes = [GemmShape(size, v, hidden), GemmShape(size, hidden, v), GemmShape(v, hidden, size)]
+            dev += sum(gpu.gemm(shapes[(j if k == 3 else 0) % 3], nbytes, backward) for j in range(k))
+        return Work(dev, k * len(sizes) * c.host_gemm * (c.host_backward_share if backward else 1.0))
+
+    def body(bytes_per_logit: float, backward: bool) -> Work:
+        ops = 8 * len(sizes)   # the chunk body's ops: cast, max, exp, sum, log, gather, subtract, cast back
+        return Work(gpu.stream("softmax", bytes_per_logit * n * v, backward, kernels=ops),
+                    ops * c.host_op * (c.host_backward_share if backward else 1.0))
+
+    transient = 6.0 * chunk * v + (2 + 4) * v * hidden
+    if vocab_parallel <= 1:
+        fwd = passes(3, False) + body(36, False)
+        kept = 2.0 * n * hidden + 4.0 * v * hidden
+        bwd = Work(gpu.stream("elementwise", 2 * kept, True, kernels=2), 2 * c.host_op * c.host_backward_share)
+        return LossCost(forward=fwd, backward=bwd, peak_bytes=kept + transient, kept_bytes=kept)
+    fwd = passes(1, False) + body(30, False)
+    bwd = passes(3, True) + body(28, True)
+    if gather is not None:
+        fwd = fwd + Work(gather(8.0 * n), c.host_op)
+    if allreduce is not None:
+        bwd = bwd + Work(allreduce(2.0 * n * hidden), c.host_op)
+    kept = 4.0 * n
+    return LossCost(forward=fwd, backward=bwd, peak_bytes=kept + transient + 2.0 * n * hidden + 4.0 * v * hidden,
+                    kept_bytes=kept)
 
 
 # The runtime's global gradient norm (runtime/grad_norm.py) runs per optimizer tensor: a float64

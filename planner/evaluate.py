@@ -642,12 +642,15 @@ class Evaluator:
 
         def allreduce(nbytes: float) -> float:
             return self.axis_seconds(config.mesh, MeshAxis.TENSOR, "all_reduce", nbytes)
+
+        def gather(nbytes: float) -> float:
+            return self.axis_seconds(config.mesh, MeshAxis.TENSOR, "all_gather", nbytes)
         if self._fused_head(config) == n.name:
             m = self.execution.vocab_multiple
             vocab = -(-int(classes / div) // m) * m
             return chunked_loss_cost(gpu, tokens, vocab, n.input_meta[0].shape[-1],
                                      chunk_tokens=self.execution.loss_chunk_tokens, vocab_parallel=parallel,
-                                     allreduce=allreduce)
+                                     allreduce=allreduce, gather=gather)
         mixed = config.dtype != DType.FP32
         low = self.overlap.autocast is False or self.gpu_graph.dtypes.get(n.name) != FLOAT32
         return full_loss_cost(gpu, tokens, classes / div, logits_bytes=2 if mixed and low else 4,

@@ -10,6 +10,7 @@ import planner
 from cost_models.hardware import Cluster
 from cost_models.step_costs import (CHUNK_ALIGN, StepSetup, chunked_loss_cost, default_chunk_tokens, full_loss_cost,
                                     optimizer_cost)
+from runtime.chunked_loss import auto_chunk_tokens
 from examples.models import gpt
 from planner import ParallelConfig
 from planner.evaluate import Evaluator
@@ -45,10 +46,16 @@ def test_the_full_loss_reads_the_logits_in_fp32_passes(gpu):
 
 
 def test_the_chunked_loss_holds_a_chunk_and_runs_the_head_s_three_gemms(gpu):
-    chunk = default_chunk_tokens(V)
+    chunk = default_chunk_tokens(N, V)
+    # the runtime's own rule (runtime/chunked_loss.py), which the price must follow
+    assert chunk == auto_chunk_tokens(N, V) == 1280
     assert chunk % CHUNK_ALIGN == 0 and chunk * V * 4 <= 256 * 2**20
+    assert default_chunk_tokens(100, V) == auto_chunk_tokens(100, V) == 100
     got = chunked_loss_cost(gpu, N, V, 768)
-    assert got.peak_bytes == pytest.approx(12 * chunk * V + 4 * N * 768 + 4 * V * 768)
+    # one rank: the gradients of the hidden states (bf16) and of the weight (fp32) are formed in forward and
+    # kept; at the peak one chunk's logits (6 bytes each) and the weight's casts (2 + 4 bytes each) besides
+    kept = 2 * N * 768 + 4 * V * 768
+    assert got.kept_bytes == kept and got.peak_bytes == pytest.approx(kept + 6 * chunk * V + 6 * V * 768)
     assert got.peak_bytes < full_loss_cost(gpu, N, V, logits_bytes=2).peak_bytes / 10
     # the head's forward and its two gradient GEMMs are in it: more than the logits GEMM alone three times
     one = gpu.gemm(__import__("cost_models.gemm", fromlist=["GemmShape"]).GemmShape(N, V, 768),
