@@ -33,6 +33,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -40,6 +42,7 @@ from typing import Callable
 
 from runtime.comm import ABORT_KEY, read_abort
 from runtime.jobauth import SECRET_ENV, Signer, shown
+from runtime.lifetime import process_state
 
 # A rank on one of these is waiting for others; every other instruction (compute, and issuing an
 # asynchronous communication, which returns at once) should finish by itself.
@@ -62,11 +65,13 @@ class Watchdog:
         heartbeat_timeout: seconds without a heartbeat after which the watched neighbour is named
             as not responding (and without an answer from the store after which this rank stops).
         signer: signs this rank's heartbeats and checks the others' and the failure reason.
+        store_owner: where the store is and who hosts it, for the message when it is gone
+            ("on rank 0's node (hosted by torchrun's agent)").
     """
 
     def __init__(self, rank: int, world_size: int, host: str, port: int, position: Callable[[], tuple],
                  *, prefix: str = "meshplan", interval: float = 0.5, grace: float = 3.0,
-                 heartbeat_timeout: float = 30.0, signer: Signer | None = None):
+                 heartbeat_timeout: float = 30.0, signer: Signer | None = None, store_owner: str = ""):
         import torch.distributed as dist
 
         self.rank = rank
@@ -76,6 +81,8 @@ class Watchdog:
         self.grace = float(grace)
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.signer = signer or Signer()
+        self.store_address = f"{host}:{port}"
+        self.store_owner = store_owner
         raw = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10),
                             wait_for_workers=False)
         self._store = dist.PrefixStore(prefix, raw)
@@ -110,13 +117,22 @@ class Watchdog:
         step, idx, text, op = self.position()
         self._beat += 1
         value = json.dumps({"beat": self._beat, "time": time.time(), "step": step, "instr": idx, "text": text,
-                            "op": op})
+                            "op": op, "host": _HOST, "pid": os.getpid()})
         with self._lock:
             self._store.set(_hb_key(self.rank), self.signer.sign(value))
 
     def _run(self) -> None:
         aborted_at = None
         while not self._stop.wait(self.interval):
+            if self._store_lost_at is not None and not self._answers():
+                # once the store failed, ask only whether its port still answers: every failed store request
+                # makes torch log a C++ stack trace
+                if self._stopping:
+                    return
+                now = time.monotonic()
+                if now - self._store_lost_at > self.heartbeat_timeout:
+                    self._end(self.store_lost(ConnectionError("connection refused"), now - self._store_lost_at))
+                continue
             try:
                 self._publish()
                 with self._lock:
@@ -134,8 +150,7 @@ class Watchdog:
                 now = time.monotonic()
                 self._store_lost_at = self._store_lost_at or now
                 if now - self._store_lost_at > self.heartbeat_timeout:
-                    self._end(f"the rendezvous store has not answered for {now - self._store_lost_at:.0f} s "
-                              f"({type(e).__name__}): the launcher, or the rank that hosts the store, is gone")
+                    self._end(self.store_lost(e, now - self._store_lost_at))
 
     def _watch_neighbour(self) -> None:
         """Name the watched rank once its heartbeat has not changed for heartbeat_timeout seconds."""
@@ -191,36 +206,65 @@ class Watchdog:
         return json.loads(text)
 
     def _read(self) -> dict[int, dict | None]:
-        out = {}
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            try:
-                out[r] = self._read_one(r)
-            except Exception:
-                out[r] = None
-        return out
+        """Every other rank's last heartbeat (None: it has none); raises when the store does not answer."""
+        return {r: self._read_one(r) for r in range(self.world_size) if r != self.rank}
+
+    def _answers(self) -> bool:
+        """Whether the store's port accepts a connection (a plain socket: torch logs nothing)."""
+        host, _, port = self.store_address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=min(2.0, self.interval * 4)).close()
+            return True
+        except OSError:
+            return False
+
+    def store_lost(self, e: BaseException, seconds: float | None = None) -> str:
+        """The reason to give when the store does not answer: its host is gone, not any rank we could name."""
+        owner = f", {self.store_owner}," if self.store_owner else ""
+        how = f"has not answered for {seconds:.0f} s" if seconds is not None else "does not answer"
+        return (f"the rendezvous store at {self.store_address}{owner} is gone (it {how}: {type(e).__name__}): "
+                "its host died or lost the network; the ranks there cannot be asked why")
 
     def diagnose(self, window: float | None = None) -> str | None:
-        """Which rank died or stopped responding, from two readings of the heartbeats `window` s apart."""
+        """Which rank died or stopped responding, from two readings of the heartbeats `window` s apart; a rank
+        is named only on its own heartbeat's evidence (a store that does not answer names its host instead).
+        A stopped rank on this host is killed, so that its launcher need not wait for it."""
         window = 4 * self.interval if window is None else window
         try:
             before = self._read()
             time.sleep(window)
             after = self._read()
-        except Exception:
-            return None
-        dead = [r for r in after if after[r] is None or (before[r] or {}).get("beat") == after[r]["beat"]]
+        except Exception as e:
+            return self.store_lost(e)
+        dead = [r for r in after if after[r] is not None and before[r] is not None
+                and before[r]["beat"] == after[r]["beat"]]
+        for r in dead:
+            _kill_if_stopped(after[r])
         if dead:
             return "; ".join(f"rank {r} stopped responding (no heartbeat for {window:.1f} s: its process died, "
                              "was stopped, or hangs)" + _where(after[r] or before[r], last=True) for r in dead)
-        stuck = [r for r in after if after[r]["op"] not in WAITING_OPS and before[r] is not None
+        stuck = [r for r in after if after[r] is not None and after[r]["op"] not in WAITING_OPS and before[r] is not None
                  and (before[r]["step"], before[r]["instr"]) == (after[r]["step"], after[r]["instr"])
                  and after[r]["instr"] >= 0]
         if stuck:
             return "; ".join(f"rank {r} stopped responding (alive, but making no progress)" + _where(after[r])
                              for r in stuck)
         return None
+
+
+_HOST = socket.gethostname()
+
+
+def _kill_if_stopped(hb: dict) -> None:
+    """SIGKILL the process of heartbeat `hb` if it runs on this host and is stopped (SIGSTOP): it cannot
+    exit by itself, and its launcher (torchrun's agent) would wait 30 s for it after a SIGTERM."""
+    pid = hb.get("pid")
+    if hb.get("host") != _HOST or not isinstance(pid, int) or process_state(pid) != "stopped":
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _where(hb: dict | None, last: bool = False) -> str:

@@ -1,0 +1,266 @@
+"""Two nodes on one host: how fast a wrong multi-node setup is refused, and how fast the
+survivors stop when a node is lost.
+
+Two torchrun agents over loopback (each "node" is its own process session started through the
+build's launch_torchrun.sh with NNODES=2, NODE_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT), on a
+data 2 x pipeline 2 MLP build (examples/models/mlp.py, 4 ranks, gloo) planned for 2 nodes of 2
+devices. Each case starts both nodes at t=0 (the late node: never) and records, per node, the
+first line that names the cause and when it came, and when the node's launcher exited:
+
+  secrets      the nodes run with different MESHPLAN_JOB_SECRET
+  ckpt         --checkpoint-dir is not the same directory on the two nodes (node-local storage)
+  world        NPROC_PER_NODE=1 on both nodes: 2 processes for a plan of 4
+  nodes        a plan made for one node of 4 devices, launched on 2 nodes of 2
+  late         node 1 is never started (meshplan --timeout 20)
+  lost-worker  node 1 (not the store's host) is SIGKILLed, whole, after 3 steps
+  lost-store   node 0 (the store's host) is SIGKILLed, whole, after 3 steps
+
+For the lost nodes: seconds from the kill to the survivor's launcher exiting, its processes left
+behind (orphans), and the survivors' message. Every case is capped at --cap seconds.
+
+    python benchmarks/multinode.py [--tree DIR] [--cases secrets ckpt ...] [--json out.json]
+
+--tree runs another checkout of meshplan (its codegen, launch scripts and runtime): the
+"before" figures of issue 33 come from `git archive f4529e9 | tar -x -C /tmp/before` and
+`--tree /tmp/before`. Measured on the 2-core development VM, shared with other work:
+see the closing note of issue 33 (and the report that measured it) for the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+CASES = ("secrets", "ckpt", "world", "nodes", "late", "lost-worker", "lost-store")
+
+# A line that names the cause, per case (either version's wording).
+CAUSE = {
+    "secrets": r"MESHPLAN_JOB_SECRET|authentication",
+    "ckpt": r"checkpoint|rank_\d+\.json",
+    "world": r"processes|world size|WORLD_SIZE",
+    "nodes": r"plan was made for \d+ node|spans \d+ nodes",
+    "late": r"waiting|did not join|join|Timed out|timed out",
+    "lost-worker": r"rank \d.*(stopped responding|died|gone)|stopping",
+    "lost-store": r"store|stopping",
+}
+
+_EMIT = textwrap.dedent("""
+    import dataclasses, sys
+    from pathlib import Path
+    import planner
+    from planner.app.commands import make_fixed_plan
+    from codegen.emit import emit
+    from tests.parallel_cases import graph_of, MODELS, SGD
+    out, nodes = Path(sys.argv[1]), int(sys.argv[2])
+    local = planner.Cluster.preset("local", devices=4 // nodes)
+    cluster = dataclasses.replace(local, num_nodes=nodes)
+    cfg = planner.ParallelConfig(micro_batch_size=2, dtype="fp32", data=2, pipeline=2)
+    plan = make_fixed_plan(graph_of("mlp"), cluster, cfg, 8)
+    ref, kw = MODELS["mlp"]
+    emit(plan, ref, None, out, model_kwargs=kw, graph=graph_of("mlp"), optimizer=SGD, bucket_bytes=2048)
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def emit_build(tree: Path, out: Path, nodes: int) -> Path:
+    subprocess.run([sys.executable, "-c", _EMIT, str(out), str(nodes)], cwd=tree, env=tree_env(tree), check=True)
+    return out
+
+
+def tree_env(tree: Path) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "MESHPLAN_JOB_SECRET", "NNODES", "NODE_RANK", "NPROC_PER_NODE")}
+    env["PYTHONPATH"] = str(tree)
+    env["OMP_NUM_THREADS"] = "1"
+    env["TORCHRUN"] = str(Path(sys.executable).parent / "torchrun")
+    env["PYTHON"] = sys.executable
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
+class Node:
+    """One simulated node: launch_torchrun.sh in a session of its own, its output in a log."""
+
+    def __init__(self, tree: Path, build: Path, node: int, port: int, secret: str, args: list[str], log: Path,
+                 **extra: str):
+        env = dict(tree_env(tree), NNODES="2", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   MESHPLAN_JOB_SECRET=secret, **extra)
+        self.log = log
+        self.node = node
+        self._f = log.open("w")
+        self.proc = subprocess.Popen(["bash", str(build / "launch_torchrun.sh"), *args], cwd=tree, env=env,
+                                     stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True)
+        self.exited_at: float | None = None
+
+    def poll(self) -> bool:
+        if self.exited_at is None and self.proc.poll() is not None:
+            self.exited_at = time.monotonic()
+        return self.exited_at is not None
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill_all(self) -> None:
+        """SIGKILL the node's whole session (its launcher and every process under it)."""
+        for pid in session_pids(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.poll()
+
+    def close(self) -> None:
+        self.kill_all()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._f.close()
+
+
+def session_pids(sid: int) -> list[int]:
+    """Processes whose session is `sid` (a node's launcher and what it started)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def first_match(text: str, pattern: str) -> str | None:
+    for line in text.splitlines():
+        if re.search(pattern, line) and not line.lstrip().startswith(("File ", "Traceback")):
+            return line.strip()[:300]
+    return None
+
+
+def watch(nodes: list[Node], pattern: str, t0: float, cap: float, until_all_exit: bool = True) -> dict:
+    """Per node: the first line matching `pattern` and its time after t0, and its exit time and status."""
+    seen: dict[int, tuple[float, str]] = {}
+    while time.monotonic() - t0 < cap:
+        for n in nodes:
+            n.poll()
+            if n.node not in seen:
+                line = first_match(n.text(), pattern)
+                if line:
+                    seen[n.node] = (time.monotonic() - t0, line)
+        if all(n.exited_at is not None for n in nodes) if until_all_exit else seen:
+            break
+        time.sleep(0.1)
+    for n in nodes:
+        n.poll()
+        if n.node not in seen and (line := first_match(n.text(), pattern)):
+            seen[n.node] = (time.monotonic() - t0, line)
+    return {f"node{n.node}": {"message_s": round(seen[n.node][0], 1) if n.node in seen else None,
+                              "message": seen[n.node][1] if n.node in seen else None,
+                              "exit_s": round(n.exited_at - t0, 1) if n.exited_at is not None else None,
+                              "returncode": n.proc.returncode,
+                              "lines": len(n.text().splitlines())} for n in nodes}
+
+
+def run_case(case: str, tree: Path, builds: dict[str, Path], tmp: Path, cap: float) -> dict:
+    port = free_port()
+    args = ["--steps", "3", "--timeout", "60"]
+    secrets = ["a" * 64, "a" * 64]
+    build = builds["two"]
+    extra: list[dict] = [{}, {}]
+    starts = [0, 1]
+    if case == "secrets":
+        secrets = ["a" * 64, "b" * 64]
+        args = ["--steps", "200", "--timeout", "60"]
+    elif case == "ckpt":
+        args += ["--save-every", "1"]
+    elif case == "world":
+        extra = [{"NPROC_PER_NODE": "1"}, {"NPROC_PER_NODE": "1"}]
+    elif case == "nodes":
+        build = builds["one"]
+    elif case == "late":
+        args = ["--steps", "3", "--timeout", "20"]
+        starts = [0]
+    elif case.startswith("lost"):
+        args = ["--steps", "100000"]
+    (build / "metrics.jsonl").unlink(missing_ok=True)   # the lost-node cases wait for this run's steps
+    nodes = []
+    t0 = time.monotonic()
+    for k in starts:
+        a = list(args)
+        if case == "ckpt":
+            a += ["--checkpoint-dir", str(tmp / f"ckpt_node{k}")]
+        nodes.append(Node(tree, build, k, port, secrets[k], a, tmp / f"{case}_node{k}.log", **extra[k]))
+    try:
+        if not case.startswith("lost"):
+            result = watch(nodes, CAUSE[case], t0, cap)
+            return {"case": case, **result}
+        metrics = build / "metrics.jsonl"
+        while time.monotonic() - t0 < cap and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            if any(n.poll() for n in nodes):
+                return {"case": case, "error": "a node exited before the kill",
+                        **{f"node{n.node}_tail": n.text()[-1500:] for n in nodes}}
+            time.sleep(0.1)
+        victim, survivor = (nodes[1], nodes[0]) if case == "lost-worker" else (nodes[0], nodes[1])
+        steps_before_kill = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+        t_kill = time.monotonic()
+        victim.kill_all()
+        result = watch([survivor], CAUSE[case], t_kill, cap)[f"node{survivor.node}"]
+        time.sleep(0.5)
+        orphans = session_pids(survivor.proc.pid)
+        return {"case": case, "survivor": f"node{survivor.node}", "killed_after_steps": steps_before_kill,
+                "stop_s": result["exit_s"],
+                "returncode": result["returncode"], "message": result["message"], "orphans": len(orphans),
+                "lines": result["lines"]}
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tree", default=str(Path(__file__).resolve().parents[1]),
+                    help="the meshplan checkout to measure (default: this one)")
+    ap.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    ap.add_argument("--cap", type=float, default=90.0, help="seconds after which a case is cut off")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--logs", default=None, help="keep every node's output in this directory")
+    args = ap.parse_args(argv)
+    tree = Path(args.tree).resolve()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="meshplan-multinode-") as d:
+        tmp = Path(d)
+        builds = {"two": emit_build(tree, tmp / "two_nodes", 2), "one": emit_build(tree, tmp / "one_node", 1)}
+        for case in args.cases:
+            r = run_case(case, tree, builds, tmp, args.cap)
+            print(json.dumps(r), flush=True)
+            results.append(r)
+            if args.logs:
+                Path(args.logs).mkdir(parents=True, exist_ok=True)
+                for log in tmp.glob(f"{case}_node*.log"):
+                    (Path(args.logs) / log.name).write_text(log.read_text(errors="replace"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
