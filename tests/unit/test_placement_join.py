@@ -4,6 +4,7 @@ probe (runtime/shared_dirs.py) with in-process collectives."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -150,3 +151,40 @@ def test_the_probe_names_the_ranks_that_do_not_share_a_directory(tmp_path):
         t.join(30)
     assert [box[f"out{r}"] for r in range(world)] == [[[], [2]]] * 3
     assert list(shared.iterdir()) == [] and list(local.iterdir()) == []     # the probe files are gone
+
+
+def test_a_diagnosis_blames_only_ranks_with_evidence_and_names_a_lost_store(monkeypatch):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from runtime import watchdog as wd_mod
+    from runtime.watchdog import Watchdog
+
+    hosted = host_store(LOOPBACK, 0, 30)
+    wds = [Watchdog(r, 3, LOOPBACK, hosted.port, lambda: (0, 0, "F s0 m0", "F"), interval=0.05,
+                    signer=Signer("s"), store_owner="on rank 0's node (hosted by rank 0)") for r in range(3)]
+    for w in wds[:2]:
+        w._publish()
+    # rank 2 never published a heartbeat and rank 1's does not move: only rank 1 is named
+    stopped = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        store = wds[1]._store
+        value = json.loads(wds[0].signer.verify(store.get("meshplan/heartbeat/1")))
+        store.set("meshplan/heartbeat/1", wds[0].signer.sign(json.dumps({**value, "pid": stopped.pid})))
+        found = wds[0].diagnose(window=0.1)
+        assert found.startswith("rank 1 stopped responding") and "rank 2" not in found
+        # rank 1's process is stopped on this host: it is killed, so that its launcher need not wait for it
+        assert stopped.wait(10) == -signal.SIGKILL
+    finally:
+        stopped.kill()
+        stopped.wait()
+    # the store's host is gone: the diagnosis names it, and no rank
+    del hosted
+    time.sleep(0.2)
+    found = wds[0].diagnose(window=0.05)
+    assert found.startswith(f"the rendezvous store at {LOOPBACK}:") and "on rank 0's node (hosted by rank 0)" in found
+    assert "rank 1" not in found and "rank 2" not in found
+    assert wd_mod.WAITING_OPS  # the module stays importable without side effects
