@@ -18,7 +18,7 @@ first line that names the cause and when it came, and when the node's launcher e
 For the lost nodes: seconds from the kill to the survivor's launcher exiting, its processes left
 behind (orphans), and the survivors' message. Every case is capped at --cap seconds.
 
-    python benchmarks/multinode.py [--tree DIR] [--cases secrets ckpt ...] [--json out.json]
+    PYTHONPATH=. python benchmarks/multinode.py [--tree DIR] [--cases secrets ckpt ...] [--json out.json]
 
 --tree runs another checkout of meshplan (its codegen, launch scripts and runtime): the
 "before" figures of issue 33 come from `git archive f4529e9 | tar -x -C /tmp/before` and
@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
+
+from tests.multinode_cases import Node, base_env, first_line, free_port
 
 CASES = ("secrets", "ckpt", "world", "nodes", "late", "lost-worker", "lost-store")
 
@@ -71,110 +69,42 @@ _EMIT = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def emit_build(tree: Path, out: Path, nodes: int) -> Path:
     subprocess.run([sys.executable, "-c", _EMIT, str(out), str(nodes)], cwd=tree, env=tree_env(tree), check=True)
     return out
 
 
-def tree_env(tree: Path) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "MESHPLAN_JOB_SECRET", "NNODES", "NODE_RANK", "NPROC_PER_NODE")}
-    env["PYTHONPATH"] = str(tree)
-    env["OMP_NUM_THREADS"] = "1"
-    env["TORCHRUN"] = str(Path(sys.executable).parent / "torchrun")
-    env["PYTHON"] = sys.executable
-    env["GLOO_SOCKET_IFNAME"] = "lo"
-    return env
+def tree_env(tree: Path, **extra: str) -> dict:
+    """The environment of a process of `tree`'s meshplan (its runtime first on the path)."""
+    return base_env(PYTHONPATH=str(tree), **extra)
 
 
-class Node:
-    """One simulated node: launch_torchrun.sh in a session of its own, its output in a log."""
-
-    def __init__(self, tree: Path, build: Path, node: int, port: int, secret: str, args: list[str], log: Path,
-                 **extra: str):
-        env = dict(tree_env(tree), NNODES="2", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+def start_node(tree: Path, build: Path, node: int, port: int, secret: str, args: list[str], log: Path,
+               **extra: str) -> Node:
+    env = tree_env(tree, NNODES="2", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    MESHPLAN_JOB_SECRET=secret, **extra)
-        self.log = log
-        self.node = node
-        self._f = log.open("w")
-        self.proc = subprocess.Popen(["bash", str(build / "launch_torchrun.sh"), *args], cwd=tree, env=env,
-                                     stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True)
-        self.exited_at: float | None = None
-
-    def poll(self) -> bool:
-        if self.exited_at is None and self.proc.poll() is not None:
-            self.exited_at = time.monotonic()
-        return self.exited_at is not None
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def kill_all(self) -> None:
-        """SIGKILL the node's whole session (its launcher and every process under it)."""
-        for pid in session_pids(self.proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.poll()
-
-    def close(self) -> None:
-        self.kill_all()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self._f.close()
+    node_ = Node(["bash", str(build / "launch_torchrun.sh"), *args], env, log, f"node{node}", cwd=tree)
+    node_.node = node
+    return node_
 
 
-def session_pids(sid: int) -> list[int]:
-    """Processes whose session is `sid` (a node's launcher and what it started)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            out.append(int(d.name))
-    return out
-
-
-def first_match(text: str, pattern: str) -> str | None:
-    for line in text.splitlines():
-        if re.search(pattern, line) and not line.lstrip().startswith(("File ", "Traceback")):
-            return line.strip()[:300]
-    return None
-
-
-def watch(nodes: list[Node], pattern: str, t0: float, cap: float, until_all_exit: bool = True) -> dict:
+def watch(nodes: list[Node], pattern: str, t0: float, cap: float) -> dict:
     """Per node: the first line matching `pattern` and its time after t0, and its exit time and status."""
     seen: dict[int, tuple[float, str]] = {}
     while time.monotonic() - t0 < cap:
         for n in nodes:
             n.poll()
-            if n.node not in seen:
-                line = first_match(n.text(), pattern)
-                if line:
-                    seen[n.node] = (time.monotonic() - t0, line)
-        if all(n.exited_at is not None for n in nodes) if until_all_exit else seen:
+            if n.node not in seen and (line := first_line(n.text(), pattern)):
+                seen[n.node] = (time.monotonic() - t0, line)
+        if all(n.exited_at is not None for n in nodes):
             break
         time.sleep(0.1)
     for n in nodes:
         n.poll()
-        if n.node not in seen and (line := first_match(n.text(), pattern)):
+        if n.node not in seen and (line := first_line(n.text(), pattern)):
             seen[n.node] = (time.monotonic() - t0, line)
     return {f"node{n.node}": {"message_s": round(seen[n.node][0], 1) if n.node in seen else None,
-                              "message": seen[n.node][1] if n.node in seen else None,
+                              "message": seen[n.node][1][:300] if n.node in seen else None,
                               "exit_s": round(n.exited_at - t0, 1) if n.exited_at is not None else None,
                               "returncode": n.proc.returncode,
                               "lines": len(n.text().splitlines())} for n in nodes}
@@ -208,7 +138,7 @@ def run_case(case: str, tree: Path, builds: dict[str, Path], tmp: Path, cap: flo
         a = list(args)
         if case == "ckpt":
             a += ["--checkpoint-dir", str(tmp / f"ckpt_node{k}")]
-        nodes.append(Node(tree, build, k, port, secrets[k], a, tmp / f"{case}_node{k}.log", **extra[k]))
+        nodes.append(start_node(tree, build, k, port, secrets[k], a, tmp / f"{case}_node{k}.log", **extra[k]))
     try:
         if not case.startswith("lost"):
             result = watch(nodes, CAUSE[case], t0, cap)
@@ -225,7 +155,7 @@ def run_case(case: str, tree: Path, builds: dict[str, Path], tmp: Path, cap: flo
         victim.kill_all()
         result = watch([survivor], CAUSE[case], t_kill, cap)[f"node{survivor.node}"]
         time.sleep(0.5)
-        orphans = session_pids(survivor.proc.pid)
+        orphans = survivor.pids()
         return {"case": case, "survivor": f"node{survivor.node}", "killed_after_steps": steps_before_kill,
                 "stop_s": result["exit_s"],
                 "returncode": result["returncode"], "message": result["message"], "orphans": len(orphans),

@@ -90,7 +90,8 @@ class Meeting:
 
     timeout: seconds to wait for everyone; say: prints a progress line (None: silent);
     node_of: the node the plan puts a participant on (for the messages); check: participant 0's
-    extra check of every arrival (returns a problem to refuse with, or None)."""
+    extra check of every arrival (returns a problem to refuse with, or None); attempt: tells apart
+    the meetings of one store's successive attempts (torchrun's TORCHELASTIC_RESTART_COUNT)."""
 
     store: object
     count: int
@@ -101,9 +102,10 @@ class Meeting:
     say: Callable[[str], None] | None = None
     node_of: Callable[[int], int | None] | None = None
     check: Callable[[list[Arrival]], str | None] | None = None
+    attempt: str = ""
 
     def _key(self, what) -> str:
-        return f"{PREFIX}/{self.noun}/{what}"
+        return f"{PREFIX}/{self.noun}{self.attempt}/{what}"
 
     def meet(self, me: Arrival) -> list[Arrival] | None:
         """Join, wait for everyone, and return the arrivals (participant 0) or None (the others);

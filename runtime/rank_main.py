@@ -432,7 +432,7 @@ def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
     try:
         wd = Watchdog(p.rank, p.program.world_size, host, int(port), position, grace=min(3.0, p.args.timeout),
                       heartbeat_timeout=p.args.heartbeat_timeout, signer=signer_from_env(),
-                      store_owner=owner).start()
+                      store_owner=owner, kill_stopped=LAUNCHER_PID_ENV not in os.environ).start()
     except Exception as e:  # no watchdog: failures are still reported, only less precisely
         print(f"meshplan rank {p.rank}: warning: no watchdog ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         return None
@@ -616,7 +616,8 @@ def _join(p: Prepared) -> Callable[[object], None]:
     def join(store) -> None:
         Meeting(store, p.program.world_size, signer_from_env(), f"{p.args.master_addr}:{p.args.master_port}",
                 p.args.timeout, noun="rank", say=say,
-                node_of=(lambda r: node_of(r, p.devices_per_node)) if several else None).meet(
+                node_of=(lambda r: node_of(r, p.devices_per_node)) if several else None,
+                attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "")).meet(
             Arrival(p.rank, p.build_id, p.where.node, socket.gethostname(), os.getpid()))
     return join
 

@@ -18,14 +18,19 @@ with the job secret (runtime/jobauth.py). It serves four purposes:
   every other rank's heartbeat twice, `window` seconds apart: a counter that
   did not move is a rank that died or stopped; a moving counter on an
   instruction that computes (not a wait or a communication) that has not
-  changed is a rank that is alive but makes no progress.
+  changed is a rank that is alive but makes no progress. A rank is named only on its own
+  heartbeat's evidence: when the store itself does not answer, the diagnosis names the store and
+  its host ("the rendezvous store at ADDR:PORT, on rank 0's node, is gone") and no rank. A named
+  rank whose process is stopped on this host is killed, so that its launcher need not wait for it.
 * Ending stuck ranks. Once a failure reason is published, a rank whose main
   thread has not started to stop within `grace` seconds (it is stuck in a
   computation, or blocked on a peer with a long timeout) prints the reason and
   exits with status 1 from this thread.
 * Outliving nobody. When the store has not answered for `heartbeat_timeout`
   seconds, its host (the launcher, torchrun's agent, or rank 0) is gone: the
-  rank stops rather than train on with nobody to stop it.
+  rank stops rather than train on with nobody to stop it. After the first failed
+  request it only checks whether the store's port answers (each failed store
+  request makes torch log a C++ stack trace).
 """
 
 from __future__ import annotations
@@ -67,11 +72,14 @@ class Watchdog:
         signer: signs this rank's heartbeats and checks the others' and the failure reason.
         store_owner: where the store is and who hosts it, for the message when it is gone
             ("on rank 0's node (hosted by torchrun's agent)").
+        kill_stopped: SIGKILL a rank named as not responding whose process is stopped on this host (a
+            launcher such as torchrun's agent waits 30 s for it otherwise; `meshplan run` kills it itself).
     """
 
     def __init__(self, rank: int, world_size: int, host: str, port: int, position: Callable[[], tuple],
                  *, prefix: str = "meshplan", interval: float = 0.5, grace: float = 3.0,
-                 heartbeat_timeout: float = 30.0, signer: Signer | None = None, store_owner: str = ""):
+                 heartbeat_timeout: float = 30.0, signer: Signer | None = None, store_owner: str = "",
+                 kill_stopped: bool = True):
         import torch.distributed as dist
 
         self.rank = rank
@@ -83,6 +91,7 @@ class Watchdog:
         self.signer = signer or Signer()
         self.store_address = f"{host}:{port}"
         self.store_owner = store_owner
+        self.kill_stopped = kill_stopped
         raw = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10),
                             wait_for_workers=False)
         self._store = dist.PrefixStore(prefix, raw)
@@ -174,6 +183,8 @@ class Watchdog:
             with self._lock:
                 self._store.compare_set(ABORT_KEY, "", self.signer.sign(reason))
             self._seen = (beat, now)  # once
+            if hb is not None and self.kill_stopped:
+                _kill_if_stopped(hb)
 
     def _end(self, why: str) -> None:
         step, idx, text, _op = self.position()
@@ -238,7 +249,7 @@ class Watchdog:
             return self.store_lost(e)
         dead = [r for r in after if after[r] is not None and before[r] is not None
                 and before[r]["beat"] == after[r]["beat"]]
-        for r in dead:
+        for r in dead if self.kill_stopped else ():
             _kill_if_stopped(after[r])
         if dead:
             return "; ".join(f"rank {r} stopped responding (no heartbeat for {window:.1f} s: its process died, "

@@ -85,7 +85,6 @@ def _meet_all(n: int, signers: list[Signer], builds: list[str], *, timeout: floa
         t.start()
     for t in threads:
         t.join(60)
-    del hosted
     return out
 
 
