@@ -348,7 +348,7 @@ class TorchCommunicator:
         timeout: seconds before a rendezvous or collective gives up.
         signer: signs and checks the failure reasons on the store (runtime/jobauth.py).
             A store this rank hosts listens on `master_addr` only (runtime/store_host.py).
-        join: called with the (prefixed) store once it answers, before any process group is made:
+        join: called with the store once it answers, before any process group is made:
             the rank's check of who came to the rendezvous (runtime/join.py); it raises to refuse.
     """
 

@@ -5,9 +5,9 @@ talking to the others:
 
 * `placement(env)`: this process's node index, the launch's node count, and its place on
   its node, from the variables torchrun (GROUP_RANK, GROUP_WORLD_SIZE, LOCAL_RANK,
-  LOCAL_WORLD_SIZE), Slurm (SLURM_NODEID, SLURM_STEP_NUM_NODES / SLURM_NNODES,
+  LOCAL_WORLD_SIZE), Slurm (an srun step's SLURM_NODEID, SLURM_STEP_NUM_NODES,
   SLURM_LOCALID) or Open MPI (OMPI_COMM_WORLD_LOCAL_RANK / _LOCAL_SIZE; nodes = world /
-  local size, ranks filled node by node) set.
+  local size, ranks filled node by node) set; `meshplan run`'s ranks are on one machine.
 * `check_nodes`: a launch over several nodes must have the plan's node count (the plan
   places its groups by node: rank r on node r // devices_per_node). One machine may run
   any plan (that is how plans are tried out).

@@ -147,7 +147,8 @@ def first_line(text: str, pattern: str) -> str | None:
 
 
 # srun: `srun --nodes N --ntasks T --ntasks-per-node K CMD...` starts T tasks of CMD here, with the
-# variables Slurm gives the tasks of N nodes (task i on node i // K); exits with the first failure.
+# variables Slurm gives the tasks of N nodes (task i on node i // K), and logs the rendezvous address and
+# the shape to srun.log beside it; exits with the first failure.
 SRUN = r'''#!@PYTHON@
 import os, subprocess, sys
 args = sys.argv[1:]
@@ -157,6 +158,8 @@ while args and args[0].startswith("--"):
     opts[key] = value
 nodes, ntasks, per = int(opts["nodes"]), int(opts["ntasks"]), int(opts["ntasks-per-node"])
 assert nodes * per == ntasks, opts
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "srun.log"), "a") as log:
+    log.write(f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} nodes={nodes} tasks={ntasks}\n")
 env = dict(os.environ, SLURM_STEP_ID="0", SLURM_STEP_NUM_NODES=str(nodes), SLURM_NTASKS=str(ntasks),
            SLURM_STEP_NUM_TASKS=str(ntasks), SLURM_STEP_TASKS_PER_NODE=f"{per}(x{nodes})")
 procs = [subprocess.Popen(args, env=dict(env, SLURM_PROCID=str(i), SLURM_LOCALID=str(i % per),
