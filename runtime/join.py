@@ -237,27 +237,33 @@ def _node_check(nodes: int, build: dict) -> Callable[[list[Arrival]], str | None
     return check
 
 
-def _connect(host: str, port: int, deadline: float, say: Callable[[str], None], nodes: int):
-    """A client of the meeting's store, retrying until `deadline` (node 0 may start later)."""
-    import torch.distributed as dist
-
+def wait_for_port(host: str, port: int, timeout: float, say: Callable[[str], None] | None, waiting: str) -> None:
+    """Until `host`:`port` accepts a TCP connection (a plain socket: torch logs a C++ stack trace for every
+    refused attempt of a TCPStore client); says `waiting` now and then; JoinError after `timeout` s."""
+    deadline = time.monotonic() + timeout
     next_say = time.monotonic() + FIRST_SAY_S
     while True:
-        try:   # a plain connection first: torch logs a stack trace for every refused attempt
+        try:
             socket.create_connection((host, port), timeout=2).close()
-            return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=10),
-                                 wait_for_workers=False)
-        except Exception as e:
+            return
+        except OSError as e:
             now = time.monotonic()
             if now >= deadline:
-                raise JoinError(f"node 0 did not open the rendezvous at {host}:{port} within --timeout: start "
-                                f"NODE_RANK=0 on {host} (MASTER_ADDR), check that this node reaches it "
-                                f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
-            if now >= next_say:
-                say(f"waiting for {nodes} nodes at {host}:{port}: node 0 is not there yet "
-                    f"({deadline - now:.0f} s left of --timeout)")
+                raise JoinError(f"nothing answers at {host}:{port} after --timeout {timeout:g} s ({e.strerror or e}): "
+                                f"{waiting}; check MASTER_ADDR and MASTER_PORT, and that this node reaches that "
+                                "address") from None
+            if say is not None and now >= next_say:
+                say(f"{waiting} ({deadline - now:.0f} s left of --timeout)")
                 next_say = now + SAY_EVERY_S
             time.sleep(0.5)
+
+
+def _connect(host: str, port: int, timeout: float, say: Callable[[str], None], nodes: int):
+    """A client of the meeting's store (node 0 may start later)."""
+    import torch.distributed as dist
+
+    wait_for_port(host, port, timeout, say, f"waiting for {nodes} nodes at {host}:{port}: node 0 is not there yet")
+    return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
 
 
 def join_nodes(build_dir: str, nodes: int, node_rank: int, nproc: int, host: str, port: int, timeout: float,
@@ -275,13 +281,12 @@ def join_nodes(build_dir: str, nodes: int, node_rank: int, nproc: int, host: str
     except (OSError, ValueError) as e:
         raise JoinError(f"{build_dir}/build.json cannot be read on this node ({e}): the build must be on every "
                         "node (a shared file system)") from None
-    deadline = time.monotonic() + timeout
     hosted = None
     if node_rank == 0:
         hosted = host_store(listen_address(host, env), port, timeout, None)
         store = hosted.store
     else:
-        store = _connect(host, port, deadline, say, nodes)
+        store = _connect(host, port, timeout, say, nodes)
     # --timeout counts from here for every node (node 0's store is up, the others reached it)
     meeting = Meeting(store, nodes, signer, f"{host}:{port}", timeout, noun="node", say=say,
                       check=_node_check(nodes, build))

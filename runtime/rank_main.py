@@ -50,7 +50,7 @@ from runtime.evaluation import EvalResult, EvalSpec, check_program, eval_setting
 from runtime.executor import Executor, RankFailure
 from runtime.faults import FAULTS, SAVE_FAULTS, inject
 from runtime.jobauth import signer_from_env
-from runtime.join import Arrival, Meeting, build_identity, listed, say_to_stderr
+from runtime.join import Arrival, Meeting, build_identity, listed, say_to_stderr, wait_for_port
 from runtime.lifetime import HEARTBEAT_STORE_ENV, LAUNCHER_PID_ENV, die_with_launcher
 from runtime.placement import Placement, check_nodes, cuda_index, node_of, placement
 from runtime.shared_dirs import NotSharedError, probe
@@ -332,6 +332,10 @@ def _batches(prog: Program, source):
 
 def connect(p: Prepared) -> RankSession:
     """Join the other ranks: process groups, tensor-parallel groups, gradient buckets, optimizer."""
+    hosts = p.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    if p.backend != "mpi" and not hosts:   # rank 0 may start later (srun): wait without torch's retry traces
+        wait_for_port(p.args.master_addr, p.args.master_port, p.args.timeout, _sayer(p),
+                      f"waiting for rank 0's rendezvous store at {p.args.master_addr}:{p.args.master_port}")
     comm = _make_comm(p.backend, p.rank, p.program.world_size, p.args, p.device, _join(p))
     running: list[Executor] = []
     watchdog = _start_watchdog(p, comm, running)
@@ -607,11 +611,17 @@ def _make_comm(backend: str, rank: int, world_size: int, args, device, join: Cal
                              device=device, signer=signer_from_env(), join=join)
 
 
-def _join(p: Prepared) -> Callable[[object], None]:
-    """This rank's part of the rendezvous check (runtime/join.py): rank 0 and the first rank of each
-    node say what they wait for; a missing rank is named with the node the plan puts it on."""
+def _sayer(p: Prepared) -> Callable[[str], None] | None:
+    """Rank 0 and, over several nodes, the first rank of each node say what they wait for."""
     several = p.where.nodes is None or p.where.nodes > 1
-    say = say_to_stderr(f"meshplan rank {p.rank}") if p.rank == 0 or (several and p.where.local_rank == 0) else None
+    return say_to_stderr(f"meshplan rank {p.rank}") if p.rank == 0 or (several and p.where.local_rank == 0) else None
+
+
+def _join(p: Prepared) -> Callable[[object], None]:
+    """This rank's part of the rendezvous check (runtime/join.py); a missing rank is named with the node the
+    plan puts it on."""
+    several = p.where.nodes is None or p.where.nodes > 1
+    say = _sayer(p)
 
     def join(store) -> None:
         Meeting(store, p.program.world_size, signer_from_env(), f"{p.args.master_addr}:{p.args.master_port}",

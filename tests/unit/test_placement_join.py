@@ -187,3 +187,17 @@ def test_a_diagnosis_blames_only_ranks_with_evidence_and_names_a_lost_store(monk
     assert found.startswith(f"the rendezvous store at {LOOPBACK}:") and "on rank 0's node (hosted by rank 0)" in found
     assert "rank 1" not in found and "rank 2" not in found
     assert wd_mod.WAITING_OPS  # the module stays importable without side effects
+
+
+def test_waiting_for_a_store_that_never_opens_says_so_and_gives_up(monkeypatch):
+    from runtime.join import wait_for_port
+    from tests.multinode_cases import free_port
+
+    monkeypatch.setattr(join_mod, "FIRST_SAY_S", 0.1)
+    port, said = free_port(), []
+    with pytest.raises(JoinError, match=rf"nothing answers at 127.0.0.1:{port} after --timeout 1.5 s .*: waiting "
+                                        "for rank 0's store; check MASTER_ADDR and MASTER_PORT"):
+        wait_for_port("127.0.0.1", port, 1.5, said.append, "waiting for rank 0's store")
+    assert said and said[0].startswith("waiting for rank 0's store (")
+    hosted = host_store(LOOPBACK, 0, 5)
+    wait_for_port(LOOPBACK, hosted.port, 5, None, "")   # returns at once when it answers
