@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,22 @@ def test_two_torchrun_nodes_and_srun_train_like_one_process_with_rank_0_on_node_
     args = ["--steps", "3", "--save-params", "--save-steps", "--timeout", "60"]
     port = free_port()
     torchrun = [Node.torchrun(build, k, port, args, tmp_path / f"node{k}.log") for k in (0, 1)]
-    _run_all(torchrun)
+    # at the same time: srun on 2 nodes of 2 tasks (the plan's), the port from the job id, the build (a copy
+    # of its own, for its results) found from the submit directory
+    copy = Path(shutil.copytree(build, tmp_path / "srun_build"))
+    bin_dir = write_tools(tmp_path / "bin")
+    job_port = free_port(20000, 40000)
+    env = base_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=str(job_port - 20000),
+                   SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[0-1]", SLURM_SUBMIT_DIR=str(copy))
+    text = (build / "launch_srun.sh").read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=2" in text
+    # sbatch runs a copy of the script from its spool directory, and the path written in it is gone
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    (spool / "slurm_script").write_text(text.replace(str(build.resolve()), str(tmp_path / "gone")))
+    srun = Node(["bash", str(spool / "slurm_script"), *args], env, tmp_path / "srun.log", "srun")
+    _run_all([*torchrun, srun])
+
     assert [n.proc.returncode for n in torchrun] == [0, 0], torchrun[0].text()[-3000:] + torchrun[1].text()[-3000:]
     cmp = verify_build(build, 3, _losses(build))
     assert cmp.ok, cmp.summary()
@@ -54,25 +70,11 @@ def test_two_torchrun_nodes_and_srun_train_like_one_process_with_rank_0_on_node_
     timeline, kept = measured_steps(build)
     assert set(timeline.ranks) == {0, 1, 2, 3} and sorted(kept) == [1, 2] and (build / "trace.json").is_file()
 
-    # srun on 2 nodes of 2 tasks (the plan's), the port from the job id, the build found from the submit directory
-    bin_dir = write_tools(tmp_path / "bin")
-    job_port = free_port(20000, 40000)
-    out = tmp_path / "srun_out"
-    env = base_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=str(job_port - 20000),
-                   SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[0-1]", SLURM_SUBMIT_DIR=str(build))
-    text = (build / "launch_srun.sh").read_text()
-    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=2" in text
-    # sbatch runs a copy of the script from its spool directory, and the path written in it is gone
-    spool = tmp_path / "spool"
-    spool.mkdir()
-    (spool / "slurm_script").write_text(text.replace(str(build.resolve()), str(tmp_path / "gone")))
-    srun = Node(["bash", str(spool / "slurm_script"), *args, "--out", str(out)], env, tmp_path / "srun.log", "srun")
-    _run_all([srun])
     assert srun.proc.returncode == 0, srun.text()[-4000:]
-    cmp = verify_build(build, 3, _losses(out))
-    assert cmp.ok, cmp.summary()
     assert (bin_dir / "srun.log").read_text() == f"127.0.0.1:{job_port} nodes=2 tasks=4\n"
-    assert (out / "trace.json").is_file(), "rank 0 merged the ranks' timelines"
+    cmp = verify_build(copy, 3, _losses(copy))
+    assert cmp.ok, cmp.summary()
+    assert (copy / "trace.json").is_file(), "rank 0 merged the ranks' timelines"
 
 
 def test_each_wrong_setup_is_refused_on_every_node_naming_its_cause(builds, tmp_path):
