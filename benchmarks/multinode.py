@@ -22,8 +22,23 @@ behind (orphans), and the survivors' message. Every case is capped at --cap seco
 
 --tree runs another checkout of meshplan (its codegen, launch scripts and runtime): the
 "before" figures of issue 33 come from `git archive f4529e9 | tar -x -C /tmp/before` and
-`--tree /tmp/before`. Measured on the 2-core development VM, shared with other work:
-see the closing note of issue 33 (and the report that measured it) for the figures.
+`--tree /tmp/before`. Measured on the 2-core development VM, shared with other work (load
+average 5-10), seconds from the start (lost nodes: from the kill):
+
+    case         before (f4529e9)                               after
+    secrets      no refusal: a warning per rank at 8-15 s,      refused on both nodes at 4.6 s (exit 6)
+                 both nodes exit 0 at 19-35 s
+    ckpt         "rank 2 did not write rank_0002.json" at the   "... is not shared by all ranks: ranks 2, 3
+                 first save, 16-25 s                            (node 1)" before the first step, 23 s
+    world        "the plan needs 4 processes" at 5-8 s          refused at the nodes' meeting, 5.9 s
+    nodes        no refusal: trains, exit 0 at 20-33 s          refused at the nodes' meeting, 5.3 s
+    late         nothing printed in 90 s, still waiting         "waiting for 2 nodes at ..." from 5.6 s,
+                                                                "node 1 did not join" at 24 s (--timeout 20)
+    lost-worker  survivors stop in 3.5-6.5 s (once without      5.3 s, naming ranks 2 and 3
+                 a message: torchrun's agent ended them)
+    lost-store   not stopped in 90 s once; 4.1 s once,          2.4 s: "the rendezvous store at ..., on rank
+                 blaming ranks 0, 1 and 2 (a live peer), 466    0's node (hosted by torchrun's agent), is
+                 lines of output                                gone", 104 lines, no rank blamed
 """
 
 from __future__ import annotations
