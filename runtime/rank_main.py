@@ -446,6 +446,11 @@ def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
     return wd
 
 
+def _under_meshplan_run() -> bool:
+    """Whether `meshplan run` started this rank (directly, or through mpiexec with its heartbeat store)."""
+    return LAUNCHER_PID_ENV in os.environ or bool(os.environ.get(HEARTBEAT_STORE_ENV))
+
+
 def _store_owner(p: Prepared) -> str:
     """Where the run's store is and who hosts it, as the watchdog names it when it is gone."""
     if os.environ.get(HEARTBEAT_STORE_ENV) if p.backend == "mpi" else LAUNCHER_PID_ENV in os.environ:
@@ -670,7 +675,7 @@ def _train(session: RankSession) -> None:
     if not args.no_trace:
         ex.recorder.timeline().save(run_dir / f"timeline_rank_{rank:04d}.json")
     session.comm.barrier()
-    if rank == 0 and LAUNCHER_PID_ENV not in os.environ:   # `meshplan run` merges them itself
+    if rank == 0 and not _under_meshplan_run():   # `meshplan run` merges them itself
         ranks = session.out_ranks if session.out_ranks is not None else range(p.program.world_size)
         files = [] if args.no_trace else [run_dir / f"timeline_rank_{r:04d}.json" for r in ranks]
         write_run_timeline(out, [f for f in files if f.is_file()])
