@@ -436,7 +436,7 @@ def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
     try:
         wd = Watchdog(p.rank, p.program.world_size, host, int(port), position, grace=min(3.0, p.args.timeout),
                       heartbeat_timeout=p.args.heartbeat_timeout, signer=signer_from_env(),
-                      store_owner=owner, kill_stopped=LAUNCHER_PID_ENV not in os.environ).start()
+                      store_owner=owner, kill_stopped="TORCHELASTIC_RUN_ID" in os.environ).start()
     except Exception as e:  # no watchdog: failures are still reported, only less precisely
         print(f"meshplan rank {p.rank}: warning: no watchdog ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         return None
@@ -519,6 +519,7 @@ def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: 
         _stopping(session)
         _say(f"{tag}: stopping because another rank failed: {e}")
         comm.acknowledge_failure(grace=grace)
+        _end_stopped(session)
         return _stop(exit_on_failure)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks
         _stopping(session)
@@ -528,6 +529,7 @@ def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: 
         if not isinstance(e, (RankFailure, CommError)):
             traceback.print_exc()
         comm.report_failure(msg, grace=grace)
+        _end_stopped(session)
         return _stop(exit_on_failure)
     session.close()
     return 0
@@ -561,6 +563,11 @@ def _check_shared_dirs(session: RankSession) -> None:
               f"{listed(missing[0], 'rank', lambda r: node_of(r, devices))}: their records and timelines stay on "
               "their nodes, and timeline.json and trace.json hold the other ranks only; use a directory every "
               "node shares (the build directory on shared storage)", file=sys.stderr, flush=True)
+
+
+def _end_stopped(session: RankSession) -> None:
+    if session.watchdog is not None:
+        session.watchdog.end_stopped()
 
 
 def _stopping(session: RankSession) -> None:

@@ -21,7 +21,8 @@ with the job secret (runtime/jobauth.py). It serves four purposes:
   changed is a rank that is alive but makes no progress. A rank is named only on its own
   heartbeat's evidence: when the store itself does not answer, the diagnosis names the store and
   its host ("the rendezvous store at ADDR:PORT, on rank 0's node, is gone") and no rank. A named
-  rank whose process is stopped on this host is killed, so that its launcher need not wait for it.
+  rank whose process is stopped on this host is killed as this rank exits (under torchrun, whose
+  agent would wait 30 s for it).
 * Ending stuck ranks. Once a failure reason is published, a rank whose main
   thread has not started to stop within `grace` seconds (it is stuck in a
   computation, or blocked on a peer with a long timeout) prints the reason and
@@ -72,8 +73,9 @@ class Watchdog:
         signer: signs this rank's heartbeats and checks the others' and the failure reason.
         store_owner: where the store is and who hosts it, for the message when it is gone
             ("on rank 0's node (hosted by torchrun's agent)").
-        kill_stopped: SIGKILL a rank named as not responding whose process is stopped on this host (a
-            launcher such as torchrun's agent waits 30 s for it otherwise; `meshplan run` kills it itself).
+        kill_stopped: note a rank named as not responding whose process is stopped on this host, for
+            end_stopped() to kill as this rank exits (torchrun's agent waits 30 s for a stopped worker;
+            `meshplan run` and mpirun end it themselves).
     """
 
     def __init__(self, rank: int, world_size: int, host: str, port: int, position: Callable[[], tuple],
@@ -92,6 +94,7 @@ class Watchdog:
         self.store_address = f"{host}:{port}"
         self.store_owner = store_owner
         self.kill_stopped = kill_stopped
+        self._stopped_pids: set[int] = set()
         raw = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10),
                             wait_for_workers=False)
         self._store = dist.PrefixStore(prefix, raw)
@@ -183,8 +186,8 @@ class Watchdog:
             with self._lock:
                 self._store.compare_set(ABORT_KEY, "", self.signer.sign(reason))
             self._seen = (beat, now)  # once
-            if hb is not None and self.kill_stopped:
-                _kill_if_stopped(hb)
+            if hb is not None:
+                self._note_if_stopped(hb)
 
     def _end(self, why: str) -> None:
         step, idx, text, _op = self.position()
@@ -220,6 +223,21 @@ class Watchdog:
         """Every other rank's last heartbeat (None: it has none); raises when the store does not answer."""
         return {r: self._read_one(r) for r in range(self.world_size) if r != self.rank}
 
+    def _note_if_stopped(self, hb: dict) -> None:
+        pid = hb.get("pid")
+        if self.kill_stopped and hb.get("host") == _HOST and isinstance(pid, int) and process_state(pid) == "stopped":
+            self._stopped_pids.add(pid)
+
+    def end_stopped(self) -> None:
+        """SIGKILL the stopped (SIGSTOP) processes of the ranks this one named on its host: they cannot exit
+        by themselves. Called as this rank exits, after it said why (their launcher may then stop the rest)."""
+        for pid in self._stopped_pids:
+            if process_state(pid) == "stopped":
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
     def _answers(self) -> bool:
         """Whether the store's port accepts a connection (a plain socket: torch logs nothing)."""
         host, _, port = self.store_address.rpartition(":")
@@ -249,8 +267,8 @@ class Watchdog:
             return self.store_lost(e)
         dead = [r for r in after if after[r] is not None and before[r] is not None
                 and before[r]["beat"] == after[r]["beat"]]
-        for r in dead if self.kill_stopped else ():
-            _kill_if_stopped(after[r])
+        for r in dead:
+            self._note_if_stopped(after[r])
         if dead:
             return "; ".join(f"rank {r} stopped responding (no heartbeat for {window:.1f} s: its process died, "
                              "was stopped, or hangs)" + _where(after[r] or before[r], last=True) for r in dead)
@@ -264,18 +282,6 @@ class Watchdog:
 
 
 _HOST = socket.gethostname()
-
-
-def _kill_if_stopped(hb: dict) -> None:
-    """SIGKILL the process of heartbeat `hb` if it runs on this host and is stopped (SIGSTOP): it cannot
-    exit by itself, and its launcher (torchrun's agent) would wait 30 s for it after a SIGTERM."""
-    pid = hb.get("pid")
-    if hb.get("host") != _HOST or not isinstance(pid, int) or process_state(pid) != "stopped":
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def _where(hb: dict | None, last: bool = False) -> str:

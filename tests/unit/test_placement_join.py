@@ -175,7 +175,10 @@ def test_a_diagnosis_blames_only_ranks_with_evidence_and_names_a_lost_store(monk
         store.set("meshplan/heartbeat/1", wds[0].signer.sign(json.dumps({**value, "pid": stopped.pid})))
         found = wds[0].diagnose(window=0.1)
         assert found.startswith("rank 1 stopped responding") and "rank 2" not in found
-        # rank 1's process is stopped on this host: it is killed, so that its launcher need not wait for it
+        # rank 1's process is stopped on this host: it is killed as rank 0 exits, so that its launcher need
+        # not wait for it
+        assert stopped.poll() is None
+        wds[0].end_stopped()
         assert stopped.wait(10) == -signal.SIGKILL
     finally:
         stopped.kill()
