@@ -158,8 +158,16 @@ class Meeting:
 
     def _wait_key(self, key: str, deadline: float, waiting: Callable[[], str]) -> bytes:
         """The value of `key` once it is set; says `waiting()` now and then; TimeoutError at `deadline`.
-        Polls with check() (a store.wait that times out makes torch log warnings), every 20 ms at
-        first, backing off to 0.2 s."""
+        With something to say it polls with check() (a store.wait that times out makes torch log
+        warnings), every 20 ms at first, backing off to 0.2 s."""
+        if self.say is None:   # nothing to say while waiting: one blocking wait, woken as soon as it is set
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except Exception as e:   # torch raises DistStoreError on a wait's timeout
+                if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+                    raise TimeoutError(key) from None
+                raise
+            return self.store.get(key)
         next_say = time.monotonic() + FIRST_SAY_S
         pause = 0.02
         while not self.store.check([key]):

@@ -624,9 +624,11 @@ def _make_comm(backend: str, rank: int, world_size: int, args, device, join: Cal
 
 
 def _sayer(p: Prepared) -> Callable[[str], None] | None:
-    """Rank 0 and, over several nodes, the first rank of each node say what they wait for."""
-    several = p.where.nodes is None or p.where.nodes > 1
-    return say_to_stderr(f"meshplan rank {p.rank}") if p.rank == 0 or (several and p.where.local_rank == 0) else None
+    """Over several nodes (or an unknown placement), rank 0 and the first rank of each node say what they wait
+    for; on one machine the ranks start together and nobody does."""
+    if p.where.nodes == 1:
+        return None
+    return say_to_stderr(f"meshplan rank {p.rank}") if p.rank == 0 or p.where.local_rank == 0 else None
 
 
 def _join(p: Prepared) -> Callable[[object], None]:
