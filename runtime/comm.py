@@ -34,6 +34,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from runtime.jobauth import SECRET_ENV, Signer, shown
+from runtime.placement import cuda_index
 from runtime.store_host import StoreBindError, host_store, listen_address
 
 ABORT_KEY = "meshplan/abort"
@@ -347,11 +348,14 @@ class TorchCommunicator:
         timeout: seconds before a rendezvous or collective gives up.
         signer: signs and checks the failure reasons on the store (runtime/jobauth.py).
             A store this rank hosts listens on `master_addr` only (runtime/store_host.py).
+        join: called with the store once it answers, before any process group is made:
+            the rank's check of who came to the rendezvous (runtime/join.py); it raises to refuse.
     """
 
     def __init__(self, backend: str, rank: int, world_size: int, master_addr: str, master_port: int,
                  timeout: float = 300.0, use_agent_store: bool = False, device: torch.device | None = None,
-                 prefix: str = "meshplan", signer: Signer | None = None):
+                 prefix: str = "meshplan", signer: Signer | None = None,
+                 join: Callable[[object], None] | None = None):
         import torch.distributed as dist
 
         if backend not in ("gloo", "nccl"):
@@ -364,7 +368,7 @@ class TorchCommunicator:
         self.timeout = float(timeout)
         self._td = datetime.timedelta(seconds=self.timeout)
         if device is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))) \
+            device = torch.device("cuda", cuda_index(os.environ, torch.cuda.device_count())) \
                 if backend == "nccl" else torch.device("cpu")
         self.device = device
         if backend == "nccl":
@@ -383,8 +387,12 @@ class TorchCommunicator:
                             f"within {self.timeout:.0f} s ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
         self._raw_store = raw
         self.store = dist.PrefixStore(prefix, raw)
+        if join is not None:
+            join(raw)
         self._groups: dict[tuple[int, ...], Group] = {}
         self._failed = False
+        # Once a store request failed its host is gone: no more requests (each makes torch log a stack trace).
+        self._store_gone = False
         # Set by the rank (runtime/watchdog.py): names a dead or stuck peer when nobody published a reason.
         self.diagnose: Callable[[], str | None] | None = None
         self._world_pg = self._make_pg(tuple(range(world_size)))
@@ -433,14 +441,18 @@ class TorchCommunicator:
         """Publish `reason` (the first reason wins). This rank then exits, which closes its
         connections, so every peer waiting on it fails and reads the reason."""
         self._failed = True
+        if self._store_gone:
+            return
         try:
             self.store.compare_set(ABORT_KEY, "", self.signer.sign(reason))
         except Exception:
-            pass
+            self._store_gone = True
         self._linger(grace)
 
     def _linger(self, grace: float) -> None:
         """A rank that hosts the store stays until the others have read the reason (or `grace`)."""
+        if self._store_gone:
+            return
         try:
             self.store.add(ACK_KEY, 1)
             if self._hosts_store:
@@ -451,6 +463,8 @@ class TorchCommunicator:
             pass
 
     def failure_reason(self, timeout: float = 2.0) -> str | None:
+        if self._store_gone:
+            return None
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -458,6 +472,7 @@ class TorchCommunicator:
                 if reason:
                     return reason
             except Exception:  # the store is gone (its host exited)
+                self._store_gone = True
                 return None
             if time.monotonic() >= deadline:
                 return None
@@ -481,6 +496,8 @@ class TorchCommunicator:
         if reason or self.diagnose is None:
             return reason
         found = self.diagnose()
+        if found and self._store_gone:
+            return found
         if found:
             try:
                 self.store.compare_set(ABORT_KEY, "", self.signer.sign(found))

@@ -40,7 +40,7 @@ from runtime.lifetime import HEARTBEAT_STORE_ENV, Children, process_state
 from runtime.progress import RunProgress
 from runtime.store_host import LOOPBACK, host_store
 from runtime.evaluation import EvalResult
-from runtime.trace import Timeline
+from runtime.trace import Timeline, write_run_timeline
 from runtime.verify import Verification, verify_build
 
 
@@ -245,16 +245,8 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
 
 
 def _merge_timelines(build: Path, result: RunResult) -> None:
-    """build/timeline.json and trace.json from the ranks' Timelines (O(n log n) in the events);
-    a run that traced nothing (--no-trace) removes those of an earlier run, which would pass for its own."""
-    tls = [Timeline.load(p) for p in sorted((build / "run").glob("timeline_rank_*.json"))]
-    if tls:
-        result.timeline = Timeline.merge(tls)
-        result.timeline.save(build / "timeline.json")
-        result.timeline.save_chrome(build / "trace.json")
-    else:
-        for name in ("timeline.json", "trace.json"):
-            (build / name).unlink(missing_ok=True)
+    """build/timeline.json and trace.json from the ranks' Timelines (runtime/trace.write_run_timeline)."""
+    result.timeline = write_run_timeline(build, sorted((build / "run").glob("timeline_rank_*.json")))
 
 
 def _resumed_step(args: list[str]) -> int:

@@ -32,9 +32,11 @@ import json
 import os
 import socket
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -50,7 +52,10 @@ from runtime.evaluation import EvalResult, EvalSpec, check_program, eval_setting
 from runtime.executor import Executor, RankFailure
 from runtime.faults import FAULTS, SAVE_FAULTS, inject
 from runtime.jobauth import signer_from_env
-from runtime.lifetime import HEARTBEAT_STORE_ENV, die_with_launcher
+from runtime.join import Arrival, Meeting, build_identity, listed, say_to_stderr, wait_for_port
+from runtime.lifetime import HEARTBEAT_STORE_ENV, LAUNCHER_PID_ENV, die_with_launcher
+from runtime.placement import Placement, check_nodes, cuda_index, node_of, placement
+from runtime.shared_dirs import NotSharedError, probe
 from runtime.store_host import LOOPBACK, host_store, listen_address
 from runtime.grads import GradSync
 from runtime.grad_step import make_gradient_step, outcome_record, scaler_state
@@ -69,7 +74,8 @@ from runtime.ties import TieSync
 from runtime.metrics import StepLog, check_loss
 from runtime.tensorboard_log import require_tensorboard
 from runtime.device_clock import CudaClock
-from runtime.trace import PROBE_BYTES, TRACE_WINDOW_STEPS, Recorder, probe_all_reduce, shared_origin
+from runtime.trace import (PROBE_BYTES, TRACE_WINDOW_STEPS, Recorder, probe_all_reduce, shared_origin,
+                           write_run_timeline)
 from runtime.vocab import MeshAxis
 from runtime.watchdog import Watchdog
 
@@ -224,6 +230,9 @@ class Prepared:
     signature: str = ""        # model_signature the build was made for
     evaluation: EvalSpec | None = None   # held-out evaluation (runtime/evaluation.py)
     eval_data: DataSource | None = None
+    where: Placement = Placement()        # this process's node and place on it (runtime/placement.py)
+    build_id: str = ""                    # runtime/join.build_identity of the build (compared at the rendezvous)
+    devices_per_node: int | None = None   # the plan's (None: a build that does not record it)
 
 
 @dataclass
@@ -238,6 +247,7 @@ class RankSession:
     recorder: StepRecorder | None = None
     checkpoint_claim: CheckpointClaim | None = None   # rank 0 with --checkpoint-dir: its lock and run id
     results: list = dataclasses.field(default_factory=list)   # every step's StepResult, in order
+    out_ranks: list[int] | None = None   # the ranks whose --out is rank 0's (None: not probed: all)
 
     def close(self) -> None:
         if self.checkpoint_claim is not None:
@@ -258,6 +268,9 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     prog = Program.from_dict(program)
     spec = TrainSpec.from_dict(train)
     _check_launch(rank, prog, args)
+    layout = _node_layout(build_dir)
+    where = placement(os.environ)
+    check_nodes(where, layout.get("nodes"), layout.get("devices_per_node"))
     evaluation = eval_setting(spec.eval, args.eval_every, args.eval_batches)
     if evaluation is not None:
         check_program(prog)
@@ -274,7 +287,7 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
             "make the plan and the build again for this model")
     del model
     fail_at = _parse_fail_at(args.fail_at, rank)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" \
+    device = torch.device("cuda", cuda_index(os.environ, torch.cuda.device_count())) if backend == "nccl" \
         else torch.device("cpu")
     tcoord = tcoord_of(prog)
     tsize = prog.mesh_dict.get(MeshAxis.TENSOR, 1)
@@ -301,7 +314,16 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     eval_data = _batches(prog, open_data(spec, prog.micro_batch_size, shard, shards, split=Split.EVAL)) \
         if data is not None and evaluation is not None else None
     return Prepared(rank, prog, spec, args, backend, device, specs, modules, data, fail_at, restore, signature["hash"],
-                    evaluation, eval_data)
+                    evaluation, eval_data, where, build_identity(build_dir), layout.get("devices_per_node"))
+
+
+def _node_layout(build_dir: str) -> dict:
+    """The plan's node count and devices per node as build.json records them ({} for builds without)."""
+    try:
+        info = json.loads((Path(build_dir) / "build.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: info[k] for k in ("nodes", "devices_per_node") if isinstance(info.get(k), int) and info[k] > 0}
 
 
 def _batches(prog: Program, source):
@@ -313,7 +335,11 @@ def _batches(prog: Program, source):
 
 def connect(p: Prepared) -> RankSession:
     """Join the other ranks: process groups, tensor-parallel groups, gradient buckets, optimizer."""
-    comm = _make_comm(p.backend, p.rank, p.program.world_size, p.args, p.device)
+    hosts = p.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    if p.backend != "mpi" and not hosts:   # rank 0 may start later (srun): wait without torch's retry traces
+        wait_for_port(p.args.master_addr, p.args.master_port, p.args.timeout, _sayer(p),
+                      f"waiting for rank 0's rendezvous store at {p.args.master_addr}:{p.args.master_port}")
+    comm = _make_comm(p.backend, p.rank, p.program.world_size, p.args, p.device, _join(p))
     running: list[Executor] = []
     watchdog = _start_watchdog(p, comm, running)
     try:
@@ -404,6 +430,7 @@ def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
     else:
         host, port = p.args.master_addr, p.args.master_port
     instrs = p.program.instrs
+    owner = _store_owner(p)
 
     def position() -> tuple[int, int, str, str]:
         if not running:
@@ -413,7 +440,8 @@ def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
         return step, idx, str(ins) if ins else "", ins.op if ins else ""
     try:
         wd = Watchdog(p.rank, p.program.world_size, host, int(port), position, grace=min(3.0, p.args.timeout),
-                      heartbeat_timeout=p.args.heartbeat_timeout, signer=signer_from_env()).start()
+                      heartbeat_timeout=p.args.heartbeat_timeout, signer=signer_from_env(),
+                      store_owner=owner, kill_stopped="TORCHELASTIC_RUN_ID" in os.environ).start()
     except Exception as e:  # no watchdog: failures are still reported, only less precisely
         print(f"meshplan rank {p.rank}: warning: no watchdog ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         return None
@@ -421,6 +449,37 @@ def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
     if p.backend != "mpi":
         comm.diagnose = wd.diagnose
     return wd
+
+
+def _under_meshplan_run() -> bool:
+    """Whether `meshplan run` started this rank (directly, or through mpiexec with its heartbeat store)."""
+    return LAUNCHER_PID_ENV in os.environ or bool(os.environ.get(HEARTBEAT_STORE_ENV))
+
+
+def _store_owner(p: Prepared) -> str:
+    """Where the run's store is and who hosts it, as the watchdog names it when it is gone."""
+    if os.environ.get(HEARTBEAT_STORE_ENV) if p.backend == "mpi" else LAUNCHER_PID_ENV in os.environ:
+        return "hosted by `meshplan run`"
+    agent = p.backend != "mpi" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    host = "torchrun's agent" if agent else "rank 0"
+    return f"on rank 0's node (hosted by {host})" if p.where.nodes != 1 else f"hosted by {host}"
+
+
+def _say(line: str) -> None:
+    """Print why this rank stops; under torchrun also put it in the rank's error file, so that torchrun's
+    closing summary names the cause instead of "To enable traceback see ..."."""
+    print(line, file=sys.stderr, flush=True)
+    _tell_launcher(line)
+
+
+def _tell_launcher(reason: str) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        Path(path).write_text(json.dumps({"message": reason, "timestamp": int(time.time())}))
+    except OSError:
+        pass
 
 
 def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: dict,
@@ -439,37 +498,81 @@ def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: 
         prep = prepare(rank=rank, program=program, stages=stages, train=train, signature=signature, argv=argv,
                        build_dir=build_dir)
     except (ValueError, ImportError) as e:
-        print(f"{tag}: error: {e}", file=sys.stderr, flush=True)
+        _say(f"{tag}: error: {e}")
         return 2
     grace = min(10.0, prep.args.timeout)
     try:
         session = connect(prep)
     except PeerFailure as e:
-        print(f"{tag}: stopping because another rank failed: {e}", file=sys.stderr, flush=True)
+        _say(f"{tag}: stopping because another rank failed: {e}")
         return _stop(exit_on_failure)
     except (CommError, ValueError) as e:
-        print(f"{tag}: error: {e}", file=sys.stderr, flush=True)
+        _say(f"{tag}: error: {e}")
         return _stop(exit_on_failure)
     comm = session.comm
+    try:
+        _check_shared_dirs(session)
+    except NotSharedError as e:   # every rank has the same answer: each says so and stops
+        _say(f"{tag}: error: {e}")
+        _stopping(session)
+        session.close()
+        return 2
     try:
         _claim_checkpoint_dir(session)
         _train(session)
     except PeerFailure as e:
         _stopping(session)
-        print(f"{tag}: stopping because another rank failed: {e}", file=sys.stderr, flush=True)
+        _say(f"{tag}: stopping because another rank failed: {e}")
         comm.acknowledge_failure(grace=grace)
+        _end_stopped(session)
         return _stop(exit_on_failure)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks
         _stopping(session)
         msg = str(e) if isinstance(e, (RankFailure, CommError)) else \
             f"rank {rank} failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        print(f"{tag}: error: {msg}", file=sys.stderr, flush=True)
+        _say(f"{tag}: error: {msg}")
         if not isinstance(e, (RankFailure, CommError)):
             traceback.print_exc()
         comm.report_failure(msg, grace=grace)
+        _end_stopped(session)
         return _stop(exit_on_failure)
     session.close()
     return 0
+
+
+def _check_shared_dirs(session: RankSession) -> None:
+    """On a launch over several nodes (or an unknown placement): refuse a --checkpoint-dir that is not one
+    directory for every rank (runtime/shared_dirs.py), and note which ranks share rank 0's --out."""
+    p = session.prepared
+    if p.where.nodes == 1 or p.program.world_size == 1:
+        return
+    world, device = p.program.world_size, p.device
+    dirs = [p.args.out] + ([p.args.checkpoint_dir] if p.args.checkpoint_dir else [])
+
+    def all_gather(flags: list[int]) -> list[list[int]]:
+        mine = torch.tensor(flags, dtype=torch.int64, device=device)
+        out = torch.empty(world * len(flags), dtype=torch.int64, device=device)
+        session.comm.group(range(world)).all_gather(out, mine)
+        return out.view(world, len(flags)).tolist()
+    missing = probe(dirs, p.rank, world, _world_broadcast(session.comm, world, device), all_gather)
+    devices = p.devices_per_node
+    if len(missing) > 1 and missing[1]:
+        raise NotSharedError(
+            f"the checkpoint directory {p.args.checkpoint_dir} is not shared by all ranks: "
+            f"{listed(missing[1], 'rank', lambda r: node_of(r, devices))} do not see the file rank 0 wrote there; "
+            "--checkpoint-dir must be one directory every node mounts (a shared file system): every rank writes its "
+            "shard there and rank 0 completes each checkpoint")
+    session.out_ranks = [r for r in range(world) if r not in missing[0]]
+    if missing[0] and p.rank == 0:
+        print(f"meshplan rank 0: warning: --out {p.args.out} is not shared with "
+              f"{listed(missing[0], 'rank', lambda r: node_of(r, devices))}: their records and timelines stay on "
+              "their nodes, and timeline.json and trace.json hold the other ranks only; use a directory every "
+              "node shares (the build directory on shared storage)", file=sys.stderr, flush=True)
+
+
+def _end_stopped(session: RankSession) -> None:
+    if session.watchdog is not None:
+        session.watchdog.end_stopped()
 
 
 def _stopping(session: RankSession) -> None:
@@ -507,7 +610,7 @@ def _parse_fail_at(text: str | None, rank: int) -> tuple[int, int] | None:
     return (s, i) if r == rank else None
 
 
-def _make_comm(backend: str, rank: int, world_size: int, args, device):
+def _make_comm(backend: str, rank: int, world_size: int, args, device, join: Callable[[object], None] | None = None):
     if backend == "mpi":
         from runtime.comm_mpi import MpiCommunicator
 
@@ -522,7 +625,30 @@ def _make_comm(backend: str, rank: int, world_size: int, args, device):
 
     return TorchCommunicator(backend, rank, world_size, args.master_addr, args.master_port, timeout=args.timeout,
                              use_agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                             device=device, signer=signer_from_env())
+                             device=device, signer=signer_from_env(), join=join)
+
+
+def _sayer(p: Prepared) -> Callable[[str], None] | None:
+    """Over several nodes (or an unknown placement), rank 0 and the first rank of each node say what they wait
+    for; on one machine the ranks start together and nobody does."""
+    if p.where.nodes == 1:
+        return None
+    return say_to_stderr(f"meshplan rank {p.rank}") if p.rank == 0 or p.where.local_rank == 0 else None
+
+
+def _join(p: Prepared) -> Callable[[object], None]:
+    """This rank's part of the rendezvous check (runtime/join.py); a missing rank is named with the node the
+    plan puts it on."""
+    several = p.where.nodes is None or p.where.nodes > 1
+    say = _sayer(p)
+
+    def join(store) -> None:
+        Meeting(store, p.program.world_size, signer_from_env(), f"{p.args.master_addr}:{p.args.master_port}",
+                p.args.timeout, noun="rank", say=say,
+                node_of=(lambda r: node_of(r, p.devices_per_node)) if several else None,
+                attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "")).meet(
+            Arrival(p.rank, p.build_id, p.where.node, socket.gethostname(), os.getpid()))
+    return join
 
 
 def _train(session: RankSession) -> None:
@@ -563,6 +689,10 @@ def _train(session: RankSession) -> None:
     if not args.no_trace:
         ex.recorder.timeline().save(run_dir / f"timeline_rank_{rank:04d}.json")
     session.comm.barrier()
+    if rank == 0 and not _under_meshplan_run():   # `meshplan run` merges them itself
+        ranks = session.out_ranks if session.out_ranks is not None else range(p.program.world_size)
+        files = [] if args.no_trace else [run_dir / f"timeline_rank_{r:04d}.json" for r in ranks]
+        write_run_timeline(out, [f for f in files if f.is_file()])
 
 
 def _train_steps(session: RankSession, first: int, metrics,

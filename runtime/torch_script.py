@@ -37,6 +37,7 @@ from torch import nn
 
 from runtime.comm import CommError
 from runtime.optim import OptimizerImpl, OptimizerSpec
+from runtime.placement import cuda_index
 from runtime.program import Program
 from runtime.rank_main import LaunchError, parse_args
 from runtime.spec import StageSpec
@@ -73,7 +74,7 @@ def join(args: argparse.Namespace, rank: int, world_size: int) -> str:
     hosted by rank 0 on --master-addr:--master-port, as for meshplan's rank scripts (runtime/comm.py)."""
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(cuda_index(os.environ, torch.cuda.device_count()))
     timeout = datetime.timedelta(seconds=args.timeout)
     try:
         if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

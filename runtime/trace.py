@@ -175,6 +175,22 @@ class Timeline:
         Path(path).write_text(json.dumps(self.to_chrome()))
 
 
+def write_run_timeline(out: str | Path, files: Iterable[Path]) -> Timeline | None:
+    """Merge the ranks' Timeline `files` into out/timeline.json and out/trace.json (Perfetto) and return
+    the merge (O(n log n) in the events). With no file, removes those two files (an earlier run's would
+    pass for this one's) and returns None."""
+    out = Path(out)
+    tls = [Timeline.load(p) for p in files]
+    if not tls:
+        for name in ("timeline.json", "trace.json"):
+            (out / name).unlink(missing_ok=True)
+        return None
+    merged = Timeline.merge(tls)
+    merged.save(out / "timeline.json")
+    merged.save_chrome(out / "trace.json")
+    return merged
+
+
 def _covered(starts: list[float], ends: list[float], prefix: list[float], lo: float, hi: float) -> float:
     """Seconds of [lo, hi] inside the disjoint sorted intervals (starts[i], ends[i]); prefix[i] is
     the total length of the first i intervals."""

@@ -18,14 +18,20 @@ with the job secret (runtime/jobauth.py). It serves four purposes:
   every other rank's heartbeat twice, `window` seconds apart: a counter that
   did not move is a rank that died or stopped; a moving counter on an
   instruction that computes (not a wait or a communication) that has not
-  changed is a rank that is alive but makes no progress.
+  changed is a rank that is alive but makes no progress. A rank is named only on its own
+  heartbeat's evidence: when the store itself does not answer, the diagnosis names the store and
+  its host ("the rendezvous store at ADDR:PORT, on rank 0's node, is gone") and no rank. A named
+  rank whose process is stopped on this host is killed as this rank exits (under torchrun, whose
+  agent would wait 30 s for it).
 * Ending stuck ranks. Once a failure reason is published, a rank whose main
   thread has not started to stop within `grace` seconds (it is stuck in a
   computation, or blocked on a peer with a long timeout) prints the reason and
   exits with status 1 from this thread.
 * Outliving nobody. When the store has not answered for `heartbeat_timeout`
   seconds, its host (the launcher, torchrun's agent, or rank 0) is gone: the
-  rank stops rather than train on with nobody to stop it.
+  rank stops rather than train on with nobody to stop it. After the first failed
+  request it only checks whether the store's port answers (each failed store
+  request makes torch log a C++ stack trace).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -40,6 +48,7 @@ from typing import Callable
 
 from runtime.comm import ABORT_KEY, read_abort
 from runtime.jobauth import SECRET_ENV, Signer, shown
+from runtime.lifetime import process_state
 
 # A rank on one of these is waiting for others; every other instruction (compute, and issuing an
 # asynchronous communication, which returns at once) should finish by itself.
@@ -62,11 +71,17 @@ class Watchdog:
         heartbeat_timeout: seconds without a heartbeat after which the watched neighbour is named
             as not responding (and without an answer from the store after which this rank stops).
         signer: signs this rank's heartbeats and checks the others' and the failure reason.
+        store_owner: where the store is and who hosts it, for the message when it is gone
+            ("on rank 0's node (hosted by torchrun's agent)").
+        kill_stopped: note a rank named as not responding whose process is stopped on this host, for
+            end_stopped() to kill as this rank exits (torchrun's agent waits 30 s for a stopped worker;
+            `meshplan run` and mpirun end it themselves).
     """
 
     def __init__(self, rank: int, world_size: int, host: str, port: int, position: Callable[[], tuple],
                  *, prefix: str = "meshplan", interval: float = 0.5, grace: float = 3.0,
-                 heartbeat_timeout: float = 30.0, signer: Signer | None = None):
+                 heartbeat_timeout: float = 30.0, signer: Signer | None = None, store_owner: str = "",
+                 kill_stopped: bool = True):
         import torch.distributed as dist
 
         self.rank = rank
@@ -76,6 +91,10 @@ class Watchdog:
         self.grace = float(grace)
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.signer = signer or Signer()
+        self.store_address = f"{host}:{port}"
+        self.store_owner = store_owner
+        self.kill_stopped = kill_stopped
+        self._stopped_pids: set[int] = set()
         raw = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10),
                             wait_for_workers=False)
         self._store = dist.PrefixStore(prefix, raw)
@@ -110,13 +129,22 @@ class Watchdog:
         step, idx, text, op = self.position()
         self._beat += 1
         value = json.dumps({"beat": self._beat, "time": time.time(), "step": step, "instr": idx, "text": text,
-                            "op": op})
+                            "op": op, "host": _HOST, "pid": os.getpid()})
         with self._lock:
             self._store.set(_hb_key(self.rank), self.signer.sign(value))
 
     def _run(self) -> None:
         aborted_at = None
         while not self._stop.wait(self.interval):
+            if self._store_lost_at is not None and not self._answers():
+                # once the store failed, ask only whether its port still answers: every failed store request
+                # makes torch log a C++ stack trace
+                if self._stopping:
+                    return
+                now = time.monotonic()
+                if now - self._store_lost_at > self.heartbeat_timeout:
+                    self._end(self.store_lost(ConnectionError("connection refused"), now - self._store_lost_at))
+                continue
             try:
                 self._publish()
                 with self._lock:
@@ -134,8 +162,7 @@ class Watchdog:
                 now = time.monotonic()
                 self._store_lost_at = self._store_lost_at or now
                 if now - self._store_lost_at > self.heartbeat_timeout:
-                    self._end(f"the rendezvous store has not answered for {now - self._store_lost_at:.0f} s "
-                              f"({type(e).__name__}): the launcher, or the rank that hosts the store, is gone")
+                    self._end(self.store_lost(e, now - self._store_lost_at))
 
     def _watch_neighbour(self) -> None:
         """Name the watched rank once its heartbeat has not changed for heartbeat_timeout seconds."""
@@ -159,6 +186,8 @@ class Watchdog:
             with self._lock:
                 self._store.compare_set(ABORT_KEY, "", self.signer.sign(reason))
             self._seen = (beat, now)  # once
+            if hb is not None:
+                self._note_if_stopped(hb)
 
     def _end(self, why: str) -> None:
         step, idx, text, _op = self.position()
@@ -191,36 +220,68 @@ class Watchdog:
         return json.loads(text)
 
     def _read(self) -> dict[int, dict | None]:
-        out = {}
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            try:
-                out[r] = self._read_one(r)
-            except Exception:
-                out[r] = None
-        return out
+        """Every other rank's last heartbeat (None: it has none); raises when the store does not answer."""
+        return {r: self._read_one(r) for r in range(self.world_size) if r != self.rank}
+
+    def _note_if_stopped(self, hb: dict) -> None:
+        pid = hb.get("pid")
+        if self.kill_stopped and hb.get("host") == _HOST and isinstance(pid, int) and process_state(pid) == "stopped":
+            self._stopped_pids.add(pid)
+
+    def end_stopped(self) -> None:
+        """SIGKILL the stopped (SIGSTOP) processes of the ranks this one named on its host: they cannot exit
+        by themselves. Called as this rank exits, after it said why (their launcher may then stop the rest)."""
+        for pid in self._stopped_pids:
+            if process_state(pid) == "stopped":
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def _answers(self) -> bool:
+        """Whether the store's port accepts a connection (a plain socket: torch logs nothing)."""
+        host, _, port = self.store_address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=min(2.0, self.interval * 4)).close()
+            return True
+        except OSError:
+            return False
+
+    def store_lost(self, e: BaseException, seconds: float | None = None) -> str:
+        """The reason to give when the store does not answer: its host is gone, not any rank we could name."""
+        owner = f", {self.store_owner}," if self.store_owner else ""
+        how = f"has not answered for {seconds:.0f} s" if seconds is not None else "does not answer"
+        return (f"the rendezvous store at {self.store_address}{owner} is gone (it {how}: {type(e).__name__}): "
+                "its host died or lost the network; the ranks there cannot be asked why")
 
     def diagnose(self, window: float | None = None) -> str | None:
-        """Which rank died or stopped responding, from two readings of the heartbeats `window` s apart."""
+        """Which rank died or stopped responding, from two readings of the heartbeats `window` s apart; a rank
+        is named only on its own heartbeat's evidence (a store that does not answer names its host instead).
+        A stopped rank on this host is killed, so that its launcher need not wait for it."""
         window = 4 * self.interval if window is None else window
         try:
             before = self._read()
             time.sleep(window)
             after = self._read()
-        except Exception:
-            return None
-        dead = [r for r in after if after[r] is None or (before[r] or {}).get("beat") == after[r]["beat"]]
+        except Exception as e:
+            return self.store_lost(e)
+        dead = [r for r in after if after[r] is not None and before[r] is not None
+                and before[r]["beat"] == after[r]["beat"]]
+        for r in dead:
+            self._note_if_stopped(after[r])
         if dead:
             return "; ".join(f"rank {r} stopped responding (no heartbeat for {window:.1f} s: its process died, "
                              "was stopped, or hangs)" + _where(after[r] or before[r], last=True) for r in dead)
-        stuck = [r for r in after if after[r]["op"] not in WAITING_OPS and before[r] is not None
+        stuck = [r for r in after if after[r] is not None and after[r]["op"] not in WAITING_OPS and before[r] is not None
                  and (before[r]["step"], before[r]["instr"]) == (after[r]["step"], after[r]["instr"])
                  and after[r]["instr"] >= 0]
         if stuck:
             return "; ".join(f"rank {r} stopped responding (alive, but making no progress)" + _where(after[r])
                              for r in stuck)
         return None
+
+
+_HOST = socket.gethostname()
 
 
 def _where(hb: dict | None, last: bool = False) -> str:

@@ -8,7 +8,8 @@ per-rank Programs the build executed, with compute costs from planner.evaluate
 on the given (calibrated) cluster: the plan's configuration with its stage
 boundaries pinned, its tensor-parallel layout, and the optimizer the build
 trains with (the planner's default prices Adam's state). The measurement is
-the run's merged Timeline (build/timeline.json, written by `meshplan run`)
+the run's merged Timeline (build/timeline.json, written by `meshplan run`, or by rank 0 of a run
+the launch scripts started, on one node or several)
 and, with `meshplan run --track-memory`, each rank's measured peak memory.
 
 Reading a build never imports the model's code: what the prediction needs from the
@@ -416,6 +417,7 @@ def measured_steps(build: str | Path, *, skip_steps: int = 1) -> tuple["Timeline
     build = Path(build)
     if not (build / "timeline.json").is_file():
         raise CompareError(f"{build} has no timeline.json: run it first with `meshplan run {build} --steps 5` "
+                           "or one of its launch scripts with --out on a directory every node shares "
                            "(tracing is on unless --no-trace)")
     measured = Timeline.load(build / "timeline.json")
     steps = measured.step_times()

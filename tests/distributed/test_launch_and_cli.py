@@ -48,7 +48,8 @@ def test_build_directory_is_readable_and_complete(tmp_path):
     assert "#   B s1 m0" in text and "PROGRAM = {" in text
     # the split qkv's heads: the example GPT writes the count as -1, inferred from the local features
     assert "unflatten(-1, (3, -1, 8))" in text
-    assert os.access(build / "launch_srun.sh", os.X_OK) and "#SBATCH --ntasks=8" in (build / "launch_srun.sh").read_text()
+    srun = (build / "launch_srun.sh").read_text()
+    assert os.access(build / "launch_srun.sh", os.X_OK) and "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=8" in srun
 
 
 def test_cli_codegen_then_run_verify(tmp_path, capsys):

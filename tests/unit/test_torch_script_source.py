@@ -54,7 +54,7 @@ def test_one_script_for_every_rank_that_the_launchers_start(hostile_build):
     build = hostile_build
     assert [p.name for p in build.path.glob("*.py")] == [SCRIPT]      # no rank_XXXX.py, no run_rank.py
     assert f'"$HERE/{SCRIPT}"' in (build.path / "launch_torchrun.sh").read_text()
-    assert f'"$0/{SCRIPT}"' in (build.path / "launch_srun.sh").read_text()
+    assert f"\nENTRY={SCRIPT}\n" in (build.path / "launch_srun.sh").read_text()
     assert not (build.path / "launch_mpirun.sh").exists()                # MPI stays with meshplan's runtime
     info = json.loads((build.path / "build.json").read_text())
     assert entry_script(build.path, info) == build.path / SCRIPT
