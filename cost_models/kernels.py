@@ -213,7 +213,8 @@ def pass_bytes(family: str, inputs: float, output: float, elem_bytes: int, rows:
 
 
 def node_seconds(node, gpu: Gpu, *, role: str, share: float, div: float,
-                 fused_attention: bool, widths: tuple[tuple[int, ...], int] | None = None) -> tuple[float, float] | None:
+                 fused_attention: bool, widths: tuple[tuple[int, ...], int] | None = None,
+                 pad_outputs: int = 1) -> tuple[float, float] | None:
     """(forward s, backward s) of one captured node (planner.graph OpInfo: kind, target, attrs,
     input_meta, output_meta, fwd_flops, bwd_flops, param_count) on one rank, or None for kinds
     priced elsewhere (convolutions, embeddings, pools, losses, ...).
@@ -222,11 +223,13 @@ def node_seconds(node, gpu: Gpu, *, role: str, share: float, div: float,
     ("replicate" when whole); `div`: what the split divides by (below the degree when padded).
     `widths`: (bytes per element of each input in input_meta, of the output) as the run holds them
     (cost_models/autocast.py: an fp32 residual under autocast); default the compute dtype's for floats.
+    `pad_outputs`: a linear's output features on this rank are padded to a multiple of this (a vocabulary
+    padded for aligned GEMMs, runtime/execution.py vocab_multiple).
     """
     if not node.output_meta:
         return None
     if node.kind == "linear":
-        return _linear_seconds(node, gpu, role, share, div)
+        return _linear_seconds(node, gpu, role, share, div, pad_outputs)
     if node.kind == "matmul":
         return _matmul_seconds(node, gpu, share, div)
     if node.kind == "attention":
@@ -258,7 +261,8 @@ def node_seconds(node, gpu: Gpu, *, role: str, share: float, div: float,
     return f, b
 
 
-def _linear_seconds(node, gpu: Gpu, role: str, share: float, div: float) -> tuple[float, float] | None:
+def _linear_seconds(node, gpu: Gpu, role: str, share: float, div: float,
+                    pad_outputs: int = 1) -> tuple[float, float] | None:
     """A linear layer: y (m x n) = x (m x k) W^T; backward dx = dy W (m x k, inner n) and, when
     it has weights, dW = dy^T x (n x k, inner m)."""
     if not node.input_meta:
@@ -270,6 +274,7 @@ def _linear_seconds(node, gpu: Gpu, role: str, share: float, div: float) -> tupl
     elif role == ShardRole.ROW:
         k = k / div
     n, k = _whole(n_out), _whole(k)
+    n = -(-n // pad_outputs) * pad_outputs
     e = gpu.elem_bytes
     nbytes = (m * k + k * n + m * n) * e
     f = gpu.gemm(GemmShape(m, n, k), nbytes)

@@ -416,8 +416,9 @@ class Evaluator:
             return None
         mixed = config.dtype != DType.FP32
         widths = self.gpu_graph.widths(n, DType(config.dtype).bytes) if mixed and self.overlap.autocast else None
+        pad = self.execution.vocab_multiple if n.name == self._logits else 1
         return node_seconds(n, self.gpu(config.dtype), role=role, share=scale, div=div,
-                            fused_attention=self.fused_attention, widths=widths)
+                            fused_attention=self.fused_attention, widths=widths, pad_outputs=pad)
 
     def gpu(self, dtype: str):
         """The cost_models.kernels.Gpu pricing `dtype` kernels on this cluster's device (a GPU)."""
