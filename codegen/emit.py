@@ -35,6 +35,7 @@ from codegen.lower import DEFAULT_BUCKET_BYTES, lower_plan
 from codegen.throughput import step_work
 from codegen.partition import Partition, stage_imports
 from codegen.pysrc import comment_text, doc_text, py_literal
+from planner.binding import graph_mismatch
 from planner.graph.capture import capture_ref
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
@@ -82,11 +83,9 @@ def train_spec(plan: Plan, model_ref: str, data_ref: str | None = None, *, model
             data_kwargs = dict(model_kwargs)
     if graph is None:
         graph = capture_ref(model_ref, model_kwargs, batch_size=plan.config.micro_batch_size)
-    if graph.fingerprint != plan.graph_fingerprint:
-        raise PlanMismatchError(
-            f"the plan was made for another model: {model_ref} with {model_kwargs} captures to graph "
-            f"{graph.fingerprint[:12]}, the plan is bound to {plan.graph_fingerprint[:12]} ({plan.model_class}); "
-            "make the plan again for this model")
+    mismatch = graph_mismatch(plan, graph)
+    if mismatch:
+        raise PlanMismatchError(f"{model_ref} with {model_kwargs}: {mismatch}; make the plan again for this model")
     if isinstance(optimizer, dict):
         optimizer = OptimizerSpec.from_dict(optimizer)
     train = TrainSpec(model_ref=model_ref, data_ref=data_ref or "", global_batch_size=plan.global_batch_size,

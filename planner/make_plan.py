@@ -43,7 +43,7 @@ def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int, sear
                 graph_fingerprint=ev.graph.fingerprint, cluster=ev.cluster, config=config,
                 global_batch_size=global_batch_size, stages=stages, shardings=tuple(sorted(roles.items())),
                 prediction=pred, search=tuple(search), subgraph=check_splittable(ev.graph, config.subgraph),
-                tensor_splits=tensor_splits, target=Target(target).value)
+                tensor_splits=tensor_splits, target=Target(target).value, graph_params=ev.graph.num_params)
 
 
 def make_plan(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, global_batch_size: int,

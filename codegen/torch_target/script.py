@@ -146,7 +146,7 @@ def torch_script(plan: Plan, layout: TorchLayout, train: TrainSpec) -> str:
         *parallel.imports,
         "",
         "from runtime.batch_source import open_data",
-        "from runtime.data import call_model",
+        "from runtime.data import batch_to, call_model",
         "from runtime.executor import StepResult",
         "from runtime.lifetime import die_with_launcher",
         "from runtime.losses import compute_loss",
@@ -226,7 +226,9 @@ def train(args, rank, backend, checkpoints):
                 recorder.start(step)
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
-            loss = global_loss(runner.step(data.micro_batches(step)), runner.holds_loss, device)
+            # the step's micro-batches, inputs and targets alike, on this rank's device (the data comes on the CPU)
+            batches = [batch_to(batch, device) for batch in data.micro_batches(step)]
+            loss = global_loss(runner.step(batches), runner.holds_loss, device)
             if recorder is not None:
                 recorder.before_step()   # the step's starting parameters and complete gradients, for --verify
             norm = runner.grad_norm(TRAIN.clip_grad)   # the global gradient norm, clipped as the build says

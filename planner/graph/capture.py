@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.graph.branches import find_branches
-from planner.graph.export import export_dynamic_batch
+from planner.graph.export import export_dynamic_batch, meta_twin
 from planner.graph.model import ModelGraph, OpInfo, TensorMeta
 from planner.graph.layers import NodeView, find_layers
 from planner.graph.replay import ForwardMemo
@@ -91,15 +91,21 @@ def capture(
     except Exception as e:  # fx cannot trace arbitrary Python; fall back to export
         errors.append(f"torch.fx.symbolic_trace: {_describe(e)}")
 
-    try:
-        on_meta = any(p.is_meta for p in model.parameters())
-        ex_args, ex_kwargs = (meta_args, meta_kwargs) if on_meta else (args, kwargs)
-        gm = export_dynamic_batch(model, tuple(ex_args), dict(ex_kwargs), batch_dim, batch_size)
-        return _analyze(gm, model, "export", meta_args, meta_kwargs, batch_dim, batch_size)
-    except CaptureError:
-        raise
-    except Exception as e:
-        errors.append(f"torch.export.export(strict=False): {_describe(e)}")
+    # torch.export traces the model's meta twin, whatever device the model lives on: the graph (and
+    # its fingerprint, which binds a plan) is then the same for a model built on meta, the CPU or a GPU
+    # (planner/graph/export.py: meta_twin). A model whose code cannot run as a meta twin is traced on
+    # its own device; codegen, which captures on meta, then names the graphs that differ.
+    for traced, ex_args, ex_kwargs in ((lambda: meta_twin(model), meta_args, meta_kwargs),
+                                       (lambda: model, args, kwargs)):
+        try:
+            gm = export_dynamic_batch(traced(), tuple(ex_args), dict(ex_kwargs), batch_dim, batch_size)
+            return _analyze(gm, model, "export", meta_args, meta_kwargs, batch_dim, batch_size)
+        except CaptureError:
+            raise
+        except Exception as e:
+            errors.append(f"torch.export.export(strict=False): {_describe(e)}")
+        if all(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            break   # the model is its own meta twin: tracing it again fails again
 
     raise CaptureError(
         f"could not capture {type(model).__qualname__}: both tracers failed.\n  "

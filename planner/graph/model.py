@@ -230,7 +230,8 @@ class ModelGraph:
 
     # ---- JSON -----------------------------------------------------------
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        # without the module: asdict would deep-copy the whole GraphModule only to drop it
+        d = dataclasses.asdict(dataclasses.replace(self, module=None))
         d.pop("module")
         return d
 
