@@ -146,7 +146,7 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
         "signature": {"hash": parts.signature, "shapes": parts.tensor_shapes},
         "graph_fingerprint": plan.graph_fingerprint, "bucket_bytes": bucket_bytes,
         "stages": {str(sp.spec.index): sp.spec.to_dict() for sp in parts.stages},
-        "random_ops": random_ops(graph),
+        "random_ops": list(graph.random_ops),   # runtime/verify.py says why they rule out a sample-exact check
     }, indent=1))
     (out / "programs.json").write_text(json.dumps({str(r): p.to_dict() for r, p in programs.items()}))
     for rank, text in scripts.items():
@@ -161,27 +161,6 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
         if (out / f).exists():
             (out / f).unlink()
     return Build(out, world, programs, train)
-
-
-_RANDOM = ("bernoulli", "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
-           "multinomial", "normal", "uniform", "native_dropout", "rrelu")
-
-
-def random_ops(graph: ModelGraph) -> list[str]:
-    """Where the model draws random numbers in training: dropout with p > 0 and random ops, by
-    module path (runtime/verify.py reports them instead of a mismatch)."""
-    out = []
-    for n in graph.nodes:
-        base = n.target.rsplit(".", 1)[-1].lower()
-        p = n.attr("p", n.attr("arg1"))
-        if "dropout" in base and base != "native_dropout":
-            if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
-                out.append(f"{n.module_path or n.name} (dropout p={p})")
-        elif base in _RANDOM:
-            out.append(f"{n.module_path or n.name} ({base})")
-        elif n.kind == "attention" and isinstance(n.attr("dropout_p"), float) and n.attr("dropout_p") > 0:
-            out.append(f"{n.module_path or n.name} (attention dropout p={n.attr('dropout_p')})")
-    return list(dict.fromkeys(out))
 
 
 def _executable(path: Path) -> None:

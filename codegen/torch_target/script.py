@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from codegen.emit import GRAPH_FILE, _executable, launch_scripts, random_ops, train_spec
+from codegen.emit import GRAPH_FILE, _executable, launch_scripts, train_spec
 from codegen.pysrc import doc_text, py_literal
 from codegen.torch_target.layout import TorchLayout, torch_layout
 from codegen.torch_target.script_parallel import parallelize_source
@@ -87,7 +87,7 @@ def emit_torch(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir:
         "train": train.to_dict(), "world_size": world, "mesh": dict(plan.mesh), "target": Target.TORCH.value,
         "entry": SCRIPT,
         "schedule": plan.config.schedule, "micro_batches": _micro_batches(plan),
-        "graph_fingerprint": plan.graph_fingerprint, "random_ops": random_ops(graph),
+        "graph_fingerprint": plan.graph_fingerprint, "random_ops": list(graph.random_ops),
         WHOLE_MODEL_KEY: {"micro_batch_size": plan.config.micro_batch_size, "micro_batches": _micro_batches(plan)},
     }, indent=1))
     (out / SCRIPT).write_text(text)

@@ -284,7 +284,8 @@ def _add_codegen_and_run(sub) -> None:
                    help="seconds without a heartbeat after which a rank is named as not responding (stopped, "
                         "hung or dead) and the run stops; independent of --timeout (default 30)")
     p.add_argument("--verify", action="store_true",
-                   help="also run the single-process reference; exit 1 if loss or parameters differ")
+                   help="also run the single-process reference; exit 1 if loss or parameters differ, 3 if the "
+                        "model draws random numbers in training (dropout), which rules out a sample-exact check")
     p.add_argument("--track-memory", action="store_true",
                    help="measure each rank's peak memory in one step, the second of 3 or more (for meshplan compare)")
     p.add_argument("--probe-comm", action="store_true",

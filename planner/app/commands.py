@@ -33,6 +33,10 @@ from runtime.tensorboard_log import require_tensorboard
 from runtime.vocab import Target
 
 
+# `meshplan run --verify`'s exit status when no sample-exact check applies (dropout): neither a pass (0)
+# nor a difference (1)
+VERIFY_NOT_APPLICABLE = 3
+
 # Rank scripts one codegen writes (each is lowered, checked and compiled: the MLP at data 1024 takes
 # 20 s, at 4096 140 s on 2 busy cores); plans may be larger (planner.plan.MAX_WORLD): priced, not generated.
 MAX_CODEGEN_WORLD = 4096
@@ -243,6 +247,10 @@ def run_command(args: argparse.Namespace) -> int:
     if args.verify:
         cmp = res.comparison
         print("verify against the single-process reference: " + cmp.summary())
+        if cmp.inapplicable:
+            print("meshplan run: --verify does not apply to this model (see above); the run itself finished",
+                  file=sys.stderr)
+            return VERIFY_NOT_APPLICABLE
         if not cmp.ok:
             print("meshplan run: error: the parallel run differs from the single-process run (see above)",
                   file=sys.stderr)
