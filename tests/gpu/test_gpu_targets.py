@@ -13,6 +13,9 @@ on cuda:0 for STEPS steps with --verify. Each run must:
 - pass --verify (runtime/verify.py: every step's loss and gradients from the run's own parameters
   against float64, and the trajectory against rounding-level twins).
 
+And a model built on cuda:0 captures to the graph codegen captures on meta (a plan made from
+either binds to the factory).
+
 LOSS_RTOL = 1e-4 (relative). Both runs are fp32 with TF32 off (PyTorch's default for matmuls; these
 models have no convolution), so they differ only in summation order: cuBLAS and the CPU's kernels
 round dot products of at most a few hundred terms differently, about 1e-6 of the loss after STEPS
@@ -35,6 +38,7 @@ from codegen.torch_target.script import emit_torch
 from planner.graph.capture import capture_ref
 from runtime.launcher import run_many
 from runtime.reference import reference_run
+from runtime.refs import load_module
 from runtime.spec import TrainSpec
 
 STEPS = 3
@@ -84,3 +88,15 @@ def test_runs_on_cuda_over_nccl_and_equals_the_cpu_reference(runs, target):
     cmp = res.comparison
     assert cmp is not None and cmp.ok, f"{name} ({target}): {cmp.summary() if cmp else 'not compared'}"
     assert cmp.grads_compared > 0 and cmp.params_compared > 0
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_model_on_the_gpu_captures_as_on_meta(name):
+    """A plan made from the model on cuda:0 binds to the factory codegen captures on meta (tests/unit/
+    test_plan_binding.py does the CPU's side): the same graph fingerprint."""
+    ref, kwargs = MODELS[name]
+    module = load_module(ref.rsplit(":", 1)[0])
+    torch.manual_seed(0)
+    model = module.build(**kwargs).to("cuda")
+    on_gpu = planner.capture(model, module.example_inputs(2, "cuda", **kwargs))
+    assert on_gpu.fingerprint == capture_ref(ref, kwargs, batch_size=2).fingerprint
