@@ -31,6 +31,7 @@ from planner.plan import Alternative, Plan
 from planner.progress import Progress
 from planner.strategies.base import MeshShape
 from planner.subgraph import describe
+from planner.strategies.describe import idle_tensor_note
 from planner.tensor_split.analysis import SplitCache
 from runtime.vocab import Recompute, Target
 
@@ -41,6 +42,11 @@ FIXED_KNOBS = ("data", "tensor", "pipeline", "micro_batch_size", "schedule", "vi
 LIMITS = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s", "allow_cross_node_tensor",
           "max_micro_batch_size")
 RECOMPUTE_ORDER = tuple(Recompute)   # least recomputation first: none, selective, full
+
+
+# an alternative passed over because its tensor axis splits nothing (optimize chooses one only when nothing
+# else fits)
+IDLE_TENSOR_REASON = "its tensor axis splits nothing: the tensor ranks would repeat each other's work"
 
 
 class NoFeasiblePlan(ValueError):
@@ -57,6 +63,10 @@ class _Search:
     priced: list[tuple[ParallelConfig, Prediction]] = field(default_factory=list)
     refused: list[tuple[ParallelConfig, str]] = field(default_factory=list)  # roles the split analysis refused
     blocked: str | None = None   # the first refusal of the target's runtime in the inner loop
+    # the best fitting configuration whose tensor axis splits nothing (its tensor ranks would repeat
+    # each other's work): chosen only when nothing else fits
+    idle_tensor: tuple[float, ParallelConfig, Prediction] | None = None
+    idle_configs: set[ParallelConfig] = field(default_factory=set)   # every such configuration priced
 
 
 def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, example_inputs: Any = None,
@@ -132,6 +142,7 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
             search.pruned += 1
             continue
         best = _inner(ev, base, global_batch_size, objective, cons, search, best, runtime, splits)
+    best = best or search.idle_tensor
     search.seconds = time.perf_counter() - t0
     bar.close(f"{search.evaluated} priced, {search.pruned} pruned")
     if best is None and not search.priced and search.blocked and runtime is not None:
@@ -185,6 +196,13 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
             search.evaluated += 1
             search.priced.append((cfg, pred))
             value = _objective(pred, objective)
+            if _fits(pred, cons) and cfg.tensor > 1 and not cfg.sequence_parallel and "tensor" not in cons \
+                    and not ev.node_roles(cfg):
+                # every region is cheaper replicated: the tensor ranks would do the same work
+                search.idle_configs.add(cfg)
+                if search.idle_tensor is None or value < search.idle_tensor[0]:
+                    search.idle_tensor = (value, cfg, pred)
+                continue
             if _fits(pred, cons) and (best is None or value < best[0]):
                 best = (value, cfg, pred)
     return best
@@ -196,6 +214,9 @@ def explain(plan: Plan, top: int = 5) -> str:
     lines = [f"chosen: {plan.config.short():<44} step {p.step_time * 1e3:>11.3f} ms  "
              f"mem {p.peak_memory / 2**30:>8.3f} GiB  energy {p.step_energy:>10.1f} J"]
     lines += [f"  sub-graph {ln}" for ln in describe(plan.subgraph, plan.config.subgraph)]
+    idle = idle_tensor_note(plan)
+    if idle:
+        lines.append(f"  note: {idle}")
     if not plan.alternatives:
         lines.append("no alternatives recorded (the plan was made for a fixed configuration; "
                      "planner.optimize records the runners-up)")
@@ -370,7 +391,8 @@ def _alternatives(search: _Search, best, objective: str, cons: dict, keep: int) 
         seen.add(cfg)
         out.append(Alternative(config=cfg, step_time=pred.step_time, peak_memory=pred.peak_memory,
                                step_energy=pred.step_energy, fits=_fits(pred, cons),
-                               reason=_reason(pred, best_pred, cons)))
+                               reason=IDLE_TENSOR_REASON if cfg in search.idle_configs and best_cfg not in
+                               search.idle_configs else _reason(pred, best_pred, cons)))
         if len(out) >= keep:
             break
     return tuple(out)

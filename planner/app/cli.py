@@ -21,7 +21,8 @@ import torch
 # planner/__init__ already imports capture, the search and torch before this module runs.
 from codegen.dataset_flags import add_dataset_flags
 from codegen.train_flags import add_flags
-from cost_models.hardware import Cluster
+from cost_models import local_machine
+from cost_models.hardware import LOCAL_PRESET, Cluster
 from cost_models.overlap import Overlap, OverlapPreset
 from cost_models.simulate import simulate_steady
 from planner.app import calibrate_run
@@ -69,6 +70,7 @@ PNG and SVG of each picture, plus one self-contained HTML report."""
 _EPILOG_CLUSTER = """examples:
   meshplan cluster dgx-a100-80gb --nodes 4
   meshplan cluster local --devices 2 -o local.yaml
+  meshplan cluster local --remeasure       # measure this machine again (a reading taken while it was busy)
   meshplan cluster my_cluster.yaml"""
 
 
@@ -155,7 +157,17 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _cmd_cluster(args: argparse.Namespace) -> int:
     if args.output:
         output_file(args.output)
-    cluster = resolve_cluster(args.name, args.nodes, args.devices)
+    if args.remeasure:
+        if args.name != LOCAL_PRESET:
+            raise ValueError(f"--remeasure measures this machine: it applies to 'meshplan cluster {LOCAL_PRESET}', "
+                             f"not to {args.name!r}")
+        figures = local_machine.load_or_measure(remeasure=True)   # and cached for every later use
+        cluster = Cluster.preset(LOCAL_PRESET, devices=args.devices, figures=figures)
+        print(f"measured this machine now ({figures['measure_seconds']:.1f} s, load {figures['load_per_cpu']:.2f} "
+              f"per CPU{', busy: measure again when it is quieter' if local_machine.is_busy(figures) else ''}); "
+              f"cached in {local_machine.default_cache_dir() / local_machine.CACHE_FILE_NAME}")
+    else:
+        cluster = resolve_cluster(args.name, args.nodes, args.devices)
     _check_world(cluster.num_devices, "the cluster")
     print(cluster.summary())
     if args.output:
@@ -505,6 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=DEGREE, help="number of nodes (presets only)")
     p.add_argument("--devices", type=DEGREE, help="devices (presets only; for 'local', processes)")
     p.add_argument("-o", "--output", help="write the cluster as YAML or JSON (by suffix)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="'local' only: measure this machine now, whatever its cache holds (after a busy reading)")
     p.set_defaults(func=_cmd_cluster)
 
     _add_codegen_and_run(sub)

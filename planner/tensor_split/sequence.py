@@ -180,5 +180,9 @@ def sequence_stream(graph: ModelGraph, roles: dict[str, str], tensor: int) -> Se
                 params.append(n.module_path)
             continue
         gathers += [(n.name, i) for i in split_in]
+    if not starts:
+        raise SequenceSplitError("sequence parallelism splits the values between tensor-parallel regions along the "
+                                 "sequence, but no region here ends in a row split or a vocabulary embedding that "
+                                 "would begin such a value; use sequence_parallel=False for this model")
     return SequenceSplit(length=length, starts=tuple(starts), nodes=tuple(nodes), columns=tuple(columns),
                          gathers=tuple(gathers), scatters=tuple(scatters), params=tuple(dict.fromkeys(params)))
