@@ -49,19 +49,15 @@ class TinyTransformer(nn.Module):
         return self.head(self.encoder(self.embed(tokens)))
 
 
-def build(vocab: int = 64, width: int = 32, heads: int = 4, layers: int = 2, seq_len: int = 16,
-          dropout: float = 0.0) -> nn.Module:
+def build(vocab=64, width=32, heads=4, layers=2, seq_len=16, dropout=0.0):
     return TinyTransformer(vocab, width, heads, layers, dropout)
 
 
-def example_inputs(batch_size: int = 2, device: str | torch.device = "cpu", vocab: int = 64, width: int = 32,
-                   heads: int = 4, layers: int = 2, seq_len: int = 16, dropout: float = 0.0) -> torch.Tensor:
+def example_inputs(batch_size=2, device="cpu", vocab=64, width=32, heads=4, layers=2, seq_len=16, dropout=0.0):
     return torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
 
 
-def example_batch(batch_size: int, seed: int, vocab: int = 64, width: int = 32, heads: int = 4, layers: int = 2,
-                  seq_len: int = 16, dropout: float = 0.0) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+def example_batch(batch_size, seed, vocab=64, width=32, heads=4, layers=2, seq_len=16, dropout=0.0):
     g = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, vocab, (batch_size, 1), generator=g)
-    seq = (start + torch.arange(seq_len + 1)) % vocab            # (B, T + 1): each row counts up
-    return (seq[:, :-1],), seq[:, 1:]
+    seq = (torch.randint(0, vocab, (batch_size, 1), generator=g) + torch.arange(seq_len + 1)) % vocab
+    return (seq[:, :-1],), seq[:, 1:]          # (inputs,), targets: each position's next token

@@ -33,7 +33,7 @@ from planner.app.compare import compare_build, draw, predicted_costs
 from planner.app.report import write_report
 from planner.app.visualize import visualize
 from planner.graph.capture import capture_ref
-from planner.optimize import explain, optimize
+from planner.search import explain, optimize
 from planner.plan import Plan
 from runtime.checkpoint import Manifest, complete_checkpoints, resolve_checkpoint
 from runtime.checkpoint_restore import to_state_dict

@@ -22,8 +22,8 @@ from codegen.torch_target.script import emit_torch
 from codegen.train_flags import optimizer_and_schedule
 from planner.capabilities import RuntimeSupport, TargetError
 from planner.config import ConfigError
-from planner.evaluate import Evaluator
-from planner.make_plan import plan_for
+from planner.evaluator import Evaluator
+from planner.fixed_plan import plan_for
 from planner.plan import MAX_WORLD
 from runtime.evaluation import EvalSpec, check_supported, eval_setting
 from runtime.launcher import read_build, run_local

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import planner
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from cost_models.hardware import Cluster, Device, Link
 from cost_models.prediction import Prediction
 from examples.models import gpt, mlp

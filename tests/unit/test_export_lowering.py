@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import planner
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from planner.app.commands import make_fixed_plan
 from codegen.lower import lower
 from codegen.partition import partition

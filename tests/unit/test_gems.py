@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import planner
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from cost_models.gems import device_order, uniform_step_time
 from cost_models.gems import step_time as simulate
 from cost_models.hardware import Cluster

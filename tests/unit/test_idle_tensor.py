@@ -10,7 +10,7 @@ import pytest
 
 import planner
 from planner.graph.capture import capture_ref
-from planner.optimize import IDLE_TENSOR_REASON
+from planner.search import IDLE_TENSOR_REASON
 
 NOTE = "the tensor axis splits nothing: every tensor-parallel region is cheaper replicated on dgx-a100-80gb, so " \
        "the 2 tensor ranks of each replica do the same work; use tensor=1"

@@ -12,7 +12,7 @@ from planner import ConfigError, ParallelConfig, Plan
 from codegen.partition import partition
 from planner.app.cli import build_parser
 from planner.app.cli_args import check_constraints
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from planner.sharding import find_sharding
 from planner.tensor_split.sequence import SequenceSplitError, sequence_stream
 from runtime.tensor_parallel import FeatureSplit, ModuleShard

@@ -5,7 +5,7 @@ import functools
 import pytest
 
 import planner
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from codegen.emit import capture_ref
 from codegen.lower import lower
 from planner import ConfigError, ParallelConfig

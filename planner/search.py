@@ -1,4 +1,4 @@
-"""`planner.optimize`: the best plan for a model on a cluster, within the cost model.
+"""`planner.search`: the best plan for a model on a cluster, within the cost model (`planner.optimize`).
 
 The search enumerates mesh shapes (data x pipeline x tensor, tensor inside a
 node by default) with micro-batch sizes and schedules, orders them by a
@@ -25,8 +25,8 @@ from cost_models.prediction import Prediction
 from cost_models.overlap import Overlap
 from planner.capabilities import MESHPLAN_RUNTIME, RuntimeSupport, TargetError
 from planner.config import ConfigError, ParallelConfig
-from planner.evaluate import Evaluator, as_graph
-from planner.make_plan import plan_for
+from planner.evaluator import Evaluator, as_graph
+from planner.fixed_plan import plan_for
 from planner.plan import Alternative, Plan
 from planner.progress import Progress
 from planner.strategies.base import MeshShape

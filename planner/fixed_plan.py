@@ -1,4 +1,4 @@
-"""`planner.make_plan`: the Plan for a configuration the user fixes.
+"""`planner.fixed_plan`: the Plan for a configuration the user fixes (`planner.make_plan`).
 
 Hand-picked and searched plans travel the same road: both come out of
 `plan_for`, which turns an Evaluator's verdict on one ParallelConfig into a
@@ -14,7 +14,7 @@ from cost_models.hardware import Cluster
 from cost_models.overlap import Overlap
 from planner.capabilities import RuntimeSupport, TargetError
 from planner.config import ParallelConfig
-from planner.evaluate import Evaluator, as_graph
+from planner.evaluator import Evaluator, as_graph
 from planner.plan import PLAN_FORMAT_VERSION, Plan, Stage
 from planner.subgraph import check_splittable
 from planner.tensor_split.analysis import SplitCache
