@@ -45,6 +45,7 @@ from runtime.lr_schedule import ScheduleSpec
 from runtime.optim import OptimizerSpec
 from runtime.program import Program
 from runtime.rank_main import PlanMismatchError
+from runtime.refs import RefError, check_call, load_callable
 from runtime.loss_scale import LossScaleSpec
 from runtime.spec import TrainSpec
 
@@ -77,10 +78,13 @@ def train_spec(plan: Plan, model_ref: str, data_ref: str | None = None, *, model
     """(the model's captured graph, the build's TrainSpec) for `emit`'s arguments (see there): the
     graph captured from model_ref when not given, and checked against the plan's (PlanMismatchError)."""
     model_kwargs = dict(model_kwargs or {})
-    if data_ref is None and dataset is None:
+    default_data = data_ref is None and dataset is None
+    if default_data:
         data_ref = f"{model_ref.rsplit(':', 1)[0]}:example_batch"
         if data_kwargs is None:
             data_kwargs = dict(model_kwargs)
+    if dataset is None:   # the ranks read their batches from it: refuse a missing or unfit one now, not at run time
+        _check_data_factory(data_ref, dict(data_kwargs or {}), root, default_data)
     if graph is None:
         graph = capture_ref(model_ref, model_kwargs, batch_size=plan.config.micro_batch_size)
     mismatch = graph_mismatch(plan, graph)
@@ -96,6 +100,19 @@ def train_spec(plan: Plan, model_ref: str, data_ref: str | None = None, *, model
                       schedule=schedule or ScheduleSpec(), clip_grad=clip_grad, loss_scale=loss_scale,
                       work=step_work(plan, graph))
     return graph, train
+
+
+def _check_data_factory(data_ref: str, data_kwargs: dict, root: str | None, default: bool) -> None:
+    """RefError unless `data_ref` names a function the ranks can call as fn(batch_size, seed, **data_kwargs)."""
+    try:
+        check_call(load_callable(data_ref, root, "data factory"), data_kwargs, ref=data_ref, what="data factory",
+                   batch_size=1, seed=0)
+    except RefError as e:
+        if not default:
+            raise
+        raise RefError(f"{e}. Every rank reads its training batches from the model file's "
+                       "example_batch(batch_size, seed, **kwargs) -> (inputs, targets): define it there (README, "
+                       "'Your own model'), or name another with --data-ref or a torch Dataset with --dataset") from None
 
 
 def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str | os.PathLike = "build", *,

@@ -149,8 +149,9 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(explain(plan))
     files = visualize(plan, out)
     report = write_report(plan, f"{out}_report.html" if not out.endswith("/") else f"{out}report.html")
-    print(f"\nwrote {len(files)} pictures ({files[0].parent}/{files[0].name.rsplit('_', 1)[0]}_*.png|svg) "
-          f"and {report}")
+    # a directory holds mesh.png, memory.png, ...; a stem gets stem_mesh.png, stem_memory.png, ...
+    pattern = Path(out) / "*" if out.endswith("/") else Path(f"{out}_*")
+    print(f"\nwrote {len(files)} pictures ({pattern}.png|svg) and {report}")
     return 0
 
 
@@ -200,7 +201,7 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
     data_kwargs = _parse_kv(args.data_arg) if args.data_arg else None
     args.dataset_kwargs = _parse_kv(args.dataset_arg)
     args.eval_dataset_kwargs = _parse_kv(args.eval_dataset_arg) if args.eval_dataset_arg else None
-    output_dir(args.output)
+    output_dir(args.output, create=False)   # emit creates it once the build is complete: a refusal leaves none
     return codegen_command(args, _parse_kv(args.arg), data_kwargs)
 
 

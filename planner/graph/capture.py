@@ -83,6 +83,7 @@ def capture(
     meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
 
     errors: list[str] = []
+    traced_but_failed = False   # fx traced the model, and running a node on the inputs' shapes failed
     try:
         gm = _fx_trace(model, args, kwargs)
         graph = _analyze(gm, model, "fx", meta_args, meta_kwargs, batch_dim, batch_size)
@@ -90,29 +91,38 @@ def capture(
     except CaptureError:
         raise
     except Exception as e:  # fx cannot trace arbitrary Python; fall back to export
+        traced_but_failed = isinstance(e, _NodeFailure)
         errors.append(f"torch.fx.symbolic_trace: {_describe(e)}")
 
     # torch.export traces the model's meta twin, whatever device the model lives on: the graph (and
     # its fingerprint, which binds a plan) is then the same for a model built on meta, the CPU or a GPU
     # (planner/graph/export.py: meta_twin). A model whose code cannot run as a meta twin is traced on
     # its own device; codegen, which captures on meta, then names the graphs that differ.
-    for traced, ex_args, ex_kwargs in ((lambda: meta_twin(model), meta_args, meta_kwargs),
-                                       (lambda: model, args, kwargs)):
+    for where, traced, ex_args, ex_kwargs in (("", lambda: meta_twin(model), meta_args, meta_kwargs),
+                                              (" on the model's device", lambda: model, args, kwargs)):
         try:
             gm = export_dynamic_batch(traced(), tuple(ex_args), dict(ex_kwargs), batch_dim, batch_size)
             return _analyze(gm, model, "export", meta_args, meta_kwargs, batch_dim, batch_size)
         except CaptureError:
             raise
         except Exception as e:
-            errors.append(f"torch.export.export(strict=False): {_describe(e)}")
+            error = _describe(e)
+            if not any(known.endswith(error) for known in errors):   # the same failure twice says nothing new
+                errors.append(f"torch.export.export(strict=False){where}: {error}")
         if all(t.is_meta for t in (*model.parameters(), *model.buffers())):
             break   # the model is its own meta twin: tracing it again fails again
 
+    if traced_but_failed:   # not a tracing problem: the computation does not fit the inputs (or itself)
+        advice = ("forward() fails on these example inputs: an op got shapes or dtypes it cannot take (named "
+                  "above). Check example_inputs (shapes, dtypes, which dimension holds the samples) against the "
+                  "sizes build() gives the layers, then capture again.")
+    else:
+        advice = ("remove data-dependent Python control flow from forward() at the place named above (or make it "
+                  "depend only on shapes fixed at construction), then capture again.")
     raise CaptureError(
         f"could not capture {type(model).__qualname__}: both tracers failed.\n  "
         + "\n  ".join(errors)
-        + "\nWhat to do: remove data-dependent Python control flow from forward() at the place named above "
-        "(or make it depend only on shapes fixed at construction), then capture again."
+        + f"\nWhat to do: {advice}"
     )
 
 
