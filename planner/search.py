@@ -44,11 +44,6 @@ LIMITS = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s", "allow_
 RECOMPUTE_ORDER = tuple(Recompute)   # least recomputation first: none, selective, full
 
 
-# an alternative passed over because its tensor axis splits nothing (optimize chooses one only when nothing
-# else fits)
-IDLE_TENSOR_REASON = "its tensor axis splits nothing: the tensor ranks would repeat each other's work"
-
-
 class NoFeasiblePlan(ValueError):
     """No configuration fits; the message says what the smallest one needs and what would help."""
 
@@ -63,10 +58,6 @@ class _Search:
     priced: list[tuple[ParallelConfig, Prediction]] = field(default_factory=list)
     refused: list[tuple[ParallelConfig, str]] = field(default_factory=list)  # roles the split analysis refused
     blocked: str | None = None   # the first refusal of the target's runtime in the inner loop
-    # the best fitting configuration whose tensor axis splits nothing (its tensor ranks would repeat
-    # each other's work): chosen only when nothing else fits
-    idle_tensor: tuple[float, ParallelConfig, Prediction] | None = None
-    idle_configs: set[ParallelConfig] = field(default_factory=set)   # every such configuration priced
 
 
 def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, example_inputs: Any = None,
@@ -142,7 +133,6 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
             search.pruned += 1
             continue
         best = _inner(ev, base, global_batch_size, objective, cons, search, best, runtime, splits)
-    best = best or search.idle_tensor
     search.seconds = time.perf_counter() - t0
     bar.close(f"{search.evaluated} priced, {search.pruned} pruned")
     if best is None and not search.priced and search.blocked and runtime is not None:
@@ -196,13 +186,6 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
             search.evaluated += 1
             search.priced.append((cfg, pred))
             value = _objective(pred, objective)
-            if _fits(pred, cons) and cfg.tensor > 1 and not cfg.sequence_parallel and "tensor" not in cons \
-                    and not ev.node_roles(cfg):
-                # every region is cheaper replicated: the tensor ranks would do the same work
-                search.idle_configs.add(cfg)
-                if search.idle_tensor is None or value < search.idle_tensor[0]:
-                    search.idle_tensor = (value, cfg, pred)
-                continue
             if _fits(pred, cons) and (best is None or value < best[0]):
                 best = (value, cfg, pred)
     return best
@@ -391,8 +374,7 @@ def _alternatives(search: _Search, best, objective: str, cons: dict, keep: int) 
         seen.add(cfg)
         out.append(Alternative(config=cfg, step_time=pred.step_time, peak_memory=pred.peak_memory,
                                step_energy=pred.step_energy, fits=_fits(pred, cons),
-                               reason=IDLE_TENSOR_REASON if cfg in search.idle_configs and best_cfg not in
-                               search.idle_configs else _reason(pred, best_pred, cons)))
+                               reason=_reason(pred, best_pred, cons)))
         if len(out) >= keep:
             break
     return tuple(out)

@@ -282,7 +282,7 @@ def _analyze(gm: torch.fx.GraphModule, model: nn.Module, method: str, meta_args:
             module = gm.get_submodule(node.target) if node.op == "call_module" else None
             if module is not None:
                 leaves[node.name] = module
-            seeded.take()   # what ran before this node (the last node's backward FLOP count) is not its own
+            seeded.take()   # what ran before this node (the last node's backward, run to count its FLOPs) is not its own
             try:
                 value, params, fwd, saved, streams[node.name] = _run_once(node, gm, module, env, placeholders, st,
                                                                           counter, seeded)

@@ -58,8 +58,8 @@ def idle_tensor_note(plan: "Plan") -> str | None:
     if t == 1 or plan.shardings or plan.config.sequence_parallel:   # sequence parallelism splits the tokens
         return None
     return (f"the tensor axis splits nothing: every tensor-parallel region is cheaper replicated on "
-            f"{plan.cluster.name}, so the {t} tensor ranks of each replica do the same work; use tensor=1 and give "
-            "these devices to another axis (data or pipeline)")
+            f"{plan.cluster.name}, so the {t} tensor ranks of each replica do the same work, as one device would "
+            "(no speed or memory gained; the cost model found that cheaper than giving them other work)")
 
 
 def _tensor_section(plan: "Plan") -> list[str]:
