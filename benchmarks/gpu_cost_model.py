@@ -29,7 +29,7 @@ from cost_models.gpu_fit import error_report  # noqa: E402
 from cost_models.hardware import Cluster  # noqa: E402
 from cost_models.op_table import read_op_table  # noqa: E402
 from examples.models import gpt  # noqa: E402
-from planner.evaluate import Evaluator  # noqa: E402
+from planner.evaluator import Evaluator  # noqa: E402
 from runtime.execution import Execution  # noqa: E402
 
 TABLE = Path(__file__).resolve().parents[1] / "cost_models" / "reference" / "h100_ops.csv"

@@ -146,7 +146,7 @@ def config_of(row: MemoryRow):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from planner.evaluate import Evaluator
+    from planner.evaluator import Evaluator
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=len(ROWS), help="evaluate the first N rows")

@@ -101,7 +101,7 @@ def stack_constraints(stack: Stack | str) -> dict[str, Any]:
 
 
 def evaluator_options(stack: Stack | str) -> dict[str, Any]:
-    """Keyword arguments of planner.evaluate.Evaluator (and planner.optimize) describing `stack`."""
+    """Keyword arguments of planner.Evaluator (and planner.optimize) describing `stack`."""
     return dict(_STACK_OPTIONS[Stack(stack)])
 
 

@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 import planner  # noqa: E402
 from examples.models import gpt  # noqa: E402
-from planner.evaluate import Evaluator  # noqa: E402
+from planner.evaluator import Evaluator  # noqa: E402
 from planner.graph.model import ModelGraph  # noqa: E402
 from published_rows import (  # noqa: E402
     MEGASCALE_NAME, RUNS, Partition, Run, Table, Unit, cluster_for, evaluator_options, paper_flops,

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import planner  # noqa: E402
-from planner.evaluate import Evaluator  # noqa: E402
+from planner.evaluator import Evaluator  # noqa: E402
 from examples.models import gpt, resnet  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -12,7 +12,7 @@ Cases (issue 22, "Measure"):
 
 Each is searched twice: "without" pins sequence_parallel=False and context=1; "with" pins
 nothing, so the search may use them. A checkout whose search does not know one of those knobs
-yet (it is not in planner.optimize.FIXED_KNOBS) does not search it either; the script then
+yet (it is not in planner.search.FIXED_KNOBS) does not search it either; the script then
 says so and the two variants are the same search.
 
 The search is the cost model's (runtime=None: every configuration the cost model prices),
@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 import planner  # noqa: E402
 from examples.models import gpt  # noqa: E402
-from planner.optimize import FIXED_KNOBS  # noqa: E402
+from planner.search import FIXED_KNOBS  # noqa: E402
 
 # the knobs that turn the new dimensions off ("without")
 WITHOUT = (("sequence_parallel", False), ("context", 1))

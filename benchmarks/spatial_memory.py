@@ -8,7 +8,7 @@ on real gloo processes, the head (global average pool, Linear) replicated after 
 process counts the bytes autograd saves for backward during one forward pass of the whole model
 (torch.autograd.graph.saved_tensors_hooks, distinct storages); the same count is taken for the
 unsplit model in one process. Reported: the measured ratio tile / whole beside the cost
-model's (planner.evaluate.Evaluator: saved activations of the spatial layers divided by the tiles).
+model's (planner.Evaluator: saved activations of the spatial layers divided by the tiles).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def main() -> int:
     import torch.multiprocessing as mp
 
     import planner
-    from planner.evaluate import Evaluator
+    from planner.evaluator import Evaluator
     from examples.models import large_image_cnn
 
     whole_model = model(args.side)

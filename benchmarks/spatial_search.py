@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import planner  # noqa: E402
-from planner.evaluate import Evaluator  # noqa: E402
+from planner.evaluator import Evaluator  # noqa: E402
 from examples.models import gpt, resnet  # noqa: E402
 from planner import NoFeasiblePlan  # noqa: E402
 
@@ -81,7 +81,7 @@ def largest_side(cluster, spatial: bool, lo: int = 256, step: int = 256) -> int:
 def smallest_peak(graph, cluster, batch) -> float:
     """Smallest predicted peak memory per device of any configuration without tiles (GiB)."""
     ev = Evaluator(graph, cluster)
-    from planner.optimize import _enumerate
+    from planner.search import _enumerate
 
     low = float("inf")
     for base in _enumerate(ev, cluster, batch, {"spatial": 1}, ("fp16",)):

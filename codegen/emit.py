@@ -35,6 +35,7 @@ from codegen.lower import DEFAULT_BUCKET_BYTES, lower_plan
 from codegen.throughput import step_work
 from codegen.partition import Partition, stage_imports
 from codegen.pysrc import comment_text, doc_text, py_literal
+from planner.binding import graph_mismatch
 from planner.graph.capture import capture_ref
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
@@ -44,6 +45,7 @@ from runtime.lr_schedule import ScheduleSpec
 from runtime.optim import OptimizerSpec
 from runtime.program import Program
 from runtime.rank_main import PlanMismatchError
+from runtime.refs import RefError, check_call, load_callable
 from runtime.loss_scale import LossScaleSpec
 from runtime.spec import TrainSpec
 
@@ -76,17 +78,18 @@ def train_spec(plan: Plan, model_ref: str, data_ref: str | None = None, *, model
     """(the model's captured graph, the build's TrainSpec) for `emit`'s arguments (see there): the
     graph captured from model_ref when not given, and checked against the plan's (PlanMismatchError)."""
     model_kwargs = dict(model_kwargs or {})
-    if data_ref is None and dataset is None:
+    default_data = data_ref is None and dataset is None
+    if default_data:
         data_ref = f"{model_ref.rsplit(':', 1)[0]}:example_batch"
         if data_kwargs is None:
             data_kwargs = dict(model_kwargs)
+    if dataset is None:   # the ranks read their batches from it: refuse a missing or unfit one now, not at run time
+        _check_data_factory(data_ref, dict(data_kwargs or {}), root, default_data)
     if graph is None:
         graph = capture_ref(model_ref, model_kwargs, batch_size=plan.config.micro_batch_size)
-    if graph.fingerprint != plan.graph_fingerprint:
-        raise PlanMismatchError(
-            f"the plan was made for another model: {model_ref} with {model_kwargs} captures to graph "
-            f"{graph.fingerprint[:12]}, the plan is bound to {plan.graph_fingerprint[:12]} ({plan.model_class}); "
-            "make the plan again for this model")
+    mismatch = graph_mismatch(plan, graph)
+    if mismatch:
+        raise PlanMismatchError(f"{model_ref} with {model_kwargs}: {mismatch}; make the plan again for this model")
     if isinstance(optimizer, dict):
         optimizer = OptimizerSpec.from_dict(optimizer)
     train = TrainSpec(model_ref=model_ref, data_ref=data_ref or "", global_batch_size=plan.global_batch_size,
@@ -97,6 +100,19 @@ def train_spec(plan: Plan, model_ref: str, data_ref: str | None = None, *, model
                       schedule=schedule or ScheduleSpec(), clip_grad=clip_grad, loss_scale=loss_scale,
                       work=step_work(plan, graph))
     return graph, train
+
+
+def _check_data_factory(data_ref: str, data_kwargs: dict, root: str | None, default: bool) -> None:
+    """RefError unless `data_ref` names a function the ranks can call as fn(batch_size, seed, **data_kwargs)."""
+    try:
+        check_call(load_callable(data_ref, root, "data factory"), data_kwargs, ref=data_ref, what="data factory",
+                   batch_size=1, seed=0)
+    except RefError as e:
+        if not default:
+            raise
+        raise RefError(f"{e}. Every rank reads its training batches from the model file's "
+                       "example_batch(batch_size, seed, **kwargs) -> (inputs, targets): define it there (README, "
+                       "'Your own model'), or name another with --data-ref or a torch Dataset with --dataset") from None
 
 
 def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str | os.PathLike = "build", *,
@@ -147,7 +163,7 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
         "signature": {"hash": parts.signature, "shapes": parts.tensor_shapes},
         "graph_fingerprint": plan.graph_fingerprint, "bucket_bytes": bucket_bytes, **node_layout(plan),
         "stages": {str(sp.spec.index): sp.spec.to_dict() for sp in parts.stages},
-        "random_ops": random_ops(graph),
+        "random_ops": list(graph.random_ops),   # runtime/verify.py says why they rule out a sample-exact check
     }, indent=1))
     (out / "programs.json").write_text(json.dumps({str(r): p.to_dict() for r, p in programs.items()}))
     for rank, text in scripts.items():
@@ -162,27 +178,6 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
         if (out / f).exists():
             (out / f).unlink()
     return Build(out, world, programs, train)
-
-
-_RANDOM = ("bernoulli", "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
-           "multinomial", "normal", "uniform", "native_dropout", "rrelu")
-
-
-def random_ops(graph: ModelGraph) -> list[str]:
-    """Where the model draws random numbers in training: dropout with p > 0 and random ops, by
-    module path (runtime/verify.py reports them instead of a mismatch)."""
-    out = []
-    for n in graph.nodes:
-        base = n.target.rsplit(".", 1)[-1].lower()
-        p = n.attr("p", n.attr("arg1"))
-        if "dropout" in base and base != "native_dropout":
-            if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
-                out.append(f"{n.module_path or n.name} (dropout p={p})")
-        elif base in _RANDOM:
-            out.append(f"{n.module_path or n.name} ({base})")
-        elif n.kind == "attention" and isinstance(n.attr("dropout_p"), float) and n.attr("dropout_p") > 0:
-            out.append(f"{n.module_path or n.name} (attention dropout p={n.attr('dropout_p')})")
-    return list(dict.fromkeys(out))
 
 
 def _executable(path: Path) -> None:

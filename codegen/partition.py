@@ -32,6 +32,7 @@ from codegen.spatial_tiles import StageTiles, TileRewrite
 from codegen.subgraph import (insert_region_call, layer_regions, region_code, region_inputs, region_methods,
                               skipped_nodes, subgraph_init)
 from codegen.tensor_split import TensorSplitError, apply_splits
+from planner.binding import graph_mismatch
 from planner.graph.model import ModelGraph
 from planner.graph.ops import module_path_of, op_base
 from planner.plan import Plan
@@ -109,10 +110,9 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
     if gm is None:
         raise PartitionError("the ModelGraph has no fx module (it was loaded from JSON); capture the model again "
                              "with planner.capture")
-    if plan.graph_fingerprint != graph.fingerprint:
-        raise PartitionError(f"the plan was made for another model (graph fingerprint "
-                             f"{plan.graph_fingerprint[:12]}, this graph is {graph.fingerprint[:12]}); "
-                             "make the plan again for this graph")
+    mismatch = graph_mismatch(plan, graph)
+    if mismatch:
+        raise PartitionError(f"{mismatch}; make the plan again for this graph")
     _check_runnable(gm)
     cfg = plan.config
     t, mb = cfg.tensor, cfg.micro_batch_size

@@ -507,7 +507,8 @@ class Cluster:
 
     @classmethod
     def preset(
-        cls, name: str, *, nodes: int | None = None, devices: int | None = None
+        cls, name: str, *, nodes: int | None = None, devices: int | None = None,
+        figures: Mapping[str, Any] | None = None,
     ) -> Cluster:
         """A named cluster.
 
@@ -517,7 +518,9 @@ class Cluster:
 
         ``local``: ``devices`` CPU processes (default: one per usable CPU) on this one
         machine (``nodes`` must be 1 or left out). Its figures are measured on first use
-        and cached; see :mod:`cost_models.local_machine`.
+        and cached; see :mod:`cost_models.local_machine`. ``figures`` (``local`` only): use
+        these instead, a record of that module's form (a fixed machine: tests, what-ifs,
+        or a measurement taken with ``load_or_measure(remeasure=True)``).
 
         Raises ValueError for an unknown name (listing the known ones) or bad sizes.
         """
@@ -526,8 +529,11 @@ class Cluster:
                 raise ValueError(
                     f"the 'local' preset is this one machine: nodes must be 1, got {nodes!r}"
                 )
-            spec = local_spec(None if devices is None else _count(devices, "devices"))
+            spec = local_spec(None if devices is None else _count(devices, "devices"), figures)
             return cls._from_spec(name, 1, spec.devices_per_node, spec)
+        if figures is not None:
+            raise ValueError(f"figures describe this machine for the 'local' preset; preset {name!r} has "
+                             "published figures (edit a saved cluster file to change them)")
         spec = GPU_PRESETS.get(name) if isinstance(name, str) else None
         if spec is None:
             known = cls.preset_names()

@@ -13,11 +13,21 @@ The ``local`` preset prices a plan that runs as N CPU processes on this machine
   few MiB streamed one way, between two threads over a 127.0.0.1 socket.
 - memory (bytes): total RAM, capped by a cgroup limit where one is set.
 
-Each figure is the best (or, for latency, the median) of a few repeats, and every
-part stops repeating once its time budget is spent, so the whole measurement takes
-about a second and well under 3 s. Results are cached as JSON in
+Each figure is the best of a few repeats (latency: the lowest of a few rounds' medians), and
+every part stops repeating once its time budget is spent, so the whole measurement takes about
+a second and well under 3 s. Results are cached as JSON in
 ``$MESHPLAN_CACHE_DIR/local_machine.json`` (default ``~/.cache/meshplan/``), keyed by
 hostname, CPU count and torch version. Nothing runs at import time.
+
+A machine busy with other work measures slow (on this project's 2-core VM a loopback latency of
+41 us instead of about 3 us), and a cached busy reading would price every later plan. So a
+measurement records how busy the machine was (``load_per_cpu``: the 1-minute load average per
+usable CPU; ``latency_spread``: how far its latency rounds disagree), it counts as busy
+(:func:`is_busy`) above BUSY_LOAD or BUSY_SPREAD, and the cache is measured again when its entry is stale (older than MAX_AGE_S),
+implausible (a figure outside PLAUSIBLE), or busy and older than BUSY_RETRY_S; a busy entry
+measured again keeps the better of the two readings of each figure (the machine did reach it),
+so repeated readings converge on the quiet machine's. ``meshplan cluster local --remeasure``
+measures now whatever the cache holds.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from typing import Any
 CACHE_FILE_NAME = "local_machine.json"
 CACHE_DIR_ENV = "MESHPLAN_CACHE_DIR"
 # Bump when the meaning or the set of cached figures changes: older files re-measure.
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3   # 3: load_per_cpu and busy recorded (a busy reading is measured again)
 
 # The figures a cache entry must hold, each a positive number, for it to be used.
 _POSITIVE_FIGURES = (
@@ -53,6 +63,21 @@ _POSITIVE_FIGURES = (
 )
 # The figures that say which machine a cache entry belongs to.
 _KEY_FIELDS = ("hostname", "cpu_count", "torch_version")
+# What one process on a machine meshplan runs on can measure: a figure outside is a broken reading.
+PLAUSIBLE = {
+    "fp32_flops": (1e8, 1e13),        # FLOP/s: 0.1 GFLOP/s .. 10 TFLOP/s on one core
+    "bf16_flops": (1e6, 1e14),        # a CPU without 16-bit kernels may run them far below 0.1 GFLOP/s
+    "fp16_flops": (1e6, 1e14),
+    "memory_bandwidth": (1e8, 1e12),  # B/s
+    "link_bandwidth": (1e7, 1e12),    # B/s, loopback TCP
+    "link_latency": (1e-7, 1e-3),     # s, one way: over a millisecond on loopback is a stalled machine
+}
+MAX_AGE_S = 30 * 86400   # an entry older than this is measured again (s)
+BUSY_LOAD = 1.0          # load average per usable CPU above which a measurement is taken as busy
+BUSY_SPREAD = 2.0        # ... or latency rounds whose medians differ by more than this factor
+BUSY_RETRY_S = 600.0     # a busy entry is measured again once it is this old (s)
+# Figures where the higher reading is the machine's (rates); the link latency is the lower one.
+_HIGHER_IS_BETTER = ("fp32_flops", "bf16_flops", "fp16_flops", "memory_bandwidth", "link_bandwidth")
 
 
 def default_cache_dir() -> Path:
@@ -92,7 +117,10 @@ def measure_local_machine() -> dict[str, Any]:
     one thread, read + write bytes), ``memory_bytes`` (bytes, whole machine),
     ``link_bandwidth`` (B/s, loopback TCP, one direction), ``link_latency`` (s,
     loopback TCP, one way), ``measured_at`` (UTC, ISO 8601), ``measure_seconds`` (s,
-    how long the measuring took, not counting the import of torch), ``format_version``.
+    how long the measuring took, not counting the import of torch), ``format_version``,
+    ``load_per_cpu`` (the 1-minute load average per usable CPU before measuring; -1 where the
+    system has none) and ``latency_spread`` (the highest latency round's median over the lowest's,
+    1 on a quiet machine): :func:`is_busy` reads them.
     """
     # Import torch first: its one-off import cost (about a second) is not measurement.
     import torch  # noqa: F401
@@ -100,33 +128,81 @@ def measure_local_machine() -> dict[str, Any]:
     start = time.perf_counter()
     figures: dict[str, Any] = {"format_version": CACHE_FORMAT_VERSION, **machine_key()}
     figures["usable_cpus"] = _usable_cpus()
+    figures["load_per_cpu"] = _load_per_cpu(figures["usable_cpus"])
     figures["cpu_model"] = _cpu_model()
     figures["memory_bytes"] = _total_memory_bytes()
     figures["fp32_flops"], figures["memory_bandwidth"] = _measure_compute_and_memory()
     figures["bf16_flops"], figures["fp16_flops"] = _measure_low_precision()
-    figures["link_latency"], figures["link_bandwidth"] = _measure_loopback_tcp()
+    figures["link_latency"], figures["link_bandwidth"], figures["latency_spread"] = _measure_loopback_tcp()
     figures["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     figures["measure_seconds"] = time.perf_counter() - start
     return figures
 
 
-def load_or_measure(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+def load_or_measure(cache_dir: str | os.PathLike[str] | None = None, *, remeasure: bool = False) -> dict[str, Any]:
     """This machine's figures from the cache, measuring (and caching) them if needed.
 
     ``cache_dir`` defaults to :func:`default_cache_dir`. The cache is used only if it
-    parses, holds every figure as a positive number, and its hostname, CPU count and
-    torch version match this machine; otherwise the machine is measured again and the
-    file rewritten (atomically, so ranks starting together never read half a file).
+    parses, holds every figure as a positive number, its hostname, CPU count and torch
+    version match this machine, and it needs no new reading (:func:`why_remeasure`: stale,
+    implausible, or busy); otherwise, or with ``remeasure``, the machine is measured again
+    and the file rewritten (atomically, so ranks starting together never read half a file).
+    A busy entry measured again keeps the better reading of each figure (:func:`best_of`).
     Returns the dict described in :func:`measure_local_machine`.
     """
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = path / CACHE_FILE_NAME
     cached = _read_cache(path)
-    if cached is not None and all(cached.get(k) == v for k, v in machine_key().items()):
+    if cached is not None and not all(cached.get(k) == v for k, v in machine_key().items()):
+        cached = None   # another machine's (or another torch's) figures
+    if cached is not None and not remeasure and why_remeasure(cached) is None:
         return cached
     figures = measure_local_machine()
+    if cached is not None and not remeasure and is_busy(cached):
+        figures = best_of(cached, figures)
     _write_cache(path, figures)
     return figures
+
+
+def why_remeasure(figures: dict[str, Any], now: float | None = None) -> str | None:
+    """Why a cached entry of this machine must be measured again ("stale", "implausible ...",
+    "busy"), or None to use it. `now`: the time (s since the epoch) to judge its age by."""
+    now = time.time() if now is None else now
+    age = now - _epoch(figures.get("measured_at"))
+    if age > MAX_AGE_S:
+        return "stale"
+    for name, (low, high) in PLAUSIBLE.items():
+        if not low <= figures[name] <= high:
+            return f"implausible {name} {figures[name]:.3g} (expected {low:g} .. {high:g})"
+    if is_busy(figures) and age > BUSY_RETRY_S:
+        return "busy"
+    return None
+
+
+def is_busy(figures: dict[str, Any]) -> bool:
+    """Whether a measurement was taken on a busy machine (entries from before these were recorded: no)."""
+    return figures.get("load_per_cpu", 0) > BUSY_LOAD or figures.get("latency_spread", 1) > BUSY_SPREAD
+
+
+def best_of(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`new` with each rate the higher and the link latency the lower of two readings of this machine:
+    a busy machine only slows a figure down, so the better reading is the closer one. (How busy the
+    machine was stays `new`'s: called for a busy `old`, the result is busy only if both were.)"""
+    out = dict(new)
+    for name in _HIGHER_IS_BETTER:
+        out[name] = max(old[name], new[name])
+    out["link_latency"] = min(old["link_latency"], new["link_latency"])
+    return out
+
+
+def _epoch(stamp: Any) -> float:
+    """Seconds since the epoch of a ``measured_at`` stamp (0 when missing or unreadable: stale)."""
+    import calendar
+
+    try:
+        return float(calendar.timegm(time.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return 0.0
 
 
 # --- cache file ---------------------------------------------------------------------
@@ -172,6 +248,14 @@ def _write_cache(path: Path, figures: dict[str, Any]) -> None:
 
 
 # --- machine facts --------------------------------------------------------------------
+
+
+def _load_per_cpu(cpus: int) -> float:
+    """The 1-minute load average per usable CPU (how busy the machine is now); -1 where unknown."""
+    try:
+        return os.getloadavg()[0] / max(cpus, 1)
+    except (AttributeError, OSError):   # no load average on this system
+        return -1.0
 
 
 def _usable_cpus() -> int:
@@ -285,14 +369,17 @@ def _measure_low_precision() -> tuple[float, float]:
     return rates[0], rates[1]
 
 
-def _measure_loopback_tcp() -> tuple[float, float]:
-    """(one-way latency s, one-direction bandwidth B/s) of TCP over 127.0.0.1.
+def _measure_loopback_tcp() -> tuple[float, float, float]:
+    """(one-way latency s, one-direction bandwidth B/s, spread) of TCP over 127.0.0.1.
 
     gloo talks TCP even between processes on one host, so this is the link between
     two local ranks. Two threads stand in for two processes: socket calls release
-    the GIL, so the threads do run concurrently.
+    the GIL, so the threads do run concurrently. The latency is the lowest of a few
+    rounds' medians (a round the machine spent busy elsewhere reads high); `spread` is
+    the highest round's median over the lowest (near 1 on a quiet machine).
     """
-    pings = 200  # 1-byte round trips; a loopback round trip is tens of microseconds
+    rounds = 4  # of `pings` round trips each
+    pings = 50  # 1-byte round trips per round; a loopback round trip is tens of microseconds
     chunk = 1 << 20  # 1 MiB per send
     stream_bytes = 32 * chunk  # per bandwidth repeat: ~10 ms at loopback speeds
     stream_repeats = 3
@@ -308,7 +395,7 @@ def _measure_loopback_tcp() -> tuple[float, float]:
             with conn:
                 conn.settimeout(5.0)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                for _ in range(pings):
+                for _ in range(pings * rounds):
                     conn.sendall(_recv_exactly(conn, 1))
                 buf = bytearray(chunk)
                 for _ in range(stream_repeats):
@@ -327,14 +414,17 @@ def _measure_loopback_tcp() -> tuple[float, float]:
     try:
         with socket.create_connection(listener.getsockname(), timeout=5.0) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            round_trips = []
-            for _ in range(pings):
-                t0 = time.perf_counter()
-                sock.sendall(b"p")
-                _recv_exactly(sock, 1)
-                round_trips.append(time.perf_counter() - t0)
-            # Median, not best: a small message's latency is what it usually costs.
-            latency = statistics.median(round_trips) / 2
+            medians = []
+            for _ in range(rounds):
+                round_trips = []
+                for _ in range(pings):
+                    t0 = time.perf_counter()
+                    sock.sendall(b"p")
+                    _recv_exactly(sock, 1)
+                    round_trips.append(time.perf_counter() - t0)
+                # Median within a round, not best: a small message's latency is what it usually costs.
+                medians.append(statistics.median(round_trips))
+            latency = min(medians) / 2
 
             payload = bytes(chunk)
             best = float("inf")
@@ -351,7 +441,7 @@ def _measure_loopback_tcp() -> tuple[float, float]:
         raise RuntimeError(f"loopback TCP measurement failed: {errors[0]!r}") from errors[0]
     # The ack's own trip is latency, not bandwidth: take it out (never below a tenth).
     bandwidth = stream_bytes / max(best - latency, best / 10)
-    return latency, bandwidth
+    return latency, bandwidth, max(medians) / min(medians)
 
 
 def _recv_exactly(sock: socket.socket, nbytes: int) -> bytes:

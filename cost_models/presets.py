@@ -160,8 +160,9 @@ CPU_ACTIVE_WATTS_PER_CORE = 270.0 / 40
 CPU_IDLE_WATTS_PER_CORE = 2.0
 
 
-def local_spec(devices: int | None) -> NodeSpec:
-    """``devices`` CPU processes on this machine (the ``local`` preset), from measured (cached) figures.
+def local_spec(devices: int | None, figures: Mapping[str, Any] | None = None) -> NodeSpec:
+    """``devices`` CPU processes on this machine (the ``local`` preset), from measured (cached) figures,
+    or from ``figures`` (a record of cost_models.local_machine's form: a fixed machine, nothing measured).
 
     Compute and memory figures are those of one process on one thread. With more
     processes than usable CPUs, each process runs only ``cpus / devices`` of the time,
@@ -169,7 +170,7 @@ def local_spec(devices: int | None) -> NodeSpec:
     machine's RAM split evenly. Both link levels are the measured loopback TCP link,
     which is what gloo uses between local processes.
     """
-    m = local_machine.load_or_measure()
+    m = dict(figures) if figures is not None else local_machine.load_or_measure()
     cpus = int(m["usable_cpus"])
     n = cpus if devices is None else devices
     share = min(1.0, cpus / n)

@@ -4,7 +4,8 @@
 
 Nothing is allocated: the model is built under torch.device("meta"), so a
 175-billion-parameter model is captured and planned in seconds on a laptop.
-The plan is written to plan.json (codegen turns it into per-rank programs).
+The plan, its pictures and report are written under out/quickstart/ (out/ is in .gitignore;
+codegen turns the plan into per-rank programs).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def main() -> None:
     ap.add_argument("--cluster", default="dgx-a100-80gb", help="cluster preset or file")
     ap.add_argument("--nodes", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1536, help="global batch size")
-    ap.add_argument("-o", "--output", default="plan.json")
+    ap.add_argument("-o", "--output", default="out/quickstart/plan.json")
     args = ap.parse_args()
 
     t0 = time.perf_counter()

@@ -1,21 +1,22 @@
 """meshplan's planner: capture a model, cost it, and choose a parallel plan.
 
 The public API is re-exported here: capture, optimize, evaluate, make_plan, explain,
-visualize, parallelize, Plan, Cluster, ParallelConfig and the errors they raise on bad input. Everything
-else is reached by its module path (planner.graph.ModelGraph, planner.evaluate.Evaluator,
-planner.app.report.write_report, ...). Importing does no work (no device probing, no
-measurement, no process groups).
+visualize, parallelize, Plan, Cluster, ParallelConfig, Evaluator and the errors they raise on bad
+input. Everything else is reached by its module path (planner.graph.ModelGraph,
+planner.app.report.write_report, ...); no function here shares its name with a module of this
+package (the search is planner.search, the Evaluator's module planner.evaluator, fixed plans
+planner.fixed_plan), so every module path works as written. Importing does no work (no device
+probing, no measurement, no process groups).
 """
 
 from cost_models.hardware import Cluster, ClusterFileError
 from planner.app.visualize import visualize
 from planner.graph.capture import CaptureError, capture
 from planner.config import ConfigError, ParallelConfig
-from planner.evaluate import evaluate
-from planner.make_plan import make_plan
-from planner.optimize import NoFeasiblePlan, explain, optimize
+from planner.evaluator import Evaluator, evaluate
+from planner.fixed_plan import make_plan
+from planner.search import NoFeasiblePlan, explain, optimize
 from planner.plan import Plan, PlanFileError
-
 
 
 def parallelize(model, plan, **kwargs):
@@ -28,6 +29,6 @@ def parallelize(model, plan, **kwargs):
 
 __all__ = [
     "capture", "optimize", "evaluate", "make_plan", "explain", "visualize", "parallelize",
-    "Plan", "Cluster", "ParallelConfig",
+    "Plan", "Cluster", "ParallelConfig", "Evaluator",
     "CaptureError", "ClusterFileError", "ConfigError", "NoFeasiblePlan", "PlanFileError",
 ]

@@ -88,6 +88,9 @@ class Plan:
     # what the plan was made for (a runtime.vocab.Target value; planner/capabilities.py says what each runs);
     # written only when not meshplan's own runtime, so plans of earlier builds read unchanged
     target: str = Target.MESHPLAN
+    # the captured model's parameter count (elements), to say how another model differs
+    # (planner/binding.py); 0 in plans written before it was recorded
+    graph_params: int = 0
 
     # ---- views ----------------------------------------------------------
     @property
@@ -154,6 +157,7 @@ class Plan:
             **({"subgraph": [r.to_dict() for r in self.subgraph]} if self.subgraph else {}),
             **({"tensor_splits": self.tensor_splits.to_dict()} if self.tensor_splits is not None else {}),
             **({"target": self.target} if self.target != Target.MESHPLAN else {}),
+            **({"graph_params": self.graph_params} if self.graph_params else {}),
         }
 
     @classmethod
@@ -270,6 +274,7 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
         subgraph=tuple(f.each("subgraph", Region.read, [])),
         tensor_splits=TensorSplits.read(f.sub("tensor_splits")) if "tensor_splits" in f.data else None,
         target=Target(target).value,
+        graph_params=f.integer("graph_params", 0, minimum=0),
     )
     problem = next(describe.plan_problems(plan), None)
     if problem is not None:

@@ -50,6 +50,14 @@ def map_inputs(inputs: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return tuple(fn(x) for x in inputs)
 
 
+def batch_to(batch: Batch, device: torch.device | str) -> Batch:
+    """A micro-batch (inputs, targets) with every tensor on `device`, the rank's: data factories and
+    datasets give CPU tensors, and a model on a GPU fed CPU token ids fails in its first embedding
+    ("index is on cpu, different from other tensors on cuda:0"), as a loss fed CPU targets does."""
+    inputs, targets = batch
+    return map_inputs(inputs, lambda x: x.to(device, non_blocking=True)), targets.to(device, non_blocking=True)
+
+
 def call_model(model: Callable, inputs: Any):
     """model(*inputs) for positional inputs, model(**inputs) for keyword inputs."""
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)

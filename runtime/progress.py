@@ -92,13 +92,14 @@ class Progress:
     def _line(self, step: int, loss_text: str, elapsed: float) -> str:
         """The plain line after `elapsed` seconds: step, share done, loss, rate and ETA. The rate is the wall
         time per step since the first one seen (the processes' start-up is not a step), or the steps' own
-        mean seconds where that is more (the launcher may read several lines at once)."""
+        mean seconds where that is more (the launcher may read several lines at once). On the first line
+        (one step seen) the wall time is the start-up's: the rate is the steps' own seconds alone, or none."""
         t0, n0 = self._first_seen
         now = self._start + elapsed
-        per = (now - t0) / (self._done - n0) if self._done > n0 else elapsed / self._done
+        per = (now - t0) / (self._done - n0) if self._done > n0 else math.nan
         total, count = self._step_seconds
         if count:
-            per = max(per, total / count)
+            per = total / count if math.isnan(per) else max(per, total / count)
         eta = per * (self._total - self._done)
         rate = f"{per:.3f} s/step, ETA {_duration(eta)}" if math.isfinite(eta) else "ETA -"
         return (f"step {step} ({self._done}/{self._total}, {100 * self._done / self._total:.0f}%)  {loss_text}  "

@@ -53,22 +53,27 @@ def describe_failure(exc: BaseException, prefer: str | Path | None = None) -> st
     return f"raised {type(exc).__name__}{at}: {text[0] if text else '(no message)'}"
 
 
-def call_factory(fn: Callable, kwargs: dict, *, ref: str, what: str = "model factory", **fixed: Any) -> Any:
-    """`fn(**fixed, **kwargs)`, turning what user code raises into a RefError naming the file and
-    line (SystemExit included; KeyboardInterrupt passes through). Keywords `fn` does not accept
-    are refused before the call, naming the ones it does accept."""
+def check_call(fn: Callable, kwargs: dict, *, ref: str, what: str = "model factory", **fixed: Any) -> None:
+    """RefError, naming the keywords `fn` accepts, unless `fn(**fixed, **kwargs)` fits its signature
+    (nothing is called)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins without a signature: let the call decide
-        sig = None
-    if sig is not None:
-        try:
-            sig.bind(**fixed, **kwargs)
-        except TypeError as e:
-            accepted = [p.name for p in sig.parameters.values()
-                        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in fixed]
-            raise RefError(f"{what} {ref}: {e}; it accepts {', '.join(accepted) or 'no keywords'}"
-                           " (check the --arg keys)") from None
+        return
+    try:
+        sig.bind(**fixed, **kwargs)
+    except TypeError as e:
+        accepted = [p.name for p in sig.parameters.values()
+                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in fixed]
+        raise RefError(f"{what} {ref}: {e}; it accepts {', '.join(accepted) or 'no keywords'}"
+                       " (check the --arg keys)") from None
+
+
+def call_factory(fn: Callable, kwargs: dict, *, ref: str, what: str = "model factory", **fixed: Any) -> Any:
+    """`fn(**fixed, **kwargs)`, turning what user code raises into a RefError naming the file and
+    line (SystemExit included; KeyboardInterrupt passes through). Keywords `fn` does not accept
+    are refused before the call, naming the ones it does accept (check_call)."""
+    check_call(fn, kwargs, ref=ref, what=what, **fixed)
     try:
         return fn(**fixed, **kwargs)
     except (Exception, SystemExit) as e:  # noqa: BLE001 - user code may raise anything; name it

@@ -32,8 +32,10 @@ with its own message ("NaN in the gradient of fc.weight at step 3"), never as a 
 difference.
 
 The tolerances come from the dtype (fp32 or a 16-bit autocast); --rtol/--atol override the
-per-step ones. A model that draws random numbers in training (dropout with p > 0) cannot
-equal the single-process run sample by sample: the check says so instead of failing on it.
+per-step ones. A model that draws random numbers in training (dropout with p > 0, also inside a
+module capture keeps whole, such as nn.TransformerEncoderLayer) cannot equal the single-process
+run sample by sample: the check says it does not apply (Verification.inapplicable) and compares
+nothing, instead of reporting a mismatch.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class Verification:
     max_norm_rel: float = 0.0      # ... the largest relative distance from the exact norm
     skips_compared: int = 0        # steps whose skip (fp16 overflow) was checked against the reference
     incomplete: bool = False       # some rank left no results
+    # why a sample-exact check does not apply to this model (it draws random numbers in training:
+    # dropout); nothing was compared, and nothing differed. Empty when the check applied.
+    inapplicable: str = ""
 
     def fail(self, problem: str) -> None:
         self.ok = False
@@ -121,7 +126,14 @@ class Verification:
         self.incomplete = True
         self.fail(problem)
 
+    def not_applicable(self, reason: str) -> None:
+        """No sample-exact comparison applies to this model (`reason`): not a mismatch, not a pass."""
+        self.ok = False
+        self.inapplicable = reason
+
     def summary(self) -> str:
+        if self.inapplicable:
+            return f"NOT APPLICABLE: {self.inapplicable}; nothing was compared, so nothing was found to differ"
         if self.incomplete:
             return "\n".join(["FAILED: the run left no results to compare"] + [f"  - {p}" for p in self.problems])
         if self.non_finite:
@@ -220,12 +232,15 @@ def stats_groups(programs: dict[int, Program], specs: dict[int, StageSpec], bidi
 
 
 def random_ops_problem(info: dict) -> str | None:
+    """Why build.json's model rules out a sample-exact check (its random draws, planner/graph/randomness.py),
+    or None."""
     ops = info.get("random_ops") or []
     if not ops:
         return None
-    return (f"the model draws random numbers in training ({', '.join(ops[:3])}{' ...' if len(ops) > 3 else ''}): "
-            "every rank draws its own, so the run cannot equal the single-process run sample by sample. Set "
-            "dropout to 0 to verify the parallel arithmetic, then train with it")
+    more = f" and {len(ops) - 3} more" if len(ops) > 3 else ""
+    return (f"the model draws random numbers in training ({', '.join(ops[:3])}{more}): with dropout every rank "
+            "draws its own masks, so the parallel run cannot equal the single-process run sample by sample. To "
+            "verify the parallel arithmetic, set dropout to 0 (codegen again), run --verify, then train with it")
 
 
 def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[float]], *,
@@ -237,6 +252,11 @@ def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[fl
     """
     build = Path(build)
     info = json.loads((build / "build.json").read_text())
+    problem = random_ops_problem(info)
+    if problem:   # nothing to compare: say why, before reading anything else
+        cmp = Verification(steps=steps)
+        cmp.not_applicable(problem)
+        return cmp
     spec = TrainSpec.from_dict(info["train"])
     if WHOLE_MODEL_KEY in info:   # a torch build: rank 0 records the whole model (runtime/torch_script.py)
         programs, specs = whole_model_view(info)
@@ -249,10 +269,6 @@ def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[fl
     if atol is not None:
         tol["grad_atol"] = atol
     cmp = Verification(steps=steps)
-    problem = random_ops_problem(info)
-    if problem:
-        cmp.fail(problem)
-        return cmp
     missing = [r for r in sorted(programs) if r not in losses
                or not (build / "run" / f"steps_rank_{r:04d}.pt").is_file()]
     if missing:

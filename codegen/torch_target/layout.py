@@ -48,6 +48,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from codegen.torch_target.pipeline import pipeline_layout
+from planner.binding import graph_mismatch
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.tensor_parallel import FeatureSplit
@@ -170,9 +171,9 @@ class TorchLayout:
 
 def torch_layout(plan: Plan, graph: ModelGraph) -> TorchLayout:
     """The torch layout of `plan` on its captured `graph`; TorchLayoutError if torch cannot express it."""
-    if plan.graph_fingerprint != graph.fingerprint:
-        raise TorchLayoutError(f"the plan was made for graph {plan.graph_fingerprint[:12]} but this graph is "
-                               f"{graph.fingerprint[:12]}; capture the model the plan was made for")
+    mismatch = graph_mismatch(plan, graph)
+    if mismatch:
+        raise TorchLayoutError(f"{mismatch}; capture the model the plan was made for")
     cfg = plan.config
     for axis, size in plan.mesh.items():
         if size > 1 and MeshAxis(axis) not in _TORCH_AXES:

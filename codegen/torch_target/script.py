@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from codegen.emit import GRAPH_FILE, _executable, launch_scripts, node_layout, random_ops, train_spec
+from codegen.emit import GRAPH_FILE, _executable, launch_scripts, node_layout, train_spec
 from codegen.pysrc import doc_text, py_literal
 from codegen.torch_target.layout import TorchLayout, torch_layout
 from codegen.torch_target.script_parallel import parallelize_source
@@ -87,7 +87,7 @@ def emit_torch(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir:
         "train": train.to_dict(), "world_size": world, "mesh": dict(plan.mesh), "target": Target.TORCH.value,
         "entry": SCRIPT,
         "schedule": plan.config.schedule, "micro_batches": _micro_batches(plan),
-        "graph_fingerprint": plan.graph_fingerprint, "random_ops": random_ops(graph), **node_layout(plan),
+        "graph_fingerprint": plan.graph_fingerprint, "random_ops": list(graph.random_ops), **node_layout(plan),
         WHOLE_MODEL_KEY: {"micro_batch_size": plan.config.micro_batch_size, "micro_batches": _micro_batches(plan)},
     }, indent=1))
     (out / SCRIPT).write_text(text)
@@ -146,7 +146,7 @@ def torch_script(plan: Plan, layout: TorchLayout, train: TrainSpec) -> str:
         *parallel.imports,
         "",
         "from runtime.batch_source import open_data",
-        "from runtime.data import call_model",
+        "from runtime.data import batch_to, call_model",
         "from runtime.executor import StepResult",
         "from runtime.lifetime import die_with_launcher",
         "from runtime.losses import compute_loss",
@@ -226,7 +226,9 @@ def train(args, rank, backend, checkpoints):
                 recorder.start(step)
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
-            loss = global_loss(runner.step(data.micro_batches(step)), runner.holds_loss, device)
+            # the step's micro-batches, inputs and targets alike, on this rank's device (the data comes on the CPU)
+            batches = [batch_to(batch, device) for batch in data.micro_batches(step)]
+            loss = global_loss(runner.step(batches), runner.holds_loss, device)
             if recorder is not None:
                 recorder.before_step()   # the step's starting parameters and complete gradients, for --verify
             norm = runner.grad_norm(TRAIN.clip_grad)   # the global gradient norm, clipped as the build says

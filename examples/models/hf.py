@@ -6,7 +6,8 @@
     meshplan run build --steps 3 --verify
 
 The models are transformers' own classes, unchanged: GPT-2 (tied input and output
-embeddings), Llama and Qwen2 (grouped-query attention, rotary positions), BERT for masked
+embeddings), Llama, Qwen2 and Mistral (grouped-query attention, rotary positions; Mistral's
+sliding-window attention), BERT for masked
 language modelling (tied prediction head), T5 (encoder-decoder, tied head) and ViT (image
 classification). `preset` picks a size: "tiny" (the tests' size: a few layers, odd
 vocabularies where the architecture has one), "small" (GPT-2 and Llama: 4 layers of width
@@ -18,7 +19,7 @@ Every preset sets dropout to 0, so that a run can be checked against the single-
 (`meshplan run --verify`): dropout draws different random numbers on every rank.
 
 Inputs are keyword tensors, as Hugging Face models take them:
-  causal LMs (gpt2, llama, qwen2): {"input_ids": (B, T) int64} -> logits (B, T, V)
+  causal LMs (gpt2, llama, qwen2, mistral): {"input_ids": (B, T) int64} -> logits (B, T, V)
   bert (masked LM):               {"input_ids": (B, T) int64} -> logits (B, T, V)
   t5:                             {"input_ids": (B, T), "decoder_input_ids": (B, T)} -> logits (B, T, V)
   vit:                            {"pixel_values": (B, 3, S, S) float32} -> logits (B, num_labels)
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-ARCHS = ("gpt2", "llama", "qwen2", "bert", "t5", "vit")
+ARCHS = ("gpt2", "llama", "qwen2", "mistral", "bert", "t5", "vit")
 
 # (config class, model class, preset -> config fields). Names are transformers' own.
 _TINY_TEXT = {"vocab_size": 1001}
@@ -58,6 +59,13 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "qwen2-0.5b": {"num_hidden_layers": 24, "hidden_size": 896, "num_attention_heads": 14,
                        "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936},
     },
+    "mistral": {
+        "tiny": {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 64, "sliding_window": 64},
+        "mistral-7b": {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+                       "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+                       "sliding_window": 4096},
+    },
     "bert": {
         "tiny": {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
                  "max_position_embeddings": 64, **_TINY_TEXT},
@@ -83,6 +91,7 @@ _DROPOUT = {
     "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
     "llama": ("attention_dropout",),
     "qwen2": ("attention_dropout",),
+    "mistral": ("attention_dropout",),
     "bert": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
     "t5": ("dropout_rate",),
     "vit": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
@@ -97,6 +106,7 @@ def _classes(arch: str):
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "bert": (transformers.BertConfig, transformers.BertForMaskedLM),
         "t5": (transformers.T5Config, transformers.T5ForConditionalGeneration),
         "vit": (transformers.ViTConfig, transformers.ViTForImageClassification),
@@ -118,7 +128,7 @@ def config(arch: str = "gpt2", preset: str = "tiny", **overrides: Any):
     fields.update({k: v for k, v in overrides.items() if k not in _DATA_KEYS})
     if arch == "vit" and "image_size" in overrides:
         fields["image_size"] = overrides["image_size"]
-    if arch in ("gpt2", "llama", "qwen2", "t5"):
+    if arch in ("gpt2", "llama", "qwen2", "mistral", "t5"):
         fields.setdefault("use_cache", False)
     return cfg_cls(**fields)
 

@@ -21,8 +21,9 @@ import torch
 # planner/__init__ already imports capture, the search and torch before this module runs.
 from codegen.dataset_flags import add_dataset_flags
 from codegen.train_flags import add_flags
+from cost_models import local_machine
 from cost_models.calibration.gpu_calibrate import calibrate_gpu, calibration_device
-from cost_models.hardware import Cluster
+from cost_models.hardware import LOCAL_PRESET, Cluster
 from cost_models.op_table import format_op_table, measured_rows
 from cost_models.overlap import Overlap, OverlapPreset
 from cost_models.simulate import simulate_steady
@@ -34,7 +35,7 @@ from planner.app.compare import compare_build, draw, predicted_costs
 from planner.app.report import write_report
 from planner.app.visualize import visualize
 from planner.graph.capture import capture_ref
-from planner.optimize import explain, optimize
+from planner.search import explain, optimize
 from planner.plan import Plan
 from runtime.checkpoint import Manifest, complete_checkpoints, resolve_checkpoint
 from runtime.checkpoint_restore import to_state_dict
@@ -71,6 +72,7 @@ PNG and SVG of each picture, plus one self-contained HTML report."""
 _EPILOG_CLUSTER = """examples:
   meshplan cluster dgx-a100-80gb --nodes 4
   meshplan cluster local --devices 2 -o local.yaml
+  meshplan cluster local --remeasure       # measure this machine again (a reading taken while it was busy)
   meshplan cluster my_cluster.yaml"""
 
 
@@ -149,15 +151,26 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(explain(plan))
     files = visualize(plan, out)
     report = write_report(plan, f"{out}_report.html" if not out.endswith("/") else f"{out}report.html")
-    print(f"\nwrote {len(files)} pictures ({files[0].parent}/{files[0].name.rsplit('_', 1)[0]}_*.png|svg) "
-          f"and {report}")
+    # a directory holds mesh.png, memory.png, ...; a stem gets stem_mesh.png, stem_memory.png, ...
+    pattern = Path(out) / "*" if out.endswith("/") else Path(f"{out}_*")
+    print(f"\nwrote {len(files)} pictures ({pattern}.png|svg) and {report}")
     return 0
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
     if args.output:
         output_file(args.output)
-    cluster = resolve_cluster(args.name, args.nodes, args.devices)
+    if args.remeasure:
+        if args.name != LOCAL_PRESET:
+            raise ValueError(f"--remeasure measures this machine: it applies to 'meshplan cluster {LOCAL_PRESET}', "
+                             f"not to {args.name!r}")
+        figures = local_machine.load_or_measure(remeasure=True)   # and cached for every later use
+        cluster = Cluster.preset(LOCAL_PRESET, devices=args.devices, figures=figures)
+        print(f"measured this machine now ({figures['measure_seconds']:.1f} s, load {figures['load_per_cpu']:.2f} "
+              f"per CPU{', busy: measure again when it is quieter' if local_machine.is_busy(figures) else ''}); "
+              f"cached in {local_machine.default_cache_dir() / local_machine.CACHE_FILE_NAME}")
+    else:
+        cluster = resolve_cluster(args.name, args.nodes, args.devices)
     _check_world(cluster.num_devices, "the cluster")
     print(cluster.summary())
     if args.output:
@@ -190,7 +203,7 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
     data_kwargs = _parse_kv(args.data_arg) if args.data_arg else None
     args.dataset_kwargs = _parse_kv(args.dataset_arg)
     args.eval_dataset_kwargs = _parse_kv(args.eval_dataset_arg) if args.eval_dataset_arg else None
-    output_dir(args.output)
+    output_dir(args.output, create=False)   # emit creates it once the build is complete: a refusal leaves none
     return codegen_command(args, _parse_kv(args.arg), data_kwargs)
 
 
@@ -286,7 +299,8 @@ def _add_codegen_and_run(sub) -> None:
                    help="seconds without a heartbeat after which a rank is named as not responding (stopped, "
                         "hung or dead) and the run stops; independent of --timeout (default 30)")
     p.add_argument("--verify", action="store_true",
-                   help="also run the single-process reference; exit 1 if loss or parameters differ")
+                   help="also run the single-process reference; exit 1 if loss or parameters differ, 3 if the "
+                        "model draws random numbers in training (dropout), which rules out a sample-exact check")
     p.add_argument("--track-memory", action="store_true",
                    help="measure each rank's peak memory in one step, the second of 3 or more (for meshplan compare)")
     p.add_argument("--probe-comm", action="store_true",
@@ -541,6 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=DEGREE, help="number of nodes (presets only)")
     p.add_argument("--devices", type=DEGREE, help="devices (presets only; for 'local', processes)")
     p.add_argument("-o", "--output", help="write the cluster as YAML or JSON (by suffix)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="'local' only: measure this machine now, whatever its cache holds (after a busy reading)")
     p.set_defaults(func=_cmd_cluster)
 
     _add_codegen_and_run(sub)

@@ -91,8 +91,9 @@ def output_file(path: str, flag: str = "-o") -> Path:
     return p
 
 
-def output_dir(path: str, flag: str = "-o") -> Path:
-    """Check that `path` is, or can be created as, a writable directory (created here)."""
+def output_dir(path: str, flag: str = "-o", create: bool = True) -> Path:
+    """Check that `path` is, or can be created as, a writable directory (created here unless not
+    `create`: a command that may still refuse its input creates it only when it writes)."""
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise OutputError(f"{flag} {path} is a file; give a directory")
@@ -100,6 +101,8 @@ def output_dir(path: str, flag: str = "-o") -> Path:
         _writable_base(p / "x", flag)
         return p
     _writable_base(p, flag)
+    if not create:
+        return p
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -22,8 +22,8 @@ from codegen.torch_target.script import emit_torch
 from codegen.train_flags import optimizer_and_schedule
 from planner.capabilities import RuntimeSupport, TargetError
 from planner.config import ConfigError
-from planner.evaluate import Evaluator
-from planner.make_plan import plan_for
+from planner.evaluator import Evaluator
+from planner.fixed_plan import plan_for
 from planner.plan import MAX_WORLD
 from runtime.evaluation import EvalSpec, check_supported, eval_setting
 from runtime.launcher import read_build, run_local
@@ -32,6 +32,10 @@ from runtime.loss_scale import loss_scale_for
 from runtime.tensorboard_log import require_tensorboard
 from runtime.vocab import Target
 
+
+# `meshplan run --verify`'s exit status when no sample-exact check applies (dropout): neither a pass (0)
+# nor a difference (1)
+VERIFY_NOT_APPLICABLE = 3
 
 # Rank scripts one codegen writes (each is lowered, checked and compiled: the MLP at data 1024 takes
 # 20 s, at 4096 140 s on 2 busy cores); plans may be larger (planner.plan.MAX_WORLD): priced, not generated.
@@ -243,6 +247,10 @@ def run_command(args: argparse.Namespace) -> int:
     if args.verify:
         cmp = res.comparison
         print("verify against the single-process reference: " + cmp.summary())
+        if cmp.inapplicable:
+            print("meshplan run: --verify does not apply to this model (see above); the run itself finished",
+                  file=sys.stderr)
+            return VERIFY_NOT_APPLICABLE
         if not cmp.ok:
             print("meshplan run: error: the parallel run differs from the single-process run (see above)",
                   file=sys.stderr)

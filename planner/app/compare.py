@@ -52,7 +52,7 @@ from cost_models.simulate import ComputeCosts, simulate_steady
 from cost_models.step_costs import StepSetup
 from planner.app.schedule_view import ScheduleRecord
 from planner.app.visualize import save_figure, schedule_figure, style
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from planner.strategies.data import GRAD_BUCKET_BYTES
 from planner.graph.model import ModelGraph
 from planner.plan import Plan

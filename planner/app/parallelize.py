@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from codegen.torch_target.layout import TorchLayout, torch_layout
 from codegen.torch_target.pipeline import rank_pipeline
+from planner.binding import graph_mismatch
 from planner.graph.capture import capture
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
@@ -161,13 +162,9 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
             raise ParallelizeError("parallelize needs the model's captured graph: pass graph= (the ModelGraph the "
                                    "plan was made from) or example_inputs= (forward's inputs for a small batch)")
         graph = capture(model, example_inputs)
-    if graph.fingerprint != plan.graph_fingerprint:
-        raise ParallelizeError(f"the plan was made for the graph {plan.graph_fingerprint[:12]} ({plan.model_class}) "
-                               f"but this model captures as {graph.fingerprint[:12]} ({graph.model_class}); make "
-                               f"the plan for this model, or pass the graph the plan was made from. Some models "
-                               f"(Hugging Face's among them) trace differently on meta tensors than on a real "
-                               f"device: plan from planner.capture(model, example_inputs) of the model as "
-                               f"parallelize gets it")
+    mismatch = graph_mismatch(plan, graph)
+    if mismatch:
+        raise ParallelizeError(f"{mismatch}; make the plan for this model, or pass the graph the plan was made from")
     layout = torch_layout(plan, graph)
     if layout.pipeline is not None and loss_fn is None:
         raise ParallelizeError(f"the plan has {layout.pipeline.num_stages} pipeline stages, whose schedule "

@@ -20,7 +20,7 @@ from typing import Any
 
 from planner.app.visualize import (DEFAULT_MAX_MICRO_BATCHES, DPI, _check_plan, describe, figures, make_directory,
                                    style)
-from planner.optimize import explain
+from planner.search import explain
 from planner.plan import Plan
 
 MAX_INLINE_SVG_BYTES = 2_000_000   # larger SVGs are embedded as PNG

@@ -8,5 +8,5 @@
     branches.py      the fork/join paths sub-graph parallelism places apart
     ties.py          weights used by several layers (tied embeddings)
 
-Nothing here prices or plans; planner/strategies and planner/evaluate.py read the ModelGraph.
+Nothing here prices or plans; planner/strategies and planner/evaluator.py read the ModelGraph.
 """

@@ -34,9 +34,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.graph.branches import find_branches
-from planner.graph.export import export_dynamic_batch
+from planner.graph.export import export_dynamic_batch, meta_twin
 from planner.graph.model import ModelGraph, OpInfo, TensorMeta
 from planner.graph.layers import NodeView, find_layers
+from planner.graph.randomness import SeededOps, random_ops
 from planner.graph.replay import ForwardMemo
 from planner.graph.replay import inputs as replay_inputs
 from planner.graph.ops import classify, module_path_of, module_stack, target_name
@@ -82,6 +83,7 @@ def capture(
     meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
 
     errors: list[str] = []
+    traced_but_failed = False   # fx traced the model, and running a node on the inputs' shapes failed
     try:
         gm = _fx_trace(model, args, kwargs)
         graph = _analyze(gm, model, "fx", meta_args, meta_kwargs, batch_dim, batch_size)
@@ -89,23 +91,38 @@ def capture(
     except CaptureError:
         raise
     except Exception as e:  # fx cannot trace arbitrary Python; fall back to export
+        traced_but_failed = isinstance(e, _NodeFailure)
         errors.append(f"torch.fx.symbolic_trace: {_describe(e)}")
 
-    try:
-        on_meta = any(p.is_meta for p in model.parameters())
-        ex_args, ex_kwargs = (meta_args, meta_kwargs) if on_meta else (args, kwargs)
-        gm = export_dynamic_batch(model, tuple(ex_args), dict(ex_kwargs), batch_dim, batch_size)
-        return _analyze(gm, model, "export", meta_args, meta_kwargs, batch_dim, batch_size)
-    except CaptureError:
-        raise
-    except Exception as e:
-        errors.append(f"torch.export.export(strict=False): {_describe(e)}")
+    # torch.export traces the model's meta twin, whatever device the model lives on: the graph (and
+    # its fingerprint, which binds a plan) is then the same for a model built on meta, the CPU or a GPU
+    # (planner/graph/export.py: meta_twin). A model whose code cannot run as a meta twin is traced on
+    # its own device; codegen, which captures on meta, then names the graphs that differ.
+    for where, traced, ex_args, ex_kwargs in (("", lambda: meta_twin(model), meta_args, meta_kwargs),
+                                              (" on the model's device", lambda: model, args, kwargs)):
+        try:
+            gm = export_dynamic_batch(traced(), tuple(ex_args), dict(ex_kwargs), batch_dim, batch_size)
+            return _analyze(gm, model, "export", meta_args, meta_kwargs, batch_dim, batch_size)
+        except CaptureError:
+            raise
+        except Exception as e:
+            error = _describe(e)
+            if not any(known.endswith(error) for known in errors):   # the same failure twice says nothing new
+                errors.append(f"torch.export.export(strict=False){where}: {error}")
+        if all(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            break   # the model is its own meta twin: tracing it again fails again
 
+    if traced_but_failed:   # not a tracing problem: the computation does not fit the inputs (or itself)
+        advice = ("forward() fails on these example inputs: an op got shapes or dtypes it cannot take (named "
+                  "above). Check example_inputs (shapes, dtypes, which dimension holds the samples) against the "
+                  "sizes build() gives the layers, then capture again.")
+    else:
+        advice = ("remove data-dependent Python control flow from forward() at the place named above (or make it "
+                  "depend only on shapes fixed at construction), then capture again.")
     raise CaptureError(
         f"could not capture {type(model).__qualname__}: both tracers failed.\n  "
         + "\n  ".join(errors)
-        + "\nWhat to do: remove data-dependent Python control flow from forward() at the place named above "
-        "(or make it depend only on shapes fixed at construction), then capture again."
+        + f"\nWhat to do: {advice}"
     )
 
 
@@ -236,6 +253,7 @@ class _State:
     saved_bytes: int = 0
     bwd_cache: dict[str, int] = field(default_factory=dict)
     memo: ForwardMemo = field(default_factory=ForwardMemo)           # repeated nodes run once
+    seeded_of: dict = field(default_factory=dict)                    # memo key -> seeded ops its first run drew
 
 
 def _analyze(gm: torch.fx.GraphModule, model: nn.Module, method: str, meta_args: tuple,
@@ -256,11 +274,18 @@ def _analyze(gm: torch.fx.GraphModule, model: nn.Module, method: str, meta_args:
         return t
 
     counter = FlopCounterMode(display=False)
-    with torch.enable_grad(), counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    seeded = SeededOps()           # the random draws of each node's run (planner/graph/randomness.py)
+    streams: dict[str, tuple[str, ...]] = {}
+    leaves: dict[str, nn.Module] = {}
+    with torch.enable_grad(), counter, seeded, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for node in gm.graph.nodes:
             module = gm.get_submodule(node.target) if node.op == "call_module" else None
+            if module is not None:
+                leaves[node.name] = module
+            seeded.take()   # what ran before this node (the last node's backward, run to count its FLOPs) is not its own
             try:
-                value, params, fwd, saved = _run_once(node, gm, module, env, placeholders, st, counter)
+                value, params, fwd, saved, streams[node.name] = _run_once(node, gm, module, env, placeholders, st,
+                                                                          counter, seeded)
             except Exception as e:
                 raise _NodeFailure(node, module, env, e) from e
             env[node.name] = value
@@ -271,6 +296,7 @@ def _analyze(gm: torch.fx.GraphModule, model: nn.Module, method: str, meta_args:
 
     infos_t = tuple(infos)
     shared = shared_parameters(model)
+    draws = random_ops(infos_t, leaves, streams)
     layers = find_layers(infos_t, views)
     branches = find_branches(infos_t, views)
     return ModelGraph(
@@ -278,7 +304,7 @@ def _analyze(gm: torch.fx.GraphModule, model: nn.Module, method: str, meta_args:
         method=method, batch_dim=batch_dim, batch_size=batch_size,
         nodes=infos_t, layers=layers, branches=branches,
         fingerprint=_fingerprint(infos_t), module=gm, shared_params=tuple(g for g, _n in shared),
-        shared_numel=tuple(n for _g, n in shared),
+        shared_numel=tuple(n for _g, n in shared), random_ops=draws,
     )
 
 
@@ -354,10 +380,11 @@ def _fetch_attr(gm: torch.fx.GraphModule, target: str):
     return obj
 
 
-def _run_once(node, gm, module, env, placeholders, st: _State,
-              counter: FlopCounterMode) -> tuple[Any, list[tuple[str, torch.Tensor]], int, int]:
+def _run_once(node, gm, module, env, placeholders, st: _State, counter: FlopCounterMode, seeded: SeededOps
+              ) -> tuple[Any, list[tuple[str, torch.Tensor]], int, int, tuple[str, ...]]:
     """Run one node, or replay the run of an earlier node of the same signature (planner/graph/replay.py).
-    Returns (value, [(param name, real param)] it owns, forward FLOPs, bytes it saved for backward)."""
+    Returns (value, [(param name, real param)] it owns, forward FLOPs, bytes it saved for backward,
+    the random-drawing ATen ops it ran)."""
     key = ins = None
     if node.op in ("call_module", "call_function", "call_method") and node.target != "_guards_fn":
         args, kwargs = _node_args(node, env)
@@ -369,13 +396,15 @@ def _run_once(node, gm, module, env, placeholders, st: _State,
         if hit is not None:
             value, fwd, saved = hit
             params = [(f"{node.target}.{k}", v) for k, v in module.named_parameters()] if module is not None else []
-            return value, params, fwd, saved
+            return value, params, fwd, saved, st.seeded_of.get(key, ())   # what the first run drew
     flops_before, saved_before, order_before = counter.get_total_flops(), st.saved_bytes, len(st.saved_order)
     value, params = _run(node, gm, module, env, placeholders, st)
+    draws = seeded.take()
     fwd, saved = counter.get_total_flops() - flops_before, st.saved_bytes - saved_before
     if key is not None:
         st.memo.record(key, ins, value, fwd, saved, set(st.saved_order[order_before:]))
-    return value, params, fwd, saved
+        st.seeded_of.setdefault(key, draws)
+    return value, params, fwd, saved, draws
 
 
 def _run(node, gm, module, env, placeholders, st) -> tuple[Any, list[tuple[str, torch.Tensor]]]:

@@ -213,6 +213,36 @@ def export_dynamic_batch(model: torch.nn.Module, args: tuple, kwargs: dict, batc
     return tidy(gm)
 
 
+def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose parameters, buffers and other tensor attributes are meta tensors of the
+    same shapes and dtypes (ties kept: one tensor stays one), as if it had been built under
+    `with torch.device("meta"):`. The model's own tensors are neither copied nor touched.
+
+    Capture exports this twin rather than the model on its device: kernels report different
+    strides on different devices (the CPU's attention returns a layout whose transpose is already
+    contiguous, the meta kernel's is not), and code such as transformers' `.contiguous()` then
+    traces to different graphs; on the twin, a model built on the CPU, on a GPU or on meta traces
+    to one graph, and a plan made from any of them binds to all."""
+    import copy
+
+    memo: dict[int, object] = {}
+
+    def stand_in(t: torch.Tensor) -> torch.Tensor:
+        m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        return torch.nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else m
+
+    for mod in model.modules():
+        tensors = [*mod._parameters.values(), *mod._buffers.values(),
+                   *(v for v in vars(mod).values() if isinstance(v, torch.Tensor))]
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and id(t) not in memo:
+                memo[id(t)] = t if t.is_meta else stand_in(t)
+    keep = list(model.modules())   # the ids in memo stay those of live objects while deepcopy runs
+    twin = copy.deepcopy(model, memo)
+    del keep
+    return twin
+
+
 def _fake_cpu(model: torch.nn.Module, args: tuple, kwargs: dict):
     """A copy of a meta model, and of its inputs, with fake CPU tensors (torch's FakeTensorMode)."""
     import copy

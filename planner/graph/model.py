@@ -154,6 +154,8 @@ class ModelGraph:
     # (the one model.named_parameters() gives) first.
     shared_params: tuple[tuple[str, ...], ...] = ()
     shared_numel: tuple[int, ...] = ()   # elements of each shared parameter (same order)
+    # where the model draws random numbers in training, "<module path> (<what>)" (planner/graph/randomness.py)
+    random_ops: tuple[str, ...] = ()
 
     # ---- look-ups -------------------------------------------------------
     def node(self, name: str) -> OpInfo:
@@ -230,7 +232,8 @@ class ModelGraph:
 
     # ---- JSON -----------------------------------------------------------
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        # without the module: asdict would deep-copy the whole GraphModule only to drop it
+        d = dataclasses.asdict(dataclasses.replace(self, module=None))
         d.pop("module")
         return d
 
@@ -270,7 +273,8 @@ class ModelGraph:
                    batch_size=d["batch_size"], nodes=nodes, layers=layers, branches=branches,
                    fingerprint=d["fingerprint"], format_version=version,
                    shared_params=tuple(tuple(g) for g in d.get("shared_params", ())),
-                   shared_numel=tuple(int(x) for x in d.get("shared_numel", ())))
+                   shared_numel=tuple(int(x) for x in d.get("shared_numel", ())),
+                   random_ops=tuple(str(x) for x in d.get("random_ops", ())))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict()))

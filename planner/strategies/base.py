@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from cost_models.overlap import DeviceWork
     from cost_models.prediction import Prediction
     from planner.config import ParallelConfig
-    from planner.evaluate import Evaluator, LayerCost
+    from planner.evaluator import Evaluator, LayerCost
     from planner.graph.model import Layer
 
 Bounds = list[tuple[int, int]]            # [lo, hi) layer ranges of the pipeline stages

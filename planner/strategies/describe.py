@@ -50,6 +50,23 @@ def _subgraph_section(plan: "Plan") -> list[str]:
             *(f"    {ln}" for ln in describe_regions(plan.subgraph, c.subgraph))]
 
 
+def idle_tensor_note(plan: "Plan") -> str | None:
+    """What a plan whose tensor axis splits nothing should say (None for any other plan): the cost model
+    found every tensor-parallel region cheaper replicated on this cluster (small layers, slow links), so
+    the tensor ranks of each replica would repeat each other's work."""
+    t = plan.config.tensor
+    if t == 1 or plan.shardings or plan.config.sequence_parallel:   # sequence parallelism splits the tokens
+        return None
+    return (f"the tensor axis splits nothing: every tensor-parallel region is cheaper replicated on "
+            f"{plan.cluster.name}, so the {t} tensor ranks of each replica do the same work, as one device would "
+            "(no speed or memory gained; the cost model found that cheaper than giving them other work)")
+
+
+def _tensor_section(plan: "Plan") -> list[str]:
+    note = idle_tensor_note(plan)
+    return ["", f"  note: {note}"] if note else []
+
+
 # Strategies that run a schedule of their own name it in place of ParallelConfig.schedule.
 SCHEDULE_NAMES: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str | None]], ...] = (
     (StrategyName.BIDIRECTIONAL, _bidirectional_schedule),
@@ -68,6 +85,7 @@ STAGE_DEVICES: tuple[tuple[StrategyName, Callable[["ParallelConfig", "Stage"], s
 )
 # Lines right after the stage table.
 SECTIONS: tuple[tuple[StrategyName, Callable[["Plan"], list[str]]], ...] = (
+    (StrategyName.TENSOR, _tensor_section),
     (StrategyName.SUBGRAPH, _subgraph_section),
 )
 

@@ -39,7 +39,7 @@ import torch.fx as fx
 from planner.config import ConfigError
 from planner.graph.ops import module_path_of, target_name
 from planner.tensor_split.rules import Split, TensorSplitError, _feature_split, _search, _State
-from planner.tensor_split.sequence import SEQUENCE_DIM, SequenceSplit, sequence_stream
+from planner.tensor_split.sequence import SEQUENCE_DIM, SequenceSplit, SequenceSplitError, sequence_stream
 from planner.tensor_split.splits import TensorSplits
 from planner.tensor_split.weight_op import weight_op
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard
@@ -130,18 +130,18 @@ class SplitCache:
 
     def __init__(self, graph) -> None:
         self.graph = graph
-        self._known: dict[tuple, TensorSplits | TensorSplitError | None] = {}
+        self._known: dict[tuple, TensorSplits | TensorSplitError | SequenceSplitError | None] = {}
 
     def get(self, roles: dict[str, str], tensor: int, sequence: bool = False) -> TensorSplits | None:
-        """As `tensor_splits`; raises the remembered TensorSplitError for roles that failed."""
+        """As `tensor_splits`; raises the remembered TensorSplitError or SequenceSplitError for roles that failed."""
         key = (frozenset(roles.items()), tensor, sequence)
         if key not in self._known:
             try:
                 self._known[key] = tensor_splits(self.graph, roles, tensor, sequence)
-            except TensorSplitError as e:
+            except (TensorSplitError, SequenceSplitError) as e:
                 self._known[key] = e
         hit = self._known[key]
-        if isinstance(hit, TensorSplitError):
+        if isinstance(hit, (TensorSplitError, SequenceSplitError)):
             raise hit
         return hit
 
@@ -149,7 +149,7 @@ class SplitCache:
         """Why a configuration with these roles on `tensor` ranks cannot be lowered, or None."""
         try:
             self.get(roles, tensor, sequence)
-        except TensorSplitError as e:
+        except (TensorSplitError, SequenceSplitError) as e:
             return str(e)
         return None
 

@@ -180,9 +180,9 @@ def sequence_stream(graph: ModelGraph, roles: dict[str, str], tensor: int) -> Se
                 params.append(n.module_path)
             continue
         gathers += [(n.name, i) for i in split_in]
-    if not starts:   # no region ends in a row-parallel op here (a CNN whose convolutions are split by channels)
-        raise SequenceSplitError("sequence parallelism splits the sequence where a tensor-parallel region ends, but "
-                                 f"no op is split by rows on {tensor} tensor ranks in this model; use "
-                                 "sequence_parallel=False")
+    if not starts:
+        raise SequenceSplitError("sequence parallelism splits the values between tensor-parallel regions along the "
+                                 "sequence, but no region here ends in a row split or a vocabulary embedding that "
+                                 "would begin such a value; use sequence_parallel=False for this model")
     return SequenceSplit(length=length, starts=tuple(starts), nodes=tuple(nodes), columns=tuple(columns),
                          gathers=tuple(gathers), scatters=tuple(scatters), params=tuple(dict.fromkeys(params)))

@@ -206,7 +206,8 @@ class PipelineRun:
         # a tied weight's copies hold one summed gradient: the first position holding it counts it
         counted_elsewhere = {n for tie in self.ties if tie.positions[0] != me for n in tie.names}
         grads = [p.grad for n, p in params.items() if p.grad is not None and n not in counted_elsewhere]
-        part = total_norm(grads, norm_type).reshape(1).clone()
+        # on the stages' device: the pipeline group's backend (NCCL) reduces only tensors there
+        part = total_norm(grads, norm_type).reshape(1).to(self.stages[0].device)
         inf = math.isinf(norm_type)
         if not inf:
             part = part.pow(norm_type)

@@ -11,7 +11,7 @@ import torch
 import planner
 from cost_models.overlap import Overlap
 from examples.models import gpt
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 
 S, H, A, T, P = 2048, 12288, 96, 8, 12
 SBH = S * 1 * H   # one sequence per micro-batch

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import planner
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from cost_models.hardware import Cluster, Device, Link
 from examples.models import gpt, mlp
 from planner import NoFeasiblePlan, ParallelConfig, Plan

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import planner
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from examples.models import gpt, resnet
 from planner import NoFeasiblePlan
-from planner.optimize import _enumerate
+from planner.search import _enumerate
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from planner.config import ConfigError, ParallelConfig
 from planner.plan import PlanFileError
 from runtime.vocab import Target
 from tests.real_models import HF, graph_of
+from tests.fixed_machine import local_cluster
 
 
 def _gpt(**kw):
@@ -208,7 +209,7 @@ def test_where_meshplan_tiles_an_image_the_torch_target_does_not(resnet_1k):
 
 
 def test_the_torch_target_splits_linear_and_embedding_weights_only(resnet_1k, small_gpt):
-    cluster = planner.Cluster.preset("local", devices=2)
+    cluster = local_cluster(2)
     cfg = ParallelConfig(tensor=2, dtype="fp32")
     assert _split_weight_kinds(planner.make_plan(resnet_1k, cluster, cfg, global_batch_size=2, target="meshplan"),
                                resnet_1k) == {"conv"}
@@ -233,7 +234,7 @@ def test_a_constraint_pinning_a_refused_strategy_fails_naming_the_target(small_g
 
 
 def test_optimize_refuses_an_unknown_target_and_a_target_beside_a_runtime(small_gpt):
-    cluster = planner.Cluster.preset("local", devices=2)
+    cluster = local_cluster(2)
     with pytest.raises(TargetError, match="target 'TORCH' is not one of meshplan, torch"):
         planner.optimize(small_gpt, cluster, global_batch_size=8, progress=False, target="TORCH")
     with pytest.raises(TargetError, match="give one"):
@@ -244,7 +245,7 @@ def test_optimize_refuses_an_unknown_target_and_a_target_beside_a_runtime(small_
 
 
 def test_a_plan_records_a_target_other_than_meshplan_and_old_plans_read_as_meshplan(small_gpt):
-    cluster = planner.Cluster.preset("local", devices=2)
+    cluster = local_cluster(2)
     cfg = ParallelConfig(data=2, dtype="fp32")
     tor = planner.make_plan(small_gpt, cluster, cfg, global_batch_size=8, target=Target.TORCH)
     doc = tor.to_dict()
@@ -259,7 +260,7 @@ def test_a_plan_records_a_target_other_than_meshplan_and_old_plans_read_as_meshp
 
 
 def test_make_plan_for_a_target_that_does_not_run_the_config_is_refused(small_gpt):
-    cluster = planner.Cluster.preset("local", devices=2)
+    cluster = local_cluster(2)
     with pytest.raises(TargetError, match=r"make_plan for d2 t1 p1 mb1 1f1b rc=selective z0 fp32: the torch target "
                                           r"does not run recompute='selective'"):
         planner.make_plan(small_gpt, cluster, ParallelConfig(data=2, recompute="selective", dtype="fp32"),
@@ -267,7 +268,7 @@ def test_make_plan_for_a_target_that_does_not_run_the_config_is_refused(small_gp
 
 
 def test_check_target_refuses_a_plan_its_target_does_not_run(small_gpt):
-    cluster = planner.Cluster.preset("local", devices=2)
+    cluster = local_cluster(2)
     selective = planner.make_plan(small_gpt, cluster, ParallelConfig(data=2, recompute="selective", dtype="fp32"),
                                   global_batch_size=8)
     check_target(selective)   # made for meshplan's runtime, which runs it
@@ -286,7 +287,7 @@ def test_zero_with_a_fused_projection_split_by_parts_is_refused_for_torch_and_se
     """The example GPT's fused qkv splits by parts (rank r holds q_r, k_r, v_r), which fully_shard cannot
     shard further: the torch target refuses ZeRO >= 1 beside it, make_plan says so, and the search picks
     ZeRO 0 where the shape is pinned; meshplan's runtime runs it."""
-    cluster = planner.Cluster.preset("local", devices=4)
+    cluster = local_cluster(4)
     cfg = ParallelConfig(data=2, tensor=2, zero=3, dtype="fp32")
     with pytest.raises(TargetError, match=r"make_plan for d2 t2 .* z3 fp32: the torch target does not run ZeRO 3 "
                                           r"with module 'blocks.0.attn.qkv' split by parts over 2 tensor ranks: "

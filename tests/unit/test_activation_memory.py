@@ -30,7 +30,7 @@ from cost_models.memory import ALLOCATOR_MARGIN, param_bytes
 from cost_models.overlap import Overlap
 from examples.models import gpt
 from planner import ParallelConfig
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 
 S, B, H, A = 64, 2, 32, 4
 SBH, SB = S * B * H, S * B

@@ -15,7 +15,7 @@ from cost_models.memory import autocast_param_bytes
 from cost_models.overlap import Overlap
 from examples.models import gpt, hf
 from planner import ParallelConfig
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 
 B, T, C, V = 2, 64, 32, 128
 SHAPE = dict(vocab_size=V, seq_len=T, hidden=C, num_layers=2, num_heads=4)

@@ -125,7 +125,7 @@ def test_planner_charges_a_wrapper_per_in_layer_all_reduce_of_a_tensor_parallel_
     import dataclasses
 
     import planner
-    from planner.evaluate import Evaluator
+    from planner.evaluator import Evaluator
     from codegen.emit import capture_ref
 
     graph = capture_ref("examples/models/mlp.py:build", {"in_features": 64, "hidden": 256, "num_layers": 4,

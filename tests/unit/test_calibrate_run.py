@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 import planner
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from codegen.emit import capture_ref
 from cost_models.calibration.calibrate import build_cluster
 from cost_models.calibrated import in_run_factors

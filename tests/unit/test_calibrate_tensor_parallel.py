@@ -90,7 +90,7 @@ def test_a_class_split_output_splits_the_loss_over_the_tensor_ranks():
 
 def test_the_planner_charges_the_vocabulary_parallel_embedding_not_a_wrapper():
     import planner
-    from planner.evaluate import Evaluator
+    from planner.evaluator import Evaluator
 
     graph = capture_ref(*GPT_TINY, batch_size=4)
     base = build_cluster(_results())

@@ -14,7 +14,7 @@ from cost_models.hardware import Cluster
 from examples.models import gpt, mlp
 from planner import ParallelConfig
 from planner.config import ConfigError
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from planner.strategies.context import (MIN_SEARCH_TOKENS_PER_RANK, ContextStrategy, check_config,
                                         search_degrees, sequence_length)
 

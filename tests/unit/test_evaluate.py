@@ -7,7 +7,7 @@ import torch
 
 import planner
 from cost_models.overlap import Overlap
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from cost_models.hardware import Cluster, Device, Link
 from cost_models.prediction import Prediction
 from examples.models import gpt, mlp

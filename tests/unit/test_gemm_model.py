@@ -14,7 +14,7 @@ from cost_models.kernels import (AttentionShape, flash_efficiency, fused_attenti
 from cost_models.memory import adam_step_bytes
 from cost_models.overlap import Overlap
 from examples.models import gpt
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 
 A100 = Cluster.preset("dgx-a100-80gb", nodes=1)
 GPU = gpu_for(A100.device, "bf16", Efficiency.default_for(A100.device))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import planner
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from cost_models.gems import device_order, uniform_step_time
 from cost_models.gems import step_time as simulate
 from cost_models.hardware import Cluster
@@ -17,6 +17,7 @@ from planner import ConfigError, ParallelConfig
 from planner.capabilities import RuntimeSupport
 from runtime.program import PAIR_AXIS
 from runtime.vocab import MeshAxis
+from tests.fixed_machine import local_cluster
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
@@ -117,7 +118,7 @@ def tiny():
 
 
 def _bidi_plan(graph, p, d, T, mb=2, cluster="dgx-a100-80gb"):
-    cl = Cluster.preset(cluster, devices=p * d)
+    cl = local_cluster(p * d) if cluster == "local" else Cluster.preset(cluster, devices=p * d)
     cfg = ParallelConfig(pipeline=p, data=d, micro_batch_size=mb, bidirectional=True, replicas_per_direction=T,
                          dtype="fp32")
     return planner.make_plan(graph, cl, cfg, global_batch_size=mb * d * 2 * T)
@@ -162,7 +163,7 @@ def test_cost_model_step_time_matches_simulating_the_lowered_programs(tiny, p, d
 
 
 def test_optimized_bidirectional_plan_lowers(tiny):
-    cl = Cluster.preset("local", devices=4)
+    cl = local_cluster(4)
     plan = planner.optimize(tiny, cl, global_batch_size=8, progress=False,
                             constraints={"bidirectional": True, "pipeline": 4, "dtype": "fp32"})
     assert plan.config.bidirectional

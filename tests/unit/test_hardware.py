@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,7 @@ def fake_figures(**overrides):
         "memory_bandwidth": 20e9,
         "link_bandwidth": 5e9,
         "link_latency": 10e-6,
-        "measured_at": "2024-01-01T00:00:00Z",
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),   # fresh: not stale
         "measure_seconds": 0.5,
     }
     figures.update(overrides)

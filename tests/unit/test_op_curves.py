@@ -95,7 +95,7 @@ def test_fit_curve_mix_is_clamped():
 
 def test_evaluate_prices_fp32_nodes_from_the_curves():
     import planner
-    from planner.evaluate import Evaluator
+    from planner.evaluator import Evaluator
     from codegen.emit import capture_ref
 
     results, _, _ = _curve_results()

@@ -14,7 +14,7 @@ from cost_models.overlap import (GPU_CONTENTION, DeviceWork, Overlap, OverlapPre
                                  chunked_sync_exposed, p2p_exposed, prefetched_exposed, tp_exposed)
 from examples.models import gpt
 from planner import ParallelConfig
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from runtime.vocab import DType
 
 MS = 1e-3
@@ -275,7 +275,7 @@ def test_search_bound_stays_below_the_step_when_sends_are_hidden(tiny):
     # The search prunes with a compute-only bound; where the stack hides pipeline sends it must
     # not count them (planner/strategies/pipeline.py lower_bound). On this cluster each send about
     # matches the compute it hides under, so a bound that charged them would exceed the step.
-    from planner.optimize import _lower_bound
+    from planner.search import _lower_bound
 
     ev = Evaluator(tiny, _cluster(2, flops=1e10, memory_bandwidth=1e10), overlap=Overlap(p2p=True))
     config = ParallelConfig(pipeline=2, micro_batch_size=1, dtype="fp32")

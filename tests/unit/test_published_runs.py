@@ -12,7 +12,7 @@ import torch
 import planner
 from examples.models import gpt
 from cost_models.overlap import Overlap
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 
 ROOT = Path(__file__).resolve().parents[2]
 # the project's public calibration set, kept in the repository (a copy of ../shared/reference/PUBLISHED.md)
@@ -131,7 +131,7 @@ def test_searched_rows_keep_to_what_their_stack_could_run():
         assert rows.stack_constraints(stack)["context"] == 1
     assert "sequence_parallel" not in rows.stack_constraints("megatron")
     assert rows.stack_constraints("fsdp")["sequence_parallel"] is False
-    from planner.optimize import FIXED_KNOBS
+    from planner.search import FIXED_KNOBS
     assert all(k in FIXED_KNOBS for stack in rows.Stack for k in rows.stack_constraints(stack))
 
 

@@ -12,12 +12,13 @@ from planner import ConfigError, ParallelConfig, Plan
 from codegen.partition import partition
 from planner.app.cli import build_parser
 from planner.app.cli_args import check_constraints
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from planner.sharding import find_sharding
 from planner.tensor_split.sequence import SequenceSplitError, sequence_stream
 from runtime.tensor_parallel import FeatureSplit, ModuleShard
 from runtime.vocab import MeshAxis, ShardRole
 from tests.unit.test_evaluate import _cpu_cluster, _graph
+from tests.fixed_machine import local_cluster
 
 # The tiny GPT captured at batch 4: (B, T, C) = (4, 16, 32) in fp32 is 8192 bytes per stream value.
 STREAM_BYTES = 4 * 16 * 32 * 4
@@ -151,7 +152,7 @@ def test_the_plan_stores_the_sequence_split_and_it_round_trips(tiny, tmp_path):
     graph = _graph(batch=2)
     cfg = ParallelConfig(tensor=2, micro_batch_size=2, dtype="fp32", sequence_parallel=True)
     # every region is split under SP (the ILP, which replicates this tiny model's, is not asked)
-    plan = planner.make_plan(graph, planner.Cluster.preset("local", devices=2), cfg, global_batch_size=4)
+    plan = planner.make_plan(graph, local_cluster(2), cfg, global_batch_size=4)
     splits = plan.tensor_splits
     assert splits.sequence == sequence_stream(graph, dict(plan.shardings), 2)
     modules = {m.path: m for m in splits.modules}
@@ -161,7 +162,7 @@ def test_the_plan_stores_the_sequence_split_and_it_round_trips(tiny, tmp_path):
     assert plan.format_version == 2
     plan.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == plan
-    plain = planner.make_plan(graph, planner.Cluster.preset("local", devices=2),
+    plain = planner.make_plan(graph, local_cluster(2),
                               cfg.replace(sequence_parallel=False), global_batch_size=4, sharding="all")
     assert "sequence" not in plain.tensor_splits.to_dict()
     assert all(m.sequence_dim is None for m in plain.tensor_splits.modules)
@@ -179,7 +180,7 @@ def test_the_constraint_and_the_codegen_flag():
 def test_a_pipeline_stage_sends_its_block_of_the_sequence():
     graph = _graph(batch=2)
     cfg = ParallelConfig(pipeline=2, tensor=2, micro_batch_size=2, dtype="fp32", sequence_parallel=True)
-    plan = planner.make_plan(graph, planner.Cluster.preset("local", devices=4), cfg, global_batch_size=4)
+    plan = planner.make_plan(graph, local_cluster(4), cfg, global_batch_size=4)
     first = partition(plan, graph).stages[0].spec
     # (B, T, C) = (2, 16, 32) at micro-batch 2: each tensor rank sends its 8 tokens to its peer
     assert [tuple(b.shape) for b in first.outputs] == [(2, 8, 32)]
@@ -188,7 +189,7 @@ def test_a_pipeline_stage_sends_its_block_of_the_sequence():
 def test_a_plan_whose_split_and_config_disagree_on_sp_is_refused(tmp_path):
     graph = _graph(batch=2)
     cfg = ParallelConfig(tensor=2, micro_batch_size=2, dtype="fp32", sequence_parallel=True)
-    plan = planner.make_plan(graph, planner.Cluster.preset("local", devices=2), cfg, global_batch_size=4)
+    plan = planner.make_plan(graph, local_cluster(2), cfg, global_batch_size=4)
     doc = plan.to_dict()
     del doc["tensor_splits"]["sequence"]
     with pytest.raises(ValueError, match=r"the plan's tensor-parallel split is without sequence parallelism, its "

@@ -13,7 +13,7 @@ from cost_models.step_costs import (CHUNK_ALIGN, StepSetup, chunked_loss_cost, d
 from runtime.chunked_loss import auto_chunk_tokens
 from examples.models import gpt
 from planner import ParallelConfig
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from runtime.execution import Execution
 
 H100 = Cluster.preset("dgx-h100", devices=1)

@@ -5,13 +5,14 @@ import functools
 import pytest
 
 import planner
-from planner.evaluate import Evaluator
+from planner.evaluator import Evaluator
 from codegen.emit import capture_ref
 from codegen.lower import lower
 from planner import ConfigError, ParallelConfig
 from planner.subgraph import SubgraphError, describe, module_owners, split_regions
 from runtime.vocab import MeshAxis
 from tests.parallel_cases import graph_of
+from tests.fixed_machine import local_cluster
 
 KW = {"num_modules": 2, "channels": 8, "stem_channels": 8, "image_size": 8}
 
@@ -23,8 +24,8 @@ def inception():
 
 def _plan(B, d=1, p=1, cluster="local", mb=2, batch=8):
     cfg = ParallelConfig(subgraph=B, data=d, pipeline=p, micro_batch_size=mb, dtype="fp32")
-    return planner.make_plan(inception(), planner.Cluster.preset(cluster, devices=cfg.num_devices), cfg,
-                             global_batch_size=batch)
+    cl = local_cluster(cfg.num_devices) if cluster == "local" else planner.Cluster.preset(cluster, devices=cfg.num_devices)
+    return planner.make_plan(inception(), cl, cfg, global_batch_size=batch)
 
 
 def test_inception_modules_are_split_and_paths_dealt_longest_first():
@@ -44,10 +45,10 @@ def test_models_without_independent_branches_cannot_be_split():
     assert split_regions(graph_of("mlp"), 2) == ()
     cfg = ParallelConfig(subgraph=2, micro_batch_size=2, dtype="fp32")
     with pytest.raises(SubgraphError, match="needs fork/join branches.*has none"):
-        planner.make_plan(graph_of("mlp"), planner.Cluster.preset("local", devices=2), cfg, global_batch_size=4)
+        planner.make_plan(graph_of("mlp"), local_cluster(2), cfg, global_batch_size=4)
     # GPT tiny has 4 heads per attention: they split 2 or 4 ways, not 3
     with pytest.raises(SubgraphError, match="only heads branches that do not split 3 ways"):
-        planner.make_plan(graph_of("gpt"), planner.Cluster.preset("local", devices=3),
+        planner.make_plan(graph_of("gpt"), local_cluster(3),
                           cfg.replace(subgraph=3), global_batch_size=6)
 
 
@@ -56,7 +57,7 @@ def test_attention_heads_split_into_equal_groups():
         regions = split_regions(graph_of("gpt"), B)
         assert [r.kind for r in regions] == ["heads", "heads"] and all(r.heads == 4 for r in regions)
         assert all(r.owners == tuple(range(B)) for r in regions)
-    plan = planner.make_plan(graph_of("gpt"), planner.Cluster.preset("local", devices=2),
+    plan = planner.make_plan(graph_of("gpt"), local_cluster(2),
                              ParallelConfig(subgraph=2, micro_batch_size=2, dtype="fp32"), global_batch_size=8)
     assert "heads 0-1 on sub-grid 0; 2-3 on sub-grid 1" in plan.summary()
     assert planner.Plan.from_dict(plan.to_dict()) == plan
@@ -113,14 +114,14 @@ def test_cost_model_splits_branch_compute_and_adds_the_region_collectives():
 
 
 def test_search_considers_sub_graph_plans_where_branches_exist():
-    cl = planner.Cluster.preset("local", devices=4)
+    cl = local_cluster(4)
     plan = planner.optimize(inception(), cl, global_batch_size=8, progress=False,
                             constraints={"subgraph": 2, "dtype": "fp32"})
     assert plan.config.subgraph == 2 and plan.config.data == 2 and plan.subgraph
     assert "sub-graph blocks.0" in planner.explain(plan)
     free = planner.optimize(inception(), cl, global_batch_size=8, progress=False, keep_alternatives=200)
     assert any(a.config.subgraph > 1 for a in free.alternatives) or free.config.subgraph > 1
-    mlp = planner.optimize(graph_of("mlp"), planner.Cluster.preset("local", devices=2), global_batch_size=8,
+    mlp = planner.optimize(graph_of("mlp"), local_cluster(2), global_batch_size=8,
                            progress=False, keep_alternatives=200)
     assert all(a.config.subgraph == 1 for a in mlp.alternatives)
 

@@ -16,6 +16,7 @@ from planner.plan import PLAN_FORMAT_VERSION
 from planner.tensor_split.analysis import SplitCache, tensor_splits
 from planner.tensor_split.rules import TensorSplitError
 from runtime.tensor_parallel import FeatureSplit
+from tests.fixed_machine import local_cluster
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def gpt_graph():
 @pytest.fixture(scope="module")
 def t2_plan(gpt_graph):
     cfg = planner.ParallelConfig(tensor=2, micro_batch_size=2, dtype="fp32")
-    return planner.make_plan(gpt_graph, planner.Cluster.preset("local", devices=2), cfg, global_batch_size=4,
+    return planner.make_plan(gpt_graph, local_cluster(2), cfg, global_batch_size=4,
                              sharding="all")
 
 
@@ -84,13 +85,13 @@ def softmax_graph():
 def test_make_plan_refuses_roles_the_split_analysis_cannot_carry_out(softmax_graph):
     cfg = planner.ParallelConfig(tensor=2, micro_batch_size=2, dtype="fp32")
     with pytest.raises(ConfigError, match="cannot split node 'softmax'.*choose another tensor degree"):
-        planner.make_plan(softmax_graph, planner.Cluster.preset("local", devices=2), cfg, global_batch_size=4,
+        planner.make_plan(softmax_graph, local_cluster(2), cfg, global_batch_size=4,
                           sharding="all")
 
 
 def test_the_search_skips_roles_the_split_analysis_refuses(softmax_graph):
     with pytest.raises(NoFeasiblePlan, match="tensor parallelism refused: .*'softmax'"):
-        planner.optimize(softmax_graph, planner.Cluster.preset("local", devices=2), global_batch_size=4,
+        planner.optimize(softmax_graph, local_cluster(2), global_batch_size=4,
                          constraints={"tensor": 2}, runtime=None, sharding="all", progress=False)
 
 

@@ -17,7 +17,7 @@ from cost_models.hardware import Cluster
 from planner.capabilities import TargetError
 from planner.config import ParallelConfig
 from planner.graph.capture import capture_ref
-from planner.make_plan import make_plan
+from planner.fixed_plan import make_plan
 from runtime.evaluation import EvalSpec
 from runtime.launcher import BuildError, entry_script
 from runtime.loss_scale import LossScaleSpec

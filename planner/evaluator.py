@@ -1,4 +1,5 @@
-"""`planner.evaluate`: predicted step time, memory and throughput of one ParallelConfig.
+"""`planner.evaluator`: predicted step time, memory and throughput of one ParallelConfig (the
+`Evaluator`, and `planner.evaluate` for one configuration).
 
 The `Evaluator` holds what does not change between configurations of one
 model on one cluster (the tensor-parallel roles, per-layer cost tables keyed

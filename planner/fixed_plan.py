@@ -1,4 +1,4 @@
-"""`planner.make_plan`: the Plan for a configuration the user fixes.
+"""`planner.fixed_plan`: the Plan for a configuration the user fixes (`planner.make_plan`).
 
 Hand-picked and searched plans travel the same road: both come out of
 `plan_for`, which turns an Evaluator's verdict on one ParallelConfig into a
@@ -14,7 +14,7 @@ from cost_models.hardware import Cluster
 from cost_models.overlap import Overlap
 from planner.capabilities import RuntimeSupport, TargetError
 from planner.config import ParallelConfig
-from planner.evaluate import Evaluator, as_graph
+from planner.evaluator import Evaluator, as_graph
 from planner.plan import PLAN_FORMAT_VERSION, Plan, Stage
 from planner.subgraph import check_splittable
 from planner.tensor_split.analysis import SplitCache
@@ -43,7 +43,7 @@ def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int, sear
                 graph_fingerprint=ev.graph.fingerprint, cluster=ev.cluster, config=config,
                 global_batch_size=global_batch_size, stages=stages, shardings=tuple(sorted(roles.items())),
                 prediction=pred, search=tuple(search), subgraph=check_splittable(ev.graph, config.subgraph),
-                tensor_splits=tensor_splits, target=Target(target).value)
+                tensor_splits=tensor_splits, target=Target(target).value, graph_params=ev.graph.num_params)
 
 
 def make_plan(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, global_batch_size: int,

@@ -1,4 +1,4 @@
-"""`planner.optimize`: the best plan for a model on a cluster, within the cost model.
+"""`planner.search`: the best plan for a model on a cluster, within the cost model (`planner.optimize`).
 
 The search enumerates mesh shapes (data x pipeline x tensor, tensor inside a
 node by default) with micro-batch sizes and schedules, orders them by a
@@ -25,12 +25,13 @@ from cost_models.prediction import Prediction
 from cost_models.overlap import Overlap
 from planner.capabilities import MESHPLAN_RUNTIME, RuntimeSupport, TargetError
 from planner.config import ConfigError, ParallelConfig
-from planner.evaluate import Evaluator, as_graph
-from planner.make_plan import plan_for
+from planner.evaluator import Evaluator, as_graph
+from planner.fixed_plan import plan_for
 from planner.plan import Alternative, Plan
 from planner.progress import Progress
 from planner.strategies.base import MeshShape
 from planner.subgraph import describe
+from planner.strategies.describe import idle_tensor_note
 from planner.tensor_split.analysis import SplitCache
 from runtime.vocab import Recompute, Target
 
@@ -196,6 +197,9 @@ def explain(plan: Plan, top: int = 5) -> str:
     lines = [f"chosen: {plan.config.short():<44} step {p.step_time * 1e3:>11.3f} ms  "
              f"mem {p.peak_memory / 2**30:>8.3f} GiB  energy {p.step_energy:>10.1f} J"]
     lines += [f"  sub-graph {ln}" for ln in describe(plan.subgraph, plan.config.subgraph)]
+    idle = idle_tensor_note(plan)
+    if idle:
+        lines.append(f"  note: {idle}")
     if not plan.alternatives:
         lines.append("no alternatives recorded (the plan was made for a fixed configuration; "
                      "planner.optimize records the runners-up)")
