@@ -342,7 +342,8 @@ fi
 # (never on a command line); one is made here unless MESHPLAN_JOB_SECRET is set.
 export MESHPLAN_JOB_SECRET="${{MESHPLAN_JOB_SECRET:-$("${{PYTHON:-python3}}" -c 'import secrets; print(secrets.token_hex(32))')}}"
 if [ "$NNODES" -eq 1 ]; then
-  exec "${{TORCHRUN:-torchrun}}" --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \\
+  # torchrun with its rendezvous store on 127.0.0.1 only (--standalone's listen on every interface)
+  exec "${{PYTHON:-python3}}" -m runtime.torchrun_local --nproc-per-node="$NPROC_PER_NODE" \\
     "$HERE/{entry}" "$@"
 fi
 exec "${{TORCHRUN:-torchrun}}" --nnodes="$NNODES" --node-rank="${{NODE_RANK:?set NODE_RANK}}" \\
@@ -357,8 +358,27 @@ HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 # meshplan signs its failure messages and heartbeats with a job secret passed in the environment
 # (never on a command line); one is made here unless MESHPLAN_JOB_SECRET is set.
 export MESHPLAN_JOB_SECRET="${{MESHPLAN_JOB_SECRET:-$("${{PYTHON:-python3}}" -c 'import secrets; print(secrets.token_hex(32))')}}"
-exec "${{MPIRUN:-mpirun}}" -n {world} ${{MPIRUN_ARGS:-}} -x OMP_NUM_THREADS="${{OMP_NUM_THREADS:-1}}" \\
-  -x MESHPLAN_JOB_SECRET \\
+# One node unless MPIRUN_ARGS names hosts or a batch allocation spans nodes (MESHPLAN_MPI_LOCAL=0/1
+# decides): then the ranks talk through shared memory and mpirun runs in a network namespace whose only
+# interface is loopback (runtime/loopback_ns.py), so that nothing of the job listens beyond this node.
+# Several nodes keep Open MPI's own choice of interfaces.
+LOCAL="${{MESHPLAN_MPI_LOCAL:-1}}"
+if [ -z "${{MESHPLAN_MPI_LOCAL:-}}" ]; then
+  case " ${{MPIRUN_ARGS:-}} " in *" --host"*|*" -H "*|*" --hostfile"*|*" --machinefile"*|*" -hostfile"*) LOCAL=0;; esac
+  [ "${{SLURM_JOB_NUM_NODES:-1}}" -le 1 ] && [ -z "${{PBS_NODEFILE:-}}" ] || LOCAL=0
+fi
+WRAP=()
+MCA=()
+if [ "$LOCAL" = 1 ]; then
+  [ -n "${{OMPI_MCA_btl:-}}" ] || MCA=(--mca btl self,sm)
+  if "${{PYTHON:-python3}}" -m runtime.loopback_ns --check; then
+    WRAP=("${{PYTHON:-python3}}" -m runtime.loopback_ns --)
+  else
+    echo "launch_mpirun.sh: warning: mpirun will listen on every interface of this machine" >&2
+  fi
+fi
+exec ${{WRAP[@]+"${{WRAP[@]}}"}} "${{MPIRUN:-mpirun}}" ${{MCA[@]+"${{MCA[@]}}"}} -n {world} ${{MPIRUN_ARGS:-}} \\
+  -x OMP_NUM_THREADS="${{OMP_NUM_THREADS:-1}}" -x MESHPLAN_JOB_SECRET \\
   "${{PYTHON:-python3}}" "$HERE/{entry}" --backend mpi "$@"
 '''
     srun = f'''#!/usr/bin/env bash
