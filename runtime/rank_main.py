@@ -39,7 +39,7 @@ import torch
 from runtime.checkpoint import RankState, save_checkpoint
 from runtime.checkpoint_restore import (Restore, apply_loss_scale, apply_optimizer, apply_params, apply_rng,
                                         apply_schedule, open_restore)
-from runtime.checkpoint_run import CheckpointClaim, claim_checkpoint_dir, run_to_continue
+from runtime.checkpoint_run import CheckpointClaim, claim_checkpoint_dir, run_to_continue, sweep_resumed_root
 from runtime.comm import CommError, PeerFailure, local_threads_hint
 from runtime.context import DistContext
 from runtime.batch_source import open_data
@@ -48,7 +48,7 @@ from runtime.evaluation import EvalResult, EvalSpec, check_program, eval_setting
 from runtime.executor import Executor, RankFailure
 from runtime.faults import FAULTS, SAVE_FAULTS, inject
 from runtime.jobauth import signer_from_env
-from runtime.lifetime import HEARTBEAT_STORE_ENV, die_with_launcher
+from runtime.lifetime import HEARTBEAT_STORE_ENV, Terminated, die_of, die_with_launcher, raise_on_terminate
 from runtime.store_host import LOOPBACK, host_store, listen_address
 from runtime.grads import GradSync
 from runtime.grad_step import make_gradient_step, outcome_record, scaler_state
@@ -187,7 +187,11 @@ def _save(session: RankSession, next_step: int) -> None:
 def _claim_checkpoint_dir(session: RankSession) -> None:
     """Rank 0 locks --checkpoint-dir for this run (runtime/checkpoint_run.py); a refusal is its failure."""
     p = session.prepared
-    if p.rank != 0 or not p.args.checkpoint_dir:
+    if p.rank != 0:
+        return
+    if not p.args.checkpoint_dir:
+        if p.restore is not None:
+            sweep_resumed_root(p.restore.ckpt)
         return
     resumed = p.restore.manifest if p.restore is not None else None
     try:
@@ -429,6 +433,17 @@ def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: 
     """
     local_threads_hint()
     die_with_launcher()
+    raise_on_terminate()
+    try:
+        return _run_rank(rank, program, stages, train, signature, argv, build_dir, exit_on_failure)
+    except Terminated as e:   # what it was writing is removed on the way here (runtime/files.py)
+        print(f"meshplan rank {rank}: {e}", file=sys.stderr, flush=True)
+        die_of(e.signum)
+        return 128 + e.signum
+
+
+def _run_rank(rank: int, program: dict, stages: dict, train: dict, signature: dict, argv: list[str] | None,
+              build_dir: str, exit_on_failure: bool) -> int:
     tag = f"meshplan rank {rank}"
     try:
         prep = prepare(rank=rank, program=program, stages=stages, train=train, signature=signature, argv=argv,
@@ -454,6 +469,8 @@ def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: 
         print(f"{tag}: stopping because another rank failed: {e}", file=sys.stderr, flush=True)
         comm.acknowledge_failure(grace=grace)
         return _stop(exit_on_failure)
+    except Terminated:
+        raise
     except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks
         _stopping(session)
         msg = str(e) if isinstance(e, (RankFailure, CommError)) else \
