@@ -103,10 +103,16 @@ def raise_on_terminate() -> None:
         signal.signal(signal.SIGTERM, _raise_terminated)
 
 
-def die_of(signum: int) -> None:
-    """End this process by `signum`'s default action, so that its exit status still says which signal."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+def die_of(signum: int, note: str = "") -> None:
+    """Print `note` (if it can: the launcher reading our output may be gone), then end this process by
+    `signum`'s default action at once (no exit handlers, such as MPI_Finalize waiting for a dead
+    mpiexec), so that its exit status still says which signal."""
+    for stream, text in ((sys.stderr, note + "\n" if note else ""), (sys.stdout, "")):
+        try:
+            stream.write(text)
+            stream.flush()
+        except (OSError, ValueError):
+            pass
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     time.sleep(1.0)   # delivered at once; this is only in case the signal is blocked

@@ -364,6 +364,8 @@ def connect(p: Prepared) -> RankSession:
         if steps is not None:
             ex.on_step = steps.before_step
         running.append(ex)
+    except Terminated:
+        raise   # stopped from outside: the launcher stops every rank, nobody waits for acknowledgements
     except BaseException:
         if watchdog is not None:
             watchdog.stopping()
@@ -437,8 +439,7 @@ def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: 
     try:
         return _run_rank(rank, program, stages, train, signature, argv, build_dir, exit_on_failure)
     except Terminated as e:   # what it was writing is removed on the way here (runtime/files.py)
-        print(f"meshplan rank {rank}: {e}", file=sys.stderr, flush=True)
-        die_of(e.signum)
+        die_of(e.signum, f"meshplan rank {rank}: {e}")
         return 128 + e.signum
 
 

@@ -261,8 +261,7 @@ def main(argv=None):
     try:
         return _main(argv)
     except Terminated as e:
-        print(f"meshplan rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr, flush=True)
-        die_of(e.signum)
+        die_of(e.signum, f"meshplan rank {os.environ.get('RANK', '?')}: {e}")
 
 
 def _main(argv):

@@ -161,7 +161,7 @@ raise_on_terminate()
 try:
     write_atomic(sys.argv[1], b"x" * 1000, interrupt=lambda: os.kill(os.getpid(), signal.SIGTERM))
 except Terminated as e:
-    die_of(e.signum)
+    die_of(e.signum, "stopped")
 """
 
 
