@@ -1,6 +1,6 @@
 """Throw bad inputs at every `meshplan` verb and classify what each one does.
 
-    python benchmarks/fuzz_cli.py [--limit 60] [--only capture,run] [--keep DIR]
+    python benchmarks/fuzz_cli.py [--limit 60] [--only capture,run] [--case NAME] [--keep DIR]
 
 Every case runs `python -m planner.app.cli ...` in a subprocess of its own (PYTHONPATH: this
 checkout, or the one in $PYTHONPATH when set) under a wall-clock limit (seconds), and
@@ -169,6 +169,10 @@ def make_fixtures(tmp: Path, cli: Callable[[Sequence[str]], int], runs: bool = F
         ckpt = tmp / "ckpt_real"
         if not ckpt.exists() and cli(["run", str(build), "--steps", "1", "--quiet", "--checkpoint-dir", str(ckpt)]) != 0:
             raise RuntimeError("fuzz_cli: could not make the fixture checkpoint")
+        torch_build = tmp / "build_torch_real"   # a real torch-target build: its ranks read the checkpoint
+        if not (torch_build / "build.json").exists() and cli(["codegen", "examples/models/mlp.py:build", "--batch", "4",
+                                                              "--target", "torch", "-o", str(torch_build)]) != 0:
+            raise RuntimeError("fuzz_cli: could not make the fixture torch build")
     return Fixtures(tmp, models, plan, build, a_file, a_dir)
 
 
@@ -375,6 +379,8 @@ def cases(fx: Fixtures) -> list[Case]:
             Case("run --verify non-UTF-8 programs.json", ("run", str(t / "build_utf8"), "--verify", "--quiet")),
             Case("run --resume crafted .metadata", ("run", str(t / "build_torch"), "--resume", str(t / "ckpt_crafted")),
                  must_not_exist=(marker_md,)),
+            Case("run --resume crafted .metadata, torch build", ("run", str(t / "build_torch_real"), "--resume",
+                                                                   str(t / "ckpt_crafted")), must_not_exist=(marker_md,)),
             Case("run --resume changed .distcp", ("run", str(t / "build_torch"), "--resume", str(t / "ckpt_changed"))),
             Case("run --resume record not JSON", ("run", str(t / "build_torch"), "--resume", str(t / "ckpt_not_json"))),
             Case("run --resume crafted rank file", run + ("--resume", str(t / "ckpt_rank")),
@@ -513,6 +519,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=float, default=60.0, help="seconds a case may run before it counts as a hang")
     ap.add_argument("--only", default="", help="comma-separated verbs to run (default: all)")
+    ap.add_argument("--case", action="append", default=[], help="run only the case of this name (repeatable)")
     ap.add_argument("--keep", help="write fixtures and outputs here and keep them (default: a temporary directory)")
     args = ap.parse_args()
     code_root = Path(os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] or ROOT).resolve()
@@ -527,7 +534,7 @@ def main() -> int:
     try:
         fx = make_fixtures(tmp, cli, runs=True)
         only = {v for v in args.only.split(",") if v}
-        todo = [c for c in cases(fx) if not only or c.verb in only]
+        todo = [c for c in cases(fx) if (not only or c.verb in only) and (not args.case or c.name in args.case)]
         counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         bad = []
         print(f"code under test: {code_root}; {len(todo)} cases, limit {args.limit:g} s each", flush=True)

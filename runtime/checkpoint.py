@@ -95,9 +95,13 @@ def enclosing_checkpoint(path: str | os.PathLike) -> Path | None:
     lies in or is, or None: nothing is ever written there but by a run."""
     p = Path(path).expanduser().resolve()
     for d in [p, *p.parents]:
-        if d.is_dir() and (_STEP_DIR.match(d.name) or any((d / f).is_file() for f in (MANIFEST, TORCH_INFO, TORCH_LATEST))
-                           or any(_STEP_DIR.match(c.name) for c in d.iterdir() if c.is_dir())):
-            return d
+        try:
+            if d.is_dir() and (_STEP_DIR.match(d.name) or any((d / f).is_file() for f in (MANIFEST, TORCH_INFO,
+                                                                                          TORCH_LATEST))
+                               or any(_STEP_DIR.match(c.name) and c.is_dir() for c in d.iterdir())):
+                return d
+        except OSError:   # a directory we may not list holds no checkpoint of ours
+            continue
     return None
 
 

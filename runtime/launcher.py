@@ -284,9 +284,13 @@ def _resumed_step(args: list[str]) -> int:
 
 
 def _last_step(build: Path) -> int | None:
-    """The last step metrics.jsonl records as finished (rank 0 writes a line as each step ends), or None."""
+    """The last step this run's metrics.jsonl records as finished (rank 0 writes a line as each step ends),
+    or None (none yet: a file older than the run's log directory is an earlier run's)."""
+    metrics = build / "metrics.jsonl"
     try:
-        lines = (build / "metrics.jsonl").read_text().splitlines()
+        if metrics.stat().st_mtime < (build / "run").stat().st_mtime:
+            return None
+        lines = metrics.read_text().splitlines()
     except OSError:
         return None
     for line in reversed(lines):
@@ -309,8 +313,9 @@ def stop_reasons(build: str | os.PathLike, result: RunResult) -> list[str]:
             log = log_dir / f"log_rank_{r:04d}.txt"
             lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
             if code < 0:
-                note = next((ln.split(f"rank {r} ", 1)[1] for ln in reversed(lines)
-                             if ln.startswith(f"meshplan launcher: rank {r} ")), f"was killed by signal {_signal_name(-code)}")
+                mine = f"meshplan launcher: rank {r} "   # the launcher's own line in the log says how it ended
+                note = next((ln[len(mine):] for ln in reversed(lines) if ln.startswith(mine)),
+                            f"was killed by signal {_signal_name(-code)}")
                 out.append(f"rank {r} {note}")
             elif code > 0:
                 said = next((ln.strip() for ln in reversed(lines) if "error" in ln.lower() or "stopping" in ln.lower()),

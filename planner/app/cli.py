@@ -200,7 +200,11 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
 def _build_output(path: str, force: bool) -> None:
     """codegen's -o: a new directory, or a build it replaces; a directory of other files only with --force."""
     out = Path(path).expanduser()
-    if out.is_dir() and not (out / "build.json").is_file() and any(out.iterdir()) and not force:
+    try:
+        others = out.is_dir() and not (out / "build.json").is_file() and any(out.iterdir())
+    except OSError:   # a directory we may not list: output_dir says so
+        others = False
+    if others and not force:
         raise OutputError(f"-o {path} is a directory with other files than a meshplan build; codegen would write "
                           "among them: pass --force, or give a new directory")
     output_dir(path)
