@@ -163,7 +163,7 @@ def make_fixtures(tmp: Path, cli: Callable[[Sequence[str]], int], runs: bool = F
     a_dir = tmp / "a_dir"
     a_dir.mkdir(exist_ok=True)
     _damaged_builds(tmp, build)
-    _checkpoints(tmp, build)
+    _checkpoints(tmp)
     _data_files(tmp)
     if runs:
         ckpt = tmp / "ckpt_real"
@@ -191,40 +191,43 @@ def _damaged_builds(tmp: Path, build: Path) -> None:
         (copy / file).write_bytes(edit((build / file).read_bytes()))
 
 
-_TORCH_FIXTURES = """
-import hashlib, json, sys, warnings
-from pathlib import Path
-import torch, torch.distributed.checkpoint as dcp
-def file_digests(step):   # as runtime/torch_stack/dcp.py records them (written out: also runs on older code)
+def _digests(step: Path) -> dict:
+    """As runtime/torch_stack/dcp.file_digests records them (written out here: the fuzz also runs older code)."""
     return {f.name: {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "bytes": f.stat().st_size}
             for f in sorted(step.iterdir()) if f.name.endswith(".metadata") or f.suffix == ".distcp"}
-root = Path(sys.argv[1])
-for name in ("honest", "crafted", "changed", "not_json"):
-    step = root / f"ckpt_{name}" / "step_00000003"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save({"model": {"w": torch.ones(2, 3)}, "extra": {"step": 3}}, checkpoint_id=str(step), no_dist=True)
-    if name == "crafted":
-        (step / ".metadata").write_bytes(Path(sys.argv[2]).read_bytes())
-    record = {"step": 3, "samples": 12, "run_id": "0123456789ab", "model_ref": "examples/models/mlp.py:build",
-              "format": 1, "files": file_digests(step)}
-    (step / "torch_checkpoint.json").write_text("{not json" if name == "not_json" else json.dumps(record))
-    (step.parent / "latest").write_text(step.name)
-    if name == "changed":
-        data = bytearray((step / "__0_0.distcp").read_bytes())
-        data[-1] ^= 0xFF
-        (step / "__0_0.distcp").write_bytes(bytes(data))
-"""
 
 
-def _checkpoints(tmp: Path, build: Path) -> None:
+def _torch_checkpoints(tmp: Path) -> None:
+    """Four torch-target checkpoints, saved by torch.distributed.checkpoint in this process (torch is
+    imported here only)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    for name in ("honest", "crafted", "changed", "not_json"):
+        step = tmp / f"ckpt_{name}" / "step_00000003"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"model": {"w": torch.ones(2, 3)}, "extra": {"step": 3}}, checkpoint_id=str(step), no_dist=True)
+        if name == "crafted":
+            (step / ".metadata").write_bytes(pickle.dumps(Payload(tmp / "marker_metadata")))
+        record = {"step": 3, "samples": 12, "run_id": "0123456789ab", "model_ref": "examples/models/mlp.py:build",
+                  "format": 1, "files": _digests(step)}
+        (step / "torch_checkpoint.json").write_text("{not json" if name == "not_json" else json.dumps(record))
+        (step.parent / "latest").write_text(step.name)
+        if name == "changed":
+            data = bytearray((step / "__0_0.distcp").read_bytes())
+            data[-1] ^= 0xFF
+            (step / "__0_0.distcp").write_bytes(bytes(data))
+
+
+def _checkpoints(tmp: Path) -> None:
     """Torch-target checkpoints (honest, .metadata crafted to create marker_metadata, a .distcp changed after
     the save, a record that is not JSON), and meshplan checkpoints (a rank file crafted to create marker_rank,
     a manifest that is not JSON), made without a run."""
-    (tmp / "payload_metadata.pkl").write_bytes(pickle.dumps(Payload(tmp / "marker_metadata")))
     if not (tmp / "ckpt_not_json").exists():
-        subprocess.run([sys.executable, "-c", _TORCH_FIXTURES, str(tmp), str(tmp / "payload_metadata.pkl")],
-                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _torch_checkpoints(tmp)
     for name, rank_file in (("ckpt_rank", pickle.dumps(Payload(tmp / "marker_rank"))), ("ckpt_manifest", b"x")):
         step = tmp / name / "step_00000001"
         step.mkdir(parents=True, exist_ok=True)
@@ -438,7 +441,8 @@ def cases(fx: Fixtures) -> list[Case]:
 
 def _has_cuda() -> bool:
     """Whether this machine has CUDA (then `--backend nccl` is allowed); read without torch.cuda
-    so that the fuzz script itself stays light: nvidia-smi on PATH is the sign."""
+    so that the fuzz script itself stays light (torch is imported only to write checkpoint fixtures):
+    nvidia-smi on PATH is the sign."""
     return shutil.which("nvidia-smi") is not None
 
 
