@@ -73,7 +73,7 @@ def test_a_crafted_metadata_stops_train_torch_before_anything_runs(saved, tmp_pa
     record = json.loads((crafted / TORCH_INFO).read_text())
     (crafted / TORCH_INFO).write_text(json.dumps({**record, "files": file_digests(crafted)}))
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    for rank in (0, 1):
+    for rank in (1,):   # every rank runs the same check before the rendezvous; one interpreter keeps it cheap
         proc = subprocess.run([sys.executable, str(tensor / "train_torch.py"), "--steps", "1", "--resume", str(crafted)],
                               env={**env, "RANK": str(rank), "WORLD_SIZE": "2"}, capture_output=True, text=True,
                               timeout=120)
