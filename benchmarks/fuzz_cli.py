@@ -487,6 +487,8 @@ def side_effects(case: Case, before: dict[str, str | None]) -> str | None:
 
 def run_case(case: Case, env: dict[str, str], cwd: Path, limit: float) -> tuple[str, float, str]:
     """(outcome, seconds, last stderr line) of one case in its own process group."""
+    for p in case.must_not_exist:   # an earlier case's (a marker left by a crafted file that ran) is not this one's
+        Path(p).unlink(missing_ok=True)
     for p in case.plant:
         if Path(p).parent.is_dir():
             Path(p).write_bytes(b"left by a save that was killed")
