@@ -1,6 +1,6 @@
 """Throw bad inputs at every `meshplan` verb and classify what each one does.
 
-    python benchmarks/fuzz_cli.py [--limit 60] [--only capture,run] [--keep DIR]
+    python benchmarks/fuzz_cli.py [--limit 60] [--only capture,run] [--case NAME] [--keep DIR]
 
 Every case runs `python -m planner.app.cli ...` in a subprocess of its own (PYTHONPATH: this
 checkout, or the one in $PYTHONPATH when set) under a wall-clock limit (seconds), and
@@ -10,7 +10,9 @@ ends as one of:
                   stderr says "error:" (argparse's usage line before it is fine)
     success       exit 0 where the input is allowed (a value at a documented cap)
     SILENT WRONG  exit 0 for an input that cannot be right (world size 0, a batch the
-                  micro-batch does not divide, ...)
+                  micro-batch does not divide, ...), or any exit after which a file the case
+                  watches was changed (a checkpoint shard, a user's file) or a marker file that a
+                  crafted checkpoint's code would create exists
     TRACEBACK     a Python traceback on stderr
     HANG          still running at the limit (killed)
     UNCLEAR       any other exit: non-zero without a traceback and without a one-line error
@@ -18,8 +20,14 @@ ends as one of:
 The inputs: numeric options at 0, -1, huge and non-numbers; output paths that are missing,
 unwritable, a directory or under a file; model references broken in every way (syntax
 error, missing import, a factory that raises, calls sys.exit, is not callable, gets an
-unknown keyword, example_inputs that raises); hand-edited plans and builds; Ctrl-C
-during a run. `cases()` is shared with tests/unit/test_cli_bad_inputs.py, which runs a
+unknown keyword, example_inputs that raises); hand-edited plans and builds, and truncated,
+non-UTF-8 or damaged build.json / programs.json / plan.json; checkpoints crafted to run code
+(a Distributed Checkpoint's .metadata, a rank file), changed after the save, or with a record
+that is not JSON; outputs onto existing files and into a checkpoint; pre-launch checks (an
+unwritable --tensorboard, dataset samples beyond the model's positions or vocabulary, a
+non-torch --init checkpoint, --no-loss-scale without fp16, huge --warmup-steps); Ctrl-C
+during a run. With `runs` (the benchmark; not the in-process test) the fixtures include a
+real run's checkpoint for the cases that need one. `cases()` is shared with tests/unit/test_cli_bad_inputs.py, which runs a
 sample of them in-process. Exits non-zero unless every case ends as a clear error or an
 allowed success.
 """
@@ -27,10 +35,13 @@ allowed success.
 from __future__ import annotations
 
 import argparse
+import array
 import collections
 import dataclasses
+import hashlib
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -65,6 +76,17 @@ CREATED = "missing dir"
 OUTCOMES = ("clear error", "success", "SILENT WRONG", "TRACEBACK", "HANG", "UNCLEAR")
 
 
+class Payload:
+    """Pickled into a crafted checkpoint file: plain pickle would call open(marker, "w"), creating the
+    marker (a stand-in for any code). The fuzz checks that the marker never appears."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One command line. `must_fail`: a bad input (exit 0 is a silent wrong result);
@@ -74,6 +96,9 @@ class Case:
     argv: tuple[str, ...]
     must_fail: bool = True
     sigint_after: float | None = None
+    must_not_exist: tuple[str, ...] = ()   # marker files a crafted file's code would create, temporaries to sweep
+    unchanged: tuple[str, ...] = ()        # files the command must leave as they were
+    plant: tuple[str, ...] = ()            # files created (a few bytes) just before the command runs
 
     @property
     def verb(self) -> str:
@@ -97,9 +122,10 @@ def _write_json(path: Path, doc: dict) -> Path:
     return path
 
 
-def make_fixtures(tmp: Path, cli: Callable[[Sequence[str]], int]) -> Fixtures:
-    """Write the broken models, a valid plan and build (through `cli`, argv -> exit status)
-    and their hand-edited copies under `tmp`."""
+def make_fixtures(tmp: Path, cli: Callable[[Sequence[str]], int], runs: bool = False) -> Fixtures:
+    """Write the broken models, a valid plan and build (through `cli`, argv -> exit status),
+    their hand-edited and damaged copies, crafted checkpoints and data files under `tmp`; with
+    `runs`, also a real run's checkpoint (ckpt_real)."""
     models = tmp / "models"
     models.mkdir(parents=True, exist_ok=True)
     for name, src in BROKEN_MODELS.items():
@@ -136,7 +162,97 @@ def make_fixtures(tmp: Path, cli: Callable[[Sequence[str]], int]) -> Fixtures:
     a_file.write_text("not a directory\n")
     a_dir = tmp / "a_dir"
     a_dir.mkdir(exist_ok=True)
+    _damaged_builds(tmp, build)
+    _checkpoints(tmp)
+    _data_files(tmp)
+    if runs:
+        ckpt = tmp / "ckpt_real"
+        if not ckpt.exists() and cli(["run", str(build), "--steps", "1", "--quiet", "--checkpoint-dir", str(ckpt)]) != 0:
+            raise RuntimeError("fuzz_cli: could not make the fixture checkpoint")
+        torch_build = tmp / "build_torch_real"   # a real torch-target build: its ranks read the checkpoint
+        if not (torch_build / "build.json").exists() and cli(["codegen", "examples/models/mlp.py:build", "--batch", "4",
+                                                              "--target", "torch", "-o", str(torch_build)]) != 0:
+            raise RuntimeError("fuzz_cli: could not make the fixture torch build")
     return Fixtures(tmp, models, plan, build, a_file, a_dir)
+
+
+def _damaged_builds(tmp: Path, build: Path) -> None:
+    """Copies of the build with one file damaged: build_json (truncated build.json), build_utf8 (programs.json
+    not UTF-8), build_plan (plan.json not JSON), build_torch (build.json says target torch: its --resume reads
+    Distributed Checkpoints)."""
+    for name, file, edit in (("build_json", "build.json", lambda b: b[: len(b) // 2]),
+                             ("build_utf8", "programs.json", lambda b: b"\xff\xfe" + b),
+                             ("build_plan", "plan.json", lambda b: b"{" + b[:40]),
+                             ("build_torch", "build.json", lambda b: json.dumps(
+                                 {**json.loads(b), "target": "torch"}).encode())):
+        copy = tmp / name
+        if not copy.exists():
+            shutil.copytree(build, copy)
+        (copy / file).write_bytes(edit((build / file).read_bytes()))
+
+
+def _digests(step: Path) -> dict:
+    """As runtime/torch_stack/dcp.file_digests records them (written out here: the fuzz also runs older code)."""
+    return {f.name: {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "bytes": f.stat().st_size}
+            for f in sorted(step.iterdir()) if f.name.endswith(".metadata") or f.suffix == ".distcp"}
+
+
+def _torch_checkpoints(tmp: Path) -> None:
+    """Four torch-target checkpoints, saved by torch.distributed.checkpoint in this process (torch is
+    imported here only)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    for name in ("honest", "crafted", "changed", "not_json"):
+        step = tmp / f"ckpt_{name}" / "step_00000003"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"model": {"w": torch.ones(2, 3)}, "extra": {"step": 3}}, checkpoint_id=str(step), no_dist=True)
+        if name == "crafted":
+            (step / ".metadata").write_bytes(pickle.dumps(Payload(tmp / "marker_metadata")))
+        record = {"step": 3, "samples": 12, "run_id": "0123456789ab", "model_ref": "examples/models/mlp.py:build",
+                  "format": 1, "files": _digests(step)}
+        (step / "torch_checkpoint.json").write_text("{not json" if name == "not_json" else json.dumps(record))
+        (step.parent / "latest").write_text(step.name)
+        if name == "changed":
+            data = bytearray((step / "__0_0.distcp").read_bytes())
+            data[-1] ^= 0xFF
+            (step / "__0_0.distcp").write_bytes(bytes(data))
+
+
+def _checkpoints(tmp: Path) -> None:
+    """Torch-target checkpoints (honest, .metadata crafted to create marker_metadata, a .distcp changed after
+    the save, a record that is not JSON), and meshplan checkpoints (a rank file crafted to create marker_rank,
+    a manifest that is not JSON), made without a run."""
+    if not (tmp / "ckpt_not_json").exists():
+        _torch_checkpoints(tmp)
+    for name, rank_file in (("ckpt_rank", pickle.dumps(Payload(tmp / "marker_rank"))), ("ckpt_manifest", b"x")):
+        step = tmp / name / "step_00000001"
+        step.mkdir(parents=True, exist_ok=True)
+        (step / "rank_0000.pt").write_bytes(rank_file)
+        manifest = {"format_version": 1, "step": 1, "samples": 4, "world_size": 1, "mesh": [["data", 1]],
+                    "signature": "s", "model_ref": "examples/models/mlp.py:build", "optimizer": "sgd",
+                    "global_batch_size": 4, "data_seed": 1000, "layouts": {"0": "l"}, "run_id": "0123456789ab",
+                    "files": {"0": {"sha256": hashlib.sha256(rank_file).hexdigest(), "bytes": len(rank_file)}}}
+        (step / "manifest.json").write_text("{not json" if name == "ckpt_manifest" else json.dumps(manifest))
+    existing = tmp / "existing"
+    existing.mkdir(exist_ok=True)
+    for name in ("model.pt", "graph.json", "plan.json", "cluster.yaml", "cal.yaml", "show_report.html"):
+        (existing / name).write_text("a file of the user's\n")
+    (existing / "dir_of_files").mkdir(exist_ok=True)
+    (existing / "dir_of_files" / "notes.txt").write_text("the user's\n")
+
+
+def _data_files(tmp: Path) -> None:
+    """tokens.bin (ids < 100, gpt tiny's vocabulary is 128) and big_ids.bin (ids up to 999), token files of
+    examples/data/tokens.py; not_torch.pt, a file that is not torch.save's."""
+    for name, ids in (("tokens.bin", [i % 100 for i in range(4000)]), ("big_ids.bin", [i % 1000 for i in range(4000)])):
+        (tmp / name).write_bytes(array.array("H", ids).tobytes())
+        (tmp / f"{name}.json").write_text(json.dumps({"dtype": "uint16", "num_tokens": len(ids),
+                                                      "vocab_size": max(ids) + 1}))
+    (tmp / "not_torch.pt").write_text("weights, honestly\n")
 
 
 def _numeric(verb_argv: tuple[str, ...], flag: str, values: Sequence[str], tag: str) -> list[Case]:
@@ -169,6 +285,8 @@ def cases(fx: Fixtures) -> list[Case]:
     out.append(Case("capture unknown --arg", ("capture", mlp, "--arg", "nosuch=1")))
     out.append(Case("capture Ctrl-C in factory", ("capture", f"{m}/interrupts.py:build")))
     out += [Case(f"capture -o {k}", cap + ("-o", p), must_fail=k != CREATED) for k, p in outs("capture").items()]
+    ex = fx.tmp / "existing"
+    out.append(Case("capture -o existing file", cap + ("-o", str(ex / "graph.json")), unchanged=(str(ex / "graph.json"),)))
     # optimize
     opt = ("optimize", *gpt, "--cluster", "local", "--devices", "2", "--quiet", "-o", out_file("p.json"))
     out += _numeric(opt, "--batch", ["0", "-1", "x", HUGE, str(2 ** 31 + 1)], "optimize")
@@ -184,6 +302,8 @@ def cases(fx: Fixtures) -> list[Case]:
                                        "-o", out_file("p.json"))) for k, r in refs.items() if k != "no colon"]
     out += [Case(f"optimize -o {k}", opt[:-2] + ("--batch", "4", "-o", p), must_fail=k != CREATED)
             for k, p in outs("optimize").items()]
+    out.append(Case("optimize -o existing file", opt[:-2] + ("--batch", "4", "-o", str(ex / "plan.json")),
+                    unchanged=(str(ex / "plan.json"),)))
     # show
     out += [Case(f"show plan {k}", ("show", str(fx.tmp / f"plan_{k}.json"), "-o", out_file(f"show_{k}")))
             for k in ("swapped", "micro3", "batch1e30", "world0", "product", "gap")]
@@ -191,11 +311,15 @@ def cases(fx: Fixtures) -> list[Case]:
             Case("show a directory", ("show", str(fx.a_dir)))]
     out += [Case(f"show -o {k}", ("show", str(fx.plan), "-o", p[:-5]), must_fail=k != CREATED)
             for k, p in outs("show").items() if k != "a directory"]
+    out.append(Case("show -o existing report", ("show", str(fx.plan), "-o", str(ex / "show")),
+                    unchanged=(str(ex / "show_report.html"),)))
     # cluster
     out += _numeric(("cluster", "dgx-a100-80gb"), "--nodes", ["0", "-1", HUGE, "x"], "cluster")
     out += _numeric(("cluster", "local"), "--devices", ["0", "-1", HUGE], "cluster")
     out += [Case(f"cluster -o {k}", ("cluster", "local", "-o", p), must_fail=k != CREATED)
             for k, p in outs("cluster").items()]
+    out.append(Case("cluster -o existing file", ("cluster", "local", "-o", str(ex / "cluster.yaml")),
+                    unchanged=(str(ex / "cluster.yaml"),)))
     # codegen
     cg = ("codegen", mlp, "-o", out_file("build"))
     out += _numeric(cg, "--batch", ["0", "-1", HUGE], "codegen")
@@ -216,6 +340,23 @@ def cases(fx: Fixtures) -> list[Case]:
     out.append(Case("codegen unknown --arg", cg4 + ("--arg", "nosuch=1")))
     out += [Case(f"codegen -o {k}", ("codegen", mlp, "--batch", "4", "-o", p[:-5] if k != "a directory"
                                      else str(fx.a_file)), must_fail=k != CREATED) for k, p in outs("codegen").items()]
+    out.append(Case("codegen -o a directory of other files", ("codegen", mlp, "--batch", "4", "-o",
+                                                               str(ex / "dir_of_files"))))
+    # checked before the capture or right after it, never at step 0 in the ranks
+    out += [Case("codegen --no-loss-scale fp32", cg4 + ("--no-loss-scale",)),
+            Case("codegen --warmup-steps huge", cg4 + ("--warmup-steps", HUGE)),
+            Case("codegen --decay-steps huge", cg4 + ("--lr-schedule", "cosine", "--decay-steps", HUGE)),
+            Case("codegen --init checkpoint not torch", cg4 + ("--init", "checkpoint", "--checkpoint",
+                                                               str(fx.tmp / "not_torch.pt"))),
+            Case("codegen --init checkpoint missing", cg4 + ("--init", "checkpoint", "--checkpoint",
+                                                             str(fx.tmp / "nope.pt")))]
+    tokens = ("--dataset", "examples/data/tokens.py:TokenFile")
+    out += [Case("codegen --dataset samples longer than positions",
+                 ("codegen", *gpt, "--batch", "4", *tokens, "--dataset-arg", f"path={fx.tmp / 'tokens.bin'}",
+                  "--dataset-arg", "seq_len=32", "-o", out_file("build_ds"))),
+            Case("codegen --dataset ids beyond vocabulary",
+                 ("codegen", *gpt, "--batch", "4", *tokens, "--dataset-arg", f"path={fx.tmp / 'big_ids.bin'}",
+                  "--dataset-arg", "seq_len=16", "-o", out_file("build_ds")))]
     # run
     run = ("run", str(fx.build))
     out += _numeric(run, "--steps", ["0", "-1", "x"], "run")
@@ -232,28 +373,76 @@ def cases(fx: Fixtures) -> list[Case]:
             Case("run --checkpoint-dir onto a file", run + ("--checkpoint-dir", str(fx.a_file))),
             Case("run --checkpoint-dir unwritable", run + ("--checkpoint-dir", "/proc/meshplan_fuzz_ck")),
             Case("run Ctrl-C", run + ("--steps", "100000000"), sigint_after=12.0)]
+    t = fx.tmp
+    marker_md, marker_rank = str(t / "marker_metadata"), str(t / "marker_rank")
+    out += [Case("run --tensorboard onto a file", run + ("--tensorboard", str(fx.a_file))),
+            Case("run --tensorboard under a file", run + ("--tensorboard", str(fx.a_file / "tb"))),
+            Case("run --tensorboard unwritable", run + ("--tensorboard", "/proc/meshplan_fuzz_tb")),
+            Case("run truncated build.json", ("run", str(t / "build_json"))),
+            Case("run --verify non-UTF-8 programs.json", ("run", str(t / "build_utf8"), "--verify", "--quiet")),
+            Case("run --resume crafted .metadata", ("run", str(t / "build_torch"), "--resume", str(t / "ckpt_crafted")),
+                 must_not_exist=(marker_md,)),
+            Case("run --resume crafted .metadata, torch build", ("run", str(t / "build_torch_real"), "--resume",
+                                                                   str(t / "ckpt_crafted")), must_not_exist=(marker_md,)),
+            Case("run --resume changed .distcp", ("run", str(t / "build_torch"), "--resume", str(t / "ckpt_changed"))),
+            Case("run --resume record not JSON", ("run", str(t / "build_torch"), "--resume", str(t / "ckpt_not_json"))),
+            Case("run --resume crafted rank file", run + ("--resume", str(t / "ckpt_rank")),
+                 must_not_exist=(marker_rank,)),
+            Case("run --resume manifest not JSON", run + ("--resume", str(t / "ckpt_manifest")))]
+    real = t / "ckpt_real" / "step_00000001"   # made with `runs` only
+    shard = str(real / "rank_0000.pt")
+    out += [Case("run --resume after an interrupted save sweeps it",
+                 run + ("--steps", "1", "--quiet", "--checkpoint-dir", str(t / "ckpt_real"), "--resume",
+                        str(t / "ckpt_real")), must_fail=False,
+                 plant=(str(real / ".rank_0000.pt.fuzz1234.tmp"),),
+                 must_not_exist=(str(real / ".rank_0000.pt.fuzz1234.tmp"),))]
     # checkpoint
     out += [Case("checkpoint show missing", ("checkpoint", "show", str(fx.tmp / "no_ckpt"))),
             Case("checkpoint convert missing", ("checkpoint", "convert", str(fx.tmp / "no_ckpt"),
-                                                "-o", out_file("m.pt")))]
+                                                "-o", out_file("m.pt"))),
+            Case("checkpoint show crafted .metadata", ("checkpoint", "show", str(t / "ckpt_crafted")),
+                 must_not_exist=(marker_md,)),
+            Case("checkpoint convert crafted .metadata", ("checkpoint", "convert", str(t / "ckpt_crafted"),
+                                                          "-o", out_file("crafted.pt")), must_not_exist=(marker_md,)),
+            Case("checkpoint show changed .distcp", ("checkpoint", "show", str(t / "ckpt_changed"))),
+            Case("checkpoint show record not JSON", ("checkpoint", "show", str(t / "ckpt_not_json"))),
+            Case("checkpoint show manifest not JSON", ("checkpoint", "show", str(t / "ckpt_manifest"))),
+            Case("checkpoint show torch checkpoint", ("checkpoint", "show", str(t / "ckpt_honest")), must_fail=False),
+            Case("checkpoint convert torch checkpoint", ("checkpoint", "convert", str(t / "ckpt_honest"), "-o",
+                                                         out_file("honest.pt")), must_fail=False),
+            Case("checkpoint convert -o existing file", ("checkpoint", "convert", str(t / "ckpt_honest"), "-o",
+                                                         str(ex / "model.pt")), unchanged=(str(ex / "model.pt"),)),
+            Case("checkpoint convert -o a shard", ("checkpoint", "convert", str(t / "ckpt_real"), "-o", shard),
+                 unchanged=(shard,)),
+            Case("checkpoint convert -o a shard --force", ("checkpoint", "convert", str(t / "ckpt_real"), "-o", shard,
+                                                            "--force"), unchanged=(shard,)),
+            Case("checkpoint convert -o into a torch checkpoint",
+                 ("checkpoint", "convert", str(t / "ckpt_honest"), "-o", str(t / "ckpt_honest" / "model.pt")),
+                 must_not_exist=(str(t / "ckpt_honest" / "model.pt"),))]
     # calibrate: every one must be refused before measuring
     cal = ("calibrate", "--no-run-probe")
     out += _numeric(cal + ("-o", out_file("c.yaml")), "--timeout", ["0", "-1", "nan"], "calibrate")
     out += _numeric(cal + ("-o", out_file("c.yaml")), "--ranks", ["0", "-1", "1", "100000"], "calibrate")
     out += [Case(f"calibrate --out {k}", cal + ("--out", p[:-5] + ".yaml" if k != "a directory" else str(fx.a_dir)))
             for k, p in outs("calibrate").items() if k != CREATED]  # a created directory would start the measurement
+    out.append(Case("calibrate --out existing file", cal + ("--out", str(ex / "cal.yaml")),
+                    unchanged=(str(ex / "cal.yaml"),)))
     out.append(Case("calibrate --out bad suffix", cal + ("--out", out_file("c.txt"))))
     # compare / simulate
     for verb in ("compare", "simulate"):
         out += [Case(f"{verb} missing build", (verb, str(fx.tmp / "nope"))),
                 Case(f"{verb} world size 0", (verb, str(fx.tmp / "build_world0"))),
                 Case(f"{verb} --cluster nosuch", (verb, str(fx.build), "--cluster", "nosuch"))]
+        out += [Case(f"{verb} truncated build.json", (verb, str(t / "build_json"))),
+                Case(f"{verb} non-UTF-8 programs.json", (verb, str(t / "build_utf8"))),
+                Case(f"{verb} damaged plan.json", (verb, str(t / "build_plan")))]
     return out
 
 
 def _has_cuda() -> bool:
     """Whether this machine has CUDA (then `--backend nccl` is allowed); read without torch.cuda
-    so that the fuzz script itself stays light: nvidia-smi on PATH is the sign."""
+    so that the fuzz script itself stays light (torch is imported only to write checkpoint fixtures):
+    nvidia-smi on PATH is the sign."""
     return shutil.which("nvidia-smi") is not None
 
 
@@ -280,8 +469,30 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _digest(path: str) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def side_effects(case: Case, before: dict[str, str | None]) -> str | None:
+    """What the command did that it must not have (a marker that exists, a watched file changed), or None."""
+    made = [p for p in case.must_not_exist if Path(p).exists()]
+    changed = [p for p, digest in before.items() if _digest(p) != digest]
+    if made or changed:
+        return "; ".join([f"{p} exists" for p in made] + [f"{p} changed" for p in changed])
+    return None
+
+
 def run_case(case: Case, env: dict[str, str], cwd: Path, limit: float) -> tuple[str, float, str]:
     """(outcome, seconds, last stderr line) of one case in its own process group."""
+    for p in case.must_not_exist:   # an earlier case's (a marker left by a crafted file that ran) is not this one's
+        Path(p).unlink(missing_ok=True)
+    for p in case.plant:
+        if Path(p).parent.is_dir():
+            Path(p).write_bytes(b"left by a save that was killed")
+    before = {p: _digest(p) for p in case.unchanged}
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "planner.app.cli", *case.argv], cwd=cwd, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -304,6 +515,9 @@ def run_case(case: Case, env: dict[str, str], cwd: Path, limit: float) -> tuple[
         except ProcessLookupError:
             pass
     lines = [ln for ln in (err or "").splitlines() if ln.strip()]
+    wrong = side_effects(case, before)
+    if wrong is not None:
+        return "SILENT WRONG", time.monotonic() - t0, wrong[:150]
     return classify(case, rc, err or ""), time.monotonic() - t0, lines[-1][:150] if lines else ""
 
 
@@ -311,6 +525,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=float, default=60.0, help="seconds a case may run before it counts as a hang")
     ap.add_argument("--only", default="", help="comma-separated verbs to run (default: all)")
+    ap.add_argument("--case", action="append", default=[], help="run only the case of this name (repeatable)")
     ap.add_argument("--keep", help="write fixtures and outputs here and keep them (default: a temporary directory)")
     args = ap.parse_args()
     code_root = Path(os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] or ROOT).resolve()
@@ -323,9 +538,9 @@ def main() -> int:
                               stdout=subprocess.DEVNULL).returncode
 
     try:
-        fx = make_fixtures(tmp, cli)
+        fx = make_fixtures(tmp, cli, runs=True)
         only = {v for v in args.only.split(",") if v}
-        todo = [c for c in cases(fx) if not only or c.verb in only]
+        todo = [c for c in cases(fx) if (not only or c.verb in only) and (not args.case or c.name in args.case)]
         counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         bad = []
         print(f"code under test: {code_root}; {len(todo)} cases, limit {args.limit:g} s each", flush=True)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.data import Split
+import torch
+
+from runtime.data import DataError, Split
 from runtime.datasets import DatasetSpec, LastBatch, open_dataset
 
 # flags that mean nothing without --dataset: (attribute, flag, its default)
@@ -69,10 +71,55 @@ def dataset_spec(args: argparse.Namespace) -> DatasetSpec | None:
                        eval_kwargs=args.eval_dataset_kwargs, workers=args.data_workers)
 
 
-def check_dataset(spec: DatasetSpec, global_batch_size: int) -> None:
+def check_dataset(spec: DatasetSpec, global_batch_size: int, graph=None) -> None:
     """Build the dataset (and its evaluation split, when it has one) and read one sample of each, so
-    that a wrong reference, argument or sample form fails here, not on every rank."""
+    that a wrong reference, argument or sample form fails here, not on every rank; with the captured
+    `graph` (planner.graph.ModelGraph), also that sample against the model (`check_sample`)."""
     splits = [Split.TRAIN] + ([Split.EVAL] if spec.holdout > 0 or spec.eval_kwargs is not None else [])
     for split in splits:
         # data rank 0 of G with micro-batches of 1 reads exactly one sample
-        open_dataset(spec, global_batch_size, 1, 0, global_batch_size, split=split).micro_batches(0)
+        batch = open_dataset(spec, global_batch_size, 1, 0, global_batch_size, split=split).micro_batches(0)[0]
+        if graph is not None:
+            check_sample(batch, graph, f"--dataset {spec.ref}" + (" (its evaluation split)" if split == Split.EVAL
+                                                                  else ""))
+
+
+def _integer(t) -> bool:
+    return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex() and t.numel() > 0 \
+        and t.dtype != torch.bool
+
+
+def check_sample(batch, graph, what: str) -> None:
+    """DataError when a sample (inputs, targets) cannot go through the captured model: a token id beyond
+    the vocabulary of the embedding that reads it, a sequence longer than a position embedding's table
+    (an embedding indexed by arange over the sequence), or a class id beyond the model's outputs."""
+    inputs, targets = batch
+    nodes = {n.name: n for n in graph.nodes}
+    placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
+    if isinstance(inputs, dict):   # keyword inputs: by the model's argument names
+        inputs = tuple(inputs.get(name) for name in placeholders)
+    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    for node in graph.nodes:
+        if node.kind != "embedding" or not node.inputs:
+            continue
+        rows = dict(node.attrs).get("num_embeddings")
+        src = nodes.get(node.inputs[0])
+        if rows is None or src is None:
+            continue
+        if src.op == "placeholder" and src.name in placeholders:
+            i = placeholders.index(src.name)
+            if i < len(inputs) and _integer(inputs[i]) and int(inputs[i].max()) >= rows:
+                raise DataError(f"{what}: a sample holds token id {int(inputs[i].max())}, but the model's embedding "
+                                f"{node.module_path or node.name} has {rows} rows (ids 0..{rows - 1}); give the model a "
+                                "larger vocabulary (its --arg) or the dataset a smaller one")
+        elif "arange" in src.target and inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() >= 2:
+            length = int(inputs[0].shape[-1])
+            if length > rows:
+                raise DataError(f"{what}: samples are {length} tokens long, but the model's position embedding "
+                                f"{node.module_path or node.name} covers {rows} positions; give the model more "
+                                "positions (its --arg) or the dataset shorter samples (its --dataset-arg)")
+    out = next((n for n in graph.nodes if n.op == "output"), None)
+    classes = out.input_meta[0].shape[-1] if out is not None and out.input_meta and out.input_meta[0].shape else None
+    if classes and _integer(targets) and int(targets.max()) >= classes:
+        raise DataError(f"{what}: a sample's target is class {int(targets.max())}, but the model gives {classes} "
+                        "outputs per position; give the model more outputs or the dataset fewer classes")

@@ -351,7 +351,8 @@ if [ "$NNODES" -gt 1 ]; then
   : "${{MESHPLAN_JOB_SECRET:?set the same MESHPLAN_JOB_SECRET on every node}}"
 fi
 {_SECRET}if [ "$NNODES" -eq 1 ]; then
-  exec "${{TORCHRUN:-torchrun}}" --standalone --nnodes=1 --nproc-per-node="$NPROC_PER_NODE" \\
+  # torchrun with its rendezvous store on 127.0.0.1 only (--standalone's listen on every interface)
+  exec "${{PYTHON:-python3}}" -m runtime.torchrun_local --nproc-per-node="$NPROC_PER_NODE" \\
     "$HERE/{entry}" "$@"
 fi
 : "${{NODE_RANK:?set NODE_RANK (0 .. NNODES-1; 0 on the node at MASTER_ADDR, which holds rank 0)}}"
@@ -377,8 +378,27 @@ for v in PATH LD_LIBRARY_PATH PYTHONPATH VIRTUAL_ENV MESHPLAN_JOB_SECRET MASTER_
   if [ -n "${{!v+x}}" ]; then FORWARD+=(-x "$v"); fi
 done
 if [ "$(id -u)" -eq 0 ]; then FORWARD+=(--allow-run-as-root); fi   # Open MPI refuses root without it
-exec "${{MPIRUN:-mpirun}}" -n {world} ${{MPIRUN_ARGS:-}} -x OMP_NUM_THREADS="${{OMP_NUM_THREADS:-1}}" \\
-  "${{FORWARD[@]}}" "$PYTHON" "$HERE/{entry}" --backend mpi "$@"
+# One node unless MPIRUN_ARGS names hosts or a batch allocation spans nodes (MESHPLAN_MPI_LOCAL=0/1
+# decides): then the ranks talk through shared memory and mpirun runs in a network namespace whose only
+# interface is loopback (runtime/loopback_ns.py), so that nothing of the job listens beyond this node.
+# Several nodes keep Open MPI's own choice of interfaces.
+LOCAL="${{MESHPLAN_MPI_LOCAL:-1}}"
+if [ -z "${{MESHPLAN_MPI_LOCAL:-}}" ]; then
+  case " ${{MPIRUN_ARGS:-}} " in *" --host"*|*" -H "*|*" --hostfile"*|*" --machinefile"*|*" -hostfile"*) LOCAL=0;; esac
+  [ "${{SLURM_JOB_NUM_NODES:-1}}" -le 1 ] && [ -z "${{PBS_NODEFILE:-}}" ] || LOCAL=0
+fi
+WRAP=()
+MCA=()
+if [ "$LOCAL" = 1 ]; then
+  [ -n "${{OMPI_MCA_btl:-}}" ] || MCA=(--mca btl self,sm)
+  if "$PYTHON" -m runtime.loopback_ns --check; then
+    WRAP=("$PYTHON" -m runtime.loopback_ns --)
+  else
+    echo "launch_mpirun.sh: warning: mpirun will listen on every interface of this machine" >&2
+  fi
+fi
+exec ${{WRAP[@]+"${{WRAP[@]}}"}} "${{MPIRUN:-mpirun}}" ${{MCA[@]+"${{MCA[@]}}"}} -n {world} ${{MPIRUN_ARGS:-}} \\
+  -x OMP_NUM_THREADS="${{OMP_NUM_THREADS:-1}}" "${{FORWARD[@]}}" "$PYTHON" "$HERE/{entry}" --backend mpi "$@"
 '''
     srun = f'''#!/usr/bin/env bash
 #SBATCH --job-name=meshplan

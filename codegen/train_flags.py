@@ -15,6 +15,8 @@ import argparse
 from runtime.lr_schedule import ScheduleKind, ScheduleSpec
 from runtime.optim import NoDecay, OptimizerImpl, OptimizerSpec
 
+MAX_STEPS = 2 ** 40   # as meshplan run --steps (planner/app/cli.py)
+
 
 def add_flags(p: argparse.ArgumentParser, count, nonnegative_number) -> None:
     """count / nonnegative_number: planner.app.cli_args' argparse types."""
@@ -26,11 +28,11 @@ def add_flags(p: argparse.ArgumentParser, count, nonnegative_number) -> None:
                         "than 2 dims) or none (decay every parameter)")
     p.add_argument("--lr-schedule", default=ScheduleKind.CONSTANT.value, choices=[m.value for m in ScheduleKind],
                    help="after the warm-up: constant --lr, or a cosine or linear decay to --min-lr at --decay-steps")
-    p.add_argument("--warmup-steps", type=count(0), default=0,
+    p.add_argument("--warmup-steps", type=count(0, MAX_STEPS), default=0,
                    help="steps of linear warm-up from lr / (N + 1) to --lr (default 0)")
     p.add_argument("--min-lr", type=nonnegative_number, default=0.0,
                    help="the lr a cosine or linear decay ends at (default 0)")
-    p.add_argument("--decay-steps", type=count(1), default=None,
+    p.add_argument("--decay-steps", type=count(1, MAX_STEPS), default=None,
                    help="the step at which a cosine or linear decay reaches --min-lr, warm-up included")
 
 

@@ -58,6 +58,9 @@ MANIFEST = "manifest.json"
 TORCH_LATEST = "latest"
 TORCH_INFO = "torch_checkpoint.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# what a save writes before it is complete: runtime/files.py's temporaries (.NAME.XXXXXXXX.tmp) and DCP's
+# metadata temporaries (.metadata.tmp, __R.metadata.tmp)
+_TEMPORARY = re.compile(r"^(\..+|__\d+\.metadata)\.tmp$")
 
 
 class CheckpointError(ValueError):
@@ -81,6 +84,48 @@ def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
     return [d for _, d in sorted(found)]
 
 
+def is_torch_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` is a torch build's checkpoint (a step directory with its record, or a root with latest)."""
+    p = Path(path)
+    return (p / TORCH_LATEST).is_file() or (p / TORCH_INFO).is_file()
+
+
+def enclosing_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The checkpoint directory (a step directory or a --checkpoint-dir root, of either runtime) that `path`
+    lies in or is, or None: nothing is ever written there but by a run."""
+    p = Path(path).expanduser().resolve()
+    for d in [p, *p.parents]:
+        try:
+            if d.is_dir() and (_STEP_DIR.match(d.name) or any((d / f).is_file() for f in (MANIFEST, TORCH_INFO,
+                                                                                          TORCH_LATEST))
+                               or any(_STEP_DIR.match(c.name) and c.is_dir() for c in d.iterdir())):
+                return d
+        except OSError:   # a directory we may not list holds no checkpoint of ours
+            continue
+    return None
+
+
+def sweep_interrupted_saves(root: str | os.PathLike) -> list[Path]:
+    """Remove what interrupted saves left under the checkpoint root `root`, and return it: temporaries in
+    `root` and in its step directories, and step directories that never became complete (neither a manifest
+    nor a torch build's record: a save killed before its end). Only a run holding `root`'s lock may call it
+    (runtime/checkpoint_run.py): then no save is in progress there."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for d in [root, *(c for c in root.iterdir() if c.is_dir() and _STEP_DIR.match(c.name))]:
+        if d != root and not (d / MANIFEST).is_file() and not (d / TORCH_INFO).is_file():
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+            continue
+        for f in d.iterdir():
+            if f.is_file() and _TEMPORARY.match(f.name):
+                f.unlink(missing_ok=True)
+                removed.append(f)
+    return removed
+
+
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint directory: `path` itself if it has a manifest, else the newest complete one under it."""
     p = Path(path)
@@ -89,7 +134,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if not p.is_dir():
         raise CheckpointError(f"checkpoint {p} does not exist; give a checkpoint directory (step_XXXXXXXX) "
                               "or the --checkpoint-dir of an earlier run")
-    if (p / TORCH_LATEST).is_file() or (p / TORCH_INFO).is_file():
+    if is_torch_checkpoint(p):
         raise CheckpointError(f"{p} is a Distributed Checkpoint of a torch build (meshplan codegen --target torch); "
                               "meshplan's runtime reads its own checkpoints only: resume it with a torch build of "
                               "the model, or start this build without --resume")
@@ -178,7 +223,21 @@ def read_rank_file(ckpt: Path, rank: int, manifest: Manifest) -> dict:
     if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
         raise CheckpointError(f"checkpoint file {path} does not match its manifest (size or sha256 differ): "
                               "it was damaged or overwritten; resume from another checkpoint")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever a crafted file raises: refused, nothing in it runs
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint file {path} is not a rank's saved state ({first}); it was damaged or "
+                              "replaced: resume from another checkpoint") from None
+
+
+def check_rank_files(ckpt: Path) -> Manifest:
+    """Every rank file of checkpoint `ckpt` against its manifest and readable as plain data (read_rank_file):
+    what `meshplan run --resume` checks before any rank starts; returns the manifest."""
+    manifest = Manifest.load(ckpt)
+    for rank in range(manifest.world_size):
+        read_rank_file(ckpt, rank, manifest)
+    return manifest
 
 
 # ---- what a rank saves --------------------------------------------------------------------------

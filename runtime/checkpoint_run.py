@@ -34,8 +34,11 @@ import os
 import uuid
 from dataclasses import dataclass
 
-from runtime.checkpoint import CheckpointError, Manifest, complete_checkpoints
-from runtime.dir_lock import DirLock, Holder
+import sys
+from pathlib import Path
+
+from runtime.checkpoint import CheckpointError, Manifest, complete_checkpoints, sweep_interrupted_saves
+from runtime.dir_lock import DirLock, DirectoryBusy, Holder
 
 
 def new_run_id() -> str:
@@ -93,6 +96,7 @@ def claim_checkpoint_dir(root: str | os.PathLike, resumed: Manifest | None,
     """
     lock = DirLock.acquire(root, Holder.here(), "checkpoint directory")
     try:
+        report_swept(root, sweep_interrupted_saves(root))
         run_id = run_to_continue(root, resumed, resumed_from, allow_other_run=allow_other_run) or new_run_id()
         lock.update(dataclasses.replace(lock.holder, run_id=run_id))
     except BaseException:
@@ -100,3 +104,24 @@ def claim_checkpoint_dir(root: str | os.PathLike, resumed: Manifest | None,
         raise
     return CheckpointClaim(lock, run_id)
 
+
+
+def report_swept(root: str | os.PathLike, removed: list) -> None:
+    if removed:
+        print(f"meshplan rank 0: removed what an interrupted save left in {root}: "
+              + ", ".join(Path(p).name for p in removed), file=sys.stderr, flush=True)
+
+
+def sweep_resumed_root(resumed: str | os.PathLike) -> None:
+    """After --resume without --checkpoint-dir (rank 0): sweep the resumed checkpoint's root, unless a run
+    holds it (that run's own saves may be in progress there)."""
+    root = Path(resumed)
+    root = root.parent if root.name.startswith("step_") else root
+    try:
+        lock = DirLock.acquire(root, Holder.here(), "checkpoint directory")
+    except (DirectoryBusy, OSError, ValueError):
+        return
+    try:
+        report_swept(root, sweep_interrupted_saves(root))
+    finally:
+        lock.release()

@@ -4,23 +4,33 @@ Non-blocking MPI calls on NumPy views of CPU tensors, completed by polling with 
 deadline while watching for an abort message from a failed peer (runtime/comm.py's
 failure protocol); a process group's collectives start one after another in the order
 issued (MpiCommunicator._enqueue). mpi4py is imported when a communicator is made.
+
+An abort message is UTF-8 JSON ({"reason": text}) signed with the job secret as the
+store's messages are (runtime/jobauth.py): bytes from a peer are never unpickled, and
+one that does not verify is logged and ignored.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
-import pickle
+import sys
 import time
 from typing import Callable, Sequence
 
 import torch
 
 from runtime.comm import CommError, Group, PeerFailure, SoloGroup, group_send_recv
+from runtime.jobauth import SECRET_ENV, Signer, shown, signer_from_env
 
 # Above every p2p_tag (which stay below 2**29); OpenMPI's MPI_TAG_UB is 2**31 - 1.
 _ABORT_TAG = 1_500_000_000
 _ACK_TAG = 1_500_000_001
+_ABORT_BYTES = 1 << 16
+# characters of a failure reason sent: JSON escapes each at most as \uXXXX, and the signed message
+# (64 hex digits, a separator, the JSON) must fit the receive buffer
+_REASON_CHARS = 8000
 # Seconds an MPI wait keeps its core (testing, yielding in between) before it sleeps, when the
 # node's ranks fit its cores (MpiCommunicator).
 YIELD_SPIN_S = 0.02
@@ -141,7 +151,7 @@ class MpiCommunicator:
 
     backend = "mpi"
 
-    def __init__(self, timeout: float = 300.0):
+    def __init__(self, timeout: float = 300.0, signer: Signer | None = None):
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -151,8 +161,9 @@ class MpiCommunicator:
         self.device = torch.device("cpu")
         self.timeout = float(timeout)
         self._groups: dict[tuple[int, ...], Group] = {}
-        self._abort_buf = bytearray(1 << 16)
-        self._abort_req = self._world.Irecv([self._abort_buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_ABORT_TAG)
+        self.signer = signer if signer is not None else signer_from_env()
+        self._abort_buf = bytearray(_ABORT_BYTES)
+        self._abort_req = self._post_abort_recv()
         self._abort_reason: str | None = None
         self._failed = False
         self._group_tag = 100
@@ -171,6 +182,36 @@ class MpiCommunicator:
         # the same ones one after another (benchmarks/mpi_queue.py measures both ways).
         # Every poll, whatever it waits for, starts a group's next one once its predecessor is done.
         self._queues: dict[int, collections.deque] = {}
+
+    def _post_abort_recv(self):
+        self._abort_buf[:] = bytes(_ABORT_BYTES)
+        return self._world.Irecv([self._abort_buf, self._MPI.BYTE], source=self._MPI.ANY_SOURCE, tag=_ABORT_TAG)
+
+    def _abort_message(self, data: bytes) -> str | None:
+        """The reason a signed abort message carries; None (logged) for any other bytes."""
+        text = self.signer.verify(data)
+        try:
+            reason = json.loads(text)["reason"] if text is not None else None
+        except (ValueError, TypeError, KeyError):
+            reason = None
+        if not isinstance(reason, str):
+            print(f"meshplan rank {self.rank}: warning: ignored a failure message on the MPI abort channel that "
+                  f"fails authentication ({shown(data)}); every rank of a job needs the same {SECRET_ENV}",
+                  file=sys.stderr, flush=True)
+            return None
+        return reason
+
+    def _received_abort(self) -> str | None:
+        """A peer's verified failure reason, once one has arrived (a message that does not verify is
+        dropped and the channel listens again)."""
+        if self._abort_reason is not None:
+            return self._abort_reason
+        if not self._abort_req.Test():
+            return None
+        data = bytes(self._abort_buf).rstrip(b"\0")
+        self._abort_req = self._post_abort_recv()
+        self._abort_reason = self._abort_message(data)
+        return self._abort_reason
 
     def group(self, ranks: Sequence[int]) -> Group:
         key = tuple(int(r) for r in ranks)
@@ -203,8 +244,16 @@ class MpiCommunicator:
         return self._local_ranks == self.world_size
 
     def share(self, value, root: int = 0):
-        """`root`'s `value` (a small picklable object) on every rank; a collective over all ranks."""
-        return self._world.bcast(value, root=root)
+        """`root`'s `value` (small, JSON: numbers, strings, lists, None; a tuple comes back a list) on every
+        rank; a collective over all ranks. Sent as JSON bytes: nothing a peer sends is unpickled."""
+        import numpy as np
+
+        data = json.dumps(value).encode() if self.rank == root else b""
+        size = np.array([len(data)], dtype=np.int64)
+        self._world.Bcast(size, root=root)
+        buf = bytearray(data) if self.rank == root else bytearray(int(size[0]))
+        self._world.Bcast([buf, self._MPI.BYTE], root=root)
+        return json.loads(bytes(buf))
 
     def barrier(self) -> None:
         self._poll(self._world.Ibarrier(), "barrier")
@@ -248,9 +297,7 @@ class MpiCommunicator:
                 self._advance()
             if done():
                 break
-            if self._abort_req.Test():
-                self._abort_reason = pickle.loads(bytes(self._abort_buf)) if self._abort_reason is None \
-                    else self._abort_reason
+            if self._received_abort() is not None:
                 raise PeerFailure(self._abort_reason)
             now = time.monotonic()
             if now > deadline:
@@ -263,7 +310,7 @@ class MpiCommunicator:
 
     def report_failure(self, reason: str, grace: float = 3.0) -> None:
         self._failed = True
-        data = pickle.dumps(reason[:60000])
+        data = self.signer.sign(json.dumps({"reason": reason[:_REASON_CHARS]})).encode()
         reqs = [self._world.Isend([data, self._MPI.BYTE], dest=r, tag=_ABORT_TAG)
                 for r in range(self.world_size) if r != self.rank]
         deadline = time.monotonic() + grace
@@ -274,15 +321,10 @@ class MpiCommunicator:
         del reqs
 
     def failure_reason(self, timeout: float = 2.0) -> str | None:
-        if self._abort_reason is not None:
-            return self._abort_reason
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._abort_req.Test():
-                self._abort_reason = pickle.loads(bytes(self._abort_buf))
-                return self._abort_reason
+        while self._received_abort() is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        return None
+        return self._abort_reason
 
     def acknowledge_failure(self, grace: float = 10.0) -> None:
         # Tell every rank (the failing one waits for acks before it exits).

@@ -34,18 +34,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.build_files import BuildError, read_build
 from runtime.dir_lock import lock_directories
 from runtime.jobauth import SECRET_ENV, new_secret
 from runtime.lifetime import HEARTBEAT_STORE_ENV, Children, process_state
+from runtime.loopback_ns import wrap as wrap_in_loopback_namespace
 from runtime.progress import RunProgress
 from runtime.store_host import LOOPBACK, host_store
 from runtime.evaluation import EvalResult
 from runtime.trace import Timeline, write_run_timeline
 from runtime.verify import Verification, verify_build
-
-
-class BuildError(ValueError):
-    """A build directory that is missing or incomplete."""
 
 
 @dataclass
@@ -68,13 +66,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def read_build(build: str | os.PathLike) -> dict:
-    path = Path(build) / "build.json"
-    if not path.is_file():
-        raise BuildError(f"{build} is not a meshplan build (no build.json); create one with `meshplan codegen`")
-    return json.loads(path.read_text())
 
 
 def entry_script(build: str | os.PathLike, info: dict) -> Path:
@@ -101,6 +92,21 @@ def mpiexec_args(n: int) -> list[str]:
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         args.append("--allow-run-as-root")
     return args
+
+
+def local_mpiexec(cmd: list[str], env: dict) -> tuple[list[str], str | None]:
+    """A one-node mpiexec command line (`cmd`, from mpiexec_args) that listens on loopback only, and a
+    warning when it cannot: the ranks reach each other through shared memory (btl self,sm: Open MPI's TCP
+    transport, which binds every interface, is not loaded; OMPI_MCA_btl in `env` overrides), and
+    mpiexec runs in a loopback-only network namespace (runtime/loopback_ns.py), since PRRTE binds its
+    own listener to the wildcard address whatever its parameters say."""
+    if "OMPI_MCA_btl" not in env:
+        cmd = [*cmd[:1], "--mca", "btl", "self,sm", *cmd[1:]]
+    wrapped, why = wrap_in_loopback_namespace(cmd)
+    warning = None if why is None else (
+        f"Open MPI's launcher listens on every interface of this machine during the run: a loopback-only "
+        f"network namespace could not be made ({why})")
+    return wrapped, warning
 
 
 def run_local(build: str | os.PathLike, steps: int = 1, backend: str = "gloo", *, timeout: float = 120.0,
@@ -167,8 +173,11 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     env = local_env(dict(os.environ))
     wall = wall_timeout or len(builds) * (timeout * 3 + 60 * steps)
     # The launcher hosts each build's rendezvous store (as torchrun's agent does), so the store
-    # outlives any rank: a failing rank 0 can still tell the others why. MPI runs use one for heartbeats.
-    stores = [host_store(LOOPBACK, 0, timeout) for _ in (builds if backend != "mpi" else builds[:1])]
+    # outlives any rank: a failing rank 0 can still tell the others why. MPI runs use one for heartbeats,
+    # unless they run in a network namespace of their own (local_mpiexec): then rank 0 hosts it there.
+    mpi_cmd, mpi_warning = local_mpiexec(mpiexec_args(world), env) if backend == "mpi" else ([], None)
+    namespaced = backend == "mpi" and mpi_warning is None
+    stores = [host_store(LOOPBACK, 0, timeout) for _ in (builds if backend != "mpi" else builds[:0 if namespaced else 1])]
     per_build = [[*base, *a, "--master-port", str(st.port)] for st, a in zip(stores, own)] if backend != "mpi" \
         else [[*base, *a] for a in own]
     if through_workers:
@@ -178,9 +187,13 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     else:
         cmd = [sys.executable, str(entry_script(builds[0], infos[0])), *base]
     if backend == "mpi":
-        env[HEARTBEAT_STORE_ENV] = f"{LOOPBACK}:{stores[0].port}"
-        cmd = [*mpiexec_args(world), *[x for k in ("OMP_NUM_THREADS", SECRET_ENV, HEARTBEAT_STORE_ENV)
-                                       for x in ("-x", k)], *cmd]
+        if mpi_warning is not None:
+            print(f"meshplan run: warning: {mpi_warning}", file=sys.stderr, flush=True)
+        env.pop(HEARTBEAT_STORE_ENV, None)
+        if stores:
+            env[HEARTBEAT_STORE_ENV] = f"{LOOPBACK}:{stores[0].port}"
+        cmd = [*mpi_cmd, *[x for k in ("OMP_NUM_THREADS", SECRET_ENV, HEARTBEAT_STORE_ENV) if k in env
+                           for x in ("-x", k)], *cmd]
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(k, None)
         log = log_dir / "mpiexec.log"
@@ -260,6 +273,55 @@ def _resumed_step(args: list[str]) -> int:
     if (path / TORCH_LATEST).is_file() or (path / TORCH_INFO).is_file():   # a torch build's checkpoint
         return TorchCheckpoint.load(resolve(path)).step
     return Manifest.load(resolve_checkpoint(path)).step
+
+
+def _last_step(build: Path) -> int | None:
+    """The last step this run's metrics.jsonl records as finished (rank 0 writes a line as each step ends),
+    or None (none yet: a file older than the run's log directory is an earlier run's)."""
+    metrics = build / "metrics.jsonl"
+    try:
+        if metrics.stat().st_mtime < (build / "run").stat().st_mtime:
+            return None
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def stop_reasons(build: str | os.PathLike, result: RunResult) -> list[str]:
+    """Why each rank of a failed run stopped, one line each: the signal that killed it (with how the launcher
+    ended it), or its exit status and the last error it printed; then how far the run got (its last finished
+    step, from metrics.jsonl: heartbeats lag behind). Under MPI, what mpiexec reported of its ranks."""
+    build = Path(build)
+    log_dir = build / "run"
+    out = []
+    if result.returncodes:
+        for r, code in sorted(result.returncodes.items()):
+            log = log_dir / f"log_rank_{r:04d}.txt"
+            lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+            if code < 0:
+                mine = f"meshplan launcher: rank {r} "   # the launcher's own line in the log says how it ended
+                note = next((ln[len(mine):] for ln in reversed(lines) if ln.startswith(mine)),
+                            f"was killed by signal {_signal_name(-code)}")
+                out.append(f"rank {r} {note}")
+            elif code > 0:
+                said = next((ln.strip() for ln in reversed(lines) if "error" in ln.lower() or "stopping" in ln.lower()),
+                            lines[-1].strip() if lines else "no output")
+                out.append(f"rank {r} exited with status {code}: {said[:300]}")
+    else:
+        log = log_dir / "mpiexec.log"
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        out += [" ".join(ln.split()) for ln in text.splitlines()
+                if "exited on signal" in ln or "noticed that process rank" in ln][:4]
+    last = _last_step(build)
+    out.append("the run's last finished step: " + (f"step {last} (metrics.jsonl)" if last is not None else
+                                                   "none (no step finished)"))
+    return out
 
 
 def local_env(env: dict) -> dict:

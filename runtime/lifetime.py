@@ -83,6 +83,42 @@ def process_state(pid: int) -> str | None:
     return {"T": "stopped", "t": "stopped", "Z": "zombie"}.get(state, "running")
 
 
+class Terminated(BaseException):
+    """A rank was told to stop (SIGTERM): raised by its handler (`raise_on_terminate`) so that the file
+    it was writing is removed on the way out (runtime/files.py), then `die_of` ends it with the signal.
+    A BaseException: no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_terminated(signum, _frame):
+    raise Terminated(signum)
+
+
+def raise_on_terminate() -> None:
+    """In a rank process (main thread only): SIGTERM raises Terminated instead of ending it on the spot."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def die_of(signum: int, note: str = "") -> None:
+    """Print `note` (if it can: the launcher reading our output may be gone), then end this process by
+    `signum`'s default action at once (no exit handlers, such as MPI_Finalize waiting for a dead
+    mpiexec), so that its exit status still says which signal."""
+    for stream, text in ((sys.stderr, note + "\n" if note else ""), (sys.stdout, "")):
+        try:
+            stream.write(text)
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    time.sleep(1.0)   # delivered at once; this is only in case the signal is blocked
+    os._exit(128 + signum)
+
+
 class Interrupted(Exception):
     """The launcher was told to stop by a signal (`signum`)."""
 

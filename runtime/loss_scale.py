@@ -125,8 +125,10 @@ def loss_scale_for(dtype: str, init_scale: float | None = None, growth_interval:
     scaling turned off)."""
     given = [f for f, v in (("--loss-scale-init", init_scale), ("--loss-scale-growth-interval", growth_interval))
              if v is not None]
-    if dtype != "fp16" and given:
-        raise LossScaleError(f"{' and '.join(given)} apply to --dtype fp16 (loss scaling); this build is {dtype}")
+    if dtype != "fp16" and (given or not enabled):
+        flags = given + ([] if enabled else ["--no-loss-scale"])
+        raise LossScaleError(f"{' and '.join(flags)} apply to --dtype fp16 (loss scaling); this build is {dtype}, "
+                             "which scales no loss: drop them")
     if dtype != "fp16":
         return None
     if not enabled:

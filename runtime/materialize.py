@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import pickle
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -109,13 +112,33 @@ def _leaf_reset(module: nn.Module, path: str, seed: int) -> None:
             reset()
 
 
-def _load_checkpoint(path: str, root: str = "") -> dict:
+def check_checkpoint_file(path: str | os.PathLike, root: str = "") -> Path:
+    """The --init checkpoint file `path` (relative paths also under the build `root`), once it is a file in
+    torch.save's zip format (the one torch.load can mmap); MaterializeError naming it otherwise."""
     p = Path(path)
     if not p.is_absolute() and root and not p.exists():
         p = Path(root) / p
     if not p.is_file():
-        raise MaterializeError(f"checkpoint file {path} does not exist")
-    return torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+        raise MaterializeError(f"checkpoint file {path} does not exist; give --checkpoint a state_dict file "
+                               "written by torch.save")
+    try:
+        with zipfile.ZipFile(p) as z:
+            is_torch = any(name.endswith("/data.pkl") for name in z.namelist())
+    except (zipfile.BadZipFile, OSError):
+        is_torch = False
+    if not is_torch:
+        raise MaterializeError(f"checkpoint file {path} is not a torch.save file (its zip format, with data.pkl); "
+                               "save the model's state_dict with torch.save and give that file")
+    return p
+
+
+def _load_checkpoint(path: str, root: str = "") -> dict:
+    p = check_checkpoint_file(path, root)
+    try:
+        return torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
+        raise MaterializeError(f"checkpoint file {path} cannot be read as a state_dict ({type(e).__name__}: "
+                               f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})") from None
 
 
 def _fill_from(module: nn.Module, path: str, sd: dict) -> None:

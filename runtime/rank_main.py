@@ -43,7 +43,7 @@ import torch
 from runtime.checkpoint import RankState, save_checkpoint
 from runtime.checkpoint_restore import (Restore, apply_loss_scale, apply_optimizer, apply_params, apply_rng,
                                         apply_schedule, open_restore)
-from runtime.checkpoint_run import CheckpointClaim, claim_checkpoint_dir, run_to_continue
+from runtime.checkpoint_run import CheckpointClaim, claim_checkpoint_dir, run_to_continue, sweep_resumed_root
 from runtime.comm import CommError, PeerFailure, local_threads_hint
 from runtime.context import DistContext
 from runtime.batch_source import open_data
@@ -53,7 +53,7 @@ from runtime.executor import Executor, RankFailure
 from runtime.faults import FAULTS, SAVE_FAULTS, inject
 from runtime.jobauth import signer_from_env
 from runtime.join import Arrival, Meeting, build_identity, listed, say_to_stderr, wait_for_port
-from runtime.lifetime import HEARTBEAT_STORE_ENV, LAUNCHER_PID_ENV, die_with_launcher
+from runtime.lifetime import HEARTBEAT_STORE_ENV, LAUNCHER_PID_ENV, Terminated, die_of, die_with_launcher, raise_on_terminate
 from runtime.placement import Placement, check_nodes, cuda_index, node_of, placement
 from runtime.shared_dirs import NotSharedError, probe
 from runtime.store_host import LOOPBACK, host_store, listen_address
@@ -196,7 +196,11 @@ def _save(session: RankSession, next_step: int) -> None:
 def _claim_checkpoint_dir(session: RankSession) -> None:
     """Rank 0 locks --checkpoint-dir for this run (runtime/checkpoint_run.py); a refusal is its failure."""
     p = session.prepared
-    if p.rank != 0 or not p.args.checkpoint_dir:
+    if p.rank != 0:
+        return
+    if not p.args.checkpoint_dir:
+        if p.restore is not None:
+            sweep_resumed_root(p.restore.ckpt)
         return
     resumed = p.restore.manifest if p.restore is not None else None
     try:
@@ -391,6 +395,8 @@ def connect(p: Prepared) -> RankSession:
         if steps is not None:
             ex.on_step = steps.before_step
         running.append(ex)
+    except Terminated:
+        raise   # stopped from outside: the launcher stops every rank, nobody waits for acknowledgements
     except BaseException:
         if watchdog is not None:
             watchdog.stopping()
@@ -493,6 +499,16 @@ def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: 
     """
     local_threads_hint()
     die_with_launcher()
+    raise_on_terminate()
+    try:
+        return _run_rank(rank, program, stages, train, signature, argv, build_dir, exit_on_failure)
+    except Terminated as e:   # what it was writing is removed on the way here (runtime/files.py)
+        die_of(e.signum, f"meshplan rank {rank}: {e}")
+        return 128 + e.signum
+
+
+def _run_rank(rank: int, program: dict, stages: dict, train: dict, signature: dict, argv: list[str] | None,
+              build_dir: str, exit_on_failure: bool) -> int:
     tag = f"meshplan rank {rank}"
     try:
         prep = prepare(rank=rank, program=program, stages=stages, train=train, signature=signature, argv=argv,
@@ -526,6 +542,8 @@ def run_rank(*, rank: int, program: dict, stages: dict, train: dict, signature: 
         comm.acknowledge_failure(grace=grace)
         _end_stopped(session)
         return _stop(exit_on_failure)
+    except Terminated:
+        raise
     except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks
         _stopping(session)
         msg = str(e) if isinstance(e, (RankFailure, CommError)) else \

@@ -9,11 +9,17 @@ Layout under a checkpoint root ROOT (--checkpoint-dir):
                                       names, the optimizer's state, the lr schedule's state and the step
                                       (runtime/torch_stack/dcp.py); every rank writes its own shards
     ROOT/step_00000002/torch_checkpoint.json   rank 0's record (`TorchCheckpoint`), written after every
-                                      rank's shards are in place
+                                      rank's shards are in place, with the sha256 of every file of the
+                                      directory (.metadata and each .distcp)
     ROOT/latest                       the name of the newest complete step directory, replaced atomically
                                       (runtime/files.write_atomic) last: an interrupted save leaves the
                                       previous checkpoint as the one `--resume ROOT` takes
     ROOT/meshplan.lock                rank 0's lock while a run writes ROOT (runtime/dir_lock.py)
+
+Before anything of a checkpoint is read (`checked`: on every rank of train_torch.py, in `meshplan run
+--resume` and `meshplan checkpoint show/convert` before any process starts), every file is checked
+against those digests, and .metadata is read by an unpickler that builds DCP's metadata types only
+(runtime/torch_stack/dcp.py): a damaged or crafted file is refused, named, and nothing in it runs.
 
 The step stored is the next step to run; the data factory is a pure function of data_seed and the step
 (runtime/data.py), so the step is the whole data position. DCP reshards every tensor from the saved
@@ -33,7 +39,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,13 +47,14 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.checkpoint import (MANIFEST, TORCH_INFO, TORCH_LATEST, CheckpointError, complete_checkpoints,
-                                step_dir)
+                                step_dir, sweep_interrupted_saves)
+from runtime.checkpoint_run import report_swept, sweep_resumed_root
 from runtime.dir_lock import DirLock, Holder
-from runtime.files import write_atomic
+from runtime.files import atomic_file, make_dirs, write_atomic
 from runtime.lr_schedule import load_scheduler_state, scheduler_state
 from runtime.torch_stack import dcp
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1   # records without "files" (saved before digests were kept) are read, not digest-checked
 # an optimizer group's choice of kernels (torch.optim's foreach / fused flags)
 _KERNEL_KEYS = ("foreach", "fused")
 
@@ -62,17 +69,38 @@ class TorchCheckpoint:
     run_id: str
     model_ref: str
     format: int = FORMAT_VERSION
+    files: dict = field(default_factory=dict)   # file name -> {"sha256", "bytes"} (runtime/torch_stack/dcp.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TorchCheckpoint":
-        return cls(int(d["step"]), int(d["samples"]), str(d["run_id"]), str(d["model_ref"]), int(d["format"]))
+        files = {str(k): {"sha256": str(v["sha256"]), "bytes": int(v["bytes"])} for k, v in d.get("files", {}).items()}
+        return cls(int(d["step"]), int(d["samples"]), str(d["run_id"]), str(d["model_ref"]), int(d["format"]), files)
 
     @classmethod
     def load(cls, ckpt: Path) -> "TorchCheckpoint":
-        return cls.from_dict(json.loads((ckpt / TORCH_INFO).read_text()))
+        path = Path(ckpt) / TORCH_INFO
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except OSError as e:
+            raise CheckpointError(f"checkpoint record {path} cannot be read ({e.strerror or e})") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"checkpoint record {path} is damaged ({type(e).__name__}: {e}); resume from "
+                                  "another checkpoint") from None
+
+
+def checked(path: str | os.PathLike) -> tuple[Path, TorchCheckpoint]:
+    """The torch checkpoint `path` names (as `resolve`) and its record, once every file of it matches the
+    digests the record holds and its .metadata is DCP metadata (read without running anything);
+    CheckpointError naming the file otherwise."""
+    ckpt = resolve(path)
+    info = TorchCheckpoint.load(ckpt)
+    if info.files:
+        dcp.check_digests(ckpt, info.files, str(ckpt / TORCH_INFO))
+    dcp.read_metadata(ckpt / dcp.METADATA)
+    return ckpt, info
 
 
 def _refuse_meshplan(p: Path, flag: str) -> None:
@@ -147,11 +175,14 @@ class ScriptCheckpoints:
         the lock; every rank calls it (a collective), takes rank 0's run id (a new run's id is drawn on
         every rank) and raises rank 0's refusal, so that none waits on it."""
         if self.root is None:
+            if rank == 0 and self.resumed is not None:
+                sweep_resumed_root(self.resumed)
             return
         outcome = [None, self.run_id]
         if rank == 0:
             try:
                 self.lock = DirLock.acquire(self.root, Holder.here(self.run_id), "checkpoint directory")
+                report_swept(self.root, sweep_interrupted_saves(self.root))
                 resumed = TorchCheckpoint.load(self.resumed) if self.resumed is not None else None
                 run_to_continue(self.root, resumed, allow_other_run=self.allow_other_run)
             except ValueError as e:
@@ -193,7 +224,8 @@ class ScriptCheckpoints:
         dcp.save(ckpt, state, optimizer, {"schedule": scheduler_state(scheduler, optimizer), "step": next_step})
         dist.barrier()   # every rank's shards are written before rank 0 calls the checkpoint complete
         if rank == 0:
-            info = TorchCheckpoint(next_step, next_step * self.global_batch_size, self.run_id, self.model_ref)
+            info = TorchCheckpoint(next_step, next_step * self.global_batch_size, self.run_id, self.model_ref,
+                                   files=dcp.file_digests(ckpt))
             write_atomic(ckpt / TORCH_INFO, json.dumps(info.to_dict(), indent=1).encode())
             write_atomic(self.root / TORCH_LATEST, ckpt.name.encode())
         dist.barrier()
@@ -204,8 +236,7 @@ def open_checkpoints(args, model_ref: str, global_batch_size: int) -> ScriptChec
     """The run's checkpointing from the launch options (file checks only, the same on every rank, before
     any communication); CheckpointError for a checkpoint it cannot resume or a directory it must not
     write."""
-    resumed = resolve(args.resume) if args.resume else None
-    info = TorchCheckpoint.load(resumed) if resumed is not None else None
+    resumed, info = checked(args.resume) if args.resume else (None, None)
     if info is not None and info.model_ref != model_ref:
         raise CheckpointError(f"checkpoint {resumed} was saved by a build of {info.model_ref}, not of {model_ref}; "
                               "resume it with a build of that model")
@@ -213,3 +244,16 @@ def open_checkpoints(args, model_ref: str, global_batch_size: int) -> ScriptChec
     root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     return ScriptCheckpoints(root, args.save_every, resumed, run_id, model_ref, global_batch_size,
                              args.resume_from_other_run)
+
+
+def to_state_dict(path: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, TorchCheckpoint, int]:
+    """Write a torch checkpoint's model as one plain state_dict file (torch.save; the model's own names,
+    whole tensors), once `checked`; as runtime/checkpoint_restore.to_state_dict does for meshplan's own
+    checkpoints. Returns (step directory, its record, number of tensors written)."""
+    ckpt, info = checked(path)
+    sd = dcp.load_whole(ckpt).get("model", {})
+    out = Path(out)
+    make_dirs(out.parent)
+    with atomic_file(out) as f:
+        torch.save(sd, f)
+    return ckpt, info, len(sd)

@@ -41,7 +41,6 @@ nothing, instead of reporting a mismatch.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runtime.build_files import read_build, read_build_file
 from runtime.checkpoint_restore import assemble_files
 from runtime.data import map_inputs
 from runtime.evaluation import compare_evals, read_run_evals
@@ -251,7 +251,7 @@ def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[fl
     step, so its steps are the reference's first_step .. first_step + steps - 1.
     """
     build = Path(build)
-    info = json.loads((build / "build.json").read_text())
+    info = read_build(build)
     problem = random_ops_problem(info)
     if problem:   # nothing to compare: say why, before reading anything else
         cmp = Verification(steps=steps)
@@ -261,7 +261,8 @@ def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[fl
     if WHOLE_MODEL_KEY in info:   # a torch build: rank 0 records the whole model (runtime/torch_script.py)
         programs, specs = whole_model_view(info)
     else:
-        programs = {int(r): Program.from_dict(d) for r, d in json.loads((build / "programs.json").read_text()).items()}
+        programs = {int(r): Program.from_dict(d) for r, d in
+                    read_build_file(build, "programs.json", "per-rank Programs file").items()}
         specs = {int(s): StageSpec.from_dict(d) for s, d in info["stages"].items()}
     tol = dict(TOLERANCES.get(spec.dtype, TOLERANCES["fp32"]))
     if rtol is not None:
@@ -285,7 +286,7 @@ def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[fl
 
 
 def _bidirectional(build: Path) -> bool:
-    plan = json.loads((build / "plan.json").read_text())
+    plan = read_build_file(build, "plan.json", "plan file")
     return bool(plan.get("config", {}).get("bidirectional"))
 
 

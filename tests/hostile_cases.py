@@ -11,6 +11,7 @@ import ast
 import os
 import runpy
 import subprocess
+import sys
 from pathlib import Path
 
 MARKER = "pwned"
@@ -96,13 +97,19 @@ def fake_launchers(bin_dir: Path) -> dict[str, str]:
     """Environment for running the launch scripts with stand-ins for torchrun, mpirun, srun and
     scontrol that print their arguments one per line (NUL-safe enough: no argument here holds one)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
+    printer = "for a in \"$@\"; do printf '%s\\0' \"$a\"; done\n"
     for name in ("torchrun", "mpirun", "srun", "scontrol"):
         tool = bin_dir / name
-        tool.write_text("#!/bin/sh\nfor a in \"$@\"; do printf '%s\\0' \"$a\"; done\n")
+        tool.write_text("#!/bin/sh\n" + printer)
         tool.chmod(0o755)
+    # one node's torchrun is `$PYTHON -m runtime.torchrun_local`: that prints too; the rest is this Python
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$2" != runtime.torchrun_local ]; then exec {sys.executable} "$@"; fi\n'
+                      + printer)
+    python.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("MESHPLAN_BUILD", "NNODES", "MPIRUN_ARGS")}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", TORCHRUN=str(bin_dir / "torchrun"),
-               MPIRUN=str(bin_dir / "mpirun"), MASTER_ADDR="127.0.0.1")
+               MPIRUN=str(bin_dir / "mpirun"), MASTER_ADDR="127.0.0.1", PYTHON=str(python))
     return env
 
 

@@ -148,7 +148,7 @@ def torch_script(plan: Plan, layout: TorchLayout, train: TrainSpec) -> str:
         "from runtime.batch_source import open_data",
         "from runtime.data import batch_to, call_model",
         "from runtime.executor import StepResult",
-        "from runtime.lifetime import die_with_launcher",
+        "from runtime.lifetime import Terminated, die_of, die_with_launcher, raise_on_terminate",
         "from runtime.losses import compute_loss",
         "from runtime.materialize import build_model",
         "from runtime.metrics import StepLog, check_loss",
@@ -259,6 +259,14 @@ def train(args, rank, backend, checkpoints):
 
 def main(argv=None):
     die_with_launcher()   # a rank ends with its launcher (runtime/lifetime.py)
+    raise_on_terminate()  # SIGTERM removes what a save was writing before the rank ends
+    try:
+        return _main(argv)
+    except Terminated as e:
+        die_of(e.signum, f"meshplan rank {os.environ.get('RANK', '?')}: {e}")
+
+
+def _main(argv):
     here = Path(__file__).resolve().parent
     try:
         args = script_args(sys.argv[1:] if argv is None else argv, str(here))

@@ -73,7 +73,7 @@ from cost_models.calibration.stage import fit_loss
 from cost_models.hardware import Cluster, Device, Link
 from cost_models.op_curves import fit_curve_mix
 from cost_models.presets import CPU_ACTIVE_WATTS_PER_CORE, CPU_IDLE_WATTS_PER_CORE
-from runtime.launcher import free_port, mpiexec_args
+from runtime.launcher import free_port, local_mpiexec, mpiexec_args
 from runtime.lifetime import Children
 
 
@@ -122,8 +122,11 @@ def run_workers(ranks: int, *, quick: bool = True, backend: str = "gloo", timeou
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         with Children() as children:  # no calibration process outlives this one (runtime/lifetime.py)
-            if backend == "mpi":
-                procs = [children.popen([*mpiexec_args(ranks), "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",
+            if backend == "mpi":   # on loopback only, as meshplan run's MPI runs (runtime/launcher.py)
+                mpiexec, warning = local_mpiexec(mpiexec_args(ranks), env)
+                if warning and progress:
+                    progress(f"warning: {warning}")
+                procs = [children.popen([*mpiexec, "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH",
                                          *base, "--rank", "0"], env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, direct=False)]
             else:

@@ -20,7 +20,7 @@ import torch
 
 # planner/__init__ already imports capture, the search and torch before this module runs.
 from codegen.dataset_flags import add_dataset_flags
-from codegen.train_flags import add_flags
+from codegen.train_flags import MAX_STEPS, add_flags
 from cost_models import local_machine
 from cost_models.calibration.gpu_calibrate import calibrate_gpu, calibration_device
 from cost_models.hardware import LOCAL_PRESET, Cluster
@@ -28,26 +28,27 @@ from cost_models.op_table import format_op_table, measured_rows
 from cost_models.overlap import Overlap, OverlapPreset
 from cost_models.simulate import simulate_steady
 from planner.app import calibrate_run
-from planner.app.cli_args import (MAX_BATCH, MAX_WORLD, check_constraints, count, nonnegative_number, output_dir,
-                                  output_file, positive_number)
+from planner.app.cli_args import (MAX_BATCH, MAX_WORLD, OutputError, check_constraints, count, nonnegative_number,
+                                  output_dir, output_file, positive_number, refuse_existing)
 from planner.app.commands import codegen_command, read_checked_build, run_command
 from planner.app.compare import compare_build, draw, predicted_costs
 from planner.app.report import write_report
-from planner.app.visualize import visualize
+from planner.app.visualize import FIGURES, FORMATS, output_stem, visualize
 from planner.graph.capture import capture_ref
 from planner.search import explain, optimize
 from planner.plan import Plan
-from runtime.checkpoint import Manifest, complete_checkpoints, resolve_checkpoint
+from runtime.checkpoint import Manifest, check_rank_files, complete_checkpoints, enclosing_checkpoint, \
+    is_torch_checkpoint, resolve_checkpoint
 from runtime.checkpoint_restore import to_state_dict
 from runtime.launcher import read_build
-from runtime.torch_script_checkpoint import resolve as resolve_torch_checkpoint
+from runtime import torch_script_checkpoint as torch_checkpoints
 from runtime.trace import TRACE_WINDOW_STEPS
 from runtime.vocab import ContextAttention, DType, Recompute, Schedule, SpatialBatchNorm, SpatialSplit, Target
 
 # Bounds of the numeric options (argparse refuses anything outside in one line).
 BATCH = count(1, MAX_BATCH, " samples")
 DEGREE = count(1, MAX_WORLD, " devices")
-STEPS = count(1, 2 ** 40)
+STEPS = count(1, MAX_STEPS)
 MAX_RANKS = 1024  # calibration processes on one machine
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
 
@@ -110,7 +111,7 @@ def resolve_cluster(name: str, nodes: int | None = None, devices: int | None = N
 
 def _cmd_capture(args: argparse.Namespace) -> int:
     if args.output:
-        output_file(args.output)
+        output_file(args.output, force=args.force)
     graph = capture_ref(args.model, _parse_kv(args.arg), args.batch)
     print(graph.summary(max_layers=args.max_layers))
     if args.output:
@@ -120,7 +121,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 
 
 def _cmd_optimize(args: argparse.Namespace) -> int:
-    output_file(args.output)
+    output_file(args.output, force=args.force)
     constraints = check_constraints(_parse_kv(args.constraint))
     cluster = resolve_cluster(args.cluster, args.nodes, args.devices)
     _check_world(cluster.num_devices, "the cluster")
@@ -142,15 +143,19 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     out = args.output or str(Path(args.plan).with_suffix(""))
+    report = f"{out}_report.html" if not out.endswith("/") else f"{out}report.html"
     if out.endswith("/"):  # a directory: the pictures go inside it
         output_dir(out)
     else:
-        output_file(f"{out}_report.html")
+        output_file(report, force=args.force)
+    directory, prefix = output_stem(out)
+    refuse_existing([report, *(directory / f"{prefix}{name}.{fmt}" for name in FIGURES for fmt in FORMATS)], "-o",
+                    args.force)
     print(plan.summary())
     print()
     print(explain(plan))
     files = visualize(plan, out)
-    report = write_report(plan, f"{out}_report.html" if not out.endswith("/") else f"{out}report.html")
+    report = write_report(plan, report)
     # a directory holds mesh.png, memory.png, ...; a stem gets stem_mesh.png, stem_memory.png, ...
     pattern = Path(out) / "*" if out.endswith("/") else Path(f"{out}_*")
     print(f"\nwrote {len(files)} pictures ({pattern}.png|svg) and {report}")
@@ -159,7 +164,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
     if args.output:
-        output_file(args.output)
+        output_file(args.output, force=args.force)
     if args.remeasure:
         if args.name != LOCAL_PRESET:
             raise ValueError(f"--remeasure measures this machine: it applies to 'meshplan cluster {LOCAL_PRESET}', "
@@ -203,8 +208,21 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
     data_kwargs = _parse_kv(args.data_arg) if args.data_arg else None
     args.dataset_kwargs = _parse_kv(args.dataset_arg)
     args.eval_dataset_kwargs = _parse_kv(args.eval_dataset_arg) if args.eval_dataset_arg else None
-    output_dir(args.output, create=False)   # emit creates it once the build is complete: a refusal leaves none
+    _build_output(args.output, args.force)   # emit creates it once the build is complete: a refusal leaves none
     return codegen_command(args, _parse_kv(args.arg), data_kwargs)
+
+
+def _build_output(path: str, force: bool) -> None:
+    """codegen's -o: a new directory, or a build it replaces; a directory of other files only with --force."""
+    out = Path(path).expanduser()
+    try:
+        others = out.is_dir() and not (out / "build.json").is_file() and any(out.iterdir())
+    except OSError:   # a directory we may not list: output_dir says so
+        others = False
+    if others and not force:
+        raise OutputError(f"-o {path} is a directory with other files than a meshplan build; codegen would write "
+                          "among them: pass --force, or give a new directory")
+    output_dir(path, create=False)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -216,8 +234,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.checkpoint_dir:
         output_dir(args.checkpoint_dir, "--checkpoint-dir")
     if args.resume:  # here, not after every rank has started and built its model
-        torch_build = read_build(args.build).get("target") == Target.TORCH   # its checkpoints are DCP directories
-        (resolve_torch_checkpoint if torch_build else resolve_checkpoint)(args.resume)
+        if read_build(args.build).get("target") == Target.TORCH:   # its checkpoints are DCP directories, checked
+            torch_checkpoints.checked(args.resume)
+        else:
+            check_rank_files(resolve_checkpoint(args.resume))
     return run_command(args)
 
 
@@ -286,6 +306,7 @@ def _add_codegen_and_run(sub) -> None:
                    help="what runs the plan: meshplan's own runtime (one script per rank, default) or PyTorch's "
                         "parallel stack (one SPMD script, train_torch.py: DeviceMesh, DTensor, FSDP2, pipelining)")
     p.add_argument("-o", "--output", default="build", help="build directory (default build)")
+    _add_force(p)
     p.set_defaults(func=_cmd_codegen)
 
     p = sub.add_parser("run", help="run a generated build on this machine (optionally verify it)",
@@ -333,6 +354,10 @@ def _add_codegen_and_run(sub) -> None:
     _add_checkpoint(sub)
 
 
+def _add_force(p) -> None:
+    p.add_argument("--force", action="store_true", help="replace output files that exist (default: refuse them)")
+
+
 def _add_eval_flags(p, default: str) -> None:
     p.add_argument("--eval-every", type=STEPS, metavar="N",
                    help="after every N-th training step, evaluate on held-out batches (forward only): their "
@@ -350,10 +375,21 @@ A checkpoint of one plan resumes on another plan of the same model (re-sliced on
 
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    torch_ckpt = is_torch_checkpoint(args.checkpoint)
     if args.action == "convert":
-        output_file(args.output)
-        ckpt, man, n = to_state_dict(args.checkpoint, args.output)
-        print(f"wrote {args.output}: {n} tensors of {man.model_ref} at step {man.step} (from {ckpt})")
+        inside = enclosing_checkpoint(args.output)
+        if inside is not None:   # even with --force: a checkpoint holds what its run wrote, nothing else
+            raise OutputError(f"-o {args.output} is inside the checkpoint directory {inside}; write the state_dict "
+                              "elsewhere")
+        output_file(args.output, force=args.force)
+        ckpt, info, n = (torch_checkpoints.to_state_dict if torch_ckpt else to_state_dict)(args.checkpoint,
+                                                                                            args.output)
+        print(f"wrote {args.output}: {n} tensors of {info.model_ref} at step {info.step} (from {ckpt})")
+        return 0
+    if torch_ckpt:
+        ckpt, info = torch_checkpoints.checked(args.checkpoint)
+        print(f"{ckpt}: a torch build's Distributed Checkpoint, step {info.step} ({info.samples} samples), model "
+              f"{info.model_ref}, run {info.run_id}, {len(info.files) or 'no'} files with sha256 checked")
         return 0
     ckpt = resolve_checkpoint(args.checkpoint)
     man = Manifest.load(ckpt)
@@ -370,7 +406,9 @@ def _add_checkpoint(sub) -> None:
                        epilog=_EPILOG_CHECKPOINT, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=["show", "convert"])
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="a step_XXXXXXXX directory, or a --checkpoint-dir")
-    p.add_argument("-o", "--output", default="model.pt", help="state_dict file for convert (default model.pt)")
+    p.add_argument("-o", "--output", default="model.pt",
+                   help="state_dict file for convert (default model.pt; never inside a checkpoint directory)")
+    _add_force(p)
     p.set_defaults(func=_cmd_checkpoint)
 
 
@@ -405,9 +443,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                          f"calibration runs on {device.type.upper()} processes")
     if args.op_table and Path(args.op_table).suffix.lower() != ".csv":
         raise ValueError(f"--op-table {args.op_table}: name the op table .csv")
-    output_file(args.out, "--out")  # before minutes of measuring
+    output_file(args.out, "--out", force=args.force)  # before minutes of measuring
     if args.op_table:
-        output_file(args.op_table, "--op-table")
+        output_file(args.op_table, "--op-table", force=args.force)
     progress = lambda line: print(line, flush=True)  # noqa: E731
     if device.type == "cuda":
         cluster = calibrate_gpu(device, quick=not args.full, progress=progress)
@@ -480,6 +518,7 @@ def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="measure this machine with the runtime and write a calibrated cluster file",
                        epilog=_EPILOG_CALIBRATE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", "-o", required=True, help="cluster file to write (.yaml, .yml or .json)")
+    _add_force(p)
     p.add_argument("--ranks", type=count(2, MAX_RANKS, " (processes on this machine)"),
                    help="rank processes (default: one per usable CPU, at least 2)")
     mode = p.add_mutually_exclusive_group()
@@ -515,6 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=BATCH, default=1, help="samples in the example batch (default 1)")
     p.add_argument("--max-layers", type=count(0), default=12, help="layers listed in the summary (default 12)")
     p.add_argument("-o", "--output", help="also write the ModelGraph as JSON here")
+    _add_force(p)
     p.set_defaults(func=_cmd_capture)
 
     p = sub.add_parser("optimize", help="search the best plan for a model on a cluster and write plan.json",
@@ -541,12 +581,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the training stack whose communication overlap the cost model assumes "
                         "(cost_models/overlap.py; default: the target's, meshplan for meshplan, torchtitan for torch)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
+    _add_force(p)
     p.set_defaults(func=_cmd_optimize)
 
     p = sub.add_parser("show", help="print a plan and draw it (mesh, memory, time, alternatives, schedule)",
                        epilog=_EPILOG_SHOW, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("plan", metavar="PLAN_JSON")
     p.add_argument("-o", "--output", help="file stem for the pictures (default: next to the plan, plan_*.png)")
+    _add_force(p)
     p.set_defaults(func=_cmd_show)
 
     p = sub.add_parser("cluster", help="show a preset or a cluster file, optionally save it",
@@ -557,6 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="write the cluster as YAML or JSON (by suffix)")
     p.add_argument("--remeasure", action="store_true",
                    help="'local' only: measure this machine now, whatever its cache holds (after a busy reading)")
+    _add_force(p)
     p.set_defaults(func=_cmd_cluster)
 
     _add_codegen_and_run(sub)

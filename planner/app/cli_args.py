@@ -4,7 +4,8 @@ Numbers: argparse `type=` callables with their bounds (argparse turns a refusal 
 line and exit 2). Paths: an output file or directory is checked (the nearest existing
 directory is writable, a file is not a directory and the other way round) and its
 missing parent directories are created, so that nothing is measured, searched or
-trained only to be lost when it cannot be written. Constraints: `--constraint KEY=VALUE`
+trained only to be lost when it cannot be written. Nothing is overwritten unasked: an
+output file that exists is refused unless the command was given --force (`refuse_existing`). Constraints: `--constraint KEY=VALUE`
 values of the type each key takes.
 """
 
@@ -19,7 +20,7 @@ from typing import Any, Callable
 from planner.plan import MAX_BATCH, MAX_WORLD
 
 __all__ = ["MAX_BATCH", "MAX_WORLD", "OutputError", "check_constraints", "count", "output_dir", "output_file",
-           "positive_number", "nonnegative_number"]
+           "positive_number", "nonnegative_number", "refuse_existing"]
 
 
 class OutputError(ValueError):
@@ -78,11 +79,22 @@ def _writable_base(path: Path, flag: str) -> Path:
     return base
 
 
-def output_file(path: str, flag: str = "-o") -> Path:
-    """Check that a file can be written at `path` (creating its missing parent directories)."""
+def refuse_existing(paths, flag: str, force: bool) -> None:
+    """OutputError naming the first of `paths` that exists, unless `force` (the command's --force)."""
+    if force:
+        return
+    for p in paths:
+        if Path(p).exists():
+            raise OutputError(f"{flag} {p} exists; pass --force to replace it, or give another path")
+
+
+def output_file(path: str, flag: str = "-o", *, force: bool = False) -> Path:
+    """Check that a file can be written at `path` (creating its missing parent directories); an existing
+    file is refused unless `force`."""
     p = Path(path).expanduser()
     if p.is_dir() or path.endswith(("/", "\\")):
         raise OutputError(f"{flag} {path} is a directory; give a file name")
+    refuse_existing([p], flag, force)
     _writable_base(p, flag)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)

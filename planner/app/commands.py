@@ -20,15 +20,17 @@ from codegen.dataset_flags import check_dataset, dataset_spec
 from codegen.emit import capture_ref, emit
 from codegen.torch_target.script import emit_torch
 from codegen.train_flags import optimizer_and_schedule
+from planner.app.cli_args import output_dir
 from planner.capabilities import RuntimeSupport, TargetError
 from planner.config import ConfigError
 from planner.evaluator import Evaluator
 from planner.fixed_plan import plan_for
 from planner.plan import MAX_WORLD
 from runtime.evaluation import EvalSpec, check_supported, eval_setting
-from runtime.launcher import read_build, run_local
+from runtime.launcher import read_build, run_local, stop_reasons
 from runtime.lifetime import Interrupted
 from runtime.loss_scale import loss_scale_for
+from runtime.materialize import check_checkpoint_file
 from runtime.tensorboard_log import require_tensorboard
 from runtime.vocab import Target
 
@@ -44,6 +46,8 @@ MAX_CODEGEN_WORLD = 4096
 
 def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | None) -> int:
     dataset = dataset_spec(args)  # its flags are checked before the (slow) capture
+    if args.init == "checkpoint" and args.checkpoint:
+        check_checkpoint_file(args.checkpoint)
     if args.plan:
         plan = planner.Plan.load(args.plan)
         if plan.config.num_devices > MAX_CODEGEN_WORLD:
@@ -78,7 +82,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
         plan = make_fixed_plan(graph, cluster, cfg, args.batch, args.target)
     opt, schedule = optimizer_and_schedule(args)
     if dataset is not None:
-        check_dataset(dataset, plan.global_batch_size)
+        check_dataset(dataset, plan.global_batch_size, graph)
     evaluation = eval_setting(None, args.eval_every, args.eval_batches)
     if args.target == Target.TORCH:
         return _torch_codegen(args, plan, graph, kwargs, data_kwargs, dataset, opt, schedule, evaluation, scaling)
@@ -180,7 +184,7 @@ def tensorboard_args(args: argparse.Namespace) -> list[str]:
     if not board:
         return []
     require_tensorboard()
-    return ["--tensorboard", str(Path(board).resolve())]
+    return ["--tensorboard", str(output_dir(board, "--tensorboard").resolve())]
 
 
 def read_checked_build(build: str) -> dict:
@@ -226,7 +230,7 @@ def run_command(args: argparse.Namespace) -> int:
     errors = [ln for ln in res.output.splitlines() if "error" in ln.lower() or "stopping" in ln.lower()]
     if res.returncode != 0:
         print(f"meshplan run: the run failed (exit status {res.returncode}):", file=sys.stderr)
-        for ln in errors[-20:] or res.output.splitlines()[-20:]:
+        for ln in stop_reasons(args.build, res) + (errors[-20:] or res.output.splitlines()[-20:]):
             print("  " + ln, file=sys.stderr)
         return 1
     if res.resumed_from:

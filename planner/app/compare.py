@@ -55,7 +55,8 @@ from planner.app.visualize import save_figure, schedule_figure, style
 from planner.evaluator import Evaluator
 from planner.strategies.data import GRAD_BUCKET_BYTES
 from planner.graph.model import ModelGraph
-from planner.plan import Plan
+from planner.plan import Plan, PlanFileError
+from runtime.build_files import REMAKE, BuildError, read_build, read_build_file
 from runtime.execution import Execution
 from runtime.program import COLLECTIVE_OPS, Program
 from runtime.trace import HOST_TRACKS, INSTRUCTION_TRACKS, Event, Timeline
@@ -219,10 +220,13 @@ def build_graph(build: Path, plan) -> "ModelGraph":
 def predicted_costs(build: str | Path, cluster: "Cluster"):
     """(plan priced on `cluster`, its Prediction, ComputeCosts, Programs) for the build's configuration."""
     build = Path(build)
-    info = _load_json(build / "build.json", "the build description", "make it with `meshplan codegen`")
-    plan = Plan.load(build / "plan.json")
+    info = read_build(build)
+    try:
+        plan = Plan.from_dict(read_build_file(build, "plan.json", "plan file"), origin=str(build / "plan.json"))
+    except PlanFileError as e:
+        raise BuildError(f"{e}; {REMAKE}") from None
     progs = {int(r): Program.from_dict(d) for r, d in
-             _load_json(build / "programs.json", "the per-rank Programs", "make the build again").items()}
+             read_build_file(build, "programs.json", "per-rank Programs file").items()}
     world = len(progs)
     cluster = for_world(cluster, world)
     train = info["train"]
@@ -361,8 +365,8 @@ def compare_build(build: str | Path, cluster: "Cluster", *, skip_steps: int = 1)
                                                                                            "Timeline", object]:
     """(Comparison, predicted Timeline, measured Timeline, plan priced on `cluster`) of a traced build."""
     build = Path(build)
-    measured, kept = measured_steps(build, skip_steps=skip_steps)
-    plan, pred, costs, progs, cluster = predicted_costs(build, cluster)
+    plan, pred, costs, progs, cluster = predicted_costs(build, cluster)   # the build's files first: a damaged
+    measured, kept = measured_steps(build, skip_steps=skip_steps)          # build is named as such
     # the measured steps compared are steps after the first: the steady state, where ranks do
     # not start a step together
     predicted = simulate_steady(progs, costs, cluster)

@@ -179,11 +179,14 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(builds, root):
     assert resolve_checkpoint(ckpt) == step_dir(ckpt, 2)
     # resume on the same plan, and on tensor 2 (AdamW state out of ZeRO-3 flat shards into split tensors)
     targets = [b, builds["mlp_t2"]]
-    for t, res in zip(targets, run_many(targets, steps=2, timeout=20, extra_args=["--resume", str(ckpt),
-                                                                                "--save-params", "--save-steps"])):
+    results = run_many(targets, steps=2, timeout=20, extra_args=["--resume", str(ckpt), "--save-params", "--save-steps"])
+    for t, res in zip(targets, results):
         _ok(res, f"{t.name}: resume after the interrupted save")
         cmp = verify_build(t, 2, res.losses, first_step=2)
         assert cmp.ok and cmp.params_compared > 0, f"{t.name}: {cmp.summary()}"
+    # the resume swept what the killed save left: its temporary and the step directory it never completed
+    assert not list(ckpt.rglob("*.tmp")) and not step_dir(ckpt, 4).exists() and step_dir(ckpt, 2).is_dir()
+    assert f"meshplan rank 0: removed what an interrupted save left in {ckpt}: step_00000004" in results[0].output
 
 
 def test_resume_from_a_checkpoint_of_another_model_or_setup_is_refused(builds, six_steps, tmp_path):

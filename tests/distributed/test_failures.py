@@ -11,7 +11,7 @@ import time
 import pytest
 
 from codegen.emit import PlanMismatchError, emit
-from runtime.launcher import free_port, run_local
+from runtime.launcher import free_port, run_local, stop_reasons
 from tests.parallel_cases import MODELS, emit_case, plan_for
 
 
@@ -147,6 +147,10 @@ def test_a_rank_killed_with_sigkill_mid_step(mlp_p2):
     assert "meshplan rank 0: stopping because another rank failed: rank 1 stopped responding (no heartbeat" in res.output, res.output[-3000:]
     assert "(rank 0 was at step 2, instruction" in res.output
     assert "rank 1 was killed by signal SIGKILL" in res.output
+    # meshplan run's failure summary: why each rank stopped, and how far the run got (not a stale heartbeat)
+    reasons = stop_reasons(mlp_p2, res)
+    assert reasons[0].startswith("rank 0 exited with status 1: meshplan rank 0: stopping because another rank failed")
+    assert reasons[1:] == ["rank 1 was killed by signal SIGKILL", "the run's last finished step: step 1 (metrics.jsonl)"]
     _no_processes_left(mlp_p2)
 
 

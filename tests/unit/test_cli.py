@@ -57,7 +57,7 @@ def test_optimize_writes_a_plan(tmp_path, capsys):
     assert "mesh:" in text and "chosen:" in text
     assert Plan.load(out).cluster.num_devices == 8
     assert main(["optimize", "examples/models/gpt.py:build", "--arg", "preset=tiny", "--cluster", "dgx-a100-80gb",
-                 "--batch", "16", "--constraint", "tensr=2", "-o", str(out)]) == 2
+                 "--batch", "16", "--constraint", "tensr=2", "-o", str(out), "--force"]) == 2
     assert "did you mean 'tensor'" in capsys.readouterr().err
 
 

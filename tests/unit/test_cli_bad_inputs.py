@@ -36,6 +36,24 @@ SAMPLE = (
     "calibrate --timeout 0", "calibrate --ranks 0", "calibrate --ranks 100000", "calibrate --out a directory",
     "calibrate --out under a file", "calibrate --out unwritable",
     "run --resume missing", "simulate world size 0", "compare world size 0",
+    # nothing overwritten unasked
+    "capture -o existing file", "optimize -o existing file", "show -o existing report", "cluster -o existing file",
+    "calibrate --out existing file", "codegen -o a directory of other files", "checkpoint convert -o existing file",
+    "checkpoint convert -o into a torch checkpoint",
+    # checked before launch, not at step 0
+    "codegen --no-loss-scale fp32", "codegen --warmup-steps huge", "codegen --decay-steps huge",
+    "codegen --init checkpoint not torch", "codegen --dataset samples longer than positions",
+    "codegen --dataset ids beyond vocabulary", "run --tensorboard onto a file", "run --tensorboard under a file",
+    "run --tensorboard unwritable",
+    # damaged builds, named with "make the build again"
+    "run truncated build.json", "compare truncated build.json", "compare non-UTF-8 programs.json",
+    "compare damaged plan.json", "simulate truncated build.json", "simulate non-UTF-8 programs.json",
+    "simulate damaged plan.json",
+    # checkpoints that would run code or were changed: refused, naming the file; the marker never appears
+    "run --resume crafted .metadata", "run --resume changed .distcp", "run --resume record not JSON",
+    "run --resume crafted rank file", "run --resume manifest not JSON", "checkpoint show crafted .metadata",
+    "checkpoint convert crafted .metadata", "checkpoint show changed .distcp", "checkpoint show record not JSON",
+    "checkpoint show manifest not JSON",
 )
 
 
@@ -67,8 +85,13 @@ def test_sample_names_exist(fixtures):
 @pytest.mark.parametrize("name", SAMPLE)
 def test_bad_input_is_a_clear_error(fixtures, name):
     case = next(c for c in fuzz_cli.cases(fixtures) if c.name == name)
+    before = {p: fuzz_cli._digest(p) for p in case.unchanged}
+    assert all(v is not None for v in before.values()), "the files it must leave alone exist"
     rc, err = run_main(case.argv)
     assert fuzz_cli.classify(case, rc, err) == "clear error", (rc, err)
+    assert fuzz_cli.side_effects(case, before) is None
+    if "damaged" in name or "build.json" in name or "programs.json" in name:
+        assert "make the build again" in err, err
 
 
 def test_ctrl_c_in_any_verb_is_one_line_and_status_130(fixtures, capsys):

@@ -117,17 +117,24 @@ def test_parent_death_signal_is_set_on_linux():
 def test_launch_scripts_pass_a_job_secret_in_the_environment_only(tmp_path):
     import os
     import subprocess
+    import sys
 
     from tests.parallel_cases import emit_case
 
     build = emit_case(tmp_path, "mlp", "d2", dict(data=2))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    stub = '#!/bin/sh\necho "SECRET=${MESHPLAN_JOB_SECRET:-}"\necho "ARGS=$*"\n'
     for name in ("torchrun", "mpirun", "srun", "scontrol"):
-        (bin_dir / name).write_text('#!/bin/sh\necho "SECRET=${MESHPLAN_JOB_SECRET:-}"\necho "ARGS=$*"\n')
+        (bin_dir / name).write_text(stub)
         (bin_dir / name).chmod(0o755)
+    # one node's torchrun is `$PYTHON -m runtime.torchrun_local`: stubbed there, the rest is this Python
+    python = bin_dir / "python"
+    python.write_text(stub.replace("#!/bin/sh\n", '#!/bin/sh\nif [ "$2" != runtime.torchrun_local ]; then exec '
+                                   f'{sys.executable} "$@"; fi\n'))
+    python.chmod(0o755)
     base = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, "NNODES", "MESHPLAN_BUILD")}
-    base.update(PATH=f"{bin_dir}{os.pathsep}{base.get('PATH', '')}", MASTER_ADDR="127.0.0.1")
+    base.update(PATH=f"{bin_dir}{os.pathsep}{base.get('PATH', '')}", MASTER_ADDR="127.0.0.1", PYTHON=str(python))
 
     def launch(script, **env):
         p = subprocess.run(["bash", str(build / script), "--steps", "1"], env={**base, **env}, capture_output=True,
