@@ -208,7 +208,7 @@ class BidirectionalStrategy(Placement):
     def step(self, ev, config: ParallelConfig, global_batch_size: int, m: int, costs: list,
              bounds: Bounds) -> Prediction:
         """Device r runs stage r of replica A and stage p-1-r of replica B (cost_models.gems)."""
-        p, d, T = config.pipeline, config.data, config.replicas_per_direction
+        p, T = config.pipeline, config.replicas_per_direction
         per_stage = [costs[lo:hi] for lo, hi in bounds]
         fc = [sum(c.forward for c in cs) for cs in per_stage]
         bc = [sum(c.backward for c in cs) for cs in per_stage]
