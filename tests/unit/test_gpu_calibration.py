@@ -2,8 +2,6 @@
 and a host timer, the rates as the H100 table derives them, the one-device cluster file carrying
 the rows (gpu_calibrate, Cluster's table measurements) and `meshplan calibrate --device`."""
 
-import sys
-
 import pytest
 import torch
 
