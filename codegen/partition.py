@@ -146,6 +146,9 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
     res = apply_splits(gm, splits, inputs, graph=rewritten, attrs=attrs)
     g = res.graph
     head, head_extra, padded_names = _output_layer(g, gm, graph, res, ex, t, plan)
+    signatures = [L.signature for L in graph.layers]
+    repeated = {L.name for L in graph.layers if signatures.count(L.signature) > 1}
+    weighty = {L.name for L in graph.layers if L.param_count > 0}
     nodes = [n for n in g.nodes]
     pos = {n.name: i for i, n in enumerate(nodes)}
 
@@ -233,8 +236,12 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
         if is_last:   # a fused output layer: its tensors are held, though no code calls it
             modules = tuple(dict.fromkeys(modules + head_extra[0]))
             attributes = tuple(dict.fromkeys(attributes + head_extra[1]))
-        source, globs, compiled = _stage_source(g, s, members, ins, outs, is_last, layer_of, known, cfg.recompute,
-                                                codes, tiles.get(s), shared=ex.compile, gm=gm)
+        source, globs, served = _stage_source(g, s, members, ins, outs, is_last, layer_of, known, cfg.recompute,
+                                              codes, tiles.get(s), shared=ex.compile, gm=gm,
+                                              signatures={L.name: L.signature for L in graph.layers})
+        # regional compilation: the methods of repeated layers (one per distinct layer) and of the layers
+        # that hold parameters (embeddings, a final norm); not those of a few views or a dropout alone
+        compiled = tuple(m for m, ls in served.items() if any(L in repeated or L in weighty for L in ls))
         padded = _padded(padded_names, modules, attributes, ex.vocab_multiple, head)
         params = _stage_params(gm, modules, attributes, local_mods, canonical, res.param_shards, t, padded)
         held = {canonical.get(name, name) for name, _, _ in params}
@@ -408,11 +415,14 @@ def _signature_of(gm: fx.GraphModule) -> str:
 def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundary], outs: list[Boundary],
                   is_last: bool, layer_of: dict[str, str], layer_order: list[str], recompute: str,
                   codes: list | None = None, tiles: StageTiles | None = None, *, shared: bool = False,
-                  gm: fx.GraphModule | None = None) -> tuple[str, dict, tuple[str, ...]]:
-    """(the stage class, its globals, its layer methods): one method per layer and a forward chaining them
+                  gm: fx.GraphModule | None = None,
+                  signatures: dict[str, str] | None = None) -> tuple[str, dict, dict[str, list[str]]]:
+    """(the stage class, its globals, its layer methods -> the layers each runs): one method per layer and a
+    forward chaining them
     (tiles: its spatial part). shared: layers whose code is the same but for their own module (the
     copies of a repeated block) share one method, which takes the layer's module as `layer` (so that
-    torch.compile of the method compiles once for every copy)."""
+    torch.compile of the method compiles once for every copy); `signatures` (layer -> ModelGraph's layer
+    signature) keeps layers of different shapes or modules apart, whose code may read alike."""
     # layer methods run in model (layer) order; a layer's inputs come from earlier layers or the stage's inputs
     present = {layer_of[n.name] for n in members if n.op not in ("placeholder", "get_attr")}
     layers: list[str] = [L for L in layer_order if L in present]
@@ -497,7 +507,9 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
         method = "layer_" + _ident(L)
         while method in used_names:
             method += "_"
-        root = _layer_root(gm, L, lg) if shared and not regs and not tiled else None
+        # a repeated layer's module is an argument of its method (so that its copies can share it)
+        repeats = signatures is not None and list(signatures.values()).count(signatures.get(L)) > 1
+        root = _layer_root(gm, L, lg) if shared and repeats and not regs and not tiled else None
         if shared and not regs and not tiled:
             lg = _canonical_names(lg, root)
         for c in lg.nodes:   # selective recomputation: the stage's Recompute module of this call
@@ -513,7 +525,8 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
             src = re.sub(rf"def {method}\(self(, |\))", lambda m: f"def {method}(self, layer{m.group(1)}", src,
                          count=1)
         globs.update(gl)
-        key = "\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith("#")).replace(method, "@")
+        key = (signatures or {}).get(L, L) + "\n" + \
+            "\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith("#")).replace(method, "@")
         if shared and not regs and not tiled and key in generic:
             method = generic[key][0]   # the same code as an earlier layer's
         else:
@@ -566,7 +579,7 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
                 f"    # ---- layers {', '.join(comment_text(x) for x in served[name])}: one method, each layer's "
                 "module passed as `layer` ----\n", 1)
     cls = f"class Stage{s}(torch.nn.Module):\n{doc}\n" + init + "\n".join(forward) + "\n\n" + "\n".join(methods)
-    return cls, globs, tuple(served)
+    return cls, globs, served
 
 
 # The stand-in root of a shared layer method's module paths, written `layer` in its source.
@@ -589,6 +602,9 @@ def _layer_root(gm: fx.GraphModule | None, path: str, lg: fx.Graph) -> str | Non
     for n in lg.nodes:
         if n.op in ("call_module", "get_attr") and isinstance(n.target, str) and n.target.startswith(prefix):
             n.target = f"{_LAYER}.{n.target[len(prefix):]}"
+            rooted = True
+        elif n.op == "call_module" and n.target == path:   # the layer is one module's call
+            n.target = _LAYER
             rooted = True
     return path if rooted else None
 

@@ -125,6 +125,7 @@ class Executor:
     _completions: list = field(default_factory=list)
     _lr: float | None = None
     _staged: tuple | None = None               # (step, its micro-batches on the device, the copy stream)
+    _copy_stream: object = None                # CUDA: the side stream prefetched batches are copied on
 
     def __post_init__(self) -> None:
         # Gradient collectives that directly follow a stage's last backward are issued by it.
@@ -239,8 +240,9 @@ class Executor:
             return
         from runtime.data import map_inputs
 
-        stream = torch.cuda.Stream(self.device)
-        current = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream, current = self._copy_stream, torch.cuda.current_stream(self.device)
 
         def send(t: torch.Tensor) -> torch.Tensor:
             with torch.cuda.stream(stream):
