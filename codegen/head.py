@@ -89,14 +89,16 @@ def find_head(g: fx.Graph, gm: fx.GraphModule) -> tuple[HeadSite | None, str]:
     if lin.op == "call_module":
         mod = gm.get_submodule(str(lin.target))
         if not isinstance(mod, nn.Linear):
-            return None, f"the model's output comes from {lin.target} ({type(mod).__name__}), not a linear layer"
+            return None, (f"the model's output comes from {lin.target} ({type(mod).__name__}), not from a final "
+                          "linear layer (the model post-processes its logits, or has no output layer)")
         site = HeadSite(lin, str(lin.target), f"{lin.target}.weight",
                         f"{lin.target}.bias" if mod.bias is not None else None, lin.args[0], None, mod.out_features)
     else:
         op = weight_op(lin)
         if op is None or op.kind != "linear" or len(_attr_shape(gm, str(op.weight.target))) != 2:
             what = f"{lin.op} {getattr(lin.target, '__name__', lin.target)}"
-            return None, f"the model's output is computed by {lin.name} ({what}), not by a final linear layer"
+            return None, (f"the model's output is computed by {lin.name} ({what}), not by a final linear layer "
+                          "(the model post-processes its logits, or has no output layer)")
         x, column = op.x, None
         if x.op == "call_function" and x.target in (copy_to_group, gather_sequence):
             x, column = x.args[0], x

@@ -262,7 +262,10 @@ def _output_layer(g: fx.Graph, gm: fx.GraphModule, graph: ModelGraph, res, ex, t
                   plan: Plan) -> tuple[Any, tuple[tuple[str, ...], tuple[str, ...]], tuple[str, ...]]:
     """The output layer's part of the stage graph `g` (codegen/head.py), rewritten in place: (the last
     stage's OutputHead or None, (modules, attributes) the last stage holds for a fused layer that its
-    code no longer calls, the model's names of the tensors whose rows are padded at tensor degree 1)."""
+    code no longer calls, the model's names of the tensors whose rows are padded at tensor degree 1); None
+    and nothing without a fused loss or a padded vocabulary."""
+    if not (ex.chunked or ex.vocab_multiple > 1):
+        return None, ((), ()), ()
     site, _ = find_head(g, gm)
     if site is None:
         return None, ((), ()), ()
