@@ -30,6 +30,7 @@ from torch import nn
 
 from planner.tensor_split.splits import TensorSplits
 from planner.tensor_split.weight_op import weight_op
+from runtime.losses import output_item
 from runtime.output_head import OutputHead
 from runtime.tensor_parallel import FeatureSplit, ParamShard, copy_to_group, gather_sequence
 
@@ -60,18 +61,6 @@ class HeadSite:
         return None
 
 
-def _output_value(out: fx.Node):
-    """The node the loss reads from the output node's structure (runtime.losses.model_output), or None."""
-    ret = out.args[0]
-    if isinstance(ret, fx.Node):
-        return ret
-    if isinstance(ret, (tuple, list)) and ret and isinstance(ret[0], fx.Node):
-        return ret[0]
-    if isinstance(ret, dict) and isinstance(ret.get("logits"), fx.Node):
-        return ret["logits"]
-    return None
-
-
 def _attr_shape(gm: fx.GraphModule, target: str) -> tuple[int, ...]:
     obj = gm
     for part in target.split("."):
@@ -83,7 +72,7 @@ def find_head(g: fx.Graph, gm: fx.GraphModule) -> tuple[HeadSite | None, str]:
     """(the output layer of graph `g`, "") or (None, why the model has none), `gm` the captured
     module holding the full-size layers and weights."""
     out = next((n for n in g.nodes if n.op == "output"), None)
-    lin = _output_value(out) if out is not None else None
+    lin = output_item(out.args[0], fx.Node) if out is not None else None
     if lin is None:
         return None, "the model's output is not a tensor the loss reads (a tensor, a tuple's first, a dict's 'logits')"
     if lin.op == "call_module":
