@@ -61,7 +61,10 @@ this rank's vocabulary shard).
   (above), the weight cast to the compute dtype (V_local x C x 2 bytes, when a cast is needed), and
   when the compute dtype is 16-bit, one V_local x C product in it before it is added to the fp32
   accumulator. The backward of one call runs once: a second backward through the same graph
-  (retain_graph) raises ChunkedLossError.
+  (retain_graph) raises ChunkedLossError. The kept gradients live per call in flight: a pipeline
+  schedule that runs several forwards of the last stage before their backwards (GPipe) keeps one set
+  per micro-batch (1F1B: one), and a stage recomputed in backward (activation checkpointing) runs
+  this forward, its 3U included, twice.
 * A group of t > 1 ranks: the chunk logits are recomputed in backward, so that forward needs the
   global statistics only once, for all chunks (the gradient of a chunk needs the global
   log-sum-exp; forming it in forward would cost one collective per chunk, or a second logits pass).
@@ -77,11 +80,20 @@ For comparison, F.cross_entropy over materialized logits costs 3U (forward U, ba
 the logits (tokens x V_local, compute dtype), their fp32 copy and fp32 log-softmax (saved), and in
 backward their fp32 gradient and its cast.
 
-Elementwise work per chunk logit (both strategies, per pass that forms gradients): the upcast (when
-16-bit), the bias add, log-sum-exp (a read), subtract and exp in place, the onehot scatter, the
-bias-gradient GEMV (a read) and the scaling (with the cast to the compute dtype when 16-bit): about
-8 passes of 4 bytes. A pass that only forms statistics (forward under recompute, evaluation) reads
-the upcast logits for the log-sum-exp and the target gather (and the max for evaluation).
+Elementwise memory traffic, bytes moved per logit by the eager passes over a chunk (counted from the
+op sequence; the GEMMs' own reads and writes excluded). A gradient-forming pass: the upcast with the
+bias (16-bit compute only: read 2, write 4), max (read 4), subtract and exp in place (8 + 8), row sum
+(read 4), the bias gradient's GEMV (read 4, with a bias only), the per-row scaling with the cast
+(read 4, write 2; fp32: 8 in place); the onehot scatter and the target gather touch one logit a row.
+These are CUDA's figures, where a 16-bit + fp32 op casts inside the kernel; on CPU TensorIterator would
+cast through a chunk-sized temporary, so there the upcast and the bias, and the scaling and the cast,
+are two passes each (16-bit: +8 and +8 bytes), with no temporary.
+    grads in forward:  36 bytes (16-bit compute) or 32 (fp32), +4 with a bias
+    recompute:         forward 30 (16-bit) or 24 (fp32); backward 28 or 24, +4 with a bias
+    chunked_eval:      30 (16-bit) or 24 (fp32)
+F.cross_entropy over upcast logits moves about 48 (upcast 6, log-softmax ~16, the gradient's zeros
+and scatter 4, log-softmax backward ~16, the cast back 6). A compiled or hand-written kernel of the
+chunk body (one read for max and sum, one read and one write for the gradient) would move ~8.
 
 The loss scaled before backward ((loss * s).backward()), one backward per micro-batch and a weight
 used elsewhere too (tied with an embedding: autograd adds the two gradients) are all plain autograd:
@@ -218,32 +230,45 @@ def _chunks(s: _Setup):
 def _logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, s: _Setup) -> torch.Tensor:
     """(rows, V_local) logits in the statistics dtype from a chunk of hidden and the weight (both in
     the compute dtype; bias in the statistics dtype, added after the upcast); padding rows -inf."""
-    if s.compute == s.stats and bias is not None:
-        z = torch.addmm(bias, h, w.t())
+    if s.compute == s.stats:
+        z = torch.mm(h, w.t()) if bias is None else torch.addmm(bias, h, w.t())
     else:
-        z = torch.mm(h, w.t()).to(s.stats)
-        if bias is not None:
-            z.add_(bias)
+        product = torch.mm(h, w.t())
+        if bias is not None and product.is_cuda:
+            # the upcast and the bias in one pass (16-bit + fp32 promotes to fp32, as the reference's
+            # sum); on CPU TensorIterator would upcast the product into a temporary first
+            z = torch.add(product, bias)
+        else:
+            z = product.to(s.stats)
+            if bias is not None:
+                z.add_(bias)
+        del product
     if s.vocab_valid < z.shape[1]:
         z[:, s.vocab_valid:] = -math.inf
     return z
 
 
-def _gradients(z, lse, tg: _Targets, scale, h, w, s: _Setup, grads, a: int, b: int) -> None:
-    """Turn the chunk's logits z (rows, V_local; consumed) into its gradient, scaled per row by
-    `scale` (rows,), and add its part to grads = [grad hidden (tokens, C) | None, grad weight
-    accumulator (V_local, C) | None, grad bias accumulator (V_local,) | None]; rows a..b of hidden."""
-    gh, gw, gb = grads
-    z.sub_(lse.unsqueeze(1)).exp_()                                   # softmax
-    z.scatter_add_(1, tg.local[a:b].unsqueeze(1), -tg.inside[a:b].to(z.dtype).unsqueeze(1))   # - onehot
+def _grad_logits(e, norm, tg: _Targets, scale, s: _Setup, gb, a: int, b: int) -> torch.Tensor:
+    """The gradient of a chunk's logits in the compute dtype, (softmax - onehot) scaled per row by
+    `scale` (rows,), from e = exp(logits - shift) (rows, V_local; consumed: a 16-bit gradient is a new
+    tensor, the caller drops e before the GEMMs) whose row sums are `norm` (rows,; None: 1, e is the
+    softmax); adds its sum over the rows to the grad bias accumulator gb (V_local,) unless None. The
+    softmax's division folds into the per-row factor: (e - norm * onehot) * scale / norm."""
+    inside = tg.inside[a:b].to(e.dtype)
+    e.scatter_add_(1, tg.local[a:b].unsqueeze(1), -(inside if norm is None else inside * norm).unsqueeze(1))
+    factor = scale if norm is None else scale / norm
     if gb is not None:
-        gb.addmv_(z.t(), scale)                                       # sum over rows of scale * (p - onehot)
-    if s.compute == s.stats:
-        g = z.mul_(scale.unsqueeze(1))
-    else:
-        g = torch.empty(z.shape, dtype=s.compute, device=z.device)
-        torch.mul(z, scale.unsqueeze(1), out=g)                       # scaled and cast in one pass
-        del z
+        gb.addmv_(e.t(), factor)
+    if s.compute == s.stats or not e.is_cuda:
+        # on CPU a mul into a 16-bit out= would compute into an fp32 temporary of the chunk, then cast
+        return e.mul_(factor.unsqueeze(1)).to(s.compute)
+    g = torch.empty(e.shape, dtype=s.compute, device=e.device)
+    return torch.mul(e, factor.unsqueeze(1), out=g)                   # scaled and cast in one pass
+
+
+def _grad_matmuls(g, h, w, s: _Setup, gh, gw, a: int, b: int) -> None:
+    """Add a chunk's part (rows a..b; g its logits' gradient, h its hidden, both in the compute dtype)
+    to grad hidden gh (tokens, C) and the grad weight accumulator gw (V_local, C), each unless None."""
     if gh is not None:
         if gh.dtype == s.compute:
             torch.mm(g, w, out=gh[a:b])
@@ -267,15 +292,26 @@ def _statistics(h2, w, bias, tg: _Targets, s: _Setup, *, argmax: bool = False, g
     for a, b in _chunks(s):
         h = h2[a:b].to(s.compute)
         z = _logits(h, w, bias, s)
-        torch.logsumexp(z, 1, out=lse[a:b])
         picked[a:b] = z.gather(1, tg.local[a:b].unsqueeze(1)).squeeze(1).masked_fill(~tg.inside[a:b], 0.0)
         if argmax:
             top, idx = z.max(1)   # the first of equal maxima: the lowest class index, as torch.argmax
             best[a:b] = top
             hit[a:b] = (idx == tg.local[a:b]) & tg.inside[a:b]
+        else:
+            top = z.amax(1)
+        # log-sum-exp in place (torch.logsumexp would allocate two chunk-sized temporaries); a row of
+        # padding alone (a rank of a group) has max -inf: shift by 0, its log-sum-exp is -inf
+        shift = top.masked_fill(top == -math.inf, 0.0)
+        z.sub_(shift.unsqueeze(1)).exp_()
+        total = z.sum(1)
+        torch.add(shift, total.log(), out=lse[a:b])
         if grads is not None:
-            _gradients(z, lse[a:b], tg, scale[a:b], h, w, s, grads, a, b)
-        del z
+            g = _grad_logits(z, total, tg, scale[a:b], s, grads[2], a, b)
+            del z                      # a 16-bit gradient is a copy: the fp32 chunk goes before the GEMMs
+            _grad_matmuls(g, h, w, s, grads[0], grads[1], a, b)
+            del g
+        else:
+            del z
     return lse, picked, best, hit
 
 
@@ -342,7 +378,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 b32 = None if bias is None else bias.to(s.stats)
                 for a, b in _chunks(s):
                     h = h2[a:b].to(s.compute)
-                    _gradients(_logits(h, w, b32, s), lse[a:b], tg, scale[a:b], h, w, s, [gh, gw, gb], a, b)
+                    p = _logits(h, w, b32, s).sub_(lse[a:b].unsqueeze(1)).exp_()   # softmax from the global lse
+                    g = _grad_logits(p, None, tg, scale[a:b], s, gb, a, b)
+                    del p
+                    _grad_matmuls(g, h, w, s, gh, gw, a, b)
+                    del g
                 if gh is not None:
                     s.group.all_reduce(gh)   # every rank's classes add to hidden's gradient
                 grad_out = None              # already applied through scale
