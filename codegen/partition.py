@@ -149,6 +149,7 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
     signatures = [L.signature for L in graph.layers]
     repeated = {L.name for L in graph.layers if signatures.count(L.signature) > 1}
     weighty = {L.name for L in graph.layers if L.param_count > 0}
+    blocks = repeated & weighty
     nodes = [n for n in g.nodes]
     pos = {n.name: i for i, n in enumerate(nodes)}
 
@@ -239,9 +240,9 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
         source, globs, served = _stage_source(g, s, members, ins, outs, is_last, layer_of, known, cfg.recompute,
                                               codes, tiles.get(s), shared=ex.compile, gm=gm,
                                               signatures={L.name: L.signature for L in graph.layers})
-        # regional compilation: the methods of repeated layers (one per distinct layer) and of the layers
-        # that hold parameters (embeddings, a final norm); not those of a few views or a dropout alone
-        compiled = tuple(m for m, ls in served.items() if any(L in repeated or L in weighty for L in ls))
+        # regional compilation: the methods of the repeated blocks (one per distinct block); in a model without
+        # repeated blocks, those of the layers that hold parameters (a few views or an activation alone: never)
+        compiled = tuple(m for m, ls in served.items() if any(L in (blocks or weighty) for L in ls))
         padded = _padded(padded_names, modules, attributes, ex.vocab_multiple, head)
         params = _stage_params(gm, modules, attributes, local_mods, canonical, res.param_shards, t, padded)
         held = {canonical.get(name, name) for name, _, _ in params}

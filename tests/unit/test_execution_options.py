@@ -86,8 +86,9 @@ def test_compiled_stages_share_one_method_per_repeated_block():
     src = stage.source
     assert "def layer_blocks_0(self, layer, x):" in src and "def layer_blocks_1" not in src
     assert 'self.layer_blocks_0(getattr(self.blocks, "1"), ' in src
-    # the repeated block, and the layers holding parameters; not the dropout alone
-    assert stage.spec.compiled == ("layer_wte", "layer_blocks_0", "layer_ln_f", "layer_lm_head")
+    assert stage.spec.compiled == ("layer_blocks_0",)   # the repeated block; the other layers stay eager
+    mlp = _partition("mlp", Execution(compile=True)).stages[0].spec   # no repeated block: its Linears
+    assert mlp.compiled == ("layer_net_0", "layer_net_2", "layer_net_4")
     assert StageSpec.from_dict(stage.spec.to_dict()) == stage.spec
     plain = _partition("gpt", Execution()).stages[0]
     assert "def layer_blocks_1(self, add_2):" in plain.source and not plain.spec.compiled
