@@ -24,6 +24,7 @@ by shlex.quote or as arguments: a generated file never runs them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -41,6 +42,7 @@ from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.datasets import DatasetSpec
 from runtime.evaluation import EvalSpec, check_supported
+from runtime.execution import Execution
 from runtime.lr_schedule import ScheduleSpec
 from runtime.optim import OptimizerSpec
 from runtime.program import Program
@@ -74,7 +76,8 @@ def train_spec(plan: Plan, model_ref: str, data_ref: str | None = None, *, model
                init: str = "seed", checkpoint: str | None = None, root: str | None = None,
                dataset: DatasetSpec | None = None, evaluation: EvalSpec | None = None,
                schedule: ScheduleSpec | None = None, clip_grad: float | None = None,
-               loss_scale: LossScaleSpec | None = None) -> tuple[ModelGraph, TrainSpec]:
+               loss_scale: LossScaleSpec | None = None,
+               execution: Execution | None = None) -> tuple[ModelGraph, TrainSpec]:
     """(the model's captured graph, the build's TrainSpec) for `emit`'s arguments (see there): the
     graph captured from model_ref when not given, and checked against the plan's (PlanMismatchError)."""
     model_kwargs = dict(model_kwargs or {})
@@ -98,7 +101,7 @@ def train_spec(plan: Plan, model_ref: str, data_ref: str | None = None, *, model
                       checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()),
                       eval=evaluation,
                       schedule=schedule or ScheduleSpec(), clip_grad=clip_grad, loss_scale=loss_scale,
-                      work=step_work(plan, graph))
+                      work=step_work(plan, graph), execution=execution or plan.execution)
     return graph, train
 
 
@@ -115,6 +118,26 @@ def _check_data_factory(data_ref: str, data_kwargs: dict, root: str | None, defa
                        "'Your own model'), or name another with --data-ref or a torch Dataset with --dataset") from None
 
 
+class ExecutionError(ValueError):
+    """Execution options (compiled stages, the fused loss, the padded vocabulary) the build cannot run;
+    the message names the option and why."""
+
+
+def check_execution(plan: Plan, execution: Execution, loss: str) -> None:
+    """ExecutionError naming the option and the plan's strategy or the loss it does not run with."""
+    cfg = plan.config
+    blocked = [name for name, on in (("spatial parallelism (--spatial)", cfg.spatial > 1),
+                                     ("sub-graph parallelism (--subgraph)", cfg.subgraph > 1),
+                                     ("context parallelism (--context)", cfg.context > 1)) if on]
+    for option, on in (("--compile", execution.compile), ("--loss-impl chunked", execution.chunked)):
+        if on and blocked:
+            raise ExecutionError(f"{option} does not run with {blocked[0]}: its stages exchange tiles, paths or "
+                                 f"sequence chunks inside their layers; leave {option.split()[0]} out")
+    if execution.chunked and loss != "cross_entropy":
+        raise ExecutionError(f"--loss-impl chunked fuses a cross-entropy loss with the output layer; this build's "
+                             f"loss is {loss}: use --loss-impl full")
+
+
 def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str | os.PathLike = "build", *,
          model_kwargs: dict | None = None, data_kwargs: dict | None = None, graph: ModelGraph | None = None,
          loss: str = "cross_entropy", optimizer: OptimizerSpec | dict | None = None, seed: int = 0,
@@ -123,7 +146,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
          dataset: DatasetSpec | None = None,
          evaluation: EvalSpec | None = None,
          schedule: ScheduleSpec | None = None,
-         clip_grad: float | None = None, loss_scale: LossScaleSpec | None = None) -> Build:
+         clip_grad: float | None = None, loss_scale: LossScaleSpec | None = None,
+         execution: Execution | None = None) -> Build:
     """Write the build directory for `plan` (see module docstring).
 
     Args:
@@ -136,14 +160,20 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
         bucket_bytes: gradient bucket size for the data-parallel reduction.
         dataset: a torch Dataset by reference (runtime.datasets.DatasetSpec), read instead of a batch
             factory; give it without data_ref.
+        execution: how the stages' compute runs (runtime/execution.py); None: the plan's. The build's
+            plan.json records the one it runs.
 
     Raises PlanMismatchError when model_ref builds another model than the plan's, and
-    ValueErrors (PartitionError, LoweringError, TensorSplitError) for plans the runtime cannot run.
+    ValueErrors (PartitionError, LoweringError, TensorSplitError, ExecutionError) for plans the runtime
+    cannot run.
     """
+    execution = execution or plan.execution
+    check_execution(plan, execution, loss)
+    plan = dataclasses.replace(plan, execution=execution)
     graph, train = train_spec(plan, model_ref, data_ref, model_kwargs=model_kwargs, data_kwargs=data_kwargs,
                               graph=graph, loss=loss, optimizer=optimizer, seed=seed, data_seed=data_seed, init=init,
                               checkpoint=checkpoint, root=root, dataset=dataset, evaluation=evaluation,
-                              schedule=schedule, clip_grad=clip_grad, loss_scale=loss_scale)
+                              schedule=schedule, clip_grad=clip_grad, loss_scale=loss_scale, execution=execution)
     model_kwargs = train.model_kwargs
     decay_of = train.optimizer.decays if train.optimizer.splits_decay else None   # buckets: one class each
     if evaluation is not None:
@@ -208,6 +238,7 @@ def rank_script(rank: int, prog: Program, parts: Partition, train: TrainSpec, pl
         "This rank: " + ", ".join(f"{a} {c}" for (a, _), c in zip(prog.mesh, prog.coords))
         + "; stages " + ", ".join(f"{sp.spec.index} ({sp.spec.layers[0]} .. {sp.spec.layers[-1]})" for sp in mine),
         "Process groups (global ranks): " + ", ".join(f"{a} {g}" for a, g in groups.items()),
+        *([f"Execution: {' '.join(train.execution.options())}"] if not train.execution.is_default else []),
         *([_context_line(prog)] if prog.context else []),
     ]
     head = [
@@ -444,4 +475,5 @@ export WORLD_SIZE
     return {"launch_torchrun.sh": torchrun, "launch_mpirun.sh": mpirun, "launch_srun.sh": srun}
 
 
-__all__ = ["GRAPH_FILE", "Build", "PlanMismatchError", "capture_ref", "emit", "launch_scripts", "node_layout", "rank_script", "train_spec"]
+__all__ = ["GRAPH_FILE", "Build", "ExecutionError", "PlanMismatchError", "capture_ref", "check_execution", "emit",
+           "launch_scripts", "node_layout", "rank_script", "train_spec"]

@@ -27,7 +27,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from codegen.pysrc import comment_text, doc_text, graph_method, import_block
+from codegen.head import find_head, fuse, narrow_logits, output_head, pad_splits, padded_rows, vocab_split
+from codegen.pysrc import check_target, comment_text, doc_text, graph_method, import_block
 from codegen.spatial_tiles import StageTiles, TileRewrite
 from codegen.subgraph import (insert_region_call, layer_regions, region_code, region_inputs, region_methods,
                               skipped_nodes, subgraph_init)
@@ -128,8 +129,27 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
                              "make the plan again")
     inputs = example_inputs(graph, mb)
     rewritten, attrs = rewrite(gm, inputs) if rewrite is not None else (None, None)
+    ex = plan.execution
+    if ex.chunked or ex.vocab_multiple > 1:   # the output layer (codegen/head.py)
+        site, why = find_head(rewritten if rewritten is not None else gm.graph, gm)
+        if site is None:
+            flag = "--loss-impl chunked" if ex.chunked else f"--vocab-multiple {ex.vocab_multiple}"
+            raise PartitionError(f"{flag} needs a model whose output is a final linear layer's, but {why}; "
+                                 f"leave {flag.split()[0]} out")
+        if t > 1 and ex.vocab_multiple > 1:
+            vsplit = vocab_split(splits, site)
+            if vsplit is None:
+                raise PartitionError(f"--vocab-multiple {ex.vocab_multiple} at tensor {t}: the plan does not split "
+                                     f"the output layer ({site.weight}) over the vocabulary, so nothing pads it; "
+                                     "leave --vocab-multiple out")
+            splits = pad_splits(splits, vsplit, ex.vocab_multiple)
     res = apply_splits(gm, splits, inputs, graph=rewritten, attrs=attrs)
     g = res.graph
+    head, head_extra, padded_names = _output_layer(g, gm, graph, res, ex, t, plan)
+    signatures = [L.signature for L in graph.layers]
+    repeated = {L.name for L in graph.layers if signatures.count(L.signature) > 1}
+    weighty = {L.name for L in graph.layers if L.param_count > 0}
+    blocks = repeated & weighty
     nodes = [n for n in g.nodes]
     pos = {n.name: i for i, n in enumerate(nodes)}
 
@@ -214,9 +234,17 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
         modules = tuple(dict.fromkeys(str(n.target) for n in members if n.op == "call_module"))
         attributes = tuple(dict.fromkeys(str(n.target) for n in members
                                          if n.op == "get_attr" and n.target not in RUNTIME_ATTRS))
-        source, globs = _stage_source(g, s, members, ins, outs, is_last, layer_of, known, cfg.recompute, codes,
-                                      tiles.get(s))
-        params = _stage_params(gm, modules, attributes, local_mods, canonical, res.param_shards, t)
+        if is_last:   # a fused output layer: its tensors are held, though no code calls it
+            modules = tuple(dict.fromkeys(modules + head_extra[0]))
+            attributes = tuple(dict.fromkeys(attributes + head_extra[1]))
+        source, globs, served = _stage_source(g, s, members, ins, outs, is_last, layer_of, known, cfg.recompute,
+                                              codes, tiles.get(s), shared=ex.compile, gm=gm,
+                                              signatures={L.name: L.signature for L in graph.layers})
+        # regional compilation: the methods of the repeated blocks (one per distinct block); in a model without
+        # repeated blocks, those of the layers that hold parameters (a few views or an activation alone: never)
+        compiled = tuple(m for m, ls in served.items() if any(L in (blocks or weighty) for L in ls))
+        padded = _padded(padded_names, modules, attributes, ex.vocab_multiple, head)
+        params = _stage_params(gm, modules, attributes, local_mods, canonical, res.param_shards, t, padded)
         held = {canonical.get(name, name) for name, _, _ in params}
         shared = tuple(grp for grp in graph.shared_params if grp[0] in held)
         spec = StageSpec(index=s, layers=st.layers, inputs=tuple(ins), outputs=tuple(outs), modules=modules,
@@ -224,10 +252,57 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
                          is_last=is_last, output_split=res.output_split if is_last else None,
                          recompute=cfg.recompute, shared=shared,
                          param_shards=tuple(res.param_shards[a] for a in attributes if a in res.param_shards),
-                         running_stats=_running_stats(g, gm, members))
+                         running_stats=_running_stats(g, gm, members), head=head if is_last else None,
+                         padded=padded, compiled=compiled if ex.compile else ())
         parts.append(StagePart(spec, st.device_index, f"Stage{s}", source, globs, tuple(params)))
     sd = gm.state_dict(keep_vars=True)
     return Partition(tuple(parts), t, mb, _signature_of(gm), {k: list(v.shape) for k, v in sd.items()})
+
+
+def _output_layer(g: fx.Graph, gm: fx.GraphModule, graph: ModelGraph, res, ex, t: int,
+                  plan: Plan) -> tuple[Any, tuple[tuple[str, ...], tuple[str, ...]], tuple[str, ...]]:
+    """The output layer's part of the stage graph `g` (codegen/head.py), rewritten in place: (the last
+    stage's OutputHead or None, (modules, attributes) the last stage holds for a fused layer that its
+    code no longer calls, the model's names of the tensors whose rows are padded at tensor degree 1); None
+    and nothing without a fused loss or a padded vocabulary."""
+    if not (ex.chunked or ex.vocab_multiple > 1):
+        return None, ((), ()), ()
+    site, _ = find_head(g, gm)
+    if site is None:
+        return None, ((), ()), ()
+    fused = ex.chunked
+    layer = next((L.name for L in graph.layers if site.linear.name in L.nodes), None)
+    if fused and layer is not None and layer not in plan.stages[-1].layers:
+        raise PartitionError(f"--loss-impl chunked: the output layer ({layer}) is not in the last pipeline stage; "
+                             "cut the stages so that it is, or leave --loss-impl out")
+    sequence_dim = res.shards[site.module].sequence_dim if site.module in res.shards else None
+    head = output_head(site, fused, sequence_dim)
+    v_pad = -(-site.vocab // ex.vocab_multiple) * ex.vocab_multiple
+    pad_here = t == 1 and v_pad != site.vocab
+    extra: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    if fused:
+        extra = ((site.module,), ()) if site.module is not None else \
+            ((), tuple(x for x in (site.weight, site.bias) if x is not None))
+        fuse(g, site)
+    elif pad_here:
+        narrow_logits(g, site, [res.local_values, res.full_values])
+    if not pad_here:
+        return head, extra, ()
+    names = [site.weight] + ([site.bias] if site.bias is not None else [])
+    for grp in graph.shared_params:   # a tied embedding holds the same rows
+        if site.weight in grp:
+            names += [n for n in grp if n not in names]
+    return head, extra, tuple(names)
+
+
+def _padded(names: tuple[str, ...], modules: tuple[str, ...], attributes: tuple[str, ...], multiple: int,
+            head) -> tuple:
+    """StageSpec.padded of a stage holding `modules` and `attributes`: those of the padded tensors
+    `names` (the model's names) it holds, under each name it holds them by."""
+    if not names:
+        return ()
+    held = [n for n in names if n in attributes or n.rpartition(".")[0] in modules]
+    return padded_rows(head.vocab, multiple, held)
 
 
 def _stage_tiles(spatial: SpatialSpec | None, gm: fx.GraphModule, lv: dict, layer_of: dict[str, str],
@@ -295,7 +370,8 @@ def shared_names(graph: ModelGraph) -> dict[str, str]:
 
 
 def _stage_params(gm: fx.GraphModule, modules: tuple[str, ...], attributes: tuple[str, ...], local_mods: dict,
-                  canonical: dict[str, str], param_shards: dict, tensor: int) -> list[tuple[str, tuple[int, ...], str]]:
+                  canonical: dict[str, str], param_shards: dict, tensor: int,
+                  padded: tuple = ()) -> list[tuple[str, tuple[int, ...], str]]:
     """The stage module's trainable parameters (name, local shape, dtype), in the order gradients
     become ready in backward (last module first).
 
@@ -328,7 +404,11 @@ def _stage_params(gm: fx.GraphModule, modules: tuple[str, ...], attributes: tupl
         if key in seen:
             continue
         seen.add(key)
-        out.append((first[key], tuple(p.shape), str(p.dtype).removeprefix("torch.")))
+        shape = tuple(p.shape)
+        pad = next((ps for ps in padded if ps.name == first[key]), None)
+        if pad is not None:   # rows padded at tensor degree 1 (Execution.vocab_multiple)
+            shape = (pad.split.local_size(1), *shape[1:])
+        out.append((first[key], shape, str(p.dtype).removeprefix("torch.")))
     return out
 
 
@@ -338,8 +418,15 @@ def _signature_of(gm: fx.GraphModule) -> str:
 
 def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundary], outs: list[Boundary],
                   is_last: bool, layer_of: dict[str, str], layer_order: list[str], recompute: str,
-                  codes: list | None = None, tiles: StageTiles | None = None) -> tuple[str, dict]:
-    """The stage class: one method per layer and a forward chaining them (tiles: its spatial part)."""
+                  codes: list | None = None, tiles: StageTiles | None = None, *, shared: bool = False,
+                  gm: fx.GraphModule | None = None,
+                  signatures: dict[str, str] | None = None) -> tuple[str, dict, dict[str, list[str]]]:
+    """(the stage class, its globals, its layer methods -> the layers each runs): one method per layer and a
+    forward chaining them
+    (tiles: its spatial part). shared: layers whose code is the same but for their own module (the
+    copies of a repeated block) share one method, which takes the layer's module as `layer` (so that
+    torch.compile of the method compiles once for every copy); `signatures` (layer -> ModelGraph's layer
+    signature) keeps layers of different shapes or modules apart, whose code may read alike."""
     # layer methods run in model (layer) order; a layer's inputs come from earlier layers or the stage's inputs
     present = {layer_of[n.name] for n in members if n.op not in ("placeholder", "get_attr")}
     layers: list[str] = [L for L in layer_order if L in present]
@@ -368,6 +455,8 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
     node_by_name = {n.name: n for n in g.nodes}
     region_src: list[str] = []
     owners: dict[str, int] = {}
+    generic: dict[str, tuple[str, int]] = {}   # shared: a method's code (comments aside) -> (name, its index)
+    served: dict[str, list[str]] = {}          # shared: method -> the layers it runs
     for i, L in enumerate(layers):
         body = members_by_layer[L]
         if not body:
@@ -403,17 +492,17 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
             env[n.name] = tiles.rewrite.node(lg, n, lambda x: env[x.name]) if tiled else \
                 lg.node_copy(n, lambda x: env[x.name])
             if recompute == "selective" and _recomputed(n):
-                attr = f"recompute_{n.name}"
                 c = env[n.name]
                 if n.op == "call_function":
                     qual = fx.node._get_qualified_name(n.target)
                     mod = qual.rsplit(".", 1)[0]
                     if not mod.startswith("torch"):
                         extra_imports.append(f"import {mod}")
-                    inits.append(f"        self.{attr} = Recompute({qual})")
+                    made = f"Recompute({qual})"
                 else:
-                    inits.append(f"        self.{attr} = Recompute(method={n.target!r})")
-                c.op, c.target = "call_module", attr
+                    made = f"Recompute(method={n.target!r})"
+                c.op, c.target = "call_module", _RECOMPUTE   # named below, once the node's name is final
+                c.meta[_RECOMPUTE] = made
         outputs = [n.name for n in body if needed_after.get(n.name, -1) > i]
         if len(outputs) == 1:
             lg.output(env[outputs[0]])
@@ -422,14 +511,39 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
         method = "layer_" + _ident(L)
         while method in used_names:
             method += "_"
-        used_names.add(method)
+        # a repeated layer's module is an argument of its method (so that its copies can share it)
+        repeats = signatures is not None and list(signatures.values()).count(signatures.get(L)) > 1
+        root = _layer_root(gm, L, lg) if shared and repeats and not regs and not tiled else None
+        if shared and not regs and not tiled:
+            lg = _canonical_names(lg, root)
+        for c in lg.nodes:   # selective recomputation: the stage's Recompute module of this call
+            if c.op == "call_module" and c.target == _RECOMPUTE:
+                attr = f"recompute_{c.name}"
+                line = f"        self.{attr} = {c.meta[_RECOMPUTE]}"
+                if line not in inits:
+                    inits.append(line)
+                c.target = attr
         src, gl = graph_method(lg, method)
-        methods.append(f"    # ---- layer {comment_text(L)} ----\n" + src)  # L: the model's module path
+        if root is not None:   # the layer's own module is the method's `layer` argument
+            src = re.sub(rf"\bself\.{_LAYER}\b", "layer", src)
+            src = re.sub(rf"def {method}\(self(, |\))", lambda m: f"def {method}(self, layer{m.group(1)}", src,
+                         count=1)
         globs.update(gl)
+        key = (signatures or {}).get(L, L) + "\n" + \
+            "\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith("#")).replace(method, "@")
+        if shared and not regs and not tiled and key in generic:
+            method = generic[key][0]   # the same code as an earlier layer's
+        else:
+            used_names.add(method)
+            if shared and not regs and not tiled:
+                generic[key] = (method, len(methods))
+            methods.append(f"    # ---- layer {comment_text(L)} ----\n" + src)  # L: the model's module path
+        served.setdefault(method, []).append(L)
         lhs = ", ".join(outputs)
-        call = f"self.{method}({', '.join(inputs)})"
+        args = ([_module_expr(root)] if root is not None else []) + inputs
+        call = f"self.{method}({', '.join(args)})"
         if recompute == "full" and inputs:   # (a layer with no inputs has nothing to recompute from)
-            call = f"checkpoint(self.{method}, {', '.join(inputs)}, use_reentrant=False, " \
+            call = f"checkpoint(self.{method}, {', '.join(args)}, use_reentrant=False, " \
                    "context_fn=keep_statistics(self))"
         calls.append(f"        {lhs} = {call}" if outputs else f"        {call}")
         if tiled and not any(x in tiles.layers for x in layers[i + 1:]):   # the end of the spatial part
@@ -462,8 +576,79 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
         globs["Recompute"] = Recompute
         for line in extra_imports:
             globs[f"__import__{line}"] = line
+    for name, k in generic.values():   # a shared method names every layer it runs
+        if len(served[name]) > 1:
+            methods[k] = methods[k].replace(
+                f"    # ---- layer {comment_text(served[name][0])} ----\n",
+                f"    # ---- layers {', '.join(comment_text(x) for x in served[name])}: one method, each layer's "
+                "module passed as `layer` ----\n", 1)
     cls = f"class Stage{s}(torch.nn.Module):\n{doc}\n" + init + "\n".join(forward) + "\n\n" + "\n".join(methods)
-    return cls, globs
+    return cls, globs, served
+
+
+# The stand-in root of a shared layer method's module paths, written `layer` in its source.
+_LAYER = "_meshplan_layer_"
+# The stand-in target of a selectively recomputed call until its Recompute module is named.
+_RECOMPUTE = "_meshplan_recompute_"
+
+
+def _layer_root(gm: fx.GraphModule | None, path: str, lg: fx.Graph) -> str | None:
+    """`path` when it names a module of the model that holds what the layer graph `lg` calls and reads
+    (its module paths then become relative to it: `layer.ln1` for `blocks.3.ln1`), else None."""
+    if gm is None or not path or any(n.name == "layer" for n in lg.nodes):
+        return None
+    try:
+        gm.get_submodule(path)
+    except AttributeError:
+        return None
+    prefix = f"{path}."
+    rooted = False
+    for n in lg.nodes:
+        if n.op in ("call_module", "get_attr") and isinstance(n.target, str) and n.target.startswith(prefix):
+            n.target = f"{_LAYER}.{n.target[len(prefix):]}"
+            rooted = True
+        elif n.op == "call_module" and n.target == path:   # the layer is one module's call
+            n.target = _LAYER
+            rooted = True
+    return path if rooted else None
+
+
+def _canonical_names(lg: fx.Graph, root: str | None) -> fx.Graph:
+    """A copy of the layer graph whose names read alike in two copies of a repeated block: its inputs
+    `x`, `x_1`, ...; the layer's path left off the front of the others ("blocks_3_ln1" -> "ln1"), each
+    numbered from its first use in the layer ("add_7", "add_8" -> "add", "add_1")."""
+    strip = _ident(root) + "_" if root else None
+    out = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    counts: dict[str, int] = {}
+    for n in lg.nodes:
+        if n.op == "output":
+            out.output(fx.node.map_arg(n.args[0], lambda a: env[a]))
+            continue
+        base = "x" if n.op == "placeholder" else n.name
+        if strip and base.startswith(strip) and len(base) > len(strip):
+            base = base[len(strip):]
+        base = re.sub(r"_\d+$", "", base) or base
+        k = counts.get(base, 0)
+        counts[base] = k + 1
+        name = base if k == 0 else f"{base}_{k}"
+        if n.op == "placeholder":
+            c = out.placeholder(name)
+        else:
+            c = out.create_node(n.op, n.target, fx.node.map_arg(n.args, lambda a: env[a]),
+                                fx.node.map_arg(n.kwargs, lambda a: env[a]), name)
+        c.meta = dict(n.meta)
+        env[n] = c
+    return out
+
+
+def _module_expr(path: str) -> str:
+    """Python for the stage's module at `path`, as torch.fx writes it (`getattr(self.blocks, "3")`)."""
+    check_target(path)
+    expr = "self"
+    for part in path.split("."):
+        expr = f"{expr}.{part}" if part.isidentifier() else f'getattr({expr}, "{part}")'
+    return expr
 
 
 _RECOMPUTED = ("scaled_dot_product_attention", "softmax", "_softmax", "_safe_softmax")

@@ -1,17 +1,22 @@
-"""`meshplan codegen` flags for the optimizer's implementation, weight-decay groups and lr schedule.
+"""`meshplan codegen` flags for the optimizer's implementation, weight-decay groups, lr schedule and
+how the stages' compute runs.
 
     --optimizer-impl auto|for-loop|foreach|fused   --no-decay 1d|none
     --lr-schedule constant|cosine|linear  --warmup-steps N  --min-lr LR  --decay-steps N
+    --compile/--no-compile  --loss-impl full|chunked  --loss-chunk-tokens N  --vocab-multiple N
 
 `add_flags` puts them on the codegen parser (planner/app/cli.py); `optimizer_and_schedule` makes
 the build's OptimizerSpec and ScheduleSpec from the parsed arguments (their checks raise
-ValueErrors that name the flag's field).
+ValueErrors that name the flag's field); `execution_of` the build's Execution: the plan's, with
+each execution flag given overriding its field.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
+from runtime.execution import MAX_VOCAB_MULTIPLE, Execution, LossImpl
 from runtime.lr_schedule import ScheduleKind, ScheduleSpec
 from runtime.optim import NoDecay, OptimizerImpl, OptimizerSpec
 
@@ -34,6 +39,18 @@ def add_flags(p: argparse.ArgumentParser, count, nonnegative_number) -> None:
                    help="the lr a cosine or linear decay ends at (default 0)")
     p.add_argument("--decay-steps", type=count(1, MAX_STEPS), default=None,
                    help="the step at which a cosine or linear decay reaches --min-lr, warm-up included")
+    # execution options: default None, so that the plan's value holds unless a flag is given
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each stage's layers through torch.compile, one compiled function per distinct "
+                        "layer (default: as the plan says; a plan made without it: off)")
+    p.add_argument("--loss-impl", default=None, choices=[m.value for m in LossImpl],
+                   help="the last stage's cross-entropy: full (the logits, then the loss in fp32) or chunked "
+                        "(fused with the output layer, chunks of tokens, no full logits) (default: the plan's)")
+    p.add_argument("--loss-chunk-tokens", type=count(0), default=None, metavar="N",
+                   help="tokens per chunk of the chunked loss (0: chosen from the vocabulary; default: the plan's)")
+    p.add_argument("--vocab-multiple", type=count(1, MAX_VOCAB_MULTIPLE), default=None, metavar="N",
+                   help="pad the output layer's rows (and a tied embedding's) to a multiple of N, per tensor rank; "
+                        "logits, loss and checkpoints keep the real vocabulary (1: none; default: the plan's)")
 
 
 def optimizer_and_schedule(args: argparse.Namespace) -> tuple[OptimizerSpec, ScheduleSpec]:
@@ -43,3 +60,11 @@ def optimizer_and_schedule(args: argparse.Namespace) -> tuple[OptimizerSpec, Sch
                             decay_steps=args.decay_steps)
     schedule.check_lr(opt.lr)
     return opt, schedule
+
+
+def execution_of(args: argparse.Namespace, planned: Execution) -> Execution:
+    """The build's Execution: `planned` (the plan's) with the execution flags that were given."""
+    changes = {field: value for field, value in (("compile", args.compile), ("loss", args.loss_impl),
+                                                 ("loss_chunk_tokens", args.loss_chunk_tokens),
+                                                 ("vocab_multiple", args.vocab_multiple)) if value is not None}
+    return dataclasses.replace(planned, **changes)

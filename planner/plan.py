@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from planner.strategies import describe
 from planner.subgraph import Region
 from planner.tensor_split.splits import TensorSplits
 from runtime.documents import FieldError, Fields, read_document
+from runtime.execution import Execution
 from runtime.vocab import ShardRole, Target
 
 PLAN_FORMAT_VERSION = 2   # 2: the tensor-parallel split is stored ("tensor_splits"); 1 still loads
@@ -91,6 +92,9 @@ class Plan:
     # the captured model's parameter count (elements), to say how another model differs
     # (planner/binding.py); 0 in plans written before it was recorded
     graph_params: int = 0
+    # how the stages' compute runs (compiled stages, the fused chunked loss, the padded vocabulary;
+    # runtime/execution.py); written only when not the defaults, so earlier plans read unchanged
+    execution: Execution = field(default_factory=Execution)
 
     # ---- views ----------------------------------------------------------
     @property
@@ -112,6 +116,7 @@ class Plan:
             f"   micro-batch {c.micro_batch_size} x {p.num_micro_batches}   schedule {describe.schedule_text(c)}"
             + f"   recompute {c.recompute}   ZeRO {c.zero}   {c.dtype}",
             *describe.config_lines(c),
+            *([f"  execution: {' '.join(self.execution.options())}"] if not self.execution.is_default else []),
             f"  global batch {self.global_batch_size}: step {p.step_time:.4g} s, {p.samples_per_s:,.2f} samples/s"
             + (f", {p.tokens_per_s:,.0f} tokens/s" if p.tokens_per_s else "") + f", MFU {p.mfu:.1%}",
             "",
@@ -158,6 +163,7 @@ class Plan:
             **({"tensor_splits": self.tensor_splits.to_dict()} if self.tensor_splits is not None else {}),
             **({"target": self.target} if self.target != Target.MESHPLAN else {}),
             **({"graph_params": self.graph_params} if self.graph_params else {}),
+            **({"execution": self.execution.to_dict()} if not self.execution.is_default else {}),
         }
 
     @classmethod
@@ -275,6 +281,7 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
         tensor_splits=TensorSplits.read(f.sub("tensor_splits")) if "tensor_splits" in f.data else None,
         target=Target(target).value,
         graph_params=f.integer("graph_params", 0, minimum=0),
+        execution=Execution.read(f.sub("execution")) if "execution" in f.data else Execution(),
     )
     problem = next(describe.plan_problems(plan), None)
     if problem is not None:

@@ -63,7 +63,7 @@ def unshard(name: str, pieces: dict[int, torch.Tensor], split, num: int) -> torc
     """The whole tensor from each tensor rank's slice (the inverse of runtime.reference.local_slice;
     the padding of a padded split is dropped)."""
     p0 = pieces[0]
-    if split is None or num == 1 or not isinstance(p0, torch.Tensor) or p0.dim() == 0:
+    if split is None or not isinstance(p0, torch.Tensor) or p0.dim() == 0 or (num == 1 and not split[1].padded(1)):
         return p0
     dim, fs = split
     missing = sorted(set(range(num)) - set(pieces))

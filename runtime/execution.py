@@ -11,7 +11,11 @@ These choices change how fast a step runs and how much memory it holds, never wh
 - loss_chunk_tokens: tokens per chunk of the chunked loss (0: the runtime's default);
 - vocab_multiple: the output layer's (and its tied embedding's) rows are padded to a multiple of
   this many (1: no padding), so the vocabulary GEMMs run on aligned shapes; logits, the loss,
-  metrics and checkpoints keep the real vocabulary.
+  metrics and checkpoints keep the real vocabulary. Under tensor parallelism each rank's block of
+  the vocabulary is padded to a multiple of it;
+- compile_backend: torch.compile's backend for compiled stages (CompileBackend): "inductor" (the
+  default; fused kernels) or "aot_eager" (the same graphs captured and differentiated ahead of
+  time, run by eager kernels: what tests use where inductor's C++ compilation would take minutes).
 
 A plan records them (written only when not the defaults, so earlier plans read unchanged),
 codegen writes them into the build's TrainSpec, and planner.evaluate prices the same values.
@@ -33,6 +37,13 @@ class LossImpl(StrEnum):
     CHUNKED = "chunked"    # fused: chunks of tokens from the hidden state and the output weight
 
 
+class CompileBackend(StrEnum):
+    """torch.compile's backend for compiled stages."""
+
+    INDUCTOR = "inductor"     # generated fused kernels (Triton on GPU, C++ on CPU)
+    AOT_EAGER = "aot_eager"   # dynamo and AOTAutograd's graphs, eager kernels: checks capture, not speed
+
+
 # The most rows a vocabulary may be padded to a multiple of (far past any device's preference).
 MAX_VOCAB_MULTIPLE = 4096
 
@@ -45,6 +56,7 @@ class Execution:
     loss: str = LossImpl.FULL
     loss_chunk_tokens: int = 0
     vocab_multiple: int = 1
+    compile_backend: str = CompileBackend.INDUCTOR
 
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):
@@ -61,6 +73,32 @@ class Execution:
                 or not 1 <= self.vocab_multiple <= MAX_VOCAB_MULTIPLE:
             raise ValueError(f"Execution.vocab_multiple must be a whole number in 1..{MAX_VOCAB_MULTIPLE} "
                              f"(1: no padding), got {self.vocab_multiple!r}")
+        try:
+            object.__setattr__(self, "compile_backend", CompileBackend(self.compile_backend).value)
+        except ValueError:
+            raise ValueError(f"Execution.compile_backend {self.compile_backend!r} is not one of "
+                             f"{', '.join(CompileBackend)}") from None
+
+    @property
+    def chunked(self) -> bool:
+        """The last stage computes a cross-entropy loss fused with the output layer, in chunks."""
+        return self.loss == LossImpl.CHUNKED
+
+    def options(self) -> list[str]:
+        """The options that differ from the defaults, as codegen's flags name them (for messages)."""
+        d = Execution()
+        out = []
+        if self.compile != d.compile:
+            out.append("--compile")
+        if self.loss != d.loss:
+            out.append(f"--loss-impl {self.loss}")
+        if self.loss_chunk_tokens != d.loss_chunk_tokens:
+            out.append(f"--loss-chunk-tokens {self.loss_chunk_tokens}")
+        if self.vocab_multiple != d.vocab_multiple:
+            out.append(f"--vocab-multiple {self.vocab_multiple}")
+        if self.compile_backend != d.compile_backend:
+            out.append(f"compile_backend {self.compile_backend}")
+        return out
 
     @property
     def is_default(self) -> bool:
@@ -72,13 +110,17 @@ class Execution:
     @classmethod
     def read(cls, f: Fields) -> "Execution":
         """From a document's fields (runtime.documents), every field optional."""
-        f.known({}, ("compile", "loss", "loss_chunk_tokens", "vocab_multiple"))
+        f.known({}, ("compile", "loss", "loss_chunk_tokens", "vocab_multiple", "compile_backend"))
         loss = f.text("loss", LossImpl.FULL.value)
         if loss not in tuple(LossImpl):
             raise f.error("loss", f"must be one of {', '.join(LossImpl)}, got {loss!r}")
+        backend = f.text("compile_backend", CompileBackend.INDUCTOR.value)
+        if backend not in tuple(CompileBackend):
+            raise f.error("compile_backend", f"must be one of {', '.join(CompileBackend)}, got {backend!r}")
         return cls(compile=f.boolean("compile", False), loss=loss,
                    loss_chunk_tokens=f.integer("loss_chunk_tokens", 0, minimum=0),
-                   vocab_multiple=f.integer("vocab_multiple", 1, minimum=1, maximum=MAX_VOCAB_MULTIPLE))
+                   vocab_multiple=f.integer("vocab_multiple", 1, minimum=1, maximum=MAX_VOCAB_MULTIPLE),
+                   compile_backend=backend)
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "execution") -> "Execution":

@@ -9,6 +9,12 @@ A gradient collective that directly follows the last backward of its stage
 is armed before that backward and issued from inside it by the bucket's
 hook (see runtime/grads.py); when the executor reaches the instruction the
 handle already exists.
+
+The host waits for the device once per step: the micro-batches' losses are added
+up on the device, and the step's loss (with the global gradient norm, when only
+reported) is read back at its end. On CUDA the next step's batch is made while the
+device still runs this step's kernels, copied into pinned memory and sent to the
+device asynchronously on a side stream (`prefetch`).
 """
 
 from __future__ import annotations
@@ -118,6 +124,8 @@ class Executor:
     _attached: dict[int, list[int]] = field(default_factory=dict)
     _completions: list = field(default_factory=list)
     _lr: float | None = None
+    _staged: tuple | None = None               # (step, its micro-batches on the device, the copy stream)
+    _copy_stream: object = None                # CUDA: the side stream prefetched batches are copied on
 
     def __post_init__(self) -> None:
         # Gradient collectives that directly follow a stage's last backward are issued by it.
@@ -187,9 +195,10 @@ class Executor:
             if not ins.is_async:
                 rec.add_interval(step, idx, self._names[idx], ins.op, start, rec.mark())
 
-    def run_step(self, step: int) -> StepResult:
+    def run_step(self, step: int, next_step: int | None = None) -> StepResult:
+        """Training step `step`; next_step: the step that follows (its batch is prefetched on CUDA), or None."""
         t0 = time.perf_counter()
-        micro = self.data.micro_batches(step) if self.data is not None else None
+        micro = self._batch(step)
         self._lr = None
         loss_buf = self._loss_buffer(1)
         if self.guard is not None:
@@ -197,14 +206,50 @@ class Executor:
         self._walk(range(len(self.program.instrs)), step, micro, loss_buf)
         if self.grads is not None:
             self.grads.finish()
+        if next_step is not None:   # while the device still runs this step
+            self.prefetch(next_step)
+        norm = self.guard.pending_norm() if self.guard is not None else None
+        if norm is None:
+            loss, total = float(loss_buf.item()), None
+        else:   # one read back for both
+            loss, total = torch.stack((loss_buf.reshape(-1)[0].to(norm.dtype), norm)).tolist()
         self._flush_completions()
-        for runner in self.stages.values():
-            runner.losses.clear()
         if self.guard is None:
-            return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0, lr=self._lr)
-        out = self.guard.finish(step)
-        return StepResult(step, float(loss_buf.item()), time.perf_counter() - t0, lr=self._lr,
+            return StepResult(step, loss, time.perf_counter() - t0, lr=self._lr)
+        out = self.guard.finish(step, total)
+        return StepResult(step, loss, time.perf_counter() - t0, lr=self._lr,
                           grad_norm=out.grad_norm, loss_scale=out.loss_scale, skipped=out.skipped)
+
+    # ------------------------------------------------------------------
+    def _batch(self, step: int):
+        """This rank's micro-batches of `step` (the prefetched ones when staged), or None without data."""
+        if self.data is None:
+            return None
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == step:
+            _, micro, stream = staged
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            return micro
+        return self.data.micro_batches(step)
+
+    def prefetch(self, step: int) -> None:
+        """On CUDA: make `step`'s micro-batches now, pinned, and start their copies to the device on a side
+        stream (the step that reads them waits for it). Nothing on the CPU, where there is no copy."""
+        if self.data is None or self.device.type != "cuda":
+            return
+        from runtime.data import map_inputs
+
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream, current = self._copy_stream, torch.cuda.current_stream(self.device)
+
+        def send(t: torch.Tensor) -> torch.Tensor:
+            with torch.cuda.stream(stream):
+                out = t.pin_memory().to(self.device, non_blocking=True)
+            out.record_stream(current)   # used on the compute stream: the allocator must know
+            return out
+        micro = [(map_inputs(inputs, send), send(targets)) for inputs, targets in self.data.micro_batches(step)]
+        self._staged = (step, micro, stream)
 
     # ------------------------------------------------------------------
     def _record_async(self, step: int, idx: int, ins: Instr, h: Handle, start) -> None:
@@ -244,9 +289,11 @@ class Executor:
                 out_act[(ins.stage, ins.micro)] = out
             elif self._evaluating:   # (loss, correct, counted): the counts add up over the data ranks
                 loss, correct, counted = out
-                loss_buf += torch.tensor([loss / share, correct, counted], dtype=loss_buf.dtype, device=self.device)
-            else:
-                loss_buf += float(out.detach()) / share
+                loss_buf[0] += loss.detach().to(loss_buf.dtype) / share
+                loss_buf[1] += correct
+                loss_buf[2] += counted
+            else:   # on the device: the step reads its loss back once, at its end
+                loss_buf += out.detach().to(loss_buf.dtype) / share
             if self.grads is not None:   # ZeRO-3 frees the stage's gathered parameters
                 self.grads.release_params(ins.stage)
         elif op == "B":
@@ -360,12 +407,11 @@ class Executor:
             handles[ins.handle] = h
             self._record_async(step, idx, ins, h, start)
         elif op == "ZERO_GRAD":
-            if self.grads is not None:
+            if self.grads is not None:   # gradients are views of the buckets: zeroed in place
                 self.grads.zero_grad()
-            else:
+            else:   # set to None, as the reference's loop: backward then writes the first gradient, no add
                 for runner in self.stages.values():
                     for p in runner.module.parameters():
-                        if p.grad is not None:
-                            p.grad.zero_()
+                        p.grad = None
         else:
             raise RuntimeError(f"the executor cannot run {ins.op} {ins.kind!r} instructions")

@@ -145,17 +145,31 @@ class GlobalGradNorm:
         return cls(params, owned_ranges(everyone, group.rank, pieces), group, device)
 
     def local_sum_of_squares(self) -> torch.Tensor:
-        """This rank's share of the squared norm (float64, 0-dim); inf or NaN where a gradient has one."""
+        """This rank's share of the squared norm (float64, 0-dim); inf or NaN where a gradient has one.
+
+        Each owned range's norm comes from one foreach kernel per dtype (in the gradient's dtype, as
+        torch.nn.utils.get_total_norm computes it), squared and summed in float64: no copy of a
+        gradient is made (a float64 norm of a float32 tensor would cast it first)."""
+        pieces = [g.reshape(-1)[a:b] for i, a, b in self._ranges
+                  if (g := self._params[i].grad) is not None and b > a]
         total = torch.zeros((), dtype=torch.float64, device=self._device)
-        for i, a, b in self._ranges:
-            g = self._params[i].grad
-            if g is not None:
-                total += torch.linalg.vector_norm(g.reshape(-1)[a:b], dtype=torch.float64).square()
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in pieces:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            norms = torch._foreach_norm(group)
+            total += torch.stack(norms).to(device=self._device, dtype=torch.float64).square().sum()
         return total
+
+    def compute_squared(self) -> torch.Tensor:
+        """The squared L2 norm of the whole model's gradient, 0-dim float64 on the device, after one
+        all-reduce over every rank (not read back: no host sync on a GPU)."""
+        total = self.local_sum_of_squares().reshape(1)
+        self._group.all_reduce(total)
+        return total.reshape(())
 
     def compute(self) -> float:
         """The L2 norm of the whole model's gradient (one all-reduce over every rank); inf or NaN
         when any gradient element anywhere is."""
-        total = self.local_sum_of_squares().reshape(1)
-        self._group.all_reduce(total)
-        return math.sqrt(float(total)) if float(total) >= 0 else float(total)
+        total = float(self.compute_squared())
+        return math.sqrt(total) if total >= 0 else total

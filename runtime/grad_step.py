@@ -13,6 +13,11 @@ torch.amp.GradScaler's order in a single-process loop):
 
 After the step the scale is updated (runtime/loss_scale.py). The step's backward used the
 scale: `begin` folds it into each StageRunner's loss factor before the first micro-batch.
+
+The host reads the norm only where the step needs its value: to decide a skip (loss scaling).
+Clipping multiplies by a coefficient computed on the device; without loss scaling the norm is
+left on the device (`pending_norm`) and read with the step's loss after the optimizer step, when
+a non-finite norm under clipping stops the run (the step's parameters are then lost anyway).
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class GradientStep:
         self._log = log
         self._bases: dict[int, float] = {}
         self._outcome: StepOutcome | None = None
+        self._pending: torch.Tensor | None = None   # the squared norm, on the device, not yet read
 
     @property
     def scaler(self) -> LossScaler | None:
@@ -95,6 +101,15 @@ class GradientStep:
             self._scaler.unscale_(grads)
         if record is not None:
             record()
+        if self._scaler is None:   # nothing to decide on the host: the norm stays on the device
+            total = self._norm.compute_squared()
+            if self._clip is not None:
+                coef = torch.clamp(self._clip / (total.sqrt().to(torch.float32) + CLIP_EPS), max=1.0)
+                for device, group in _by_device(grads).items():
+                    torch._foreach_mul_(group, coef.to(device))
+            self._pending = total
+            self._outcome = StepOutcome(None, None, False)
+            return False
         norm = self._norm.compute()
         if not math.isfinite(norm):
             if self._scaler is not None:
@@ -111,10 +126,24 @@ class GradientStep:
         self._outcome = StepOutcome(norm, scale, False)
         return False
 
-    def finish(self, step: int) -> StepOutcome:
-        """After the step: update the scale (and say so on rank 0 after a skip); the step's outcome."""
+    def pending_norm(self) -> torch.Tensor | None:
+        """The step's squared global norm (0-dim float64 on the device) when it is still to be read, else None."""
+        return self._pending
+
+    def finish(self, step: int, squared: float | None = None) -> StepOutcome:
+        """After the step: update the scale (and say so on rank 0 after a skip); the step's outcome.
+        squared: the value of pending_norm(), read by the caller (else read here)."""
         out = self._outcome if self._outcome is not None else StepOutcome(None, None, False)
         self._outcome = None
+        if self._pending is not None:
+            total = float(self._pending) if squared is None else float(squared)
+            self._pending = None
+            norm = math.sqrt(total) if total >= 0 else total
+            if not math.isfinite(norm) and self._clip is not None:
+                raise NonFiniteGradientError(
+                    f"the global gradient norm is {norm} at step {step}: a gradient holds inf or NaN, which "
+                    "--clip-grad cannot scale; lower --lr, check the data, or train fp16 with loss scaling")
+            out = StepOutcome(norm, None, False)
         if self._scaler is not None and out.loss_scale is not None:
             self._scaler.update(out.skipped)
             if out.skipped and self._rank == 0:
@@ -122,6 +151,13 @@ class GradientStep:
                           f"{out.loss_scale:g}; the step is skipped on every rank, loss scale now "
                           f"{self._scaler.scale:g}")
         return out
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
 
 
 def make_gradient_step(world_group, device, modules: dict, specs: dict, grads, params: list[torch.Tensor],

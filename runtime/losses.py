@@ -30,14 +30,24 @@ def check_loss(name: str) -> str:
     return name
 
 
+def output_item(out, kind: type):
+    """The item of a model's output structure that the loss reads, if it is a `kind` (a tensor at run
+    time, an fx node in a graph's output): the output itself, the first of a tuple, or a dict's
+    "logits"; else None."""
+    if isinstance(out, kind):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], kind):
+        return out[0]
+    if isinstance(out, dict) and isinstance(out.get("logits"), kind):
+        return out["logits"]
+    return None
+
+
 def model_output(out):
     """The tensor the loss reads: the output itself, the first of a tuple, or a dict's "logits"."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    if isinstance(out, dict) and isinstance(out.get("logits"), torch.Tensor):
-        return out["logits"]
+    item = output_item(out, torch.Tensor)
+    if item is not None:
+        return item
     raise LossError(f"the model's output is a {type(out).__name__}; the loss needs a tensor, "
                     "a tuple whose first item is one, or a dict with 'logits'")
 

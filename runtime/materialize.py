@@ -25,7 +25,7 @@ from torch import nn
 
 from runtime.refs import call_factory, load_callable
 from runtime.spec import StageSpec, TrainSpec
-from runtime.tensor_parallel import mask_padding, shard_module
+from runtime.tensor_parallel import ParamShard, mask_padding, shard_module
 
 
 # Attributes of every stage module that generated code reads: the torch.device its forward
@@ -230,13 +230,38 @@ def build_stage(stage_cls: type, sspec: StageSpec, spec: TrainSpec, tensor_rank:
                 mask_padding(local, ps.dim, ps.split, tensor_rank, tensor_size)
             value = local
         _set_path(stage, path, value, "parameter" if isinstance(value, nn.Parameter) else "buffer")
+    for ps in sspec.padded:   # rows padded at tensor degree 1 (Execution.vocab_multiple)
+        pad_rows(stage, ps)
     retie(stage, sspec)
     stage.to(device)
     setattr(stage, RUN_DEVICE, torch.device(device))
     setattr(stage, TENSOR_GROUP, None)
     setattr(stage, CONTEXT, None)
     stage.train()
+    if spec.execution.compile:
+        from runtime.compiled import compile_stage
+
+        compile_stage(stage, sspec, spec.execution)
     return stage
+
+
+def pad_rows(stage: nn.Module, ps: ParamShard) -> None:
+    """The stage's tensor `ps.name` with its rows padded with zeros to ps.split's one-rank size (an output
+    layer's vocabulary: its weight and bias, a tied embedding's weight). The padded rows stay zero: no
+    logit the model returns or the loss reads comes from them, so their gradient is exactly zero."""
+    owner, _, leaf = ps.name.rpartition(".")
+    mod = stage.get_submodule(owner) if owner else stage
+    old = getattr(mod, leaf)
+    padded = ps.split.take(old, ps.dim, 0, 1)
+    if isinstance(old, nn.Parameter):
+        mod.register_parameter(leaf, nn.Parameter(padded, requires_grad=old.requires_grad))
+    else:
+        mod.register_buffer(leaf, padded)
+    rows = padded.shape[ps.dim]
+    if isinstance(mod, nn.Linear) and leaf == "weight":   # its repr and shape checks see the padded layer
+        mod.out_features = rows
+    elif isinstance(mod, nn.Embedding) and leaf == "weight":
+        mod.num_embeddings = rows
 
 
 def _lookup(root: nn.Module, name: str) -> nn.Parameter | None:

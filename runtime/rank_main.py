@@ -16,6 +16,8 @@ Outputs (under --out, default the build directory):
   run/rank_XXXX.json         this rank's loss and seconds per step, the global gradient norm, loss scale
                              and skip flag per step (runtime/grad_step.py), its resolved optimizer
                              implementation ("optimizer_impl", runtime/optim.py; null without an optimizer),
+                             with compiled stages the graphs torch.compile had made after each step
+                             ("compiled_graphs": constant after the first step when nothing recompiles),
                              with --probe-comm the time of a 1 MiB all-reduce over all ranks before the first
                              step, and with evaluation its setting "eval" and results "evals" (runtime/evaluation.py)
   run/timeline_rank_XXXX.json  this rank's Timeline (the first TRACE_WINDOW_STEPS steps; all with --trace); on a
@@ -44,6 +46,7 @@ from runtime.checkpoint import RankState, save_checkpoint
 from runtime.checkpoint_restore import (Restore, apply_loss_scale, apply_optimizer, apply_params, apply_rng,
                                         apply_schedule, open_restore)
 from runtime.checkpoint_run import CheckpointClaim, claim_checkpoint_dir, run_to_continue, sweep_resumed_root
+from runtime.compiled import compiled_graphs
 from runtime.comm import CommError, PeerFailure, local_threads_hint
 from runtime.context import DistContext
 from runtime.batch_source import open_data
@@ -252,6 +255,7 @@ class RankSession:
     checkpoint_claim: CheckpointClaim | None = None   # rank 0 with --checkpoint-dir: its lock and run id
     results: list = dataclasses.field(default_factory=list)   # every step's StepResult, in order
     out_ranks: list[int] | None = None   # the ranks whose --out is rank 0's (None: not probed: all)
+    compiled: list = dataclasses.field(default_factory=list)  # compiled stages: graphs compiled after each step
 
     def close(self) -> None:
         if self.checkpoint_claim is not None:
@@ -357,7 +361,7 @@ def connect(p: Prepared) -> RankSession:
             class_split = next((c for strategy in STRATEGIES if (c := strategy.class_split(ctx, sp)) is not None), None)
             runners[s] = StageRunner(sp, p.modules[s], loss=p.spec.loss, class_split=class_split,
                                      loss_scale=1.0 / (p.program.num_micro_batches * d), dtype=p.spec.dtype,
-                                     device=p.device)
+                                     device=p.device, chunk_tokens=p.spec.execution.loss_chunk_tokens)
         grads = GradSync(p.program.buckets, p.modules, ctx.group(p.program.grad_axis), p.program.zero, p.device) \
             if p.program.buckets else None
         if grads is not None:
@@ -701,7 +705,8 @@ def _train(session: RankSession) -> None:
          **({"resumed_from": str(p.restore.ckpt)} if p.restore is not None else {}),
          **({"eval": p.evaluation.to_dict(), "evals": [e.to_dict() for e in evals]} if p.evaluation else {}),
          **({"memory": {**dataclasses.asdict(memory), "step": memory_step}} if memory is not None else {}),
-         **({"probe": {"all_reduce_bytes": PROBE_BYTES, "seconds": probe}} if probe is not None else {})}))
+         **({"probe": {"all_reduce_bytes": PROBE_BYTES, "seconds": probe}} if probe is not None else {}),
+         **({"compiled_graphs": session.compiled} if p.spec.execution.compile else {})}))
     if session.recorder is not None:
         session.recorder.save(run_dir / f"steps_rank_{rank:04d}.pt")
     if not args.no_trace:
@@ -730,17 +735,21 @@ def _train_steps(session: RankSession, first: int, metrics,
     # The second step is in steady state (optimizer state exists from the first step on).
     memory_step = first + 1 if args.steps >= 3 else first
     steps = session.recorder
+    compiled = session.compiled if p.spec.execution.compile else None
     for step in range(first, first + args.steps):
         ex.recorder.enabled = step - first < traced
         if steps is not None:
             steps.start(step)
         if metrics is not None:
             metrics.start_step()
+        following = step + 1 if step + 1 < first + args.steps else None
         if args.track_memory and step == memory_step:  # counting slows ops: one step only
-            r, memory = measure_step_memory(p.device, lambda: ex.run_step(step))
+            r, memory = measure_step_memory(p.device, lambda: ex.run_step(step, following))
         else:
-            r = ex.run_step(step)
+            r = ex.run_step(step, following)
         ex.recorder.collect()   # the device times of what the device has passed; never waits
+        if compiled is not None:
+            compiled.append(compiled_graphs())
         if steps is not None:
             steps.end(r.loss)
         if p.evaluation is not None and p.evaluation.due(step):

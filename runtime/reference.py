@@ -220,7 +220,7 @@ def _optimizer_step(opt: torch.optim.Optimizer, params: list[nn.Parameter], clip
 def local_slice(full: torch.Tensor, split: tuple[int, FeatureSplit] | None, rank: int, num: int) -> torch.Tensor:
     """The part of a whole tensor that tensor rank `rank` of `num` holds: its slice along the
     split dimension, padded as the runtime pads it (StageSpec.split_of gives `split`)."""
-    if split is None or num == 1 or full.dim() == 0:
+    if split is None or full.dim() == 0 or (num == 1 and not split[1].padded(1)):
         return full
     dim, fs = split
     return fs.take(full, dim, rank, num)

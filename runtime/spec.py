@@ -31,9 +31,11 @@ from typing import Any
 
 from runtime.datasets import DatasetSpec
 from runtime.evaluation import EvalSpec
+from runtime.execution import Execution
 from runtime.lr_schedule import ScheduleSpec
 from runtime.loss_scale import LossScaleSpec
 from runtime.optim import OptimizerSpec
+from runtime.output_head import OutputHead
 from runtime.spatial_geometry import SpatialSpec
 from runtime.step_work import StepWork
 from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, shard_dim
@@ -66,6 +68,8 @@ class TrainSpec:
         eval: held-out evaluation during training (runtime/evaluation.py), or None.
         work: FLOPs, peak FLOP/s and tokens of one step, for metrics.jsonl's rates (runtime/step_work.py);
             None in builds made without it (their lines have null tokens_per_s and mfu).
+        execution: how the stages' compute runs (runtime/execution.py: compiled stages, the fused
+            chunked loss, the padded vocabulary); builds made without it run the defaults.
     """
 
     model_ref: str
@@ -87,9 +91,12 @@ class TrainSpec:
     clip_grad: float | None = None
     loss_scale: LossScaleSpec | None = None
     work: StepWork | None = None
+    execution: Execution = field(default_factory=Execution)
 
     def __post_init__(self) -> None:
         self.schedule.check_lr(self.optimizer.lr)
+        if not isinstance(self.execution, Execution):
+            raise SpecError(f"execution must be an Execution, got {type(self.execution).__name__}")
         if self.init not in INITS:
             raise SpecError(f"unknown init {self.init!r}; known: {', '.join(INITS)}")
         if self.init == "checkpoint" and not self.checkpoint:
@@ -121,6 +128,7 @@ class TrainSpec:
         d["schedule"] = self.schedule.to_dict()
         d["loss_scale"] = self.loss_scale.to_dict() if self.loss_scale is not None else None
         d["work"] = self.work.to_dict() if self.work is not None else None
+        d["execution"] = self.execution.to_dict()
         return d
 
     @classmethod
@@ -140,6 +148,10 @@ class TrainSpec:
             d["work"] = StepWork.from_dict(d["work"]) if d.get("work") else None
         except (KeyError, TypeError, ValueError) as e:
             raise SpecError(f"build field 'work' ({d['work']!r}): {e!r}; make the build again") from None
+        try:   # builds made before execution options run the defaults
+            d["execution"] = Execution.from_dict(d.get("execution") or {}, "build field 'execution'")
+        except ValueError as e:
+            raise SpecError(f"{e}; make the build again") from None
         try:
             return cls(**d)
         except TypeError as e:
@@ -206,6 +218,14 @@ class StageSpec:
         shared: the model's names of each parameter this stage holds that the model uses under
             several names (tied weights), canonical name first. The stage module holds one
             copy, under one of those names; other stages may hold copies too (runtime/ties.py).
+        head: on the last stage, its output layer when the model's output is a final linear layer's
+            (runtime/output_head.py; with `head.fused` the stage returns the hidden state and the loss
+            is fused with the layer), else None.
+        padded: the stage's tensors whose rows are padded at tensor degree 1 (Execution.vocab_multiple:
+            the output layer's weight and bias, a tied embedding): (name, dimension, split of one rank
+            with its multiple); the tensor-parallel path pads through its own splits instead.
+        compiled: the methods of the stage class the runtime runs through torch.compile (its layers;
+            repeated layers share one method, so one compiled function serves every copy).
     """
 
     index: int
@@ -222,6 +242,9 @@ class StageSpec:
     shared: tuple[tuple[str, ...], ...] = ()
     param_shards: tuple[ParamShard, ...] = ()
     running_stats: tuple[str, ...] = ()
+    head: OutputHead | None = None
+    padded: tuple[ParamShard, ...] = ()
+    compiled: tuple[str, ...] = ()
 
     def split_of(self, name: str, ndim: int) -> tuple[int, FeatureSplit] | None:
         """(dimension, FeatureSplit) of this stage's tensor `name` (a parameter or buffer of
@@ -234,6 +257,9 @@ class StageSpec:
             if sh.path == path:
                 dim = shard_dim(sh.role, leaf, ndim)
                 return None if dim is None else (dim, sh.split)
+        for ps in self.padded:
+            if ps.name == name:
+                return ps.dim, ps.split
         return None
 
     def canonical(self, name: str) -> str:
@@ -255,6 +281,10 @@ class StageSpec:
             "shared": [list(g) for g in self.shared],
             "param_shards": [p.to_dict() for p in self.param_shards],
             "running_stats": list(self.running_stats),
+            # written only when present, so that the specs of earlier builds read (and compare) unchanged
+            **({"head": self.head.to_dict()} if self.head is not None else {}),
+            **({"padded": [p.to_dict() for p in self.padded]} if self.padded else {}),
+            **({"compiled": list(self.compiled)} if self.compiled else {}),
         }
 
     @classmethod
@@ -271,6 +301,9 @@ class StageSpec:
             shared=tuple(tuple(str(n) for n in g) for g in d.get("shared", ())),
             param_shards=tuple(ParamShard.from_dict(p) for p in d.get("param_shards", ())),
             running_stats=tuple(str(n) for n in d.get("running_stats", ())),
+            head=OutputHead.from_dict(d["head"]) if d.get("head") else None,
+            padded=tuple(ParamShard.from_dict(p) for p in d.get("padded", ())),
+            compiled=tuple(str(n) for n in d.get("compiled", ())),
         )
 
 

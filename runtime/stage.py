@@ -5,6 +5,12 @@ its outputs, or the loss on the last stage) keyed by micro-batch; backward
 releases it. On the last stage the loss is scaled by 1/(micro-batches x
 data degree) before backward, so that gradients summed over micro-batches
 and over data ranks are those of the mean loss over the global batch.
+
+The loss stays on the device (a 0-dim tensor): the executor adds it up and reads
+it once per step, so a micro-batch costs no host sync. The stage module and the
+loss run in one autocast region, whose cache casts each weight once per forward.
+A stage whose spec has a fused output head (runtime/output_head.py) returns the
+hidden state, and the loss is computed from it and the head's weight in chunks.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torch import nn
 
 from runtime.evaluation import count_correct
 from runtime.losses import compute_loss
+from runtime.output_head import fused_eval, fused_loss
 from runtime.spec import StageSpec
 from runtime.vocab import DType
 
@@ -31,11 +38,12 @@ class StageRunner:
             vocabulary-parallel logits.
         loss_scale: factor applied to each micro-batch loss before backward.
         dtype: "fp32" or "bf16"/"fp16" (autocast; parameters stay fp32).
+        chunk_tokens: tokens per chunk of a fused loss (0: runtime.chunked_loss's rule).
     """
 
     def __init__(self, spec: StageSpec, module: nn.Module, *, loss: str = "cross_entropy",
                  class_split=None, loss_scale: float = 1.0, dtype: str = "fp32",
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", chunk_tokens: int = 0):
         self.spec = spec
         self.module = module
         self.loss_name = loss
@@ -43,8 +51,9 @@ class StageRunner:
         self.loss_scale = float(loss_scale)
         self.device = torch.device(device)
         self.dtype = dtype
+        self.chunk_tokens = int(chunk_tokens)
         self._saved: dict[int, tuple] = {}
-        self.losses: dict[int, float] = {}
+        self._fused = spec.head if spec.is_last and spec.head is not None and spec.head.fused else None
 
     def _autocast(self):
         if self.dtype == DType.FP32:
@@ -52,7 +61,8 @@ class StageRunner:
         return torch.autocast(self.device.type, dtype=getattr(torch, DType(self.dtype).torch_name))
 
     def forward(self, micro: int, inputs: list[torch.Tensor], targets: torch.Tensor | None = None):
-        """Run forward; returns the tensors to send (non-last stage) or the loss (last stage)."""
+        """Run forward; returns the tensors to send (non-last stage) or the loss (last stage: a 0-dim
+        tensor on the device, with its graph)."""
         args = []
         for b, x in zip(self.spec.inputs, inputs):
             if b.requires_grad and x.is_floating_point():
@@ -60,29 +70,37 @@ class StageRunner:
             args.append(x)
         with self._autocast():
             out = self.module(*args)
+            if self.spec.is_last:
+                loss = self._loss(out, targets)
         if self.spec.is_last:
-            with self._autocast():
-                loss = compute_loss(self.loss_name, out, targets, class_split=self.class_split)
-            self.losses[micro] = float(loss.detach())
             self._saved[micro] = (args, loss)
             return loss
         outs = self._outputs(out)
         self._saved[micro] = (args, outs)
         return outs
 
+    def _loss(self, out, targets: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:
+            return fused_loss(self._fused, self.module, out, targets, class_split=self.class_split,
+                              chunk_tokens=self.chunk_tokens)
+        return compute_loss(self.loss_name, out, targets, class_split=self.class_split)
+
     def evaluate(self, inputs: list[torch.Tensor], targets: torch.Tensor | None = None):
         """Forward only, keeping no graph (held-out evaluation; the caller sets eval() mode): the tensors
-        to send (non-last stage), or on the last stage (mean loss, correct predictions, target elements
-        counted) of the micro-batch (runtime.evaluation.count_correct)."""
+        to send (non-last stage), or on the last stage (mean loss as a 0-dim tensor, correct predictions,
+        target elements counted) of the micro-batch (runtime.evaluation.count_correct; with a fused
+        head runtime.chunked_loss.chunked_eval, which counts the targets not ignored)."""
         with torch.no_grad():
             with self._autocast():
                 out = self.module(*inputs)
-            if not self.spec.is_last:
-                return self._outputs(out)
-            with self._autocast():
+                if not self.spec.is_last:
+                    return self._outputs(out)
+                if self._fused is not None:
+                    return fused_eval(self._fused, self.module, out, targets, class_split=self.class_split,
+                                      chunk_tokens=self.chunk_tokens)
                 loss = compute_loss(self.loss_name, out, targets, class_split=self.class_split)
             correct, counted = count_correct(self.loss_name, out, targets, self.class_split)
-        return float(loss), correct, counted
+        return loss, correct, counted
 
     def _outputs(self, out) -> list[torch.Tensor]:
         outs = list(out) if isinstance(out, (tuple, list)) else [out]

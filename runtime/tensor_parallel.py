@@ -12,8 +12,10 @@ A plain split of a size the ranks do not divide (GPT-2's 50257-token vocabulary 
 ranks) is padded, as Megatron pads the vocabulary: every rank holds ceil(n / t) entries,
 the last ones zeros that the model never reads (the padded classes of vocabulary-parallel
 logits are masked out of the loss, and the padded part of a weight's gradient is zeroed),
-so the logits, the loss and the weights the user sees keep their size n. A split factor
-among several (heads in (3, H, D)) must be divisible.
+so the logits, the loss and the weights the user sees keep their size n. A plain split may
+also round each rank's block up to a multiple of `multiple` entries (Execution.vocab_multiple:
+aligned vocabulary GEMMs); at one rank that pads the whole dimension. A split factor among
+several (heads in (3, H, D)) must be divisible and is never padded.
 
 Modules split as wholes (fx captures: nn.Linear, nn.Embedding, ...) become the modules
 below; a weight an ATen graph reads directly (torch.export captures) is split by a
@@ -65,11 +67,16 @@ class FeatureSplit:
 
     factors: tuple[int, ...]
     split: int
+    multiple: int = 1     # a plain split: each rank's block is rounded up to a multiple of this many entries
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "factors", tuple(int(f) for f in self.factors))
         if not self.factors or any(f < 1 for f in self.factors) or not 0 <= self.split < len(self.factors):
             raise ShardError(f"bad FeatureSplit factors={self.factors} split={self.split}")
+        if isinstance(self.multiple, bool) or not isinstance(self.multiple, int) or self.multiple < 1 \
+                or (self.multiple > 1 and len(self.factors) > 1):
+            raise ShardError(f"bad FeatureSplit multiple={self.multiple!r} for factors={self.factors}: a whole "
+                             "number >= 1, and 1 unless the split is plain (one factor)")
 
     @property
     def size(self) -> int:
@@ -82,8 +89,9 @@ class FeatureSplit:
         return math.prod(self.factors[: self.split])
 
     def padded(self, num: int) -> bool:
-        """Whether `num` ranks split it with padding (a plain split that `num` does not divide)."""
-        return len(self.factors) == 1 and self.size % num != 0
+        """Whether `num` ranks split it with padding (a plain split that `num` does not divide, or whose
+        blocks are rounded up to `multiple`)."""
+        return len(self.factors) == 1 and self.local_size(num) * num != self.size
 
     def check(self, num: int) -> None:
         if len(self.factors) > 1 and self.factors[self.split] % num:
@@ -93,7 +101,8 @@ class FeatureSplit:
     def local_size(self, num: int) -> int:
         """Entries each rank holds (padding included)."""
         self.check(num)
-        return -(-self.size // num)
+        block = -(-self.size // num)
+        return -(-block // self.multiple) * self.multiple
 
     def indices(self, rank: int, num: int) -> torch.Tensor:
         """The full-dimension indices rank `rank` of `num` holds, ascending (int64); a padded
@@ -132,11 +141,12 @@ class FeatureSplit:
         full.index_copy_(dim, idx, piece.narrow(dim, 0, len(idx)))
 
     def to_list(self) -> list:
-        return [list(self.factors), self.split]
+        """[factors, split], and the multiple when it is not 1 (splits written before it read alike)."""
+        return [list(self.factors), self.split] + ([self.multiple] if self.multiple != 1 else [])
 
     @classmethod
     def from_list(cls, x) -> "FeatureSplit":
-        return cls(tuple(x[0]), int(x[1]))
+        return cls(tuple(x[0]), int(x[1]), int(x[2]) if len(x) > 2 else 1)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,8 @@ def emit_torch(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir:
 
     Args and `setup` as codegen.emit.emit's training setup (model_kwargs, data_kwargs, loss, optimizer,
     seed, data_seed, init, checkpoint, root, dataset, schedule, clip_grad; loss_scale and evaluation are
-    refused: the torch target trains in fp32 or bf16 and does not evaluate).
+    refused: the torch target trains in fp32 or bf16 and does not evaluate; so is an execution other than
+    the default, naming its options: the script compiles nothing, computes the full loss, pads nothing).
 
     Raises TargetError (planner/capabilities.py) for a plan the torch target does not run,
     PlanMismatchError when model_ref builds another model than the plan's, TorchTargetError for a setup
@@ -73,6 +74,11 @@ def emit_torch(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir:
     """
     check_target(plan, Target.TORCH)
     graph, train = train_spec(plan, model_ref, data_ref, graph=graph, **setup)
+    if not train.execution.is_default:
+        raise TorchTargetError(f"the torch target's script runs the stages eagerly with the full loss and the "
+                               f"model's own vocabulary; it does not run {', '.join(train.execution.options())}: "
+                               "leave them out (for a plan that asks for them: --no-compile --loss-impl full "
+                               "--vocab-multiple 1), or generate a meshplan build")
     if train.eval is not None:
         raise TorchTargetError("the torch target's script does not evaluate on held-out batches; leave out "
                                "--eval-every / --eval-batches, or generate a meshplan build")

@@ -19,7 +19,7 @@ import planner
 from codegen.dataset_flags import check_dataset, dataset_spec
 from codegen.emit import capture_ref, emit
 from codegen.torch_target.script import emit_torch
-from codegen.train_flags import optimizer_and_schedule
+from codegen.train_flags import execution_of, optimizer_and_schedule
 from planner.app.cli_args import output_dir
 from planner.capabilities import RuntimeSupport, TargetError
 from planner.config import ConfigError
@@ -84,13 +84,16 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
     if dataset is not None:
         check_dataset(dataset, plan.global_batch_size, graph)
     evaluation = eval_setting(None, args.eval_every, args.eval_batches)
+    execution = execution_of(args, plan.execution)   # the plan's, as the flags given change it
     if args.target == Target.TORCH:
-        return _torch_codegen(args, plan, graph, kwargs, data_kwargs, dataset, opt, schedule, evaluation, scaling)
+        return _torch_codegen(args, plan, graph, kwargs, data_kwargs, dataset, opt, schedule, evaluation, scaling,
+                              execution)
     build = emit(plan, args.model, args.data_ref, args.output, model_kwargs=kwargs, data_kwargs=data_kwargs,
                  dataset=dataset,
                  graph=graph, loss=args.loss, optimizer=opt, seed=args.seed, data_seed=args.data_seed,
                  init=args.init, checkpoint=args.checkpoint, bucket_bytes=int(args.bucket_mb * 2**20),
-                 evaluation=evaluation, schedule=schedule, clip_grad=args.clip_grad, loss_scale=scaling)
+                 evaluation=evaluation, schedule=schedule, clip_grad=args.clip_grad, loss_scale=scaling,
+                 execution=execution)
     print(plan.summary())
     print(f"\nwrote {build.path}/: plan.json, build.json, programs.json, {build.world_size} rank scripts, "
           "run_rank.py, launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh")
@@ -99,12 +102,12 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
 
 
 def _torch_codegen(args: argparse.Namespace, plan, graph, kwargs: dict, data_kwargs: dict | None, dataset, opt,
-                   schedule, evaluation, scaling) -> int:
+                   schedule, evaluation, scaling, execution) -> int:
     """`meshplan codegen --target torch`: the one SPMD script for PyTorch's parallel stack (codegen/torch_target)."""
     build = emit_torch(plan, args.model, args.data_ref, args.output, graph=graph, model_kwargs=kwargs,
                        data_kwargs=data_kwargs, dataset=dataset, loss=args.loss, optimizer=opt, seed=args.seed,
                        data_seed=args.data_seed, init=args.init, checkpoint=args.checkpoint, evaluation=evaluation,
-                       schedule=schedule, clip_grad=args.clip_grad, loss_scale=scaling)
+                       schedule=schedule, clip_grad=args.clip_grad, loss_scale=scaling, execution=execution)
     print(plan.summary())
     print(f"\nwrote {build.path}/: plan.json, build.json, {build.script.name} (the same on every rank), "
           "launch_torchrun.sh, launch_srun.sh")

