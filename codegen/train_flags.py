@@ -41,8 +41,8 @@ def add_flags(p: argparse.ArgumentParser, count, nonnegative_number) -> None:
                    help="the step at which a cosine or linear decay reaches --min-lr, warm-up included")
     # execution options: default None, so that the plan's value holds unless a flag is given
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="run each stage's layers through torch.compile, one compiled function per distinct "
-                        "layer (default: as the plan says; a plan made without it: off)")
+                   help="run each stage's repeated blocks through torch.compile, one compiled function per "
+                        "distinct block (default: as the plan says; a plan made without it: off)")
     p.add_argument("--loss-impl", default=None, choices=[m.value for m in LossImpl],
                    help="the last stage's cross-entropy: full (the logits, then the loss in fp32) or chunked "
                         "(fused with the output layer, chunks of tokens, no full logits) (default: the plan's)")
