@@ -46,17 +46,20 @@ class StepSetup:
 
     optimizer: "adamw" or "sgd" (momentum); optimizer_impl: "auto" (fused AdamW, foreach SGD on a GPU:
     runtime/optim.py), "fused", "foreach" or "for-loop"; clip_grad: the step clips the global gradient
-    norm (or checks fp16 overflow), which computes the norm over every gradient; zero_grad_in_place: the
-    runtime zeroes gradients in place before each step's backward (runtime/executor.py ZERO_GRAD), so the
-    backward adds into them; pinned_batches: batches are copied to the device from pinned memory; loss:
-    the loss the last stage computes (runtime/losses.py: "cross_entropy" or "mse"); grad_norm: the step
-    computes the global gradient norm (meshplan's runtime does every step, for its metrics: runtime/grad_step.py)."""
+    norm; loss_scaling: fp16 loss scaling, whose overflow check reads the norm on the host (a second sync
+    in the step); loss: the loss the last stage computes (runtime/losses.py: "cross_entropy" or "mse");
+    grad_norm: the step computes the global gradient norm (meshplan's runtime does every step, for its
+    metrics: runtime/grad_step.py).
+
+    How the runtime handles gradients and batches follows from the plan (runtime/executor.py): gradients
+    that are views of data-parallel buckets are zeroed in place and every backward adds into them, others
+    are freed at ZERO_GRAD; on a GPU each step's batch is copied from pinned memory on a side stream while
+    the previous step runs; the host waits for the device once a step (its loss and norm read together)."""
 
     optimizer: str = "adamw"
     optimizer_impl: str = "auto"
     clip_grad: bool = False
-    zero_grad_in_place: bool = True
-    pinned_batches: bool = False
+    loss_scaling: bool = False
     loss: str = "cross_entropy"
     grad_norm: bool = True
 
@@ -179,30 +182,31 @@ def chunked_loss_cost(gpu: Gpu, tokens: float, vocab: float, hidden: int, *, chu
                     kept_bytes=kept)
 
 
-# The runtime's global gradient norm (runtime/grad_norm.py) runs per optimizer tensor: a float64
-# vector_norm of its gradient, its square, and the add into the running total.
-NORM_KERNELS_PER_TENSOR = 3
+# The runtime's global gradient norm (runtime/grad_norm.py) is a foreach norm per dtype of the gradients,
+# stacked, squared and summed: a few kernels reading every gradient once.
+NORM_KERNELS = 4
 
 
 def optimizer_cost(gpu: Gpu, params: float, tensors: int, *, impl: str, clip: bool, zero_in_place: bool,
-                   norm: bool = True, groups: int = 1) -> Work:
+                   norm: bool = True, groups: int = 1, buckets: int = 1) -> Work:
     """One optimizer phase on one rank holding `params` parameters in `tensors` tensors: the global gradient
-    norm (`norm`: meshplan's runtime computes it every step, for its metrics and clipping: three kernels per
-    tensor reading its gradient once, runtime/grad_norm.py), clipping (`clip`: a multiply per tensor, reading
-    and writing each gradient), the AdamW step by implementation, and zeroing the gradients in place (4 bytes
-    written each, a kernel per tensor) when the runtime zeroes rather than frees them."""
+    norm (`norm`: meshplan's runtime computes it every step, for its metrics and clipping, as foreach kernels
+    reading each gradient once, runtime/grad_norm.py), clipping (`clip`: a foreach multiply reading and
+    writing each gradient), the AdamW step by implementation, and zeroing the gradients in place where they
+    are views of `buckets` gradient buckets (`zero_in_place`: a kernel per bucket, 4 bytes written each;
+    without buckets the runtime frees them instead, which costs nothing)."""
     c = gpu.costs
     dev = adam_seconds(gpu, params, tensors, impl)
     host = groups * c.host_op * (4 if impl in ("fused", "foreach") else tensors)
     if norm:
-        dev += gpu.stream("elementwise", 4.0 * params, kernels=NORM_KERNELS_PER_TENSOR * tensors)
-        host += NORM_KERNELS_PER_TENSOR * tensors * c.host_op
+        dev += gpu.stream("elementwise", 4.0 * params, kernels=NORM_KERNELS)
+        host += NORM_KERNELS * c.host_op
     if clip:
-        dev += gpu.stream("elementwise", 8.0 * params, kernels=tensors)
-        host += tensors * c.host_op
+        dev += gpu.stream("elementwise", 8.0 * params, kernels=2)
+        host += 2 * c.host_op
     if zero_in_place:
-        dev += gpu.stream("elementwise", 4.0 * params, kernels=tensors)
-        host += tensors * c.host_op
+        dev += gpu.stream("elementwise", 4.0 * params, kernels=max(buckets, 1))
+        host += max(buckets, 1) * c.host_op
     return Work(dev, host)
 
 
@@ -214,6 +218,13 @@ def accumulate_grads(gpu: Gpu, params: float, tensors: int) -> Work:
 
 
 def h2d_seconds(gpu: Gpu, nbytes: float, pinned: bool) -> Work:
-    """A host-to-device copy of `nbytes` (a micro-batch's inputs or targets)."""
+    """A host-to-device copy of `nbytes` (a micro-batch's inputs or targets), on the step's stream."""
     c = gpu.costs
     return Work(nbytes / (c.h2d_pinned if pinned else c.h2d_pageable) + gpu.kernel_gap, c.host_op)
+
+
+def prefetched_batch(gpu: Gpu) -> Work:
+    """A micro-batch prefetched as meshplan's runtime does on a GPU (runtime/executor.py prefetch): made,
+    pinned and copied on a side stream while the previous step runs, so the step's own stream only waits
+    for a copy long done; the host pins and dispatches it (two ops)."""
+    return Work(0.0, 2 * gpu.costs.host_op)

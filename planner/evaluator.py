@@ -21,6 +21,7 @@ prices the step.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from typing import Any, Callable, TypeVar
 
@@ -33,7 +34,7 @@ from cost_models.gpu_costs import gpu_costs
 from cost_models.gpu_fit import efficiency_of
 from cost_models.gpu_node import GpuGraph
 from cost_models.kernels import gpu_for, node_seconds
-from cost_models.step_costs import LossCost, StepSetup, Work, chunked_loss_cost, full_loss_cost, h2d_seconds
+from cost_models.step_costs import LossCost, StepSetup, Work, chunked_loss_cost, full_loss_cost, prefetched_batch
 from cost_models.op_curves import node_curve_times
 from cost_models.overlap import DeviceWork, Overlap, OverlapPreset, tp_exposed
 from cost_models.hardware import Cluster
@@ -184,6 +185,7 @@ class Evaluator:
         self.tokens_per_sample = _tokens_per_sample(graph)
         self.ties = tied_weights(graph)
         self._logits = self._find_logits()
+        self._compiled_layers = compiled_layers(graph)
         self._logits_layer = next((layer.index for layer in graph.layers if self._logits in layer.nodes), -1)
 
     # ---- public ---------------------------------------------------------
@@ -456,10 +458,12 @@ class Evaluator:
         return layer.boundary_bytes * config.micro_batch_size / self.graph.batch_size * \
             DType(config.dtype).bytes / 4 / sequence_boundary_share(self, layer, config)
 
-    def node_cost(self, n: OpInfo, role: str, config: ParallelConfig, *, fused_head: bool = False) -> _NodeCost:
+    def node_cost(self, n: OpInfo, role: str, config: ParallelConfig, *, fused_head: bool = False,
+                  compiled: bool = False) -> _NodeCost:
         """One node on one device for one micro-batch, with `role` ("replicate" or its split role).
         `fused_head`: the node is the output layer the fused chunked loss computes itself (its GEMMs are the
-        loss's; its casts and its gradient's accumulation stay here)."""
+        loss's; its casts and its gradient's accumulation stay here). `compiled`: its layer runs compiled
+        (runtime/execution.py; the layers compile_layers names)."""
         dev = self.cluster.device
         t = config.tensor
         sharded = role != "replicate" and t > 1
@@ -499,7 +503,7 @@ class Evaluator:
             f = b = 0.0
         hf = hb = copies = 0.0
         if self.gpu_graph is not None:
-            f, b, hf, hb, copies = self._gpu_extras(n, config, f, b, scale / seq, div)
+            f, b, hf, hb, copies = self._gpu_extras(n, config, f, b, scale / seq, div, compiled)
         tp_f = tp_b = 0.0
         if sharded:
             shard = self.sharding.roles[n.name]
@@ -531,17 +535,19 @@ class Evaluator:
                          tensors=len(n.param_names) if n.param_count else 0)
 
     def _gpu_extras(self, n: OpInfo, config: ParallelConfig, f: float, b: float, share: float,
-                    div: float) -> tuple[float, float, float, float, float]:
+                    div: float, compiled: bool) -> tuple[float, float, float, float, float]:
         """(forward s, backward s, host forward s, host backward s, weight-copy bytes) of `n` on a GPU: its
         kernels `f`, `b` plus autocast's casts and eager autograd's extra work (cost_models/gpu_node.py),
-        and, where the runtime zeroes gradients in place, adding its weights' gradients into them."""
+        and, where the runtime's gradients are views of data-parallel buckets (zeroed in place), adding its
+        weights' gradients into them (without buckets the first micro-batch's backward writes them fresh;
+        later micro-batches' adds are left out)."""
         gpu = self.gpu(config.dtype)
         mixed = config.dtype != DType.FP32
         x = self.gpu_graph.extras(n, gpu, share=share, div=div, low_bytes=DType(config.dtype).bytes if mixed else 0,
-                                  compiled=self.execution.compile)
+                                  compiled=compiled)
         f, b = f + x.forward, b + (x.backward if n.requires_grad else 0.0)
         hf, hb = x.host_forward, x.host_backward
-        if self.setup.zero_grad_in_place and self.overlap.autocast and n.param_count and n.requires_grad:
+        if self.overlap.autocast and _bucketed(config) and n.param_count and n.requires_grad:
             tensors = max(len(n.param_names), 1)
             b += gpu.stream("elementwise", 12.0 * n.param_count / div, True, kernels=tensors)
             hb += tensors * gpu.costs.host_op * gpu.costs.host_backward_share
@@ -573,8 +579,9 @@ class Evaluator:
     def _cost_layer(self, layer: Layer, config: ParallelConfig) -> LayerCost:
         roles = self.layer_roles(layer, config)
         head = self._fused_head(config)
-        costs = [self.node_cost(self._nodes[name], roles.get(name, "replicate"), config, fused_head=name == head)
-                 for name in layer.nodes]
+        compiled = self.execution.compile and layer.index in self._compiled_layers
+        costs = [self.node_cost(self._nodes[name], roles.get(name, "replicate"), config, fused_head=name == head,
+                                compiled=compiled) for name in layer.nodes]
         fwd = sum(c.fwd for c in costs)
         # The stack may run the tensor-parallel communication under the split GEMMs it feeds.
         gemms = [c for name, c in zip(layer.nodes, costs) if name in roles and self._nodes[name].kind in _GEMM_KINDS]
@@ -620,6 +627,21 @@ class Evaluator:
             name = self._nodes[name].inputs[0]
         return name if self._nodes[name].output_meta else None
 
+    def fused_head_candidate(self) -> str | None:
+        """The output linear a fused chunked loss would compute itself, or None (the model's output is not
+        a linear layer's)."""
+        if self._logits is None:
+            return None
+        return self._logits if self._nodes[self._logits].kind == "linear" else None
+
+    def with_execution(self, execution: Execution) -> "Evaluator":
+        """This Evaluator pricing `execution` instead (planner/execution_choice.py): what depends only on
+        the graph and the cluster is shared, the layer costs are priced again."""
+        other = copy.copy(self)
+        other.execution = execution
+        other._layer_cache, other._bounds_cache, other._costs_cache = {}, {}, {}
+        return other
+
     def _fused_head(self, config: ParallelConfig) -> str | None:
         """The output linear the fused chunked loss computes itself, under this Evaluator's execution."""
         if self.gpu_costs is None or self.execution.loss != LossImpl.CHUNKED or self._logits is None:
@@ -659,18 +681,18 @@ class Evaluator:
                               vocab_parallel=parallel, allreduce=allreduce)
 
     def _batch_copies(self, layer: Layer, config: ParallelConfig) -> Work:
-        """Host-to-device copies of a micro-batch: the inputs before the first layer, the targets (int64,
-        one per logits row) before the layer holding the logits (a GPU; nothing elsewhere)."""
+        """Host-to-device copies of a micro-batch, the inputs before the first layer and the targets before
+        the layer holding the logits: prefetched on a side stream by meshplan's runtime on a GPU, so only
+        their host dispatch counts (cost_models/step_costs.prefetched_batch); nothing elsewhere."""
         if self.gpu_costs is None:
             return Work()
-        scale = config.micro_batch_size / self.graph.batch_size
-        nbytes = 0.0
+        gpu = self.gpu(config.dtype)
+        work = Work()
         if layer.index == 0:
-            nbytes += sum(n.output_bytes for n in self.graph.nodes if n.kind == "input") * scale
+            work = work + prefetched_batch(gpu)
         if layer.index == self._logits_layer and self._logits is not None:
-            meta = self._nodes[self._logits].output_meta[0]
-            nbytes += meta.numel / max(meta.shape[-1] if meta.shape else 1, 1) * 8 * scale
-        return h2d_seconds(self.gpu(config.dtype), nbytes, self.setup.pinned_batches) if nbytes else Work()
+            work = work + prefetched_batch(gpu)
+        return work
 
 
 @dataclass(frozen=True)
@@ -686,6 +708,22 @@ class _NodeCost:
     host_bwd: float = 0.0
     weight_copies: float = 0.0  # GPU: bytes of the 16-bit weight copies autocast keeps
     tensors: int = 0            # parameter tensors it holds
+
+
+def compiled_layers(graph: ModelGraph) -> frozenset[int]:
+    """The layers a build with compiled stages compiles (codegen/partition.py, regional compilation): the
+    repeated blocks that hold parameters, or without any, every layer that holds parameters; the others
+    run eager (a compiled region's call costs more than fusing a few views saves)."""
+    signatures = [layer.signature for layer in graph.layers]
+    weighty = {layer.index for layer in graph.layers if layer.param_count > 0}
+    blocks = {layer.index for layer in graph.layers if signatures.count(layer.signature) > 1} & weighty
+    return frozenset(blocks or weighty)
+
+
+def _bucketed(config: ParallelConfig) -> bool:
+    """Whether meshplan's runtime keeps this config's gradients as views of data-parallel buckets (a data or
+    context axis to sum them over, runtime/grads.py), zeroed in place, rather than freeing them."""
+    return config.data * config.context > 1
 
 
 def _params_per_rank(n: OpInfo, role: str, t: float) -> float:

@@ -15,6 +15,7 @@ from cost_models.overlap import Overlap
 from planner.capabilities import RuntimeSupport, TargetError
 from planner.config import ParallelConfig
 from planner.evaluator import Evaluator, as_graph
+from planner.execution_choice import choose
 from planner.plan import PLAN_FORMAT_VERSION, Plan, Stage
 from planner.subgraph import check_splittable
 from planner.tensor_split.analysis import SplitCache
@@ -43,7 +44,8 @@ def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int, sear
                 graph_fingerprint=ev.graph.fingerprint, cluster=ev.cluster, config=config,
                 global_batch_size=global_batch_size, stages=stages, shardings=tuple(sorted(roles.items())),
                 prediction=pred, search=tuple(search), subgraph=check_splittable(ev.graph, config.subgraph),
-                tensor_splits=tensor_splits, target=Target(target).value, graph_params=ev.graph.num_params)
+                tensor_splits=tensor_splits, target=Target(target).value, graph_params=ev.graph.num_params,
+                execution=ev.execution)
 
 
 def make_plan(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, global_batch_size: int,
@@ -63,7 +65,10 @@ def make_plan(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, 
         raise TargetError(f"make_plan for {config.short()}: {why}")
     graph = as_graph(model_or_graph, example_inputs)
     if support is None:
-        return plan_for(Evaluator(graph, cluster, **evaluator_options), config, global_batch_size)
+        ev = Evaluator(graph, cluster, **evaluator_options)
+        if "execution" not in evaluator_options:   # the options that pay for this config (execution_choice)
+            ev, _ = choose(ev, config, global_batch_size)
+        return plan_for(ev, config, global_batch_size)
     # priced with what the target's stack overlaps, unless told otherwise
     ev = Evaluator(graph, cluster, **{"overlap": Overlap.preset(support.stack), **evaluator_options})
     ev.sharding = support.splittable(graph, ev.sharding, [config.tensor])   # the regions the target splits

@@ -25,6 +25,7 @@ from cost_models.prediction import Prediction
 from cost_models.overlap import Overlap
 from planner.capabilities import MESHPLAN_RUNTIME, RuntimeSupport, TargetError
 from planner.config import ConfigError, ParallelConfig
+from planner.execution_choice import choose
 from planner.evaluator import Evaluator, as_graph
 from planner.fixed_plan import plan_for
 from planner.plan import Alternative, Plan
@@ -141,6 +142,8 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
         raise NoFeasiblePlan(_infeasible_message(search, cluster, cons))
     stats = (("candidates", search.bases), ("evaluated", search.evaluated), ("pruned", search.pruned),
              ("rejected", search.infeasible), ("seconds", round(search.seconds, 3)), ("objective", objective))
+    if "execution" not in evaluator_options:   # the execution options that pay for the chosen configuration
+        ev, _ = choose(ev, best[1], global_batch_size, objective, fits=lambda pred: _fits(pred, cons))
     plan = plan_for(ev, best[1], global_batch_size, search=stats, splits=splits,
                     target=runtime.target if runtime is not None else Target.MESHPLAN)
     alts = _alternatives(search, best, objective, cons, keep_alternatives)

@@ -197,11 +197,11 @@ class PipelineStrategy(Placement):
         # the device waits for the host where it dispatches a slot's kernels slower than they run
         host = m * (effective[crit] - slots[crit])
         # the step's end: the optimizer phase (its kernels, or the host's dispatching them if longer) and,
-        # after each sync (a loss read per micro-batch and at the step's end, the gradient norm),
-        # the time to dispatch the next kernel
+        # after each sync (meshplan's runtime reads the step's loss and norm together once; fp16 loss scaling
+        # reads the norm before the optimizer too), the time to dispatch the next kernel
         optimizer = max(opt.device, opt.host)
         if ev.gpu_costs is not None:
-            optimizer += (m + 1 + (ev.setup.grad_norm or ev.setup.clip_grad)) * ev.gpu_costs.host_op
+            optimizer += (1 + ev.setup.loss_scaling) * ev.gpu_costs.host_op
 
         # the loss runs inside the last stage's forward and backward; the breakdown shows it apart
         time = TimeBreakdown(forward=m * (fwd - loss_f), backward=m * (bwd - loss_b), recompute=m * rc,
@@ -247,9 +247,10 @@ def optimizer_work(ev, config: ParallelConfig, opt_params: float, tensors: int, 
     if config.zero >= 1:   # the optimizer steps one flat shard per gradient bucket
         tensors = max(int(-(-params * 4 // GRAD_BUCKET_BYTES)), 1)
     runtime = ev.overlap.autocast   # meshplan's own runtime (other stacks fuse the norm and free their gradients)
+    bucketed = runtime and config.data * config.context > 1
     return optimizer_cost(ev.gpu(config.dtype), opt_params, tensors, impl=ev.setup.impl_on_gpu(),
-                          clip=ev.setup.clip_grad, zero_in_place=ev.setup.zero_grad_in_place and runtime,
-                          norm=ev.setup.grad_norm and runtime, groups=2)
+                          clip=ev.setup.clip_grad, zero_in_place=bucketed, norm=ev.setup.grad_norm and runtime,
+                          groups=2, buckets=max(int(-(-params * 4 // GRAD_BUCKET_BYTES)), 1))
 
 
 def _sends_exposed(ev, send: float, chunk: list) -> float:

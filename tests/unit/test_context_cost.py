@@ -212,5 +212,6 @@ def test_cli_optimize_what_if_pins_the_context_constraints(tmp_path, capsys):
     config = Plan.load(out).config
     assert (config.context, config.context_attention) == (2, "ulysses")
     assert main(["optimize", "examples/models/gpt.py:build", "--arg", "preset=tiny", "--cluster", "dgx-a100-80gb",
-                 "--batch", "16", "--quiet", "--what-if", "--constraint", "context=two", "-o", str(out)]) == 2
+                 "--batch", "16", "--quiet", "--what-if", "--constraint", "context=two", "-o", str(out),
+                 "--force"]) == 2
     assert "context takes a whole number" in capsys.readouterr().err
