@@ -7,6 +7,7 @@
 #
 #   benchmarks/gpu_session.sh WHEELS_DIR OUT_DIR
 #
+# OUT_DIR gets session.log (every step's whole output), calibrated.yaml and ops_quick.csv.
 # WHEELS_DIR: the wheels the GPU machine lacks (see tests/gpu/run_on_gpu_machine.sh for the pip download
 # line); the checkout goes first on PYTHONPATH, nothing is installed into the machine's Python.
 # DRY_RUN=1 runs the same steps on this CPU at toy sizes (gloo, the CPU calibration skipped), to check the
@@ -41,10 +42,12 @@ step() {   # step NAME SECONDS COMMAND...: run it under a limit, its output in O
   if [ "$limit" -lt 15 ]; then echo "=== $name: skipped, the session's time is spent"; return; fi
   echo "=== $name (limit ${limit} s)"
   # through bash, so the exported shell functions (mp, model_check) run too
-  timeout -k 10 "$limit" bash -c '"$@"' _ "$@" >"$out/$name.log" 2>&1
+  timeout -k 10 "$limit" bash -c '"$@"' _ "$@" >"$work/$name.log" 2>&1
   rc=$?
   echo "=== $name: exit $rc after $((SECONDS - t0)) s"
-  tail -n "${TAIL:-30}" "$out/$name.log"
+  # the whole log into one file that comes back even when the session is cut short (few files return)
+  { echo "=== $name: exit $rc after $((SECONDS - t0)) s"; cat "$work/$name.log"; } >>"$out/session.log"
+  tail -n "${TAIL:-30}" "$work/$name.log"
 }
 
 if [ "$dry" = 1 ]; then
@@ -88,7 +91,7 @@ model_check() {   # model_check NAME BATCH CODEGEN-ARGS...
   && mp codegen examples/models/gpt.py:build "$@" --batch "$batch" --micro-batch "$batch" --dtype bf16 \
        --optimizer adamw --cluster "$work/h1.yaml" -o "$work/$name" \
   && mp run "$work/$name" --backend "$backend" --steps "$steps" --track-memory --no-progress \
-  && cp "$work/$name/metrics.jsonl" "$out/$name.metrics.jsonl" \
+  && cat "$work/$name/metrics.jsonl" \
   && mp compare "$work/$name" --cluster "$work/h1.yaml" --no-pictures \
   && { [ ! -f "$out/calibrated.yaml" ] || mp compare "$work/$name" --cluster "$out/calibrated.yaml" --no-pictures; }
 }
