@@ -37,6 +37,7 @@ export py
 step() {   # step NAME SECONDS COMMAND...: run it under a limit, its output in OUT/NAME.log, its tail printed
   local name=$1 limit=$2 t0=$SECONDS rc
   shift 2
+  case " ${ONLY:-$name} " in *" $name "*) ;; *) return;; esac   # ONLY="a b": run just those steps
   local left=$((deadline - SECONDS))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 15 ]; then echo "=== $name: skipped, the session's time is spent"; return; fi
@@ -77,7 +78,7 @@ print("ortools", ortools.__version__)
 
 # 1. the GPU calibration: the op table with CUDA events, the constants fit to it (issue 29, quick: < 2 min)
 if [ "$dry" = 1 ]; then
-  mp cluster dgx-h100 --devices 1 -o "$out/calibrated.yaml" >/dev/null
+  mp cluster dgx-h100 --devices 1 -o "$out/calibrated.yaml" --force >/dev/null
 else
   step calibrate 120 mp calibrate --device cuda --quick --out "$out/calibrated.yaml" --op-table "$out/ops_quick.csv"
 fi
@@ -87,7 +88,7 @@ fi
 model_check() {   # model_check NAME BATCH CODEGEN-ARGS...
   local name=$1 batch=$2
   shift 2
-  if [ "$dry" = 1 ]; then cp "$out/calibrated.yaml" "$work/h1.yaml"; else mp cluster dgx-h100 --devices 1 -o "$work/h1.yaml"; fi \
+  if [ "$dry" = 1 ]; then cp "$out/calibrated.yaml" "$work/h1.yaml"; else mp cluster dgx-h100 --devices 1 -o "$work/h1.yaml" --force; fi \
   && mp codegen examples/models/gpt.py:build "$@" --batch "$batch" --micro-batch "$batch" --dtype bf16 \
        --optimizer adamw --cluster "$work/h1.yaml" -o "$work/$name" \
   && mp run "$work/$name" --backend "$backend" --steps "$steps" --track-memory --no-progress \
@@ -109,4 +110,7 @@ step tier 200 "$py" -m pytest tests/gpu -q -p no:cacheprovider -rs --deselect te
 
 # 6. the H100.md case with the execution options the planner chooses for it, if time is left
 step h100_planned 120 model_check h100_planned "$h100_batch" "${h100[@]}"
+# 7. meshplan on the H100.md case with compiled stages and the full loss, against the two loops
+step ratio_full 150 "$py" benchmarks/eager_ratio.py --device cuda --model gpt --arg vocab_size=50304 \
+  --arg seq_len=1024 --arg hidden=768 --arg num_layers=12 --arg num_heads=12 --batch 16 --loss-impl full
 echo "=== logs in $out"

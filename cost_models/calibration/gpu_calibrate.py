@@ -53,7 +53,9 @@ class GpuInfo:
     @classmethod
     def of(cls, device: torch.device) -> "GpuInfo":
         p = torch.cuda.get_device_properties(device)
-        return cls(p.name, p.multi_processor_count, p.total_memory, torch.__version__, torch.version.cuda or "")
+        # plain str: torch.__version__ is a TorchVersion, which a YAML cluster file cannot hold
+        return cls(str(p.name), int(p.multi_processor_count), int(p.total_memory), str(torch.__version__),
+                   str(torch.version.cuda or ""))
 
 
 def calibration_device(spec: str | None) -> torch.device:
