@@ -90,7 +90,7 @@ model_check() {   # model_check NAME BATCH CODEGEN-ARGS...
   shift 2
   if [ "$dry" = 1 ]; then cp "$out/calibrated.yaml" "$work/h1.yaml"; else mp cluster dgx-h100 --devices 1 -o "$work/h1.yaml" --force; fi \
   && mp codegen examples/models/gpt.py:build "$@" --batch "$batch" --micro-batch "$batch" --dtype bf16 \
-       --optimizer adamw --cluster "$work/h1.yaml" -o "$work/$name" \
+       --optimizer adamw --lr 3e-4 --cluster "$work/h1.yaml" -o "$work/$name" \
   && mp run "$work/$name" --backend "$backend" --steps "$steps" --track-memory --no-progress \
   && cat "$work/$name/metrics.jsonl" \
   && mp compare "$work/$name" --cluster "$work/h1.yaml" --no-pictures \

@@ -123,6 +123,7 @@ class Executor:
     _evaluating: bool = False                  # evaluate_batch is walking the Program's forward part
     _attached: dict[int, list[int]] = field(default_factory=dict)
     _completions: list = field(default_factory=list)
+    _held: list | None = None                  # this rank's parameters, listed at the first ZERO_GRAD
     _lr: float | None = None
     _staged: tuple | None = None               # (step, its micro-batches on the device, the copy stream)
     _copy_stream: object = None                # CUDA: the side stream prefetched batches are copied on
@@ -410,8 +411,9 @@ class Executor:
             if self.grads is not None:   # gradients are views of the buckets: zeroed in place
                 self.grads.zero_grad()
             else:   # set to None, as the reference's loop: backward then writes the first gradient, no add
-                for runner in self.stages.values():
-                    for p in runner.module.parameters():
-                        p.grad = None
+                if self._held is None:   # walking the stage modules costs the host more than the step's kernels
+                    self._held = [p for runner in self.stages.values() for p in runner.module.parameters()]
+                for p in self._held:
+                    p.grad = None
         else:
             raise RuntimeError(f"the executor cannot run {ins.op} {ins.kind!r} instructions")

@@ -38,13 +38,13 @@ unless the dtype says otherwise; shape letters as OpRow.dims reads them):
     host_item_sync "1 float"     (new) host wall time of x.item() on an idle device: a step's sync
 
 How a row is timed (the reference table's method, which the fit's model of a row assumes): after
-warm-up calls and a synchronize, `repeat` calls back to back with a CUDA event recorded before
-and after each, then one synchronize; the row is the median of the event pairs' times. A call the
-device finishes faster than the host issues it is therefore timed at the host's pace, as in a
-training step. Inputs small enough that they would stay in the GPU's L2 cache (50 MB on an H100)
-between calls are rotated: enough copies that together they take ROTATE_CACHE_MULTIPLE times the
-cache, each call reading the next. The host rows (launch_*, host_*) are the host's wall time,
-each round ending with a synchronize.
+warm-up calls, `repeat` calls each issued to an idle device (a synchronize before it) with a CUDA
+event recorded before and after it; the row is the median of the event pairs' times: the call's
+dispatch on the host, then its kernels (the model of a row, cost_models/gpu_fit.py). Inputs small
+enough that they would stay in the GPU's L2 cache (50 MB on an H100) between calls are rotated:
+enough copies that together they take ROTATE_CACHE_MULTIPLE times the cache, each call reading the
+next. The host rows (launch_*, host_*) are the host's wall time, each round ending with a
+synchronize.
 
 Not measured: collectives (nccl_allreduce_ws1 in the reference table): they need a process group,
 and one GPU's all-reduce is a copy at most; a calibration of one GPU says so.
@@ -128,13 +128,17 @@ class Timer:
     sync: Callable[[], None]
 
     def device_ms(self, call: Callable[[int], object], warmup: int, repeat: int) -> float:
-        """Median milliseconds of call(i) with marks around each of `repeat` calls issued back to back,
-        after `warmup` calls and a sync (call numbers run on, so inputs rotate through warm-up and timing)."""
+        """Median milliseconds of call(i) with marks around each of `repeat` calls, each issued to an idle
+        device (a sync before it), after `warmup` calls (call numbers run on, so inputs rotate through
+        warm-up and timing). A call from an idle device is its host's dispatch, then its kernels: what
+        the reference table's rows measure (a small GEMM there costs its dispatch, a large one its
+        kernel; cost_models/gpu_fit.py models a row so), and what its back-to-back twin would hide for
+        mid-sized ops, whose dispatch overlaps the previous call's kernels."""
         for i in range(warmup):
             call(i)
-        self.sync()
         marks = []
         for i in range(warmup, warmup + repeat):
+            self.sync()
             a = self.mark()
             call(i)
             marks.append((a, self.mark()))

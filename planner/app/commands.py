@@ -20,6 +20,8 @@ from codegen.dataset_flags import check_dataset, dataset_spec
 from codegen.emit import capture_ref, emit
 from codegen.torch_target.script import emit_torch
 from codegen.train_flags import execution_of, optimizer_and_schedule
+from cost_models.step_costs import StepSetup
+from planner.execution_choice import choose
 from planner.app.cli_args import output_dir
 from planner.capabilities import RuntimeSupport, TargetError
 from planner.config import ConfigError
@@ -79,7 +81,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
         else:
             cluster = planner.Cluster.load(args.cluster)
         graph = capture_ref(args.model, kwargs, batch_size=cfg.micro_batch_size)
-        plan = make_fixed_plan(graph, cluster, cfg, args.batch, args.target)
+        plan = make_fixed_plan(graph, cluster, cfg, args.batch, args.target, setup=_step_setup(args, scaling))
     opt, schedule = optimizer_and_schedule(args)
     if dataset is not None:
         check_dataset(dataset, plan.global_batch_size, graph)
@@ -141,11 +143,22 @@ def check_target_config(cfg, global_batch_size: int, target: Target) -> None:
         raise TargetError(f"codegen --target {target} for {cfg.short()}: {why}")
 
 
-def make_fixed_plan(graph, cluster, cfg, global_batch_size: int, target: Target = Target.MESHPLAN):
+def _step_setup(args: argparse.Namespace, scaling) -> StepSetup:
+    """What the build's step runs besides the model, for the cost model (cost_models/step_costs.py)."""
+    return StepSetup(optimizer=args.optimizer, optimizer_impl=args.optimizer_impl, clip_grad=args.clip_grad is not None,
+                     loss_scaling=scaling is not None, loss=args.loss)
+
+
+def make_fixed_plan(graph, cluster, cfg, global_batch_size: int, target: Target = Target.MESHPLAN,
+                    setup: StepSetup | None = None):
     """make_plan for a fixed config, with every tensor-parallel region the graph offers that `target`
-    can split (Megatron's layout), whatever regions the evaluator's own search would keep."""
+    can split (Megatron's layout), whatever regions the evaluator's own search would keep; priced for the
+    step `setup` describes (default: AdamW, cross-entropy) and, for meshplan's runtime, at the execution
+    options that pay for it there (planner/execution_choice.py)."""
     support = RuntimeSupport.for_target(target)
-    ev = Evaluator(graph, cluster)
+    ev = Evaluator(graph, cluster, setup=setup)
+    if support.target == Target.MESHPLAN:   # the execution options that pay for it (codegen flags override them)
+        ev, _ = choose(ev, cfg, global_batch_size)
     roles = None
     if cfg.tensor > 1:
         sharding = support.splittable(graph, ev.sharding, [cfg.tensor])

@@ -17,6 +17,7 @@ from examples.models import gpt, mlp
 from planner import NoFeasiblePlan, ParallelConfig, Plan
 from planner.config import ConfigError
 from planner.progress import Progress
+from runtime.execution import Execution
 
 GOLDEN = Path(__file__).parent / "golden" / "gpt_small_2xdgx.json"
 
@@ -83,9 +84,15 @@ def test_optimize_equals_exhaustive_search(kind, memory_gib):
     cluster = _small_gpus(4, memory_gib)
     batch = 8
     best_cfg, best_pred = _exhaustive(graph, cluster, batch)
-    plan = planner.optimize(graph, cluster, global_batch_size=batch, progress=False, runtime=None)
+    # the configuration search at the default execution options, as the exhaustive loop prices them
+    plan = planner.optimize(graph, cluster, global_batch_size=batch, progress=False, runtime=None,
+                            execution=Execution())
     assert plan.prediction.step_time == pytest.approx(best_pred.step_time, rel=1e-12), (plan.config, best_cfg)
     assert plan.prediction.fits
+    # left to choose them, it keeps that configuration and takes the execution options that pay for it
+    chosen = planner.optimize(graph, cluster, global_batch_size=batch, progress=False, runtime=None)
+    assert chosen.config == plan.config and chosen.prediction.fits
+    assert chosen.prediction.step_time <= plan.prediction.step_time
     if memory_gib < 1:  # memory binds: the unconstrained optimum would not fit here
         roomy = planner.optimize(graph, _small_gpus(4, 80), global_batch_size=batch, progress=False)
         assert roomy.prediction.peak_memory > cluster.device.memory_bytes
@@ -177,7 +184,11 @@ def test_make_plan_uses_the_same_road(small):
     cfg = ParallelConfig(data=4, tensor=2, pipeline=2, micro_batch_size=2)
     plan = planner.make_plan(small, cl, cfg, global_batch_size=64)
     assert plan.config == cfg and len(plan.stages) == 2
-    assert plan.prediction == planner.evaluate(small, cl, cfg, global_batch_size=64)
+    # priced as planner.evaluate prices it, at the execution options make_plan chose for it (on these GPUs,
+    # those that pay: planner/execution_choice.py), which beat the defaults or are them
+    assert plan.prediction == planner.evaluate(small, cl, cfg, global_batch_size=64, execution=plan.execution)
+    default = planner.evaluate(small, cl, cfg, global_batch_size=64)
+    assert plan.execution.is_default or plan.prediction.step_time < default.step_time
     assert "no alternatives recorded" in planner.explain(plan)
 
 

@@ -93,7 +93,8 @@ def test_the_timing_loop_warms_up_then_takes_the_median_of_marked_calls():
 
     timer = Timer(mark=lambda: clock["t"], ms=lambda a, b: b - a, sync=lambda: syncs.append(len(calls)))
     assert timer.device_ms(call, warmup=2, repeat=3) == 3.0       # calls 2, 3, 4: median 3 ms
-    assert calls == [0, 1, 2, 3, 4] and syncs == [2, 5]          # a sync after the warm-up and at the end
+    # the device idle before each timed call (a sync before it), and at the end
+    assert calls == [0, 1, 2, 3, 4] and syncs == [2, 3, 4, 5]
     calls.clear()
     assert timer.host_ms(lambda i: calls.append(i), warmup=1, repeat=2) >= 0.0
     assert calls == [0, 1, 2]
@@ -293,4 +294,4 @@ def test_the_cuda_timer_reads_event_pairs_around_each_call(monkeypatch):
         device_ms["t"] += [5.0, 1.0, 2.0, 9.0][i]
     timer = gpu_ops.cuda_timer(torch.device("cuda"))
     assert timer.device_ms(call, warmup=1, repeat=3) == 2.0      # calls 1, 2, 3 took 1, 2 and 9 ms
-    assert synced == [torch.device("cuda")] * 2
+    assert synced == [torch.device("cuda")] * 4                  # before each timed call, and at the end

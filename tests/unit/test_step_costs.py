@@ -8,8 +8,8 @@ import torch
 
 import planner
 from cost_models.hardware import Cluster
-from cost_models.step_costs import (CHUNK_ALIGN, StepSetup, chunked_loss_cost, default_chunk_tokens, full_loss_cost,
-                                    optimizer_cost)
+from cost_models.step_costs import (CHUNK_ALIGN, NORM_KERNELS, StepSetup, chunked_loss_cost, default_chunk_tokens,
+                                    full_loss_cost, optimizer_cost)
 from runtime.chunked_loss import auto_chunk_tokens
 from examples.models import gpt
 from planner import ParallelConfig
@@ -72,11 +72,17 @@ def test_the_optimizer_phase_by_implementation_and_what_the_runtime_adds(gpu):
     assert fused.device == pytest.approx(1.60e-3, rel=0.10) and foreach.device == pytest.approx(3.74e-3, rel=0.15)
     full = optimizer_cost(gpu, p, t, impl="fused", clip=True, zero_in_place=True, norm=True)
     bw = 3.35e12 * c.stream_efficiency
-    norm = 4 * p / bw + 3 * t * c.kernel_gap
-    clip = 8 * p / bw + t * c.kernel_gap
-    zero = 4 * p / bw + t * c.kernel_gap
+    # foreach kernels, not one per tensor: the norm reads each gradient once in NORM_KERNELS kernels, the clip
+    # reads and writes each in two, and the in-place zeroing is a kernel per gradient bucket (one here)
+    norm = 4 * p / bw + NORM_KERNELS * c.kernel_gap
+    clip = 8 * p / bw + 2 * c.kernel_gap
+    zero = 4 * p / bw + c.kernel_gap
     assert full.device == pytest.approx(fused.device + norm + clip + zero)
-    assert full.host == pytest.approx(fused.host + (3 * t + t + t) * c.host_op)
+    assert full.host == pytest.approx(fused.host + (NORM_KERNELS + 2 + 1) * c.host_op)
+    assert NORM_KERNELS < t / 10    # a few kernels however many tensors: what runtime/grad_norm.py runs
+    # without buckets the runtime sets the gradients to None: no zeroing at all
+    freed = optimizer_cost(gpu, p, t, impl="fused", clip=True, zero_in_place=False, norm=True)
+    assert full.device - freed.device == pytest.approx(zero)
 
 
 def test_a_small_model_waits_for_the_host_and_a_large_one_does_not():
