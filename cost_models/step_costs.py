@@ -21,24 +21,7 @@ from dataclasses import dataclass
 from cost_models.gemm import GemmShape
 from cost_models.gpu_fit import adam_seconds, loss_passes
 from cost_models.kernels import Gpu
-
-# The chunked loss's chunk when the build leaves it to the runtime (runtime/chunked_loss.py auto_chunk_tokens,
-# which tests/unit/test_step_costs.py checks this against): one chunk's fp32 logits stay under CHUNK_LOGIT_BYTES,
-# the chunks as equal as may be, rounded up to a multiple of CHUNK_ALIGN rows where that stays within it.
-CHUNK_LOGIT_BYTES = 256 * 2**20
-CHUNK_ALIGN = 64
-
-
-def default_chunk_tokens(tokens: int, vocab: int) -> int:
-    """Tokens per chunk of the chunked loss when the build does not set them (see CHUNK_LOGIT_BYTES)."""
-    rows_max = max(1, CHUNK_LOGIT_BYTES // (4 * max(int(vocab), 1)))
-    if tokens <= rows_max:
-        return max(int(tokens), 1)
-    n = -(-tokens // rows_max)
-    rows = -(-tokens // n)
-    aligned = -(-rows // CHUNK_ALIGN) * CHUNK_ALIGN
-    return aligned if aligned <= rows_max else rows
-
+from runtime.chunked_loss import auto_chunk_tokens
 
 @dataclass(frozen=True)
 class StepSetup:
@@ -146,7 +129,7 @@ def chunked_loss_cost(gpu: Gpu, tokens: float, vocab: float, hidden: int, *, chu
     Transient at its peak: one chunk's logits (6 bytes each in 16-bit compute), the weight's 16-bit cast and
     a 16-bit weight-sized product before it joins its fp32 accumulator (4 bytes each)."""
     n, v = max(int(round(tokens)), 1), max(int(round(vocab)), 1)
-    chunk = min(chunk_tokens or default_chunk_tokens(n, v), n)
+    chunk = min(chunk_tokens or auto_chunk_tokens(n, v), n)   # the runtime's own rule when the build leaves it
     sizes = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
     c = gpu.costs
     e = gpu.elem_bytes

@@ -12,7 +12,7 @@ import torch
 
 import planner
 from planner.evaluator import Evaluator
-from cost_models.hardware import Cluster, Device, Link
+from cost_models.hardware import Cluster
 from examples.models import gpt, mlp
 from planner import NoFeasiblePlan, ParallelConfig, Plan
 from planner.config import ConfigError

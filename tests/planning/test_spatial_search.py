@@ -5,7 +5,6 @@ pipeline x tensor plan: one residual unit's activations exceed 16 GiB. With spat
 search finds a plan that fits. Models without convolutions search exactly what they did before.
 """
 
-import time
 
 import pytest
 import torch

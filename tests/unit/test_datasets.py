@@ -15,7 +15,7 @@ from runtime.data import DataError, Split
 from runtime.datasets import (DatasetSource, DatasetSpec, EpochOrder, LastBatch, RankStream, open_dataset)
 from runtime.refs import RefError
 from runtime.spec import TrainSpec
-from tests.dataset_cases import IndexDataset, IndexStream
+from tests.dataset_cases import IndexStream
 
 IDX = "tests/dataset_cases.py:IndexDataset"
 

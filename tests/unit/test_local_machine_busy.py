@@ -15,17 +15,16 @@ from cost_models import Cluster, local_machine
 from planner.app.cli import main
 from tests.fixed_machine import FIGURES
 
-NOW = time.time()
-
 
 def record(**overrides):
-    """A cache record of this machine, measured a minute ago on a quiet machine."""
+    """A cache record of this machine, measured a minute ago (now, not at import: a long suite may run this
+    test more than BUSY_RETRY_S after it imported the module) on a quiet machine."""
     return {"format_version": local_machine.CACHE_FORMAT_VERSION, **local_machine.machine_key(), **FIGURES,
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(NOW - 60)), **overrides}
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 60)), **overrides}
 
 
 def ago(seconds: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(NOW - seconds))
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - seconds))
 
 
 @pytest.mark.parametrize("overrides, why", [
@@ -40,7 +39,7 @@ def ago(seconds: float) -> str:
     ({"load_per_cpu": 0.5, "latency_spread": 1.2, "measured_at": ago(700)}, None),
 ])
 def test_why_a_cached_reading_is_measured_again(overrides, why):
-    got = local_machine.why_remeasure(record(**overrides), now=NOW)
+    got = local_machine.why_remeasure(record(**overrides), now=time.time())
     assert (got is None) if why is None else got.startswith(why), got
 
 

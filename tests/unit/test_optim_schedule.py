@@ -13,7 +13,7 @@ from runtime.checkpoint import optimizer_param_names
 from runtime.lr_schedule import ScheduleError, ScheduleSpec, current_lr, load_scheduler_state, scheduler_state
 from runtime.optim import NoDecay, OptimizerImpl, OptimizerSpec, optimizer_order, rank_optimizer
 from runtime.program import Bucket, Program
-from runtime.spec import SpecError, TrainSpec
+from runtime.spec import TrainSpec
 
 LR, MIN = 0.1, 0.01
 

@@ -3,11 +3,10 @@ in a graph, what it costs (hand-computed on a fixed CPU cluster), what the searc
 how the plan stores it, and the refusals."""
 
 import pytest
-import torch
 
 import planner
 from cost_models.mesh_axes import axis_collective_time
-from examples.models import gpt, resnet
+from examples.models import resnet
 from planner import ConfigError, ParallelConfig, Plan
 from codegen.partition import partition
 from planner.app.cli import build_parser

@@ -15,7 +15,7 @@ from cost_models.mesh_axes import axis_groups
 from examples.models import gpt
 from planner.app.report import report_path, write_report
 from planner.app.visualize import (FIGURES, ScheduleRecord, figures, layout_problems, load_timeline,
-                               memory_figure, mesh_figure, time_figure,
+                               memory_figure, time_figure,
                                predicted_schedule, rank_coords, save_figure, save_timeline, schedule_figure,
                                schedule_orders, simulate_schedule, style, visualize)
 from runtime.vocab import MeshAxis
