@@ -53,6 +53,22 @@ _DROPOUTS = frozenset({"dropout", "nativedropout", "featuredropout", "dropout1d"
 _MASKED = frozenset({"maskedfill", "where"})   # keep their boolean mask (own dtype)
 
 
+class SelectivePolicy(StrEnum):
+    """What a stack's selective recomputation keeps of a transformer block (a layer with attention).
+
+    ATTENTION_CORE: everything but the attention core (QK^T, softmax, its dropout, attention over V),
+        which runs again in backward: Megatron-LM (Korthikanti et al. 2022, section 5) and meshplan's
+        runtime (runtime/recompute.py).
+    ALTERNATE_MATMULS: torchtitan's per-op selective checkpointing ("selective_ac_option = op",
+        torchtitan/models/llama3/infra/parallelize.py _save_list): the block's input, the output of the
+        attention kernel and of every other matrix product (the 1st, 3rd, ... aten.mm of the block);
+        everything else, the other products included, runs again in backward.
+    """
+
+    ATTENTION_CORE = "attention-core"
+    ALTERNATE_MATMULS = "alternate-matmuls"
+
+
 class Width(StrEnum):
     """How wide one saved element is."""
 
@@ -140,7 +156,7 @@ def normalize(name: str) -> str:
     return name.rsplit(".", 1)[-1].lower().replace("_", "")
 
 
-def _keep(t: TensorRef, core: bool = False) -> SavedTensor:
+def keep(t: TensorRef, core: bool = False) -> SavedTensor:
     """Keep tensor `t` and the storage it views (an activation in the compute dtype, in fp32 where autocast
     runs it in fp32, or its own dtype if not a float)."""
     n = t.storage or t.elements
@@ -154,7 +170,7 @@ def _keep_cast(t: TensorRef, core: bool = False) -> SavedTensor:
     an fp32 input is cast to the 16-bit dtype and the op keeps that copy, a tensor of its own."""
     if t.is_float and t.run_fp32:
         return SavedTensor(f"{t.key}@16bit", t.elements, Width.ACTIVATION, t.split, core=core)
-    return _keep(t, core)
+    return keep(t, core)
 
 
 def saved_by(op: OpView, fused_attention: bool = True) -> tuple[SavedTensor, ...]:
@@ -169,11 +185,11 @@ def saved_by(op: OpView, fused_attention: bool = True) -> tuple[SavedTensor, ...
     if kind == "norm":
         return _norm(op)
     if kind == "softmax":
-        return (_keep(op.output, core=op.output.score),) if op.output is not None else ()
+        return (keep(op.output, core=op.output.score),) if op.output is not None else ()
     if kind == "attention":
         return _attention(op, fused_attention)
     if kind == "embedding":
-        return tuple(_keep(t) for t in op.inputs if not t.is_float)   # the token ids
+        return tuple(keep(t) for t in op.inputs if not t.is_float)   # the token ids
     if kind in ("view", "concat", "input", "output", "param", "scalar"):
         return ()
     if kind == "elementwise":
@@ -185,7 +201,7 @@ def saved_by(op: OpView, fused_attention: bool = True) -> tuple[SavedTensor, ...
 
 def _norm(op: OpView) -> tuple[SavedTensor, ...]:
     x = op.inputs[0]
-    out = [_keep(x)]
+    out = [keep(x)]
     if op.base in NORM_STATS and x.shape:
         rows = x.elements // max(x.shape[-1], 1)
         out.append(SavedTensor(f"{op.name}.stats", NORM_STATS[op.base] * rows, Width.FP32, x.split))
@@ -203,7 +219,7 @@ def _attention(op: OpView, fused: bool) -> tuple[SavedTensor, ...]:
     kept = [_keep_cast(t) for t in op.inputs if t.is_float]
     if op.output is None:
         return tuple(kept)
-    kept.append(_keep(op.output, core=True))
+    kept.append(keep(op.output, core=True))
     q = op.inputs[0] if op.inputs else None
     if q is None or len(q.shape) != 4 or len(op.inputs) < 2 or len(op.inputs[1].shape) != 4:
         return tuple(kept)
@@ -230,14 +246,14 @@ def _elementwise(op: OpView, floats: list[TensorRef]) -> tuple[SavedTensor, ...]
     if base in _SAVES_NOTHING:
         return ()
     if base in _SAVES_INPUT and floats:
-        return (_keep(floats[0], core=floats[0].score),)
+        return (keep(floats[0], core=floats[0].score),)
     if base in _SAVES_OUTPUT and op.output is not None:
-        return (_keep(op.output, core=op.output.score),)
+        return (keep(op.output, core=op.output.score),)
     if base in _PRODUCTS:
         # each operand's gradient reads the other: times a constant nothing is kept
-        return tuple(_keep(t, core=t.score) for t in floats) if len(floats) > 1 or op.params else ()
+        return tuple(keep(t, core=t.score) for t in floats) if len(floats) > 1 or op.params else ()
     if base in _MASKED:
-        return tuple(_keep(t, core=t.score) for t in op.inputs if not t.is_float)
+        return tuple(keep(t, core=t.score) for t in op.inputs if not t.is_float)
     return None
 
 

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 from typing import Any, Sequence
 
+from cost_models.activations import SelectivePolicy
 from runtime.vocab import DType
 
 # Share of the GPU an overlapped collective's kernels take from the compute they run under.
@@ -180,6 +181,13 @@ _PRESETS: dict[OverlapPreset, Overlap] = {
     # 16-bit param_dtype
     OverlapPreset.TORCH: Overlap(grad_reduce=True, param_gather=True, contention=GPU_CONTENTION, autocast=True),
 }
+
+
+def stack_selective(name: str) -> SelectivePolicy:
+    """What selective recomputation keeps under the stack `name` (an `OverlapPreset` value): torchtitan's
+    per-op policy for torchtitan, Megatron's attention core for the others (meshplan's runtime included)."""
+    stack = OverlapPreset(name)
+    return SelectivePolicy.ALTERNATE_MATMULS if stack is OverlapPreset.TORCHTITAN else SelectivePolicy.ATTENTION_CORE
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import Any, Callable, TypeVar
 from cost_models.comm import collective_time, link_models
 from cost_models.mesh_axes import axis_collective_time
 from cost_models.calibrated import calibrated_efficiency, curve_mix, in_run_factors, op_curves, per_element_cost
+from cost_models.activations import SelectivePolicy
 from cost_models.autocast import FLOAT32
 from cost_models.compute import Efficiency, op_time, wave_efficiency
 from cost_models.gpu_costs import gpu_costs
@@ -102,7 +103,8 @@ class Evaluator:
                  overlap_grad_reduce: bool | None = None, grad_reduce_bytes: int | None = None,
                  sharding: str = "ilp", allocator_margin: float = ALLOCATOR_MARGIN,
                  zero3_live_parameters: float | None = None, execution: Execution | None = None,
-                 setup: StepSetup | None = None) -> None:
+                 setup: StepSetup | None = None,
+                 selective: SelectivePolicy | str = SelectivePolicy.ATTENTION_CORE) -> None:
         """
         Args:
             efficiency: per-kind efficiencies (default: published facts for the device kind).
@@ -124,7 +126,14 @@ class Evaluator:
                 full or the fused chunked loss, vocabulary padding; default eager, full loss).
             setup: the step besides the model (cost_models/step_costs.StepSetup: optimizer and its
                 implementation, clipping, how gradients are zeroed; default AdamW, auto, no clipping).
+            selective: what the stack's selective recomputation keeps of a block
+                (cost_models/activations.SelectivePolicy; default Megatron's and meshplan's: all but the
+                attention core).
         """
+        try:
+            self.selective = SelectivePolicy(selective)
+        except ValueError:
+            raise ValueError(f"selective={selective!r} is not one of {', '.join(SelectivePolicy)}") from None
         if zero3_live_parameters is not None and zero3_live_parameters <= 0:
             raise ValueError(f"zero3_live_parameters={zero3_live_parameters!r} must be a positive parameter "
                              "count, or None for whole layers")
@@ -591,7 +600,8 @@ class Evaluator:
         params = sum(c.params for c in costs)
         scale = config.micro_batch_size / self.graph.batch_size
         layer_in = self._layer_inputs[layer.index] * scale * DType(config.dtype).bytes / 4
-        acts = self.saved.layer(layer, roles, config, fused_attention=self.fused_attention, layer_input=layer_in)
+        acts = self.saved.layer(layer, roles, config, fused_attention=self.fused_attention, layer_input=layer_in,
+                                policy=self.selective)
         recompute = sum(c.fwd for name, c in zip(layer.nodes, costs) if name in acts.recomputed)
         if config.recompute == Recompute.FULL:
             tp_b += tp_f  # the recomputed forward repeats its all-reduces

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models.activations import OpView, TensorRef, layer_bytes, normalize, saved_by
+from cost_models.activations import OpView, SelectivePolicy, TensorRef, keep, layer_bytes, normalize, saved_by
 from planner.config import ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
 from planner.sharding import ShardingPlan
@@ -105,10 +105,10 @@ class SavedActivations:
         return kept * config.micro_batch_size / self._batch / divisor
 
     def layer(self, layer: Layer, roles: dict[str, str], config: ParallelConfig, *, fused_attention: bool,
-              layer_input: float) -> LayerActivations:
+              layer_input: float, policy: SelectivePolicy = SelectivePolicy.ATTENTION_CORE) -> LayerActivations:
         """`layer`'s activations under `config` (micro-batch, dtype, tensor degree, sequence
         parallelism, recompute); `layer_input`: bytes of its input for one micro-batch, whole, the one
-        tensor full recomputation keeps."""
+        tensor full recomputation keeps; `policy`: what selective recomputation keeps of a block."""
         t = config.tensor
         sequence = t if config.sequence_parallel else 1
         scale = config.micro_batch_size / self._batch
@@ -121,12 +121,33 @@ class SavedActivations:
         if config.recompute == Recompute.FULL:
             return LayerActivations(kept=layer_input / sequence, working=total.total * scale,
                                     recomputed=frozenset(layer.nodes))
+        if selective and policy is SelectivePolicy.ALTERNATE_MATMULS and any(v.kind == "attention" for v in views):
+            kept = _alternate_matmuls(views, fused_attention)
+            again = frozenset(layer.nodes) - {s.key for s in kept}
+            kept_bytes = layer_bytes(kept, DType(config.dtype).bytes, sequence).total
+            return LayerActivations(kept=layer_input / sequence + kept_bytes * scale, working=total.total * scale,
+                                    recomputed=again)
         if selective and total.core:
             # the forward of the ops that produce or keep the dropped tensors runs again
             again = frozenset(v.name for v, saved in zip(views, per_op)
                               if v.name in self._scores or any(s.core for s in saved))
             return LayerActivations(kept=total.kept * scale, working=total.core * scale, recomputed=again)
         return LayerActivations(kept=total.kept * scale, working=0.0, recomputed=frozenset())
+
+
+def _alternate_matmuls(views: list[OpView], fused_attention: bool) -> list:
+    """What torchtitan's per-op selective checkpointing saves inside a block (SelectivePolicy.ALTERNATE_MATMULS):
+    the outputs of the 1st, 3rd, ... linear layer in forward order (each one aten.mm) and the attention
+    kernel's output with its row statistics."""
+    kept, products = [], 0
+    for v in views:
+        if v.kind == "linear" and v.output is not None:
+            products += 1
+            if products % 2:
+                kept.append(keep(v.output))
+        elif v.kind == "attention":
+            kept.extend(s for s in saved_by(v, fused_attention) if s.core)
+    return kept
 
 
 def _is_float(n: OpInfo) -> bool:

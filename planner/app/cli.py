@@ -25,7 +25,7 @@ from cost_models import local_machine
 from cost_models.calibration.gpu_calibrate import calibrate_gpu, calibration_device
 from cost_models.hardware import LOCAL_PRESET, Cluster
 from cost_models.op_table import format_op_table, measured_rows
-from cost_models.overlap import Overlap, OverlapPreset
+from cost_models.overlap import Overlap, OverlapPreset, stack_selective
 from cost_models.simulate import simulate_steady
 from planner.app import calibrate_run
 from planner.app.cli_args import (MAX_BATCH, MAX_WORLD, OutputError, check_constraints, count, nonnegative_number,
@@ -128,7 +128,8 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     graph = capture_ref(args.model, _parse_kv(args.arg), 1)
     if args.what_if and args.target != Target.MESHPLAN:
         raise ValueError(f"--what-if searches what no target runs yet; drop --target {args.target} or --what-if")
-    stack = {"overlap": Overlap.preset(args.stack)} if args.stack else {}   # else the target's stack
+    stack = {"overlap": Overlap.preset(args.stack), "selective": stack_selective(args.stack)} \
+        if args.stack else {}   # else the target's stack
     plan = optimize(graph, cluster, global_batch_size=args.batch, objective=args.objective,
                     constraints=constraints, progress=False if args.quiet else None, **stack,
                     **({"runtime": None} if args.what_if else {"target": args.target}))
@@ -578,8 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "DTensor, FSDP2 and pipelining, through planner.parallelize or codegen --target torch); the "
                         "search picks only strategies the target runs")
     p.add_argument("--stack", default=None, choices=list(map(str, OverlapPreset)),
-                   help="the training stack whose communication overlap the cost model assumes "
-                        "(cost_models/overlap.py; default: the target's, meshplan for meshplan, torchtitan for torch)")
+                   help="the training stack whose communication overlap and selective recomputation the cost model "
+                        "assumes (cost_models/overlap.py; default: the target's, meshplan for meshplan, torchtitan's "
+                        "overlap for torch)")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
     _add_force(p)
     p.set_defaults(func=_cmd_optimize)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import planner
-from cost_models.activations import OpView, SavedTensor, TensorRef, Width, layer_bytes, saved_by
+from cost_models.activations import OpView, SavedTensor, SelectivePolicy, TensorRef, Width, layer_bytes, saved_by
 from cost_models.hardware import Cluster
 from cost_models.memory import ALLOCATOR_MARGIN, param_bytes
 from cost_models.overlap import Overlap
@@ -178,3 +178,30 @@ def test_zero3_gathers_two_layers_or_the_stacks_live_parameter_bound(graph):
     assert deepspeed.parameters == pytest.approx(weights + 1000 * 2)
     with pytest.raises(ValueError, match="zero3_live_parameters"):
         Evaluator(graph, A100, zero3_live_parameters=0)
+
+
+def test_torchtitan_selective_keeps_the_input_the_attention_output_and_every_other_matmul(graph):
+    # torchtitan's op-level policy on the example GPT block, flash attention, t = 1, bf16. The block's
+    # linears in forward order: qkv (3h), projection (h), fc1 (4h), fc2 (h); the 1st and 3rd are kept,
+    # with the block input (2 s b h), the attention output (2 s b h) and its log-sum-exp (4 a s b).
+    ev = Evaluator(graph, A100, fused_attention=True, overlap=Overlap.preset("megatron-2021"),
+                   selective=SelectivePolicy.ALTERNATE_MATMULS)
+    config = ParallelConfig(data=8, micro_batch_size=B, dtype="bf16", recompute="selective")
+    block = _block(graph)
+    linears = [n for n in block.nodes if ev.node(n).kind == "linear"]
+    assert [ev.node(n).output_meta[0].shape[-1] for n in linears] == [3 * H, H, 4 * H, H]
+    cost = ev.layer_cost(block, config)
+    assert cost.saved == pytest.approx(2 * SBH + 2 * 3 * SBH + 2 * 4 * SBH + 2 * SBH + 4 * A * S * B)
+    none = ev.layer_cost(block, dataclasses.replace(config, recompute="none"))
+    assert cost.working == pytest.approx(none.saved)
+    # every forward runs again but the kept products' and the attention kernel's
+    roles = ev.layer_roles(block, config)
+    kept = {linears[0], linears[2]} | {n for n in block.nodes if ev.node(n).kind == "attention"}
+    again = sum(ev.node_cost(ev.node(n), roles.get(n, "replicate"), config).fwd for n in block.nodes if n not in kept)
+    assert cost.recompute == pytest.approx(again) and 0 < cost.recompute < none.forward
+    # a layer without attention (the embedding) is not a block: selective changes nothing there
+    embed = graph.layers[0]
+    assert ev.layer_cost(embed, config).saved == pytest.approx(
+        ev.layer_cost(embed, dataclasses.replace(config, recompute="none")).saved)
+    with pytest.raises(ValueError, match="selective='layer'"):
+        Evaluator(graph, A100, selective="layer")

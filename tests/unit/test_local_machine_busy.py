@@ -6,6 +6,7 @@ measures the machine, except the loopback probe's own shape."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -100,3 +101,12 @@ def test_tests_never_read_the_users_cache():
     here = local_machine.default_cache_dir()
     assert here.name.startswith("meshplan-test-cache-") and here.is_dir()
     assert here != Path.home() / ".cache" / "meshplan"
+
+
+def test_compiled_tests_never_read_another_run_s_compile_cache():
+    """tests/conftest.py: torch.compile's caches live in the session's directory too, not /tmp's shared one."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    session = local_machine.default_cache_dir()
+    assert Path(cache_dir()).parent == session
+    assert Path(os.environ["TRITON_CACHE_DIR"]).parent == session

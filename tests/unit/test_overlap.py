@@ -326,3 +326,13 @@ def test_cli_optimize_prices_the_named_stack(tmp_path, capsys):
         main(["optimize", "examples/models/gpt.py:build", "--cluster", "dgx-a100-80gb", "--batch", "8",
               "--stack", "megatorn"])
     assert "invalid choice: 'megatorn'" in capsys.readouterr().err
+
+
+def test_each_stack_names_its_selective_recompute():
+    from cost_models.activations import SelectivePolicy
+    from cost_models.overlap import stack_selective
+
+    assert stack_selective("torchtitan") is SelectivePolicy.ALTERNATE_MATMULS
+    assert {stack_selective(s) for s in OverlapPreset if s != "torchtitan"} == {SelectivePolicy.ATTENTION_CORE}
+    with pytest.raises(ValueError):
+        stack_selective("megatorn")
