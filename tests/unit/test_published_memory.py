@@ -30,3 +30,12 @@ def test_a_row_whose_degrees_miss_its_gpus_is_refused_by_name():
         pm.config_of(bad)
     with pytest.raises(ValueError, match="not a whole number"):
         pm.cluster_of(dataclasses.replace(row, gpus=12))
+
+
+def test_torchtitan_rows_run_on_its_96_gb_gpus_and_the_8b_under_its_own_selective_policy():
+    from cost_models.activations import SelectivePolicy
+
+    titan = [r for r in pm.ROWS if "torchtitan" in r.run]
+    assert titan and all(r.device_memory == 96 * pm.GB for r in titan)
+    selective = [r for r in titan if r.config.get("recompute") == "selective"]
+    assert selective and all(r.evaluator["selective"] is SelectivePolicy.ALTERNATE_MATMULS for r in selective)
