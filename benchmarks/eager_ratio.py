@@ -25,7 +25,7 @@ would hold between steps).
     python benchmarks/eager_ratio.py --device cuda --model hf-gpt2 --preset gpt2 --arg seq_len=1024 --batch 16
     python benchmarks/eager_ratio.py --device cuda --quick      (both of the above, few steps: 2-3 minutes)
 
-Options --compile/--no-compile, --loss-impl full|chunked, --loss-chunk-tokens N and --vocab-multiple N
+Options --compile/--no-compile, --compile-scope blocks|stage, --loss-impl full|chunked, --loss-chunk-tokens N and --vocab-multiple N
 set meshplan's execution (codegen's flags); --count-copies profiles one step of each variant and prints
 its copy kernels (aten::copy_ and aten::_to_copy calls). Needs only the repository (PYTHONPATH at the
 checkout) and torch (and transformers for hf-gpt2).
@@ -86,8 +86,9 @@ def _execution(args):
         from runtime.execution import Execution
     except ImportError:
         return None
+    scope = {"compile_scope": args.compile_scope} if args.compile_scope != "blocks" else {}   # older trees lack it
     return Execution(compile=args.compile, loss=args.loss_impl, loss_chunk_tokens=args.loss_chunk_tokens,
-                     vocab_multiple=args.vocab_multiple)
+                     vocab_multiple=args.vocab_multiple, **scope)
 
 
 def make_build(model_ref: str, kw: dict, batch: int, dtype: str, out: Path, execution) -> Path:
@@ -298,6 +299,8 @@ def main(argv=None) -> int:
                     help="autocast dtype (default bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                     help="meshplan: compiled stages (default on)")
+    ap.add_argument("--compile-scope", choices=("blocks", "stage"), default="blocks",
+                    help="meshplan, with --compile: the repeated blocks (default) or each stage's whole forward")
     ap.add_argument("--loss-impl", choices=("full", "chunked"), default=None,
                     help="meshplan: the last stage's loss (default: chunked on CUDA, where it saves the fp32 logits' "
                          "memory and upcast; full on CPU, where for a small vocabulary its extra passes cost more)")

@@ -113,4 +113,8 @@ step h100_planned 120 model_check h100_planned "$h100_batch" "${h100[@]}"
 # 7. meshplan on the H100.md case with compiled stages and the full loss, against the two loops
 step ratio_full 150 "$py" benchmarks/eager_ratio.py --device cuda --model gpt --arg vocab_size=50304 \
   --arg seq_len=1024 --arg hidden=768 --arg num_layers=12 --arg num_heads=12 --batch 16 --loss-impl full
+# 8. the same with each stage's whole forward compiled (--compile-scope stage), against the two loops
+step ratio_stage 150 "$py" benchmarks/eager_ratio.py --device cuda --model gpt --arg vocab_size=50304 \
+  --arg seq_len=1024 --arg hidden=768 --arg num_layers=12 --arg num_heads=12 --batch 16 --loss-impl full \
+  --compile-scope stage
 echo "=== logs in $out"

@@ -133,6 +133,12 @@ def check_execution(plan: Plan, execution: Execution, loss: str) -> None:
         if on and blocked:
             raise ExecutionError(f"{option} does not run with {blocked[0]}: its stages exchange tiles, paths or "
                                  f"sequence chunks inside their layers; leave {option.split()[0]} out")
+    if execution.whole_stage and cfg.recompute != "none":
+        # torch.compile cannot trace the runtime's recomputation (torch.utils.checkpoint with its context_fn)
+        # inside a compiled forward; regional compilation puts the checkpoint around the compiled blocks
+        raise ExecutionError(f"--compile-scope stage does not run with recompute {cfg.recompute}: torch.compile "
+                             "cannot trace the recomputation inside the stage's forward; use --compile-scope blocks "
+                             "or --recompute none")
     if execution.chunked and loss != "cross_entropy":
         raise ExecutionError(f"--loss-impl chunked fuses a cross-entropy loss with the output layer; this build's "
                              f"loss is {loss}: use --loss-impl full")

@@ -243,6 +243,8 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
         # regional compilation: the methods of the repeated blocks (one per distinct block); in a model without
         # repeated blocks, those of the layers that hold parameters (a few views or an activation alone: never)
         compiled = tuple(m for m, ls in served.items() if any(L in (blocks or weighty) for L in ls))
+        if ex.whole_stage:   # the stage's whole forward, one compiled function (runtime/execution.py CompileScope)
+            compiled = ("forward",)
         padded = _padded(padded_names, modules, attributes, ex.vocab_multiple, head)
         params = _stage_params(gm, modules, attributes, local_mods, canonical, res.param_shards, t, padded)
         held = {canonical.get(name, name) for name, _, _ in params}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from runtime.execution import MAX_VOCAB_MULTIPLE, Execution, LossImpl
+from runtime.execution import MAX_VOCAB_MULTIPLE, CompileScope, Execution, LossImpl
 from runtime.lr_schedule import ScheduleKind, ScheduleSpec
 from runtime.optim import NoDecay, OptimizerImpl, OptimizerSpec
 
@@ -43,6 +43,10 @@ def add_flags(p: argparse.ArgumentParser, count, nonnegative_number) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="run each stage's repeated blocks through torch.compile, one compiled function per "
                         "distinct block (default: as the plan says; a plan made without it: off)")
+    p.add_argument("--compile-scope", default=None, choices=[m.value for m in CompileScope],
+                   help="with --compile: blocks (one compiled function per distinct repeated block, the other "
+                        "layers eager) or stage (each stage's whole forward compiled; longer compilation, and a "
+                        "data-parallel gradient sync starts after the stage's backward) (default: the plan's)")
     p.add_argument("--loss-impl", default=None, choices=[m.value for m in LossImpl],
                    help="the last stage's cross-entropy: full (the logits, then the loss in fp32) or chunked "
                         "(fused with the output layer, chunks of tokens, no full logits) (default: the plan's)")
@@ -64,7 +68,8 @@ def optimizer_and_schedule(args: argparse.Namespace) -> tuple[OptimizerSpec, Sch
 
 def execution_of(args: argparse.Namespace, planned: Execution) -> Execution:
     """The build's Execution: `planned` (the plan's) with the execution flags that were given."""
-    changes = {field: value for field, value in (("compile", args.compile), ("loss", args.loss_impl),
+    changes = {field: value for field, value in (("compile", args.compile), ("compile_scope", args.compile_scope),
+                                                 ("loss", args.loss_impl),
                                                  ("loss_chunk_tokens", args.loss_chunk_tokens),
                                                  ("vocab_multiple", args.vocab_multiple)) if value is not None}
     return dataclasses.replace(planned, **changes)

@@ -588,7 +588,7 @@ class Evaluator:
     def _cost_layer(self, layer: Layer, config: ParallelConfig) -> LayerCost:
         roles = self.layer_roles(layer, config)
         head = self._fused_head(config)
-        compiled = self.execution.compile and layer.index in self._compiled_layers
+        compiled = self.execution.whole_stage or (self.execution.compile and layer.index in self._compiled_layers)
         costs = [self.node_cost(self._nodes[name], roles.get(name, "replicate"), config, fused_head=name == head,
                                 compiled=compiled) for name in layer.nodes]
         fwd = sum(c.fwd for c in costs)

@@ -13,6 +13,11 @@ These choices change how fast a step runs and how much memory it holds, never wh
   this many (1: no padding), so the vocabulary GEMMs run on aligned shapes; logits, the loss,
   metrics and checkpoints keep the real vocabulary. Under tensor parallelism each rank's block of
   the vocabulary is padded to a multiple of it;
+- compile_scope: what compile covers (CompileScope): "blocks" (the default; regional compilation, each
+  distinct repeated block compiled once, the other layers eager) or "stage" (each stage's whole forward
+  one compiled function: every layer fused and dispatched from generated code, at a compile time that
+  grows with the stage's depth; a stage's gradients then all come at the end of its compiled backward,
+  so a data-parallel gradient sync no longer starts inside it);
 - compile_backend: torch.compile's backend for compiled stages (CompileBackend): "inductor" (the
   default; fused kernels) or "aot_eager" (the same graphs captured and differentiated ahead of
   time, run by eager kernels: what tests use where inductor's C++ compilation would take minutes).
@@ -44,6 +49,13 @@ class CompileBackend(StrEnum):
     AOT_EAGER = "aot_eager"   # dynamo and AOTAutograd's graphs, eager kernels: checks capture, not speed
 
 
+class CompileScope(StrEnum):
+    """What Execution.compile compiles in each stage."""
+
+    BLOCKS = "blocks"   # regional: one compiled function per distinct repeated block, the other layers eager
+    STAGE = "stage"     # the stage's whole forward, one compiled function
+
+
 # The most rows a vocabulary may be padded to a multiple of (far past any device's preference).
 MAX_VOCAB_MULTIPLE = 4096
 
@@ -57,6 +69,7 @@ class Execution:
     loss_chunk_tokens: int = 0
     vocab_multiple: int = 1
     compile_backend: str = CompileBackend.INDUCTOR
+    compile_scope: str = CompileScope.BLOCKS
 
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):
@@ -78,6 +91,16 @@ class Execution:
         except ValueError:
             raise ValueError(f"Execution.compile_backend {self.compile_backend!r} is not one of "
                              f"{', '.join(CompileBackend)}") from None
+        try:
+            object.__setattr__(self, "compile_scope", CompileScope(self.compile_scope).value)
+        except ValueError:
+            raise ValueError(f"Execution.compile_scope {self.compile_scope!r} is not one of "
+                             f"{', '.join(CompileScope)}") from None
+
+    @property
+    def whole_stage(self) -> bool:
+        """Each stage's whole forward runs compiled (compile on, scope "stage")."""
+        return self.compile and self.compile_scope == CompileScope.STAGE
 
     @property
     def chunked(self) -> bool:
@@ -96,6 +119,8 @@ class Execution:
             out.append(f"--loss-chunk-tokens {self.loss_chunk_tokens}")
         if self.vocab_multiple != d.vocab_multiple:
             out.append(f"--vocab-multiple {self.vocab_multiple}")
+        if self.compile_scope != d.compile_scope:
+            out.append(f"--compile-scope {self.compile_scope}")
         if self.compile_backend != d.compile_backend:
             out.append(f"compile_backend {self.compile_backend}")
         return out
@@ -105,22 +130,28 @@ class Execution:
         return self == Execution()
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.compile_scope == CompileScope.BLOCKS:   # written only when asked for: documents read as before
+            del d["compile_scope"]
+        return d
 
     @classmethod
     def read(cls, f: Fields) -> "Execution":
         """From a document's fields (runtime.documents), every field optional."""
-        f.known({}, ("compile", "loss", "loss_chunk_tokens", "vocab_multiple", "compile_backend"))
+        f.known({}, ("compile", "loss", "loss_chunk_tokens", "vocab_multiple", "compile_backend", "compile_scope"))
         loss = f.text("loss", LossImpl.FULL.value)
         if loss not in tuple(LossImpl):
             raise f.error("loss", f"must be one of {', '.join(LossImpl)}, got {loss!r}")
         backend = f.text("compile_backend", CompileBackend.INDUCTOR.value)
         if backend not in tuple(CompileBackend):
             raise f.error("compile_backend", f"must be one of {', '.join(CompileBackend)}, got {backend!r}")
+        scope = f.text("compile_scope", CompileScope.BLOCKS.value)
+        if scope not in tuple(CompileScope):
+            raise f.error("compile_scope", f"must be one of {', '.join(CompileScope)}, got {scope!r}")
         return cls(compile=f.boolean("compile", False), loss=loss,
                    loss_chunk_tokens=f.integer("loss_chunk_tokens", 0, minimum=0),
                    vocab_multiple=f.integer("vocab_multiple", 1, minimum=1, maximum=MAX_VOCAB_MULTIPLE),
-                   compile_backend=backend)
+                   compile_backend=backend, compile_scope=scope)
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "execution") -> "Execution":

@@ -15,6 +15,8 @@ parameter (weights, gradients, optimizer state over d) is cost_models.memory.par
 
 from __future__ import annotations
 
+import dataclasses
+
 from cost_models.overlap import DeviceWork, bucketed_exposed, chunked_sync_exposed, prefetched_exposed
 from planner.config import ParallelConfig
 from planner.strategies.base import Strategy
@@ -34,6 +36,8 @@ class DataStrategy(Strategy):
     def grad_sync(self, ev, config: ParallelConfig, params: float, work: DeviceWork,
                   m: int) -> tuple[float, float]:
         ov = ev.overlap
+        if ev.execution.whole_stage:   # the stage's gradients all come at the end of its one compiled backward
+            ov = dataclasses.replace(ov, grad_reduce=False)
         grad_elem = ev.grad_reduce_bytes or DType(config.dtype).bytes
         weight_elem = DType(config.dtype).bytes
         mesh = config.mesh

@@ -1,6 +1,6 @@
 """Execution options over real processes (gloo, 2 ranks): compiled stages, the fused chunked loss and the
 padded vocabulary train exactly like the single-process model (`meshplan run --verify`, today's
-tolerances), with recomputation, pipelines (1F1B, interleaved), data parallelism with ZeRO and tensor
+tolerances), compiled by repeated block or by whole stage, with recomputation, pipelines (1F1B, interleaved), data parallelism with ZeRO and tensor
 parallelism (with sequence parallelism); nothing recompiles after the first step; the padded vocabulary
 stays out of checkpoints (`meshplan checkpoint convert` gives the model's own shapes) and a checkpoint of
 one padding resumes in another.
@@ -48,6 +48,7 @@ CASES = {
                                                  recompute="selective"), Execution(compile=True, **QUICK),
                                      {"global_batch": 8, "micro_batch": 1}),
     "gpt_t2": ("gpt", dict(tensor=2), Execution(**ALL, **QUICK), {}),
+    "gpt_d2_whole_stage": ("gpt", dict(data=2), Execution(compile=True, compile_scope="stage", **QUICK), {}),
     "gpt_t2_sequence_parallel": ("gpt", dict(tensor=2, sequence_parallel=True),
                                  Execution(loss="chunked", vocab_multiple=48), {}),
     "hf_t2_eval": ("hf", dict(tensor=2), Execution(loss="chunked", vocab_multiple=64),
@@ -121,6 +122,7 @@ def test_generated_code_compiles_one_method_per_repeated_block(builds):
     assert "def layer_blocks_1" not in text
     spec = read_build(builds["gpt_d2_zero3"])["stages"]["0"]
     assert "layer_blocks_0" in spec["compiled"] and spec["head"]["fused"] and spec["padded"]
+    assert read_build(builds["gpt_d2_whole_stage"])["stages"]["0"]["compiled"] == ["forward"]
 
 
 def test_padded_vocabulary_stays_out_of_checkpoints_and_resumes_in_another_padding(runs, builds, root, tmp_path):

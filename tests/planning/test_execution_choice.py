@@ -147,3 +147,21 @@ def test_codegen_of_a_fixed_configuration_prices_the_build_s_own_step(tmp_path, 
     cpu = tmp_path / "cpu"
     assert main(["codegen", "examples/models/gpt.py:build", *MODEL_ARGS, "--batch", "4", "-o", str(cpu)]) == 0
     assert "execution" not in json.loads((cpu / "plan.json").read_text())
+
+
+def test_a_whole_stage_compiled_is_priced_compiled_layer_by_layer_with_its_gradient_sync_after_it():
+    graph = _gpt(8, **dict(H100_CASE, num_layers=4))
+    two = planner.Cluster.preset("dgx-h100", devices=2)
+    ev = Evaluator(graph, two)
+    blocks, stage = (ev.with_execution(Execution(compile=True, compile_scope=s)) for s in ("blocks", "stage"))
+    cfg = ParallelConfig(micro_batch_size=4, dtype="bf16")
+    # the layers regional compilation leaves eager (the embeddings, the final norm, the head) run compiled too
+    eager_ones = [L for L in graph.layers if L.index not in ev._compiled_layers]
+    assert eager_ones and all(stage.layer_cost(L, cfg).host_forward < blocks.layer_cost(L, cfg).host_forward
+                              or stage.layer_cost(L, cfg).forward < blocks.layer_cost(L, cfg).forward
+                              for L in eager_ones if L.param_count)
+    block = next(L for L in graph.layers if L.index in ev._compiled_layers)
+    assert stage.layer_cost(block, cfg) == blocks.layer_cost(block, cfg)
+    # at data 2 the gradient sync starts only after the stage's one compiled backward: more of it exposed
+    d2 = dataclasses.replace(cfg, data=2, micro_batch_size=4)
+    assert stage.evaluate(d2, 8).time.data_comm > blocks.evaluate(d2, 8).time.data_comm

@@ -40,6 +40,20 @@ def test_execution_names_its_options_and_round_trips():
         Execution.from_dict({"compile_backend": "xla"})
 
 
+def test_compile_scope_is_written_only_when_asked_for_and_names_a_bad_value():
+    stage = Execution(compile=True, compile_scope="stage")
+    assert stage.whole_stage and stage.options() == ["--compile", "--compile-scope stage"]
+    assert Execution.from_dict(stage.to_dict()) == stage and stage.to_dict()["compile_scope"] == "stage"
+    assert "compile_scope" not in Execution(compile=True).to_dict()   # documents of the default read as before
+    assert not Execution(compile_scope="stage").whole_stage   # a scope without compilation compiles nothing
+    with pytest.raises(ValueError, match="compile_scope 'model' is not one of blocks, stage"):
+        Execution(compile_scope="model")
+    with pytest.raises(ValueError, match="compile_scope"):
+        Execution.from_dict({"compile_scope": "model"})
+    args = build_parser().parse_args(["codegen", GPT, "--batch", "4", "--compile-scope", "stage"])
+    assert execution_of(args, Execution(compile=True)) == stage
+
+
 def test_plan_and_build_write_execution_only_when_it_is_not_the_default():
     plan = plan_for("mlp")
     assert "execution" not in plan.to_dict() and Plan.from_dict(plan.to_dict()).execution == Execution()
@@ -90,6 +104,8 @@ def test_compiled_stages_share_one_method_per_repeated_block():
     mlp = _partition("mlp", Execution(compile=True)).stages[0].spec   # no repeated block: its Linears
     assert mlp.compiled == ("layer_net_0", "layer_net_2", "layer_net_4")
     assert StageSpec.from_dict(stage.spec.to_dict()) == stage.spec
+    whole = _partition("gpt", Execution(compile=True, compile_scope="stage"), pipeline=2).stages
+    assert [s.spec.compiled for s in whole] == [("forward",), ("forward",)]   # each stage's whole forward
     plain = _partition("gpt", Execution()).stages[0]
     assert "def layer_blocks_1(self, add_2):" in plain.source and not plain.spec.compiled
     assert "compiled" not in plain.spec.to_dict() and "head" not in plain.spec.to_dict()
@@ -138,6 +154,10 @@ def test_options_the_model_or_the_setup_cannot_run_are_refused_with_the_reason()
     spatial = types.SimpleNamespace(config=types.SimpleNamespace(spatial=2, subgraph=1, context=1))
     with pytest.raises(ExecutionError, match="--compile does not run with spatial parallelism"):
         check_execution(spatial, Execution(compile=True), "cross_entropy")
+    recomputed = plan_for("gpt", recompute="full")
+    with pytest.raises(ExecutionError, match="--compile-scope stage does not run with recompute full"):
+        check_execution(recomputed, Execution(compile=True, compile_scope="stage"), "cross_entropy")
+    check_execution(recomputed, Execution(compile=True), "cross_entropy")   # regional compilation does
 
 
 def test_the_torch_target_refuses_execution_options_naming_them(tmp_path, capsys):
