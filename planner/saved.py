@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models.activations import OpView, SelectivePolicy, TensorRef, keep, layer_bytes, normalize, saved_by
+from cost_models.activations import (OpView, SavedTensor, SelectivePolicy, TensorRef, keep, layer_bytes, normalize,
+                                    saved_by)
 from planner.config import ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
 from planner.sharding import ShardingPlan
@@ -135,7 +136,7 @@ class SavedActivations:
         return LayerActivations(kept=total.kept * scale, working=0.0, recomputed=frozenset())
 
 
-def _alternate_matmuls(views: list[OpView], fused_attention: bool) -> list:
+def _alternate_matmuls(views: list[OpView], fused_attention: bool) -> list[SavedTensor]:
     """What torchtitan's per-op selective checkpointing saves inside a block (SelectivePolicy.ALTERNATE_MATMULS):
     the outputs of the 1st, 3rd, ... linear layer in forward order (each one aten.mm) and the attention
     kernel's output with its row statistics."""

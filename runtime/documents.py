@@ -155,6 +155,14 @@ class Fields:
             raise self.error(key, f"must be a string, got {_show(v)}")
         return v
 
+    def choice(self, key: str, values: Iterable[str], default: Any = ...) -> str:
+        """A string that is one of `values` (an enum's members, say)."""
+        v = self.text(key, default)
+        allowed = [str(x) for x in values]
+        if v not in allowed:
+            raise self.error(key, f"must be one of {', '.join(allowed)}, got {v!r}")
+        return v
+
     def boolean(self, key: str, default: Any = ...) -> bool:
         v = self.raw(key, default)
         if not isinstance(v, bool):

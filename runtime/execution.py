@@ -139,15 +139,9 @@ class Execution:
     def read(cls, f: Fields) -> "Execution":
         """From a document's fields (runtime.documents), every field optional."""
         f.known({}, ("compile", "loss", "loss_chunk_tokens", "vocab_multiple", "compile_backend", "compile_scope"))
-        loss = f.text("loss", LossImpl.FULL.value)
-        if loss not in tuple(LossImpl):
-            raise f.error("loss", f"must be one of {', '.join(LossImpl)}, got {loss!r}")
-        backend = f.text("compile_backend", CompileBackend.INDUCTOR.value)
-        if backend not in tuple(CompileBackend):
-            raise f.error("compile_backend", f"must be one of {', '.join(CompileBackend)}, got {backend!r}")
-        scope = f.text("compile_scope", CompileScope.BLOCKS.value)
-        if scope not in tuple(CompileScope):
-            raise f.error("compile_scope", f"must be one of {', '.join(CompileScope)}, got {scope!r}")
+        loss = f.choice("loss", LossImpl, LossImpl.FULL.value)
+        backend = f.choice("compile_backend", CompileBackend, CompileBackend.INDUCTOR.value)
+        scope = f.choice("compile_scope", CompileScope, CompileScope.BLOCKS.value)
         return cls(compile=f.boolean("compile", False), loss=loss,
                    loss_chunk_tokens=f.integer("loss_chunk_tokens", 0, minimum=0),
                    vocab_multiple=f.integer("vocab_multiple", 1, minimum=1, maximum=MAX_VOCAB_MULTIPLE),
