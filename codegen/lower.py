@@ -31,6 +31,7 @@ from codegen.strategies.base import Lowering, LoweringError, LoweringStrategy, P
 from codegen.strategies.data import DEFAULT_BUCKET_BYTES
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
+from runtime.instr_set import Op
 from runtime.program import Instr, Program, coords_of
 from runtime.vocab import element_bytes
 
@@ -140,7 +141,7 @@ def _rank_program(lw: Lowering, strategies: tuple[LoweringStrategy, ...], place:
     instrs = functools.reduce(lambda ins, x: x[2](ins, handles), (x for x in passes if x[0] < Phase.STEP),
                               list(sched[rp.position]))
     instrs = functools.reduce(lambda ins, x: x[2](ins, handles), (x for x in passes if x[0] >= Phase.STEP),
-                              [Instr("ZERO_GRAD"), *instrs, Instr("STEP")])
+                              [Instr(Op.ZERO_GRAD), *instrs, Instr(Op.STEP)])
     cfg = lw.plan.config
     return Program(rank=rank, world_size=cfg.num_devices, mesh=lw.mesh, coords=rp.coords, stages=rp.stages,
                    num_stages=cfg.num_stages, num_micro_batches=lw.num_micro_batches,
@@ -176,18 +177,18 @@ def check_programs(programs: dict[int, Program]) -> None:
         for r, prog in programs.items():
             while pcs[r] < len(prog.instrs):
                 ins = prog.instrs[pcs[r]]
-                if ins.op == "WAIT":
+                if ins.op == Op.WAIT:
                     ready = pending.get((r, ins.handle))
                     if ready is None:
                         raise LoweringError(f"rank {r}: WAIT h{ins.handle} has no earlier instruction")
                     if not ready():
                         break
                     del pending[(r, ins.handle)]
-                elif ins.op == "SEND":
+                elif ins.op == Op.SEND:
                     key = (r, ins.peer, ins.kind, ins.stage, ins.micro)
                     sent.add(key)
                     pending[(r, ins.handle)] = lambda: True
-                elif ins.op == "RECV":
+                elif ins.op == Op.RECV:
                     key = (ins.peer, r, ins.kind, ins.stage, ins.micro)
                     pending[(r, ins.handle)] = lambda key=key: key in sent
                 elif ins.is_async:

@@ -38,6 +38,7 @@ from cost_models.calibrated import (after_reduce_costs, call_overheads, executor
                                     vocab_loss_costs, zero_grad_cost)
 from cost_models.comm import collective_time
 from cost_models.hardware import Cluster
+from runtime.instr_set import Op
 from runtime.program import COLLECTIVE_OPS, Instr, Program
 from runtime.trace import Event, Timeline
 
@@ -214,13 +215,13 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
     """Execute one instruction on one rank; False when it must wait."""
     prog = st.program
     name = str(ins)
-    if ins.op in ("F", "B"):
-        table = costs.forward if ins.op == "F" else costs.backward
+    if ins.op in (Op.F, Op.B):
+        table = costs.forward if ins.op == Op.F else costs.backward
         if ins.stage not in table:
             raise ValueError(f"no {'forward' if ins.op == 'F' else 'backward'} cost for stage {ins.stage}")
         start, st.now = st.now, st.now + table[ins.stage]
         st.events.append(Event(prog.rank, step, st.pc, name, ins.op, start, st.now))
-        if ins.op == "B":
+        if ins.op == Op.B:
             # gradient collectives issued from inside it are placed against [start, end]
             st.last_backward, st.after_backward = (start, st.now, ins.stage), 0
             st.backward_event = len(st.events) - 1
@@ -228,13 +229,13 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
             st.last_backward = None
         st.now += costs.gap.get(ins.op, 0.0)
         return True
-    if ins.op in ("STEP", "ZERO_GRAD"):
-        dur = costs.optimizer if ins.op == "STEP" else costs.zero_grad
+    if ins.op in (Op.STEP, Op.ZERO_GRAD):
+        dur = costs.optimizer if ins.op == Op.STEP else costs.zero_grad
         st.events.append(Event(prog.rank, step, st.pc, name, ins.op, st.now, st.now + dur))
         st.now += dur + costs.gap.get(ins.op, 0.0)
         st.last_backward = None
         return True
-    if ins.op == "WAIT":
+    if ins.op == Op.WAIT:
         if (st.rep, ins.handle) not in st.handles:
             if (st.rep, ins.handle) not in st.pending:
                 raise ValueError(f"rank {prog.rank} #{st.pc}: WAIT h{ins.handle} on a handle never issued")
@@ -257,8 +258,8 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
     else:  # issued by the executor: the rank is busy issuing it
         st.last_backward = None
         st.now += costs.issue_time(ins.op)
-    if ins.op in ("SEND", "RECV"):
-        src, dst = (prog.rank, ins.peer) if ins.op == "SEND" else (ins.peer, prog.rank)
+    if ins.op in (Op.SEND, Op.RECV):
+        src, dst = (prog.rank, ins.peer) if ins.op == Op.SEND else (ins.peer, prog.rank)
         key = ("p2p", src, dst, ins.kind, ins.stage, ins.micro, st.rep)
         members[key] = (src, dst)
         if key not in durations:
@@ -270,7 +271,7 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
         group = prog.group(ins.axis)
         key = (ins.op, ins.kind, ins.axis, group, ins.stage, ins.micro, ins.bucket, st.rep)
         members[key] = group
-        if ins.op == "BROADCAST":
+        if ins.op == Op.BROADCAST:
             roots[key] = ins.peer
         if key not in durations:
             durations[key] = collective_time(cluster, _COLLECTIVE_NAMES[ins.op], ins.nbytes, list(group)).seconds \

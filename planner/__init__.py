@@ -6,11 +6,12 @@ input. Everything else is reached by its module path (planner.graph.ModelGraph,
 planner.app.report.write_report, ...); no function here shares its name with a module of this
 package (the search is planner.search, the Evaluator's module planner.evaluator, fixed plans
 planner.fixed_plan), so every module path works as written. Importing does no work (no device
-probing, no measurement, no process groups).
+probing, no measurement, no process groups) and loads none of the application shell
+(planner/app/, which reaches codegen): `visualize` and `parallelize` live there and are looked up
+on first use (the module-level __getattr__ below).
 """
 
 from cost_models.hardware import Cluster, ClusterFileError
-from planner.app.visualize import visualize
 from planner.graph.capture import CaptureError, capture
 from planner.config import ConfigError, ParallelConfig
 from planner.evaluator import Evaluator, evaluate
@@ -18,13 +19,17 @@ from planner.fixed_plan import make_plan
 from planner.search import NoFeasiblePlan, explain, optimize
 from planner.plan import Plan, PlanFileError
 
+# The public names that live in the application shell, by the module that defines them.
+_SHELL_NAMES = {"visualize": "planner.app.visualize", "parallelize": "planner.app.parallelize"}
 
-def parallelize(model, plan, **kwargs):
-    """Apply `plan` to `model` with PyTorch's parallel stack for the user's own training loop:
-    planner.app.parallelize.parallelize (imported when called: it reaches codegen's torch layout)."""
-    from planner.app.parallelize import parallelize as apply_plan
 
-    return apply_plan(model, plan, **kwargs)
+def __getattr__(name: str):
+    """planner.visualize and planner.parallelize: the shell's functions, imported on first use."""
+    if name in _SHELL_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(_SHELL_NAMES[name]), name)
+    raise AttributeError(f"module 'planner' has no attribute {name!r}")
 
 
 __all__ = [

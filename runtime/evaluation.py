@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 
+from runtime.instr_set import Kind, Op
 from runtime.losses import model_output
 from runtime.program import PAIR_AXIS, Instr, Program
 from runtime.vocab import MeshAxis
@@ -98,17 +99,17 @@ def check_program(program: Program) -> None:
 # ---- the forward part of a Program ----------------------------------------------------
 
 def _is_forward(ins: Instr, instrs: tuple[Instr, ...], k: int, zero: int) -> bool:
-    if ins.op == "F":
+    if ins.op == Op.F:
         return True
-    if ins.op in ("SEND", "RECV"):
-        return ins.kind == "act"
-    if ins.kind == "loss":
-        return ins.op in ("ALLREDUCE", "BROADCAST")
-    if ins.op == "ALLGATHER" and ins.kind == "params" and zero >= 3:
+    if ins.op in (Op.SEND, Op.RECV):
+        return ins.kind == Kind.ACT
+    if ins.kind == Kind.LOSS:
+        return ins.op in (Op.ALLREDUCE, Op.BROADCAST)
+    if ins.op == Op.ALLGATHER and ins.kind == Kind.PARAMS and zero >= 3:
         # ZeRO-3 gathers a stage's parameters before each of its forwards and backwards: keep the
         # forwards' (ZeRO-1/2's gathers follow STEP and refresh updated parameters: none here)
-        nxt = next((i for i in instrs[k + 1:] if i.op in ("F", "B") and i.stage == ins.stage), None)
-        return nxt is not None and nxt.op == "F"
+        nxt = next((i for i in instrs[k + 1:] if i.op in (Op.F, Op.B) and i.stage == ins.stage), None)
+        return nxt is not None and nxt.op == Op.F
     return False
 
 
@@ -122,7 +123,7 @@ def forward_only(program: Program) -> tuple[int, ...]:
     keep: list[int] = []
     handles: set[int] = set()
     for k, ins in enumerate(instrs):
-        if ins.op == "WAIT":
+        if ins.op == Op.WAIT:
             if ins.handle in handles:
                 keep.append(k)
         elif _is_forward(ins, instrs, k, program.zero):

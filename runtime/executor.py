@@ -33,6 +33,7 @@ from runtime.faults import SAVE_FAULTS, inject
 from runtime.grads import GradSync
 from runtime.lr_schedule import current_lr
 from runtime.grad_step import GradientStep
+from runtime.instr_set import Kind, Op
 from runtime.program import Instr, Program
 from runtime.stage import StageRunner
 from runtime.running_stats import RunningStats
@@ -86,6 +87,23 @@ class StepResult:
 
 
 @dataclass
+class _Walk:
+    """One walk over the Program (a training step, or an evaluation batch's forward part): its
+    micro-batches, the loss buffer on the device, the open handles (Program h<N> -> Handle), and the
+    tensors between instructions, keyed by (stage, micro-batch): activations and gradients received,
+    and the outputs and input gradients a SEND takes."""
+
+    step: int
+    micro: list | None
+    loss_buf: torch.Tensor
+    handles: dict[int, Handle] = field(default_factory=dict)
+    recv_act: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    recv_grad: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    out_act: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    out_grad: dict[tuple[int, int], list[torch.Tensor | None]] = field(default_factory=dict)
+
+
+@dataclass
 class Executor:
     """Runs `program` with the given stage runners.
 
@@ -132,12 +150,12 @@ class Executor:
         # Gradient collectives that directly follow a stage's last backward are issued by it.
         instrs = self.program.instrs
         for i, ins in enumerate(instrs):
-            if ins.op != "B":
+            if ins.op != Op.B:
                 continue
             j = i + 1
-            if j < len(instrs) and instrs[j].op == "SEND" and instrs[j].kind == "grad":
+            if j < len(instrs) and instrs[j].op == Op.SEND and instrs[j].kind == Kind.GRAD:
                 j += 1  # the gradient sent to the previous stage sits between them
-            while j < len(instrs) and instrs[j].op in ("ALLREDUCE", "REDUCESCATTER") and instrs[j].kind == "grads" \
+            while j < len(instrs) and instrs[j].op in (Op.ALLREDUCE, Op.REDUCESCATTER) and instrs[j].kind == Kind.GRADS \
                     and instrs[j].stage == ins.stage:
                 self._attached.setdefault(i, []).append(j)
                 j += 1
@@ -166,11 +184,7 @@ class Executor:
 
     def _walk(self, indices, step: int, micro, loss_buf: torch.Tensor) -> None:
         """Run the instructions at `indices` of the Program (all of them for a training step)."""
-        handles: dict[int, Handle] = {}
-        recv_act: dict[tuple[int, int], list[torch.Tensor]] = {}
-        recv_grad: dict[tuple[int, int], list[torch.Tensor]] = {}
-        out_act: dict[tuple[int, int], list[torch.Tensor]] = {}
-        out_grad: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        w = _Walk(step, micro, loss_buf)
         rec = self.recorder
         for idx in indices:
             ins = self.program.instrs[idx]
@@ -183,7 +197,7 @@ class Executor:
                 inject(self.fault, self.ctx.rank, f"step {step}, instruction {idx} '{ins}'")
             start = rec.mark(device=not ins.is_async)
             try:
-                self._exec(idx, ins, step, micro, handles, recv_act, recv_grad, out_act, out_grad, loss_buf)
+                self._exec(idx, ins, w)
             except RankFailure:
                 raise
             except PeerFailure as e:
@@ -271,149 +285,175 @@ class Executor:
             rec.add_interval(step, idx, self._names[idx], instrs[idx].op, start, end, track=Track.COMM)
         self._completions.clear()
 
-    def _exec(self, idx, ins: Instr, step, micro, handles, recv_act, recv_grad, out_act, out_grad, loss_buf):
-        op = ins.op
-        if op == "F":
-            runner = self.stages[ins.stage]
-            inputs = []
-            received = iter(recv_act.pop((ins.stage, ins.micro), []))
-            for b in runner.spec.inputs:
-                if b.source == "data":
-                    inputs.append(pick_input(micro[ins.micro][0], b.data_index, b.data_key)
-                                  .to(self.device, non_blocking=True))
-                else:
-                    inputs.append(next(received))
-            targets = micro[ins.micro][1].to(self.device) if runner.spec.is_last else None
-            share = self.program.num_micro_batches * self.ctx.size(MeshAxis.DATA)
-            out = runner.evaluate(inputs, targets) if self._evaluating else runner.forward(ins.micro, inputs, targets)
-            if not runner.spec.is_last:
-                out_act[(ins.stage, ins.micro)] = out
-            elif self._evaluating:   # (loss, correct, counted): the counts add up over the data ranks
-                loss, correct, counted = out
-                loss_buf[0] += loss.detach().to(loss_buf.dtype) / share
-                loss_buf[1] += correct
-                loss_buf[2] += counted
-            else:   # on the device: the step reads its loss back once, at its end
-                loss_buf += out.detach().to(loss_buf.dtype) / share
-            if self.grads is not None:   # ZeRO-3 frees the stage's gathered parameters
-                self.grads.release_params(ins.stage)
-        elif op == "B":
-            runner = self.stages[ins.stage]
-            attached = self._attached.get(idx)
-            if attached and self.grads is not None:
-                instrs = self.program.instrs
-                start = self.recorder.mark
-
-                def on_launch_for(j):
-                    def cb(h):
-                        handles[instrs[j].handle] = h
-                        self._record_async(step, j, instrs[j], h, start())
-                    return cb
-                self.grads.arm([instrs[j].bucket for j in attached],
-                               {instrs[j].bucket: on_launch_for(j) for j in attached})
-            grads = None if runner.spec.is_last else recv_grad.pop((ins.stage, ins.micro), None)
-            if not runner.spec.is_last and grads is None:
-                grads = [None] * len(runner.spec.outputs)
-            elif grads is not None:
-                it = iter(grads)
-                grads = [next(it) if b.requires_grad else None for b in runner.spec.outputs]
-            in_grads = runner.backward(ins.micro, grads)
-            out_grad[(ins.stage, ins.micro)] = in_grads
-            if self.grads is not None:   # ZeRO-3 frees the stage's gathered parameters
-                self.grads.release_params(ins.stage)
-        elif op == "SEND":
-            # "act s m": stage s's outputs, to stage s + 1; "grad s m": the gradients of those
-            # outputs, computed by the backward of stage s + 1, back to stage s.
-            if ins.kind == "act":
-                runner = self.stages[ins.stage]
-                tensors = [_as(t.detach(), b.dtype)
-                           for t, b in zip(out_act.pop((ins.stage, ins.micro)), runner.spec.outputs)]
-            else:
-                runner = self.stages[ins.stage + 1]
-                tensors = [_as(g, b.dtype) if g is not None else
-                           torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device=self.device)
-                           for g, b in zip(out_grad.pop((ins.stage + 1, ins.micro)), runner.spec.inputs)
-                           if b.source == "recv" and b.requires_grad]
-            # Tensors travel in the dtype the spec promises (under autocast an activation may be
-            # bf16 where the spec says float32: it is sent upcast, losslessly).
-            start = self.recorder.mark()
-            hs = [self.ctx.comm.isend(t, ins.peer, p2p_tag(ins.kind, ins.stage, ins.micro, k))
-                  for k, t in enumerate(tensors)]
-            h = _Multi(hs)
-            h._keep = tensors  # type: ignore[attr-defined]  # the buffers live until the send completes
-            handles[ins.handle] = h
-            self._record_async(step, idx, ins, h, start)
-        elif op == "RECV":
-            if ins.kind == "act":
-                consumer = ins.stage + 1
-                specs = [b for b in self.stages[consumer].spec.inputs if b.source == "recv"]
-            else:
-                consumer = ins.stage
-                specs = [b for b in self.stages[consumer].spec.outputs if b.requires_grad]
-            bufs = [torch.empty(b.shape, dtype=getattr(torch, b.dtype), device=self.device) for b in specs]
-            start = self.recorder.mark()
-            hs = [self.ctx.comm.irecv(t, ins.peer, p2p_tag(ins.kind, ins.stage, ins.micro, k))
-                  for k, t in enumerate(bufs)]
-            h = _Multi(hs)
-            handles[ins.handle] = h
-            (recv_act if ins.kind == "act" else recv_grad)[(consumer, ins.micro)] = bufs
-            self._record_async(step, idx, ins, h, start)
-        elif op == "WAIT":
-            h = handles.pop(ins.handle, None)
-            if h is None:
-                raise RuntimeError(f"WAIT on handle h{ins.handle}, which no earlier instruction created")
-            h.wait()
-        elif op in ("ALLREDUCE", "REDUCESCATTER") and ins.kind == "grads":
-            h, early = self.grads.launch(ins.bucket)
-            if not early:
-                handles[ins.handle] = h
-                self._record_async(step, idx, ins, h, self.recorder.mark())
-        elif op == "ALLGATHER" and ins.kind == "params":
-            start = self.recorder.mark()
-            h = self.grads.gather_params(ins.bucket)
-            handles[ins.handle] = h
-            self._record_async(step, idx, ins, h, start)
-        elif op == "ALLREDUCE" and ins.kind == "tied":
-            start = self.recorder.mark()
-            h = self.ties.launch(ins.bucket)
-            handles[ins.handle] = h
-            self._record_async(step, idx, ins, h, start)
-        elif op == "ALLREDUCE" and ins.kind == "loss":
-            start = self.recorder.mark()
-            h = self.ctx.group(ins.axis).all_reduce(loss_buf, async_op=True)
-            handles[ins.handle] = h
-            self._record_async(step, idx, ins, h, start)
-        elif op == "BROADCAST" and ins.kind == "loss":
-            start = self.recorder.mark()
-            h = self.ctx.group(ins.axis).broadcast(loss_buf, ins.peer, async_op=True)
-            handles[ins.handle] = h
-            self._record_async(step, idx, ins, h, start)
-        elif op == "STEP":
-            if self.guard is not None:   # unscale, record (--verify), norm; skip on overflow or clip
-                skip = self.guard.prepare(step, self.on_step)
-            else:
-                skip = False
-                if self.on_step is not None:
-                    self.on_step()
-            if self.optimizer is not None:
-                self._lr = current_lr(self.optimizer)   # the lr this step uses (a skipped step's too)
-                if not skip:
-                    self.optimizer.step()
-                # the schedule follows the step count, skipped steps included (PyTorch's AMP recipe)
-                if self.scheduler is not None:
-                    self.scheduler.step()
-        elif op == "ALLREDUCE" and ins.kind == "stats":
-            start = self.recorder.mark()
-            h = self.stats.launch(ins.stage)
-            handles[ins.handle] = h
-            self._record_async(step, idx, ins, h, start)
-        elif op == "ZERO_GRAD":
-            if self.grads is not None:   # gradients are views of the buckets: zeroed in place
-                self.grads.zero_grad()
-            else:   # set to None, as the reference's loop: backward then writes the first gradient, no add
-                if self._held is None:   # walking the stage modules costs the host more than the step's kernels
-                    self._held = [p for runner in self.stages.values() for p in runner.module.parameters()]
-                for p in self._held:
-                    p.grad = None
-        else:
+    # ---- the instructions: one handler each, found in HANDLERS by (op, kind) or (op, None) ----------
+    def _exec(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        handler = HANDLERS.get((ins.op, ins.kind)) or HANDLERS.get((ins.op, None))
+        if handler is None:
             raise RuntimeError(f"the executor cannot run {ins.op} {ins.kind!r} instructions")
+        handler(self, idx, ins, w)
+
+    def _issued(self, idx: int, ins: Instr, w: "_Walk", h: Handle, start) -> None:
+        """An asynchronous instruction's handle, kept for its WAIT and recorded from `start`."""
+        w.handles[ins.handle] = h
+        self._record_async(w.step, idx, ins, h, start)
+
+    def _run_forward(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        runner = self.stages[ins.stage]
+        inputs = []
+        received = iter(w.recv_act.pop((ins.stage, ins.micro), []))
+        for b in runner.spec.inputs:
+            if b.source == "data":
+                inputs.append(pick_input(w.micro[ins.micro][0], b.data_index, b.data_key)
+                              .to(self.device, non_blocking=True))
+            else:
+                inputs.append(next(received))
+        targets = w.micro[ins.micro][1].to(self.device) if runner.spec.is_last else None
+        share = self.program.num_micro_batches * self.ctx.size(MeshAxis.DATA)
+        out = runner.evaluate(inputs, targets) if self._evaluating else runner.forward(ins.micro, inputs, targets)
+        if not runner.spec.is_last:
+            w.out_act[(ins.stage, ins.micro)] = out
+        elif self._evaluating:   # (loss, correct, counted): the counts add up over the data ranks
+            loss, correct, counted = out
+            w.loss_buf[0] += loss.detach().to(w.loss_buf.dtype) / share
+            w.loss_buf[1] += correct
+            w.loss_buf[2] += counted
+        else:   # on the device: the step reads its loss back once, at its end
+            w.loss_buf += out.detach().to(w.loss_buf.dtype) / share
+        if self.grads is not None:   # ZeRO-3 frees the stage's gathered parameters
+            self.grads.release_params(ins.stage)
+
+    def _run_backward(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        runner = self.stages[ins.stage]
+        attached = self._attached.get(idx)
+        if attached and self.grads is not None:
+            self._arm_buckets(attached, w)
+        grads = None if runner.spec.is_last else w.recv_grad.pop((ins.stage, ins.micro), None)
+        if not runner.spec.is_last and grads is None:
+            grads = [None] * len(runner.spec.outputs)
+        elif grads is not None:
+            it = iter(grads)
+            grads = [next(it) if b.requires_grad else None for b in runner.spec.outputs]
+        w.out_grad[(ins.stage, ins.micro)] = runner.backward(ins.micro, grads)
+        if self.grads is not None:   # ZeRO-3 frees the stage's gathered parameters
+            self.grads.release_params(ins.stage)
+
+    def _arm_buckets(self, attached: list[int], w: "_Walk") -> None:
+        """Let the backward issue the gradient collectives at `attached` (instruction indices) from its
+        bucket hooks, each handle recorded as the instruction's own."""
+        instrs, start = self.program.instrs, self.recorder.mark
+
+        def on_launch_for(j):
+            def cb(h):
+                w.handles[instrs[j].handle] = h
+                self._record_async(w.step, j, instrs[j], h, start())
+            return cb
+        self.grads.arm([instrs[j].bucket for j in attached], {instrs[j].bucket: on_launch_for(j) for j in attached})
+
+    def _send(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        # "act s m": stage s's outputs, to stage s + 1; "grad s m": the gradients of those
+        # outputs, computed by the backward of stage s + 1, back to stage s.
+        if ins.kind == Kind.ACT:
+            runner = self.stages[ins.stage]
+            tensors = [_as(t.detach(), b.dtype) for t, b in zip(w.out_act.pop((ins.stage, ins.micro)), runner.spec.outputs)]
+        else:
+            runner = self.stages[ins.stage + 1]
+            tensors = [_as(g, b.dtype) if g is not None else
+                       torch.zeros(b.shape, dtype=getattr(torch, b.dtype), device=self.device)
+                       for g, b in zip(w.out_grad.pop((ins.stage + 1, ins.micro)), runner.spec.inputs)
+                       if b.source == "recv" and b.requires_grad]
+        # Tensors travel in the dtype the spec promises (under autocast an activation may be
+        # bf16 where the spec says float32: it is sent upcast, losslessly).
+        start = self.recorder.mark()
+        h = _Multi([self.ctx.comm.isend(t, ins.peer, p2p_tag(ins.kind, ins.stage, ins.micro, k))
+                    for k, t in enumerate(tensors)])
+        h._keep = tensors  # type: ignore[attr-defined]  # the buffers live until the send completes
+        self._issued(idx, ins, w, h, start)
+
+    def _recv(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        if ins.kind == Kind.ACT:
+            consumer = ins.stage + 1
+            specs = [b for b in self.stages[consumer].spec.inputs if b.source == "recv"]
+        else:
+            consumer = ins.stage
+            specs = [b for b in self.stages[consumer].spec.outputs if b.requires_grad]
+        bufs = [torch.empty(b.shape, dtype=getattr(torch, b.dtype), device=self.device) for b in specs]
+        start = self.recorder.mark()
+        h = _Multi([self.ctx.comm.irecv(t, ins.peer, p2p_tag(ins.kind, ins.stage, ins.micro, k))
+                    for k, t in enumerate(bufs)])
+        (w.recv_act if ins.kind == Kind.ACT else w.recv_grad)[(consumer, ins.micro)] = bufs
+        self._issued(idx, ins, w, h, start)
+
+    def _wait(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        h = w.handles.pop(ins.handle, None)
+        if h is None:
+            raise RuntimeError(f"WAIT on handle h{ins.handle}, which no earlier instruction created")
+        h.wait()
+
+    def _reduce_grads(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        h, early = self.grads.launch(ins.bucket)
+        if not early:   # an armed bucket was issued by its backward, which recorded it
+            self._issued(idx, ins, w, h, self.recorder.mark())
+
+    def _gather_params(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        start = self.recorder.mark()
+        self._issued(idx, ins, w, self.grads.gather_params(ins.bucket), start)
+
+    def _reduce_tied(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        start = self.recorder.mark()
+        self._issued(idx, ins, w, self.ties.launch(ins.bucket), start)
+
+    def _reduce_loss(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        start = self.recorder.mark()
+        self._issued(idx, ins, w, self.ctx.group(ins.axis).all_reduce(w.loss_buf, async_op=True), start)
+
+    def _broadcast_loss(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        start = self.recorder.mark()
+        self._issued(idx, ins, w, self.ctx.group(ins.axis).broadcast(w.loss_buf, ins.peer, async_op=True), start)
+
+    def _reduce_stats(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        start = self.recorder.mark()
+        self._issued(idx, ins, w, self.stats.launch(ins.stage), start)
+
+    def _optimizer_step(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        if self.guard is not None:   # unscale, record (--verify), norm; skip on overflow or clip
+            skip = self.guard.prepare(w.step, self.on_step)
+        else:
+            skip = False
+            if self.on_step is not None:
+                self.on_step()
+        if self.optimizer is not None:
+            self._lr = current_lr(self.optimizer)   # the lr this step uses (a skipped step's too)
+            if not skip:
+                self.optimizer.step()
+            # the schedule follows the step count, skipped steps included (PyTorch's AMP recipe)
+            if self.scheduler is not None:
+                self.scheduler.step()
+
+    def _zero_grad(self, idx: int, ins: Instr, w: "_Walk") -> None:
+        if self.grads is not None:   # gradients are views of the buckets: zeroed in place
+            self.grads.zero_grad()
+            return
+        # set to None, as the reference's loop: backward then writes the first gradient, no add
+        if self._held is None:   # walking the stage modules costs the host more than the step's kernels
+            self._held = [p for runner in self.stages.values() for p in runner.module.parameters()]
+        for p in self._held:
+            p.grad = None
+
+
+# (op, kind) -> the Executor's handler; (op, None) serves every kind of that op
+HANDLERS: dict[tuple[Op, Kind | None], Callable[[Executor, int, Instr, _Walk], None]] = {
+    (Op.F, None): Executor._run_forward,
+    (Op.B, None): Executor._run_backward,
+    (Op.SEND, None): Executor._send,
+    (Op.RECV, None): Executor._recv,
+    (Op.WAIT, None): Executor._wait,
+    (Op.ALLREDUCE, Kind.GRADS): Executor._reduce_grads,
+    (Op.REDUCESCATTER, Kind.GRADS): Executor._reduce_grads,
+    (Op.ALLGATHER, Kind.PARAMS): Executor._gather_params,
+    (Op.ALLREDUCE, Kind.TIED): Executor._reduce_tied,
+    (Op.ALLREDUCE, Kind.LOSS): Executor._reduce_loss,
+    (Op.BROADCAST, Kind.LOSS): Executor._broadcast_loss,
+    (Op.ALLREDUCE, Kind.STATS): Executor._reduce_stats,
+    (Op.STEP, None): Executor._optimizer_step,
+    (Op.ZERO_GRAD, None): Executor._zero_grad,
+}

@@ -267,7 +267,7 @@ def _resumed_step(args: list[str]) -> int:
     if "--resume" not in args:
         return 0
     from runtime.checkpoint import TORCH_INFO, TORCH_LATEST, Manifest, resolve_checkpoint
-    from runtime.torch_script_checkpoint import TorchCheckpoint, resolve
+    from runtime.torch_records import TorchCheckpoint, resolve
 
     path = Path(args[args.index("--resume") + 1])
     if (path / TORCH_LATEST).is_file() or (path / TORCH_INFO).is_file():   # a torch build's checkpoint

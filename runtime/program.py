@@ -59,8 +59,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from runtime.instr_set import (COLLECTIVE_OPS, COMPUTE_OPS, KINDS, OPS, P2P_OPS, PAIR_AXIS, PROGRAM_FORMAT_VERSION,
-                               TIE_AXIS, ProgramError)
+from runtime.instr_set import (COLLECTIVE_OPS, COMPUTE_OPS, KINDS, OPS, P2P_KINDS, P2P_OPS, PAIR_AXIS,
+                               PROGRAM_FORMAT_VERSION, TIE_AXIS, Kind, Op, ProgramError)
 from runtime.mesh import MeshError, coords_of, group_along, rank_of
 from runtime.program_check import check_program_dict
 from runtime.documents import parse_document, read_document
@@ -94,13 +94,16 @@ class Instr:
             raise ProgramError(f"unknown instruction op {self.op!r}; known: {', '.join(OPS)}")
         if self.kind not in KINDS:
             raise ProgramError(f"unknown instruction kind {self.kind!r}; known: {', '.join(k for k in KINDS if k)}")
+        # the text of a file (or a caller's string) becomes the member: the executor's table is keyed by them
+        object.__setattr__(self, "op", Op(self.op))
+        object.__setattr__(self, "kind", Kind(self.kind))
         if self.op in COMPUTE_OPS and (self.stage < 0 or self.micro < 0):
             raise ProgramError(f"{self.op} needs a stage and a micro-batch, got stage={self.stage} micro={self.micro}")
-        if self.op in P2P_OPS and (self.peer < 0 or self.handle < 0 or self.kind not in ("act", "grad")):
-            raise ProgramError(f"{self.op} needs kind act/grad, a peer and a handle: {self!r}")
+        if self.op in P2P_OPS and (self.peer < 0 or self.handle < 0 or self.kind not in P2P_KINDS):
+            raise ProgramError(f"{self.op} needs kind act/grad, a peer and a handle: {self}")
         if self.op in COLLECTIVE_OPS and (not self.axis or self.handle < 0):
-            raise ProgramError(f"{self.op} needs an axis and a handle: {self!r}")
-        if self.op == "WAIT" and self.handle < 0:
+            raise ProgramError(f"{self.op} needs an axis and a handle: {self}")
+        if self.op == Op.WAIT and self.handle < 0:
             raise ProgramError("WAIT needs a handle")
 
     @property
@@ -111,10 +114,10 @@ class Instr:
         op = self.op
         if op in COMPUTE_OPS:
             return f"{op} s{self.stage} m{self.micro}"
-        if op == "WAIT":
+        if op == Op.WAIT:
             return f"WAIT h{self.handle}"
-        if op in ("STEP", "ZERO_GRAD"):
-            return op
+        if op in (Op.STEP, Op.ZERO_GRAD):
+            return str(op)
         parts = [op, self.kind]
         if self.stage >= 0:
             parts.append(f"s{self.stage}")
@@ -122,13 +125,13 @@ class Instr:
             parts.append(f"m{self.micro}")
         if self.bucket >= 0:
             parts.append(f"b{self.bucket}")
-        if op == "SEND":
+        if op == Op.SEND:
             parts.append(f"-> r{self.peer}")
-        elif op == "RECV":
+        elif op == Op.RECV:
             parts.append(f"<- r{self.peer}")
         else:
             parts.append(f"@{self.axis}")
-            if op == "BROADCAST":
+            if op == Op.BROADCAST:
                 parts.append(f"<- r{self.peer}")
         parts.append(f"h{self.handle}")
         if self.nbytes:
@@ -137,11 +140,11 @@ class Instr:
 
     def to_dict(self) -> dict:
         """Only the fields that differ from the defaults (compact JSON)."""
-        out = {"op": self.op}
+        out = {"op": str(self.op)}
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name != "op" and v != f.default:
-                out[f.name] = v
+                out[f.name] = str(v) if f.name == "kind" else v   # plain text: a document, and a Python literal
         return out
 
     @classmethod
@@ -369,7 +372,7 @@ class Program:
     def grad_axis(self) -> str:
         """The axis this rank's gradient buckets are reduced over ("data" unless a grads
         collective names another)."""
-        return next((i.axis for i in self.instrs if i.kind == "grads"), "data")
+        return next((i.axis for i in self.instrs if i.kind == Kind.GRADS), "data")
 
     def data_shard(self) -> tuple[int, int]:
         """(the data shard this rank reads, the number of shards): its data coordinate of the data

@@ -13,7 +13,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from runtime.documents import FieldError, Fields
-from runtime.instr_set import COLLECTIVE_OPS, KINDS, OPS, P2P_OPS, PROGRAM_FORMAT_VERSION, TIE_AXIS, ProgramError
+from runtime.instr_set import COLLECTIVE_OPS, KINDS, OPS, P2P_OPS, PROGRAM_FORMAT_VERSION, TIE_AXIS, Op, ProgramError
 from runtime.mesh import MeshError
 from runtime.vocab import current_axis_name
 
@@ -101,7 +101,7 @@ def _check(f: Fields, axis_group: GroupOf) -> None:
         if kind not in KINDS:
             raise g.error("kind", f"is {kind!r}; known: {', '.join(k for k in KINDS if k)}")
         stage, micro = ins.get("stage", -1), ins.get("micro", -1)
-        if op in ("F", "B") and stage not in stages:
+        if op in (Op.F, Op.B) and stage not in stages:
             raise g.error("stage", f"is {stage}, not one of this rank's stages {stages}")
         if stage >= num_stages:
             raise g.error("stage", f"is {stage}, the pipeline has {num_stages} stages")
@@ -115,7 +115,7 @@ def _check(f: Fields, axis_group: GroupOf) -> None:
                 group = axis_group(mesh, coords, axis)
             except (ProgramError, MeshError):
                 raise g.error("axis", f"is {axis!r}, not an axis of the mesh {names}") from None
-            if op == "BROADCAST" and peer not in group:
+            if op == Op.BROADCAST and peer not in group:
                 raise g.error("peer", f"is rank {peer}, not in this rank's {axis} group {list(group)}")
         bucket = ins.get("bucket", -1)
         if kind == "tied":
@@ -129,7 +129,7 @@ def _check(f: Fields, axis_group: GroupOf) -> None:
                 raise g.error("handle", f"h{handle} is created twice")
             if handle >= 0:
                 created.add(handle)
-        elif op == "WAIT" and handle >= 0 and handle not in created:
+        elif op == Op.WAIT and handle >= 0 and handle not in created:
             raise g.error("handle", f"waits on h{handle}, which no earlier instruction creates")
 
 

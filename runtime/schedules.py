@@ -22,6 +22,7 @@ stages i, i + p, ..., i + (v - 1) p.
 
 from __future__ import annotations
 
+from runtime.instr_set import Op
 from runtime.program import Instr
 from runtime.vocab import Schedule
 
@@ -62,7 +63,7 @@ def forwards_in_flight(schedule: str, position: int, p: int, m: int, v: int = 1)
 
 def gpipe(p: int, m: int) -> dict[int, list[Instr]]:
     _check(p, m)
-    return {i: [Instr("F", i, k) for k in range(m)] + [Instr("B", i, k) for k in range(m)] for i in range(p)}
+    return {i: [Instr(Op.F, i, k) for k in range(m)] + [Instr(Op.B, i, k) for k in range(m)] for i in range(p)}
 
 
 def one_f_one_b(p: int, m: int) -> dict[int, list[Instr]]:
@@ -70,10 +71,10 @@ def one_f_one_b(p: int, m: int) -> dict[int, list[Instr]]:
     out = {}
     for i in range(p):
         warm = warmup(Schedule.ONE_F_ONE_B, i, p, m)
-        acts = [Instr("F", i, k) for k in range(warm)]
+        acts = [Instr(Op.F, i, k) for k in range(warm)]
         for k in range(m - warm):
-            acts += [Instr("F", i, warm + k), Instr("B", i, k)]
-        acts += [Instr("B", i, k) for k in range(m - warm, m)]
+            acts += [Instr(Op.F, i, warm + k), Instr(Op.B, i, k)]
+        acts += [Instr(Op.B, i, k) for k in range(m - warm, m)]
         out[i] = acts
     return out
 
@@ -92,11 +93,11 @@ def interleaved(p: int, m: int, v: int) -> dict[int, list[Instr]]:
     for i in range(p):
         def fwd(k: int) -> Instr:
             chunk = (k // p) % v
-            return Instr("F", chunk * p + i, (k // (p * v)) * p + k % p)
+            return Instr(Op.F, chunk * p + i, (k // (p * v)) * p + k % p)
 
         def bwd(k: int) -> Instr:
             chunk = v - 1 - (k // p) % v
-            return Instr("B", chunk * p + i, (k // (p * v)) * p + k % p)
+            return Instr(Op.B, chunk * p + i, (k // (p * v)) * p + k % p)
 
         warm = warmup(Schedule.INTERLEAVED, i, p, m, v)
         acts = [fwd(k) for k in range(warm)]
@@ -130,7 +131,7 @@ def bidirectional(p: int, replicas_per_direction: int) -> dict[int, list[Instr]]
         for micro in (2 * t, 2 * t + 1):
             for i in range(p):
                 stage = bidirectional_position(i, micro, p)
-                out[i] += [Instr("F", stage, micro), Instr("B", stage, micro)]
+                out[i] += [Instr(Op.F, stage, micro), Instr(Op.B, stage, micro)]
     return out
 
 

@@ -38,14 +38,10 @@ from torch import nn
 from runtime.comm import CommError
 from runtime.optim import OptimizerImpl, OptimizerSpec
 from runtime.placement import cuda_index
-from runtime.program import Program
 from runtime.rank_main import LaunchError, parse_args
-from runtime.spec import StageSpec
 from runtime.store_host import host_store, listen_address
+from runtime.torch_records import whole_model_spec
 
-# build.json of a torch build: {"micro_batch_size": ..., "micro_batches": ...} of a data rank; verify
-# reads the run's records as those of a one-stage build whose rank 0 holds the whole model
-WHOLE_MODEL_KEY = "whole_model"
 # name parts torch's wrappers put into parameter names (checkpoint_wrapper, torch.compile, FSDP1): the
 # model's own name is the name without them
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -217,22 +213,6 @@ def write_rank_result(run_dir: Path, rank: int, losses: list[float], seconds: li
     if grad_norms is not None:
         record.update(grad_norms=grad_norms, loss_scales=[None] * len(grad_norms), skipped=[False] * len(grad_norms))
     (Path(run_dir) / f"rank_{rank:04d}.json").write_text(json.dumps(record))
-
-
-def whole_model_spec() -> StageSpec:
-    """The one stage of the whole-model view: the whole model, nothing split."""
-    return StageSpec(index=0, layers=(), inputs=(), outputs=(), modules=(), is_last=True)
-
-
-def whole_model_view(info: dict) -> tuple[dict[int, Program], dict[int, StageSpec]]:
-    """(programs, stage specs) through which runtime/verify.py reads a torch build's records: rank 0
-    of the plan's mesh holding the whole model as one stage, with a data rank's micro-batches."""
-    view = info[WHOLE_MODEL_KEY]
-    mesh = tuple((str(a), int(s)) for a, s in info["mesh"].items())
-    program = Program(rank=0, world_size=int(info["world_size"]), mesh=mesh, coords=(0,) * len(mesh), stages=(0,),
-                      num_stages=1, num_micro_batches=int(view["micro_batches"]),
-                      micro_batch_size=int(view["micro_batch_size"]), instrs=())
-    return {0: program}, {0: whole_model_spec()}
 
 
 @dataclass(frozen=True)

@@ -39,56 +39,23 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.checkpoint import (MANIFEST, TORCH_INFO, TORCH_LATEST, CheckpointError, complete_checkpoints,
-                                step_dir, sweep_interrupted_saves)
+from runtime.checkpoint import TORCH_INFO, TORCH_LATEST, CheckpointError, step_dir, sweep_interrupted_saves
 from runtime.checkpoint_run import report_swept, sweep_resumed_root
 from runtime.dir_lock import DirLock, Holder
 from runtime.files import atomic_file, make_dirs, write_atomic
 from runtime.lr_schedule import load_scheduler_state, scheduler_state
+from runtime.torch_records import TorchCheckpoint, refuse_meshplan, resolve
 from runtime.torch_stack import dcp
 
-FORMAT_VERSION = 1   # records without "files" (saved before digests were kept) are read, not digest-checked
 # an optimizer group's choice of kernels (torch.optim's foreach / fused flags)
 _KERNEL_KEYS = ("foreach", "fused")
-
-
-@dataclass(frozen=True)
-class TorchCheckpoint:
-    """Rank 0's record of a complete torch checkpoint. step: the next step to run; samples: samples
-    consumed (step x global batch); run_id: the run that saved it (runtime/checkpoint_run.py)."""
-
-    step: int
-    samples: int
-    run_id: str
-    model_ref: str
-    format: int = FORMAT_VERSION
-    files: dict = field(default_factory=dict)   # file name -> {"sha256", "bytes"} (runtime/torch_stack/dcp.py)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TorchCheckpoint":
-        files = {str(k): {"sha256": str(v["sha256"]), "bytes": int(v["bytes"])} for k, v in d.get("files", {}).items()}
-        return cls(int(d["step"]), int(d["samples"]), str(d["run_id"]), str(d["model_ref"]), int(d["format"]), files)
-
-    @classmethod
-    def load(cls, ckpt: Path) -> "TorchCheckpoint":
-        path = Path(ckpt) / TORCH_INFO
-        try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except OSError as e:
-            raise CheckpointError(f"checkpoint record {path} cannot be read ({e.strerror or e})") from None
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"checkpoint record {path} is damaged ({type(e).__name__}: {e}); resume from "
-                                  "another checkpoint") from None
 
 
 def checked(path: str | os.PathLike) -> tuple[Path, TorchCheckpoint]:
@@ -101,31 +68,6 @@ def checked(path: str | os.PathLike) -> tuple[Path, TorchCheckpoint]:
         dcp.check_digests(ckpt, info.files, str(ckpt / TORCH_INFO))
     dcp.read_metadata(ckpt / dcp.METADATA)
     return ckpt, info
-
-
-def _refuse_meshplan(p: Path, flag: str) -> None:
-    """CheckpointError when `p` is (or holds) a checkpoint of meshplan's own runtime."""
-    if (p / MANIFEST).is_file() or complete_checkpoints(p):
-        raise CheckpointError(
-            f"{flag} {p} is a checkpoint of meshplan's own runtime (rank files and {MANIFEST}); a torch build "
-            "reads and writes Distributed Checkpoints only: resume it with the meshplan build of the plan "
-            "(meshplan codegen without --target torch), or give this torch build another directory")
-
-
-def resolve(path: str | os.PathLike) -> Path:
-    """The torch checkpoint `--resume path` names: `path` itself if complete, else ROOT/latest's."""
-    p = Path(path)
-    _refuse_meshplan(p, "--resume")
-    if (p / TORCH_INFO).is_file():
-        return p
-    latest = p / TORCH_LATEST
-    if latest.is_file():
-        return p / latest.read_text().strip()
-    if not p.is_dir():
-        raise CheckpointError(f"checkpoint {p} does not exist; give a step directory or the --checkpoint-dir "
-                              "of an earlier run of a torch build")
-    raise CheckpointError(f"{p} holds no complete torch checkpoint (no {TORCH_INFO} nor {TORCH_LATEST}: a save "
-                          "that was interrupted, or another directory); run with --checkpoint-dir to make one")
 
 
 def _owner(root: Path) -> TorchCheckpoint | None:
@@ -141,7 +83,7 @@ def run_to_continue(root: str | os.PathLike | None, resumed: TorchCheckpoint | N
     if root is None:
         return fresh
     root = Path(root)
-    _refuse_meshplan(root, "--checkpoint-dir")
+    refuse_meshplan(root, "--checkpoint-dir")
     owner = _owner(root)
     if owner is None:
         return fresh

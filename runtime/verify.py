@@ -58,7 +58,7 @@ from runtime.program import Program
 from runtime.reference import like_the_ranks, local_slice, rank_threads, reference_data, reference_run, reference_step
 from runtime.spec import StageSpec, TrainSpec
 from runtime.step_record import load_records, step_files
-from runtime.torch_script import WHOLE_MODEL_KEY, whole_model_view
+from runtime.torch_records import WHOLE_MODEL_KEY, whole_model_view
 from runtime.verify_grad_step import check_norm, check_skip, check_trajectory_outcomes, read_outcomes
 
 # per dtype: loss (relative), gradient (relative / absolute per rms), statistics (relative), trajectory floor,
@@ -258,7 +258,7 @@ def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[fl
         cmp.not_applicable(problem)
         return cmp
     spec = TrainSpec.from_dict(info["train"])
-    if WHOLE_MODEL_KEY in info:   # a torch build: rank 0 records the whole model (runtime/torch_script.py)
+    if WHOLE_MODEL_KEY in info:   # a torch build: rank 0 records the whole model (runtime/torch_records.py)
         programs, specs = whole_model_view(info)
     else:
         programs = {int(r): Program.from_dict(d) for r, d in

@@ -11,6 +11,7 @@ direction's share of the loss: an all-reduce over the pipeline sums them.
 
 from __future__ import annotations
 
+from runtime.instr_set import Kind, Op
 from runtime.schedules import ScheduleError, bidirectional, bidirectional_position
 from codegen.strategies.base import Lowering, LoweringError, RankPlan
 from codegen.strategies.pipeline import Pipeline
@@ -46,7 +47,7 @@ class Bidirectional(Pipeline):
                           grad_group=len(axis_group(lw.mesh, rp.coords, PAIR_AXIS)))
 
     def loss_instr(self, lw: Lowering, rp: RankPlan, handle: int) -> Instr:
-        return Instr("ALLREDUCE", kind="loss", axis=MeshAxis.PIPELINE, handle=handle, nbytes=8)
+        return Instr(Op.ALLREDUCE, kind=Kind.LOSS, axis=MeshAxis.PIPELINE, handle=handle, nbytes=8)
 
 
 __all__ = ["Bidirectional"]

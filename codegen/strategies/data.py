@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 from codegen.strategies.base import Lowering, LoweringStrategy, Pass, Phase, Params, RankPlan
 from planner.plan import Plan
+from runtime.instr_set import Kind, Op
 from runtime.program import Bucket, Instr
 from runtime.vocab import MeshAxis, StrategyName, element_bytes
 
@@ -63,15 +64,15 @@ def zero3_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket
     """ZeRO-3: gather a stage's parameters right before each of its forwards and backwards."""
     out = []
     for ins in instrs:
-        if ins.op in ("F", "B"):
+        if ins.op in (Op.F, Op.B):
             hs = []
             for b, bucket in enumerate(buckets):
                 if bucket.stage == ins.stage:
                     h = next(handles)
-                    out.append(Instr("ALLGATHER", ins.stage, kind="params", axis=MeshAxis.DATA, handle=h, bucket=b,
+                    out.append(Instr(Op.ALLGATHER, ins.stage, kind=Kind.PARAMS, axis=MeshAxis.DATA, handle=h, bucket=b,
                                      nbytes=bucket.nbytes))
                     hs.append(h)
-            out += [Instr("WAIT", handle=h) for h in hs]
+            out += [Instr(Op.WAIT, handle=h) for h in hs]
         out.append(ins)
     return out
 
@@ -87,7 +88,7 @@ def grad_sync_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bu
     """
     last_b = {}
     for k, ins in enumerate(instrs):
-        if ins.op == "B":
+        if ins.op == Op.B:
             last_b[ins.stage] = k
     queue = list(order) if order is not None else sorted(last_b, key=last_b.get)
     op = "REDUCESCATTER" if zero >= 1 else "ALLREDUCE"
@@ -96,9 +97,9 @@ def grad_sync_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bu
     after: int | None = None   # stage whose last B's SEND is still to be placed
     for k, ins in enumerate(instrs):
         out.append(ins)
-        if ins.op == "B" and last_b.get(ins.stage) == k:
+        if ins.op == Op.B and last_b.get(ins.stage) == k:
             after = ins.stage
-            if k + 1 < len(instrs) and instrs[k + 1].op == "SEND" and instrs[k + 1].kind == "grad":
+            if k + 1 < len(instrs) and instrs[k + 1].op == Op.SEND and instrs[k + 1].kind == Kind.GRAD:
                 continue  # the gradient for the previous stage goes out first
         if after is not None:
             done.add(after)
@@ -109,10 +110,10 @@ def grad_sync_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bu
                 for b, bucket in enumerate(buckets):
                     if bucket.stage == stage:
                         h = next(handles)
-                        out.append(Instr(op, stage, kind="grads", axis=axis, handle=h, bucket=b,
+                        out.append(Instr(op, stage, kind=Kind.GRADS, axis=axis, handle=h, bucket=b,
                                          nbytes=bucket.nbytes))
                         waits.append(h)
-    return out + [Instr("WAIT", handle=h) for h in waits]
+    return out + [Instr(Op.WAIT, handle=h) for h in waits]
 
 
 def loss_and_gather_pass(instrs: list[Instr], handles: Iterator[int], buckets: list[Bucket], zero: int, *,
@@ -127,18 +128,18 @@ def loss_and_gather_pass(instrs: list[Instr], handles: Iterator[int], buckets: l
     tail: list[Instr] = []
     if reduce_loss:
         h = next(handles)
-        last_stage = max(ins.stage for ins in out if ins.op == "F")
-        last_f = max(k for k, ins in enumerate(out) if ins.op == "F" and ins.stage == last_stage)
-        out.insert(last_f + 1, Instr("ALLREDUCE", kind="loss", axis=MeshAxis.DATA, handle=h, nbytes=8))
-        tail.append(Instr("WAIT", handle=h))
+        last_stage = max(ins.stage for ins in out if ins.op == Op.F)
+        last_f = max(k for k, ins in enumerate(out) if ins.op == Op.F and ins.stage == last_stage)
+        out.insert(last_f + 1, Instr(Op.ALLREDUCE, kind=Kind.LOSS, axis=MeshAxis.DATA, handle=h, nbytes=8))
+        tail.append(Instr(Op.WAIT, handle=h))
     if zero in (1, 2):
         hs = []
         for b, bucket in enumerate(buckets):
             h = next(handles)
-            out.append(Instr("ALLGATHER", bucket.stage, kind="params", axis=MeshAxis.DATA, handle=h, bucket=b,
+            out.append(Instr(Op.ALLGATHER, bucket.stage, kind=Kind.PARAMS, axis=MeshAxis.DATA, handle=h, bucket=b,
                              nbytes=bucket.nbytes))
             hs.append(h)
-        out += [Instr("WAIT", handle=h) for h in hs]
+        out += [Instr(Op.WAIT, handle=h) for h in hs]
     return out + tail
 
 
@@ -149,8 +150,8 @@ def stats_pass(instrs: list[Instr], handles: Iterator[int], stats: dict[int, int
     out, waits = list(instrs), []
     for stage, nbytes in sorted(stats.items()):
         h = next(handles)
-        out.append(Instr("ALLREDUCE", stage, kind="stats", axis=axis, handle=h, nbytes=nbytes))
-        waits.append(Instr("WAIT", handle=h))
+        out.append(Instr(Op.ALLREDUCE, stage, kind=Kind.STATS, axis=axis, handle=h, nbytes=nbytes))
+        waits.append(Instr(Op.WAIT, handle=h))
     return out + waits
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
+from runtime.instr_set import Kind, Op
 from runtime.schedules import ScheduleError, build_schedule
 from codegen.strategies.base import Lowering, LoweringError, Pass, Phase, Params, Placement, RankPlan
 from planner.plan import Plan
@@ -36,15 +37,15 @@ def p2p_pass(actions: list[Instr], handles: Iterator[int], peer_of: Callable[[in
     bidirectional schedule, whose two directions place a stage on different ranks).
     """
     def recv_for(a: Instr) -> Instr | None:
-        if a.op == "F" and a.stage > 0 and act_bytes.get(a.stage - 1, 0):
-            return Instr("RECV", a.stage - 1, a.micro, peer=peer_of(a.stage - 1, a.micro), kind="act",
+        if a.op == Op.F and a.stage > 0 and act_bytes.get(a.stage - 1, 0):
+            return Instr(Op.RECV, a.stage - 1, a.micro, peer=peer_of(a.stage - 1, a.micro), kind=Kind.ACT,
                          handle=next(handles), nbytes=act_bytes[a.stage - 1])
-        if a.op == "B" and a.stage < num_stages - 1 and grad_bytes.get(a.stage, 0):
-            return Instr("RECV", a.stage, a.micro, peer=peer_of(a.stage + 1, a.micro), kind="grad",
+        if a.op == Op.B and a.stage < num_stages - 1 and grad_bytes.get(a.stage, 0):
+            return Instr(Op.RECV, a.stage, a.micro, peer=peer_of(a.stage + 1, a.micro), kind=Kind.GRAD,
                          handle=next(handles), nbytes=grad_bytes[a.stage])
         return None
 
-    recvs = [recv_for(a) if a.op in ("F", "B") else None for a in actions]
+    recvs = [recv_for(a) if a.op in (Op.F, Op.B) else None for a in actions]
     out: list[Instr] = []
     sends: list[int] = []
     if recvs and recvs[0] is not None:
@@ -53,19 +54,19 @@ def p2p_pass(actions: list[Instr], handles: Iterator[int], peer_of: Callable[[in
         if k + 1 < len(actions) and recvs[k + 1] is not None:
             out.append(recvs[k + 1])          # pre-posted: overlaps with this compute
         if recvs[k] is not None:
-            out.append(Instr("WAIT", handle=recvs[k].handle))
+            out.append(Instr(Op.WAIT, handle=recvs[k].handle))
         out.append(a)
-        if a.op == "F" and a.stage < num_stages - 1 and act_bytes.get(a.stage, 0):
+        if a.op == Op.F and a.stage < num_stages - 1 and act_bytes.get(a.stage, 0):
             h = next(handles)
-            out.append(Instr("SEND", a.stage, a.micro, peer=peer_of(a.stage + 1, a.micro), kind="act", handle=h,
+            out.append(Instr(Op.SEND, a.stage, a.micro, peer=peer_of(a.stage + 1, a.micro), kind=Kind.ACT, handle=h,
                              nbytes=act_bytes[a.stage]))
             sends.append(h)
-        elif a.op == "B" and a.stage > 0 and grad_bytes.get(a.stage - 1, 0):
+        elif a.op == Op.B and a.stage > 0 and grad_bytes.get(a.stage - 1, 0):
             h = next(handles)
-            out.append(Instr("SEND", a.stage - 1, a.micro, peer=peer_of(a.stage - 1, a.micro), kind="grad", handle=h,
+            out.append(Instr(Op.SEND, a.stage - 1, a.micro, peer=peer_of(a.stage - 1, a.micro), kind=Kind.GRAD, handle=h,
                              nbytes=grad_bytes[a.stage - 1]))
             sends.append(h)
-    out += [Instr("WAIT", handle=h) for h in sends]
+    out += [Instr(Op.WAIT, handle=h) for h in sends]
     return out
 
 
@@ -76,8 +77,8 @@ def tie_pass(instrs: list[Instr], handles: Iterator[int], ties: tuple[Tie, ...],
     out = list(instrs)
     for tie in ties:
         h = next(handles)
-        out += [Instr("ALLREDUCE", kind="tied", axis=tie.axis, handle=h, bucket=tie.index, nbytes=nbytes[tie.index]),
-                Instr("WAIT", handle=h)]
+        out += [Instr(Op.ALLREDUCE, kind=Kind.TIED, axis=tie.axis, handle=h, bucket=tie.index, nbytes=nbytes[tie.index]),
+                Instr(Op.WAIT, handle=h)]
     return out
 
 
@@ -113,7 +114,7 @@ class Pipeline(Placement):
     def loss_instr(self, lw: Lowering, rp: RankPlan, handle: int) -> Instr:
         """The step's last collective: the loss from the last stage's rank to the whole pipeline."""
         last = rank_of(lw.mesh, ((lw.num_stages - 1) % lw.plan.config.pipeline, *rp.coords[1:]))
-        return Instr("BROADCAST", kind="loss", axis=MeshAxis.PIPELINE, peer=last, handle=handle, nbytes=8)
+        return Instr(Op.BROADCAST, kind=Kind.LOSS, axis=MeshAxis.PIPELINE, peer=last, handle=handle, nbytes=8)
 
     def plan_rank(self, lw: Lowering, rp: RankPlan, held: Callable[[int], Params]) -> RankPlan:
         rp = self.place(lw, rp)
@@ -133,7 +134,7 @@ class Pipeline(Placement):
 
         def loss(instrs: list[Instr], handles: Iterator[int]) -> list[Instr]:
             h = next(handles)
-            return [*instrs, self.loss_instr(lw, rp, h), Instr("WAIT", handle=h)]
+            return [*instrs, self.loss_instr(lw, rp, h), Instr(Op.WAIT, handle=h)]
 
         tie_bytes = {k: copies[0][2] for k, copies in enumerate(lw.tied.values())}
         out: list[tuple[Phase, Pass]] = [

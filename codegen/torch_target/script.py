@@ -35,7 +35,7 @@ from planner.graph.model import ModelGraph
 from planner.capabilities import check_target
 from planner.plan import Plan
 from runtime.spec import TrainSpec
-from runtime.torch_script import WHOLE_MODEL_KEY
+from runtime.torch_records import WHOLE_MODEL_KEY
 from runtime.vocab import Target
 
 SCRIPT = "train_torch.py"

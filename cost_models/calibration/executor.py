@@ -34,6 +34,7 @@ from cost_models.calibration.stage import _median_calls, reference_runner, runne
 from runtime.context import DistContext
 from runtime.data import DataSource
 from runtime.executor import Executor
+from runtime.instr_set import Kind, Op
 from runtime.program import Instr, Program
 from runtime.schedules import one_f_one_b
 from runtime.trace import Recorder
@@ -61,30 +62,30 @@ def reference_programs(world: int, micro_batches: int = REF_MICRO_BATCHES) -> li
         ms = range(micro_batches)
         act = {m: m for m in ms} if r > 0 else {}
         grad = {m: len(act) + m for m in ms} if r < last else {}
-        ins = [Instr("ZERO_GRAD")]
-        ins += [Instr("RECV", kind="act", stage=r - 1, micro=m, peer=r - 1, handle=k, nbytes=nbytes)
+        ins = [Instr(Op.ZERO_GRAD)]
+        ins += [Instr(Op.RECV, kind=Kind.ACT, stage=r - 1, micro=m, peer=r - 1, handle=k, nbytes=nbytes)
                 for m, k in act.items()]
-        ins += [Instr("RECV", kind="grad", stage=r, micro=m, peer=r + 1, handle=k, nbytes=nbytes)
+        ins += [Instr(Op.RECV, kind=Kind.GRAD, stage=r, micro=m, peer=r + 1, handle=k, nbytes=nbytes)
                 for m, k in grad.items()]
         h = len(act) + len(grad)
         sends = []
         for action in order[r]:
             op, m = action.op, action.micro
-            wait, send = (act, r < last) if op == "F" else (grad, r > 0)
+            wait, send = (act, r < last) if op == Op.F else (grad, r > 0)
             if m in wait:
-                ins.append(Instr("WAIT", handle=wait[m]))
+                ins.append(Instr(Op.WAIT, handle=wait[m]))
             ins.append(Instr(op, stage=r, micro=m))
             if send:
                 sends.append(h)
-                ins.append(Instr("SEND", kind="act", stage=r, micro=m, peer=r + 1, handle=h, nbytes=nbytes)
-                           if op == "F" else
-                           Instr("SEND", kind="grad", stage=r - 1, micro=m, peer=r - 1, handle=h, nbytes=nbytes))
+                ins.append(Instr(Op.SEND, kind=Kind.ACT, stage=r, micro=m, peer=r + 1, handle=h, nbytes=nbytes)
+                           if op == Op.F else
+                           Instr(Op.SEND, kind=Kind.GRAD, stage=r - 1, micro=m, peer=r - 1, handle=h, nbytes=nbytes))
                 h += 1
-        ins += [Instr("WAIT", handle=k) for k in sends]
-        ins.append(Instr("STEP"))
-        for op in ("BROADCAST", "ALLREDUCE"):
-            ins += [Instr(op, kind="loss", axis=MeshAxis.PIPELINE, peer=last if op == "BROADCAST" else -1, handle=h,
-                          nbytes=8), Instr("WAIT", handle=h)]
+        ins += [Instr(Op.WAIT, handle=k) for k in sends]
+        ins.append(Instr(Op.STEP))
+        for op in (Op.BROADCAST, Op.ALLREDUCE):
+            ins += [Instr(op, kind=Kind.LOSS, axis=MeshAxis.PIPELINE, peer=last if op == Op.BROADCAST else -1, handle=h,
+                          nbytes=8), Instr(Op.WAIT, handle=h)]
             h += 1
         progs.append(Program(rank=r, world_size=world, mesh=mesh, coords=(r, 0, 0), stages=(r,), num_stages=world,
                              num_micro_batches=micro_batches, micro_batch_size=REF_ROWS, instrs=tuple(ins)))
@@ -128,7 +129,7 @@ def _in_run_extra(timeline, runner, data) -> dict[str, float]:
     """{"F": s, "B": s}: the traced forward / backward instructions' median less the same stage's
     forward / backward called in a row (as cost_models/calibration/stage times the stage call)."""
     traced = {op: statistics.median(e.duration for e in timeline.events if e.op == op and e.step >= 1)
-              for op in ("F", "B")}
+              for op in (Op.F, Op.B)}
     x, y = data.micro_batches(0)[0] if data is not None else ((torch.randn(REF_ROWS, REF_WIDTH),), None)
     row = _median_calls(runner_calls(runner, x[0], y, torch.randn(REF_ROWS, REF_WIDTH)), 200)
     return {"F": max(traced["F"] - row[0], 0.0), "B": max(traced["B"] - row[1], 0.0)}

@@ -58,6 +58,7 @@ from planner.graph.model import ModelGraph
 from planner.plan import Plan, PlanFileError
 from runtime.build_files import REMAKE, BuildError, read_build, read_build_file
 from runtime.execution import Execution
+from runtime.instr_set import Kind, Op
 from runtime.program import COLLECTIVE_OPS, Program
 from runtime.trace import HOST_TRACKS, INSTRUCTION_TRACKS, Event, Timeline
 from runtime.vocab import Clock, ShardRole, Track
@@ -278,7 +279,7 @@ def _loss_elements(graph, plan) -> float:
 
 def _reduces_grads(progs: dict) -> bool:
     """Whether any rank all-reduces (or reduce-scatters) gradients with other ranks in a step."""
-    return any(ins.op in COLLECTIVE_OPS and ins.kind == "grads" and len(p.group(ins.axis)) > 1
+    return any(ins.op in COLLECTIVE_OPS and ins.kind == Kind.GRADS and len(p.group(ins.axis)) > 1
                for p in progs.values() for ins in p.instrs)
 
 
@@ -463,12 +464,12 @@ def as_observed(predicted: "Timeline", programs: dict) -> "Timeline":
     completion only then), so its event ends no earlier than that WAIT begins."""
     wait_start: dict[tuple[int, int], float] = {}
     for e in predicted.events:
-        if e.op == "WAIT":
+        if e.op == Op.WAIT:
             ins = programs[e.rank].instrs[e.index]
             wait_start[(e.rank, ins.handle)] = e.start
     out = []
     for e in predicted.events:
-        if e.op in ("SEND", "RECV"):
+        if e.op in (Op.SEND, Op.RECV):
             seen = wait_start.get((e.rank, programs[e.rank].instrs[e.index].handle))
             if seen is not None and seen > e.end:
                 e = Event(e.rank, e.step, e.index, e.name, e.op, e.start, seen, e.track)
@@ -506,7 +507,7 @@ def records(tl: "Timeline") -> list:
     backward, optimizer. WAITs (idle) and the asynchronous transfers, which would cover the
     chart from issue to completion, are left out (trace.json shows them in Perfetto)."""
     return [ScheduleRecord(e.rank, e.name, _KIND_OF_OP.get(e.op, "other"), e.start, e.end)
-            for e in tl.events if e.track == Track.COMPUTE and e.op != "WAIT"]
+            for e in tl.events if e.track == Track.COMPUTE and e.op != Op.WAIT]
 
 
 def draw(plan, predicted: "Timeline", measured: "Timeline", step: int, out_stem: str | Path) -> list[Path]:

@@ -5,7 +5,12 @@
 - codegen imports planner's types, cost_models and runtime, never the application shell;
 - planner imports cost_models and runtime, and only planner/app/ (the CLI and the rest of
   the shell) imports codegen;
-- no import circles between modules.
+- no import circles between modules;
+- nothing in planner outside planner/app/ imports the shell, and `import planner` loads none of it
+  (nor codegen);
+- the PyTorch-stack target (runtime/torch_script*.py, runtime/torch_stack/) is kept apart: no other
+  runtime module, nor cost_models, imports it (meshplan's launcher and verify read a torch build's
+  records through runtime/torch_records.py); codegen reaches it only from codegen/torch_target/.
 
 Every import counts for the directions, those inside functions and under TYPE_CHECKING
 included. Circles are looked for among all imports that ever run, those inside functions
@@ -16,12 +21,17 @@ TYPE_CHECKING, which never run, are left out. Each test reports all its violatio
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("runtime", "cost_models", "codegen", "planner")
 SHELL = "planner.app"   # the one part of planner that may import codegen
+# the PyTorch-stack target's run-time side, and the code that may import it besides itself
+TORCH_TARGET = ("runtime.torch_script", "runtime.torch_script_checkpoint", "runtime.torch_stack")
+TORCH_TARGET_USERS = ("codegen.torch_target", SHELL)
 
 # package -> the other meshplan packages it may import
 ALLOWED = {
@@ -97,13 +107,22 @@ def _where(imp: Import) -> str:
     return f"{imp.source} (line {imp.line}) imports {imp.target}"
 
 
+def _within(module: str, parents: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in parents)
+
+
 def direction_problems(imports: list[Import]) -> list[str]:
     problems = []
     for imp in imports:
         src_pkg, dst_pkg = imp.source.split(".")[0], imp.target.split(".")[0]
+        in_shell = _within(imp.source, (SHELL,))
+        if _within(imp.target, TORCH_TARGET) and not _within(imp.source, TORCH_TARGET + TORCH_TARGET_USERS):
+            problems.append(f"{_where(imp)}: only the torch target itself, codegen/torch_target and the shell "
+                            "may import the torch target (read its records through runtime.torch_records)")
+        if _within(imp.target, (SHELL,)) and not in_shell and src_pkg == "planner":
+            problems.append(f"{_where(imp)}: nothing in planner outside {SHELL} imports the application shell")
         if src_pkg == dst_pkg:
             continue
-        in_shell = imp.source == SHELL or imp.source.startswith(SHELL + ".")
         if dst_pkg == "codegen" and src_pkg == "planner":
             if not in_shell:
                 problems.append(f"{_where(imp)}: only {SHELL} may import codegen")
@@ -183,11 +202,27 @@ def test_no_import_circles():
                         f"code into a module both import:\n  " + "\n  ".join(lines))
 
 
+def test_importing_planner_loads_no_shell():
+    """`import planner` (the public API) loads neither planner/app/ nor codegen; planner.visualize is
+    still there, loaded on first use."""
+    code = ("import sys, planner; loaded = sorted(m for m in sys.modules if m.startswith(('planner.app', 'codegen')));"
+            "print(loaded); assert not loaded, loaded; assert callable(planner.visualize) and "
+            "'planner.app.visualize' in sys.modules")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
 def test_the_checks_see_what_they_look_for():
     """The rules catch a known-bad import and a circle (so a passing run is not a blind one)."""
     bad = [Import("runtime.program", "planner.plan", 1, True), Import("planner.search", "codegen.lower", 2, False),
-           Import("planner.app.cli", "codegen.emit", 3, True), Import("codegen.emit", "planner.app.cli", 4, True)]
-    assert len(direction_problems(bad)) == 3
+           Import("planner.app.cli", "codegen.emit", 3, True), Import("codegen.emit", "planner.app.cli", 4, True),
+           Import("runtime.verify", "runtime.torch_script", 5, True), Import("planner.search", "planner.app.report", 6, False),
+           Import("codegen.emit", "runtime.torch_stack.dcp", 7, True)]
+    assert len(direction_problems(bad)) == 6
+    fine = [Import("runtime.torch_script", "runtime.torch_stack.dcp", 1, True),
+            Import("codegen.torch_target.script", "runtime.torch_records", 2, True),
+            Import("planner.app.cli", "runtime.torch_script_checkpoint", 3, True)]
+    assert direction_problems(fine) == []
     circle = [Import("a.x", "a.y", 1, True), Import("a.y", "a.z", 2, True), Import("a.z", "a.x", 3, True),
               Import("a.z", "a.w", 4, True), Import("a.w", "a.x", 5, False)]
     assert import_cycles(circle) == [["a.x", "a.y", "a.z"]]

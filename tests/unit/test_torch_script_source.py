@@ -23,7 +23,8 @@ from runtime.launcher import BuildError, entry_script
 from runtime.loss_scale import LossScaleSpec
 from runtime.optim import OptimizerSpec
 from runtime.rank_main import LaunchError
-from runtime.torch_script import WHOLE_MODEL_KEY, check_world, script_args, whole_model_view
+from runtime.torch_records import WHOLE_MODEL_KEY, whole_model_view
+from runtime.torch_script import check_world, script_args
 from runtime.torch_stack.vocab import DataKind, TensorStyle
 from runtime.vocab import MeshAxis, Recompute
 from tests.hostile_cases import HOSTILE, HOSTILE_DIR, hostile_kwargs, load_rank_script, markers, write_model
