@@ -54,7 +54,7 @@ class _AllGatherSeq(torch.autograd.Function):
 
 def allgather_attention(q, k, v, group, layout):
     """Causal attention of this rank's queries over all keys, gathered to every rank."""
-    from runtime.context_layout import sequence_order
+    from runtime.parallel.context.layout import sequence_order
 
     to_positions = torch.argsort(sequence_order(layout.seq_len, layout.degree))
     kf, vf = (_AllGatherSeq.apply(x, group).index_select(2, to_positions) for x in (k, v))
@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     from runtime.comm import TorchCommunicator
-    from runtime.context_attention import chunk_layout, context_attention
+    from runtime.parallel.context.attention import chunk_layout, context_attention
 
     comm = TorchCommunicator("gloo", rank, world, "127.0.0.1", port, timeout=300)
     try:

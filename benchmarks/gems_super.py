@@ -120,7 +120,7 @@ def search() -> None:
 
     import planner
     from examples.models import gpt, inception, resnet
-    from planner.subgraph import split_regions
+    from planner.strategies.subgraph.regions import split_regions
 
     cases = []
     with torch.device("meta"):

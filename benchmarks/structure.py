@@ -46,9 +46,17 @@ def rel(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
 
+def _only_docstring(path: Path) -> bool:
+    body = ast.parse(path.read_text()).body
+    return len(body) <= 1 and all(isinstance(n, ast.Expr) for n in body)
+
+
 def strategy_files() -> dict[str, list[str]]:
+    """Per strategy, the files that implement it (a package's docstring-only __init__.py left out)."""
     found = defaultdict(list)
     for path in sources():
+        if _only_docstring(path):
+            continue
         inner = rel(path).split("/", 1)[1]
         for name, stems in STRATEGY_STEMS.items():
             if any(stem in inner for stem in stems):
@@ -137,9 +145,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-trace", action="store_true", help="skip the emit path (no torch import)")
     args = parser.parse_args()
-    print("files per strategy (path names it):")
-    for name, files in strategy_files().items():
-        print(f"  {name:14s} {len(files):3d}  {' '.join(files)}")
+    print("files per strategy (path names it), and those outside its homes (planner/strategies/<name>,"
+          " codegen/strategies/<name>, runtime/parallel/<name>):")
+    for name, files in sorted(strategy_files().items()):
+        homes = tuple(f"{pkg}/{name}" for pkg in ("planner/strategies", "codegen/strategies", "runtime/parallel"))
+        outside = [f for f in files if not f.startswith(homes)]
+        print(f"  {name:14s} {len(files):3d} files, {len(outside):2d} outside: {' '.join(outside)}")
     funcs = long_functions()
     print(f"\nfunctions over 80 lines: {len(funcs)}")
     for n, f in funcs:

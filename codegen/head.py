@@ -28,11 +28,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from planner.tensor_split.splits import TensorSplits
-from planner.tensor_split.weight_op import weight_op
+from planner.strategies.tensor.split.splits import TensorSplits
+from planner.strategies.tensor.split.weight_op import weight_op
 from runtime.losses import output_item
 from runtime.output_head import OutputHead
-from runtime.tensor_parallel import FeatureSplit, ParamShard, copy_to_group, gather_sequence
+from runtime.parallel.tensor.layers import FeatureSplit, ParamShard, copy_to_group, gather_sequence
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,7 +151,7 @@ def pad_splits(splits: TensorSplits, split: FeatureSplit, multiple: int) -> Tens
     """`splits` with every FeatureSplit equal to the vocabulary's `split` rounding each rank's block
     up to a multiple of `multiple` (the logits, the layer's rows, a tied embedding's rows: one split).
     Another plain split of the same size, if any, is padded alike, which computes the same: padding
-    of a plain split holds zeros the model never reads (runtime/tensor_parallel.py)."""
+    of a plain split holds zeros the model never reads (runtime/parallel/tensor/layers.py)."""
     padded = dataclasses.replace(split, multiple=multiple)
 
     def fix(fs: FeatureSplit) -> FeatureSplit:

@@ -9,8 +9,8 @@ For each pipeline stage of a Plan:
 * its code is one method per layer (torch.fx's Python, with tensor-parallel
   local sizes) and a forward that chains them (through
   torch.utils.checkpoint per layer when the plan recomputes); the layers of a
-  spatial part run on image tiles (codegen/spatial_tiles.py), the paths of a
-  sub-graph region on their sub-grids (codegen/subgraph.py);
+  spatial part run on image tiles (codegen/strategies/spatial/tiles.py), the paths of a
+  sub-graph region on their sub-grids (codegen/strategies/subgraph/regions.py);
 * its `StageSpec` lists the local shape of every boundary tensor for one
   micro-batch, the modules its code calls and how each is split.
 
@@ -29,20 +29,20 @@ import torch.fx as fx
 
 from codegen.head import find_head, fuse, narrow_logits, output_head, pad_splits, padded_rows, vocab_split
 from codegen.pysrc import check_target, comment_text, doc_text, graph_method, import_block
-from codegen.spatial_tiles import StageTiles, TileRewrite
-from codegen.subgraph import (insert_region_call, layer_regions, region_code, region_inputs, region_methods,
+from codegen.strategies.spatial.tiles import StageTiles, TileRewrite
+from codegen.strategies.subgraph.regions import (insert_region_call, layer_regions, region_code, region_inputs, region_methods,
                               skipped_nodes, subgraph_init)
-from codegen.tensor_split import TensorSplitError, apply_splits
+from codegen.strategies.tensor.split import TensorSplitError, apply_splits
 from planner.binding import graph_mismatch
 from planner.graph.model import ModelGraph
 from planner.graph.ops import module_path_of, op_base
 from planner.plan import Plan
-from planner.tensor_split.analysis import tensor_splits
+from planner.strategies.tensor.split.analysis import tensor_splits
 from runtime.materialize import RUNTIME_ATTRS, model_signature
 from runtime.recompute import Recompute
-from runtime.spatial_geometry import SpatialSpec
+from runtime.parallel.spatial.geometry import SpatialSpec
 from runtime.spec import Boundary, StageSpec
-from runtime.tensor_parallel import shard_module
+from runtime.parallel.tensor.layers import shard_module
 
 
 GraphRewrite = Callable[[fx.GraphModule, dict[str, Any]], tuple[fx.Graph, dict[str, Any]]]
@@ -100,10 +100,10 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
               rewrite: GraphRewrite | None = None) -> Partition:
     """Per-stage modules for `plan` (see module docstring).
 
-    spatial: the images' tiles (codegen/spatial.py): the layers up to the one holding node
+    spatial: the images' tiles (codegen/strategies/spatial/program.py): the layers up to the one holding node
     `spatial.until` run on them, in the stage that holds that node. rewrite(gm, inputs): a
     strategy's rewrite of the captured graph before the tensor-parallel split, and the meta
-    stand-ins of the runtime attributes it reads (context parallelism: codegen/context.py).
+    stand-ins of the runtime attributes it reads (context parallelism: codegen/strategies/context/stage_code.py).
 
     Raises PartitionError / TensorSplitError / SpatialError (ValueErrors) naming what cannot be cut or split.
     """
@@ -310,7 +310,7 @@ def _padded(names: tuple[str, ...], modules: tuple[str, ...], attributes: tuple[
 def _stage_tiles(spatial: SpatialSpec | None, gm: fx.GraphModule, lv: dict, layer_of: dict[str, str],
                  stage_of: dict[str, int], stage_of_layer: dict[str, int], known: list[str]) -> dict[int, StageTiles]:
     """stage -> its spatial part: the stage holding node `spatial.until` runs its layers up to that
-    node's layer on image tiles (codegen/spatial_tiles.py)."""
+    node's layer on image tiles (codegen/strategies/spatial/tiles.py)."""
     if spatial is None or spatial.until is None:
         return {}
     if spatial.until not in stage_of:
@@ -466,9 +466,9 @@ def _stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundar
         lg = fx.Graph()
         env: dict[str, fx.Node] = {}
         inputs = []
-        regs = layer_regions(codes or [], L, body)   # sub-graph parallelism: codegen/subgraph.py
+        regs = layer_regions(codes or [], L, body)   # sub-graph parallelism: codegen/strategies/subgraph/regions.py
         skip = skipped_nodes(regs)
-        tiled = tiles is not None and L in tiles.layers   # spatial parallelism: codegen/spatial_tiles.py
+        tiled = tiles is not None and L in tiles.layers   # spatial parallelism: codegen/strategies/spatial/tiles.py
         for n in body:
             if n.name in skip:
                 code = regs.get(n.name)
@@ -658,7 +658,7 @@ _RECOMPUTED = ("scaled_dot_product_attention", "softmax", "_softmax", "_safe_sof
 
 def _recomputed(n: fx.Node) -> bool:
     """The attention core selective recomputation drops: fused attention and softmax calls, and
-    context parallelism's attention (`context.attention`, codegen/context.py), exchange included."""
+    context parallelism's attention (`context.attention`, codegen/strategies/context/stage_code.py), exchange included."""
     if n.op == "call_function":
         return op_base(n.target) in _RECOMPUTED
     return n.op == "call_method" and n.target in (*_RECOMPUTED, "attention")

@@ -1,7 +1,7 @@
 """Costs of spatial parallelism: halo messages, the gather after the spatial part, memory saved.
 
 A spatially split layer runs on one of s = rows x cols tiles of each image
-(runtime/spatial.py). Per window op (conv or pool) with input (B, C, H, W),
+(runtime/parallel/spatial/tiles.py). Per window op (conv or pool) with input (B, C, H, W),
 an interior tile of h = H/rows by w = W/cols pixels exchanges, forward:
 
     rows phase:    halo_rows x w x C x B x bytes        with each of 2 row neighbours
@@ -9,7 +9,7 @@ an interior tile of h = H/rows by w = W/cols pixels exchanges, forward:
                    (the extended rows carry the corner pixels of the 4 diagonal neighbours)
 
 where halo_rows = max(padding, span - stride - padding) and span = dilation x (kernel - 1) + 1
-(runtime.spatial_geometry.halo_widths). A tile sends to both neighbours of a phase at once (full-duplex
+(runtime.parallel.spatial.geometry.halo_widths). A tile sends to both neighbours of a phase at once (full-duplex
 links), so a phase costs one p2p of its larger message. Backward returns the same bytes. The
 design note's "2 x halo_rows x width x channels x bytes per neighbour exchange" is the rows phase
 counted in both directions.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.spatial_geometry import halo_widths, tile_shape
+from runtime.parallel.spatial.geometry import halo_widths, tile_shape
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def memory_saved_per_device(activation_bytes: float, degree: int) -> float:
 
 
 def batchnorm_sync_bytes(channels: int, elem_bytes: float = 4.0) -> tuple[float, float]:
-    """(forward, backward) all-reduce payloads of one synchronized BatchNorm (runtime.spatial): forward
+    """(forward, backward) all-reduce payloads of one synchronized BatchNorm (runtime.parallel.spatial.tiles): forward
     the per-channel sums with the element count, then the sums of squared deviations (two
     all-reduces); backward the per-channel sums of g and g * xhat (one all-reduce)."""
     return (2 * channels + 1) * elem_bytes, (2 * channels + 1) * elem_bytes

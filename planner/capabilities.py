@@ -17,8 +17,8 @@ from planner.config import ConfigError, ParallelConfig
 from planner.strategies.combinations import Level
 from planner.strategies.combinations import why_not as combination_refusal
 from planner.strategies.registry import STRATEGIES
-from planner.sharding import ShardingPlan, without_regions
-from planner.tensor_split.analysis import unsplittable
+from planner.strategies.tensor.sharding import ShardingPlan, without_regions
+from planner.strategies.tensor.split.analysis import unsplittable
 from runtime.vocab import Schedule, ShardRole, StrategyName, Target
 
 if TYPE_CHECKING:
@@ -205,7 +205,7 @@ class RuntimeSupport:
 
     def splittable(self, graph, sharding: ShardingPlan, degrees) -> ShardingPlan:
         """`sharding` without the tensor-parallel regions the code generator cannot split for any of
-        the tensor `degrees` (planner/tensor_split/, on the captured graph's shapes: no model run).
+        the tensor `degrees` (planner/strategies/tensor/split/, on the captured graph's shapes: no model run).
 
         A region that fails is replicated together with its copies in every layer of the same
         signature (a model's repeated blocks fail alike). Where the target splits the weights of some

@@ -59,7 +59,7 @@ class ParallelConfig:
             or "local" (per-tile statistics, cheaper, not equal to the unsplit model).
         subgraph: sub-graph parallelism (SUPER) degree B: each data replica's devices form B
             sub-grids (the "subgraph" mesh axis) on the same samples; the independent paths of the
-            model's fork/join branches are dealt to them (planner/subgraph.py), the rest
+            model's fork/join branches are dealt to them (planner/strategies/subgraph/regions.py), the rest
             runs replicated.
         sequence_parallel: Megatron-style sequence parallelism inside the tensor axis (tensor >= 2):
             the norms, dropout and residual adds between tensor-parallel regions run on 1/t of

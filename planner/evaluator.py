@@ -44,10 +44,10 @@ from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction,
 from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
 from planner.saved import SavedActivations
-from planner.sharding import ShardingPlan, find_sharding
+from planner.strategies.tensor.sharding import ShardingPlan, find_sharding
 from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
-from planner.strategies.tensor import sequence_boundary_share, sequence_collectives, sequence_share
+from planner.strategies.tensor.strategy import sequence_boundary_share, sequence_collectives, sequence_share
 from planner.graph.ties import tied_weights
 from runtime.execution import Execution, LossImpl
 from runtime.vocab import DType, MeshAxis, Recompute, ShardRole, element_bytes
@@ -65,7 +65,7 @@ class LayerCost:
     recompute: float        # extra forward work in backward (per recompute mode)
     tp_forward: float       # tensor-parallel collectives in forward (and spatial halos, BatchNorm sync, gather)
     tp_backward: float      # ... in backward (and in the recomputed forward)
-    subgraph_forward: float   # sub-graph collectives over the sub-grids in forward (planner/strategies/subgraph.py)
+    subgraph_forward: float   # sub-graph collectives over the sub-grids in forward (planner/strategies/subgraph/strategy.py)
     subgraph_backward: float  # ... in backward
     saved: float            # activation bytes kept for backward (per recompute mode)
     working: float          # bytes materialized again while this layer's backward runs (recompute)
@@ -569,7 +569,7 @@ class Evaluator:
     def node_roles(self, config: ParallelConfig) -> dict[str, str]:
         """Split role of every non-replicated node under `config` (fx node name -> role).
 
-        Cached on what the tensor strategy's choice depends on (planner/strategies/tensor.py keys its
+        Cached on what the tensor strategy's choice depends on (planner/strategies/tensor/strategy.py keys its
         per-layer decision the same way); the search asks once per mesh shape."""
         key = ("roles", config.tensor, config.micro_batch_size, config.dtype, config.sequence_parallel)
         hit = self._roles_cache.get(key)

@@ -17,8 +17,8 @@ from planner.config import ParallelConfig
 from planner.evaluator import Evaluator, as_graph
 from planner.execution_choice import choose
 from planner.plan import PLAN_FORMAT_VERSION, Plan, Stage
-from planner.subgraph import check_splittable
-from planner.tensor_split.analysis import SplitCache
+from planner.strategies.subgraph.regions import check_splittable
+from planner.strategies.tensor.split.analysis import SplitCache
 from runtime.vocab import Target
 
 

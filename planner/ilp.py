@@ -1,7 +1,7 @@
 """Per-op tensor-parallel sharding of one layer as an integer program (OR-Tools CP-SAT).
 
 Each sharding region (a column -> row group, or a vocabulary-split
-embedding, from planner.sharding) is a choice: run its ops on 1/t of the
+embedding, from planner.strategies.tensor.sharding) is a choice: run its ops on 1/t of the
 features, or replicate them. One Boolean per region; every op of a region
 takes the region's choice, so the choice variables are per op in effect.
 Edge variables mark graph edges whose two ends disagree (a sharded op next

@@ -17,8 +17,8 @@ from cost_models.hardware import Cluster, ClusterFileError
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
 from planner.strategies import describe
-from planner.subgraph import Region
-from planner.tensor_split.splits import TensorSplits
+from planner.strategies.subgraph.regions import Region
+from planner.strategies.tensor.split.splits import TensorSplits
 from runtime.documents import FieldError, Fields, read_document
 from runtime.execution import Execution
 from runtime.vocab import ShardRole, Target
@@ -83,7 +83,7 @@ class Plan:
     search: tuple[tuple[str, Any], ...] = ()  # how the plan was found: candidates evaluated, pruned, seconds
     alternatives: tuple[Alternative, ...] = ()  # the next best configurations, best first
     subgraph: tuple[Region, ...] = ()  # sub-graph parallelism: the split regions, which sub-grid runs each path
-    # the split of every value over the tensor ranks, decided by the planner (planner/tensor_split/);
+    # the split of every value over the tensor ranks, decided by the planner (planner/strategies/tensor/split/);
     # None where nothing is split, or in a plan read from a version-1 file (codegen then decides it)
     tensor_splits: TensorSplits | None = None
     # what the plan was made for (a runtime.vocab.Target value; planner/capabilities.py says what each runs);

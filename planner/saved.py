@@ -16,7 +16,7 @@ from cost_models.activations import (OpView, SavedTensor, SelectivePolicy, Tenso
                                     saved_by)
 from planner.config import ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
-from planner.sharding import ShardingPlan
+from planner.strategies.tensor.sharding import ShardingPlan
 from runtime.vocab import DType, Recompute, ShardRole
 
 # roles whose output stays split over the tensor ranks (a row-parallel op's output is all-reduced)

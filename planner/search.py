@@ -31,9 +31,9 @@ from planner.fixed_plan import plan_for
 from planner.plan import Alternative, Plan
 from planner.progress import Progress
 from planner.strategies.base import MeshShape
-from planner.subgraph import describe
+from planner.strategies.subgraph.regions import describe
 from planner.strategies.describe import idle_tensor_note
-from planner.tensor_split.analysis import SplitCache
+from planner.strategies.tensor.split.analysis import SplitCache
 from runtime.vocab import Recompute, Target
 
 OBJECTIVES = ("time", "energy")
@@ -159,7 +159,7 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
     sync, so neither knob is monotone in time.
     """
     # the split analysis' verdict on the shape's tensor roles, asked once: the roles follow the tensor
-    # degree, micro-batch and dtype (planner/strategies/tensor.py caches them so), not recompute or ZeRO
+    # degree, micro-batch and dtype (planner/strategies/tensor/strategy.py caches them so), not recompute or ZeRO
     why: str | None = None
     checked = base.tensor == 1
     for recompute in _options(cons, "recompute", RECOMPUTE_ORDER):

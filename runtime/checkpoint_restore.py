@@ -3,7 +3,7 @@
 The logical state of a checkpoint is the whole model's tensors by their original
 names (as in the nn.Module): parameters, buffers and, per parameter, its optimizer
 state. `assemble` builds it from every rank's file: tensor-parallel slices are put
-back where runtime.tensor_parallel took them from, ZeRO flat shards are
+back where runtime.parallel.tensor.layers took them from, ZeRO flat shards are
 concatenated over the data axis and cut back into parameters. `to_state_dict`
 is what `meshplan checkpoint convert` writes; `Restore` slices the logical state
 for any other plan (another mesh, pipeline cut, tensor split or ZeRO stage).

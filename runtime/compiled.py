@@ -14,7 +14,7 @@ gradient buckets, the loss) stay eager.
 Shapes are static (dynamic=False): every micro-batch of a run has the same shape, so after the
 first step nothing recompiles in training (`compiled_graphs` counts the graphs made, which
 rank_main records after every step). Evaluation (eval() mode, no gradient) compiles its own
-variant once. A tensor-parallel layer's collectives (runtime/tensor_parallel.py's autograd
+variant once. A tensor-parallel layer's collectives (runtime/parallel/tensor/layers.py's autograd
 functions) break the graph where they are; the pieces between them are compiled.
 """
 

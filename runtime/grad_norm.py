@@ -7,7 +7,7 @@ tensor rank holds whole, spatial tiles' replicated weights, the layers after a s
 tied copies on two pipeline stages, two copies of a tied weight on one rank) and, at STEP, it
 holds the same gradient on each of them: the data all-reduce (or reduce-scatter, for the shard
 each data rank then owns alone), the tied-weight sum (runtime/ties.py) and the tensor/sub-graph
-collectives of backward (runtime/tensor_parallel.py, runtime/subgraph.py) leave every copy equal.
+collectives of backward (runtime/parallel/tensor/layers.py, runtime/parallel/subgraph/regions.py) leave every copy equal.
 
 So each logical element is counted by one holder only. A `Piece` names what one optimizer
 tensor holds: a range of elements [lo, hi) of one logical tensor, the logical tensor being the

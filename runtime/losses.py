@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.comm import Group
-from runtime.tensor_parallel import vocab_parallel_cross_entropy
+from runtime.parallel.tensor.layers import vocab_parallel_cross_entropy
 
 LOSSES = ("cross_entropy", "mse")
 

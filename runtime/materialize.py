@@ -25,13 +25,13 @@ from torch import nn
 
 from runtime.refs import call_factory, load_callable
 from runtime.spec import StageSpec, TrainSpec
-from runtime.tensor_parallel import ParamShard, mask_padding, shard_module
+from runtime.parallel.tensor.layers import ParamShard, mask_padding, shard_module
 
 
 # Attributes of every stage module that generated code reads: the torch.device its forward
 # runs on (where the captured graph named a device, codegen/specialize.py), the tensor-
-# parallel group (for the functions codegen/weight_ops.py calls; None until connected), and
-# the rank's context-parallel chunks (runtime/parallel/context.py; None until connected).
+# parallel group (for the functions codegen/strategies/tensor/weight_ops.py calls; None until connected), and
+# the rank's context-parallel chunks (runtime/parallel/context/strategy.py; None until connected).
 RUN_DEVICE = "run_device"
 TENSOR_GROUP = "tensor_group"
 CONTEXT = "context"
@@ -222,7 +222,7 @@ def build_stage(stage_cls: type, sspec: StageSpec, spec: TrainSpec, tensor_rank:
         elif spec.init == "per-module" and isinstance(value, torch.Tensor) and value.is_meta:
             raise MaterializeError(f"{path} is read directly by the model's code (not through a module), so "
                                    "init 'per-module' cannot initialise it: use init 'seed' or a checkpoint")
-        if path in param_shards:   # this tensor rank's slice (runtime/tensor_parallel.py)
+        if path in param_shards:   # this tensor rank's slice (runtime/parallel/tensor/layers.py)
             ps = param_shards[path]
             local = ps.split.take(value, ps.dim, tensor_rank, tensor_size)
             if isinstance(value, nn.Parameter):
@@ -324,5 +324,5 @@ def set_tensor_group(module: nn.Module, group) -> None:
     """Give every tensor-parallel module of `module`, and the stage itself, its communication group."""
     setattr(module, TENSOR_GROUP, group)
     for m in module.modules():
-        if hasattr(m, "group") and type(m).__module__ == "runtime.tensor_parallel":
+        if hasattr(m, "group") and type(m).__module__ == "runtime.parallel.tensor.layers":
             m.group = group

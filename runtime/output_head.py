@@ -25,7 +25,7 @@ from torch import nn
 
 from runtime.chunked_loss import chunked_cross_entropy, chunked_eval
 from runtime.losses import model_output
-from runtime.tensor_parallel import gather_whole
+from runtime.parallel.tensor.layers import gather_whole
 
 
 @dataclass(frozen=True)

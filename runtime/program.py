@@ -260,7 +260,7 @@ class ContextShard:
 
     `degree` ranks share every sequence of `seq_len` tokens; `ranks` is the context group (global
     ranks, in layout order: the k-th holds chunks k and 2 x degree - 1 - k of the causal
-    load-balanced layout, runtime/context_attention.py). They are `degree` consecutive coordinates
+    load-balanced layout, runtime/parallel/context/attention.py). They are `degree` consecutive coordinates
     of the data axis and read the same micro-batches (Program.data_shard). The stage code takes
     its tokens from the full inputs itself; the runtime takes the targets, whose sequence is
     dimension `dim`, in the same order before the loss.

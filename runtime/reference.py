@@ -41,7 +41,7 @@ from runtime.losses import compute_loss
 from runtime.materialize import build_model
 from runtime.running_stats import batchnorm_modules, load_statistics, statistics
 from runtime.spec import TrainSpec
-from runtime.tensor_parallel import FeatureSplit
+from runtime.parallel.tensor.layers import FeatureSplit
 from runtime.vocab import DType
 
 

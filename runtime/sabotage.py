@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from runtime.spatial import spatial_contexts
+from runtime.parallel.spatial.tiles import spatial_contexts
 
 SABOTAGE = ("drop-bucket", "skip-tied-sum", "drop-halo-grad")
 

@@ -36,9 +36,9 @@ from runtime.lr_schedule import ScheduleSpec
 from runtime.loss_scale import LossScaleSpec
 from runtime.optim import OptimizerSpec
 from runtime.output_head import OutputHead
-from runtime.spatial_geometry import SpatialSpec
+from runtime.parallel.spatial.geometry import SpatialSpec
 from runtime.step_work import StepWork
-from runtime.tensor_parallel import FeatureSplit, ModuleShard, ParamShard, shard_dim
+from runtime.parallel.tensor.layers import FeatureSplit, ModuleShard, ParamShard, shard_dim
 from runtime.vocab import DType, Recompute
 
 INITS = ("seed", "per-module", "checkpoint")
@@ -214,7 +214,7 @@ class StageSpec:
         output_split: on the last stage, how the model output's last dimension is split
             over the tensor axis (vocabulary-parallel logits), else None.
         recompute: a runtime.vocab.Recompute value (the generated code applies it).
-        spatial: how the stage splits images into tiles (runtime.spatial_geometry.SpatialSpec), or None.
+        spatial: how the stage splits images into tiles (runtime.parallel.spatial.geometry.SpatialSpec), or None.
         shared: the model's names of each parameter this stage holds that the model uses under
             several names (tied weights), canonical name first. The stage module holds one
             copy, under one of those names; other stages may hold copies too (runtime/ties.py).

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from runtime.chunked_loss import chunked_cross_entropy, chunked_eval
 from runtime.comm import TorchCommunicator
-from runtime.tensor_parallel import vocab_parallel_embedding
+from runtime.parallel.tensor.layers import vocab_parallel_embedding
 
 FP64, BF16 = 1e-10, 2e-2   # tolerances relative to the largest value (tests/unit/test_chunked_loss.py says why)
 

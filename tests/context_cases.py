@@ -1,7 +1,7 @@
 """Context-parallel attention cases on real processes, and their single-process reference.
 
 A case is random q, k, v and an output gradient of full sequences (fixed seed); every rank takes its
-layout's tokens, runs runtime.context_attention forward and backward, and saves its output and the
+layout's tokens, runs runtime.parallel.context.attention forward and backward, and saves its output and the
 gradients of its q, k, v. The reference is full-sequence scaled_dot_product_attention on one process;
 its rows in each rank's layout order are what that rank must hold.
 """
@@ -53,7 +53,7 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out: str) -> N
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     from runtime.comm import TorchCommunicator
-    from runtime.context_attention import chunk_layout, context_attention
+    from runtime.parallel.context.attention import chunk_layout, context_attention
 
     comm = TorchCommunicator("gloo", rank, world, "127.0.0.1", port, timeout=60)
     try:

@@ -74,9 +74,9 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out: str) -> N
     """One rank: every case in turn; writes out/<case>_rank<r>.pt with losses and parameters."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from codegen.spatial_tiles import tile_model
+    from codegen.strategies.spatial.tiles import tile_model
     from runtime.comm import TorchCommunicator
-    from runtime.spatial_geometry import TileLayout
+    from runtime.parallel.spatial.geometry import TileLayout
 
     comm = TorchCommunicator("gloo", rank, world, "127.0.0.1", port, timeout=60)
     try:

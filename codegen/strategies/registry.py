@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from codegen.strategies.base import LoweringStrategy, Placement
 from codegen.strategies.bidirectional import Bidirectional
-from codegen.strategies.context import Context
+from codegen.strategies.context.strategy import Context
 from codegen.strategies.data import Data
 from codegen.strategies.pipeline import Pipeline
-from codegen.strategies.spatial import Spatial
-from codegen.strategies.subgraph import Subgraph
+from codegen.strategies.spatial.strategy import Spatial
+from codegen.strategies.subgraph.strategy import Subgraph
 from planner.plan import Plan
 
 STRATEGIES: tuple[LoweringStrategy, ...] = (Data(), Pipeline(), Bidirectional(), Spatial(), Subgraph(), Context())

@@ -6,7 +6,7 @@ by runtime/torch_stack) and the generated torch script (written out as explicit 
 layout is plain data: frozen records with a JSON round trip, enums where a choice is made; the apply
 side (runtime/torch_stack) takes its `to_dict()` and never imports codegen.
 
-Tensor parallelism comes from the plan's `tensor_splits` (planner/tensor_split/splits.py), by module
+Tensor parallelism comes from the plan's `tensor_splits` (planner/strategies/tensor/split/splits.py), by module
 path: every module whose weight the plan splits gets a style, chosen from the role the plan gave the
 op that reads the weight (runtime.vocab.ShardRole):
   COLUMN      -> COLWISE (torch's ColwiseParallel: output features in contiguous blocks), or
@@ -51,7 +51,7 @@ from codegen.torch_target.pipeline import pipeline_layout
 from planner.binding import graph_mismatch
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
-from runtime.tensor_parallel import FeatureSplit
+from runtime.parallel.tensor.layers import FeatureSplit
 from runtime.torch_stack.pipeline_layout import PipelineLayout
 from runtime.torch_stack.vocab import DataKind, TensorStyle
 from runtime.vocab import MeshAxis, Recompute, ShardRole

@@ -10,7 +10,7 @@ instruction has costs no op carries, and on small models they are most of a step
   as the difference between a last stage and the same modules as a middle stage, at two
   logits sizes (a fixed part and a part per logits element);
 - ZERO_GRAD: zeroing gradient tensors or flat buckets: `time_zero_grad`;
-- what tensor parallelism adds besides its all-reduces (runtime.tensor_parallel: the autograd
+- what tensor parallelism adds besides its all-reduces (runtime.parallel.tensor.layers: the autograd
   functions around the in-layer all-reduces of column- and row-parallel layers, the
   vocabulary-parallel embedding's masking and the vocabulary-parallel loss):
   `time_tensor_parallel`.
@@ -33,7 +33,7 @@ from cost_models.calibration.ops import one_thread
 from runtime.losses import compute_loss
 from runtime.spec import Boundary, StageSpec
 from runtime.stage import StageRunner
-from runtime.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from runtime.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 WIDTH = 96                   # features of the reference stage's layers (no example model's width)
 ROWS = 2                     # samples per micro-batch
@@ -157,7 +157,7 @@ VOCAB = 512                  # rows of the reference embedding table (half on ea
 
 
 def time_tensor_parallel(*, quick: bool = True) -> dict[str, list]:
-    """What the tensor-parallel runtime (runtime.tensor_parallel, a group of two whose
+    """What the tensor-parallel runtime (runtime.parallel.tensor.layers, a group of two whose
     all-reduces do nothing) costs beyond the same ops unsplit, at two sizes each:
 
         {"wrapper":         [[elements, forward s, backward s], ...] per in-layer all-reduce,

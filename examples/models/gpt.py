@@ -187,7 +187,7 @@ class CausalSelfAttention(nn.Module):
     ``q`` (C -> C), ``k`` and ``v`` (C -> KV*D), each column-parallel; every key/value
     head serves num_heads / num_kv_heads consecutive query heads. Tensor parallelism splits
     q by its heads and k, v by theirs in matching contiguous blocks (the tensor degree must
-    divide num_kv_heads; planner/tensor_split/rules.py).
+    divide num_kv_heads; planner/strategies/tensor/split/rules.py).
     """
 
     def __init__(self, cfg: GPTConfig):

@@ -98,7 +98,7 @@ RULES: tuple[Rule, ...] = (
           Conflict(lambda c: "spatial > 1", _spatial),
           Conflict(lambda c: "subgraph > 1", _subgraph)),
          lambda c, names: f"context={c.context} does not combine with {names}; use context=1 or drop those"),
-    # codegen/spatial.py lowers tiles with the first stage holding the spatial part, untensored and stored.
+    # codegen/strategies/spatial/program.py lowers tiles with the first stage holding the spatial part, untensored and stored.
     Rule(StrategyName.SPATIAL, Level.RUNTIME, _spatial,
          (Conflict(lambda c: f"the {c.schedule} schedule",
                    lambda c: c.schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B)),
@@ -106,13 +106,13 @@ RULES: tuple[Rule, ...] = (
           Conflict(lambda c: f"recompute {c.recompute!r}", lambda c: c.recompute != Recompute.NONE)),
          lambda c, names: "the runtime runs spatial tiles with gpipe/1f1b/bidirectional pipelines, tensor 1 and no "
                           f"recompute, not with {names}"),
-    # codegen/context.py rewrites the captured graph for the chunks before the tensor-parallel split; sequence
+    # codegen/strategies/context/stage_code.py rewrites the captured graph for the chunks before the tensor-parallel split; sequence
     # parallelism's split of the stream over the tensor ranks is not proven on those chunks (Megatron runs both).
     Rule(StrategyName.CONTEXT, Level.RUNTIME, _context,
          (Conflict(lambda c: "sequence parallelism", lambda c: c.sequence_parallel),),
          lambda c, names: f"the runtime runs context parallelism (context={c.context}) without {names} "
                           "(sequence_parallel=False) so far"),
-    # runtime/subgraph.py keeps each path's parameters whole on its sub-grid.
+    # runtime/parallel/subgraph/regions.py keeps each path's parameters whole on its sub-grid.
     Rule(StrategyName.SUBGRAPH, Level.RUNTIME, _subgraph,
          (Conflict(lambda c: f"ZeRO stage {c.zero}", lambda c: c.zero != 0),),
          lambda c, _: f"the runtime runs sub-graph parallelism with ZeRO 0, not ZeRO stage {c.zero}"),

@@ -116,7 +116,7 @@ def check_config(ev, config: ParallelConfig) -> None:
                           f"by 2c, or a sequence length divisible by {2 * c}")
     if config.context_attention != ContextAttention.ULYSSES:
         return
-    # the tensor strategy's head split depends on these (its per-layer choice, planner/strategies/tensor.py)
+    # the tensor strategy's head split depends on these (its per-layer choice, planner/strategies/tensor/strategy.py)
     key = ("ulysses", c, config.tensor, config.micro_batch_size, config.dtype)
     refusal = _cache(ev, key, lambda: _ulysses_refusal(ev, config))
     if refusal:
@@ -124,9 +124,9 @@ def check_config(ev, config: ParallelConfig) -> None:
 
 
 def _dropout_refusal(ev) -> str | None:
-    """Why the context-parallel attention (runtime/context_attention.py, which has no dropout) cannot
+    """Why the context-parallel attention (runtime/parallel/context/attention.py, which has no dropout) cannot
     run `ev`'s model, or None: an attention op with dropout (scaled_dot_product_attention's dropout_p,
-    keyword or fifth argument); codegen/context.py refuses the same at build time."""
+    keyword or fifth argument); codegen/strategies/context/stage_code.py refuses the same at build time."""
     for n in ev.graph.nodes:
         p = n.attr("dropout_p", n.attr("arg4", 0.0)) if n.kind == "attention" else 0.0
         if isinstance(p, (int, float)) and p > 0:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from planner.subgraph import describe as describe_regions
+from planner.strategies.subgraph.regions import describe as describe_regions
 from runtime.vocab import MeshAxis, Schedule, StrategyName
 
 if TYPE_CHECKING:

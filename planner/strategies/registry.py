@@ -13,8 +13,8 @@ from planner.strategies.context import ContextStrategy
 from planner.strategies.data import DataStrategy
 from planner.strategies.pipeline import PipelineStrategy
 from planner.strategies.spatial import SpatialStrategy
-from planner.strategies.subgraph import SubgraphStrategy
-from planner.strategies.tensor import TensorStrategy
+from planner.strategies.subgraph.strategy import SubgraphStrategy
+from planner.strategies.tensor.strategy import TensorStrategy
 
 STRATEGIES: tuple[Strategy, ...] = (
     DataStrategy(),

@@ -39,7 +39,7 @@ def _is_window(n: OpInfo) -> bool:
 
 
 def _tileable(n: OpInfo) -> bool:
-    """Whether the generated stage code runs this node on image tiles (codegen/spatial_tiles.py)."""
+    """Whether the generated stage code runs this node on image tiles (codegen/strategies/spatial/tiles.py)."""
     if n.kind in ("input", "scalar"):
         return True
     if _is_window(n):
@@ -161,7 +161,7 @@ class SpatialPricer:
         if layer.index == k:  # the tiles are gathered into the full activation after this layer
             gather = spatial("all_gather", cost.boundary)
             # backward sums the full activation's gradient over the tiles (as lowered plans run,
-            # codegen/spatial.py), then each device keeps its tile
+            # codegen/strategies/spatial/program.py), then each device keeps its tile
             gather_back = spatial("all_reduce", cost.boundary)
             boundary = cost.boundary
         hit = dataclasses.replace(

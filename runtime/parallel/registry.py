@@ -9,10 +9,10 @@ runtime/parallel/<name>.py (a RuntimeStrategy) and list it here.
 from __future__ import annotations
 
 from runtime.parallel.base import RuntimeStrategy
-from runtime.parallel.context import Context
-from runtime.parallel.spatial import Spatial
-from runtime.parallel.subgraph import Subgraph
-from runtime.parallel.tensor import Tensor
+from runtime.parallel.context.strategy import Context
+from runtime.parallel.spatial.strategy import Spatial
+from runtime.parallel.subgraph.strategy import Subgraph
+from runtime.parallel.tensor.strategy import Tensor
 
 STRATEGIES: tuple[RuntimeStrategy, ...] = (Spatial(), Tensor(), Subgraph(), Context())
 

@@ -11,7 +11,7 @@ rows of some rank.
 import pytest
 import torch
 
-from runtime.context_layout import chunk_layout
+from runtime.parallel.context.layout import chunk_layout
 from tests.context_cases import Case, reference, run_cases
 
 CASES = [Case(mode, causal, t) for mode in ("ring", "ulysses") for causal in (True, False) for t in (16, 32)] + [

@@ -15,7 +15,7 @@ PROBE = """
 import torch
 from runtime.comm_mpi import MpiCommunicator
 from tests.context_cases import Case, inputs, reference
-from runtime.context_attention import chunk_layout, context_attention
+from runtime.parallel.context.attention import chunk_layout, context_attention
 c = MpiCommunicator(timeout=60); g = c.group(range(c.world_size))
 for case in (Case("ring", True, 16), Case("ulysses", True, 16), Case("ring", False, 32, kv_heads=2)):
     layout = chunk_layout(case.seq_len, 2, c.rank)

@@ -6,7 +6,7 @@ integers, so it has no shape-only run.)"""
 import torch
 
 from runtime.chunked_loss import chunked_cross_entropy
-from runtime.tensor_parallel import ShapeGroup
+from runtime.parallel.tensor.layers import ShapeGroup
 
 
 def test_meta_tensors_with_a_shape_group_give_the_shapes():

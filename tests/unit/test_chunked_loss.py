@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from runtime.chunked_loss import (CHUNK_LOGITS_BYTES, ChunkedLossError, auto_chunk_tokens, chunked_cross_entropy,
                                   chunked_eval, grads_in_forward)
 from runtime.comm import SoloGroup
-from runtime.tensor_parallel import ShapeGroup
+from runtime.parallel.tensor.layers import ShapeGroup
 
 
 def _inputs(shape, vocab, c, dtype, *, bias=True, seed=0, valid=None, ignored=0):

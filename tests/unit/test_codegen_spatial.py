@@ -1,4 +1,4 @@
-"""Lowering spatial plans (codegen/strategies/spatial.py, codegen/spatial.py): the data-parallel twin's
+"""Lowering spatial plans (codegen/strategies/spatial/strategy.py, codegen/strategies/spatial/program.py): the data-parallel twin's
 Programs plus each stage's SpatialSpec; plans the runtime cannot run with tiles are refused naming the knob."""
 
 import pytest
@@ -6,7 +6,7 @@ import pytest
 import planner
 from codegen.emit import capture_ref
 from codegen.lower import LoweringError, lower_plan
-from codegen.spatial import spatial_twin
+from codegen.strategies.spatial.program import spatial_twin
 from runtime.spec import StageSpec
 from runtime.vocab import MeshAxis
 

@@ -1,4 +1,4 @@
-"""codegen.tensor_split: the split dimension followed through real graphs, shape constants rewritten,
+"""codegen.strategies.tensor.split: the split dimension followed through real graphs, shape constants rewritten,
 and the rewritten graph on 2 thread ranks (real gloo) equal to the full model, forward and backward."""
 
 import copy
@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import planner
-from codegen.tensor_split import TensorSplitError, split_graph
-from planner.sharding import find_sharding
+from codegen.strategies.tensor.split import TensorSplitError, split_graph
+from planner.strategies.tensor.sharding import find_sharding
 from runtime.losses import compute_loss
 from runtime.reference import local_slice
-from runtime.tensor_parallel import FeatureSplit, shard_dim, shard_module
+from runtime.parallel.tensor.layers import FeatureSplit, shard_dim, shard_module
 from tests.tp_threads import run_ranks
 
 

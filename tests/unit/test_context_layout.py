@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from runtime.comm import SoloGroup
-from runtime.context_attention import ContextAttentionError, context_attention
-from runtime.context_layout import ContextLayoutError, assemble, chunk_layout, sequence_order
-from runtime.tensor_parallel import ShapeGroup
+from runtime.parallel.context.attention import ContextAttentionError, context_attention
+from runtime.parallel.context.layout import ContextLayoutError, assemble, chunk_layout, sequence_order
+from runtime.parallel.tensor.layers import ShapeGroup
 
 
 def test_sixteen_tokens_over_two_ranks():

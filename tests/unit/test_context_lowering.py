@@ -9,14 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import planner
-from codegen.context import context_spec
+from codegen.strategies.context.stage_code import context_spec
 from codegen.lower import lower_plan
 from codegen.strategies.base import LoweringError
 from planner.app.commands import make_fixed_plan
 from runtime.comm import SoloGroup
-from runtime.context_layout import chunk_layout
+from runtime.parallel.context.layout import chunk_layout
 from runtime.instr_set import ProgramError
-from runtime.parallel.context import ContextBatches, ContextRank
+from runtime.parallel.context.strategy import ContextBatches, ContextRank
 from runtime.program import ContextShard, Program
 from tests.parallel_cases import graph_of, plan_for
 

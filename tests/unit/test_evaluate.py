@@ -12,7 +12,7 @@ from cost_models.hardware import Cluster, Device, Link
 from cost_models.prediction import Prediction
 from examples.models import gpt, mlp
 from planner import ConfigError, ParallelConfig
-from planner.sharding import find_sharding
+from planner.strategies.tensor.sharding import find_sharding
 
 
 def _graph(mod=gpt, batch=4, **kw):

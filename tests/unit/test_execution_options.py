@@ -22,7 +22,7 @@ from runtime.checkpoint_restore import unshard
 from runtime.execution import Execution
 from runtime.reference import local_slice
 from runtime.spec import StageSpec, TrainSpec
-from runtime.tensor_parallel import FeatureSplit, ShardError
+from runtime.parallel.tensor.layers import FeatureSplit, ShardError
 from tests.parallel_cases import graph_of, plan_for
 
 GPT = "examples/models/gpt.py:build"

@@ -16,11 +16,11 @@ from codegen.lower import lower
 from codegen.partition import partition
 from planner.capabilities import MESHPLAN_RUNTIME
 from planner.graph.capture import capture_ref
-from planner.sharding import find_sharding
-from planner.tensor_split.analysis import unsplittable
+from planner.strategies.tensor.sharding import find_sharding
+from planner.strategies.tensor.split.analysis import unsplittable
 from planner.graph.ties import tied_weights
 from runtime.losses import compute_loss
-from runtime.tensor_parallel import FeatureSplit
+from runtime.parallel.tensor.layers import FeatureSplit
 from tests.tp_threads import run_ranks
 
 HF = "examples/models/hf.py:build"

@@ -13,9 +13,9 @@ import planner
 from examples.models import gpt
 from planner import ConfigError, Plan
 from planner.graph.capture import capture_ref
-from planner.sharding import find_sharding
-from planner.tensor_split.rules import Split, _Fail, _grouped_heads, _State
-from runtime.tensor_parallel import FeatureSplit
+from planner.strategies.tensor.sharding import find_sharding
+from planner.strategies.tensor.split.rules import Split, _Fail, _grouped_heads, _State
+from runtime.parallel.tensor.layers import FeatureSplit
 
 # hidden 64 = 8 heads of 8; 2 key/value heads, each read by 4 consecutive query heads
 LLAMA_LIKE = dict(hidden=64, num_heads=8, num_kv_heads=2, activation="swiglu", mlp_hidden=96, bias=False)

@@ -78,7 +78,7 @@ def test_hf_flops_match_flop_counter(name):
               "attention.output.dense": "row", "intermediate.dense": "column", "output.dense": "row"}),
 ])
 def test_tensor_parallel_roles_found_without_model_special_cases(name, pairs):
-    from planner.sharding import find_sharding
+    from planner.strategies.tensor.sharding import find_sharding
 
     cls, cfg, block_prefix = MODELS[name]("sdpa")
     with torch.device("meta"):

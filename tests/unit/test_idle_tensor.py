@@ -2,7 +2,7 @@
 (the example GPT at preset tiny on two A100s: its layers are too small for the collectives to pay), so
 the tensor ranks repeat each other's work. Such a plan (fixed by make_plan, pinned by a constraint, or
 the search's cheapest) says so in its summary and in planner.explain. And a sequence-parallel split
-with no region to begin it is refused, not a crash (planner/tensor_split/sequence.py)."""
+with no region to begin it is refused, not a crash (planner/strategies/tensor/split/sequence.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 import planner
 from planner.graph.capture import capture_ref
-from planner.tensor_split.analysis import SplitCache
-from planner.tensor_split.sequence import SequenceSplitError, sequence_stream
+from planner.strategies.tensor.split.analysis import SplitCache
+from planner.strategies.tensor.split.sequence import SequenceSplitError, sequence_stream
 
 NOTE = "the tensor axis splits nothing: every tensor-parallel region is cheaper replicated on dgx-a100-80gb, so " \
        "the 2 tensor ranks of each replica do the same work, as one device would"

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import ring_attention
-from runtime.context_attention import context_attention
-from runtime.context_layout import assemble, chunk_layout
-from runtime.ring_attention import CpuFlashBlocks, MatmulBlocks, _tasks, _tiles
+from runtime.parallel.context import ring as ring_attention
+from runtime.parallel.context.attention import context_attention
+from runtime.parallel.context.layout import assemble, chunk_layout
+from runtime.parallel.context.ring import CpuFlashBlocks, MatmulBlocks, _tasks, _tiles
 from tests.tp_threads import run_ranks
 
 

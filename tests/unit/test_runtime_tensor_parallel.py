@@ -1,4 +1,4 @@
-"""runtime.tensor_parallel: feature splits, sharded modules, and their collectives (2 thread ranks, gloo)."""
+"""runtime.parallel.tensor.layers: feature splits, sharded modules, and their collectives (2 thread ranks, gloo)."""
 
 import copy
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.tensor_parallel import (FeatureSplit, ModuleShard, ShardError, gather_whole, sequence_grads,
+from runtime.parallel.tensor.layers import (FeatureSplit, ModuleShard, ShardError, gather_whole, sequence_grads,
                                      shard_module, vocab_parallel_cross_entropy)
 from tests.tp_threads import run_ranks
 

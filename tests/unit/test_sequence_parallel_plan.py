@@ -12,9 +12,9 @@ from codegen.partition import partition
 from planner.app.cli import build_parser
 from planner.app.cli_args import check_constraints
 from planner.evaluator import Evaluator
-from planner.sharding import find_sharding
-from planner.tensor_split.sequence import SequenceSplitError, sequence_stream
-from runtime.tensor_parallel import FeatureSplit, ModuleShard
+from planner.strategies.tensor.sharding import find_sharding
+from planner.strategies.tensor.split.sequence import SequenceSplitError, sequence_stream
+from runtime.parallel.tensor.layers import FeatureSplit, ModuleShard
 from runtime.vocab import MeshAxis, ShardRole
 from tests.unit.test_evaluate import _cpu_cluster, _graph
 from tests.fixed_machine import local_cluster

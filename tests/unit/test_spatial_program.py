@@ -1,6 +1,6 @@
 """Spatial parallelism as the build states it: each rank's Program names its tile and spatial group
 (runtime.program.SpatialTiles, JSON round trip, checked fields), and the first stage's generated
-code calls the tile ops itself (codegen/spatial_tiles.py), so the runtime traces nothing."""
+code calls the tile ops itself (codegen/strategies/spatial/tiles.py), so the runtime traces nothing."""
 
 import dataclasses
 import json
@@ -11,8 +11,8 @@ import planner
 from codegen.emit import capture_ref
 from codegen.lower import lower_plan
 from runtime.program import Instr, Program, ProgramError, SpatialTiles
-from runtime.spatial import SpatialContext
-from runtime.spatial_geometry import SpatialError
+from runtime.parallel.spatial.tiles import SpatialContext
+from runtime.parallel.spatial.geometry import SpatialError
 
 REF = "examples/models/large_image_cnn.py:build"
 KW = {"image_size": 64, "layers": [[4, 3, 1], [4, 3, 2]], "num_classes": 3, "in_channels": 2}

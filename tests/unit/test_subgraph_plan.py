@@ -9,7 +9,7 @@ from planner.evaluator import Evaluator
 from codegen.emit import capture_ref
 from codegen.lower import lower
 from planner import ConfigError, ParallelConfig
-from planner.subgraph import SubgraphError, describe, module_owners, split_regions
+from planner.strategies.subgraph.regions import SubgraphError, describe, module_owners, split_regions
 from runtime.vocab import MeshAxis
 from tests.parallel_cases import graph_of
 from tests.fixed_machine import local_cluster

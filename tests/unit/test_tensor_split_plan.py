@@ -13,9 +13,9 @@ from codegen.partition import partition
 from examples.models import gpt
 from planner import ConfigError, NoFeasiblePlan, Plan
 from planner.plan import PLAN_FORMAT_VERSION
-from planner.tensor_split.analysis import SplitCache, tensor_splits
-from planner.tensor_split.rules import TensorSplitError
-from runtime.tensor_parallel import FeatureSplit
+from planner.strategies.tensor.split.analysis import SplitCache, tensor_splits
+from planner.strategies.tensor.split.rules import TensorSplitError
+from runtime.parallel.tensor.layers import FeatureSplit
 from tests.fixed_machine import local_cluster
 
 

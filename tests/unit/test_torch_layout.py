@@ -13,7 +13,7 @@ import planner
 from codegen.torch_target.layout import (DataKind, DataLayout, MeshDim, ModuleStyle, TensorStyle, TorchLayout,
                                          TorchLayoutError, _style, torch_layout)
 from planner.app.commands import make_fixed_plan
-from runtime.tensor_parallel import FeatureSplit
+from runtime.parallel.tensor.layers import FeatureSplit
 from runtime.vocab import MeshAxis, Recompute, ShardRole
 from tests.real_models import HF, graph_of
 

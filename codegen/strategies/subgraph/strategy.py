@@ -1,0 +1,37 @@
+"""Sub-graph parallelism (SUPER) in the lowering: a rank holds only its sub-grid's paths.
+
+The stage code itself (one method per path and per region, calling the stage's
+SubgraphContext) is written by codegen/strategies/subgraph/regions.py while the partition cuts the stages; here a
+rank's gradient buckets leave out the parameters of paths another sub-grid runs
+(planner.strategies.subgraph.regions.module_owners), since the rank neither holds nor trains them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from codegen.strategies.base import Lowering, LoweringStrategy, Params, RankPlan
+from planner.plan import Plan
+from planner.strategies.subgraph.regions import module_owners
+from runtime.vocab import MeshAxis, StrategyName
+
+
+class Subgraph(LoweringStrategy):
+    """Branches placed on sub-grids (the subgraph mesh axis)."""
+
+    name = StrategyName.SUBGRAPH
+
+    def active(self, plan: Plan) -> bool:
+        return bool(plan.subgraph)
+
+    def param_filter(self, lw: Lowering) -> Callable[[RankPlan, Params], Params]:
+        owners = module_owners(lw.graph, lw.plan.subgraph)
+        axes = [a for a, _ in lw.mesh]
+
+        def held(rp: RankPlan, params: Params) -> Params:
+            grid = rp.coords[axes.index(MeshAxis.SUBGRAPH)] if MeshAxis.SUBGRAPH in axes else 0
+            return [q for q in params if owners.get(q[0], owners.get(q[0].rsplit(".", 1)[0], grid)) == grid]
+        return held
+
+
+__all__ = ["Subgraph"]

@@ -1,0 +1,3 @@
+"""Tensor parallelism decided once, when the plan is made: the split rules (rules.py), the
+analysis of a graph under the plan's roles (analysis.py) and the decision the Plan stores
+(splits.py); codegen/strategies/tensor/split.py only applies it."""

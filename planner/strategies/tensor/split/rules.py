@@ -1,0 +1,629 @@
+"""The split rules of tensor parallelism: which dimension of every value of an fx graph is divided
+over the tensor ranks, and how (planner/strategies/tensor/split/analysis.py drives them; codegen/strategies/tensor/split.py
+applies what they decide).
+
+A `Split` follows the split dimension from the column ops the plan names through views,
+permutes, indexing, elementwise ops and attention, op by op (`_rule`); where a reshape offers
+several factors of the split dimension, `_search` backtracks over the choices until the whole
+graph analyses cleanly, or raises TensorSplitError naming the node, what it calls and where.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from planner.graph.ops import module_path_of, target_name
+from planner.strategies.tensor.split.weight_op import weight_op
+from runtime.parallel.tensor.layers import FeatureSplit, ShardError
+from runtime.vocab import ShardRole
+
+
+_ELEMENTWISE_FUNCS = {
+    "add", "sub", "mul", "truediv", "div", "floordiv", "neg", "pow", "relu", "relu_", "gelu", "silu", "sigmoid",
+    "tanh", "exp", "log", "sqrt", "rsqrt", "abs", "erf", "softplus", "mish", "hardswish", "hardsigmoid",
+    "leaky_relu", "elu", "selu", "celu", "dropout", "dropout1d", "dropout2d", "dropout3d", "masked_fill",
+    "where", "clamp", "clip", "square", "sin", "cos", "reciprocal", "iadd", "imul", "isub", "mod", "to", "float",
+    "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach", "relu6", "logical_not",
+    "mul_", "add_", "tanh_", "sigmoid_", "gelu_", "silu_", "sign", "maximum", "minimum",
+    "lerp", "addcmul", "addcdiv", "nan_to_num", "view_as", "expand_as",
+}
+_ELEMENTWISE_MODULES = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.Mish,
+    nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Identity,
+    nn.AlphaDropout,
+)
+_POOL_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+                 nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
+                 nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
+_POOL_FUNCS = {"max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+               "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d"}
+_RESHAPES = {"view", "reshape", "unflatten", "flatten", "squeeze", "unsqueeze", "_unsafe_view"}
+
+
+class TensorSplitError(ShardError):
+    """A tensor-parallel sharding that cannot be carried out; the message names the node, and
+    `node` holds its fx name where one node is to blame (None otherwise)."""
+
+    node: str | None = None
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    """A non-negative dimension index for `d` in a tensor of `ndim` dimensions."""
+    return d + ndim if d < 0 else d
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one value is split: dimension `dim`, whose full size is prod(factors) and
+    whose factor `split` is divided over the ranks (None: not decided yet, then
+    factors == (size,) and `origin` names the column op whose partition is pending)."""
+
+    dim: int
+    factors: tuple[int, ...]
+    split: int | None
+    origin: str | None = None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.factors)
+
+
+class _Fail(Exception):
+    def __init__(self, node: str, msg: str):
+        super().__init__(msg)
+        self.node = node
+
+
+@dataclass
+class _State:
+    t: int
+    choices: dict[str, int]
+    taken: list[tuple[str, int, int]] = field(default_factory=list)   # (node, chosen, candidates)
+    param_uses: list[tuple[str, str, Any]] = field(default_factory=list)  # (ATen weight op, role, Split / rows)
+    # a replicated tensor meeting a split one: (reading node, tensor, its dimension, the split it meets)
+    scatters: list[tuple[str, str, int, Split]] = field(default_factory=list)
+    decided: dict[str, FeatureSplit] = field(default_factory=dict)    # origin root -> partition
+    parent: dict[str, str] = field(default_factory=dict)              # union-find of origins
+
+    def root(self, o: str) -> str:
+        while self.parent.get(o, o) != o:
+            o = self.parent[o]
+        return o
+
+    def union(self, a: str, b: str) -> None:
+        ra, rb = self.root(a), self.root(b)
+        if ra != rb:
+            self.parent[rb] = ra
+            if rb in self.decided and ra not in self.decided:
+                self.decided[ra] = self.decided.pop(rb)
+
+    def choose(self, node: str, candidates: int) -> int:
+        if candidates == 0:
+            raise _Fail(node, "no factor of the split dimension is divisible by the tensor degree")
+        c = self.choices.get(node, 0)
+        if c >= candidates:
+            c = candidates - 1
+        self.taken.append((node, c, candidates))
+        return c
+
+
+def _resolve(s: Split | None, st: _State) -> Split | None:
+    """An undecided split whose origin has been decided since, written with the decision."""
+    if s is None or s.split is not None:
+        return s
+    d = st.decided.get(st.root(s.origin))
+    if d is None:
+        return s
+    return Split(s.dim, d.factors, d.split)
+
+
+def _feature_split(s: Split, st: _State) -> FeatureSplit:
+    """The final partition of a value's split dimension (undecided -> contiguous)."""
+    s = _resolve(s, st)
+    if s.split is None:
+        root = st.root(s.origin)
+        st.decided[root] = FeatureSplit(s.factors, 0)
+        return st.decided[root]
+    return FeatureSplit(s.factors, s.split)
+
+
+def _map_reshape(node: str, in_shape, out_shape, s: Split, st: _State) -> Split:
+    """Follow a split dimension through a reshape (view/reshape/unflatten/flatten/squeeze)."""
+    t = st.t
+    s = _resolve(s, st)
+    atoms: list[list] = []   # [size, tag]; tag: "S" split atom, ("U", k) undecided piece, None
+    for i, size in enumerate(in_shape):
+        if i == s.dim:
+            if s.split is None:
+                atoms.append([size, ("U", 0)])
+            else:
+                for k, f in enumerate(s.factors):
+                    atoms.append([f, "S" if k == s.split else None])
+        else:
+            atoms.append([size, None])
+    atoms = [a for a in atoms if a[0] != 1]
+    groups: list[list[list]] = []
+    ai = 0
+    for so in out_shape:
+        group: list[list] = []
+        prod = 1
+        if so == 1:
+            groups.append(group)
+            continue
+        while prod < so:
+            if ai >= len(atoms):
+                raise _Fail(node, f"cannot follow the split dimension through a reshape of {tuple(in_shape)} "
+                                  f"to {tuple(out_shape)}")
+            size, tag = atoms[ai]
+            if prod * size <= so and so % (prod * size) == 0:
+                group.append(atoms[ai])
+                prod *= size
+                ai += 1
+                continue
+            need = so // prod
+            if so % prod or size % need:
+                raise _Fail(node, f"the reshape of {tuple(in_shape)} to {tuple(out_shape)} cuts across the "
+                                  "split dimension")
+            if tag == "S":
+                if need % t:
+                    raise _Fail(node, f"the reshape splits the tensor-parallel dimension into {need} x "
+                                      f"{size // need}, and {t} does not divide {need}")
+                first, second = [need, "S"], [size // need, None]
+            elif isinstance(tag, tuple):
+                first, second = [need, ("U", 0)], [size // need, ("U", 0)]
+            else:
+                first, second = [need, None], [size // need, None]
+            atoms[ai:ai + 1] = [first, second]
+        groups.append(group)
+    if ai != len(atoms):
+        raise _Fail(node, f"cannot follow the split dimension through a reshape of {tuple(in_shape)} to "
+                          f"{tuple(out_shape)}")
+    if s.split is not None:
+        for o, g in enumerate(groups):
+            for k, a in enumerate(g):
+                if a[1] == "S":
+                    return Split(o, tuple(x[0] for x in g), k)
+        raise AssertionError("split atom lost")
+    pieces = [(o, k, a) for o, g in enumerate(groups) for k, a in enumerate(g) if isinstance(a[1], tuple)]
+    root = st.root(s.origin)
+    if len(pieces) == 1:
+        o, k, a = pieces[0]
+        if len(groups[o]) == 1:
+            return Split(o, (a[0],), None, s.origin)
+        st.decided[root] = FeatureSplit((a[0],), 0)
+        return Split(o, tuple(x[0] for x in groups[o]), k)
+    cands = [i for i, (_o, _k, a) in enumerate(pieces) if a[0] % t == 0]
+    c = cands[st.choose(node, len(cands))]
+    st.decided[root] = FeatureSplit(tuple(a[0] for _o, _k, a in pieces), c)
+    o, k, _a = pieces[c]
+    return Split(o, tuple(x[0] for x in groups[o]), k)
+
+
+def _index_map(node: str, ndim: int, index, s: Split) -> Split:
+    """Follow the split dimension through tensor[index] (ints, slices, None, Ellipsis)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(i, (torch.Tensor, fx.Node, list)) for i in items):
+        raise _Fail(node, "advanced (tensor or list) indexing of a tensor-parallel value is not supported")
+    consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
+    out_dim, in_dim = 0, 0
+    for i in items:
+        if i is Ellipsis:
+            skip = ndim - consumed
+            if in_dim <= s.dim < in_dim + skip:
+                return Split(out_dim + s.dim - in_dim, s.factors, s.split, s.origin)
+            in_dim += skip
+            out_dim += skip
+        elif i is None:
+            out_dim += 1
+        elif isinstance(i, int):
+            if in_dim == s.dim:
+                raise _Fail(node, "indexing selects along the tensor-parallel dimension")
+            in_dim += 1
+        elif isinstance(i, slice):
+            if in_dim == s.dim and (i.start not in (None, 0) or i.stop is not None or i.step not in (None, 1)):
+                raise _Fail(node, "slicing along the tensor-parallel dimension")
+            if in_dim == s.dim:
+                return Split(out_dim, s.factors, s.split, s.origin)
+            in_dim += 1
+            out_dim += 1
+        else:
+            raise _Fail(node, f"unsupported index {i!r} on a tensor-parallel value")
+    return Split(out_dim + s.dim - in_dim, s.factors, s.split, s.origin)
+
+
+def _input_nodes(x: Any, out: list) -> list:
+    """The fx Nodes among a node's arguments, in order and with repeats: the Node leaves
+    torch.utils._pytree.tree_flatten finds (slices stay leaves), without its cost per node."""
+    if isinstance(x, fx.Node):
+        out.append(x)
+    elif isinstance(x, (tuple, list)):
+        for i in x:
+            _input_nodes(i, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _input_nodes(v, out)
+    return out
+
+
+def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st: _State):
+    """One pass over the graph; returns (value splits, module uses, output split)."""
+    vals: dict[str, Any] = {}       # node -> Split | tuple of Split | None
+    uses: list[tuple[str, str, str, Any]] = []   # (node, module path or node, role, Split/size)
+
+    def split_of(a):
+        if isinstance(a, fx.Node):
+            v = vals.get(a.name)
+            if isinstance(v, Split):
+                return _resolve(v, st)
+        return None
+
+    for n in gm.graph.nodes:
+        name = n.name
+        role = roles.get(name, "replicate")
+        out = full.get(name)
+        tensor_args = _input_nodes((n.args, n.kwargs), [])
+        in_splits = [(a, split_of(a)) for a in tensor_args]
+        sharded = [(a, s) for a, s in in_splits if s is not None]
+        tuple_inputs = [a for a in tensor_args if isinstance(vals.get(a.name), tuple)]
+        if n.op in ("placeholder", "get_attr"):
+            vals[name] = None
+            continue
+        if n.op == "output":
+            res = n.args[0]
+            if sharded:
+                if isinstance(res, (tuple, list)) and res and isinstance(res[0], fx.Node) and \
+                        all(split_of(r) is None for r in res[1:]):
+                    res = res[0]   # (logits, ...): the loss reads the first output
+                if not isinstance(res, fx.Node):
+                    raise _Fail(name, "the model returns several values and one of them other than the first is "
+                                      "split over the tensor axis; only the first (the logits) may be")
+                s = split_of(res)
+                if s.dim != len(full[res.name].shape) - 1:
+                    raise _Fail(res.name, "the model output is split on a dimension other than the last")
+                uses.append((name, "", "output", s))
+            continue
+        mod = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
+        tname = target_name(n, mod) if n.op != "call_module" else type(mod).__name__
+        base = tname.rsplit(".", 1)[-1]
+        if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT, ShardRole.ROW, ShardRole.VOCAB) and n.op == "call_function":
+            vals[name] = _weight_role(n, role, tname, full, sharded, st)
+            continue
+        if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT):
+            if sharded:
+                raise _Fail(name, f"column-parallel {tname} reads a tensor that is already split")
+            if n.op != "call_module" or not isinstance(mod, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+                raise _Fail(name, f"only nn.Linear / nn.ConvNd modules can be column-parallel, not {tname} "
+                                  "(a functional or custom projection)")
+            dim = 1 if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) else out.dim() - 1
+            vals[name] = Split(dim, (out.shape[dim],), None, name)
+            st.parent.setdefault(name, name)
+            uses.append((name, str(n.target), role, vals[name]))
+            continue
+        if role == ShardRole.ROW:
+            if n.op != "call_module" or not isinstance(mod, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+                raise _Fail(name, f"only nn.Linear / nn.ConvNd modules can be row-parallel, not {tname}")
+            if len(sharded) != 1:
+                raise _Fail(name, "a row-parallel op must read exactly one split tensor")
+            s = sharded[0][1]
+            want = 1 if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) else full[sharded[0][0].name].dim() - 1
+            if s.dim != want:
+                raise _Fail(name, f"row-parallel {tname} reads a tensor split on dimension {s.dim}, "
+                                  f"not on its input features (dimension {want})")
+            uses.append((name, str(n.target), ShardRole.ROW, s))
+            vals[name] = None
+            continue
+        if role == ShardRole.VOCAB:
+            if n.op != "call_module" or not isinstance(mod, nn.Embedding):
+                raise _Fail(name, f"only nn.Embedding modules can be vocabulary-parallel, not {tname}")
+            uses.append((name, str(n.target), ShardRole.VOCAB, mod.num_embeddings))
+            vals[name] = None
+            continue
+        if not sharded and not tuple_inputs:
+            vals[name] = None
+            continue
+        if role == "replicate" and sharded and base not in ("size", "dim", "getattr"):
+            raise _Fail(name, f"{tname} reads a tensor split over the tensor axis but the plan replicates it")
+        vals[name] = _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of)
+    return vals, uses
+
+
+def _weight_role(n, role, tname, full, sharded, st) -> Split | None:
+    """The split of an ATen weight op's output (planner/strategies/tensor/split/weight_op.py) under its role."""
+    name = n.name
+    op = weight_op(n)
+    if op is None:
+        raise _Fail(name, f"{tname} is not a linear, matmul, convolution or embedding reading its weight "
+                          f"directly, so it cannot be {role}-parallel")
+    x_split = next((s for a, s in sharded if a is op.x), None)
+    if role == ShardRole.VOCAB:
+        if op.kind != "embedding" or sharded:
+            raise _Fail(name, f"{tname} cannot be split by vocabulary")
+        st.param_uses.append((name, role, int(full[op.weight.name].shape[0])))
+        return None
+    out = full[name]
+    dim = op.feature_dim % out.dim()
+    if ShardRole(role).splits_output:
+        if sharded or op.kind == "embedding":
+            raise _Fail(name, f"column-parallel {tname} reads a tensor that is already split")
+        split = Split(dim, (out.shape[dim],), None, name)
+        st.parent.setdefault(name, name)
+        st.param_uses.append((name, role, split))
+        return split
+    if len(sharded) != 1 or x_split is None:
+        raise _Fail(name, f"row-parallel {tname} must read exactly one split tensor, its input")
+    want = op.feature_dim % full[op.x.name].dim()
+    if x_split.dim != want:
+        raise _Fail(name, f"row-parallel {tname} reads a tensor split on dimension {x_split.dim}, not on its "
+                          f"input features (dimension {want})")
+    st.param_uses.append((name, ShardRole.ROW, x_split))
+    return None
+
+
+def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
+    name = n.name
+    out = full.get(name)
+    # ---- non-tensor results (size(), dim(), .shape, .device) --------------
+    if not isinstance(out, (torch.Tensor, tuple, list)):
+        return None
+    # ---- modules --------------------------------------------------------------
+    if n.op == "call_module":
+        s = sharded[0][1]
+        if isinstance(mod, nn.modules.batchnorm._NormBase):
+            if s.dim != 1:
+                raise _Fail(name, "a BatchNorm reads a tensor split on a dimension other than its channels")
+            uses.append((name, str(n.target), ShardRole.CHANNELS, s))
+            return s
+        if isinstance(mod, _POOL_MODULES):
+            if s.dim != 1:
+                raise _Fail(name, "pooling a tensor split on a dimension other than its channels")
+            return s
+        if isinstance(mod, _ELEMENTWISE_MODULES) and not any(True for _ in mod.parameters()):
+            return s
+        if isinstance(mod, nn.Flatten):
+            return _map_reshape(name, full[n.args[0].name].shape, out.shape, s, st)
+        raise _Fail(name, f"module {type(mod).__name__} cannot run on a tensor split over the tensor axis")
+    # ---- tuples (split/chunk/unbind outputs) ---------------------------------
+    if base == "getitem" and isinstance(vals.get(n.args[0].name), tuple):
+        return vals[n.args[0].name][n.args[1]]
+    src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    s = split_of(src) if src is not None else None
+    in_shape = tuple(full[src.name].shape) if src is not None and isinstance(full.get(src.name), torch.Tensor) else None
+    if base in _RESHAPES:
+        if s is None:
+            raise _Fail(name, f"{base} of a replicated tensor mixed with a split one")
+        return _map_reshape(name, in_shape, tuple(out.shape), s, st)
+    if base == "permute":
+        dims = n.args[1:] if len(n.args) > 2 or not isinstance(n.args[1], (tuple, list)) else n.args[1]
+        dims = [norm_dim(d, len(in_shape)) for d in dims]
+        return Split(dims.index(s.dim), s.factors, s.split, s.origin)
+    if base in ("transpose", "swapaxes", "swapdims"):
+        a, b = (norm_dim(d, len(in_shape)) for d in n.args[1:3])
+        d = b if s.dim == a else a if s.dim == b else s.dim
+        return Split(d, s.factors, s.split, s.origin)
+    if base == "t":
+        return Split(1 - s.dim, s.factors, s.split, s.origin) if len(in_shape) == 2 else s
+    if base == "getitem":
+        return _index_map(name, len(in_shape), n.args[1], s)
+    if base in ("slice", "narrow"):   # aten.slice(x, dim, start, end, step), narrow(x, dim, start, length)
+        d = norm_dim(n.args[1] if len(n.args) > 1 else 0, len(in_shape))
+        if d == s.dim and tuple(out.shape) != in_shape:
+            raise _Fail(name, f"{base} along the tensor-parallel dimension")
+        return s
+    if base == "select":              # aten.select(x, dim, index): drops dim
+        d = norm_dim(n.args[1], len(in_shape))
+        if d == s.dim:
+            raise _Fail(name, "select along the tensor-parallel dimension")
+        return Split(s.dim - (1 if d < s.dim else 0), s.factors, s.split, s.origin)
+    if base in ("alias", "lift_fresh_copy", "_to_copy"):
+        return s
+    if base in ("split", "chunk", "unbind", "split_with_sizes"):
+        dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
+        dim = norm_dim(dim, len(in_shape))
+        parts = list(out)
+        if base == "unbind":
+            if dim == s.dim:
+                raise _Fail(name, "unbind along the tensor-parallel dimension")
+            return tuple(Split(s.dim - (1 if dim < s.dim else 0), s.factors, s.split, s.origin) for _ in parts)
+        if dim != s.dim:
+            return tuple(Split(s.dim, s.factors, s.split, s.origin) for _ in parts)
+        sizes = {p.shape[dim] for p in parts}
+        if len(sizes) != 1:
+            raise _Fail(name, f"{base} cuts the tensor-parallel dimension into unequal parts {[p.shape[dim] for p in parts]}")
+        k, rest = len(parts), parts[0].shape[dim]
+        mid = tuple(in_shape[:dim]) + (k, rest) + tuple(in_shape[dim + 1:])
+        inner = _map_reshape(name, in_shape, mid, s, st)
+        if inner.dim != dim + 1:
+            if inner.split is None:
+                raise AssertionError
+            raise _Fail(name, f"{base} separates parts along the split factor")
+        return tuple(Split(dim, inner.factors, inner.split, inner.origin) for _ in parts)
+    if base in ("expand",):
+        return Split(s.dim + out.dim() - len(in_shape), s.factors, s.split, s.origin)
+    if base in _POOL_FUNCS:
+        if s.dim != 1:
+            raise _Fail(name, "pooling a tensor split on a dimension other than its channels")
+        return s
+    if base in ("softmax", "log_softmax", "_softmax"):
+        dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+        if dim is None or norm_dim(dim, len(in_shape)) == s.dim:
+            raise _Fail(name, f"{base} over the tensor-parallel dimension")
+        return s
+    if base in ("scaled_dot_product_attention",):
+        qkv = [split_of(a) for a in n.args[:3]]
+        if any(x is None for x in qkv):
+            raise _Fail(name, "attention whose q, k and v are not all split by heads")
+        nd = len(in_shape)
+        for x in qkv:
+            if x.dim != nd - 3:
+                raise _Fail(name, "attention inputs must be split on the heads dimension (B, H, T, D)")
+        q_heads, kv_heads = full[n.args[0].name].shape[nd - 3], full[n.args[1].name].shape[nd - 3]
+        if q_heads == kv_heads:
+            _unify(name, qkv, st)
+        else:
+            _grouped_heads(name, qkv, q_heads, kv_heads, st)
+        for a in list(n.args[3:]) + list(n.kwargs.values()):
+            if isinstance(a, fx.Node) and split_of(a) is None and isinstance(full.get(a.name), torch.Tensor):
+                m = full[a.name]
+                aligned = nd - 3 - (nd - m.dim())
+                if aligned >= 0 and m.shape[aligned] != 1:   # a mask or bias per head: this rank's heads of it
+                    st.scatters.append((name, a.name, aligned, qkv[0]))
+        return _resolve(qkv[0], st)
+    if base in ("matmul", "bmm", "baddbmm") or (base == "matmul" and n.op == "call_function"):
+        a, b = n.args[0], n.args[1]
+        sa, sb = split_of(a), split_of(b)
+        na, nb, no = full[a.name].dim(), full[b.name].dim(), out.dim()
+        outs = []
+        for x, nx, other, nother in ((sa, na, sb, nb), (sb, nb, sa, na)):
+            if x is None:
+                continue
+            if x.dim >= nx - 2:
+                raise _Fail(name, "a matmul contracts or keeps a split feature dimension; only split batch "
+                                  "(heads) dimensions can pass through")
+            outs.append(Split(x.dim + no - nx, x.factors, x.split, x.origin))
+        if len(outs) == 2 and outs[0].dim != outs[1].dim:
+            raise _Fail(name, "matmul operands split on different dimensions")
+        if len(outs) == 2:
+            _unify(name, [sa, sb], st)
+        else:
+            other = b if sa is not None else a
+            x = outs[0]
+            m = full[other.name]
+            aligned = x.dim - (no - m.dim())
+            if 0 <= aligned < m.dim() - 2 and m.shape[aligned] != 1:
+                raise _Fail(name, "a split operand meets a full-size operand in a matmul")
+        return _resolve(outs[0], st)
+    if base in ("cat", "concat", "concatenate"):
+        seq = n.args[0]
+        dim = norm_dim(n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0), out.dim())
+        ss = [split_of(a) for a in seq]
+        if any(x is None for x in ss) or any(x.dim == dim for x in ss):
+            raise _Fail(name, "concatenation along, or with replicated tensors across, the split dimension")
+        _unify(name, ss, st)
+        return _resolve(ss[0], st)
+    if base in _ELEMENTWISE_FUNCS or (n.op == "call_module"):
+        return _elementwise(name, n, out, sharded, tensor_args, full, st)
+    raise _Fail(name, f"{base} cannot run on a tensor split over the tensor axis (no rule for it)")
+
+
+def _unify(name: str, splits: list[Split], st: _State) -> None:
+    splits = [_resolve(s, st) for s in splits]
+    undecided = [s for s in splits if s.split is None]
+    decided = [s for s in splits if s.split is not None]
+    for s in undecided[1:]:
+        if s.factors != undecided[0].factors:
+            raise _Fail(name, "tensors split with different sizes meet")
+        st.union(undecided[0].origin, s.origin)
+    if decided:
+        d0 = decided[0]
+        for s in decided[1:]:
+            if (s.factors, s.split) != (d0.factors, d0.split) and not _same_partition(s, d0, st.t):
+                raise _Fail(name, f"tensors split differently meet ({s.factors}/{s.split} vs {d0.factors}/{d0.split})")
+        for s in undecided:
+            if s.size != d0.size:
+                raise _Fail(name, "tensors split with different sizes meet")
+            st.decided[st.root(s.origin)] = FeatureSplit(d0.factors, d0.split)
+
+
+def _grouped_heads(name: str, qkv: list[Split], q_heads: int, kv_heads: int, st: _State) -> None:
+    """Grouped-query attention (SDPA with enable_gqa): k and v split alike over their `kv_heads`
+    heads, q over its `q_heads`, and every rank holding exactly the query heads that read its
+    key/value heads (query head h reads key/value head h // (q_heads / kv_heads)), so that each
+    rank's attention is the same grouped-query attention on fewer heads. Contiguous blocks of both
+    satisfy it: rank r holds kv heads [r*Hkv/t, (r+1)*Hkv/t) and q heads [r*H/t, (r+1)*H/t)."""
+    t = st.t
+    q, k, v = qkv
+    _unify(name, [k, v], st)
+    if kv_heads % t:
+        raise _Fail(name, f"grouped-query attention has {kv_heads} key/value heads, and the tensor degree {t} "
+                          f"does not divide them; choose a tensor degree that divides {kv_heads}")
+    q_fs, kv_fs = _feature_split(q, st), _feature_split(k, st)
+    if q_fs.size != q_heads or kv_fs.size != kv_heads or q_fs.padded(t) or kv_fs.padded(t):
+        raise _Fail(name, "grouped-query attention inputs must be split by whole heads")
+    group = q_heads // kv_heads
+    for r in range(t):
+        kv_idx = kv_fs.indices(r, t)
+        want = (kv_idx[:, None] * group + torch.arange(group)).flatten()
+        if not torch.equal(q_fs.indices(r, t), want):
+            raise _Fail(name, f"grouped-query attention: rank {r}'s query heads are not those that read its "
+                              f"key/value heads (q split {q_fs.to_list()}, k/v split {kv_fs.to_list()})")
+
+
+def _same_partition(a: Split, b: Split, t: int) -> bool:
+    """Whether two splits give every rank the same indices: (4,)/0 and (2, 2)/0 both give each
+    of 2 ranks two consecutive heads (Llama's query heads beside its repeated key heads)."""
+    if a.size != b.size or a.factors[a.split] % t or b.factors[b.split] % t:
+        return False
+    fa, fb = FeatureSplit(a.factors, a.split), FeatureSplit(b.factors, b.split)
+    return all(torch.equal(fa.indices(r, t), fb.indices(r, t)) for r in range(t))
+
+
+def _elementwise(name, n, out, sharded, tensor_args, full, st) -> Split:
+    nd = out.dim()
+    aligned = []
+    for a, s in sharded:
+        m = full[a.name]
+        aligned.append(Split(s.dim + nd - m.dim(), s.factors, s.split, s.origin))
+    if len({x.dim for x in aligned}) != 1:
+        raise _Fail(name, "elementwise op on tensors split on different dimensions")
+    _unify(name, aligned, st)
+    d = aligned[0].dim
+    split_names = {a.name for a, _ in sharded}
+    for a in tensor_args:
+        if a.name in split_names or not isinstance(full.get(a.name), torch.Tensor):
+            continue
+        m = full[a.name]
+        k = d - (nd - m.dim())
+        if 0 <= k < m.dim() and m.shape[k] != 1:
+            if m.shape[k] != aligned[0].size:
+                raise _Fail(name, f"a tensor ({a.name}, {tuple(m.shape)}) meets a tensor split on dimension {d} "
+                                  f"with another size there ({m.shape[k]}, not {aligned[0].size})")
+            st.scatters.append((name, a.name, k, aligned[0]))   # replicated: every rank takes its part
+    return _resolve(aligned[0], st)
+
+
+# ---------------------------------------------------------------------------
+# driver
+
+
+def _search(gm, roles, full, t):
+    """Backtracking over the reshape choices until the whole graph analyses cleanly."""
+    choices: dict[str, int] = {}
+    first_error: _Fail | None = None
+    for _attempt in range(256):
+        st = _State(t=t, choices=dict(choices))
+        try:
+            vals, uses = _analyze(gm, roles, full, st)
+            return vals, uses, st
+        except _Fail as e:
+            first_error = first_error or e
+            # advance the last choice point that has candidates left
+            taken = st.taken
+            while taken and taken[-1][1] + 1 >= taken[-1][2]:
+                taken.pop()
+            if not taken:
+                break
+            choices = {node: c for node, c, _ in taken[:-1]}
+            node, c, _ = taken[-1]
+            choices[node] = c + 1
+    err = TensorSplitError(f"tensor parallelism cannot split node {first_error.node!r}{_where(gm, first_error.node)}: "
+                           f"{first_error}")
+    err.node = first_error.node
+    raise err
+
+
+def _where(gm: fx.GraphModule, name: str) -> str:
+    """" (aten.addmm at transformer.h.0.attn)": what a node calls and its module path, for messages."""
+    node = next((n for n in gm.graph.nodes if n.name == name), None)
+    if node is None:
+        return ""
+    mod = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+    path = str(node.target) if node.op == "call_module" else module_path_of(node)
+    return f" ({target_name(node, mod)} at {path or 'the top level'})"
+
+

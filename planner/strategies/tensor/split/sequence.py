@@ -1,0 +1,188 @@
+"""Sequence parallelism (Megatron; Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models", 2022, section 4.2.2): where the tensor-parallel regions meet the replicated
+stream, the stream is split along the sequence (dimension 1 of (B, T, C)) instead of being held
+whole by every tensor rank.
+
+A row-parallel op (and a vocabulary-parallel embedding) reduce-scatters its partial output along
+the sequence in place of the all-reduce; the replicated per-token ops that follow (norms,
+dropout, residual adds, elementwise ops and same-shape views) run on this rank's T/t tokens; a
+column-parallel op all-gathers its sequence-split input (backward: reduce-scatter of the input
+gradient, in place of the all-reduce). Where a split value reaches an op that is not per-token
+(the model output, a reshape, a replicated head), it is gathered whole (backward: each rank keeps
+its part of the gradient). A replicated tensor that meets a split one along the sequence (GPT's
+position embeddings) is cut to this rank's tokens, and a parameter read on split tokens (a norm's
+weight) receives a partial gradient that is all-reduced over the tensor axis.
+
+`sequence_stream` finds all of this on a captured graph (planner.graph.ModelGraph) from the
+tensor-parallel roles; the cost model (planner/strategies/tensor/strategy.py) prices it and the plan stores
+it (`SequenceSplit`, part of planner/strategies/tensor/split/splits.TensorSplits) for codegen to apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from planner.config import ConfigError
+from planner.graph.model import ModelGraph, OpInfo
+from runtime.documents import Fields
+from runtime.vocab import ShardRole
+
+SEQUENCE_DIM = 1   # (B, T, C): the batch first, the sequence second
+
+# Ops that act on every token alone. Names as planner.graph records the target (its last part).
+_PER_TOKEN_KINDS = ("elementwise", "norm", "view")
+# elementwise-kind ops that mix tokens, which a sequence split must not pass through
+_MIXING = ("cumsum", "cumprod", "diff", "flip", "roll", "index", "gather", "scatter", "sort", "cummax", "cummin",
+           "arange", "new_ones", "new_zeros", "triu", "tril")
+_STARTS = (ShardRole.ROW, ShardRole.VOCAB)
+_COLUMNS = (ShardRole.COLUMN, ShardRole.COLUMN_OUT)
+
+
+class SequenceSplitError(ConfigError):
+    """The model cannot be split along the sequence as asked; the message names the node or size."""
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Where the sequence split lives in one graph (fx node names; see module docstring).
+
+    length: the sequence length T (dimension 1 of every split value); the tensor degree divides it.
+    starts: row-parallel ops and vocabulary-parallel embeddings whose output is reduce-scattered.
+    nodes: replicated ops that run on this rank's T/t tokens.
+    columns: column-parallel ops whose input is split (all-gathered in forward).
+    gathers: (consumer, value): a split value that `consumer` reads whole.
+    scatters: (consumer, replicated input, its dimension): a replicated tensor cut to this rank's tokens.
+    params: parameters (get_attr targets, or module paths for modules) read on split tokens; their
+        gradient is all-reduced over the tensor axis.
+    """
+
+    length: int
+    starts: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = ()
+    columns: tuple[str, ...] = ()
+    gathers: tuple[tuple[str, str], ...] = ()
+    scatters: tuple[tuple[str, str, int], ...] = ()
+    params: tuple[str, ...] = ()
+
+    # (cached: the cost model asks for every node of every configuration it prices)
+    @cached_property
+    def split(self) -> frozenset[str]:
+        """Every node whose output is split along the sequence."""
+        return frozenset(self.starts) | frozenset(self.nodes)
+
+    @cached_property
+    def gathering(self) -> frozenset[str]:
+        """The column ops that gather their input along the sequence."""
+        return frozenset(self.columns)
+
+    @cached_property
+    def read_whole(self) -> dict[str, tuple[str, ...]]:
+        """consumer -> the split values it reads whole."""
+        out: dict[str, tuple[str, ...]] = {}
+        for consumer, value in self.gathers:
+            out[consumer] = out.get(consumer, ()) + (value,)
+        return out
+
+    def to_dict(self) -> dict:
+        return {"length": self.length, "starts": list(self.starts), "nodes": list(self.nodes),
+                "columns": list(self.columns), "gathers": [list(g) for g in self.gathers],
+                "scatters": [list(s) for s in self.scatters], "params": list(self.params)}
+
+    @classmethod
+    def read(cls, f: Fields) -> "SequenceSplit":
+        """From a checked document reader; FieldError names the field on any damage."""
+        names = {key: tuple(f.strings(key)) for key in ("starts", "nodes", "columns", "params")}
+        gathers = []
+        for k, g in enumerate(f.items("gathers")):
+            if not isinstance(g, list) or len(g) != 2 or not all(isinstance(x, str) for x in g):
+                raise f.error(f"gathers[{k}]", "must be [consumer, value]")
+            gathers.append((g[0], g[1]))
+        scatters = []
+        for k, s in enumerate(f.items("scatters")):
+            if not isinstance(s, list) or len(s) != 3 or not all(isinstance(x, str) for x in s[:2]) \
+                    or isinstance(s[2], bool) or not isinstance(s[2], int) or s[2] < 0:
+                raise f.error(f"scatters[{k}]", "must be [consumer, input, dimension]")
+            scatters.append((s[0], s[1], s[2]))
+        return cls(length=f.integer("length", minimum=1), gathers=tuple(gathers), scatters=tuple(scatters), **names)
+
+
+def _base(n: OpInfo) -> str:
+    return n.target.rsplit(".", 1)[-1].lower()
+
+
+def _per_token(n: OpInfo, src: tuple[int, ...]) -> bool:
+    """Whether replicated op `n`, reading a (B, T, C) value of shape `src`, acts on each token alone:
+    a per-token kind, not a mixing op, one output that keeps (B, T) and the rank (a norm's or a
+    last-dimension reduction's (B, T, 1) included; a view only when it keeps the shape)."""
+    if n.kind not in _PER_TOKEN_KINDS or _base(n) in _MIXING or len(n.output_meta) != 1:
+        return False
+    out = tuple(n.output_meta[0].shape)
+    if n.kind == "view":
+        return out == src
+    return len(out) == len(src) and out[:2] == src[:2]
+
+
+def sequence_stream(graph: ModelGraph, roles: dict[str, str], tensor: int) -> SequenceSplit:
+    """The sequence split of `graph` under tensor-parallel `roles` (node name -> role; missing:
+    replicated) on `tensor` ranks (see module docstring).
+
+    Raises SequenceSplitError naming the node when a region's output is not (B, T, C), or the
+    sequence length when `tensor` does not divide it.
+    """
+    by_name = {n.name: n for n in graph.nodes}
+    shape: dict[str, tuple[int, ...]] = {}    # split node -> its full shape
+    starts, nodes, columns, gathers, scatters, params = [], [], [], [], [], []
+    length = 0
+    for n in graph.nodes:
+        role = roles.get(n.name, "replicate")
+        split_in = [i for i in dict.fromkeys(n.inputs) if i in shape]
+        if role in _STARTS:
+            out = tuple(n.output_meta[0].shape) if len(n.output_meta) == 1 else ()
+            if len(out) != 3:
+                raise SequenceSplitError(
+                    f"sequence parallelism splits (batch, sequence, features) values, but the output of "
+                    f"{n.name!r} ({n.module_path or 'top level'}) has shape {out or 'of several tensors'}; "
+                    "use sequence_parallel=False for this model")
+            if length and out[SEQUENCE_DIM] != length:
+                raise SequenceSplitError(f"sequence parallelism needs one sequence length, but {n.name!r} has "
+                                         f"{out[SEQUENCE_DIM]} tokens and others {length}; use sequence_parallel=False")
+            length = out[SEQUENCE_DIM]
+            if length % tensor:
+                raise SequenceSplitError(f"sequence parallelism splits the sequence of {length} tokens "
+                                         f"({n.name!r}) over the tensor degree {tensor}, which does not divide it; "
+                                         f"choose a tensor degree that divides {length} or sequence_parallel=False")
+            starts.append(n.name)
+            shape[n.name] = out
+            gathers += [(n.name, i) for i in split_in]   # a row op reads its input whole (never so in Megatron)
+            continue
+        if not split_in:
+            continue
+        if role in _COLUMNS and len(split_in) == 1:
+            columns.append(n.name)
+            continue
+        src = shape[split_in[0]]
+        if role == "replicate" and all(len(shape[i]) == len(src) and shape[i][:2] == src[:2] for i in split_in) \
+                and _per_token(n, src):
+            nodes.append(n.name)
+            shape[n.name] = tuple(n.output_meta[0].shape)
+            for i in dict.fromkeys(n.inputs):
+                m = by_name.get(i)
+                if m is None or i in shape or len(m.output_meta) != 1:
+                    continue
+                ms = tuple(m.output_meta[0].shape)
+                dim = SEQUENCE_DIM - (len(src) - len(ms))
+                if 0 <= dim < len(ms) and ms[dim] != 1:
+                    scatters.append((n.name, i, dim))   # its gradient is all-reduced where it is cut
+                elif m.kind == "param":
+                    params.append(str(m.target))
+            if n.op == "call_module" and n.param_names:
+                params.append(n.module_path)
+            continue
+        gathers += [(n.name, i) for i in split_in]
+    if not starts:
+        raise SequenceSplitError("sequence parallelism splits the values between tensor-parallel regions along the "
+                                 "sequence, but no region here ends in a row split or a vocabulary embedding that "
+                                 "would begin such a value; use sequence_parallel=False for this model")
+    return SequenceSplit(length=length, starts=tuple(starts), nodes=tuple(nodes), columns=tuple(columns),
+                         gathers=tuple(gathers), scatters=tuple(scatters), params=tuple(dict.fromkeys(params)))

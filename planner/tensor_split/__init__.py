@@ -1,3 +1,0 @@
-"""Tensor parallelism decided once, when the plan is made: the split rules (rules.py), the
-analysis of a graph under the plan's roles (analysis.py) and the decision the Plan stores
-(splits.py); codegen/tensor_split.py only applies it."""

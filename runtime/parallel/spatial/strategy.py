@@ -1,0 +1,24 @@
+"""Spatial parallelism at run time: the stage code's spatial part (written at build time,
+codegen/strategies/spatial/tiles.py) gets this rank's tile and the spatial group from the Program
+(runtime.program.SpatialTiles). Which data the tiles read is the Program's too
+(Program.data_shard)."""
+
+from __future__ import annotations
+
+from runtime.context import DistContext
+from runtime.parallel.base import Modules, RuntimeStrategy, Specs
+from runtime.program import Program
+from runtime.parallel.spatial.tiles import attach_tiles
+from runtime.vocab import StrategyName
+
+
+class Spatial(RuntimeStrategy):
+    """Image tiles over runs of s ranks on the data axis (Program.spatial)."""
+
+    name = StrategyName.SPATIAL
+
+    def attach(self, ctx: DistContext, program: Program, specs: Specs, modules: Modules) -> None:
+        attach_tiles(program, modules, ctx.comm)
+
+
+__all__ = ["Spatial"]

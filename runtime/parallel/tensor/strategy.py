@@ -1,0 +1,50 @@
+"""Tensor parallelism at run time: the stage modules' tensor-parallel layers get the tensor group,
+the modules that run on this rank's block of the sequence (sequence parallelism) get their
+parameters' gradients all-reduced over it, and the loss of vocabulary-parallel logits knows which
+classes this rank holds.
+
+The layers themselves are sharded when the stage modules are built (runtime.materialize with
+runtime.parallel.tensor.layers, from the StageSpec's shards); their group exists only once the ranks
+are connected.
+"""
+
+from __future__ import annotations
+
+from runtime.comm import Group
+from runtime.context import DistContext
+from runtime.materialize import set_tensor_group
+from runtime.parallel.base import ClassSplit, Modules, RuntimeStrategy, Specs
+from runtime.program import Program
+from runtime.spec import StageSpec
+from runtime.parallel.tensor.layers import sequence_grads
+from runtime.vocab import MeshAxis, ShardRole, StrategyName
+
+
+def _tensor_group(ctx: DistContext) -> Group | None:
+    return ctx.group(MeshAxis.TENSOR) if MeshAxis.TENSOR in ctx.groups else None
+
+
+class Tensor(RuntimeStrategy):
+    """Megatron-style column/row parallel layers over the tensor axis."""
+
+    name = StrategyName.TENSOR
+
+    def attach(self, ctx: DistContext, program: Program, specs: Specs, modules: Modules) -> None:
+        group = _tensor_group(ctx)
+        for k, module in modules.items():
+            set_tensor_group(module, group)
+            for sh in specs[k].shards:
+                if sh.role == ShardRole.SEQUENCE:
+                    sequence_grads(module.get_submodule(sh.path), group)
+
+    def class_split(self, ctx: DistContext, spec: StageSpec) -> ClassSplit | None:
+        """The last stage's vocabulary-parallel logits: this rank holds a slice of the classes
+        (StageSpec.output_split)."""
+        group = _tensor_group(ctx)
+        if not spec.is_last or spec.output_split is None or group is None or group.size == 1:
+            return None
+        split = spec.output_split
+        return (split.contiguous_start(group.rank, group.size), group, len(split.indices(group.rank, group.size)))
+
+
+__all__ = ["Tensor"]
