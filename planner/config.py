@@ -9,18 +9,18 @@ product of all degrees.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from planner.config_fields import ConfigFields
 from planner.strategies.combinations import Level
 from planner.strategies.combinations import why_not as combination_refusal
 from planner.strategies.fields import field_refusal, micro_batch_refusal
 from planner.strategies.fields import label as strategy_label
 from planner.strategies.fields import unused_fields
 from runtime.documents import FieldError
-from runtime.vocab import ContextAttention, DType, MeshAxis, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
+from runtime.vocab import ContextAttention, DType, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
 
 # the fields whose value is one of a vocabulary's members (given as the member or its string; held as the string)
 _CHOICES: tuple[tuple[str, type[StrEnum]], ...] = (
@@ -35,7 +35,7 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
+class ParallelConfig(ConfigFields):
     """How one training step is split over devices.
 
     Attributes:
@@ -70,27 +70,6 @@ class ParallelConfig:
             and values as `context_attention` says ("ring" or "ulysses", runtime.vocab.ContextAttention).
     """
 
-    data: int = 1
-    tensor: int = 1
-    pipeline: int = 1
-    micro_batch_size: int = 1
-    schedule: str = Schedule.ONE_F_ONE_B
-    virtual_stages: int = 1
-    recompute: str = Recompute.NONE
-    zero: int = 0
-    dtype: str = DType.BF16
-    stage_boundaries: tuple[str, ...] | None = None
-    bidirectional: bool = False
-    replicas_per_direction: int = 1
-    spatial: int = 1
-    spatial_split: str = SpatialSplit.STRIPS_H
-    spatial_until: str | None = None
-    spatial_batchnorm: str = SpatialBatchNorm.SYNC
-    subgraph: int = 1
-    sequence_parallel: bool = False
-    context: int = 1
-    context_attention: str = ContextAttention.RING
-
     def __post_init__(self) -> None:
         for name in ("data", "tensor", "pipeline", "micro_batch_size", "virtual_stages", "replicas_per_direction",
                      "spatial", "subgraph", "context"):
@@ -114,35 +93,6 @@ class ParallelConfig:
             if len(self.stage_boundaries) != want:
                 raise ConfigError(f"stage_boundaries names {len(self.stage_boundaries)} layers; "
                                   f"{self.num_stages} stages need {want} (the first layer of each stage after the first)")
-
-    @property
-    def num_devices(self) -> int:
-        return self.data * self.tensor * self.pipeline * self.spatial * self.subgraph * self.context
-
-    @property
-    def num_stages(self) -> int:
-        """Model chunks in the pipeline (pipeline x virtual_stages)."""
-        return self.pipeline * self.virtual_stages
-
-    @property
-    def mesh(self) -> dict[str, int]:
-        """Mesh axes (MeshAxis values), outermost first: pipeline, data, (spatial or subgraph, when > 1),
-        (context, when > 1), tensor (innermost, inside a node).
-
-        Context sits next to tensor, as Megatron-LM orders them: its ring exchanges are the
-        busiest traffic after tensor parallelism's, so its groups stay within a node where they fit."""
-        return dict(self._mesh_axes)
-
-    @functools.cached_property
-    def _mesh_axes(self) -> tuple[tuple[str, int], ...]:
-        """`mesh` as (axis, size) pairs, worked out once per config (the search asks for it often)."""
-        # the sub-grids of one data replica sit next to each other, so their collectives stay in a node
-        middle = ({MeshAxis.SPATIAL: self.spatial} if self.spatial > 1 else
-                  {MeshAxis.SUBGRAPH: self.subgraph} if self.subgraph > 1 else {})
-        context = {MeshAxis.CONTEXT: self.context} if self.context > 1 else {}
-        axes = {MeshAxis.PIPELINE: self.pipeline, MeshAxis.DATA: self.data, **middle, **context,
-                MeshAxis.TENSOR: self.tensor}
-        return tuple((a.value, n) for a, n in axes.items())   # plain strings: reprs and messages stay readable
 
     def micro_batches(self, global_batch_size: int) -> int:
         """Micro-batches per step on each pipeline; ValueError when the batch does not split evenly."""

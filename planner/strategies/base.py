@@ -1,30 +1,88 @@
 """The planner side of one parallel strategy: the hooks the Evaluator and the search call.
 
 A `Strategy` is stateless; what it caches for one graph on one cluster lives in the
-Evaluator (`Evaluator.state`). Every hook has a neutral default, so a strategy overrides
-only what it changes. The registry (planner/strategies/registry.py) lists the strategies
-in composition order: a strategy listed later refines the ones before it (its layer cost
-adjustment runs after theirs, its stage bounds win over theirs, and the last active
-`Placement` prices the step).
+Evaluator (`Evaluator.state`). The hooks see the Evaluator as `Pricing`, the protocol below of
+what they read of it, so this package never imports planner/evaluator.py (which imports the
+registry). Every hook has a neutral default, so a strategy overrides only what it changes. The
+registry (planner/strategies/registry.py) lists the strategies in composition order: a strategy
+listed later refines the ones before it (its layer cost adjustment runs after theirs, its stage
+bounds win over theirs, and the last active `Placement` prices the step).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar, runtime_checkable
 
 from runtime.vocab import StrategyName
 
 if TYPE_CHECKING:
-    from cost_models.overlap import DeviceWork
-    from cost_models.prediction import Prediction
+    from cost_models.gpu_costs import GpuCosts
+    from cost_models.hardware import Cluster
+    from cost_models.overlap import DeviceWork, Overlap
+    from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
+    from cost_models.step_costs import StepSetup
     from planner.config import ParallelConfig
-    from planner.evaluator import Evaluator, LayerCost
-    from planner.graph.model import Layer
+    from planner.graph.model import Layer, ModelGraph, OpInfo
+    from planner.layer_cost import LayerCost
+    from planner.strategies.tensor.sharding import ShardingPlan
+    from runtime.execution import Execution
+
+T = TypeVar("T")
 
 Bounds = list[tuple[int, int]]            # [lo, hi) layer ranges of the pipeline stages
 Fits = Callable[[int, int, int], bool]    # fits(stage, lo, hi): layers [lo, hi) fit on that stage's device
+
+
+@runtime_checkable
+class Pricing(Protocol):
+    """What the strategies' hooks read of the Evaluator (planner/evaluator.py, which satisfies this):
+    the graph and cluster it prices, how the stack runs (overlap, execution, the step besides the
+    model), per-graph caches (`state`), and its pricing of nodes, collectives and whole steps."""
+
+    graph: "ModelGraph"
+    cluster: "Cluster"
+    overlap: "Overlap"
+    execution: "Execution"
+    setup: "StepSetup"
+    sharding: "ShardingPlan"        # tensor-parallel regions of the graph (planner/strategies/tensor)
+    sharding_mode: str              # "ilp" or "all"
+    gpu_costs: "GpuCosts | None"    # None off a GPU
+    eff: Any                        # per-kind efficiencies (cost_models/compute.Efficiency)
+    grad_reduce_bytes: float | None  # bytes per gradient element in the data-parallel sync (None: dtype's)
+    allocator_margin: float         # fraction the caching allocator reserves beyond what is allocated
+    memory_cap: float               # bytes per device a stage may hold
+    strategies: tuple["Strategy", ...]
+
+    def state(self, key: str, make: Callable[[], T]) -> T:
+        """The value cached under `key` for this graph and cluster, made by `make()` the first time."""
+
+    def node(self, name: str) -> "OpInfo":
+        """The graph's node called `name`."""
+
+    def node_cost(self, n: "OpInfo", role: str, config: "ParallelConfig", *, fused_head: bool = False,
+                  compiled: bool = False) -> Any:
+        """Seconds and bytes of node `n` under split role `role`."""
+
+    def axis_seconds(self, mesh: dict[str, int], axis: str, op: str, nbytes: float) -> float:
+        """Seconds of collective `op` over `nbytes` on mesh axis `axis`."""
+
+    def gpu(self, dtype: str) -> Any:
+        """The GPU cost model for `dtype` (None off a GPU)."""
+
+    def layer_roles(self, layer: "Layer", config: "ParallelConfig") -> dict[str, str]:
+        """Split roles of `layer`'s nodes under `config`, from every active strategy."""
+
+    def grad_sync(self, config: "ParallelConfig", params: float, work: "DeviceWork", m: int) -> tuple[float, float]:
+        """(exposed, on-path) seconds of every active strategy's gradient traffic per step."""
+
+    def tie_costs(self, config: "ParallelConfig", bounds: list[tuple[int, int]]) -> tuple[dict[int, float], float]:
+        """Per pipeline position, the tied-weight sync seconds, and their longest."""
+
+    def prediction(self, config: "ParallelConfig", global_batch_size: int, m: int, costs: list["LayerCost"],
+                   stages: list, time: "TimeBreakdown", peak_mem: "MemoryBreakdown", busy: float) -> "Prediction":
+        """The step's Prediction from its time and memory breakdowns."""
 
 
 @dataclass(frozen=True)
@@ -71,17 +129,17 @@ class Strategy:
         """Configs of one mesh shape that this strategy adds to the search (schedules, replicas)."""
         return []
 
-    def variants(self, ev: "Evaluator", num_devices: int, constraints: dict,
+    def variants(self, ev: "Pricing", num_devices: int, constraints: dict,
                  shapes_of: Callable[[int], list["ParallelConfig"]]) -> list["ParallelConfig"]:
         """Configs that give this strategy part of the `num_devices` devices; `shapes_of(n)` lists the
         plain data x tensor x pipeline configs of the n devices left."""
         return []
 
     # ---- pricing ------------------------------------------------------------
-    def check(self, ev: "Evaluator", config: "ParallelConfig") -> None:
+    def check(self, ev: "Pricing", config: "ParallelConfig") -> None:
         """Raise ValueError naming what to change when `config` cannot run `ev`'s graph."""
 
-    def node_roles(self, ev: "Evaluator", layer: "Layer", config: "ParallelConfig") -> dict[str, str]:
+    def node_roles(self, ev: "Pricing", layer: "Layer", config: "ParallelConfig") -> dict[str, str]:
         """Split roles this strategy gives `layer`'s nodes (fx node name -> role; the rest replicated)."""
         return {}
 
@@ -89,17 +147,17 @@ class Strategy:
     # Evaluator then adjusts each distinct layer of a model's repeated blocks once per configuration
     layer_cost_by_signature: bool = False
 
-    def layer_cost(self, ev: "Evaluator", layer: "Layer", cost: "LayerCost",
+    def layer_cost(self, ev: "Pricing", layer: "Layer", cost: "LayerCost",
                    config: "ParallelConfig") -> "LayerCost":
         """`cost` (one layer, one device, one micro-batch) adjusted for this strategy."""
         return cost
 
-    def stage_bounds(self, ev: "Evaluator", config: "ParallelConfig", costs: list["LayerCost"],
+    def stage_bounds(self, ev: "Pricing", config: "ParallelConfig", costs: list["LayerCost"],
                      weights: list[float], fits: Fits | None) -> Bounds | None:
         """Stage bounds this strategy imposes (weights: seconds per layer), or None to leave them."""
         return None
 
-    def grad_sync(self, ev: "Evaluator", config: "ParallelConfig", params: float, work: "DeviceWork",
+    def grad_sync(self, ev: "Pricing", config: "ParallelConfig", params: float, work: "DeviceWork",
                   m: int) -> tuple[float, float]:
         """(exposed seconds, on-path seconds) per step of this strategy's gradient and weight traffic for
         the device holding `params` parameters, whose compute per micro-batch (`work`, per layer and
@@ -112,17 +170,17 @@ class Placement(Strategy, ABC):
     its bi-directional refinement); the Evaluator asks the last active one."""
 
     @abstractmethod
-    def stage_fits(self, ev: "Evaluator", config: "ParallelConfig", costs: list["LayerCost"],
+    def stage_fits(self, ev: "Pricing", config: "ParallelConfig", costs: list["LayerCost"],
                    global_batch_size: int) -> Fits | None:
         """The memory check the stage partition respects, or None where the bounds check memory themselves."""
 
     @abstractmethod
-    def step(self, ev: "Evaluator", config: "ParallelConfig", global_batch_size: int, m: int,
+    def step(self, ev: "Pricing", config: "ParallelConfig", global_batch_size: int, m: int,
              costs: list["LayerCost"], bounds: Bounds) -> "Prediction":
         """The step's Prediction: time breakdown, peak memory, per-stage costs."""
 
     @abstractmethod
-    def lower_bound(self, ev: "Evaluator", config: "ParallelConfig", costs: list["LayerCost"], m: int,
+    def lower_bound(self, ev: "Pricing", config: "ParallelConfig", costs: list["LayerCost"], m: int,
                     slot: float) -> float:
         """Seconds per step that every recompute/ZeRO variant of `config` takes at least, given the
         average device's compute and in-layer communication per micro-batch (`slot` s)."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 from runtime.vocab import Recompute, Schedule, StrategyName
 
 if TYPE_CHECKING:
-    from planner.config import ParallelConfig
+    from planner.config_fields import ConfigFields
 
 
 class Level(StrEnum):
@@ -35,8 +35,8 @@ class Level(StrEnum):
 class Conflict:
     """One setting a strategy does not combine with: `present(config)`, named by `label(config)`."""
 
-    label: Callable[["ParallelConfig"], str]
-    present: Callable[["ParallelConfig"], bool]
+    label: Callable[["ConfigFields"], str]
+    present: Callable[["ConfigFields"], bool]
 
 
 @dataclass(frozen=True)
@@ -46,30 +46,30 @@ class Rule:
 
     strategy: StrategyName
     level: Level
-    uses: Callable[["ParallelConfig"], bool]
+    uses: Callable[["ConfigFields"], bool]
     conflicts: tuple[Conflict, ...]
-    refusal: Callable[["ParallelConfig", str], str]
+    refusal: Callable[["ConfigFields", str], str]
 
-    def why_not(self, config: "ParallelConfig") -> str | None:
+    def why_not(self, config: "ConfigFields") -> str | None:
         if not self.uses(config):
             return None
         found = [c.label(config) for c in self.conflicts if c.present(config)]
         return self.refusal(config, ", ".join(found)) if found else None
 
 
-def _bidirectional(c: "ParallelConfig") -> bool:
+def _bidirectional(c: "ConfigFields") -> bool:
     return c.bidirectional
 
 
-def _spatial(c: "ParallelConfig") -> bool:
+def _spatial(c: "ConfigFields") -> bool:
     return c.spatial > 1
 
 
-def _subgraph(c: "ParallelConfig") -> bool:
+def _subgraph(c: "ConfigFields") -> bool:
     return c.subgraph > 1
 
 
-def _context(c: "ParallelConfig") -> bool:
+def _context(c: "ConfigFields") -> bool:
     return c.context > 1
 
 
@@ -119,6 +119,6 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def why_not(config: "ParallelConfig", level: Level) -> str | None:
+def why_not(config: "ConfigFields", level: Level) -> str | None:
     """The first refusal of `config` at `level` (a sentence naming what to change), or None."""
     return next((why for rule in RULES if rule.level == level and (why := rule.why_not(config))), None)

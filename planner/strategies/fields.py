@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Callable
 from runtime.vocab import Schedule, SpatialBatchNorm, StrategyName
 
 if TYPE_CHECKING:
-    from planner.config import ParallelConfig
+    from planner.config_fields import ConfigFields
 
 
-def _data(c: "ParallelConfig") -> str | None:
+def _data(c: "ConfigFields") -> str | None:
     if c.zero not in (0, 1, 2, 3) or isinstance(c.zero, bool):
         return f"ParallelConfig.zero must be 0, 1, 2 or 3, got {c.zero!r}"
     return None
 
 
-def _pipeline(c: "ParallelConfig") -> str | None:
+def _pipeline(c: "ConfigFields") -> str | None:
     """Interleaved 1F1B (and only it) runs virtual_stages >= 2 chunks per device."""
     if c.schedule == Schedule.INTERLEAVED:
         if c.virtual_stages < 2:
@@ -39,7 +39,7 @@ def _pipeline(c: "ParallelConfig") -> str | None:
     return None
 
 
-def _bidirectional(c: "ParallelConfig") -> str | None:
+def _bidirectional(c: "ConfigFields") -> str | None:
     if not isinstance(c.bidirectional, bool):
         return f"ParallelConfig.bidirectional must be true or false, got {c.bidirectional!r}"
     if c.bidirectional:
@@ -50,7 +50,7 @@ def _bidirectional(c: "ParallelConfig") -> str | None:
     return None
 
 
-def _tensor(c: "ParallelConfig") -> str | None:
+def _tensor(c: "ConfigFields") -> str | None:
     """Sequence parallelism shards the stream between tensor-parallel regions over the tensor ranks."""
     if not isinstance(c.sequence_parallel, bool):
         return f"ParallelConfig.sequence_parallel must be true or false, got {c.sequence_parallel!r}"
@@ -59,14 +59,14 @@ def _tensor(c: "ParallelConfig") -> str | None:
     return None
 
 
-def _context(c: "ParallelConfig") -> str | None:
+def _context(c: "ConfigFields") -> str | None:
     """The attention exchange is chosen only where there is a context axis."""
     if c.context == 1 and c.context_attention != "ring":
         return f"context_attention={c.context_attention!r} needs context >= 2 (ranks per sequence)"
     return None
 
 
-def _spatial(c: "ParallelConfig") -> str | None:
+def _spatial(c: "ConfigFields") -> str | None:
     """The spatial degree and `spatial_until` (the last tiled layer) come together."""
     if c.spatial > 1 and not (isinstance(c.spatial_until, str) and c.spatial_until):
         return f"spatial={c.spatial} needs spatial_until, the name of the last layer that runs on image tiles"
@@ -75,7 +75,7 @@ def _spatial(c: "ParallelConfig") -> str | None:
     return None
 
 
-def _interleaved_batches(c: "ParallelConfig", global_batch_size: int, m: int) -> str | None:
+def _interleaved_batches(c: "ConfigFields", global_batch_size: int, m: int) -> str | None:
     """Interleaved 1F1B runs micro-batches in groups of the pipeline size."""
     if c.schedule == Schedule.INTERLEAVED and m % c.pipeline:
         return (f"the interleaved schedule runs micro-batches in groups of the pipeline size: {m} micro-batches "
@@ -84,7 +84,7 @@ def _interleaved_batches(c: "ParallelConfig", global_batch_size: int, m: int) ->
     return None
 
 
-def _bidirectional_batches(c: "ParallelConfig", global_batch_size: int, m: int) -> str | None:
+def _bidirectional_batches(c: "ConfigFields", global_batch_size: int, m: int) -> str | None:
     """A step runs exactly 2T micro-batches per data replica (T = replicas_per_direction per direction)."""
     if c.bidirectional and m != 2 * c.replicas_per_direction:
         return (f"a bidirectional step runs 2 x replicas_per_direction = {2 * c.replicas_per_direction} "
@@ -95,7 +95,7 @@ def _bidirectional_batches(c: "ParallelConfig", global_batch_size: int, m: int) 
 
 
 # registry order (planner/strategies/registry.py); strategies without checks of their own are left out
-FIELD_CHECKS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str | None]], ...] = (
+FIELD_CHECKS: tuple[tuple[StrategyName, Callable[["ConfigFields"], str | None]], ...] = (
     (StrategyName.DATA, _data),
     (StrategyName.TENSOR, _tensor),
     (StrategyName.PIPELINE, _pipeline),
@@ -105,45 +105,45 @@ FIELD_CHECKS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str | None]
 )
 
 # (config, global batch in samples, micro-batches per step on each pipeline) -> refusal or None
-MICRO_BATCH_CHECKS: tuple[tuple[StrategyName, Callable[["ParallelConfig", int, int], str | None]], ...] = (
+MICRO_BATCH_CHECKS: tuple[tuple[StrategyName, Callable[["ConfigFields", int, int], str | None]], ...] = (
     (StrategyName.PIPELINE, _interleaved_batches),
     (StrategyName.BIDIRECTIONAL, _bidirectional_batches),
 )
 
 
-def _bidirectional_schedule(c: "ParallelConfig") -> str | None:
+def _bidirectional_schedule(c: "ConfigFields") -> str | None:
     return f"bidi T{c.replicas_per_direction}" if c.bidirectional else None
 
 
-def _interleaved_label(c: "ParallelConfig") -> str:
+def _interleaved_label(c: "ConfigFields") -> str:
     return f"x{c.virtual_stages}" if c.schedule == Schedule.INTERLEAVED else ""
 
 
-def _spatial_label(c: "ParallelConfig") -> str:
+def _spatial_label(c: "ConfigFields") -> str:
     if c.spatial == 1:
         return ""
     local = " bn=local" if c.spatial_batchnorm == SpatialBatchNorm.LOCAL else ""
     return f" s{c.spatial} {c.spatial_split}..{c.spatial_until}{local}"
 
 
-def _subgraph_label(c: "ParallelConfig") -> str:
+def _subgraph_label(c: "ConfigFields") -> str:
     return f" g{c.subgraph}" if c.subgraph > 1 else ""
 
 
-def _sequence_label(c: "ParallelConfig") -> str:
+def _sequence_label(c: "ConfigFields") -> str:
     return " sp" if c.sequence_parallel else ""
 
 
-def _context_label(c: "ParallelConfig") -> str:
+def _context_label(c: "ConfigFields") -> str:
     return f" c{c.context} {c.context_attention}" if c.context > 1 else ""
 
 
 # ParallelConfig.short(): strategies that run a schedule of their own name it in place of
 # ParallelConfig.schedule; then each strategy's label text follows, in registry order
-SCHEDULE_LABELS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str | None]], ...] = (
+SCHEDULE_LABELS: tuple[tuple[StrategyName, Callable[["ConfigFields"], str | None]], ...] = (
     (StrategyName.BIDIRECTIONAL, _bidirectional_schedule),
 )
-LABELS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str]], ...] = (
+LABELS: tuple[tuple[StrategyName, Callable[["ConfigFields"], str]], ...] = (
     (StrategyName.TENSOR, _sequence_label),
     (StrategyName.PIPELINE, _interleaved_label),
     (StrategyName.SPATIAL, _spatial_label),
@@ -152,7 +152,7 @@ LABELS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], str]], ...] = (
 )
 
 
-def label(config: "ParallelConfig") -> str:
+def label(config: "ConfigFields") -> str:
     """The schedule and the strategies' parts of ParallelConfig.short(), e.g. "interleavedx2 g2"."""
     schedule = next((s for _, name in SCHEDULE_LABELS if (s := name(config))), config.schedule)
     return schedule + "".join(part(config) for _, part in LABELS)
@@ -160,7 +160,7 @@ def label(config: "ParallelConfig") -> str:
 
 # ParallelConfig.to_dict(): fields a strategy that is off leaves out of the document, so that
 # documents of configs without it stay as they were before the strategy existed
-UNUSED_FIELDS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], bool], tuple[str, ...]], ...] = (
+UNUSED_FIELDS: tuple[tuple[StrategyName, Callable[["ConfigFields"], bool], tuple[str, ...]], ...] = (
     (StrategyName.SPATIAL, lambda c: c.spatial == 1,
      ("spatial", "spatial_split", "spatial_until", "spatial_batchnorm")),
     (StrategyName.SUBGRAPH, lambda c: c.subgraph == 1, ("subgraph",)),
@@ -169,16 +169,16 @@ UNUSED_FIELDS: tuple[tuple[StrategyName, Callable[["ParallelConfig"], bool], tup
 )
 
 
-def unused_fields(config: "ParallelConfig") -> tuple[str, ...]:
+def unused_fields(config: "ConfigFields") -> tuple[str, ...]:
     """The ParallelConfig fields that `config`'s document leaves out (their strategy is off)."""
     return tuple(name for _, off, names in UNUSED_FIELDS if off(config) for name in names)
 
 
-def field_refusal(config: "ParallelConfig") -> str | None:
+def field_refusal(config: "ConfigFields") -> str | None:
     """The first strategy's refusal of its own fields in `config`, or None."""
     return next((why for _, check in FIELD_CHECKS if (why := check(config))), None)
 
 
-def micro_batch_refusal(config: "ParallelConfig", global_batch_size: int, m: int) -> str | None:
+def micro_batch_refusal(config: "ConfigFields", global_batch_size: int, m: int) -> str | None:
     """The first strategy's refusal of `m` micro-batches per step (global batch `global_batch_size`), or None."""
     return next((why for _, check in MICRO_BATCH_CHECKS if (why := check(config, global_batch_size, m))), None)

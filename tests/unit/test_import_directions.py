@@ -2,7 +2,9 @@
 
 - runtime imports no other meshplan package (a generated rank script imports only runtime);
 - cost_models imports only runtime;
-- codegen imports planner's types, cost_models and runtime, never the application shell;
+- codegen imports planner's types (the Plan and what it stores, the graph it binds to, the tables the
+  planner decided with: PLANNER_FOR_CODEGEN), cost_models and runtime, never the application shell,
+  the pricing or the search;
 - planner imports cost_models and runtime, and only planner/app/ (the CLI and the rest of
   the shell) imports codegen;
 - no import circles between modules;
@@ -14,8 +16,10 @@
 
 Every import counts for the directions, those inside functions and under TYPE_CHECKING
 included. Circles are looked for among all imports that ever run, those inside functions
-included (a function-level import hides a circle, it does not remove it); only imports under
-TYPE_CHECKING, which never run, are left out. Each test reports all its violations at once.
+included (a function-level import hides a circle, it does not remove it), and then among all
+imports, those under TYPE_CHECKING included (a type checker reads them: a circle there is two
+modules that each need the other's types; the strategies see the Evaluator, a config and a plan
+through small protocols instead). Each test reports all its violations at once.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +36,13 @@ SHELL = "planner.app"   # the one part of planner that may import codegen
 # the PyTorch-stack target's run-time side, and the code that may import it besides itself
 TORCH_TARGET = ("runtime.torch_script", "runtime.torch_script_checkpoint", "runtime.torch_stack")
 TORCH_TARGET_USERS = ("codegen.torch_target", SHELL)
+# what codegen may import of planner: the Plan and what it stores (config, tensor splits, sub-graph regions),
+# the graph it binds to (and the capture and binding check codegen runs to bind it), and the tables the
+# planner decided with; never the pricing (the Evaluator, the strategies' hooks) or the search
+PLANNER_FOR_CODEGEN = ("planner.plan", "planner.config", "planner.config_fields", "planner.graph.model",
+                       "planner.graph.ops", "planner.graph.capture", "planner.binding", "planner.capabilities",
+                       "planner.strategies.combinations", "planner.strategies.subgraph.regions",
+                       "planner.strategies.tensor.split")
 
 # package -> the other meshplan packages it may import
 ALLOWED = {
@@ -131,6 +142,9 @@ def direction_problems(imports: list[Import]) -> list[str]:
             problems.append(f"{_where(imp)}: {src_pkg} may import {allowed}")
         elif src_pkg == "codegen" and (imp.target == SHELL or imp.target.startswith(SHELL + ".")):
             problems.append(f"{_where(imp)}: codegen may import planner's types, not the application shell")
+        elif src_pkg == "codegen" and dst_pkg == "planner" and not _within(imp.target, PLANNER_FOR_CODEGEN):
+            problems.append(f"{_where(imp)}: codegen imports only the plan's types of planner "
+                            f"({', '.join(PLANNER_FOR_CODEGEN)})")
     return problems
 
 
@@ -191,15 +205,26 @@ def test_imports_go_one_way():
                           + "\n  ".join(problems))
 
 
-def test_no_import_circles():
-    imports = _imports()
+def _circle_report(imports: list[Import]) -> tuple[list[list[str]], str]:
     cycles = import_cycles(imports)
     lines = []
     for members in cycles:
         edges = sorted(_where(i) for i in imports if i.runs and i.source in members and i.target in members)
         lines.append(" <-> ".join(members) + ":\n    " + "\n    ".join(edges))
+    return cycles, "\n  ".join(lines)
+
+
+def test_no_import_circles():
+    cycles, report = _circle_report(_imports())
     assert not cycles, (f"{len(cycles)} import circle(s) among the modules; break each by moving the shared "
-                        f"code into a module both import:\n  " + "\n  ".join(lines))
+                        f"code into a module both import:\n  " + report)
+
+
+def test_no_import_circles_through_type_checking_imports():
+    cycles, report = _circle_report([replace(i, runs=True) for i in _imports()])
+    assert not cycles, (f"{len(cycles)} circle(s) once the imports under TYPE_CHECKING count; have one side see "
+                        f"the other through a Protocol of what it reads, or move the type into a module both "
+                        f"import:\n  " + report)
 
 
 def test_importing_planner_loads_no_shell():
@@ -217,11 +242,13 @@ def test_the_checks_see_what_they_look_for():
     bad = [Import("runtime.program", "planner.plan", 1, True), Import("planner.search", "codegen.lower", 2, False),
            Import("planner.app.cli", "codegen.emit", 3, True), Import("codegen.emit", "planner.app.cli", 4, True),
            Import("runtime.verify", "runtime.torch_script", 5, True), Import("planner.search", "planner.app.report", 6, False),
-           Import("codegen.emit", "runtime.torch_stack.dcp", 7, True)]
-    assert len(direction_problems(bad)) == 6
+           Import("codegen.emit", "runtime.torch_stack.dcp", 7, True),
+           Import("codegen.lower", "planner.evaluator", 8, True), Import("codegen.partition", "planner.search", 9, False)]
+    assert len(direction_problems(bad)) == 8
     fine = [Import("runtime.torch_script", "runtime.torch_stack.dcp", 1, True),
             Import("codegen.torch_target.script", "runtime.torch_records", 2, True),
-            Import("planner.app.cli", "runtime.torch_script_checkpoint", 3, True)]
+            Import("planner.app.cli", "runtime.torch_script_checkpoint", 3, True),
+            Import("codegen.partition", "planner.strategies.tensor.split.rules", 4, True)]
     assert direction_problems(fine) == []
     circle = [Import("a.x", "a.y", 1, True), Import("a.y", "a.z", 2, True), Import("a.z", "a.x", 3, True),
               Import("a.z", "a.w", 4, True), Import("a.w", "a.x", 5, False)]

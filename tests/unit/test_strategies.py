@@ -67,3 +67,17 @@ def test_a_refusal_names_every_conflict_present():
                    "use subgraph=1 or drop those")
     assert why_not(ParallelConfig(subgraph=2, data=2), Level.CONFIG) is None
     assert why_not(ParallelConfig(spatial=2, spatial_until="x", pipeline=2, bidirectional=True), Level.RUNTIME) is None
+
+
+def test_the_protocols_the_strategies_see_are_satisfied():
+    """The Evaluator is what the strategies' hooks read as Pricing, a Plan what describe.py reads as a
+    PlanView (each protocol lists members; a member the real class lacks fails here)."""
+    from planner.evaluator import Evaluator
+    from planner.strategies.base import Pricing
+    from planner.strategies.describe import PlanView, StageView
+    from tests.parallel_cases import plan_for, graph_of
+
+    plan = plan_for("gpt", global_batch=4, data=2)
+    ev = Evaluator(graph_of("gpt"), plan.cluster)
+    assert isinstance(ev, Pricing) and isinstance(plan, PlanView) and isinstance(plan.stages[0], StageView)
+    assert not isinstance(object(), Pricing) and not isinstance(plan.config, PlanView)
