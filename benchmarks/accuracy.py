@@ -5,7 +5,7 @@
 
 Backend: MPI (mpi4py + mpiexec, the `mpi` extra) when installed, else gloo. On this
 2-core VM gloo's small messages stall for ~4 ms on a third to a half of the calls, at
-random (runtime/comm.py's gloo path blocks in work.wait(); the stall is gloo's threads
+random (runtime/comm/__init__.py's gloo path blocks in work.wait(); the stall is gloo's threads
 waiting for a core), so the same gloo build's measured step moves by up to ~18% from one
 launch to the next: no prediction can be checked to 10% against that. MPI ranks progress
 their requests themselves (the waiting thread tests them), and a build's measured step
@@ -132,7 +132,7 @@ def default_backend() -> tuple[str, str]:
     """("mpi" or "gloo", why): MPI when mpi4py imports and an mpiexec is found."""
     import importlib.util
 
-    from runtime.launcher import mpiexec_path
+    from runtime.launch.launcher import mpiexec_path
 
     if importlib.util.find_spec("mpi4py") is None:
         return "gloo", "mpi4py is not installed (pip install -e '.[mpi]' for MPI)"
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"  # the rank processes and the calibration ranks alike
     from planner.app.calibrate_run import calibrate_machine
     from planner.app.compare import TRANSFER_DRIFT, compare_build, draw, measured_steps
-    from runtime.launcher import run_local
+    from runtime.launch.launcher import run_local
 
     import tempfile
     out = Path(args.out or tempfile.mkdtemp(prefix="meshplan-accuracy-"))

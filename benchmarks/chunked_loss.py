@@ -4,7 +4,7 @@ one forward + backward.
 The output layer of a GPT: hidden (tokens, C) -> logits (tokens, V) -> mean cross-entropy, with
 gradients for hidden and the (fp32) weight. "full" is what a training loop writes:
 F.cross_entropy((hidden @ weight.T).float(), targets), the logits materialized (upcast to fp32);
-"chunked" is runtime.chunked_loss.chunked_cross_entropy(hidden, weight, targets) (chunk_tokens 0:
+"chunked" is runtime.execute.chunked_loss.chunked_cross_entropy(hidden, weight, targets) (chunk_tokens 0:
 the default rule). In fp32 and under torch.autocast(bfloat16) (fp32 master weight, cast in the call).
 
 Time: rounds alternate which variant goes first (the machine's load drifts); the median seconds of
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from runtime.chunked_loss import auto_chunk_tokens, chunked_cross_entropy  # noqa: E402
+from runtime.execute.chunked_loss import auto_chunk_tokens, chunked_cross_entropy  # noqa: E402
 
 VARIANTS = ("full", "chunked")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}

@@ -109,7 +109,7 @@ def measure(world: int, args) -> dict[str, float]:
     """Median seconds per method (forward + backward, slowest rank) on `world` processes."""
     import torch.multiprocessing as mp
 
-    from runtime.launcher import free_port
+    from runtime.launch.launcher import free_port
 
     with mp.get_context("spawn").Manager() as manager:
         results = manager.dict()

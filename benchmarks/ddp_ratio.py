@@ -114,7 +114,7 @@ def make_build(preset: str, batch: int, bucket_mb: float, out: Path) -> Path:
 
 def run_pair(code: str, world: int = 2) -> dict:
     """Run `code` as ranks 0 .. world-1; the dict rank 0 prints after RESULT."""
-    from runtime.launcher import free_port
+    from runtime.launch.launcher import free_port
 
     ports = dict(MASTER_PORT=str(free_port()), OURS_PORT=str(free_port()))
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

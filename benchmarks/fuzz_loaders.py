@@ -4,7 +4,7 @@
 
 Loaders: plan, cluster and Program documents (mutated dicts) and plan / Program files (cut and
 junk-padded bytes), as before; and, for what a run reads from disk: build.json and programs.json
-of a build (runtime/build_files.py), a torch checkpoint's record (torch_checkpoint.json), a
+of a build (runtime/launch/build_files.py), a torch checkpoint's record (torch_checkpoint.json), a
 meshplan checkpoint's manifest.json and rank file, and a Distributed Checkpoint's .metadata pickle
 (bytes cut, padded, flipped; and pickles crafted to run code). Program documents are the per-rank
 Programs of three lowered GPT-tiny plans (tests/unit/fuzz_mutations.py).
@@ -47,7 +47,7 @@ from cost_models.hardware import Cluster, ClusterFileError  # noqa: E402
 from examples.models import gpt  # noqa: E402
 from fuzz_mutations import mutate, sample_program_docs  # noqa: E402
 from planner import Plan, PlanFileError  # noqa: E402
-from runtime.build_files import BuildError, read_build, read_build_file  # noqa: E402
+from runtime.launch.build_files import BuildError, read_build, read_build_file  # noqa: E402
 from runtime.checkpoint import CheckpointError, Manifest, read_rank_file  # noqa: E402
 from runtime.program import Program, ProgramError  # noqa: E402
 from runtime.torch_script_checkpoint import TorchCheckpoint  # noqa: E402

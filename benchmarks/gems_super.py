@@ -14,7 +14,7 @@ Three parts (all by default; pick with --part):
             and where bidirectional / sub-graph plans rank
 
 Measured step times: each configuration is built twice and the four builds run A, B, A, B in the
-same worker processes (runtime.launcher.run_many), so drifting machine load hits both alike; the
+same worker processes (runtime.launch.launcher.run_many), so drifting machine load hits both alike; the
 figure is the median of rank 0's step seconds after --warmup steps, over both copies.
 
     python benchmarks/gems_super.py [--part bubble|subgraph|search] [--steps 20] [--warmup 4]
@@ -40,7 +40,7 @@ def _measure(ref: str, kw: dict, configs: dict, batch: int, steps: int, warmup: 
     """name -> (measured median step s, predicted step s) for configs of one world size."""
     import planner
     from codegen.emit import capture_ref, emit
-    from runtime.launcher import run_many
+    from runtime.launch.launcher import run_many
 
     builds, preds = [], {}
     for copy in (0, 1):

@@ -9,14 +9,14 @@ asynchronously and waits for all four, two ways alternating round by round:
 
 - together: four MPI Iallreduce requests outstanding at once, then waited (what the
   runtime's MPI communicator did before it queued collectives per group);
-- queued: through runtime.comm_mpi.MpiCommunicator, which starts a group's next collective
+- queued: through runtime.comm.mpi.MpiCommunicator, which starts a group's next collective
   only when the one before it is done.
 
 Prints the mean and median milliseconds of each and their ratio (together / queued).
 
 Measured on the project's 2-core VM, 2 ranks, the two ways alternating in one run: together
 2.1-2.3 ms, queued 1.25-1.3 ms while the VM moved data fast; 3.4-3.6 ms against 2.85-2.9 ms
-while it moved data slowly. Hence the runtime's queue per group (runtime/comm_mpi.py).
+while it moved data slowly. Hence the runtime's queue per group (runtime/comm/mpi.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def worker(rounds: int) -> None:
     import torch
     from mpi4py import MPI
 
-    from runtime.comm_mpi import MpiCommunicator
+    from runtime.comm.mpi import MpiCommunicator
 
     torch.set_num_threads(1)
     comm = MpiCommunicator(timeout=60.0)

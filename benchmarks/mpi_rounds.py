@@ -29,7 +29,7 @@ def main(doc: str, script: str, worker: Callable[[int], None], argv: list[str] |
         worker(args.rounds)
         return 0
     sys.path.insert(0, str(ROOT))
-    from runtime.launcher import mpiexec_args
+    from runtime.launch.launcher import mpiexec_args
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [*mpiexec_args(args.ranks), "-x", "OMP_NUM_THREADS", sys.executable, script, "--worker",

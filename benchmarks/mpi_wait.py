@@ -4,7 +4,7 @@
 
 Starts `ranks` processes under mpiexec (one thread each). Each round, every rank
 computes for about 0.3 ms (a 160 x 160 GEMM chain, as a layer would), then runs one
-blocking all-reduce through runtime.comm_mpi.MpiCommunicator; the two wait policies
+blocking all-reduce through runtime.comm.mpi.MpiCommunicator; the two wait policies
 alternate round by round on the same processes:
 
 - yield: keep the core, testing and yielding, for up to YIELD_SPIN_S before sleeping
@@ -31,7 +31,7 @@ def worker(rounds: int) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from runtime.comm_mpi import YIELD_SPIN_S, MpiCommunicator
+    from runtime.comm.mpi import YIELD_SPIN_S, MpiCommunicator
 
     torch.set_num_threads(1)
     comm = MpiCommunicator(timeout=60.0)

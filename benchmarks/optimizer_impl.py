@@ -7,7 +7,7 @@ in rounds that alternate which implementation goes first, so that the machine's 
 hits all alike. Each implementation's own optimizer state is kept (so every timed step after the
 warm-up is a steady-state step). Prints each median (seconds per step) and the ratios to the
 for-loop one. Runs with the threads a rank has (--threads, default 1 as under `meshplan run`).
-Its result picks OptimizerSpec's `auto` implementation on CPU (runtime/optim.py).
+Its result picks OptimizerSpec's `auto` implementation on CPU (runtime/execute/optim.py).
 
     PYTHONPATH=. python benchmarks/optimizer_impl.py [--rounds 7] [--threads 1] [--device cpu]
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from runtime.optim import OptimizerImpl, OptimizerSpec  # noqa: E402
+from runtime.execute.optim import OptimizerImpl, OptimizerSpec  # noqa: E402
 
 GPT_100M = dict(vocab_size=16384, seq_len=128, hidden=768, num_layers=12, num_heads=12)
 IMPLS = (OptimizerImpl.FOR_LOOP, OptimizerImpl.FOREACH, OptimizerImpl.FUSED)

@@ -10,7 +10,7 @@ with the same data, SGD with momentum, micro-batch and global batch.
 
 The builds run alternately in one invocation: in round r every plan runs meshplan then torch for odd r
 and torch then meshplan for even r, each run `--steps` steps, so the machine's drifting load hits both
-alike. Each world size's runs go through one set of worker processes (runtime.launcher.run_many with
+alike. Each world size's runs go through one set of worker processes (runtime.launch.launcher.run_many with
 through_workers), so Python's and torch's start-up is paid once per world size; every run still builds
 its model, mesh and process group afresh, hence the warm-up steps dropped from every run. Each run has
 its own copy of its build directory, whose metrics.jsonl keeps that run's step `seconds` (rank 0's wall
@@ -78,7 +78,7 @@ def make_builds(name: str, graph, args, out: Path) -> dict[str, Path]:
 
 def run_alternating(builds: dict[str, dict[str, Path]], args, tmp: Path) -> dict[str, dict[str, list[list[float]]]]:
     """plan -> target -> one list of rank 0's step seconds per round (warm-up steps included)."""
-    from runtime.launcher import read_build, run_many
+    from runtime.launch.launcher import read_build, run_many
 
     times: dict[str, dict[str, list[list[float]]]] = {p: {t: [] for t in TARGETS} for p in builds}
     by_world: dict[int, list[str]] = {}

@@ -5,7 +5,7 @@ scripts plus launchers (torchrun, mpirun, srun).
     codegen.lower(plan, graph)     -> {rank: Program}
     codegen.emit(plan, model_ref, data_ref, out_dir) -> Build   writes the build directory
 
-Everything else is reached by its module path (runtime.schedules.build_schedule, ...).
+Everything else is reached by its module path (runtime.program.schedules.build_schedule, ...).
 """
 
 from codegen.emit import Build, emit

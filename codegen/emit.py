@@ -41,14 +41,14 @@ from planner.graph.capture import capture_ref
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.datasets import DatasetSpec
-from runtime.evaluation import EvalSpec, check_supported
+from runtime.execute.evaluation import EvalSpec, check_supported
 from runtime.execution import Execution
-from runtime.lr_schedule import ScheduleSpec
-from runtime.optim import OptimizerSpec
+from runtime.execute.lr_schedule import ScheduleSpec
+from runtime.execute.optim import OptimizerSpec
 from runtime.program import Program
 from runtime.rank_main import PlanMismatchError
 from runtime.refs import RefError, check_call, load_callable
-from runtime.loss_scale import LossScaleSpec
+from runtime.execute.loss_scale import LossScaleSpec
 from runtime.spec import TrainSpec
 
 
@@ -162,7 +162,7 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
             default: example_batch in the model's file (with the model's kwargs).
         graph: the captured graph the plan was made from (captured again from model_ref if None).
         loss, optimizer, seed, data_seed, init, checkpoint, schedule, clip_grad, loss_scale: the training setup
-            (runtime/spec.py; loss_scale: fp16 dynamic loss scaling, runtime/loss_scale.py, None: none).
+            (runtime/spec.py; loss_scale: fp16 dynamic loss scaling, runtime/execute/loss_scale.py, None: none).
         bucket_bytes: gradient bucket size for the data-parallel reduction.
         dataset: a torch Dataset by reference (runtime.datasets.DatasetSpec), read instead of a batch
             factory; give it without data_ref.
@@ -199,7 +199,7 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
         "signature": {"hash": parts.signature, "shapes": parts.tensor_shapes},
         "graph_fingerprint": plan.graph_fingerprint, "bucket_bytes": bucket_bytes, **node_layout(plan),
         "stages": {str(sp.spec.index): sp.spec.to_dict() for sp in parts.stages},
-        "random_ops": list(graph.random_ops),   # runtime/verify.py says why they rule out a sample-exact check
+        "random_ops": list(graph.random_ops),   # runtime/verify/__init__.py says why they rule out a sample-exact check
     }, indent=1))
     (out / "programs.json").write_text(json.dumps({str(r): p.to_dict() for r, p in programs.items()}))
     for rank, text in scripts.items():
@@ -353,7 +353,7 @@ if __name__ == "__main__":
 
 
 def node_layout(plan: Plan) -> dict:
-    """What build.json records of the plan's cluster for the launch checks (runtime/placement.py,
+    """What build.json records of the plan's cluster for the launch checks (runtime/launch/placement.py,
     runtime/join.py): its node count and devices per node (rank r runs on node r // devices_per_node)."""
     return {"nodes": plan.cluster.num_nodes, "devices_per_node": plan.cluster.devices_per_node}
 

@@ -9,7 +9,7 @@ them, returns them twice) there is no head, and the reason says why.
 
 With Execution.loss "chunked" (`fuse`), the stage returns the linear's input, the hidden state, in
 the logits' place (the runtime computes the loss from it and the layer's weight:
-runtime/output_head.py); under tensor parallelism the linear's column input (copy_to_group, or the
+runtime/execute/output_head.py); under tensor parallelism the linear's column input (copy_to_group, or the
 sequence gather) goes too, since the chunked loss reduces the hidden state's gradient itself.
 
 With Execution.vocab_multiple m > 1 the layer's rows are padded: at tensor degree 1 the weight (and
@@ -31,7 +31,7 @@ from torch import nn
 from planner.strategies.tensor.split.splits import TensorSplits
 from planner.strategies.tensor.split.weight_op import weight_op
 from runtime.losses import output_item
-from runtime.output_head import OutputHead
+from runtime.execute.output_head import OutputHead
 from runtime.parallel.tensor.layers import FeatureSplit, ParamShard, copy_to_group, gather_sequence
 
 

@@ -31,7 +31,7 @@ from codegen.strategies.base import Lowering, LoweringError, LoweringStrategy, P
 from codegen.strategies.data import DEFAULT_BUCKET_BYTES
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
-from runtime.instr_set import Op
+from runtime.program.instr_set import Op
 from runtime.program import Instr, Program, coords_of
 from runtime.vocab import element_bytes
 

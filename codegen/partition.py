@@ -173,7 +173,7 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
                              + (f"; missing {missing[:3]}" if missing else f"; got {order[:4]}..."))
     num_stages = len(plan.stages)
     # A parameter or buffer read directly (get_attr) belongs to no stage: every stage that
-    # reads it holds it (a weight shared by two stages is held by both; runtime/ties.py
+    # reads it holds it (a weight shared by two stages is held by both; runtime/execute/ties.py
     # keeps the copies equal).
     stage_of: dict[str, int] = {}
     for n in reversed(nodes):  # inserted nodes (local-size arithmetic) join their first user

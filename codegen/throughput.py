@@ -1,4 +1,4 @@
-"""What one training step of a plan computes (runtime.step_work.StepWork), recorded in the build so that
+"""What one training step of a plan computes (runtime.program.step_work.StepWork), recorded in the build so that
 the ranks turn a step's seconds into samples/s, tokens/s and MFU without counting anything."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
-from runtime.step_work import StepWork
+from runtime.program.step_work import StepWork
 
 
 def step_work(plan: Plan, graph: ModelGraph) -> StepWork:

@@ -17,8 +17,8 @@ import argparse
 import dataclasses
 
 from runtime.execution import MAX_VOCAB_MULTIPLE, CompileScope, Execution, LossImpl
-from runtime.lr_schedule import ScheduleKind, ScheduleSpec
-from runtime.optim import NoDecay, OptimizerImpl, OptimizerSpec
+from runtime.execute.lr_schedule import ScheduleKind, ScheduleSpec
+from runtime.execute.optim import NoDecay, OptimizerImpl, OptimizerSpec
 
 MAX_STEPS = 2 ** 40   # as meshplan run --steps (planner/app/cli.py)
 

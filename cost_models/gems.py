@@ -12,14 +12,14 @@ For uniform stages (forward f, backward b) and no communication the step
 takes T(eta) = eta * p * (f + b) - (eta - 1) * (p - 1) * f with eta = 2T
 (docs/STRATEGIES.md, "Bidirectional pipelines"). `step_time` computes the general case (any per-stage times,
 point-to-point transfers) by list scheduling the per-device order of the bidirectional
-schedule (runtime/schedules.py), the same action lists codegen lowers.
+schedule (runtime/program/schedules.py), the same action lists codegen lowers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.schedules import bidirectional
+from runtime.program.schedules import bidirectional
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def device_order(pipeline: int, replicas_per_direction: int) -> list[list[Task]]
     """The GEMS order of tasks on each device: for each pair t, A's F and B, then B's F and B.
 
     Micro-batches are numbered 2t (replica A) and 2t+1 (replica B) for pair t. It is the
-    bidirectional schedule of runtime/schedules.py, the one codegen lowers, with the replica
+    bidirectional schedule of runtime/program/schedules.py, the one codegen lowers, with the replica
     of each action named.
     """
     sched = bidirectional(pipeline, replicas_per_direction)

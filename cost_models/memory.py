@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.schedules import forwards_in_flight
+from runtime.program.schedules import forwards_in_flight
 from runtime.vocab import DType, Schedule
 
 
@@ -67,7 +67,7 @@ def param_bytes(dtype: str, zero: int, data: int, grad_bytes: int | None = None)
 
 def autocast_param_bytes(zero: int, data: int, state_bytes: int = 8) -> ParamBytes:
     """Per-parameter bytes on one device as meshplan's runtime allocates them under torch.autocast
-    (runtime/grads.py): fp32 parameters (ZeRO-3 keeps a 1/d shard between uses), fp32 gradients in full
+    (runtime/execute/grads.py): fp32 parameters (ZeRO-3 keeps a 1/d shard between uses), fp32 gradients in full
     (ZeRO-1/2 reduce-scatter into a shard gradient of 1/d besides them), and `state_bytes` of fp32
     optimizer state (AdamW's m and v: 8) sharded by ZeRO-1 and up. The 16-bit copies autocast makes of
     the weights are per micro-batch in flight, counted apart (MemoryBreakdown.weight_copies)."""
@@ -95,7 +95,7 @@ def live_micro_batches(schedule: str, stage: int, pipeline: int, micro_batches: 
     """Micro-batches whose activations a device on pipeline position `stage` holds at its peak.
 
     GPipe and 1F1B: the peak of forwards not yet backwarded in the schedule's own action
-    list (runtime/schedules.py): all m for GPipe, min(p - stage, m) for 1F1B. Interleaved
+    list (runtime/program/schedules.py): all m for GPipe, min(p - stage, m) for 1F1B. Interleaved
     1F1B with v chunks: Megatron-LM's estimate (Narayanan et al. SC'21, section 2.2), the
     (p - 1) extra warm-up chunk forwards spread over v chunks: (p - stage) + (p - 1) / v
     micro-batches' worth of one position's activations. It equals the action list's peak

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from cost_models.comm import (CollectiveCost, _check_bytes, _check_op, _cheapest, _group_shape, _GroupShape,
                               _measured, _scaled_links)
 from cost_models.hardware import Cluster
-from runtime.mesh import groups_along
+from runtime.program.mesh import groups_along
 from runtime.vocab import MeshAxis
 
 
@@ -53,7 +53,7 @@ def axis_groups(mesh: Mapping[str, int], axis: str) -> list[list[int]]:
 
     ``mesh`` maps axis names to sizes, outermost first; ranks ``0..prod(sizes)-1`` are
     laid out row-major with the LAST axis innermost (its groups are contiguous ranks), the
-    runtime's layout (runtime/mesh.py).
+    runtime's layout (runtime/program/mesh.py).
     Each group holds the ranks that differ only in their ``axis`` coordinate, in
     coordinate order; groups are sorted by their first rank. E.g. for
     ``{"pipeline": 2, "data": 2, "tensor": 2}``: tensor ``[[0,1],[2,3],[4,5],[6,7]]``, data

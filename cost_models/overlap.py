@@ -148,7 +148,7 @@ class Overlap:
 
 _PRESETS: dict[OverlapPreset, Overlap] = {
     # meshplan's runtime: tensor-parallel all-reduces are synchronous (runtime/parallel/tensor/layers.py);
-    # gradient buckets are reduced from hooks inside each stage's last backward (runtime/grads.py);
+    # gradient buckets are reduced from hooks inside each stage's last backward (runtime/execute/grads.py);
     # ZeRO-3 gathers a stage's parameters right before each forward and backward and ZeRO-1/2
     # gather after the step, both waited at once (codegen/strategies/data.py). Its sends are
     # asynchronous, but the planner prices them synchronously: that keeps its analytic step the

@@ -1,5 +1,5 @@
 """Pipeline schedule formulas (docs/STRATEGIES.md, "Pipeline parallelism"): the step time of the
-schedules runtime/schedules.py defines.
+schedules runtime/program/schedules.py defines.
 
 p stages, m micro-batches, v virtual chunks per device. A "slot" is one
 micro-batch's forward plus backward on the slowest stage.

@@ -38,9 +38,9 @@ from cost_models.calibrated import (after_reduce_costs, call_overheads, executor
                                     vocab_loss_costs, zero_grad_cost)
 from cost_models.comm import collective_time
 from cost_models.hardware import Cluster
-from runtime.instr_set import Op
+from runtime.program.instr_set import Op
 from runtime.program import COLLECTIVE_OPS, Instr, Program
-from runtime.trace import Event, Timeline
+from runtime.program.trace import Event, Timeline
 
 _COLLECTIVE_NAMES = {"ALLREDUCE": "all_reduce", "ALLGATHER": "all_gather", "REDUCESCATTER": "reduce_scatter",
                      "BROADCAST": "broadcast"}

@@ -1,7 +1,7 @@
 """The parts of a training step outside the captured graph, priced as the runtime runs them on a GPU.
 
 * The loss on the last stage (`loss_cost`): F.cross_entropy over the logits upcast to fp32 (the
-  runtime's full loss, runtime/losses.py), or the fused chunked loss (runtime/chunked_loss.py), which
+  runtime's full loss, runtime/losses.py), or the fused chunked loss (runtime/execute/chunked_loss.py), which
   computes the output layer's GEMMs itself chunk by chunk and never holds the whole logits.
 * The optimizer phase (`optimizer_cost`): the optimizer's step by implementation (fused / foreach
   multi-tensor kernels: a cost per tensor and per byte, cost_models/gpu_fit.adam_seconds), the global
@@ -21,18 +21,18 @@ from dataclasses import dataclass
 from cost_models.gemm import GemmShape
 from cost_models.gpu_fit import adam_seconds, loss_passes
 from cost_models.kernels import Gpu
-from runtime.chunked_loss import auto_chunk_tokens
+from runtime.execute.chunked_loss import auto_chunk_tokens
 
 @dataclass(frozen=True)
 class StepSetup:
     """What the training step runs besides the model, as the build's TrainSpec will say (runtime/spec.py).
 
     optimizer: "adamw" or "sgd" (momentum); optimizer_impl: "auto" (fused AdamW, foreach SGD on a GPU:
-    runtime/optim.py), "fused", "foreach" or "for-loop"; clip_grad: the step clips the global gradient
+    runtime/execute/optim.py), "fused", "foreach" or "for-loop"; clip_grad: the step clips the global gradient
     norm; loss_scaling: fp16 loss scaling, whose overflow check reads the norm on the host (a second sync
     in the step); loss: the loss the last stage computes (runtime/losses.py: "cross_entropy" or "mse");
     grad_norm: the step computes the global gradient norm (meshplan's runtime does every step, for its
-    metrics: runtime/grad_step.py).
+    metrics: runtime/execute/grad_step.py).
 
     How the runtime handles gradients and batches follows from the plan (runtime/executor.py): gradients
     that are views of data-parallel buckets are zeroed in place and every backward adds into them, others
@@ -54,7 +54,7 @@ class StepSetup:
                              f"{self.optimizer_impl!r}")
 
     def impl_on_gpu(self) -> str:
-        """The implementation `auto` stands for on a GPU (runtime/optim.py resolve_impl)."""
+        """The implementation `auto` stands for on a GPU (runtime/execute/optim.py resolve_impl)."""
         if self.optimizer_impl != "auto":
             return self.optimizer_impl
         return "fused" if self.optimizer == "adamw" else "foreach"
@@ -115,7 +115,7 @@ def full_loss_cost(gpu: Gpu, tokens: float, vocab: float, *, logits_bytes: int, 
 
 def chunked_loss_cost(gpu: Gpu, tokens: float, vocab: float, hidden: int, *, chunk_tokens: int = 0,
                       vocab_parallel: int = 1, allreduce=None, gather=None) -> LossCost:
-    """The fused chunked loss (runtime/chunked_loss.py) over `tokens` hidden states of width `hidden` and
+    """The fused chunked loss (runtime/execute/chunked_loss.py) over `tokens` hidden states of width `hidden` and
     `vocab` output rows on this rank, the output layer's GEMMs included, as that module states its work
     (U = one GEMM pass over tokens x vocab x hidden; per logit, the elementwise bytes of its chunk body):
 
@@ -165,7 +165,7 @@ def chunked_loss_cost(gpu: Gpu, tokens: float, vocab: float, hidden: int, *, chu
                     kept_bytes=kept)
 
 
-# The runtime's global gradient norm (runtime/grad_norm.py) is a foreach norm per dtype of the gradients,
+# The runtime's global gradient norm (runtime/execute/grad_norm.py) is a foreach norm per dtype of the gradients,
 # stacked, squared and summed: a few kernels reading every gradient once.
 NORM_KERNELS = 4
 
@@ -174,7 +174,7 @@ def optimizer_cost(gpu: Gpu, params: float, tensors: int, *, impl: str, clip: bo
                    norm: bool = True, groups: int = 1, buckets: int = 1) -> Work:
     """One optimizer phase on one rank holding `params` parameters in `tensors` tensors: the global gradient
     norm (`norm`: meshplan's runtime computes it every step, for its metrics and clipping, as foreach kernels
-    reading each gradient once, runtime/grad_norm.py), clipping (`clip`: a foreach multiply reading and
+    reading each gradient once, runtime/execute/grad_norm.py), clipping (`clip`: a foreach multiply reading and
     writing each gradient), the AdamW step by implementation, and zeroing the gradients in place where they
     are views of `buckets` gradient buckets (`zero_in_place`: a kernel per bucket, 4 bytes written each;
     without buckets the runtime frees them instead, which costs nothing)."""

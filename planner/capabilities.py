@@ -107,7 +107,7 @@ class RuntimeSupport:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     bidirectional: bool = True   # GEMS MAST/MASTER: tests/distributed/test_bidirectional.py
-    # fp16 trains with dynamic loss scaling (runtime/loss_scale.py); bf16 and fp32 need none.
+    # fp16 trains with dynamic loss scaling (runtime/execute/loss_scale.py); bf16 and fp32 need none.
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
     # Spatial tiles: tests/distributed/test_spatial_build.py; sub-graph parallelism:
     # tests/distributed/test_subgraph.py; context parallelism: tests/distributed/test_context_parallel.py.

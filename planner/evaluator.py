@@ -694,7 +694,7 @@ def compiled_layers(graph: ModelGraph) -> frozenset[int]:
 
 def _bucketed(config: ParallelConfig) -> bool:
     """Whether meshplan's runtime keeps this config's gradients as views of data-parallel buckets (a data or
-    context axis to sum them over, runtime/grads.py), zeroed in place, rather than freeing them."""
+    context axis to sum them over, runtime/execute/grads.py), zeroed in place, rather than freeing them."""
     return config.data * config.context > 1
 
 

@@ -6,10 +6,10 @@ What a user or a generated script needs is named here; everything else is reache
 its module path (runtime.comm.TorchCommunicator, runtime.spec.TrainSpec, ...):
 
     Program, Instr, ProgramError    runtime.program   the instruction set
-    Timeline                        runtime.trace     measured / predicted timelines
-    DistContext                     runtime.context   rank, world, one group per mesh axis
+    Timeline                        runtime.program.trace     measured / predicted timelines
+    DistContext                     runtime.comm.context   rank, world, one group per mesh axis
     run_rank                        runtime.rank_main what each rank script calls
-    run_local, BuildError           runtime.launcher  run a build directory on this machine
+    run_local, BuildError           runtime.launch.launcher  run a build directory on this machine
     verify_build                    runtime.verify    the check behind meshplan run --verify
     reference_run                   runtime.reference the single-process reference
 
@@ -22,10 +22,10 @@ import importlib
 
 _EXPORTS = {
     "Program": "runtime.program", "Instr": "runtime.program", "ProgramError": "runtime.program",
-    "Timeline": "runtime.trace",
-    "DistContext": "runtime.context",
+    "Timeline": "runtime.program.trace",
+    "DistContext": "runtime.comm.context",
     "run_rank": "runtime.rank_main",
-    "run_local": "runtime.launcher", "BuildError": "runtime.launcher",
+    "run_local": "runtime.launch.launcher", "BuildError": "runtime.launch.launcher",
     "verify_build": "runtime.verify",
     "reference_run": "runtime.reference",
 }

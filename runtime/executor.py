@@ -7,7 +7,7 @@ order, the peers and the collectives all come from the Program.
 
 A gradient collective that directly follows the last backward of its stage
 is armed before that backward and issued from inside it by the bucket's
-hook (see runtime/grads.py); when the executor reaches the instruction the
+hook (see runtime/execute/grads.py); when the executor reaches the instruction the
 handle already exists.
 
 The host waits for the device once per step: the micro-batches' losses are added
@@ -26,19 +26,19 @@ from typing import Callable
 import torch
 
 from runtime.comm import Handle, PeerFailure, p2p_tag
-from runtime.context import DistContext
+from runtime.comm.context import DistContext
 from runtime.data import DataSource, pick_input
-from runtime.evaluation import forward_only
-from runtime.faults import SAVE_FAULTS, inject
-from runtime.grads import GradSync
-from runtime.lr_schedule import current_lr
-from runtime.grad_step import GradientStep
-from runtime.instr_set import Kind, Op
+from runtime.execute.evaluation import forward_only
+from runtime.launch.faults import SAVE_FAULTS, inject
+from runtime.execute.grads import GradSync
+from runtime.execute.lr_schedule import current_lr
+from runtime.execute.grad_step import GradientStep
+from runtime.program.instr_set import Kind, Op
 from runtime.program import Instr, Program
-from runtime.stage import StageRunner
-from runtime.running_stats import RunningStats
-from runtime.ties import TieSync
-from runtime.trace import Recorder
+from runtime.execute.stage import StageRunner
+from runtime.execute.running_stats import RunningStats
+from runtime.execute.ties import TieSync
+from runtime.program.trace import Recorder
 from runtime.vocab import MeshAxis, Track
 
 
@@ -83,7 +83,7 @@ class StepResult:
     grad_norm: float | None = None
     loss_scale: float | None = None
     skipped: bool = False
-    evaluation: dict | None = None   # after an evaluation step: eval_loss, eval_accuracy (runtime/evaluation.py)
+    evaluation: dict | None = None   # after an evaluation step: eval_loss, eval_accuracy (runtime/execute/evaluation.py)
 
 
 @dataclass
@@ -115,7 +115,7 @@ class Executor:
         ties: the TieSync of this rank's tied-weight copies (None when it holds none).
         stats: the RunningStats of this rank's BatchNorm statistics (None when it has none).
         optimizer: steps the parameters GradSync.optimizer_params() lists.
-        scheduler: its lr scheduler, stepped after every optimizer step (runtime/lr_schedule.py).
+        scheduler: its lr scheduler, stepped after every optimizer step (runtime/execute/lr_schedule.py).
         data: this data rank's batches (None when no stage of this rank reads data).
         recorder: where instruction times go.
         fail_at: (step, instruction index) at which to raise, for failure tests.
@@ -129,15 +129,15 @@ class Executor:
     data: DataSource | None
     recorder: Recorder
     fail_at: tuple[int, int] | None = None
-    fault: str = "raise"                       # what fail_at does (runtime/faults.py)
+    fault: str = "raise"                       # what fail_at does (runtime/launch/faults.py)
     ties: TieSync | None = None
     stats: RunningStats | None = None          # BatchNorm running statistics averaged over the grad axis
     on_step: Callable[[], None] | None = None  # called at STEP after fp16 unscaling, before clipping and the
-                                               # optimizer (runtime/step_record.py)
-    guard: GradientStep | None = None          # unscale, norm, skip or clip at STEP (runtime/grad_step.py)
+                                               # optimizer (runtime/verify/step_record.py)
+    guard: GradientStep | None = None          # unscale, norm, skip or clip at STEP (runtime/execute/grad_step.py)
     scheduler: object = None                   # torch.optim.lr_scheduler.LRScheduler, with `optimizer`
     position: tuple[int, int] = (-1, -1)       # (step, instruction index) now running, for the watchdog
-    eval_data: DataSource | None = None        # held-out batches (runtime/evaluation.py; None: no stage reads data)
+    eval_data: DataSource | None = None        # held-out batches (runtime/execute/evaluation.py; None: no stage reads data)
     _evaluating: bool = False                  # evaluate_batch is walking the Program's forward part
     _attached: dict[int, list[int]] = field(default_factory=dict)
     _completions: list = field(default_factory=list)
@@ -165,7 +165,7 @@ class Executor:
 
     # ------------------------------------------------------------------
     def evaluate_batch(self, step: int, j: int) -> torch.Tensor:
-        """Held-out batch j, forward only, after training step `step` (runtime/evaluation.py): the
+        """Held-out batch j, forward only, after training step `step` (runtime/execute/evaluation.py): the
         Program's forward part, untraced; the caller puts the modules in eval() mode. Returns
         (global-batch mean loss, correct predictions, target elements counted), the same on every rank."""
         micro = self.eval_data.micro_batches(j) if self.eval_data is not None else None

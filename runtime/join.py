@@ -5,7 +5,7 @@ cause, instead of training with heartbeats nobody can read or waiting silently. 
 check, over a TCPStore, for a set of participants numbered 0 .. count-1:
 
 * the ranks of a gloo/NCCL run, on the rendezvous store before any process group exists
-  (runtime/comm.py calls it): a rank that does not come within --timeout is named (with the
+  (runtime/comm/__init__.py calls it): a rank that does not come within --timeout is named (with the
   node the plan puts it on), and so are ranks whose MESHPLAN_JOB_SECRET differs from rank 0's
   or that run another build (a node-local copy of another version);
 * the nodes of a multi-node torchrun launch (`python -m runtime.join`, which launch_torchrun.sh
@@ -15,7 +15,7 @@ check, over a TCPStore, for a set of participants numbered 0 .. count-1:
   NODE_RANKs, the same secret and the same build. Then node 0 closes the store and every node
   starts torchrun, whose static rendezvous puts rank 0 on node 0.
 
-Each participant writes its arrival (signed with the job secret, runtime/jobauth.py) and counts
+Each participant writes its arrival (signed with the job secret, runtime/comm/jobauth.py) and counts
 itself in; participant 0 reads them all (one read each) and publishes a signed verdict; the
 others read that one key. A verdict that fails authentication means this participant's
 secret differs from participant 0's; participant 0 names every such participant.
@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from runtime.jobauth import SECRET_ENV, Signer, signer_from_env
+from runtime.comm.jobauth import SECRET_ENV, Signer, signer_from_env
 
 PREFIX = "meshplan/join"
 FIRST_SAY_S = 3.0      # a participant that has waited this long says what it waits for ...
@@ -277,7 +277,7 @@ def _connect(host: str, port: int, timeout: float, say: Callable[[str], None], n
 def join_nodes(build_dir: str, nodes: int, node_rank: int, nproc: int, host: str, port: int, timeout: float,
                environ: dict | None = None) -> None:
     """Node `node_rank`'s part of the meeting of a multi-node launch (JoinError if it is refused)."""
-    from runtime.store_host import host_store, listen_address
+    from runtime.comm.store_host import host_store, listen_address
 
     env = os.environ if environ is None else environ
     if not 0 <= node_rank < nodes:

@@ -13,7 +13,7 @@ Three mechanisms, from strongest to most portable:
   their own and, when it is told to stop (SIGTERM, SIGINT, SIGHUP) or fails,
   sends them the same signal, waits `stop_grace` seconds, then SIGKILLs what is
   left. Nothing outlives it.
-* The store (runtime/watchdog.py): a rank whose rendezvous store stops
+* The store (runtime/launch/watchdog.py): a rank whose rendezvous store stops
   answering for the heartbeat timeout stops (the store's host is gone).
 
 torchrun, srun and mpirun have their own: torchrun's agent SIGTERMs its

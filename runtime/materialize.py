@@ -239,7 +239,7 @@ def build_stage(stage_cls: type, sspec: StageSpec, spec: TrainSpec, tensor_rank:
     setattr(stage, CONTEXT, None)
     stage.train()
     if spec.execution.compile:
-        from runtime.compiled import compile_stage
+        from runtime.execute.compiled import compile_stage
 
         compile_stage(stage, sspec, spec.execution)
     return stage
@@ -296,7 +296,7 @@ def retie(stage: nn.Module, sspec: StageSpec) -> None:
 def separate_copies(modules: dict[int, nn.Module]) -> None:
     """Every stage a rank runs holds its own copy of a weight two of them use (a tied weight
     whose users fall in two stages on one rank): the stages' gradients are summed across all
-    copies by runtime.ties, like copies on other ranks, and each copy is stepped alike."""
+    copies by runtime.execute.ties, like copies on other ranks, and each copy is stepped alike."""
     seen: set[int] = set()
     for s in sorted(modules):
         fresh: dict[int, nn.Parameter] = {}

@@ -13,14 +13,14 @@ evaluation results pass through to the file and TensorBoard unchanged):
   lr, grad_norm,         from the step's StepResult (runtime/executor.py); null when the run does
   loss_scale, skipped    not compute them (no schedule, no clipping, no fp16 loss scaling)
   samples_per_s          global batch size / seconds
-  tokens_per_s           samples_per_s x StepWork.tokens_per_sample (runtime/step_work.py)
+  tokens_per_s           samples_per_s x StepWork.tokens_per_sample (runtime/program/step_work.py)
   mfu                    model FLOPs utilisation: StepWork.flops / (seconds x StepWork.peak_flops);
                          null when the build records no peak for its dtype (or no StepWork)
   peak_memory_bytes      rank 0's peak memory in the step: on GPU the CUDA allocator's peak
                          (torch.cuda.max_memory_allocated, reset before every step); on CPU the
                          process's peak resident set so far (resource.getrusage ru_maxrss: the OS
                          keeps one peak per process and it cannot be reset, so it never falls).
-                         Both are a counter read, not op counting (runtime/memtrack.py counts).
+                         Both are a counter read, not op counting (runtime/execute/memtrack.py counts).
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from typing import TextIO
 
 import torch
 
-from runtime.progress import Progress
+from runtime.launch.progress import Progress
 from runtime.tensorboard_log import TensorBoardLog
 
 from runtime.executor import RankFailure, StepResult
 from runtime.files import write_atomic
-from runtime.step_work import StepWork
+from runtime.program.step_work import StepWork
 
 
 class NonFiniteLoss(RankFailure):

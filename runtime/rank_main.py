@@ -14,15 +14,15 @@ Outputs (under --out, default the build directory):
                              resumed run appends to the history before its checkpoint)
   --tensorboard DIR          the same scalars as TensorBoard event files (rank 0)
   run/rank_XXXX.json         this rank's loss and seconds per step, the global gradient norm, loss scale
-                             and skip flag per step (runtime/grad_step.py), its resolved optimizer
-                             implementation ("optimizer_impl", runtime/optim.py; null without an optimizer),
+                             and skip flag per step (runtime/execute/grad_step.py), its resolved optimizer
+                             implementation ("optimizer_impl", runtime/execute/optim.py; null without an optimizer),
                              with compiled stages the graphs torch.compile had made after each step
                              ("compiled_graphs": constant after the first step when nothing recompiles),
                              with --probe-comm the time of a 1 MiB all-reduce over all ranks before the first
-                             step, and with evaluation its setting "eval" and results "evals" (runtime/evaluation.py)
+                             step, and with evaluation its setting "eval" and results "evals" (runtime/execute/evaluation.py)
   run/timeline_rank_XXXX.json  this rank's Timeline (the first TRACE_WINDOW_STEPS steps; all with --trace); on a
                              GPU each instruction timed on the device with CUDA events, the host's times beside
-                             them (runtime/device_clock.py)
+                             them (runtime/execute/device_clock.py)
   run/params_rank_XXXX.pt    with --save-params: final parameters of its stages
 """
 
@@ -43,44 +43,44 @@ from typing import Callable
 import torch
 
 from runtime.checkpoint import RankState, save_checkpoint
-from runtime.checkpoint_restore import (Restore, apply_loss_scale, apply_optimizer, apply_params, apply_rng,
+from runtime.checkpoint.restore import (Restore, apply_loss_scale, apply_optimizer, apply_params, apply_rng,
                                         apply_schedule, open_restore)
-from runtime.checkpoint_run import CheckpointClaim, claim_checkpoint_dir, run_to_continue, sweep_resumed_root
-from runtime.compiled import compiled_graphs
+from runtime.checkpoint.run_ids import CheckpointClaim, claim_checkpoint_dir, run_to_continue, sweep_resumed_root
+from runtime.execute.compiled import compiled_graphs
 from runtime.comm import CommError, PeerFailure, local_threads_hint
-from runtime.context import DistContext
+from runtime.comm.context import DistContext
 from runtime.batch_source import open_data
 from runtime.data import DataSource, Split
-from runtime.evaluation import EvalResult, EvalSpec, check_program, eval_setting, evaluate
+from runtime.execute.evaluation import EvalResult, EvalSpec, check_program, eval_setting, evaluate
 from runtime.executor import Executor, RankFailure
-from runtime.faults import FAULTS, SAVE_FAULTS, inject
-from runtime.jobauth import signer_from_env
+from runtime.launch.faults import FAULTS, SAVE_FAULTS, inject
+from runtime.comm.jobauth import signer_from_env
 from runtime.join import Arrival, Meeting, build_identity, listed, say_to_stderr, wait_for_port
 from runtime.lifetime import HEARTBEAT_STORE_ENV, LAUNCHER_PID_ENV, Terminated, die_of, die_with_launcher, raise_on_terminate
-from runtime.placement import Placement, check_nodes, cuda_index, node_of, placement
-from runtime.shared_dirs import NotSharedError, probe
-from runtime.store_host import LOOPBACK, host_store, listen_address
-from runtime.grads import GradSync
-from runtime.grad_step import make_gradient_step, outcome_record, scaler_state
+from runtime.launch.placement import Placement, check_nodes, cuda_index, node_of, placement
+from runtime.launch.shared_dirs import NotSharedError, probe
+from runtime.comm.store_host import LOOPBACK, host_store, listen_address
+from runtime.execute.grads import GradSync
+from runtime.execute.grad_step import make_gradient_step, outcome_record, scaler_state
 from runtime.materialize import (build_model_for_stages, build_stage, meta_model, model_signature,
                                  separate_copies, signature_mismatch)
-from runtime.memtrack import measure_step_memory
-from runtime.optim import optimizer_order, rank_optimizer
+from runtime.execute.memtrack import measure_step_memory
+from runtime.execute.optim import optimizer_order, rank_optimizer
 from runtime.program import Program
 from runtime.parallel.registry import STRATEGIES
 from runtime.spec import StageSpec, TrainSpec
-from runtime.stage import StageRunner
-from runtime.running_stats import RunningStats
-from runtime.sabotage import SABOTAGE, sabotage
-from runtime.step_record import StepRecorder
-from runtime.ties import TieSync
+from runtime.execute.stage import StageRunner
+from runtime.execute.running_stats import RunningStats
+from runtime.verify.sabotage import SABOTAGE, sabotage
+from runtime.verify.step_record import StepRecorder
+from runtime.execute.ties import TieSync
 from runtime.metrics import StepLog, check_loss
 from runtime.tensorboard_log import require_tensorboard
-from runtime.device_clock import CudaClock
-from runtime.trace import (PROBE_BYTES, TRACE_WINDOW_STEPS, Recorder, probe_all_reduce, shared_origin,
+from runtime.execute.device_clock import CudaClock
+from runtime.program.trace import (PROBE_BYTES, TRACE_WINDOW_STEPS, Recorder, probe_all_reduce, shared_origin,
                            write_run_timeline)
 from runtime.vocab import MeshAxis
-from runtime.watchdog import Watchdog
+from runtime.launch.watchdog import Watchdog
 
 
 class LaunchError(ValueError):
@@ -159,7 +159,7 @@ def parse_args(argv, default_out: str) -> argparse.Namespace:
     ap.add_argument("--resume-from-other-run", action="store_true",
                     help="allow --resume from a checkpoint of another run than the one whose checkpoints "
                          "--checkpoint-dir holds (that run then continues from this state; see "
-                         "runtime/checkpoint_run.py)")
+                         "runtime/checkpoint/run_ids.py)")
     ap.add_argument("--eval-every", type=int, default=None, metavar="N",
                     help="evaluate on held-out batches after every N-th step (default: as the build says)")
     ap.add_argument("--eval-batches", type=int, default=None, metavar="K",
@@ -183,7 +183,7 @@ def tcoord_of(prog: Program) -> int:
 
 
 def _save(session: RankSession, next_step: int) -> None:
-    """Every rank saves its checkpoint shard after step next_step - 1 (a collective: see runtime/checkpoint.py)."""
+    """Every rank saves its checkpoint shard after step next_step - 1 (a collective: see runtime/checkpoint/__init__.py)."""
     p = session.prepared
     fa = p.args.fail_at
     kill = None
@@ -197,7 +197,7 @@ def _save(session: RankSession, next_step: int) -> None:
 
 
 def _claim_checkpoint_dir(session: RankSession) -> None:
-    """Rank 0 locks --checkpoint-dir for this run (runtime/checkpoint_run.py); a refusal is its failure."""
+    """Rank 0 locks --checkpoint-dir for this run (runtime/checkpoint/run_ids.py); a refusal is its failure."""
     p = session.prepared
     if p.rank != 0:
         return
@@ -235,9 +235,9 @@ class Prepared:
     fail_at: tuple[int, int] | None
     restore: Restore | None = None
     signature: str = ""        # model_signature the build was made for
-    evaluation: EvalSpec | None = None   # held-out evaluation (runtime/evaluation.py)
+    evaluation: EvalSpec | None = None   # held-out evaluation (runtime/execute/evaluation.py)
     eval_data: DataSource | None = None
-    where: Placement = Placement()        # this process's node and place on it (runtime/placement.py)
+    where: Placement = Placement()        # this process's node and place on it (runtime/launch/placement.py)
     build_id: str = ""                    # runtime/join.build_identity of the build (compared at the rendezvous)
     devices_per_node: int | None = None   # the plan's (None: a build that does not record it)
 
@@ -420,7 +420,7 @@ def _world_broadcast(comm, world_size: int, device):
 
 
 def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
-    """Heartbeats and the abort watcher (runtime/watchdog.py) on the rendezvous store; under MPI on the
+    """Heartbeats and the abort watcher (runtime/launch/watchdog.py) on the rendezvous store; under MPI on the
     store `meshplan run` hosts for them (HEARTBEAT_STORE_ENV), else none (the collective timeout)."""
     hosted = None
     if p.backend == "mpi":
@@ -564,7 +564,7 @@ def _run_rank(rank: int, program: dict, stages: dict, train: dict, signature: di
 
 def _check_shared_dirs(session: RankSession) -> None:
     """On a launch over several nodes (or an unknown placement): refuse a --checkpoint-dir that is not one
-    directory for every rank (runtime/shared_dirs.py), and note which ranks share rank 0's --out."""
+    directory for every rank (runtime/launch/shared_dirs.py), and note which ranks share rank 0's --out."""
     p = session.prepared
     if p.where.nodes == 1 or p.program.world_size == 1:
         return
@@ -634,7 +634,7 @@ def _parse_fail_at(text: str | None, rank: int) -> tuple[int, int] | None:
 
 def _make_comm(backend: str, rank: int, world_size: int, args, device, join: Callable[[object], None] | None = None):
     if backend == "mpi":
-        from runtime.comm_mpi import MpiCommunicator
+        from runtime.comm.mpi import MpiCommunicator
 
         comm = MpiCommunicator(timeout=args.timeout)
         if comm.world_size != world_size:

@@ -18,7 +18,7 @@ from typing import Callable
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from runtime.running_stats import batchnorm_modules, load_statistics, statistics
+from runtime.execute.running_stats import batchnorm_modules, load_statistics, statistics
 
 
 class _RestoreStatistics:

@@ -9,13 +9,13 @@ by 1/chunks, and takes one optimizer step per global batch.
 
 BatchNorm running statistics: the parallel run updates them on each data rank
 from that rank's micro-batches, then averages them over the ranks
-(runtime/running_stats.py). The reference does the same in one process: each
+(runtime/execute/running_stats.py). The reference does the same in one process: each
 `stats_group` (the chunks one rank runs, in order) starts from the step's
 statistics, and the groups' results are averaged.
 
-The optimizer is the build's (runtime/optim.py) over the whole model: the same weight-decay
+The optimizer is the build's (runtime/execute/optim.py) over the whole model: the same weight-decay
 groups, decided by each parameter's dims, and the implementation the ranks resolved
-(`like_the_ranks`); its lr schedule (runtime/lr_schedule.py) steps after every optimizer step.
+(`like_the_ranks`); its lr schedule (runtime/execute/lr_schedule.py) steps after every optimizer step.
 
 It runs with as many threads as a rank (OMP_NUM_THREADS, 1 under `meshplan
 run`): torch picks kernels by thread count, and two kernels round differently.
@@ -36,10 +36,10 @@ from torch import nn
 
 from runtime.batch_source import open_data
 from runtime.data import DataSource, Split, call_model
-from runtime.evaluation import EvalResult, EvalSpec, count_correct
+from runtime.execute.evaluation import EvalResult, EvalSpec, count_correct
 from runtime.losses import compute_loss
 from runtime.materialize import build_model
-from runtime.running_stats import batchnorm_modules, load_statistics, statistics
+from runtime.execute.running_stats import batchnorm_modules, load_statistics, statistics
 from runtime.spec import TrainSpec
 from runtime.parallel.tensor.layers import FeatureSplit
 from runtime.vocab import DType
@@ -123,7 +123,7 @@ def reference_data(spec: TrainSpec, micro_batch_size: int | None = None, split: 
 
 
 def evaluate_model(model: nn.Module, spec: TrainSpec, data: DataSource, batches: int, step: int) -> EvalResult:
-    """The held-out evaluation a run does after `step` (runtime/evaluation.py), in one process: the
+    """The held-out evaluation a run does after `step` (runtime/execute/evaluation.py), in one process: the
     model in eval() mode under torch.no_grad, batches 0 .. batches - 1 of `data` (Split.EVAL) in the
     run's micro-batch chunks, each chunk's mean loss scaled by 1/chunks."""
     was = model.training
@@ -152,7 +152,7 @@ def reference_run(spec: TrainSpec, steps: int, micro_batch_size: int | None = No
                   evaluation: EvalSpec | None = None) -> ReferenceRun:
     """Train the whole model in this process for `steps` steps (see the module docstring).
 
-    perturb: applied to the freshly built model (the rounding-level twin of runtime/verify.py).
+    perturb: applied to the freshly built model (the rounding-level twin of runtime/verify/__init__.py).
     evaluation: evaluate after the steps it names, as the run does (evaluate_model).
     """
     with rank_threads():
@@ -210,7 +210,7 @@ def _optimizer_step(opt: torch.optim.Optimizer, params: list[nn.Parameter], clip
     # GradScaler.step hands a fused optimizer the step's found_inf and lets it skip itself; torch 2.13's
     # fused SGD then still creates its momentum buffers, from uninitialised memory, on a skipped first step
     # (NaN later). So a non-finite step does not reach the optimizer here, as in the ranks
-    # (runtime/grad_step.py); update() reads the found_inf that unscale_ recorded either way.
+    # (runtime/execute/grad_step.py); update() reads the found_inf that unscale_ recorded either way.
     if math.isfinite(norm):
         scaler.step(opt)
     scaler.update()

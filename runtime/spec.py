@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from runtime.datasets import DatasetSpec
-from runtime.evaluation import EvalSpec
+from runtime.execute.evaluation import EvalSpec
 from runtime.execution import Execution
-from runtime.lr_schedule import ScheduleSpec
-from runtime.loss_scale import LossScaleSpec
-from runtime.optim import OptimizerSpec
-from runtime.output_head import OutputHead
+from runtime.execute.lr_schedule import ScheduleSpec
+from runtime.execute.loss_scale import LossScaleSpec
+from runtime.execute.optim import OptimizerSpec
+from runtime.execute.output_head import OutputHead
 from runtime.parallel.spatial.geometry import SpatialSpec
-from runtime.step_work import StepWork
+from runtime.program.step_work import StepWork
 from runtime.parallel.tensor.layers import FeatureSplit, ModuleShard, ParamShard, shard_dim
 from runtime.vocab import DType, Recompute
 
@@ -62,11 +62,11 @@ class TrainSpec:
         loss: "cross_entropy" or "mse"; optimizer: OptimizerSpec; schedule: its lr schedule (ScheduleSpec).
         init: "seed", "per-module" or "checkpoint" (see module docstring); checkpoint: its file.
         dtype: "fp32", or "bf16"/"fp16" for autocast mixed precision (fp32 master weights).
-        clip_grad: clip the global gradient norm to this (None: no clipping; runtime/grad_step.py).
-        loss_scale: fp16 dynamic loss scaling (runtime/loss_scale.py), or None.
+        clip_grad: clip the global gradient norm to this (None: no clipping; runtime/execute/grad_step.py).
+        loss_scale: fp16 dynamic loss scaling (runtime/execute/loss_scale.py), or None.
         root: directory that relative refs and paths are resolved against.
-        eval: held-out evaluation during training (runtime/evaluation.py), or None.
-        work: FLOPs, peak FLOP/s and tokens of one step, for metrics.jsonl's rates (runtime/step_work.py);
+        eval: held-out evaluation during training (runtime/execute/evaluation.py), or None.
+        work: FLOPs, peak FLOP/s and tokens of one step, for metrics.jsonl's rates (runtime/program/step_work.py);
             None in builds made without it (their lines have null tokens_per_s and mfu).
         execution: how the stages' compute runs (runtime/execution.py: compiled stages, the fused
             chunked loss, the padded vocabulary); builds made without it run the defaults.
@@ -210,16 +210,16 @@ class StageSpec:
         shards: tensor-parallel splits of its modules (empty without tensor parallelism).
         param_shards: tensor-parallel splits of the attributes it reads directly (ATen graphs).
         running_stats: its BatchNorm running statistics (buffer names), averaged over the data
-            ranks after every step (runtime/running_stats.py).
+            ranks after every step (runtime/execute/running_stats.py).
         output_split: on the last stage, how the model output's last dimension is split
             over the tensor axis (vocabulary-parallel logits), else None.
         recompute: a runtime.vocab.Recompute value (the generated code applies it).
         spatial: how the stage splits images into tiles (runtime.parallel.spatial.geometry.SpatialSpec), or None.
         shared: the model's names of each parameter this stage holds that the model uses under
             several names (tied weights), canonical name first. The stage module holds one
-            copy, under one of those names; other stages may hold copies too (runtime/ties.py).
+            copy, under one of those names; other stages may hold copies too (runtime/execute/ties.py).
         head: on the last stage, its output layer when the model's output is a final linear layer's
-            (runtime/output_head.py; with `head.fused` the stage returns the hidden state and the loss
+            (runtime/execute/output_head.py; with `head.fused` the stage returns the hidden state and the loss
             is fused with the layer), else None.
         padded: the stage's tensors whose rows are padded at tensor degree 1 (Execution.vocab_multiple:
             the output layer's weight and bias, a tied embedding): (name, dimension, split of one rank

@@ -27,7 +27,7 @@ WHOLE_MODEL_KEY = "whole_model"
 @dataclass(frozen=True)
 class TorchCheckpoint:
     """Rank 0's record of a complete torch checkpoint. step: the next step to run; samples: samples
-    consumed (step x global batch); run_id: the run that saved it (runtime/checkpoint_run.py)."""
+    consumed (step x global batch); run_id: the run that saved it (runtime/checkpoint/run_ids.py)."""
 
     step: int
     samples: int
@@ -87,7 +87,7 @@ def whole_model_spec() -> StageSpec:
 
 
 def whole_model_view(info: dict) -> tuple[dict[int, Program], dict[int, StageSpec]]:
-    """(programs, stage specs) through which runtime/verify.py reads a torch build's records: rank 0
+    """(programs, stage specs) through which runtime/verify/__init__.py reads a torch build's records: rank 0
     of the plan's mesh holding the whole model as one stage, with a data rank's micro-batches."""
     view = info[WHOLE_MODEL_KEY]
     mesh = tuple((str(a), int(s)) for a, s in info["mesh"].items())

@@ -8,11 +8,11 @@ options (runtime/rank_main.parse_args); those it cannot honour are refused befor
 other rank, with the same message on every rank. It records no Timeline (--trace and --no-trace
 change nothing; `meshplan run` then writes no trace) and runs no heartbeats (--heartbeat-timeout
 changes nothing): a failing rank exits with its error, the launcher ends the others after its
-grace period (runtime/launcher.py, runtime/lifetime.py), and a rank waiting on a dead peer fails
+grace period (runtime/launch/launcher.py, runtime/lifetime.py), and a rank waiting on a dead peer fails
 after --timeout seconds, torch.distributed's collective timeout. Checkpoints (--checkpoint-dir,
 --save-every, --resume) are Distributed Checkpoints: runtime/torch_script_checkpoint.py.
 
-What --verify reads (runtime/verify.py) is written in the form of a one-stage build whose rank 0
+What --verify reads (runtime/verify/__init__.py) is written in the form of a one-stage build whose rank 0
 holds the whole model: rank 0 gathers every parameter and gradient as whole tensors under the
 model's own names (DTensor.full_tensor over its mesh, then a gather over the ranks, which also
 joins the pipeline stages) and saves them as run/steps_rank_0000.pt (each step, before the
@@ -36,10 +36,10 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.comm import CommError
-from runtime.optim import OptimizerImpl, OptimizerSpec
-from runtime.placement import cuda_index
+from runtime.execute.optim import OptimizerImpl, OptimizerSpec
+from runtime.launch.placement import cuda_index
 from runtime.rank_main import LaunchError, parse_args
-from runtime.store_host import host_store, listen_address
+from runtime.comm.store_host import host_store, listen_address
 from runtime.torch_records import whole_model_spec
 
 # name parts torch's wrappers put into parameter names (checkpoint_wrapper, torch.compile, FSDP1): the
@@ -67,7 +67,7 @@ def join(args: argparse.Namespace, rank: int, world_size: int) -> str:
     the backend (nccl with CUDA, else gloo, unless --backend says).
 
     The store is the launcher's (`meshplan run`, torchrun: TORCHELASTIC_USE_AGENT_STORE=True) or
-    hosted by rank 0 on --master-addr:--master-port, as for meshplan's rank scripts (runtime/comm.py)."""
+    hosted by rank 0 on --master-addr:--master-port, as for meshplan's rank scripts (runtime/comm/__init__.py)."""
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(cuda_index(os.environ, torch.cuda.device_count()))
@@ -157,7 +157,7 @@ def whole_buffers(modules: list[nn.Module], rank: int, canonical: dict[str, str]
 
 
 class WholeModelRecorder:
-    """Rank 0's record of every step for --verify (runtime/step_record.py's file format, as a
+    """Rank 0's record of every step for --verify (runtime/verify/step_record.py's file format, as a
     one-stage rank holding the whole model; no coordinates: assemble_files reads them as 0 on every axis)."""
 
     def __init__(self, modules: list[nn.Module], rank: int, canonical: dict[str, str]):

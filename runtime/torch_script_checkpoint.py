@@ -14,7 +14,7 @@ Layout under a checkpoint root ROOT (--checkpoint-dir):
     ROOT/latest                       the name of the newest complete step directory, replaced atomically
                                       (runtime/files.write_atomic) last: an interrupted save leaves the
                                       previous checkpoint as the one `--resume ROOT` takes
-    ROOT/meshplan.lock                rank 0's lock while a run writes ROOT (runtime/dir_lock.py)
+    ROOT/meshplan.lock                rank 0's lock while a run writes ROOT (runtime/checkpoint/dir_lock.py)
 
 Before anything of a checkpoint is read (`checked`: on every rank of train_torch.py, in `meshplan run
 --resume` and `meshplan checkpoint show/convert` before any process starts), every file is checked
@@ -27,10 +27,10 @@ shards to the loading rank's placement: a checkpoint saved under one plan (d2 Ze
 another (t2, a pipeline) of the same model. Random state is not saved: a model with random ops
 (dropout) resumes with another stream than an uninterrupted run.
 
-How this differs from meshplan's own checkpoints (runtime/checkpoint.py: rank files + manifest.json):
+How this differs from meshplan's own checkpoints (runtime/checkpoint/__init__.py: rank files + manifest.json):
 a torch build reads only these DCP directories and meshplan's runtime only its own format; each
 refuses the other's checkpoint, saying which build resumes it. Run ids follow meshplan's rules
-(runtime/checkpoint_run.py): a new run does not write into a ROOT holding another run's
+(runtime/checkpoint/run_ids.py): a new run does not write into a ROOT holding another run's
 checkpoints; a run resuming from another run's checkpoint needs --resume-from-other-run.
 """
 
@@ -47,10 +47,10 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.checkpoint import TORCH_INFO, TORCH_LATEST, CheckpointError, step_dir, sweep_interrupted_saves
-from runtime.checkpoint_run import report_swept, sweep_resumed_root
-from runtime.dir_lock import DirLock, Holder
+from runtime.checkpoint.run_ids import report_swept, sweep_resumed_root
+from runtime.checkpoint.dir_lock import DirLock, Holder
 from runtime.files import atomic_file, make_dirs, write_atomic
-from runtime.lr_schedule import load_scheduler_state, scheduler_state
+from runtime.execute.lr_schedule import load_scheduler_state, scheduler_state
 from runtime.torch_records import TorchCheckpoint, refuse_meshplan, resolve
 from runtime.torch_stack import dcp
 
@@ -77,7 +77,7 @@ def _owner(root: Path) -> TorchCheckpoint | None:
 
 
 def run_to_continue(root: str | os.PathLike | None, resumed: TorchCheckpoint | None, *, allow_other_run: bool) -> str:
-    """The run id a run continues (a new one for a new run), under runtime/checkpoint_run.py's rules for
+    """The run id a run continues (a new one for a new run), under runtime/checkpoint/run_ids.py's rules for
     writing into --checkpoint-dir `root`; CheckpointError when they refuse it."""
     fresh = resumed.run_id if resumed is not None else uuid.uuid4().hex[:12]
     if root is None:
@@ -113,7 +113,7 @@ class ScriptCheckpoints:
     lock: DirLock | None = None
 
     def claim(self, rank: int) -> None:
-        """Rank 0 locks --checkpoint-dir for the run (runtime/dir_lock.py) and checks the rules again under
+        """Rank 0 locks --checkpoint-dir for the run (runtime/checkpoint/dir_lock.py) and checks the rules again under
         the lock; every rank calls it (a collective), takes rank 0's run id (a new run's id is drawn on
         every rank) and raises rank 0's refusal, so that none waits on it."""
         if self.root is None:

@@ -7,7 +7,7 @@ c10d rendezvous' and the workers' shared one) and a static rendezvous on --maste
 since torch's TCPStore server binds the wildcard address whatever host it is given. This runs
 torchrun itself (torch.distributed.run.main, every option of it) with one more rendezvous backend,
 "meshplan-loopback", and --nnodes=1 --rdzv-backend=meshplan-loopback: the agent hosts the one store on
-a socket bound to 127.0.0.1 (runtime/store_host.py), and the workers reach it there as torchrun's
+a socket bound to 127.0.0.1 (runtime/comm/store_host.py), and the workers reach it there as torchrun's
 agent store (TORCHELASTIC_USE_AGENT_STORE). The generated launch_torchrun.sh uses it for one node;
 several nodes keep torchrun's c10d rendezvous on MASTER_ADDR.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from runtime.store_host import LOOPBACK, host_store
+from runtime.comm.store_host import LOOPBACK, host_store
 
 BACKEND = "meshplan-loopback"
 

@@ -168,7 +168,7 @@ class SpatialBatchNorm(StrEnum):
 
 
 class Track(StrEnum):
-    """Where a Timeline event sits (runtime/trace.py).
+    """Where a Timeline event sits (runtime/program/trace.py).
 
     COMPUTE: a blocking instruction; COMM: an asynchronous one, from its issue to its completion.
     Both are on the clock the run was timed with: the host's perf_counter on CPUs, CUDA events on

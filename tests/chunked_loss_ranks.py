@@ -1,7 +1,7 @@
 """One rank of the vocabulary-parallel chunked cross-entropy test (tests/distributed/test_chunked_loss_ranks.py
 launches `world` of them): every rank builds the same whole-vocabulary inputs from one seed, holds its
 block of the vocabulary rows (padded as tensor parallelism pads them), and checks
-runtime.chunked_loss against F.cross_entropy over the whole logits computed on the rank itself:
+runtime.execute.chunked_loss against F.cross_entropy over the whole logits computed on the rank itself:
 the loss, hidden's whole gradient, its block of the weight's and bias's gradients (zero on padding
 rows), the evaluation's counts, and how many collectives each call issues.
 
@@ -15,7 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from runtime.chunked_loss import chunked_cross_entropy, chunked_eval
+from runtime.execute.chunked_loss import chunked_cross_entropy, chunked_eval
 from runtime.comm import TorchCommunicator
 from runtime.parallel.tensor.layers import vocab_parallel_embedding
 

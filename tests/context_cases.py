@@ -74,7 +74,7 @@ def run_cases(cases: list[Case], world: int, out: Path) -> dict[str, list[dict]]
     """Run `cases` on `world` spawned processes; per case, every rank's saved result."""
     import torch.multiprocessing as mp
 
-    from runtime.launcher import free_port
+    from runtime.launch.launcher import free_port
 
     mp.start_processes(run_rank, args=(world, free_port(), cases, str(out)), nprocs=world, join=True,
                        start_method="spawn")

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime.launcher import mpiexec_args
+from runtime.launch.launcher import mpiexec_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

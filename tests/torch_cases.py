@@ -21,7 +21,7 @@ from torch.nn import functional as F
 import planner
 from planner.app.commands import make_fixed_plan
 from planner.plan import Plan
-from runtime.launcher import free_port
+from runtime.launch.launcher import free_port
 from runtime.lifetime import Children
 from runtime.refs import load_callable, load_module
 from runtime.verify import TOLERANCES
@@ -147,7 +147,7 @@ def reference(model: str, *, amp: bool = False) -> dict:
 
 
 def mismatches(run: dict, ref: dict, dtype: str = "fp32") -> list[str]:
-    """Where `run` differs from `ref` beyond --verify's trajectory tolerances (runtime/verify.py): each
+    """Where `run` differs from `ref` beyond --verify's trajectory tolerances (runtime/verify/__init__.py): each
     loss and gradient norm within floor x its size, each parameter within floor x how far training moved
     it (floor 1e-4 for fp32, 2e-2 under bf16 autocast). A tensor training barely moves (BERT's key bias,
     whose gradient is zero up to rounding) is measured against the model's movement per element instead,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from runtime.comm import TorchCommunicator
-from runtime.launcher import free_port
+from runtime.launch.launcher import free_port
 
 
 def run_ranks(world: int, fn, timeout: float = 120.0) -> list:

@@ -2,7 +2,7 @@
 
 Two replicas of the model share the p pipeline positions in opposite directions: position i
 holds stage i (replica A) and stage p-1-i (replica B), and a micro-batch's parity says which
-direction, and so which position, runs a stage (runtime.schedules.bidirectional_position). Both
+direction, and so which position, runs a stage (runtime.program.schedules.bidirectional_position). Both
 ranks of the pair {i, p-1-i} hold the same two stages and reduce their gradients over the pair
 group (runtime.program.PAIR_AXIS: both positions across every data rank), higher stage first on
 both so that their collectives match. The last stage runs on two positions, each with its
@@ -11,8 +11,8 @@ direction's share of the loss: an all-reduce over the pipeline sums them.
 
 from __future__ import annotations
 
-from runtime.instr_set import Kind, Op
-from runtime.schedules import ScheduleError, bidirectional, bidirectional_position
+from runtime.program.instr_set import Kind, Op
+from runtime.program.schedules import ScheduleError, bidirectional, bidirectional_position
 from codegen.strategies.base import Lowering, LoweringError, RankPlan
 from codegen.strategies.pipeline import Pipeline
 from planner.plan import Plan

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 from codegen.strategies.base import Lowering, LoweringStrategy, Pass, Phase, Params, RankPlan
 from planner.plan import Plan
-from runtime.instr_set import Kind, Op
+from runtime.program.instr_set import Kind, Op
 from runtime.program import Bucket, Instr
 from runtime.vocab import MeshAxis, StrategyName, element_bytes
 
@@ -32,7 +32,7 @@ def make_buckets(stage: int, params, data: int, cap_bytes: int = DEFAULT_BUCKET_
     copies of tied weights) get a bucket of their own: under ZeRO, each data rank then holds
     the same slice of every copy, and the copies' gradient shards can be summed.
 
-    decay_of(ndim): the parameter's weight-decay class (runtime.optim.OptimizerSpec.decays), when
+    decay_of(ndim): the parameter's weight-decay class (runtime.execute.optim.OptimizerSpec.decays), when
     the classes step differently: a bucket then holds one class only (a ZeRO flat shard of it is
     one optimizer group's), recorded as Bucket.decay; None: one class (Bucket.decay True)."""
     out, cur, numel, elem, cls = [], [], 0, 4, True

@@ -1,7 +1,7 @@
 """Pipeline parallelism in the lowering: where stages run, and the messages between them.
 
     placement  stage k runs on pipeline position k % pipeline; the position's forwards and
-               backwards come in the plan's schedule's order (runtime/schedules.py)
+               backwards come in the plan's schedule's order (runtime/program/schedules.py)
     COMPUTE    receives posted one compute ahead and waited just before use; sends issued right
                after the compute that makes them, waited at the end of the pipeline (a send
                never blocks a rank mid-schedule, so the only waits are on data the schedule has
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from runtime.instr_set import Kind, Op
-from runtime.schedules import ScheduleError, build_schedule
+from runtime.program.instr_set import Kind, Op
+from runtime.program.schedules import ScheduleError, build_schedule
 from codegen.strategies.base import Lowering, LoweringError, Pass, Phase, Params, Placement, RankPlan
 from planner.plan import Plan
 from runtime.program import Instr, Tie, rank_of, tie_axis

@@ -107,7 +107,7 @@ class TorchLayout:
     """A plan in torch's vocabulary (see the module docstring).
 
     mesh: the DeviceMesh dimensions, outermost first (ranks row-major, last dimension fastest, as
-        meshplan lays them out: runtime/mesh.py).
+        meshplan lays them out: runtime/program/mesh.py).
     tensor: the style of every tensor-parallel module, in graph order.
     sequence_dim: the activations' sequence dimension under sequence parallelism, else None.
     data: the data-parallel wrapper.

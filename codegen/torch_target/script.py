@@ -3,7 +3,7 @@
     build/
       plan.json, graph.json    as in a meshplan build (codegen/emit.py)
       build.json               the training setup (TrainSpec), "target": "torch", "entry": SCRIPT (the
-                               file every process starts: runtime.launcher.entry_script) and what
+                               file every process starts: runtime.launch.launcher.entry_script) and what
                                --verify reads the run's records as (runtime/torch_script.py)
       train_torch.py           the script, the same on every rank: builds the model from its reference,
                                applies the plan written out as explicit torch calls (init_device_mesh,
@@ -206,7 +206,7 @@ def train(args, rank, backend, checkpoints):
     runner = parallelize(model, mesh, device)
     params = [p for m in runner.modules for p in m.parameters() if p.requires_grad]
     optimizer_spec = optimizer_for(TRAIN.optimizer, params, device)   # fused kernels take no DTensors
-    optimizer = optimizer_spec.build(params, device=device)   # its weight-decay groups: runtime/optim.py
+    optimizer = optimizer_spec.build(params, device=device)   # its weight-decay groups: runtime/execute/optim.py
     scheduler = TRAIN.schedule.build(optimizer)                 # stepped after every optimizer step
     shard, shards = data_coordinate(mesh)
     # the rows [shard G/d, (shard+1) G/d) of each global batch, in MICRO_BATCH_SIZE chunks: the chunks the

@@ -73,7 +73,7 @@ from cost_models.calibration.stage import fit_loss
 from cost_models.hardware import Cluster, Device, Link
 from cost_models.op_curves import fit_curve_mix
 from cost_models.presets import CPU_ACTIVE_WATTS_PER_CORE, CPU_IDLE_WATTS_PER_CORE
-from runtime.launcher import free_port, local_mpiexec, mpiexec_args
+from runtime.launch.launcher import free_port, local_mpiexec, mpiexec_args
 from runtime.lifetime import Children
 
 
@@ -122,7 +122,7 @@ def run_workers(ranks: int, *, quick: bool = True, backend: str = "gloo", timeou
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         with Children() as children:  # no calibration process outlives this one (runtime/lifetime.py)
-            if backend == "mpi":   # on loopback only, as meshplan run's MPI runs (runtime/launcher.py)
+            if backend == "mpi":   # on loopback only, as meshplan run's MPI runs (runtime/launch/launcher.py)
                 mpiexec, warning = local_mpiexec(mpiexec_args(ranks), env)
                 if warning and progress:
                     progress(f"warning: {warning}")

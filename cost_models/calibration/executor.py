@@ -31,13 +31,13 @@ import statistics
 import torch
 
 from cost_models.calibration.stage import _median_calls, reference_runner, runner_calls
-from runtime.context import DistContext
+from runtime.comm.context import DistContext
 from runtime.data import DataSource
 from runtime.executor import Executor
-from runtime.instr_set import Kind, Op
+from runtime.program.instr_set import Kind, Op
 from runtime.program import Instr, Program
-from runtime.schedules import one_f_one_b
-from runtime.trace import Recorder
+from runtime.program.schedules import one_f_one_b
+from runtime.program.trace import Recorder
 from runtime.vocab import MeshAxis
 
 REF_WIDTH = 128            # features of the reference stages

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from runtime.optim import OptimizerSpec
+from runtime.execute.optim import OptimizerSpec
 
 CHAIN = 8
 KINDS = ("linear", "conv", "elementwise", "norm", "embedding", "attention", "view")

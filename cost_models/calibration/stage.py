@@ -3,7 +3,7 @@
 The planner prices a stage as the sum of its ops. What a rank actually runs per
 instruction has costs no op carries, and on small models they are most of a step:
 
-- a stage call: runtime.stage.StageRunner.forward / .backward (detaching the inputs,
+- a stage call: runtime.execute.stage.StageRunner.forward / .backward (detaching the inputs,
   keeping what backward needs, starting the autograd engine): `time_stage_calls`;
 - the loss on the last stage (cross-entropy over the logits, reading it back as a float,
   scaling it before backward), which is not in the captured graph at all: `time_stage_calls`,
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from cost_models.calibration.ops import one_thread
 from runtime.losses import compute_loss
 from runtime.spec import Boundary, StageSpec
-from runtime.stage import StageRunner
+from runtime.execute.stage import StageRunner
 from runtime.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 WIDTH = 96                   # features of the reference stage's layers (no example model's width)

@@ -55,7 +55,7 @@ from cost_models.calibration.ops import _block_case, time_block, time_op_kinds, 
 from cost_models.calibration.stage import time_stage_calls, time_tensor_parallel, time_zero_grad
 from cost_models.local_machine import _measure_compute_and_memory
 from runtime.comm import TorchCommunicator
-from runtime.comm_mpi import MpiCommunicator
+from runtime.comm.mpi import MpiCommunicator
 
 QUICK_SIZES = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
 FULL_SIZES = (8, 256, 1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 17, 1 << 18, 1 << 20, 1 << 21, 1 << 22, 1 << 24)

@@ -39,7 +39,7 @@ import planner
 from codegen.emit import capture_ref, emit
 from planner.app.commands import make_fixed_plan
 from planner.app.compare import compare_build
-from runtime.launcher import run_local
+from runtime.launch.launcher import run_local
 
 # The probe run: micro-batches of MICRO samples, MICRO_BATCHES of them per rank and step.
 MICRO, MICRO_BATCHES, STEPS = 2, 2, 8

@@ -39,10 +39,10 @@ from planner.search import explain, optimize
 from planner.plan import Plan
 from runtime.checkpoint import Manifest, check_rank_files, complete_checkpoints, enclosing_checkpoint, \
     is_torch_checkpoint, resolve_checkpoint
-from runtime.checkpoint_restore import to_state_dict
-from runtime.launcher import read_build
+from runtime.checkpoint.restore import to_state_dict
+from runtime.launch.launcher import read_build
 from runtime import torch_script_checkpoint as torch_checkpoints
-from runtime.trace import TRACE_WINDOW_STEPS
+from runtime.program.trace import TRACE_WINDOW_STEPS
 from runtime.vocab import ContextAttention, DType, Recompute, Schedule, SpatialBatchNorm, SpatialSplit, Target
 
 # Bounds of the numeric options (argparse refuses anything outside in one line).

@@ -28,10 +28,10 @@ from planner.config import ConfigError
 from planner.evaluator import Evaluator
 from planner.fixed_plan import plan_for
 from planner.plan import MAX_WORLD
-from runtime.evaluation import EvalSpec, check_supported, eval_setting
-from runtime.launcher import read_build, run_local, stop_reasons
+from runtime.execute.evaluation import EvalSpec, check_supported, eval_setting
+from runtime.launch.launcher import read_build, run_local, stop_reasons
 from runtime.lifetime import Interrupted
-from runtime.loss_scale import loss_scale_for
+from runtime.execute.loss_scale import loss_scale_for
 from runtime.materialize import check_checkpoint_file
 from runtime.tensorboard_log import require_tensorboard
 from runtime.vocab import Target

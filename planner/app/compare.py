@@ -22,7 +22,7 @@ step (median over steps), totalled over ranks, measured and predicted (a
 predicted SEND/RECV ends no earlier than its WAIT, as the trace records it).
 
 Which clock measured them: on a CPU the host's perf_counter around each instruction; on a GPU
-CUDA events on the device (runtime/device_clock.py), since the host only queues the kernels
+CUDA events on the device (runtime/execute/device_clock.py), since the host only queues the kernels
 (its backward is the time to queue it, and the next synchronizing instruction waits for the
 device). A GPU run's host intervals are shown beside the device ones: the host's step, each
 kind's host time, and how far the device ran behind the host (the host's lead): a step whose
@@ -56,17 +56,17 @@ from planner.evaluator import Evaluator
 from planner.strategies.data import GRAD_BUCKET_BYTES
 from planner.graph.model import ModelGraph
 from planner.plan import Plan, PlanFileError
-from runtime.build_files import REMAKE, BuildError, read_build, read_build_file
+from runtime.launch.build_files import REMAKE, BuildError, read_build, read_build_file
 from runtime.execution import Execution
-from runtime.instr_set import Kind, Op
+from runtime.program.instr_set import Kind, Op
 from runtime.program import COLLECTIVE_OPS, Program
-from runtime.trace import HOST_TRACKS, INSTRUCTION_TRACKS, Event, Timeline
+from runtime.program.trace import HOST_TRACKS, INSTRUCTION_TRACKS, Event, Timeline
 from runtime.vocab import Clock, ShardRole, Track
 
 _KIND_OF_OP = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "recv", "ALLREDUCE": "collective",
                "ALLGATHER": "collective", "REDUCESCATTER": "collective", "BROADCAST": "collective",
                "STEP": "optimizer", "ZERO_GRAD": "other", "WAIT": "other"}
-# Optimizer state bytes per parameter (fp32 state) for what the runtime builds (runtime/optim.py),
+# Optimizer state bytes per parameter (fp32 state) for what the runtime builds (runtime/execute/optim.py),
 # and bytes one step moves per parameter (fp32): SGD reads weight and gradient and writes the
 # weight; momentum adds its buffer's read and write; AdamW reads weight, gradient and two
 # moments and writes weight and moments.

@@ -1,7 +1,7 @@
 """Where a model draws random numbers in training (dropout with p > 0, attention dropout, random ops).
 
 A parallel run cannot equal the single-process run sample by sample where the model draws random
-numbers: every rank draws its own. `meshplan run --verify` (runtime/verify.py) says so instead of
+numbers: every rank draws its own. `meshplan run --verify` (runtime/verify/__init__.py) says so instead of
 reporting a mismatch, from the list capture records in the graph (ModelGraph.random_ops). Three
 sources feed it, so that randomness inside a module capture keeps whole is found too:
 

@@ -3,7 +3,7 @@ names, so that a plan cutting between them is charged for the extra copy and the
 
 Every stage that reads a tied weight holds a copy (weights, gradients and optimizer state),
 and before each step the copies' gradients are all-reduced over the pipeline positions that
-hold them (runtime/ties.py). The graph counts the weight once, at its first user.
+hold them (runtime/execute/ties.py). The graph counts the weight once, at its first user.
 """
 
 from __future__ import annotations

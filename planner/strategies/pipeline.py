@@ -155,7 +155,7 @@ class PipelineStrategy(Placement):
                     gathered = min(gathered, ev.zero3_live_parameters)
                 gather = gathered * (4 if ev.overlap.autocast and ev.gpu_costs is not None else DType(config.dtype).bytes)
             # gradient buckets: meshplan's runtime reduces the gradients in place (they are views of its
-            # buckets, runtime/grads.py); other stacks copy a bucket out and back
+            # buckets, runtime/execute/grads.py); other stacks copy a bucket out and back
             buckets = 0.0 if autocast else 2 * min(GRAD_BUCKET_BYTES, params * pb.gradients)
             comm_buf = (buckets if d > 1 else 0.0) + (2 * costs[chunks[-1][1] - 1].boundary if p > 1 else 0.0)
             loss_peak = max((c.loss_peak for c in cs), default=0.0)

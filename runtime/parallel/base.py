@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from runtime.comm import Group
-from runtime.context import DistContext
+from runtime.comm.context import DistContext
 from runtime.program import Program
 from runtime.spec import StageSpec
 from runtime.vocab import StrategyName

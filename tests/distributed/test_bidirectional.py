@@ -10,7 +10,7 @@ import pytest
 
 import planner
 from codegen.emit import emit
-from runtime.launcher import run_many
+from runtime.launch.launcher import run_many
 from tests.parallel_cases import MODELS, SGD, assert_exact, emit_case, graph_of
 
 # name -> (model, config, micro-batch); the global batch is micro-batch x data x 2T.

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from runtime.checkpoint import CheckpointError, Manifest, complete_checkpoints, resolve_checkpoint, step_dir
-from runtime.dir_lock import LOCK_NAME, Holder
-from runtime.checkpoint_restore import to_state_dict
-from runtime.launcher import read_build, run_local, run_many
+from runtime.checkpoint.dir_lock import LOCK_NAME, Holder
+from runtime.checkpoint.restore import to_state_dict
+from runtime.launch.launcher import read_build, run_local, run_many
 from runtime.verify import verify_build
 from runtime.materialize import build_model
 from runtime.reference import local_slice

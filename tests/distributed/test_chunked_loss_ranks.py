@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.launcher import free_port
+from runtime.launch.launcher import free_port
 from runtime.lifetime import Children
 
 WORLD = 2

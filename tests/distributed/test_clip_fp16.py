@@ -20,8 +20,8 @@ import planner
 from planner.app.commands import make_fixed_plan
 from codegen.emit import emit
 from runtime.checkpoint import step_dir
-from runtime.launcher import run_local, run_many
-from runtime.loss_scale import LossScaleSpec
+from runtime.launch.launcher import run_local, run_many
+from runtime.execute.loss_scale import LossScaleSpec
 from tests.parallel_cases import MODELS, SGD, assert_exact, graph_of
 
 pytestmark = pytest.mark.timeout(600)

@@ -4,14 +4,14 @@ alone and combined with data (with ZeRO), tensor and a 1F1B pipeline, with ring 
 attention; an HF Llama whose causal mask becomes the attention's causal flag; what cannot be
 split is refused with a sentence naming it.
 
-The 4-rank builds run in one set of worker processes (runtime.worker), each with its own rendezvous.
+The 4-rank builds run in one set of worker processes (runtime.launch.worker), each with its own rendezvous.
 """
 
 import pytest
 
 import planner
 from planner.app.commands import make_fixed_plan
-from runtime.launcher import run_many
+from runtime.launch.launcher import run_many
 from tests.parallel_cases import assert_exact, emit_case
 from tests.real_models import HF, assert_verified, emit_fixed, graph_of
 

@@ -12,7 +12,7 @@ from examples.data.tokens import write_tokens
 from planner.app.cli import main
 from runtime.checkpoint import step_dir
 from runtime.datasets import DatasetSpec, open_dataset
-from runtime.launcher import run_local
+from runtime.launch.launcher import run_local
 from tests.parallel_cases import assert_exact, saved_params
 
 REPO = Path(__file__).resolve().parents[2]

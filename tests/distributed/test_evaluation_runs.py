@@ -11,7 +11,7 @@ import math
 import pytest
 
 from planner.app.cli import main
-from runtime.evaluation import EvalSpec, read_run_evals
+from runtime.execute.evaluation import EvalSpec, read_run_evals
 from runtime.program import Program
 from runtime.reference import reference_run
 from runtime.spec import TrainSpec

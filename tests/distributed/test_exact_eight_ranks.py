@@ -2,7 +2,7 @@
 
 import pytest
 
-from runtime.launcher import run_many
+from runtime.launch.launcher import run_many
 from tests.parallel_cases import CONFIGS, MODELS, assert_exact, emit_case
 
 pytestmark = pytest.mark.slow

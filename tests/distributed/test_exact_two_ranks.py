@@ -2,13 +2,13 @@
 rank's loss and every parameter it holds equal the single-process run of the same model, data and
 seed (fp32, rtol 1e-4).
 
-All builds run in one pair of worker processes (runtime.worker), each build with its own
+All builds run in one pair of worker processes (runtime.launch.worker), each build with its own
 rendezvous, so Python and torch start once for the whole matrix.
 """
 
 import pytest
 
-from runtime.launcher import run_many
+from runtime.launch.launcher import run_many
 from tests.parallel_cases import CONFIGS, MODELS, assert_exact, emit_case
 
 MATRIX = [(m, c) for m in MODELS for c in ("d2", "t2", "p2_gpipe", "p2_1f1b", "p2_interleaved")]
@@ -73,7 +73,7 @@ def test_data_parallel_overlaps_gradient_all_reduce_with_backward(runs):
 
 def test_ranks_timelines_share_one_clock(runs):
     """No rank sees a collective complete before every member issued it: the ranks' timelines
-    are on one clock (runtime.trace.shared_origin), not offset by a barrier's exit skew.
+    are on one clock (runtime.program.trace.shared_origin), not offset by a barrier's exit skew.
     The loss all-reduces are checked: the executor notes their start before it issues them
     (a gradient bucket's is noted by the backward hook after it is issued)."""
     checked = 0

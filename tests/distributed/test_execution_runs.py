@@ -9,7 +9,7 @@ One build (the MLP's) compiles with inductor: its C++ compilation takes about a 
 machine (a GPT block's, two); the others compile with aot_eager, which captures and differentiates the
 same graphs (what recompilation, recomputation and the tensor-parallel autograd functions exercise) but
 runs them with eager kernels.
-All builds of a world size run in one launch (runtime.worker).
+All builds of a world size run in one launch (runtime.launch.worker).
 """
 
 import functools
@@ -21,11 +21,11 @@ import torch
 import planner
 from codegen.emit import capture_ref, emit
 from planner.app.commands import make_fixed_plan
-from runtime.evaluation import EvalSpec
+from runtime.execute.evaluation import EvalSpec
 from runtime.checkpoint import step_dir
-from runtime.checkpoint_restore import to_state_dict
+from runtime.checkpoint.restore import to_state_dict
 from runtime.execution import Execution
-from runtime.launcher import read_build, run_many
+from runtime.launch.launcher import read_build, run_many
 from runtime.materialize import build_model
 from runtime.spec import TrainSpec
 from runtime.verify import verify_build

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from codegen.emit import PlanMismatchError, emit
-from runtime.launcher import free_port, run_local, stop_reasons
+from runtime.launch.launcher import free_port, run_local, stop_reasons
 from tests.parallel_cases import MODELS, emit_case, plan_for
 
 

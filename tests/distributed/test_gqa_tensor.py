@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from runtime.launcher import run_many
+from runtime.launch.launcher import run_many
 from tests.real_models import HF, assert_verified, emit_fixed
 
 GPT = "examples/models/gpt.py:build"

@@ -12,7 +12,7 @@ import pytest
 
 from planner.app.cli import main
 from runtime.verify import verify_build
-from runtime.trace import Timeline
+from runtime.program.trace import Timeline
 from runtime.vocab import MeshAxis
 from tests.parallel_cases import CONFIGS, emit_case
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from runtime.launcher import run_local
+from runtime.launch.launcher import run_local
 from runtime.lifetime import process_state
 from tests.parallel_cases import emit_case
 from tests.unit.test_jobauth_network import non_loopback_address, refused_from

@@ -4,8 +4,8 @@ resume, step numbers from the checkpoint, and a NaN loss stopping every rank at 
 import json
 
 from planner.app.cli import main
-from runtime.launcher import run_local
-from runtime.trace import TRACE_WINDOW_STEPS, Timeline
+from runtime.launch.launcher import run_local
+from runtime.program.trace import TRACE_WINDOW_STEPS, Timeline
 
 
 def _metric_steps(build):

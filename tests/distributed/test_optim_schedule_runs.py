@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from runtime.checkpoint import step_dir
-from runtime.launcher import run_local, run_many
-from runtime.lr_schedule import ScheduleSpec
-from runtime.optim import OptimizerSpec
+from runtime.launch.launcher import run_local, run_many
+from runtime.execute.lr_schedule import ScheduleSpec
+from runtime.execute.optim import OptimizerSpec
 from runtime.program import Program
 from runtime.verify import verify_build
 from tests.parallel_cases import assert_exact, emit_case

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import planner
 from codegen.emit import emit
-from runtime.launcher import run_many
+from runtime.launch.launcher import run_many
 from tests.real_models import HF, SGD, assert_verified
 from tests.unit.test_plan_binding import cpu_plan
 

@@ -3,7 +3,7 @@ embeddings, an odd 1001-token vocabulary), Llama (grouped-query attention), BERT
 head), T5 (encoder-decoder, tied head) and ViT, built from small configs and captured by
 torch.export; and a ResNet-50-style CNN with BatchNorm, captured by torch.fx.
 
-Every build runs as real processes over gloo and passes `--verify` (runtime/verify.py): each step's
+Every build runs as real processes over gloo and passes `--verify` (runtime/verify/__init__.py): each step's
 loss, gradients and BatchNorm statistics from the run's own parameters, and the trajectory. The
 builds of one world size share one set of worker processes (Python, torch and transformers start
 once).
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from examples.models import hf, resnet50
-from runtime.checkpoint_restore import assemble_files, to_state_dict
-from runtime.launcher import run_local, run_many
+from runtime.checkpoint.restore import assemble_files, to_state_dict
+from runtime.launch.launcher import run_local, run_many
 from runtime.program import Program
 from runtime.reference import reference_run
 from runtime.spec import StageSpec, TrainSpec
-from runtime.step_record import load_records, step_files
+from runtime.verify.step_record import load_records, step_files
 from runtime.verify import MARGIN, nudge, stats_groups
 from tests.real_models import CONFIGS, HF, HF_ARCHS, assert_verified, emit_fixed, emit_optimized
 

@@ -8,7 +8,7 @@ single-process reference (--verify)."""
 
 import pytest
 
-from runtime.launcher import run_many
+from runtime.launch.launcher import run_many
 from tests.parallel_cases import assert_exact, emit_case
 from tests.real_models import HF, assert_verified, emit_fixed
 

@@ -3,7 +3,7 @@ stage), as three real processes, equal the single-process run."""
 
 import planner
 from codegen.emit import capture_ref, emit
-from runtime.launcher import run_local
+from runtime.launch.launcher import run_local
 from tests import sidenet_source
 from tests.parallel_cases import SGD, assert_exact
 

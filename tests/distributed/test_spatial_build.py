@@ -11,7 +11,7 @@ import pytest
 import planner
 from planner.app.commands import make_fixed_plan
 from codegen.emit import capture_ref, emit
-from runtime.launcher import run_many
+from runtime.launch.launcher import run_many
 from tests.parallel_cases import SGD, assert_exact
 
 REF = "examples/models/large_image_cnn.py:build"

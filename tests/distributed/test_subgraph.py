@@ -7,7 +7,7 @@ import pytest
 
 import planner
 from codegen.emit import emit
-from runtime.launcher import run_many
+from runtime.launch.launcher import run_many
 from tests.parallel_cases import SGD, assert_exact
 from tests.subgraph_cases import INCEPTION, emit_heads, emit_subgraph, inception_graph
 

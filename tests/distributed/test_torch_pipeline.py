@@ -6,7 +6,7 @@ position, 2 ranks) and data 2 x pipeline 2 with 1F1B (4 ranks), 3 steps of SGD w
 hand-written loop around the schedule's step, the gradient clipped to norm 0.5 (the data-parallel runs
 replicate each stage module over the data axis, or fully_shard it under ZeRO-3). The stages hold
 the model's own tensors; their losses, gradient norms and every parameter equal the single-process
-run's within the fp32 tolerances of `meshplan run --verify` (runtime/verify.py). The data 2 x
+run's within the fp32 tolerances of `meshplan run --verify` (runtime/verify/__init__.py). The data 2 x
 pipeline 2 GPT run's Distributed Checkpoint, loaded under data 4 with ZeRO-3, holds the same
 parameters. One launch per world size runs all its cases.
 """

@@ -1,11 +1,11 @@
 """`meshplan codegen --target torch`: the one generated SPMD script trains the example GPT, a Hugging Face
 Llama and a BERT with PyTorch's own parallel stack (DeviceMesh, DTensor tensor parallelism, FSDP2,
 torch.distributed.pipelining's 1F1B and interleaved schedules) and equals the single-process run: every build runs as real processes over gloo and passes `--verify`
-(runtime/verify.py: each step's loss, gradients and global gradient norm from the run's own parameters,
+(runtime/verify/__init__.py: each step's loss, gradients and global gradient norm from the run's own parameters,
 then the trajectory's losses and final parameters).
 
 Every model under every configuration; the builds of one world size
-share one set of worker processes (runtime/worker.py), and one GPT build goes through the CLI
+share one set of worker processes (runtime/launch/worker.py), and one GPT build goes through the CLI
 (`meshplan codegen --target torch`, `meshplan run --verify`) as a user would.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from codegen.torch_target.script import SCRIPT, emit_torch
 from planner.app.cli import main
 from planner.app.commands import make_fixed_plan
-from runtime.launcher import run_many
+from runtime.launch.launcher import run_many
 from runtime.vocab import Target
 from tests.real_models import CONFIGS, HF, SGD, assert_verified, graph_of
 

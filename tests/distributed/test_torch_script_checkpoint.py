@@ -3,7 +3,7 @@ saved under one plan resumes under another and continues exactly, and each runti
 checkpoints.
 
 One launch set: the example GPT's torch build at data 2 ZeRO-3 runs 2 steps and saves; its torch build at
-tensor 2 resumes for step 2 through `meshplan run --resume --verify` (runtime/verify.py: step 2's loss,
+tensor 2 resumes for step 2 through `meshplan run --resume --verify` (runtime/verify/__init__.py: step 2's loss,
 gradients and norm from the resumed parameters, then the final parameters against the single-process
 run's 3 steps).
 """
@@ -19,7 +19,7 @@ import pytest
 
 from runtime.checkpoint import MANIFEST, TORCH_INFO, TORCH_LATEST, CheckpointError, resolve_checkpoint
 from planner.app.cli import main
-from runtime.launcher import run_many
+from runtime.launch.launcher import run_many
 from runtime.rank_main import parse_args
 from runtime.torch_script_checkpoint import TorchCheckpoint, open_checkpoints
 from tests.distributed.test_torch_script import GPT, emit_torch_fixed

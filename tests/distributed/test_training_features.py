@@ -19,7 +19,7 @@ import torch
 from examples.data.tokens import write_tokens
 from planner.app.cli import main
 from runtime.checkpoint import step_dir
-from runtime.launcher import run_local, run_many
+from runtime.launch.launcher import run_local, run_many
 from tests.parallel_cases import assert_exact
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """`--verify` catches real bugs: each run below breaks one piece of the parallel arithmetic on purpose
-(rank option --sabotage, runtime/sabotage.py) while every rank still communicates as its peers
+(rank option --sabotage, runtime/verify/sabotage.py) while every rank still communicates as its peers
 expect, and must fail verification; the same build untouched must pass. Also the command-line round
 trip optimize -> codegen --plan -> run --verify for a Hugging Face model, and its refusal of a plan
 made for another model.
@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from planner.app.cli import main
-from runtime.launcher import read_build, run_many
+from runtime.launch.launcher import read_build, run_many
 from tests.real_models import CONFIGS, HF, assert_verified, emit_fixed
 
 # (build, sabotage, a problem --verify must name)

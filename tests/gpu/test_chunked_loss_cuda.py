@@ -1,4 +1,4 @@
-"""runtime/chunked_loss.py on CUDA: agreement with F.cross_entropy over the whole logits (fp32, and bf16
+"""runtime/execute/chunked_loss.py on CUDA: agreement with F.cross_entropy over the whole logits (fp32, and bf16
 autocast with fp32 master weights; tolerances as tests/unit/test_chunked_loss.py states them) and the
 peak of allocated memory during forward + backward, which stays far below the whole fp32 logits."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.chunked_loss import auto_chunk_tokens, chunked_cross_entropy
+from runtime.execute.chunked_loss import auto_chunk_tokens, chunked_cross_entropy
 
 
 def _inputs(tokens, vocab, c, seed=0):

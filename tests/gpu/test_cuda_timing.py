@@ -15,7 +15,7 @@ import pytest
 
 from cost_models.hardware import Cluster
 from planner.app.cli import main
-from runtime.trace import Timeline
+from runtime.program.trace import Timeline
 from runtime.vocab import Clock, Track
 
 GPT = ["--arg", "vocab_size=50304", "--arg", "seq_len=1024", "--arg", "hidden=1024", "--arg", "num_layers=8",

@@ -10,7 +10,7 @@ import planner
 from codegen.emit import emit
 from planner.app.commands import make_fixed_plan
 from runtime.execution import Execution
-from runtime.launcher import run_local
+from runtime.launch.launcher import run_local
 from tests.parallel_cases import MODELS, graph_of
 
 

@@ -10,7 +10,7 @@ on cuda:0 for STEPS steps with --verify. Each run must:
   tensors on cuda:0 (index_select)"),
 - give every step's loss within LOSS_RTOL of the single-process fp32 run of the same model, data and
   seed on the CPU (runtime.reference.reference_run), and
-- pass --verify (runtime/verify.py: every step's loss and gradients from the run's own parameters
+- pass --verify (runtime/verify/__init__.py: every step's loss and gradients from the run's own parameters
   against float64, and the trajectory against rounding-level twins).
 
 And a model built on cuda:0 captures to the graph codegen captures on meta (a plan made from
@@ -36,7 +36,7 @@ import planner
 from codegen.emit import emit
 from codegen.torch_target.script import emit_torch
 from planner.graph.capture import capture_ref
-from runtime.launcher import run_many
+from runtime.launch.launcher import run_many
 from runtime.reference import reference_run
 from runtime.refs import load_module
 from runtime.spec import TrainSpec

@@ -5,7 +5,7 @@ it (heap corruption: seen as glibc aborting in NBC_Progress)."""
 
 import pytest
 
-from runtime.launcher import mpiexec_path
+from runtime.launch.launcher import mpiexec_path
 from tests.mpi_script import run_on_two_ranks
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None,
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(mpiexec_path() is None,
 # MPI write into those.
 PROBE = """
 import gc, torch
-from runtime.comm_mpi import MpiCommunicator
+from runtime.comm.mpi import MpiCommunicator
 c = MpiCommunicator(timeout=60); g = c.group(range(c.world_size)); peer = 1 - c.rank
 n = 1 << 18
 bad = 0

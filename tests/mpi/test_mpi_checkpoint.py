@@ -3,7 +3,7 @@
 import pytest
 
 from runtime.checkpoint import complete_checkpoints
-from runtime.launcher import mpiexec_path, run_local
+from runtime.launch.launcher import mpiexec_path, run_local
 from tests.parallel_cases import emit_case
 
 pytestmark = [pytest.mark.skipif(mpiexec_path() is None,

@@ -5,7 +5,7 @@ gloo with more shapes)."""
 
 import pytest
 
-from runtime.launcher import mpiexec_path
+from runtime.launch.launcher import mpiexec_path
 from tests.mpi_script import run_on_two_ranks
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None,
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(mpiexec_path() is None,
 
 PROBE = """
 import torch
-from runtime.comm_mpi import MpiCommunicator
+from runtime.comm.mpi import MpiCommunicator
 from tests.context_cases import Case, inputs, reference
 from runtime.parallel.context.attention import chunk_layout, context_attention
 c = MpiCommunicator(timeout=60); g = c.group(range(c.world_size))

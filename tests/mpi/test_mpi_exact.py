@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from runtime.launcher import mpiexec_path, run_local, run_many
+from runtime.launch.launcher import mpiexec_path, run_local, run_many
 from runtime.verify import verify_build
 from tests.parallel_cases import CONFIGS, MODELS, assert_exact, emit_case
 

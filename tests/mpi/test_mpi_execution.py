@@ -4,7 +4,7 @@ compiled stages (aot_eager), the fused chunked loss and the padded vocabulary eq
 import pytest
 
 from runtime.execution import Execution
-from runtime.launcher import mpiexec_path, run_many
+from runtime.launch.launcher import mpiexec_path, run_many
 from tests.parallel_cases import CONFIGS, assert_exact, emit_case
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None,

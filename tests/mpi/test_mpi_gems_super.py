@@ -3,7 +3,7 @@ GPT heads) plans through the mpi4py communicator under mpiexec equal the single-
 
 import pytest
 
-from runtime.launcher import mpiexec_path, run_many
+from runtime.launch.launcher import mpiexec_path, run_many
 from tests.parallel_cases import assert_exact, emit_case
 from tests.subgraph_cases import emit_heads, emit_subgraph
 

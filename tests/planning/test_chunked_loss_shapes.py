@@ -1,11 +1,11 @@
-"""runtime/chunked_loss.py in a shape-only run: meta tensors and the ShapeGroup of a 2-rank vocabulary
+"""runtime/execute/chunked_loss.py in a shape-only run: meta tensors and the ShapeGroup of a 2-rank vocabulary
 split (as the runtime's shape runs give the last stage) go through forward and backward, giving the
 loss's and the gradients' shapes and dtypes without computing anything. (chunked_eval returns host
 integers, so it has no shape-only run.)"""
 
 import torch
 
-from runtime.chunked_loss import chunked_cross_entropy
+from runtime.execute.chunked_loss import chunked_cross_entropy
 from runtime.parallel.tensor.layers import ShapeGroup
 
 

@@ -17,19 +17,19 @@ def accuracy():
 
 
 def test_default_backend_is_mpi_when_mpi4py_and_mpiexec_exist(accuracy, monkeypatch):
-    import runtime.launcher
+    import runtime.launch.launcher
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "mpi4py" else real(name, *a))
-    monkeypatch.setattr(runtime.launcher, "mpiexec_path", lambda: "/opt/mpi/bin/mpiexec")
+    monkeypatch.setattr(runtime.launch.launcher, "mpiexec_path", lambda: "/opt/mpi/bin/mpiexec")
     assert accuracy.default_backend()[0] == "mpi"
 
 
 def test_default_backend_falls_back_to_gloo_and_names_what_is_missing(accuracy, monkeypatch):
-    import runtime.launcher
+    import runtime.launch.launcher
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(runtime.launcher, "mpiexec_path", lambda: None)
+    monkeypatch.setattr(runtime.launch.launcher, "mpiexec_path", lambda: None)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "mpi4py" else real(name, *a))
     backend, why = accuracy.default_backend()
     assert backend == "gloo" and "mpiexec" in why

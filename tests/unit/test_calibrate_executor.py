@@ -10,8 +10,8 @@ from cost_models.calibration.executor import reference_programs, trace_costs
 from cost_models.calibrated import call_overheads, executor_costs, tensor_wrapper_costs
 from cost_models.hardware import Cluster
 from cost_models.simulate import ComputeCosts, simulate
-from runtime.schedules import one_f_one_b as one_f_one_b_schedule
-from runtime.trace import Event, Timeline
+from runtime.program.schedules import one_f_one_b as one_f_one_b_schedule
+from runtime.program.trace import Event, Timeline
 from tests.unit.test_calibrate import _results
 from tests.unit.test_calibrate_stage import _prediction
 from tests.unit.test_simulate import CL, two_stage_1f1b

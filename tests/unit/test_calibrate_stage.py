@@ -1,4 +1,4 @@
-"""The runtime's fixed costs: measured through runtime.stage.StageRunner, fitted, stored in the
+"""The runtime's fixed costs: measured through runtime.execute.stage.StageRunner, fitted, stored in the
 Cluster file and charged by the simulator (stage call, loss on the last stage, ZERO_GRAD)."""
 
 import pytest

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as torch_dcp
 
 from planner.app.cli import main
 from runtime.checkpoint import MANIFEST, TORCH_INFO, TORCH_LATEST, CheckpointError, sweep_interrupted_saves
-from runtime.jobauth import Signer, new_secret
+from runtime.comm.jobauth import Signer, new_secret
 from runtime.torch_script_checkpoint import TorchCheckpoint, checked
 from runtime.torch_stack import dcp
 
@@ -174,7 +174,7 @@ def test_sigterm_in_the_middle_of_a_write_removes_the_temporary(tmp_path):
 
 
 def test_the_mpi_failure_channel_takes_signed_json_only(capsys):
-    from runtime.comm_mpi import MpiCommunicator
+    from runtime.comm.mpi import MpiCommunicator
 
     secret = new_secret()
     comm = MpiCommunicator.__new__(MpiCommunicator)   # the message check needs no MPI

@@ -1,4 +1,4 @@
-"""runtime/chunked_loss.py on one process: the chunked cross-entropy and evaluation against
+"""runtime/execute/chunked_loss.py on one process: the chunked cross-entropy and evaluation against
 F.cross_entropy over the whole logits (fp64, fp32, bf16 autocast), ignore_index, odd and padded
 vocabularies, bias, chunk sizes, the gradients (scaled loss, micro-batches, a tied weight), the
 largest tensor created (never the whole logits), and the errors. The vocabulary-parallel path runs
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime.chunked_loss import (CHUNK_LOGITS_BYTES, ChunkedLossError, auto_chunk_tokens, chunked_cross_entropy,
+from runtime.execute.chunked_loss import (CHUNK_LOGITS_BYTES, ChunkedLossError, auto_chunk_tokens, chunked_cross_entropy,
                                   chunked_eval, grads_in_forward)
 from runtime.comm import SoloGroup
 from runtime.parallel.tensor.layers import ShapeGroup

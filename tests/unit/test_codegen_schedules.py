@@ -1,4 +1,4 @@
-"""runtime.schedules and codegen.lower: schedules as data, lowering passes, and the Programs they make."""
+"""runtime.program.schedules and codegen.lower: schedules as data, lowering passes, and the Programs they make."""
 
 import pytest
 from hypothesis import given, settings
@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from codegen.lower import LoweringError, check_programs, lower
 from codegen.strategies.pipeline import p2p_pass
 from cost_models.memory import live_micro_batches
-from runtime.schedules import (ScheduleError, build_schedule, format_schedule, forwards_in_flight, interleaved,
+from runtime.program.schedules import (ScheduleError, build_schedule, format_schedule, forwards_in_flight, interleaved,
                                one_f_one_b)
 from runtime.program import Instr, Program
 from runtime.vocab import MeshAxis
@@ -129,5 +129,5 @@ def test_lowering_refuses_what_the_runtime_cannot_run():
     plan = plan_for("gpt", pipeline=2, schedule="interleaved", virtual_stages=2)
     with pytest.raises(LoweringError, match="multiple of pipeline 2"):
         lower(dataclasses.replace(plan, global_batch_size=6), graph)
-    plan = plan_for("gpt", data=2)   # fp16 lowers: the runtime scales the loss (runtime/loss_scale.py)
+    plan = plan_for("gpt", data=2)   # fp16 lowers: the runtime scales the loss (runtime/execute/loss_scale.py)
     assert lower(dataclasses.replace(plan, config=plan.config.replace(dtype="fp16")), graph)

@@ -15,7 +15,7 @@ from codegen.strategies.base import LoweringError
 from planner.app.commands import make_fixed_plan
 from runtime.comm import SoloGroup
 from runtime.parallel.context.layout import chunk_layout
-from runtime.instr_set import ProgramError
+from runtime.program.instr_set import ProgramError
 from runtime.parallel.context.strategy import ContextBatches, ContextRank
 from runtime.program import ContextShard, Program
 from tests.parallel_cases import graph_of, plan_for

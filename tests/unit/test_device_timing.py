@@ -1,4 +1,4 @@
-"""Instruction timing on the device (runtime/device_clock.py through the Recorder) driven on CPU by a
+"""Instruction timing on the device (runtime/execute/device_clock.py through the Recorder) driven on CPU by a
 fake device clock, the Timeline's host tracks and clock field, and `meshplan compare`'s table from a
 timeline with device and host tracks."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from planner.app.compare import HOST_BOUND_LEAD, measured_comparison
-from runtime.trace import HOST_TRACKS, Event, Mark, Recorder, Timeline
+from runtime.program.trace import HOST_TRACKS, Event, Mark, Recorder, Timeline
 from runtime.vocab import Clock, Track
 
 
@@ -136,7 +136,7 @@ def test_the_executor_times_every_instruction_on_the_device_clock_and_the_host()
     with a device clock every blocking instruction gets a device interval and a host one, every
     asynchronous one a comm interval and a host_comm one, for every traced step."""
     from cost_models.calibration.executor import REF_ROWS, REF_MICRO_BATCHES, _batch, _runner, reference_programs
-    from runtime.context import DistContext
+    from runtime.comm.context import DistContext
     from runtime.data import DataSource
     from runtime.executor import Executor
 
@@ -276,7 +276,7 @@ class _FakeCuda:
 def test_cuda_clock_places_device_events_on_the_host_clock_and_corrects_drift(monkeypatch):
     import contextlib
 
-    from runtime import device_clock
+    from runtime.execute import device_clock
 
     host = Host()
     fake = _FakeCuda(host, rate=1 + 1e-4, offset=123.0)     # 100 ppm fast, an arbitrary zero

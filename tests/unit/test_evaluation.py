@@ -1,4 +1,4 @@
-"""runtime/evaluation.py: the evaluation settings and their flags, the forward part of each kind of
+"""runtime/execute/evaluation.py: the evaluation settings and their flags, the forward part of each kind of
 Program, accuracy (also over vocabulary-parallel logits), and how results are combined and compared."""
 
 import contextlib
@@ -11,7 +11,7 @@ from torch import nn
 
 from codegen.lower import lower
 from planner.app.cli import main
-from runtime.evaluation import (EvalError, EvalResult, EvalSpec, check_program, check_supported, compare_evals, count_correct,
+from runtime.execute.evaluation import (EvalError, EvalResult, EvalSpec, check_program, check_supported, compare_evals, count_correct,
                                 eval_setting, evaluate, forward_only)
 from runtime.program import Program
 from runtime.spec import TrainSpec

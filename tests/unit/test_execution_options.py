@@ -18,7 +18,7 @@ from codegen.train_flags import execution_of
 from planner.app.cli import build_parser, main
 from planner.app.commands import make_fixed_plan
 from planner.plan import Plan
-from runtime.checkpoint_restore import unshard
+from runtime.checkpoint.restore import unshard
 from runtime.execution import Execution
 from runtime.reference import local_slice
 from runtime.spec import StageSpec, TrainSpec

@@ -1,5 +1,5 @@
-"""Safe file writing (runtime/files.py), directory locks (runtime/dir_lock.py) and the run identity
-of checkpoint directories (runtime/checkpoint_run.py), without training processes."""
+"""Safe file writing (runtime/files.py), directory locks (runtime/checkpoint/dir_lock.py) and the run identity
+of checkpoint directories (runtime/checkpoint/run_ids.py), without training processes."""
 
 import errno
 import json
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from runtime.checkpoint import MANIFEST, CheckpointError, Manifest, step_dir
-from runtime.checkpoint_restore import to_state_dict
-from runtime.checkpoint_run import claim_checkpoint_dir, run_to_continue
-from runtime.dir_lock import LOCK_NAME, DirectoryBusy, DirLock, Holder
+from runtime.checkpoint.restore import to_state_dict
+from runtime.checkpoint.run_ids import claim_checkpoint_dir, run_to_continue
+from runtime.checkpoint.dir_lock import LOCK_NAME, DirectoryBusy, DirLock, Holder
 from runtime.files import WriteError, atomic_file, write_atomic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,12 +116,12 @@ def test_a_file_size_limit_is_a_clear_error(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["big.bin"] and (tmp_path / "big.bin").read_bytes() == b"old"
 
 
-# ---- runtime/dir_lock.py ------------------------------------------------------------------------
+# ---- runtime/checkpoint/dir_lock.py ------------------------------------------------------------------------
 
 
 _HOLD = """
 import sys
-from runtime.dir_lock import DirLock, Holder
+from runtime.checkpoint.dir_lock import DirLock, Holder
 lock = DirLock.acquire(sys.argv[1], Holder.here("run-in-child"), "checkpoint directory")
 print("locked", flush=True)
 sys.stdin.read()
@@ -157,7 +157,7 @@ def test_a_symlink_at_the_lock_name_is_refused(tmp_path):
     assert victim.read_bytes() == b"precious"
 
 
-# ---- runtime/checkpoint_run.py ------------------------------------------------------------------
+# ---- runtime/checkpoint/run_ids.py ------------------------------------------------------------------
 
 
 def _checkpoint(root: Path, step: int, run_id: str) -> Manifest:

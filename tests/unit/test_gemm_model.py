@@ -176,7 +176,7 @@ def test_adam_step_bytes_by_hand():
 def test_optimizer_phase_is_the_fused_step_the_norm_and_one_sync(small_gpt):
     # One A100, AdamW fused (what the runtime runs on a GPU): a cost per parameter tensor, and 28 bytes a
     # parameter at its share of the 2.0 TB/s (cost_models/gpu_costs.py defaults: 5.5 us, 0.70). The global
-    # gradient norm (runtime/grad_norm.py) is NORM_KERNELS foreach kernels reading each fp32 gradient once.
+    # gradient norm (runtime/execute/grad_norm.py) is NORM_KERNELS foreach kernels reading each fp32 gradient once.
     # One data rank has no gradient buckets, so the runtime sets the gradients to None: nothing to zero.
     # The host dispatches the fused step in 4 ops per parameter group (2 groups: decayed or not) and the
     # norm's kernels, 10.1 us each; the phase takes the longer of the host's dispatching and the device's

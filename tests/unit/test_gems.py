@@ -10,7 +10,7 @@ from cost_models.gems import step_time as simulate
 from cost_models.hardware import Cluster
 from examples.models import gpt
 from codegen.lower import lower
-from runtime.schedules import bidirectional, bidirectional_position
+from runtime.program.schedules import bidirectional, bidirectional_position
 from cost_models.simulate import ComputeCosts
 from cost_models.simulate import simulate as simulate_programs
 from planner import ConfigError, ParallelConfig

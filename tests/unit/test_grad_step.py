@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from runtime.comm import SoloGroup
-from runtime.grad_norm import GlobalGradNorm, Piece, key_hash, owned_ranges, pieces_of
-from runtime.grad_step import GradientStep, NonFiniteGradientError
-from runtime.loss_scale import LossScaleError, LossScaler, LossScaleSpec, loss_scale_for
+from runtime.execute.grad_norm import GlobalGradNorm, Piece, key_hash, owned_ranges, pieces_of
+from runtime.execute.grad_step import GradientStep, NonFiniteGradientError
+from runtime.execute.loss_scale import LossScaleError, LossScaler, LossScaleSpec, loss_scale_for
 from runtime.spec import SpecError, TrainSpec
 
 

@@ -29,7 +29,7 @@ from planner.app.compare import CompareError, predicted_costs
 from planner.config import ParallelConfig
 from planner.graph.model import ModelGraph
 from planner.fixed_plan import make_plan
-from runtime.optim import OptimizerSpec
+from runtime.execute.optim import OptimizerSpec
 from tests.hostile_cases import (HOSTILE, HOSTILE_DIR, MARKER, fake_launchers, hostile_kwargs, launch_args,
                                  load_rank_script, markers, parse_all, write_model)
 

@@ -7,9 +7,9 @@ import pytest
 import torch.distributed as dist
 
 from runtime.comm import ABORT_KEY, read_abort
-from runtime.jobauth import SECRET_ENV, Signer, new_secret, signer_from_env
+from runtime.comm.jobauth import SECRET_ENV, Signer, new_secret, signer_from_env
 from runtime.lifetime import process_state
-from runtime.store_host import LOOPBACK, StoreBindError, bound_socket, host_store
+from runtime.comm.store_host import LOOPBACK, StoreBindError, bound_socket, host_store
 
 
 def test_signed_values_verify_only_with_the_same_secret():
@@ -156,7 +156,7 @@ def test_launch_scripts_pass_a_job_secret_in_the_environment_only(tmp_path):
 
 
 def test_a_rank_hosting_the_store_listens_where_the_launcher_says():
-    from runtime.store_host import ALL_INTERFACES, BIND_ENV, listen_address
+    from runtime.comm.store_host import ALL_INTERFACES, BIND_ENV, listen_address
 
     assert listen_address("127.0.0.1", {}) == "127.0.0.1"
     assert listen_address("localhost", {}) == "localhost"

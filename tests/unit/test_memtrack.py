@@ -1,8 +1,8 @@
-"""runtime.memtrack: live tensor bytes on CPU, counted per storage, freed through finalizers."""
+"""runtime.execute.memtrack: live tensor bytes on CPU, counted per storage, freed through finalizers."""
 
 import torch
 
-from runtime.memtrack import LiveBytes, measure_step_memory
+from runtime.execute.memtrack import LiveBytes, measure_step_memory
 
 MiB = 2**20
 

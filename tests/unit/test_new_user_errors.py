@@ -14,7 +14,7 @@ from torch import nn
 
 import planner
 from planner.app.cli import main
-from runtime.progress import Progress
+from runtime.launch.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
-"""Optimizer implementation and weight-decay groups (runtime/optim.py), lr schedules
-(runtime/lr_schedule.py), their build settings and flags, and buckets that never mix decay classes."""
+"""Optimizer implementation and weight-decay groups (runtime/execute/optim.py), lr schedules
+(runtime/execute/lr_schedule.py), their build settings and flags, and buckets that never mix decay classes."""
 
 import math
 from types import SimpleNamespace
@@ -10,8 +10,8 @@ from torch import nn
 
 from codegen.strategies.data import make_buckets
 from runtime.checkpoint import optimizer_param_names
-from runtime.lr_schedule import ScheduleError, ScheduleSpec, current_lr, load_scheduler_state, scheduler_state
-from runtime.optim import NoDecay, OptimizerImpl, OptimizerSpec, optimizer_order, rank_optimizer
+from runtime.execute.lr_schedule import ScheduleError, ScheduleSpec, current_lr, load_scheduler_state, scheduler_state
+from runtime.execute.optim import NoDecay, OptimizerImpl, OptimizerSpec, optimizer_order, rank_optimizer
 from runtime.program import Bucket, Program
 from runtime.spec import TrainSpec
 
@@ -19,7 +19,7 @@ LR, MIN = 0.1, 0.01
 
 
 def closed_form(kind: str, t: int, w: int, d: int | None, lr: float = LR, m: float = MIN) -> float:
-    """The lr step t uses (runtime/lr_schedule.py's module docstring)."""
+    """The lr step t uses (runtime/execute/lr_schedule.py's module docstring)."""
     if t < w:
         return lr * (t + 1) / (w + 1)
     if kind == "constant":

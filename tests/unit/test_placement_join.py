@@ -1,6 +1,6 @@
-"""Multi-node setup checks without a cluster: where a rank runs (runtime/placement.py), the
+"""Multi-node setup checks without a cluster: where a rank runs (runtime/launch/placement.py), the
 rendezvous meeting (runtime/join.py) on a real TCPStore in threads, and the shared-directory
-probe (runtime/shared_dirs.py) with in-process collectives."""
+probe (runtime/launch/shared_dirs.py) with in-process collectives."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import threading
 import pytest
 
 from runtime import join as join_mod
-from runtime.jobauth import Signer
+from runtime.comm.jobauth import Signer
 from runtime.join import Arrival, JoinError, Meeting, _node_check, listed
-from runtime.placement import Placement, PlacementError, check_nodes, cuda_index, placement, tasks_per_node
-from runtime.shared_dirs import probe
-from runtime.store_host import LOOPBACK, host_store
+from runtime.launch.placement import Placement, PlacementError, check_nodes, cuda_index, placement, tasks_per_node
+from runtime.launch.shared_dirs import probe
+from runtime.comm.store_host import LOOPBACK, host_store
 
 
 def test_placement_from_each_launcher():
@@ -158,8 +158,8 @@ def test_a_diagnosis_blames_only_ranks_with_evidence_and_names_a_lost_store(monk
     import subprocess
     import time
 
-    from runtime import watchdog as wd_mod
-    from runtime.watchdog import Watchdog
+    from runtime.launch import watchdog as wd_mod
+    from runtime.launch.watchdog import Watchdog
 
     hosted = host_store(LOOPBACK, 0, 30)
     wds = [Watchdog(r, 3, LOOPBACK, hosted.port, lambda: (0, 0, "F s0 m0", "F"), interval=0.05,

@@ -1,6 +1,6 @@
 """Capture finds where a model draws random numbers, inside the modules it keeps whole too
 (planner/graph/randomness.py), and --verify says that rules out a sample-exact check instead of
-reporting a mismatch (runtime/verify.py)."""
+reporting a mismatch (runtime/verify/__init__.py)."""
 
 from __future__ import annotations
 

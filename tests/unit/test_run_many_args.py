@@ -3,7 +3,7 @@ runs every build, so that each build can get its own options)."""
 
 import pytest
 
-from runtime.launcher import run_many
+from runtime.launch.launcher import run_many
 
 
 def test_build_args_need_one_list_per_build(tmp_path):

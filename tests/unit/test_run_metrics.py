@@ -11,7 +11,7 @@ from runtime.executor import RankFailure, StepResult
 from runtime.metrics import (NonFiniteLoss, StepLog, check_loss, open_metrics, peak_memory_bytes, step_fields,
                              write_metrics)
 from runtime.spec import SpecError, TrainSpec
-from runtime.step_work import StepWork
+from runtime.program.step_work import StepWork
 
 FIELDS = ["step", "loss", "seconds", "lr", "grad_norm", "loss_scale", "skipped", "samples_per_s", "tokens_per_s",
           "mfu", "peak_memory_bytes"]

@@ -1,4 +1,4 @@
-"""runtime/progress.py (the live display: bar on a terminal, plain lines otherwise; the launcher's tail of
+"""runtime/launch/progress.py (the live display: bar on a terminal, plain lines otherwise; the launcher's tail of
 metrics.jsonl), runtime/tensorboard_log.py (event files, the missing-package error) and codegen/throughput.py
 (what a build records for tokens/s and MFU)."""
 
@@ -18,8 +18,8 @@ from codegen.throughput import step_work
 from runtime.executor import StepResult
 from runtime.files import write_atomic
 from runtime.metrics import StepLog, step_fields
-from runtime.progress import MetricsTail, Progress, RunProgress, is_terminal
-from runtime.step_work import StepWork
+from runtime.launch.progress import MetricsTail, Progress, RunProgress, is_terminal
+from runtime.program.step_work import StepWork
 from runtime.tensorboard_log import TensorBoardLog, TensorBoardMissing, require_tensorboard
 
 

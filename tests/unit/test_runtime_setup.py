@@ -6,7 +6,7 @@ import torch
 from examples.models import gpt, mlp
 from runtime.data import DataError, DataSource
 from runtime.materialize import build_model, build_stage, model_signature
-from runtime.optim import OptimizerSpec
+from runtime.execute.optim import OptimizerSpec
 from runtime.reference import reference_run
 from runtime.spec import SpecError, StageSpec, TrainSpec
 from tests.parallel_cases import graph_of, plan_for

@@ -1,8 +1,8 @@
-"""runtime.trace: Timeline JSON, Chrome trace export, and the overlap measure."""
+"""runtime.program.trace: Timeline JSON, Chrome trace export, and the overlap measure."""
 
 import json
 
-from runtime.trace import Event, Recorder, Timeline
+from runtime.program.trace import Event, Recorder, Timeline
 
 
 def _tl():
@@ -45,14 +45,14 @@ def test_recorder_collects_events():
 
 
 def test_clock_id_is_stable_and_fits_in_int64():
-    from runtime.trace import clock_id
+    from runtime.program.trace import clock_id
 
     a, b = clock_id(), clock_id()
     assert a == b and 0 <= a < 2 ** 63
 
 
 def test_shared_origin_takes_rank_zeros_reading_on_the_same_clock_only():
-    from runtime.trace import shared_origin
+    from runtime.program.trace import shared_origin
 
     def from_root(clock, now_ns):
         return lambda values: [clock, now_ns]
@@ -67,7 +67,7 @@ def test_shared_origin_takes_rank_zeros_reading_on_the_same_clock_only():
 
 def _overlap_pairwise(tl: Timeline) -> float | None:
     """The overlap measure by its definition: every collective against every backward interval."""
-    from runtime.trace import _union
+    from runtime.program.trace import _union
 
     total = hidden = 0.0
     for rank in tl.ranks:

@@ -9,7 +9,7 @@ import torch
 import planner
 from cost_models.hardware import Cluster
 from cost_models.step_costs import NORM_KERNELS, StepSetup, chunked_loss_cost, full_loss_cost, optimizer_cost
-from runtime.chunked_loss import auto_chunk_tokens
+from runtime.execute.chunked_loss import auto_chunk_tokens
 from examples.models import gpt
 from planner import ParallelConfig
 from planner.evaluator import Evaluator
@@ -45,7 +45,7 @@ def test_the_full_loss_reads_the_logits_in_fp32_passes(gpu):
 
 
 def test_the_chunked_loss_holds_a_chunk_and_runs_the_head_s_three_gemms(gpu):
-    # priced at the runtime's own chunk (runtime/chunked_loss.py): aligned rows whose fp32 logits take at
+    # priced at the runtime's own chunk (runtime/execute/chunked_loss.py): aligned rows whose fp32 logits take at
     # most 256 MiB
     chunk = auto_chunk_tokens(N, V)
     assert chunk == 1280 and chunk % 64 == 0 and chunk * V * 4 <= 256 * 2**20
@@ -77,7 +77,7 @@ def test_the_optimizer_phase_by_implementation_and_what_the_runtime_adds(gpu):
     zero = 4 * p / bw + c.kernel_gap
     assert full.device == pytest.approx(fused.device + norm + clip + zero)
     assert full.host == pytest.approx(fused.host + (NORM_KERNELS + 2 + 1) * c.host_op)
-    assert NORM_KERNELS < t / 10    # a few kernels however many tensors: what runtime/grad_norm.py runs
+    assert NORM_KERNELS < t / 10    # a few kernels however many tensors: what runtime/execute/grad_norm.py runs
     # without buckets the runtime sets the gradients to None: no zeroing at all
     freed = optimizer_cost(gpu, p, t, impl="fused", clip=True, zero_in_place=False, norm=True)
     assert full.device - freed.device == pytest.approx(zero)

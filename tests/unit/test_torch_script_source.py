@@ -18,10 +18,10 @@ from planner.capabilities import TargetError
 from planner.config import ParallelConfig
 from planner.graph.capture import capture_ref
 from planner.fixed_plan import make_plan
-from runtime.evaluation import EvalSpec
-from runtime.launcher import BuildError, entry_script
-from runtime.loss_scale import LossScaleSpec
-from runtime.optim import OptimizerSpec
+from runtime.execute.evaluation import EvalSpec
+from runtime.launch.launcher import BuildError, entry_script
+from runtime.execute.loss_scale import LossScaleSpec
+from runtime.execute.optim import OptimizerSpec
 from runtime.rank_main import LaunchError
 from runtime.torch_records import WHOLE_MODEL_KEY, whole_model_view
 from runtime.torch_script import check_world, script_args

@@ -8,7 +8,7 @@ import pytest
 from cost_models.calibration.calibrate import build_cluster
 from cost_models.calibrated import measured_collective
 from planner.app.compare import TRANSFER_DRIFT, Comparison, _transfer
-from runtime.trace import PROBE_BYTES, probe_all_reduce
+from runtime.program.trace import PROBE_BYTES, probe_all_reduce
 from tests.unit.test_calibrate import _results
 
 

@@ -1,4 +1,4 @@
-"""The pieces of `meshplan run --verify` (runtime/verify.py) and the BatchNorm statistics it checks."""
+"""The pieces of `meshplan run --verify` (runtime/verify/__init__.py) and the BatchNorm statistics it checks."""
 
 import copy
 
@@ -76,7 +76,7 @@ def test_rounding_level_twin_moves_every_parameter_by_one_step():
 
 def _adamw_trajectory(grads: list[torch.Tensor], lr: float = 0.1) -> torch.Tensor:
     """The parameter after one AdamW step per gradient in `grads`, from zeros."""
-    from runtime.optim import OptimizerSpec
+    from runtime.execute.optim import OptimizerSpec
 
     p = nn.Parameter(torch.zeros_like(grads[0]))
     opt = OptimizerSpec(name="adamw", lr=lr).build([p])
@@ -91,7 +91,7 @@ def test_adam_turns_rounding_level_gradients_into_a_part_of_lr_and_the_allowance
     moves its AdamW parameter by a sizeable part of lr (SGD would move it by lr x 1e-9): the
     allowance counts such elements from their measured noise and allows them Adam's step; a
     gradient that is really different still exceeds it."""
-    from runtime.optim import OptimizerSpec
+    from runtime.execute.optim import OptimizerSpec
     from runtime.verify import MARGIN, TOLERANCES, adam_allowance, adam_sensitive
 
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from runtime.comm import Group
-from runtime.context import DistContext
+from runtime.comm.context import DistContext
 from runtime.parallel.context.attention import context_attention
 from runtime.parallel.context.layout import ContextLayout, chunk_layout
 from runtime.data import Batch

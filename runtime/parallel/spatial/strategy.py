@@ -5,7 +5,7 @@ codegen/strategies/spatial/tiles.py) gets this rank's tile and the spatial group
 
 from __future__ import annotations
 
-from runtime.context import DistContext
+from runtime.comm.context import DistContext
 from runtime.parallel.base import Modules, RuntimeStrategy, Specs
 from runtime.program import Program
 from runtime.parallel.spatial.tiles import attach_tiles

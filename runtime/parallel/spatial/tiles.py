@@ -72,7 +72,7 @@ class _AxisExchange:
     prev: int
     nxt: int
     tag: int
-    halo_grads: bool = True   # False only to show that --verify notices (runtime/sabotage.py)
+    halo_grads: bool = True   # False only to show that --verify notices (runtime/verify/sabotage.py)
 
     def _block(self, like: torch.Tensor, rows: int) -> torch.Tensor:
         shape = list(like.shape)
@@ -245,7 +245,7 @@ class TileExchange:
     h: AxisHalo
     w: AxisHalo
     tag: int
-    halo_grads: bool = True   # False only to show that --verify notices (runtime/sabotage.py)
+    halo_grads: bool = True   # False only to show that --verify notices (runtime/verify/sabotage.py)
 
     @classmethod
     def plan(cls, comm, layout: TileLayout, in_hw: tuple[int, int], out_hw: tuple[int, int],
@@ -497,7 +497,7 @@ class SpatialContext:
         self.layout: TileLayout | None = None
         self.group = None
         self.comm = None
-        self.halo_grads = True   # False only to show that --verify notices (runtime/sabotage.py)
+        self.halo_grads = True   # False only to show that --verify notices (runtime/verify/sabotage.py)
         self._exchanges: dict[int, TileExchange] = {}
 
     def attach(self, layout: TileLayout, group, comm) -> None:

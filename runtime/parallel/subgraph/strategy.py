@@ -7,7 +7,7 @@ gives the contexts this rank's sub-grid index and the sub-grid group once the ra
 
 from __future__ import annotations
 
-from runtime.context import DistContext
+from runtime.comm.context import DistContext
 from runtime.parallel.base import Modules, RuntimeStrategy, Specs
 from runtime.program import Program
 from runtime.parallel.subgraph.regions import keep_own_paths, set_branch

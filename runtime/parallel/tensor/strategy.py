@@ -11,7 +11,7 @@ are connected.
 from __future__ import annotations
 
 from runtime.comm import Group
-from runtime.context import DistContext
+from runtime.comm.context import DistContext
 from runtime.materialize import set_tensor_group
 from runtime.parallel.base import ClassSplit, Modules, RuntimeStrategy, Specs
 from runtime.program import Program

@@ -10,9 +10,9 @@ once): nothing is left running. Nothing outlives the launcher either
 signal that stops the launcher, and die with it if it is killed.
 
 Network: the launcher hosts each build's rendezvous store on 127.0.0.1 only
-(runtime/store_host.py), gloo and NCCL sockets use the loopback interface,
+(runtime/comm/store_host.py), gloo and NCCL sockets use the loopback interface,
 and the run's failure messages and heartbeats are signed with a secret made
-for this run and passed to the ranks in their environment (runtime/jobauth.py).
+for this run and passed to the ranks in their environment (runtime/comm/jobauth.py).
 
 Afterwards the per-rank Timelines (the steps the ranks traced: the first
 TRACE_WINDOW_STEPS by default, every step with --trace, none with --no-trace) are
@@ -34,15 +34,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.build_files import BuildError, read_build
-from runtime.dir_lock import lock_directories
-from runtime.jobauth import SECRET_ENV, new_secret
+from runtime.launch.build_files import BuildError, read_build
+from runtime.checkpoint.dir_lock import lock_directories
+from runtime.comm.jobauth import SECRET_ENV, new_secret
 from runtime.lifetime import HEARTBEAT_STORE_ENV, Children, process_state
 from runtime.loopback_ns import wrap as wrap_in_loopback_namespace
-from runtime.progress import RunProgress
-from runtime.store_host import LOOPBACK, host_store
-from runtime.evaluation import EvalResult
-from runtime.trace import Timeline, write_run_timeline
+from runtime.launch.progress import RunProgress
+from runtime.comm.store_host import LOOPBACK, host_store
+from runtime.execute.evaluation import EvalResult
+from runtime.program.trace import Timeline, write_run_timeline
 from runtime.verify import Verification, verify_build
 
 
@@ -59,7 +59,7 @@ class RunResult:
     exit_times: dict[int, float] = field(default_factory=dict)  # rank -> unix time its exit was seen
     first_step: int = 0                # the run's first step: the checkpoint's step when it resumed
     resumed_from: str | None = None    # the checkpoint directory it resumed from
-    evals: list[EvalResult] = field(default_factory=list)   # rank 0's held-out evaluations (runtime/evaluation.py)
+    evals: list[EvalResult] = field(default_factory=list)   # rank 0's held-out evaluations (runtime/execute/evaluation.py)
 
 
 def free_port() -> int:
@@ -118,12 +118,12 @@ def run_local(build: str | os.PathLike, steps: int = 1, backend: str = "gloo", *
 
     Args:
         backend: gloo, nccl or mpi. timeout: seconds any single communication may take.
-        verify: also check against the single-process reference (runtime/verify.py; adds --save-steps and
+        verify: also check against the single-process reference (runtime/verify/__init__.py; adds --save-steps and
             --save-params); rtol/atol override its per-step tolerances (None: from the dtype).
         world_size: start this many processes instead of the plan's (to see the error).
         extra_args: more rank-script options (e.g. ["--fail-at", "1:0:5"]).
         wall_timeout: seconds for the whole run (default: generous from `timeout`).
-        progress: draw the run's progress on stderr from rank 0's metrics.jsonl (runtime/progress.py).
+        progress: draw the run's progress on stderr from rank 0's metrics.jsonl (runtime/launch/progress.py).
     """
     return run_many([build], steps, backend, timeout=timeout, verify=verify, rtol=rtol, atol=atol,
                     extra_args=extra_args, world_size=world_size, grace=grace, wall_timeout=wall_timeout,
@@ -137,7 +137,7 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
              quiet: bool = True, through_workers: bool = True, progress: bool = False) -> list[RunResult]:
     """Run several builds with the same number of ranks, one after the other.
 
-    With `through_workers` one set of processes (`python -m runtime.worker`) runs every
+    With `through_workers` one set of processes (`python -m runtime.launch.worker`) runs every
     build's run_rank.py in turn, paying Python's and torch's start-up once; each build
     still runs its generated rank scripts, with its own rendezvous port.
     `build_args[i]` are more rank-script options for builds[i] alone, after `extra_args` (its own
@@ -151,7 +151,7 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
         raise ValueError(f"build_args: give one list of options per build ({len(builds)}, got {len(own)}), "
                          "and run them through_workers")
     infos = [read_build(b) for b in builds]
-    # Held until run_many returns (runtime/dir_lock.py): a second run of a build is refused at once.
+    # Held until run_many returns (runtime/checkpoint/dir_lock.py): a second run of a build is refused at once.
     held = lock_directories(builds, "build")  # noqa: F841
     worlds = {int(i["world_size"]) for i in infos}
     if len(worlds) != 1:
@@ -181,7 +181,7 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     per_build = [[*base, *a, "--master-port", str(st.port)] for st, a in zip(stores, own)] if backend != "mpi" \
         else [[*base, *a] for a in own]
     if through_workers:
-        cmd = [sys.executable, "-m", "runtime.worker"]
+        cmd = [sys.executable, "-m", "runtime.launch.worker"]
         for b, a in zip(builds, per_build):
             cmd += ["--build", str(b), *[f"--arg={x}" for x in a]]
     else:

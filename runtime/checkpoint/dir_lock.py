@@ -7,8 +7,8 @@ by `release()`, when the DirLock is garbage-collected, or by the kernel when the
 reused). The file is opened with O_NOFOLLOW: a symlink planted at its name is refused, never
 written through. Its descriptor is not inherited by child processes (Python's default).
 
-Used by `meshplan run` for the build directory (runtime/launcher.py run_many) and by rank 0 for a
-checkpoint directory (runtime/checkpoint_run.py). flock works across the clients of one NFS
+Used by `meshplan run` for the build directory (runtime/launch/launcher.py run_many) and by rank 0 for a
+checkpoint directory (runtime/checkpoint/run_ids.py). flock works across the clients of one NFS
 server (Linux maps it to an NFS lock) and within one machine on any local file system.
 """
 

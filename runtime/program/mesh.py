@@ -4,7 +4,7 @@ ranks form a group along an axis.
 A mesh is a sequence of (axis name, size) pairs, outermost first (runtime.vocab.MeshAxis
 names them); ranks 0 .. prod(sizes) - 1 are laid out row-major with the LAST axis fastest,
 so the innermost axis's groups are contiguous ranks. The runtime builds its communicator
-groups from this layout (runtime/program.py) and the cost model prices collectives over the
+groups from this layout (runtime/program/__init__.py) and the cost model prices collectives over the
 same groups (cost_models/mesh_axes.py).
 """
 

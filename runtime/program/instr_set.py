@@ -1,7 +1,7 @@
 """The names of the instruction set that a Program and its validation share: the ops (`Op`), the
 message kinds (`Kind`), the derived axes, the Program file format version and ProgramError.
 
-runtime/program.py (the types) and runtime/program_check.py (validation of a Program
+runtime/program/__init__.py (the types) and runtime/program/check.py (validation of a Program
 document) both import them from here, so neither imports the other's module at call time.
 """
 

@@ -249,7 +249,7 @@ class GradSync:
 
     def shard_grad_of(self, p: nn.Parameter) -> torch.Tensor:
         """ZeRO: the reduce-scattered gradient shard of the bucket that holds `p` alone (a copy
-        of a tied weight, runtime/ties.py)."""
+        of a tied weight, runtime/execute/ties.py)."""
         for st in self.states:
             if any(q is p for q in st.params):
                 if len(st.params) != 1:

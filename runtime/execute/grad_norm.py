@@ -6,7 +6,7 @@ The same logical element may live on several ranks (data replicas without ZeRO, 
 tensor rank holds whole, spatial tiles' replicated weights, the layers after a sub-graph join,
 tied copies on two pipeline stages, two copies of a tied weight on one rank) and, at STEP, it
 holds the same gradient on each of them: the data all-reduce (or reduce-scatter, for the shard
-each data rank then owns alone), the tied-weight sum (runtime/ties.py) and the tensor/sub-graph
+each data rank then owns alone), the tied-weight sum (runtime/execute/ties.py) and the tensor/sub-graph
 collectives of backward (runtime/parallel/tensor/layers.py, runtime/parallel/subgraph/regions.py) leave every copy equal.
 
 So each logical element is counted by one holder only. A `Piece` names what one optimizer

@@ -3,7 +3,7 @@
 Two checks, both against the single-process reference (runtime/reference.py):
 
 1. Step by step, from the same parameters. Every rank records, at each optimizer step, the
-   parameters the step began with and their complete gradients (runtime/step_record.py),
+   parameters the step began with and their complete gradients (runtime/verify/step_record.py),
    and its BatchNorm statistics. For each step the reference model is given those
    parameters and statistics, runs the same global batch in the same chunks, and must
    produce the same loss, the same gradient of every parameter (each tensor's difference
@@ -49,17 +49,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.build_files import read_build, read_build_file
-from runtime.checkpoint_restore import assemble_files
+from runtime.launch.build_files import read_build, read_build_file
+from runtime.checkpoint.restore import assemble_files
 from runtime.data import map_inputs
-from runtime.evaluation import compare_evals, read_run_evals
+from runtime.execute.evaluation import compare_evals, read_run_evals
 from runtime.materialize import build_model
 from runtime.program import Program
 from runtime.reference import like_the_ranks, local_slice, rank_threads, reference_data, reference_run, reference_step
 from runtime.spec import StageSpec, TrainSpec
-from runtime.step_record import load_records, step_files
+from runtime.verify.step_record import load_records, step_files
 from runtime.torch_records import WHOLE_MODEL_KEY, whole_model_view
-from runtime.verify_grad_step import check_norm, check_skip, check_trajectory_outcomes, read_outcomes
+from runtime.verify.grad_checks import check_norm, check_skip, check_trajectory_outcomes, read_outcomes
 
 # per dtype: loss (relative), gradient (relative / absolute per rms), statistics (relative), trajectory floor,
 # and for Adam-family optimizers the trajectory's parameter difference in Adam's own units ("adam_steps":
@@ -100,10 +100,10 @@ class Verification:
     worst_param: str = ""
     params_compared: int = 0
     twin_loss_diff: float = 0.0    # the rounding-level twin's largest loss distance from the reference
-    evals_compared: int = 0        # held-out evaluations compared with the reference's (runtime/evaluation.py)
+    evals_compared: int = 0        # held-out evaluations compared with the reference's (runtime/execute/evaluation.py)
     max_eval_rel: float = 0.0      # their largest difference / its allowance
     non_finite: bool = False       # a NaN or infinity was found (the figures above mean nothing then)
-    norms_compared: int = 0        # steps whose global gradient norm was checked (runtime/verify_grad_step.py)
+    norms_compared: int = 0        # steps whose global gradient norm was checked (runtime/verify/grad_checks.py)
     max_norm_rel: float = 0.0      # ... the largest relative distance from the exact norm
     skips_compared: int = 0        # steps whose skip (fp16 overflow) was checked against the reference
     incomplete: bool = False       # some rank left no results

@@ -9,7 +9,7 @@ and over data ranks are those of the mean loss over the global batch.
 The loss stays on the device (a 0-dim tensor): the executor adds it up and reads
 it once per step, so a micro-batch costs no host sync. The stage module and the
 loss run in one autocast region, whose cache casts each weight once per forward.
-A stage whose spec has a fused output head (runtime/output_head.py) returns the
+A stage whose spec has a fused output head (runtime/execute/output_head.py) returns the
 hidden state, and the loss is computed from it and the head's weight in chunks.
 """
 
@@ -20,9 +20,9 @@ import contextlib
 import torch
 from torch import nn
 
-from runtime.evaluation import count_correct
+from runtime.execute.evaluation import count_correct
 from runtime.losses import compute_loss
-from runtime.output_head import fused_eval, fused_loss
+from runtime.execute.output_head import fused_eval, fused_loss
 from runtime.spec import StageSpec
 from runtime.vocab import DType
 
@@ -38,7 +38,7 @@ class StageRunner:
             vocabulary-parallel logits.
         loss_scale: factor applied to each micro-batch loss before backward.
         dtype: "fp32" or "bf16"/"fp16" (autocast; parameters stay fp32).
-        chunk_tokens: tokens per chunk of a fused loss (0: runtime.chunked_loss's rule).
+        chunk_tokens: tokens per chunk of a fused loss (0: runtime.execute.chunked_loss's rule).
     """
 
     def __init__(self, spec: StageSpec, module: nn.Module, *, loss: str = "cross_entropy",
@@ -88,8 +88,8 @@ class StageRunner:
     def evaluate(self, inputs: list[torch.Tensor], targets: torch.Tensor | None = None):
         """Forward only, keeping no graph (held-out evaluation; the caller sets eval() mode): the tensors
         to send (non-last stage), or on the last stage (mean loss as a 0-dim tensor, correct predictions,
-        target elements counted) of the micro-batch (runtime.evaluation.count_correct; with a fused
-        head runtime.chunked_loss.chunked_eval, which counts the targets not ignored)."""
+        target elements counted) of the micro-batch (runtime.execute.evaluation.count_correct; with a fused
+        head runtime.execute.chunked_loss.chunked_eval, which counts the targets not ignored)."""
         with torch.no_grad():
             with self._autocast():
                 out = self.module(*inputs)

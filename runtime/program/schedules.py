@@ -22,7 +22,7 @@ stages i, i + p, ..., i + (v - 1) p.
 
 from __future__ import annotations
 
-from runtime.instr_set import Op
+from runtime.program.instr_set import Op
 from runtime.program import Instr
 from runtime.vocab import Schedule
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 
-from runtime.instr_set import Kind, Op
+from runtime.program.instr_set import Kind, Op
 from runtime.losses import model_output
 from runtime.program import PAIR_AXIS, Instr, Program
 from runtime.vocab import MeshAxis

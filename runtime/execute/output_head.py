@@ -4,7 +4,7 @@ When the model's output is the output of a final linear layer (a language model'
 Face GPT-2's, tied to the token embedding) and the loss is cross_entropy, the code generator makes
 the last stage return that layer's input, the hidden state (..., C), instead of the logits (..., V),
 and records the layer as the stage's `OutputHead`. The runner then computes the loss from the hidden
-state and the layer's (V_local, C) weight with runtime.chunked_loss, chunk by chunk of tokens: the
+state and the layer's (V_local, C) weight with runtime.execute.chunked_loss, chunk by chunk of tokens: the
 (tokens x V) logits and their fp32 copies never exist.
 
 Vocabulary parallelism (tensor >= 2, the layer's rows split over the tensor ranks): this rank holds
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runtime.chunked_loss import chunked_cross_entropy, chunked_eval
+from runtime.execute.chunked_loss import chunked_cross_entropy, chunked_eval
 from runtime.losses import model_output
 from runtime.parallel.tensor.layers import gather_whole
 
@@ -81,7 +81,7 @@ def fused_loss(head: OutputHead, module: nn.Module, output, targets: torch.Tenso
                chunk_tokens: int = 0) -> torch.Tensor:
     """The mean cross-entropy (0-dim fp32) of the stage's output layer applied to the hidden state in
     `output` (the stage's return value), against integer `targets` (...); chunk_tokens: tokens per
-    chunk (0: runtime.chunked_loss's rule)."""
+    chunk (0: runtime.execute.chunked_loss's rule)."""
     hidden, kw = _arguments(head, module, output, class_split)
     weight = kw.pop("weight")
     return chunked_cross_entropy(hidden, weight, targets, chunk_tokens=chunk_tokens, **kw)
@@ -90,7 +90,7 @@ def fused_loss(head: OutputHead, module: nn.Module, output, targets: torch.Tenso
 def fused_eval(head: OutputHead, module: nn.Module, output, targets: torch.Tensor, *, class_split=None,
                chunk_tokens: int = 0) -> tuple[torch.Tensor, int, int]:
     """Without gradients: (mean loss, correct argmax predictions, targets counted) as fused_loss reads
-    them (runtime.chunked_loss.chunked_eval)."""
+    them (runtime.execute.chunked_loss.chunked_eval)."""
     hidden, kw = _arguments(head, module, output, class_split)
     weight = kw.pop("weight")
     return chunked_eval(hidden, weight, targets, chunk_tokens=chunk_tokens, **kw)

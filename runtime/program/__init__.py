@@ -59,10 +59,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from runtime.instr_set import (COLLECTIVE_OPS, COMPUTE_OPS, KINDS, OPS, P2P_KINDS, P2P_OPS, PAIR_AXIS,
+from runtime.program.instr_set import (COLLECTIVE_OPS, COMPUTE_OPS, KINDS, OPS, P2P_KINDS, P2P_OPS, PAIR_AXIS,
                                PROGRAM_FORMAT_VERSION, TIE_AXIS, Kind, Op, ProgramError)
-from runtime.mesh import MeshError, coords_of, group_along, rank_of
-from runtime.program_check import check_program_dict
+from runtime.program.mesh import MeshError, coords_of, group_along, rank_of
+from runtime.program.check import check_program_dict
 from runtime.documents import parse_document, read_document
 from runtime.vocab import MeshAxis, current_axis_name
 
@@ -167,7 +167,7 @@ class Bucket:
     `params` are the stage module's parameter names (tensor-parallel local
     shapes); `numel` is their total element count; `nbytes` the bytes of the
     gradient buffer (padded to a multiple of the data degree); `decay`: its parameters are
-    in the weight-decayed optimizer group (runtime/optim.py; a bucket never mixes the groups
+    in the weight-decayed optimizer group (runtime/execute/optim.py; a bucket never mixes the groups
     where they differ, so a ZeRO shard of it belongs to one).
     """
 
@@ -426,7 +426,7 @@ class Program:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Program":
-        """Raises ProgramError naming the field when the document is malformed (runtime/program_check.py)."""
+        """Raises ProgramError naming the field when the document is malformed (runtime/program/check.py)."""
         check_program_dict(d, axis_group)
         version = d.get("format_version")
         if version != PROGRAM_FORMAT_VERSION:
@@ -465,7 +465,7 @@ class Program:
         return cls.from_dict(read_document(path, "Program file", error=_unreadable))
 
 
-# ---- groups of the derived axes; the mesh layout itself is runtime/mesh.py -------------
+# ---- groups of the derived axes; the mesh layout itself is runtime/program/mesh.py -------------
 
 
 def axis_group(mesh: Iterable[tuple[str, int]], coords: Iterable[int], axis: str) -> tuple[int, ...]:

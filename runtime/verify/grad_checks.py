@@ -2,7 +2,7 @@
 
 The run records per step (run/rank_XXXX.json, runtime/grad_step.outcome_record) the global norm
 of its unscaled, unclipped gradient, the loss scale the step's backward used and whether the
-step was skipped. runtime/verify.py calls these:
+step was skipped. runtime/verify/__init__.py calls these:
 
   check 1 (per step, from the run's parameters): the reference in the run's dtype, its loss
   scaled by the run's scale, must overflow exactly where the run skipped (`check_skip`); on a

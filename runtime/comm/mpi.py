@@ -1,12 +1,12 @@
 """`MpiCommunicator`: runtime.comm's Communicator protocol over mpi4py.
 
 Non-blocking MPI calls on NumPy views of CPU tensors, completed by polling with a
-deadline while watching for an abort message from a failed peer (runtime/comm.py's
+deadline while watching for an abort message from a failed peer (runtime/comm/__init__.py's
 failure protocol); a process group's collectives start one after another in the order
 issued (MpiCommunicator._enqueue). mpi4py is imported when a communicator is made.
 
 An abort message is UTF-8 JSON ({"reason": text}) signed with the job secret as the
-store's messages are (runtime/jobauth.py): bytes from a peer are never unpickled, and
+store's messages are (runtime/comm/jobauth.py): bytes from a peer are never unpickled, and
 one that does not verify is logged and ignored.
 """
 
@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from runtime.comm import CommError, Group, PeerFailure, SoloGroup, group_send_recv
-from runtime.jobauth import SECRET_ENV, Signer, shown, signer_from_env
+from runtime.comm.jobauth import SECRET_ENV, Signer, shown, signer_from_env
 
 # Above every p2p_tag (which stay below 2**29); OpenMPI's MPI_TAG_UB is 2**31 - 1.
 _ABORT_TAG = 1_500_000_000

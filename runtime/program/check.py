@@ -13,8 +13,8 @@ import math
 from typing import Any, Callable, Sequence
 
 from runtime.documents import FieldError, Fields
-from runtime.instr_set import COLLECTIVE_OPS, KINDS, OPS, P2P_OPS, PROGRAM_FORMAT_VERSION, TIE_AXIS, Op, ProgramError
-from runtime.mesh import MeshError
+from runtime.program.instr_set import COLLECTIVE_OPS, KINDS, OPS, P2P_OPS, PROGRAM_FORMAT_VERSION, TIE_AXIS, Op, ProgramError
+from runtime.program.mesh import MeshError
 from runtime.vocab import current_axis_name
 
 GroupOf = Callable[[Sequence[tuple[str, int]], Sequence[int], str], tuple[int, ...]]
@@ -39,7 +39,7 @@ def check_program_dict(d: Any, axis_group: GroupOf) -> None:
 
     axis_group(mesh, coords, axis): the ranks of the group along a mesh or derived axis; it
     raises ProgramError or MeshError for an axis the mesh cannot resolve. Program.from_dict
-    passes runtime.program.axis_group: runtime/program.py imports this module, so it hands
+    passes runtime.program.axis_group: runtime/program/__init__.py imports this module, so it hands
     the function in rather than this module importing it back."""
     try:
         _check(Fields(d, _WHERE), axis_group)

@@ -27,8 +27,8 @@ import torch
 from runtime.checkpoint import (CheckpointError, Manifest, layout_hash, optimizer_param_names, read_rank_file,
                                 resolve_checkpoint)
 from runtime.files import atomic_file, make_dirs
-from runtime.lr_schedule import load_scheduler_state
-from runtime.optim import optimizer_order
+from runtime.execute.lr_schedule import load_scheduler_state
+from runtime.execute.optim import optimizer_order
 from runtime.reference import local_slice
 from runtime.spec import StageSpec
 
@@ -43,7 +43,7 @@ class LogicalState:
     optimizer: dict[str, dict[str, Any]] = field(default_factory=dict)  # param name -> state key -> value
     rng: dict[int, torch.Tensor] = field(default_factory=dict)          # old rank -> CPU RNG state
     aliases: dict[str, str] = field(default_factory=dict)               # other name of a tied weight -> canonical
-    schedule: dict | None = None                                         # runtime.lr_schedule.scheduler_state
+    schedule: dict | None = None                                         # runtime.execute.lr_schedule.scheduler_state
     loss_scale: dict | None = None                                      # the loss scaler's state (any rank's)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -92,7 +92,7 @@ def assemble(ckpt: Path, manifest: Manifest) -> LogicalState:
 
 def assemble_files(files: list[dict], mesh, step: int = 0) -> LogicalState:
     """The logical state of every rank's saved state (a checkpoint's rank files, or the per-step
-    records of a --verify run, runtime/step_record.py): tensor-parallel slices joined, ZeRO flat
+    records of a --verify run, runtime/verify/step_record.py): tensor-parallel slices joined, ZeRO flat
     shards concatenated over the data axis and cut back into parameters.
 
     Each file holds "coords", "stage_specs", "params" and "buffers" (stage -> name -> tensor),

@@ -12,7 +12,7 @@ tensor on the CPU) and changes them with the same kernels (torch._amp_update_sca
 torch._amp_foreach_non_finite_check_and_unscale_ to unscale), so a run and a reference that
 uses torch.amp.GradScaler step for step agree exactly on every scale (tests/unit/test_loss_scale.py).
 Whether a step overflowed is not decided here but by the global gradient norm's all-reduce
-(runtime/grad_norm.py): every rank sees the same verdict.
+(runtime/execute/grad_norm.py): every rank sees the same verdict.
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@ At the Program's STEP instruction, on every rank, in this order (clip_grad_norm_
 torch.amp.GradScaler's order in a single-process loop):
 
   1. unscale: with fp16 loss scaling, multiply the gradients the optimizer steps by 1/scale;
-  2. record: the --verify hook (runtime/step_record.py) copies the unscaled, unclipped gradients;
-  3. norm: the global gradient norm (runtime/grad_norm.py; one all-reduce over every rank);
+  2. record: the --verify hook (runtime/verify/step_record.py) copies the unscaled, unclipped gradients;
+  3. norm: the global gradient norm (runtime/execute/grad_norm.py; one all-reduce over every rank);
   4. a non-finite norm (an overflow somewhere) skips the optimizer step on every rank when the
      loss is scaled, and stops the run with an error naming the step when it is not but the
      gradients are to be clipped (clipping by an infinite norm would zero or poison them);
   5. clip: multiply by min(1, max_norm / (norm + 1e-6)) (clip_grad_norm_'s coefficient).
 
-After the step the scale is updated (runtime/loss_scale.py). The step's backward used the
+After the step the scale is updated (runtime/execute/loss_scale.py). The step's backward used the
 scale: `begin` folds it into each StageRunner's loss factor before the first micro-batch.
 
 The host reads the norm only where the step needs its value: to decide a skip (loss scaling).
@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from runtime.grad_norm import GlobalGradNorm
-from runtime.loss_scale import LossScaler
+from runtime.execute.grad_norm import GlobalGradNorm
+from runtime.execute.loss_scale import LossScaler
 
 CLIP_EPS = 1e-6   # torch.nn.utils.clip_grad_norm_'s
 
@@ -164,8 +164,8 @@ def make_gradient_step(world_group, device, modules: dict, specs: dict, grads, p
                        tensor_rank: int, train, rank: int) -> GradientStep:
     """This rank's GradientStep for the build's `train` (TrainSpec): clip_grad and loss_scale.
 
-    A collective over `world_group` (every rank): the ranks exchange what they hold (runtime/grad_norm.py)."""
-    from runtime.grad_norm import pieces_of
+    A collective over `world_group` (every rank): the ranks exchange what they hold (runtime/execute/grad_norm.py)."""
+    from runtime.execute.grad_norm import pieces_of
 
     norm = GlobalGradNorm.connect(params, pieces_of(modules, specs, grads, tensor_rank), world_group, device)
     scaler = LossScaler(train.loss_scale) if train.loss_scale is not None else None

@@ -4,7 +4,7 @@ Each rank starts one `Watchdog` thread (its own client of the rendezvous
 TCPStore; under MPI, of the store `meshplan run` hosts for heartbeats, or else
 of one rank 0 hosts). Every `interval` seconds it publishes the rank's
 heartbeat: a counter, the wall time and the instruction the rank is on, signed
-with the job secret (runtime/jobauth.py). It serves four purposes:
+with the job secret (runtime/comm/jobauth.py). It serves four purposes:
 
 * Finding a hung rank. Each rank watches the next one in a ring (rank r
   watches r + 1 mod world: one store read per interval each, whatever the
@@ -47,7 +47,7 @@ import time
 from typing import Callable
 
 from runtime.comm import ABORT_KEY, read_abort
-from runtime.jobauth import SECRET_ENV, Signer, shown
+from runtime.comm.jobauth import SECRET_ENV, Signer, shown
 from runtime.lifetime import process_state
 
 # A rank on one of these is waiting for others; every other instruction (compute, and issuing an

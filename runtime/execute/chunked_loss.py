@@ -438,7 +438,7 @@ def chunked_eval(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     """Without gradients: (the mean loss as chunked_cross_entropy's, the number of counted targets
     whose argmax class over the real vocabulary equals the target, the number of counted targets).
 
-    Counted targets are those not equal to ignore_index (runtime.evaluation.count_correct counts every
+    Counted targets are those not equal to ignore_index (runtime.execute.evaluation.count_correct counts every
     element; the two agree when no target is ignored). The argmax is taken over the fp32 logits, the
     lowest class index among equal maxima, across the ranks of `group` (as count_correct's). One
     all_gather per call with a group; the two counts are read back to the host (a sync)."""

@@ -1,9 +1,9 @@
 """One process that runs several builds' rank scripts in turn (tests, benchmarks).
 
-    python -m runtime.worker --build B1 --arg=--steps --arg=3 ... --build B2 ...
+    python -m runtime.launch.worker --build B1 --arg=--steps --arg=3 ... --build B2 ...
 
 For each build it runs build/run_rank.py (or the script build.json names,
-runtime.launcher.entry_script) exactly as a launcher would (the rank comes
+runtime.launch.launcher.entry_script) exactly as a launcher would (the rank comes
 from the environment), with that build's arguments. Starting Python and
 torch once for many builds is what makes a test matrix of real multi-process
 runs affordable on a small machine. A failing build ends the process with its
@@ -18,7 +18,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from runtime.launcher import entry_script, read_build
+from runtime.launch.launcher import entry_script, read_build
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ Layout under a checkpoint root (`--checkpoint-dir`):
     ROOT/step_00000003/rank_0000.json   sha256 and size of rank_0000.pt, and its layout hash
     ROOT/step_00000003/manifest.json    written last, by rank 0, once every rank's file is in place
 
-    ROOT/meshplan.lock                  rank 0's lock while a run writes ROOT (runtime/checkpoint_run.py)
+    ROOT/meshplan.lock                  rank 0's lock while a run writes ROOT (runtime/checkpoint/run_ids.py)
 
 Every file is written through runtime/files.py: an exclusive temporary with an
 unpredictable name, fsync'ed and renamed over its final name (os.replace is
@@ -20,7 +20,7 @@ checkpoints are never touched by a later save. A save that fails with an error
 (and the step directory once it is empty), rank 0 the whole step directory if
 the manifest cannot be written; the error names the file and the cause.
 
-Each manifest records the run id of the run that saved it (runtime/checkpoint_run.py
+Each manifest records the run id of the run that saved it (runtime/checkpoint/run_ids.py
 says what "the same run" means and when a run may write into ROOT).
 
 The step stored is the next step to run: a checkpoint saved after steps 0..2
@@ -49,8 +49,8 @@ from typing import Callable
 import torch
 
 from runtime.files import make_dirs, write_atomic
-from runtime.lr_schedule import scheduler_state
-from runtime.optim import optimizer_order
+from runtime.execute.lr_schedule import scheduler_state
+from runtime.execute.optim import optimizer_order
 
 CHECKPOINT_FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -109,7 +109,7 @@ def sweep_interrupted_saves(root: str | os.PathLike) -> list[Path]:
     """Remove what interrupted saves left under the checkpoint root `root`, and return it: temporaries in
     `root` and in its step directories, and step directories that never became complete (neither a manifest
     nor a torch build's record: a save killed before its end). Only a run holding `root`'s lock may call it
-    (runtime/checkpoint_run.py): then no save is in progress there."""
+    (runtime/checkpoint/run_ids.py): then no save is in progress there."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -255,7 +255,7 @@ def optimizer_param_names(modules: dict, grads, order: list | None = None) -> li
     """What each optimizer parameter is, in optimizer order: "STAGE/NAME", or "bucket/I" (ZeRO shards).
 
     Mirrors GradSync.optimizer_params and rank_main.connect's parameter list; `order`: the
-    optimizer's own parameter order (runtime.optim.optimizer_order: its weight-decay groups one
+    optimizer's own parameter order (runtime.execute.optim.optimizer_order: its weight-decay groups one
     after the other), which the names then follow.
     """
     if grads is not None and grads.shards:
@@ -286,9 +286,9 @@ class RankState:
     grads: object = None            # GradSync or None
     optimizer: torch.optim.Optimizer | None = None
     barrier: Callable[[], None] = field(default=lambda: None)
-    scheduler: object = None        # the optimizer's lr scheduler (runtime/lr_schedule.py) or None
-    run_id: str = ""                # rank 0: the run id its manifests record (runtime/checkpoint_run.py)
-    loss_scale: dict | None = None  # the fp16 loss scaler's state (runtime/loss_scale.py), the same on every rank
+    scheduler: object = None        # the optimizer's lr scheduler (runtime/execute/lr_schedule.py) or None
+    run_id: str = ""                # rank 0: the run id its manifests record (runtime/checkpoint/run_ids.py)
+    loss_scale: dict | None = None  # the fp16 loss scaler's state (runtime/execute/loss_scale.py), the same on every rank
 
 
 def _order(optimizer) -> list | None:

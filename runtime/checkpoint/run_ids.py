@@ -18,7 +18,7 @@ The rules, checked before a run writes into a checkpoint directory ROOT:
   its state came from elsewhere). Into an empty ROOT it continues the resumed checkpoint's run.
 
 Every rank checks the rules while it prepares (before any communication: a refusal is the same
-clear error on every rank). Rank 0 then takes ROOT's lock (runtime/dir_lock.py) for the whole run,
+clear error on every rank). Rank 0 then takes ROOT's lock (runtime/checkpoint/dir_lock.py) for the whole run,
 checks again under the lock (nothing can have changed since), and records the run id and itself
 in the lock file. Only rank 0 takes it because only rank 0 completes a checkpoint (the manifest)
 and the other ranks write their shards into ROOT only inside a collective save with their rank 0;
@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from runtime.checkpoint import CheckpointError, Manifest, complete_checkpoints, sweep_interrupted_saves
-from runtime.dir_lock import DirLock, DirectoryBusy, Holder
+from runtime.checkpoint.dir_lock import DirLock, DirectoryBusy, Holder
 
 
 def new_run_id() -> str:

@@ -12,7 +12,7 @@ WAIT that blocks on it is a separate event on the "compute" track.
 
 The Timeline's `clock` says what timed the compute and comm events: the host's
 perf_counter around each instruction (Clock.HOST, a CPU run), or CUDA events on
-the device (Clock.CUDA, a GPU run: runtime/device_clock.py). A GPU run keeps the
+the device (Clock.CUDA, a GPU run: runtime/execute/device_clock.py). A GPU run keeps the
 host's intervals too, on the "host" and "host_comm" tracks: a step's device
 span and its host span side by side (step_times(HOST_TRACKS)).
 """
@@ -286,7 +286,7 @@ class Recorder:
     0's, on the ranks that read its clock; else set after a barrier, so that all
     ranks of a run share it to within the barrier's skew).
 
-    `device`: on a GPU, a runtime.device_clock.CudaClock: each interval given to add_interval
+    `device`: on a GPU, a runtime.execute.device_clock.CudaClock: each interval given to add_interval
     is then timed on the device as well (the compute and comm tracks, the timeline's clock
     Clock.CUDA) and the host's interval goes on the host tracks. The device intervals are read
     when their events are done: collect() between steps reads those the device has passed

@@ -6,7 +6,7 @@ Two implementations:
   NCCL on GPU). Process groups are constructed directly from a TCPStore and
   kept in this object: nothing is registered in torch.distributed's global
   state, and a sub-group is built by its members only.
-* `MpiCommunicator` over mpi4py (runtime/comm_mpi.py: non-blocking MPI calls on NumPy
+* `MpiCommunicator` over mpi4py (runtime/comm/mpi.py: non-blocking MPI calls on NumPy
   views of CPU tensors, completed by polling with a deadline).
 
 A `Group` is this rank's view of one set of ranks (a mesh axis): collectives
@@ -33,9 +33,9 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from runtime.jobauth import SECRET_ENV, Signer, shown
-from runtime.placement import cuda_index
-from runtime.store_host import StoreBindError, host_store, listen_address
+from runtime.comm.jobauth import SECRET_ENV, Signer, shown
+from runtime.launch.placement import cuda_index
+from runtime.comm.store_host import StoreBindError, host_store, listen_address
 
 ABORT_KEY = "meshplan/abort"
 ACK_KEY = "meshplan/abort_acks"
@@ -346,8 +346,8 @@ class TorchCommunicator:
         master_addr, master_port: where the TCPStore lives (rank 0 hosts it unless
             `use_agent_store`, as under torchrun, where the launcher's agent does).
         timeout: seconds before a rendezvous or collective gives up.
-        signer: signs and checks the failure reasons on the store (runtime/jobauth.py).
-            A store this rank hosts listens on `master_addr` only (runtime/store_host.py).
+        signer: signs and checks the failure reasons on the store (runtime/comm/jobauth.py).
+            A store this rank hosts listens on `master_addr` only (runtime/comm/store_host.py).
         join: called with the store once it answers, before any process group is made:
             the rank's check of who came to the rendezvous (runtime/join.py); it raises to refuse.
     """
@@ -393,7 +393,7 @@ class TorchCommunicator:
         self._failed = False
         # Once a store request failed its host is gone: no more requests (each makes torch log a stack trace).
         self._store_gone = False
-        # Set by the rank (runtime/watchdog.py): names a dead or stuck peer when nobody published a reason.
+        # Set by the rank (runtime/launch/watchdog.py): names a dead or stuck peer when nobody published a reason.
         self.diagnose: Callable[[], str | None] | None = None
         self._world_pg = self._make_pg(tuple(range(world_size)))
 

@@ -2,7 +2,7 @@
 
 On a GPU the host only queues kernels: perf_counter around a backward measures how long the host
 took to queue it, and the next instruction that synchronizes (the gradient norm's .item()) shows
-the wait for it. The Recorder (runtime/trace.py) therefore brackets each instruction with a pair
+the wait for it. The Recorder (runtime/program/trace.py) therefore brackets each instruction with a pair
 of CUDA events as well, on the stream the instruction runs on, and resolves them later, at a point
 where the device is known to be past them; it never synchronizes to do so until the timeline is
 saved.

@@ -1,11 +1,11 @@
-"""What a rank records each step of a `--verify` run, for the per-step check (runtime/verify.py).
+"""What a rank records each step of a `--verify` run, for the per-step check (runtime/verify/__init__.py).
 
 Just before the optimizer step, every parameter the optimizer holds (a whole parameter, or
 under ZeRO this rank's flat shard of a bucket) still has the value it had when the step
 began, and its gradient is complete: reduced over data, tied copies summed, divided by the
-fp16 loss scale and not yet clipped (runtime/grad_step.py). The recorder
+fp16 loss scale and not yet clipped (runtime/execute/grad_step.py). The recorder
 copies both, with the buffers (BatchNorm's running statistics) at the step's start and end.
-`runtime.checkpoint_restore.assemble_files` turns every rank's record of a step into whole
+`runtime.checkpoint.restore.assemble_files` turns every rank's record of a step into whole
 tensors by the model's own names, as it does a checkpoint's rank files.
 """
 
