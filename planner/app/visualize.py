@@ -86,83 +86,22 @@ def _stage_legend_label(plan: "Plan", i: int) -> str:
 
 def mesh_figure(plan: "Plan") -> "Figure":
     """One cell per device inside a box per node, coloured by pipeline stage (the pipe coordinate)."""
-    from matplotlib.patches import Patch, Rectangle
-
     _check_plan(plan)
-    cfg, cluster = plan.config, plan.cluster
-    mesh = cfg.mesh
-    world = cfg.num_devices
-    dpn = cluster.devices_per_node
-    replica = world > MAX_MESH_DEVICES
-    if replica:  # one data-parallel replica: data coordinate 0
-        ranks = [_rank_of(pi, 0, ti, mesh) for pi in range(cfg.pipeline) for ti in range(cfg.tensor)]
-    else:
-        ranks = list(range(world))
-    by_node: dict[int, list[int]] = {}
-    for r in ranks:
-        by_node.setdefault(r // dpn, []).append(r)
-    nodes = sorted(by_node)
-    per_node = max(len(v) for v in by_node.values())
-    rows, cols = _cell_grid(per_node)
-
-    pad, label_h, gap = 0.2, 0.6, 0.35
-    block_w, block_h = cols + 2 * pad, rows + pad + label_h
-    # Node blocks in a grid whose overall shape is near 2:1 (wide).
-    n_nodes = len(nodes)
-    def shape_cost(c: int) -> float:
-        r = math.ceil(n_nodes / c)
-        aspect = (c * (block_w + gap)) / (r * (block_h + gap))
-        return abs(math.log(aspect / 2.2)) + 0.5 * (r * c - n_nodes) / n_nodes
-
-    ncol = min(range(1, n_nodes + 1), key=shape_cost)
-    nrow = math.ceil(n_nodes / ncol)
-    width_units = ncol * (block_w + gap) - gap
-    height_units = nrow * (block_h + gap) - gap
-
+    cfg = plan.config
+    ranks, by_node, replica = _mesh_ranks(plan)
+    box = _NodeBoxes.of(by_node)
     colors = _stage_colors(cfg.pipeline)
     use_colorbar = cfg.pipeline > 20
-    inch_per_unit = min(0.75, 13.0 / width_units, 11.0 / height_units)
-    legend_w = 1.0 if use_colorbar else 4.2
-    fig_w = max(9.0, width_units * inch_per_unit + legend_w + 0.8)
-    fig_h = max(4.2, height_units * inch_per_unit + 2.2)
+    inch_per_unit = min(0.75, 13.0 / box.width, 11.0 / box.height)
+    fig_w = max(9.0, box.width * inch_per_unit + (1.0 if use_colorbar else 4.2) + 0.8)
+    fig_h = max(4.2, box.height * inch_per_unit + 2.2)
     if not use_colorbar:  # room for the legend rows
         fig_h = max(fig_h, 0.2 * min(cfg.pipeline, 20) + 2.4)
     fig = _new_figure(fig_w, fig_h)
     ax = fig.add_subplot()
-
-    cells = []  # (rank, x, y, colour)
-    for k, node in enumerate(nodes):
-        bx = (k % ncol) * (block_w + gap)
-        by = (nrow - 1 - k // ncol) * (block_h + gap)  # first node at the top left
-        ax.add_patch(Rectangle((bx, by), block_w, block_h, facecolor="#FAFAFA", edgecolor="#444444", lw=1.0))
-        for j, r in enumerate(by_node[node]):
-            cx = bx + pad + j % cols
-            cy = by + pad + (rows - 1 - j // cols)
-            pipe_i = rank_coords(r, mesh)[0]
-            col = colors[pipe_i]
-            ax.add_patch(Rectangle((cx + 0.04, cy + 0.04), 0.92, 0.92, facecolor=col, edgecolor="white", lw=0.5))
-            cells.append((r, cx, cy, col))
-        ax.text(bx + pad, by + block_h - label_h / 2, "", va="center", ha="left", gid=f"node-{node}")
-    ax.set_xlim(-0.1, width_units + 0.1)
-    ax.set_ylim(-0.1, height_units + 0.1)
-    ax.set_aspect("equal")
-    ax.set_xticks([])
-    ax.set_yticks([])
-    for side in ("left", "bottom"):
-        ax.spines[side].set_visible(False)
-
-    if use_colorbar:
-        from matplotlib import colormaps
-        from matplotlib.cm import ScalarMappable
-        from matplotlib.colors import Normalize
-
-        sm = ScalarMappable(norm=Normalize(0, cfg.pipeline - 1), cmap=colormaps["viridis"])
-        fig.colorbar(sm, ax=ax, label="pipeline stage (pipe coordinate)", shrink=0.8)
-    else:
-        handles = [Patch(facecolor=colors[i], label=_stage_legend_label(plan, i)) for i in range(cfg.pipeline)]
-        ax.legend(handles=handles, title="colour: pipeline stage", loc="upper left",
-                  bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
-
+    cells = _draw_nodes(ax, box, by_node, cfg.mesh, colors)
+    _stage_key(fig, ax, plan, colors, use_colorbar)
+    world = cfg.num_devices
     extra = ""
     if replica:
         extra = (f"one data-parallel replica shown (pipe {cfg.pipeline} x tensor {cfg.tensor} = {len(ranks)} "
@@ -171,9 +110,129 @@ def mesh_figure(plan: "Plan") -> "Figure":
     elif cfg.schedule == "interleaved":
         extra = f"interleaved schedule: each device holds {cfg.virtual_stages} model chunks"
     _suptitle(fig, title_for(plan, "Device mesh", extra))
+    fig.canvas.draw()   # labels are sized to the cells as laid out
+    labelled, fontsize = _label_cells(fig, ax, cells, cfg)
+    _label_nodes(fig, ax, box, by_node, plan.cluster.devices_per_node, fontsize)
+    what = "boxes: nodes (ranks are node-major" + (", only the replica's devices drawn)" if replica else ")")
+    ax.set_xlabel(f"{what}; cell label: {labelled}" if labelled else f"{what}; too many cells to label")
+    return fig
 
-    # Labels sized to the cells as laid out.
-    fig.canvas.draw()
+
+def _mesh_ranks(plan: "Plan") -> tuple[list[int], dict[int, list[int]], bool]:
+    """(the ranks drawn, node -> its ranks drawn, whether only one data-parallel replica is drawn: above
+    MAX_MESH_DEVICES devices, the ranks of data coordinate 0)."""
+    cfg = plan.config
+    world, mesh = cfg.num_devices, cfg.mesh
+    replica = world > MAX_MESH_DEVICES
+    if replica:
+        ranks = [_rank_of(pi, 0, ti, mesh) for pi in range(cfg.pipeline) for ti in range(cfg.tensor)]
+    else:
+        ranks = list(range(world))
+    by_node: dict[int, list[int]] = {}
+    for r in ranks:
+        by_node.setdefault(r // plan.cluster.devices_per_node, []).append(r)
+    return ranks, by_node, replica
+
+
+@dataclasses.dataclass(frozen=True)
+class _NodeBoxes:
+    """Where the node boxes go (data units: one device cell is 1 x 1): `ncol` x `nrow` boxes of
+    `rows` x `cols` cells, laid out near 2:1 (wide)."""
+
+    nodes: list[int]
+    rows: int
+    cols: int
+    ncol: int
+    nrow: int
+    pad: float = 0.2
+    label_h: float = 0.6
+    gap: float = 0.35
+
+    @classmethod
+    def of(cls, by_node: dict[int, list[int]]) -> "_NodeBoxes":
+        nodes = sorted(by_node)
+        rows, cols = _cell_grid(max(len(v) for v in by_node.values()))
+        probe = cls(nodes, rows, cols, 1, 1)
+        n = len(nodes)
+
+        def shape_cost(c: int) -> float:
+            r = math.ceil(n / c)
+            aspect = (c * (probe.block_w + probe.gap)) / (r * (probe.block_h + probe.gap))
+            return abs(math.log(aspect / 2.2)) + 0.5 * (r * c - n) / n
+
+        ncol = min(range(1, n + 1), key=shape_cost)
+        return cls(nodes, rows, cols, ncol, math.ceil(n / ncol))
+
+    @property
+    def block_w(self) -> float:
+        return self.cols + 2 * self.pad
+
+    @property
+    def block_h(self) -> float:
+        return self.rows + self.pad + self.label_h
+
+    @property
+    def width(self) -> float:
+        return self.ncol * (self.block_w + self.gap) - self.gap
+
+    @property
+    def height(self) -> float:
+        return self.nrow * (self.block_h + self.gap) - self.gap
+
+    def corner(self, k: int) -> tuple[float, float]:
+        """The lower left corner of the k-th node's box (the first node at the top left)."""
+        return (k % self.ncol) * (self.block_w + self.gap), (self.nrow - 1 - k // self.ncol) * (self.block_h + self.gap)
+
+
+def _draw_nodes(ax, box: _NodeBoxes, by_node: dict[int, list[int]], mesh: dict[str, int],
+                colors: list) -> list[tuple[int, float, float, Any]]:
+    """The node boxes and device cells; returns the cells as (rank, x, y, colour). Each box gets an empty
+    label (gid node-N) that _label_nodes fills once sizes are known."""
+    from matplotlib.patches import Rectangle
+
+    cells = []
+    for k, node in enumerate(box.nodes):
+        bx, by = box.corner(k)
+        ax.add_patch(Rectangle((bx, by), box.block_w, box.block_h, facecolor="#FAFAFA", edgecolor="#444444", lw=1.0))
+        for j, r in enumerate(by_node[node]):
+            cx = bx + box.pad + j % box.cols
+            cy = by + box.pad + (box.rows - 1 - j // box.cols)
+            col = colors[rank_coords(r, mesh)[0]]
+            ax.add_patch(Rectangle((cx + 0.04, cy + 0.04), 0.92, 0.92, facecolor=col, edgecolor="white", lw=0.5))
+            cells.append((r, cx, cy, col))
+        ax.text(bx + box.pad, by + box.block_h - box.label_h / 2, "", va="center", ha="left", gid=f"node-{node}")
+    ax.set_xlim(-0.1, box.width + 0.1)
+    ax.set_ylim(-0.1, box.height + 0.1)
+    ax.set_aspect("equal")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for side in ("left", "bottom"):
+        ax.spines[side].set_visible(False)
+    return cells
+
+
+def _stage_key(fig, ax, plan: "Plan", colors: list, use_colorbar: bool) -> None:
+    """What the colours mean: a colour bar above 20 stages, else a legend naming each stage."""
+    from matplotlib.patches import Patch
+
+    pipeline = plan.config.pipeline
+    if use_colorbar:
+        from matplotlib import colormaps
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import Normalize
+
+        sm = ScalarMappable(norm=Normalize(0, pipeline - 1), cmap=colormaps["viridis"])
+        fig.colorbar(sm, ax=ax, label="pipeline stage (pipe coordinate)", shrink=0.8)
+    else:
+        handles = [Patch(facecolor=colors[i], label=_stage_legend_label(plan, i)) for i in range(pipeline)]
+        ax.legend(handles=handles, title="colour: pipeline stage", loc="upper left",
+                  bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
+
+
+def _label_cells(fig, ax, cells: list, cfg) -> tuple[str, float]:
+    """Each cell's label, as full as fits (rank and coordinates, else the rank, else none); returns (what
+    the labels say, their font size in points; "" and 0 where none fits)."""
+    mesh = cfg.mesh
     px, _ = _px_per_data(ax)
     cell_pt = 0.92 * px * 72 / fig.dpi
     interleaved = cfg.schedule == "interleaved"
@@ -188,35 +247,34 @@ def mesh_figure(plan: "Plan") -> "Figure":
         return text
 
     labelled = "rank, (pipe, data, tensor)" + (", chunks" if interleaved else "")
-    fontsize = 0.0
     for full in (True, False):
         sample = max((label(r, full) for r, *_ in cells), key=lambda s: max(map(len, s.split("\n"))))
         w, h = _text_size_pt(sample, 1.0)
         fontsize = min(9.0, 0.9 * cell_pt / w, 0.9 * cell_pt / h)
         if fontsize >= 4.5:
-            if not full:
-                labelled = "rank"
             for r, cx, cy, col in cells:
                 ax.text(cx + 0.5, cy + 0.5, label(r, full), ha="center", va="center", fontsize=fontsize,
                         color="black" if _luminance(col) > 0.5 else "white", linespacing=1.1)
-            break
-    else:
-        labelled, fontsize = "", 0.0
+            return (labelled if full else "rank"), fontsize
+    return "", 0.0
+
+
+def _label_nodes(fig, ax, box: _NodeBoxes, by_node: dict[int, list[int]], dpn: int, fontsize: float) -> None:
+    """Name each node box ("node 3", with "(2 of 8)" where only some of its devices are drawn and it fits);
+    labels that would collide are dropped."""
     node_font = max(5.0, min(9.0, fontsize + 1 if fontsize else 7.0))
     node_texts = [t for t in ax.texts if (t.get_gid() or "").startswith("node-")]
+    px, _ = _px_per_data(ax)
     px_pt = px * 72 / fig.dpi
     for t in node_texts:
         node = int(t.get_gid()[5:])
         text = f"node {node}"
         shown = len(by_node[node])
-        if shown < dpn and _text_size_pt(f"{text} ({shown} of {dpn})", node_font)[0] <= (block_w - pad) * px_pt:
+        if shown < dpn and _text_size_pt(f"{text} ({shown} of {dpn})", node_font)[0] <= (box.block_w - box.pad) * px_pt:
             text += f" ({shown} of {dpn})"
         t.set_text(text)
         t.set_fontsize(node_font)
     _drop_colliding(node_texts, fig.canvas.get_renderer())
-    what = "boxes: nodes (ranks are node-major" + (", only the replica's devices drawn)" if replica else ")")
-    ax.set_xlabel(f"{what}; cell label: {labelled}" if labelled else f"{what}; too many cells to label")
-    return fig
 
 
 # ---------------------------------------------------------------------------

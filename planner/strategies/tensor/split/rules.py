@@ -366,149 +366,226 @@ def _weight_role(n, role, tname, full, sharded, st) -> Split | None:
 
 
 def _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of):
-    name = n.name
-    out = full.get(name)
-    # ---- non-tensor results (size(), dim(), .shape, .device) --------------
-    if not isinstance(out, (torch.Tensor, tuple, list)):
+    """The split of node `n`'s output (a Split, a tuple of them, or None where it is no tensor), from the
+    splits of its inputs (`split_of`); _Fail naming the node where no rule lets it run split."""
+    out = full.get(n.name)
+    if not isinstance(out, (torch.Tensor, tuple, list)):   # size(), dim(), .shape, .device
         return None
-    # ---- modules --------------------------------------------------------------
     if n.op == "call_module":
-        s = sharded[0][1]
-        if isinstance(mod, nn.modules.batchnorm._NormBase):
-            if s.dim != 1:
-                raise _Fail(name, "a BatchNorm reads a tensor split on a dimension other than its channels")
-            uses.append((name, str(n.target), ShardRole.CHANNELS, s))
-            return s
-        if isinstance(mod, _POOL_MODULES):
-            if s.dim != 1:
-                raise _Fail(name, "pooling a tensor split on a dimension other than its channels")
-            return s
-        if isinstance(mod, _ELEMENTWISE_MODULES) and not any(True for _ in mod.parameters()):
-            return s
-        if isinstance(mod, nn.Flatten):
-            return _map_reshape(name, full[n.args[0].name].shape, out.shape, s, st)
-        raise _Fail(name, f"module {type(mod).__name__} cannot run on a tensor split over the tensor axis")
-    # ---- tuples (split/chunk/unbind outputs) ---------------------------------
-    if base == "getitem" and isinstance(vals.get(n.args[0].name), tuple):
+        return _module_rule(n, mod, out, full, sharded[0][1], st, uses)
+    if base == "getitem" and isinstance(vals.get(n.args[0].name), tuple):   # split/chunk/unbind outputs
         return vals[n.args[0].name][n.args[1]]
-    src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-    s = split_of(src) if src is not None else None
-    in_shape = tuple(full[src.name].shape) if src is not None and isinstance(full.get(src.name), torch.Tensor) else None
-    if base in _RESHAPES:
-        if s is None:
-            raise _Fail(name, f"{base} of a replicated tensor mixed with a split one")
-        return _map_reshape(name, in_shape, tuple(out.shape), s, st)
-    if base == "permute":
-        dims = n.args[1:] if len(n.args) > 2 or not isinstance(n.args[1], (tuple, list)) else n.args[1]
-        dims = [norm_dim(d, len(in_shape)) for d in dims]
-        return Split(dims.index(s.dim), s.factors, s.split, s.origin)
-    if base in ("transpose", "swapaxes", "swapdims"):
-        a, b = (norm_dim(d, len(in_shape)) for d in n.args[1:3])
-        d = b if s.dim == a else a if s.dim == b else s.dim
-        return Split(d, s.factors, s.split, s.origin)
-    if base == "t":
-        return Split(1 - s.dim, s.factors, s.split, s.origin) if len(in_shape) == 2 else s
-    if base == "getitem":
-        return _index_map(name, len(in_shape), n.args[1], s)
-    if base in ("slice", "narrow"):   # aten.slice(x, dim, start, end, step), narrow(x, dim, start, length)
-        d = norm_dim(n.args[1] if len(n.args) > 1 else 0, len(in_shape))
-        if d == s.dim and tuple(out.shape) != in_shape:
-            raise _Fail(name, f"{base} along the tensor-parallel dimension")
+    rule = _RULES.get(base)
+    if rule is not None:
+        src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        in_shape = tuple(full[src.name].shape) if src is not None and isinstance(full.get(src.name), torch.Tensor) \
+            else None
+        return rule(_Op(n, n.name, base, out, full, st, split_of, split_of(src) if src is not None else None,
+                        in_shape))
+    if base in _ELEMENTWISE_FUNCS:
+        return _elementwise(n.name, n, out, sharded, tensor_args, full, st)
+    raise _Fail(n.name, f"{base} cannot run on a tensor split over the tensor axis (no rule for it)")
+
+
+def _module_rule(n, mod: nn.Module, out, full, s: Split, st: _State, uses: list) -> Split:
+    """A module call on a split tensor `s`: norms and pooling over channels, parameter-free elementwise
+    modules, Flatten."""
+    name = n.name
+    if isinstance(mod, nn.modules.batchnorm._NormBase):
+        if s.dim != 1:
+            raise _Fail(name, "a BatchNorm reads a tensor split on a dimension other than its channels")
+        uses.append((name, str(n.target), ShardRole.CHANNELS, s))
         return s
-    if base == "select":              # aten.select(x, dim, index): drops dim
-        d = norm_dim(n.args[1], len(in_shape))
-        if d == s.dim:
-            raise _Fail(name, "select along the tensor-parallel dimension")
-        return Split(s.dim - (1 if d < s.dim else 0), s.factors, s.split, s.origin)
-    if base in ("alias", "lift_fresh_copy", "_to_copy"):
-        return s
-    if base in ("split", "chunk", "unbind", "split_with_sizes"):
-        dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
-        dim = norm_dim(dim, len(in_shape))
-        parts = list(out)
-        if base == "unbind":
-            if dim == s.dim:
-                raise _Fail(name, "unbind along the tensor-parallel dimension")
-            return tuple(Split(s.dim - (1 if dim < s.dim else 0), s.factors, s.split, s.origin) for _ in parts)
-        if dim != s.dim:
-            return tuple(Split(s.dim, s.factors, s.split, s.origin) for _ in parts)
-        sizes = {p.shape[dim] for p in parts}
-        if len(sizes) != 1:
-            raise _Fail(name, f"{base} cuts the tensor-parallel dimension into unequal parts {[p.shape[dim] for p in parts]}")
-        k, rest = len(parts), parts[0].shape[dim]
-        mid = tuple(in_shape[:dim]) + (k, rest) + tuple(in_shape[dim + 1:])
-        inner = _map_reshape(name, in_shape, mid, s, st)
-        if inner.dim != dim + 1:
-            if inner.split is None:
-                raise AssertionError
-            raise _Fail(name, f"{base} separates parts along the split factor")
-        return tuple(Split(dim, inner.factors, inner.split, inner.origin) for _ in parts)
-    if base in ("expand",):
-        return Split(s.dim + out.dim() - len(in_shape), s.factors, s.split, s.origin)
-    if base in _POOL_FUNCS:
+    if isinstance(mod, _POOL_MODULES):
         if s.dim != 1:
             raise _Fail(name, "pooling a tensor split on a dimension other than its channels")
         return s
-    if base in ("softmax", "log_softmax", "_softmax"):
-        dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
-        if dim is None or norm_dim(dim, len(in_shape)) == s.dim:
-            raise _Fail(name, f"{base} over the tensor-parallel dimension")
+    if isinstance(mod, _ELEMENTWISE_MODULES) and not any(True for _ in mod.parameters()):
         return s
-    if base in ("scaled_dot_product_attention",):
-        qkv = [split_of(a) for a in n.args[:3]]
-        if any(x is None for x in qkv):
-            raise _Fail(name, "attention whose q, k and v are not all split by heads")
-        nd = len(in_shape)
-        for x in qkv:
-            if x.dim != nd - 3:
-                raise _Fail(name, "attention inputs must be split on the heads dimension (B, H, T, D)")
-        q_heads, kv_heads = full[n.args[0].name].shape[nd - 3], full[n.args[1].name].shape[nd - 3]
-        if q_heads == kv_heads:
-            _unify(name, qkv, st)
-        else:
-            _grouped_heads(name, qkv, q_heads, kv_heads, st)
-        for a in list(n.args[3:]) + list(n.kwargs.values()):
-            if isinstance(a, fx.Node) and split_of(a) is None and isinstance(full.get(a.name), torch.Tensor):
-                m = full[a.name]
-                aligned = nd - 3 - (nd - m.dim())
-                if aligned >= 0 and m.shape[aligned] != 1:   # a mask or bias per head: this rank's heads of it
-                    st.scatters.append((name, a.name, aligned, qkv[0]))
-        return _resolve(qkv[0], st)
-    if base in ("matmul", "bmm", "baddbmm") or (base == "matmul" and n.op == "call_function"):
-        a, b = n.args[0], n.args[1]
-        sa, sb = split_of(a), split_of(b)
-        na, nb, no = full[a.name].dim(), full[b.name].dim(), out.dim()
-        outs = []
-        for x, nx, other, nother in ((sa, na, sb, nb), (sb, nb, sa, na)):
-            if x is None:
-                continue
-            if x.dim >= nx - 2:
-                raise _Fail(name, "a matmul contracts or keeps a split feature dimension; only split batch "
-                                  "(heads) dimensions can pass through")
-            outs.append(Split(x.dim + no - nx, x.factors, x.split, x.origin))
-        if len(outs) == 2 and outs[0].dim != outs[1].dim:
-            raise _Fail(name, "matmul operands split on different dimensions")
-        if len(outs) == 2:
-            _unify(name, [sa, sb], st)
-        else:
-            other = b if sa is not None else a
-            x = outs[0]
-            m = full[other.name]
-            aligned = x.dim - (no - m.dim())
-            if 0 <= aligned < m.dim() - 2 and m.shape[aligned] != 1:
-                raise _Fail(name, "a split operand meets a full-size operand in a matmul")
-        return _resolve(outs[0], st)
-    if base in ("cat", "concat", "concatenate"):
-        seq = n.args[0]
-        dim = norm_dim(n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0), out.dim())
-        ss = [split_of(a) for a in seq]
-        if any(x is None for x in ss) or any(x.dim == dim for x in ss):
-            raise _Fail(name, "concatenation along, or with replicated tensors across, the split dimension")
-        _unify(name, ss, st)
-        return _resolve(ss[0], st)
-    if base in _ELEMENTWISE_FUNCS or (n.op == "call_module"):
-        return _elementwise(name, n, out, sharded, tensor_args, full, st)
-    raise _Fail(name, f"{base} cannot run on a tensor split over the tensor axis (no rule for it)")
+    if isinstance(mod, nn.Flatten):
+        return _map_reshape(name, full[n.args[0].name].shape, out.shape, s, st)
+    raise _Fail(name, f"module {type(mod).__name__} cannot run on a tensor split over the tensor axis")
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One function or method node as a rule sees it: its output `out` (full size), the split `s` and full
+    shape `in_shape` of its first argument (None where that is no tensor), and the analysis state."""
+
+    n: fx.Node
+    name: str
+    base: str
+    out: Any
+    full: dict
+    st: "_State"
+    split_of: Any        # fx node -> its Split, or None where replicated
+    s: Split | None
+    in_shape: tuple[int, ...] | None
+
+    def moved(self, dim: int) -> Split:
+        """The input's split, on dimension `dim` of the output."""
+        s = self.s
+        return Split(dim, s.factors, s.split, s.origin)
+
+
+def _reshape(o: _Op):
+    if o.s is None:
+        raise _Fail(o.name, f"{o.base} of a replicated tensor mixed with a split one")
+    return _map_reshape(o.name, o.in_shape, tuple(o.out.shape), o.s, o.st)
+
+
+def _permute(o: _Op):
+    n = o.n
+    dims = n.args[1:] if len(n.args) > 2 or not isinstance(n.args[1], (tuple, list)) else n.args[1]
+    dims = [norm_dim(d, len(o.in_shape)) for d in dims]
+    return o.moved(dims.index(o.s.dim))
+
+
+def _transpose(o: _Op):
+    a, b = (norm_dim(d, len(o.in_shape)) for d in o.n.args[1:3])
+    d = o.s.dim
+    return o.moved(b if d == a else a if d == b else d)
+
+
+def _t(o: _Op):
+    return o.moved(1 - o.s.dim) if len(o.in_shape) == 2 else o.s
+
+
+def _getitem(o: _Op):
+    return _index_map(o.name, len(o.in_shape), o.n.args[1], o.s)
+
+
+def _slice(o: _Op):   # aten.slice(x, dim, start, end, step), narrow(x, dim, start, length)
+    d = norm_dim(o.n.args[1] if len(o.n.args) > 1 else 0, len(o.in_shape))
+    if d == o.s.dim and tuple(o.out.shape) != o.in_shape:
+        raise _Fail(o.name, f"{o.base} along the tensor-parallel dimension")
+    return o.s
+
+
+def _select(o: _Op):   # aten.select(x, dim, index): drops dim
+    d = norm_dim(o.n.args[1], len(o.in_shape))
+    if d == o.s.dim:
+        raise _Fail(o.name, "select along the tensor-parallel dimension")
+    return o.moved(o.s.dim - (1 if d < o.s.dim else 0))
+
+
+def _same(o: _Op):
+    return o.s
+
+
+def _parts(o: _Op):
+    """split, chunk, unbind, split_with_sizes: one Split per part."""
+    n, s, name, base, in_shape = o.n, o.s, o.name, o.base, o.in_shape
+    dim = norm_dim(n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0), len(in_shape))
+    parts = list(o.out)
+    if base == "unbind":
+        if dim == s.dim:
+            raise _Fail(name, "unbind along the tensor-parallel dimension")
+        return tuple(o.moved(s.dim - (1 if dim < s.dim else 0)) for _ in parts)
+    if dim != s.dim:
+        return tuple(o.moved(s.dim) for _ in parts)
+    sizes = {p.shape[dim] for p in parts}
+    if len(sizes) != 1:
+        raise _Fail(name, f"{base} cuts the tensor-parallel dimension into unequal parts {[p.shape[dim] for p in parts]}")
+    k, rest = len(parts), parts[0].shape[dim]
+    mid = tuple(in_shape[:dim]) + (k, rest) + tuple(in_shape[dim + 1:])
+    inner = _map_reshape(name, in_shape, mid, s, o.st)
+    if inner.dim != dim + 1:
+        if inner.split is None:
+            raise AssertionError
+        raise _Fail(name, f"{base} separates parts along the split factor")
+    return tuple(Split(dim, inner.factors, inner.split, inner.origin) for _ in parts)
+
+
+def _expand(o: _Op):
+    return o.moved(o.s.dim + o.out.dim() - len(o.in_shape))
+
+
+def _pool(o: _Op):
+    if o.s.dim != 1:
+        raise _Fail(o.name, "pooling a tensor split on a dimension other than its channels")
+    return o.s
+
+
+def _softmax(o: _Op):
+    n = o.n
+    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+    if dim is None or norm_dim(dim, len(o.in_shape)) == o.s.dim:
+        raise _Fail(o.name, f"{o.base} over the tensor-parallel dimension")
+    return o.s
+
+
+def _attention(o: _Op):
+    """scaled_dot_product_attention: q, k and v split by heads (grouped query heads included)."""
+    n, name, full, st = o.n, o.name, o.full, o.st
+    qkv = [o.split_of(a) for a in n.args[:3]]
+    if any(x is None for x in qkv):
+        raise _Fail(name, "attention whose q, k and v are not all split by heads")
+    nd = len(o.in_shape)
+    for x in qkv:
+        if x.dim != nd - 3:
+            raise _Fail(name, "attention inputs must be split on the heads dimension (B, H, T, D)")
+    q_heads, kv_heads = full[n.args[0].name].shape[nd - 3], full[n.args[1].name].shape[nd - 3]
+    if q_heads == kv_heads:
+        _unify(name, qkv, st)
+    else:
+        _grouped_heads(name, qkv, q_heads, kv_heads, st)
+    for a in list(n.args[3:]) + list(n.kwargs.values()):
+        if isinstance(a, fx.Node) and o.split_of(a) is None and isinstance(full.get(a.name), torch.Tensor):
+            m = full[a.name]
+            aligned = nd - 3 - (nd - m.dim())
+            if aligned >= 0 and m.shape[aligned] != 1:   # a mask or bias per head: this rank's heads of it
+                st.scatters.append((name, a.name, aligned, qkv[0]))
+    return _resolve(qkv[0], st)
+
+
+def _matmul(o: _Op):
+    """matmul, bmm, baddbmm: only split batch (heads) dimensions pass through."""
+    n, name, full, st = o.n, o.name, o.full, o.st
+    a, b = n.args[0], n.args[1]
+    sa, sb = o.split_of(a), o.split_of(b)
+    na, nb, no = full[a.name].dim(), full[b.name].dim(), o.out.dim()
+    outs = []
+    for x, nx in ((sa, na), (sb, nb)):
+        if x is None:
+            continue
+        if x.dim >= nx - 2:
+            raise _Fail(name, "a matmul contracts or keeps a split feature dimension; only split batch "
+                              "(heads) dimensions can pass through")
+        outs.append(Split(x.dim + no - nx, x.factors, x.split, x.origin))
+    if len(outs) == 2 and outs[0].dim != outs[1].dim:
+        raise _Fail(name, "matmul operands split on different dimensions")
+    if len(outs) == 2:
+        _unify(name, [sa, sb], st)
+    else:
+        other = b if sa is not None else a
+        x = outs[0]
+        m = full[other.name]
+        aligned = x.dim - (no - m.dim())
+        if 0 <= aligned < m.dim() - 2 and m.shape[aligned] != 1:
+            raise _Fail(name, "a split operand meets a full-size operand in a matmul")
+    return _resolve(outs[0], st)
+
+
+def _cat(o: _Op):
+    n = o.n
+    dim = norm_dim(n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else 0), o.out.dim())
+    ss = [o.split_of(a) for a in n.args[0]]
+    if any(x is None for x in ss) or any(x.dim == dim for x in ss):
+        raise _Fail(o.name, "concatenation along, or with replicated tensors across, the split dimension")
+    _unify(o.name, ss, o.st)
+    return _resolve(ss[0], o.st)
+
+
+# op (aten or torch name without overload) -> its rule; where a name is in two groups, the first listed wins
+_RULE_GROUPS = ((_RESHAPES, _reshape), (("permute",), _permute), (("transpose", "swapaxes", "swapdims"), _transpose),
+                (("t",), _t), (("getitem",), _getitem), (("slice", "narrow"), _slice), (("select",), _select),
+                (("alias", "lift_fresh_copy", "_to_copy"), _same),
+                (("split", "chunk", "unbind", "split_with_sizes"), _parts), (("expand",), _expand),
+                (_POOL_FUNCS, _pool), (("softmax", "log_softmax", "_softmax"), _softmax),
+                (("scaled_dot_product_attention",), _attention), (("matmul", "bmm", "baddbmm"), _matmul),
+                (("cat", "concat", "concatenate"), _cat))
+_RULES = {name: rule for names, rule in reversed(_RULE_GROUPS) for name in names}
 
 
 def _unify(name: str, splits: list[Split], st: _State) -> None:
