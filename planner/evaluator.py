@@ -431,13 +431,13 @@ class Evaluator:
 
     def node_cost(self, n: OpInfo, role: str, config: ParallelConfig, *, fused_head: bool = False,
                   compiled: bool = False) -> _NodeCost:
-        """One node on one device for one micro-batch, with `role` ("replicate" or its split role).
+        """One node on one device for one micro-batch, with `role` (ShardRole.REPLICATE or its split role, a ShardRole).
         `fused_head`: the node is the output layer the fused chunked loss computes itself (its GEMMs are the
         loss's; its casts and its gradient's accumulation stay here). `compiled`: its layer runs compiled
         (runtime/execution.py; the layers compile_layers names)."""
         dev = self.cluster.device
         t = config.tensor
-        sharded = role != "replicate" and t > 1
+        sharded = role != ShardRole.REPLICATE and t > 1
         # a padded split (a vocabulary t does not divide) leaves each rank ceil(size / t) of it
         div = self.sharding.roles[n.name].divisor(t) if sharded else 1
         # a replicated op between regions runs on T/t tokens under sequence parallelism (its weights whole)
@@ -461,10 +461,10 @@ class Evaluator:
         measured = self._curve_times(n, scale / work, config.dtype, n.param_count / div)
         if measured is not None:
             f, b = measured[0], measured[1] if n.requires_grad else 0.0
-        elif (priced := self._kernel_times(n, role if sharded else "replicate", scale / seq, div, config)) is not None:
+        elif (priced := self._kernel_times(n, role if sharded else ShardRole.REPLICATE, scale / seq, div, config)) is not None:
             f, b = priced[0], priced[1] if n.requires_grad else 0.0
         else:
-            waves = self._wave_efficiency(n, role if sharded else "replicate", scale, t)
+            waves = self._wave_efficiency(n, role if sharded else ShardRole.REPLICATE, scale, t)
             f = op_time(n.kind, n.fwd_flops * scale / work, f_bytes, peak, bw, self.eff, shape_efficiency=waves)
             b = op_time(n.kind, n.bwd_flops * scale / work, b_bytes, peak, bw, self.eff,
                         kernels=2 if n.param_count or param_read else 1,
@@ -494,8 +494,8 @@ class Evaluator:
                 wf, wb = (self.tp_embedding if role == ShardRole.VOCAB else self.tp_wrapper).at(elements)
                 tp_f, tp_b = tp_f + wf, tp_b + wb
         elif config.sequence_parallel and t > 1:   # a replicated op reading a sequence-split value whole
-            tp_f, tp_b = sequence_collectives(self, n, "replicate", config, scale * ds)
-        params = _params_per_rank(n, role if sharded else "replicate", div) if n.param_count else 0.0
+            tp_f, tp_b = sequence_collectives(self, n, ShardRole.REPLICATE, config, scale * ds)
+        params = _params_per_rank(n, role if sharded else ShardRole.REPLICATE, div) if n.param_count else 0.0
         saved = self.saved.node_bytes(n, config, fused_attention=self.fused_attention, divisor=div)
         # its output and that output's gradient; a weight read through get_attr is a parameter, counted
         # once as such and not once per sample
@@ -551,7 +551,7 @@ class Evaluator:
         roles = self.layer_roles(layer, config)
         head = self._fused_head(config)
         compiled = self.execution.whole_stage or (self.execution.compile and layer.index in self._compiled_layers)
-        costs = [self.node_cost(self._nodes[name], roles.get(name, "replicate"), config, fused_head=name == head,
+        costs = [self.node_cost(self._nodes[name], roles.get(name, ShardRole.REPLICATE), config, fused_head=name == head,
                                 compiled=compiled) for name in layer.nodes]
         fwd = sum(c.fwd for c in costs)
         # The stack may run the tensor-parallel communication under the split GEMMs it feeds.
@@ -628,9 +628,9 @@ class Evaluator:
         n = self._nodes[self._logits]
         meta = n.output_meta[0]
         classes = meta.shape[-1] if meta.shape else 1
-        role = roles.get(n.name, "replicate")
+        role = roles.get(n.name, ShardRole.REPLICATE)
         t = config.tensor
-        div = self.sharding.roles[n.name].divisor(t) if role != "replicate" and t > 1 else 1
+        div = self.sharding.roles[n.name].divisor(t) if role != ShardRole.REPLICATE and t > 1 else 1
         tokens = meta.numel / max(classes, 1) * config.micro_batch_size / self.graph.batch_size / \
             sequence_share(self, n.name, role, config)
         gpu = self.gpu(config.dtype)
@@ -705,7 +705,7 @@ def _params_per_rank(n: OpInfo, role: str, t: float) -> float:
     is padded); a row-parallel op's bias is added after the all-reduce and stays whole on every
     rank (Megatron's layout).
     """
-    if role == "replicate" or t == 1:
+    if role == ShardRole.REPLICATE or t == 1:
         return float(n.param_count)
     if role == ShardRole.ROW and any(name.endswith("bias") for name in n.param_names) and n.output_meta:
         bias = n.output_meta[0].shape[1] if n.kind == "conv" else n.output_meta[0].shape[-1]

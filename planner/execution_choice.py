@@ -15,6 +15,7 @@ a loss other than cross-entropy or a model whose output is not a linear layer's.
 from __future__ import annotations
 
 from runtime.execution import Execution, LossImpl
+from runtime.vocab import ShardRole
 
 # the output layer's rows are padded to a multiple of this where the vocabulary is not one already
 # (the misaligned kernels run at a tenth of the aligned rate: cost_models/gpu_costs.py gemm_misaligned)
@@ -42,7 +43,7 @@ def _vocab(ev, head: str) -> int:
 def _pads(ev, config, head: str) -> bool:
     """Whether the runtime can pad the output layer under `config`: whole on the rank, or split over the
     vocabulary by the tensor axis (codegen/partition.py refuses a padding nothing splits)."""
-    return config.tensor == 1 or ev.node_roles(config).get(head, "replicate") != "replicate"
+    return config.tensor == 1 or ev.node_roles(config).get(head, ShardRole.REPLICATE) != ShardRole.REPLICATE
 
 
 def choose(ev, config, global_batch_size: int, objective: str = "time", fits=None):

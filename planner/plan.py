@@ -102,7 +102,7 @@ class Plan:
         return self.config.mesh
 
     def role(self, node: str) -> str:
-        return dict(self.shardings).get(node, "replicate")
+        return dict(self.shardings).get(node, ShardRole.REPLICATE)
 
     def summary(self) -> str:
         """A readable table: mesh, stages, memory per stage, time breakdown."""

@@ -79,7 +79,7 @@ from runtime.tensorboard_log import require_tensorboard
 from runtime.execute.device_clock import CudaClock
 from runtime.program.trace import (PROBE_BYTES, TRACE_WINDOW_STEPS, Recorder, probe_all_reduce, shared_origin,
                            write_run_timeline)
-from runtime.vocab import MeshAxis
+from runtime.vocab import Backend, MeshAxis
 from runtime.launch.watchdog import Watchdog
 
 
@@ -112,7 +112,7 @@ def env_world_size() -> tuple[int, str] | None:
 
 def parse_args(argv, default_out: str) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Run one rank of a meshplan build.")
-    ap.add_argument("--backend", choices=("gloo", "nccl", "mpi"), default=None,
+    ap.add_argument("--backend", choices=tuple(Backend), default=None,
                     help="communication backend (default: nccl with CUDA, else gloo)")
     ap.add_argument("--steps", type=int, default=1, help="optimizer steps to run")
     ap.add_argument("--out", default=default_out, help="where metrics and traces go (default: the build dir)")
@@ -284,7 +284,7 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
         check_program(prog)
     if args.tensorboard:  # before anything is built: every rank stops with the same advice
         require_tensorboard()
-    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = args.backend or (Backend.NCCL if torch.cuda.is_available() else Backend.GLOO)
     model = meta_model(spec)
     if model_signature(model) != signature["hash"]:
         if not signature.get("shapes") and (Path(build_dir) / "build.json").is_file():
@@ -344,7 +344,7 @@ def _batches(prog: Program, source):
 def connect(p: Prepared) -> RankSession:
     """Join the other ranks: process groups, tensor-parallel groups, gradient buckets, optimizer."""
     hosts = p.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    if p.backend != "mpi" and not hosts:   # rank 0 may start later (srun): wait without torch's retry traces
+    if p.backend != Backend.MPI and not hosts:   # rank 0 may start later (srun): wait without torch's retry traces
         wait_for_port(p.args.master_addr, p.args.master_port, p.args.timeout, _sayer(p),
                       f"waiting for rank 0's rendezvous store at {p.args.master_addr}:{p.args.master_port}")
     comm = _make_comm(p.backend, p.rank, p.program.world_size, p.args, p.device, _join(p))
@@ -423,7 +423,7 @@ def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
     """Heartbeats and the abort watcher (runtime/launch/watchdog.py) on the rendezvous store; under MPI on the
     store `meshplan run` hosts for them (HEARTBEAT_STORE_ENV), else none (the collective timeout)."""
     hosted = None
-    if p.backend == "mpi":
+    if p.backend == Backend.MPI:
         where = os.environ.get(HEARTBEAT_STORE_ENV, "")
         if where:
             host, _, port = where.rpartition(":")
@@ -456,7 +456,7 @@ def _start_watchdog(p: Prepared, comm, running: list) -> Watchdog | None:
         print(f"meshplan rank {p.rank}: warning: no watchdog ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         return None
     wd.hosted_store = hosted   # held as long as the watchdog runs
-    if p.backend != "mpi":
+    if p.backend != Backend.MPI:
         comm.diagnose = wd.diagnose
     return wd
 
@@ -468,9 +468,9 @@ def _under_meshplan_run() -> bool:
 
 def _store_owner(p: Prepared) -> str:
     """Where the run's store is and who hosts it, as the watchdog names it when it is gone."""
-    if os.environ.get(HEARTBEAT_STORE_ENV) if p.backend == "mpi" else LAUNCHER_PID_ENV in os.environ:
+    if os.environ.get(HEARTBEAT_STORE_ENV) if p.backend == Backend.MPI else LAUNCHER_PID_ENV in os.environ:
         return "hosted by `meshplan run`"
-    agent = p.backend != "mpi" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    agent = p.backend != Backend.MPI and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     host = "torchrun's agent" if agent else "rank 0"
     return f"on rank 0's node (hosted by {host})" if p.where.nodes != 1 else f"hosted by {host}"
 
@@ -612,7 +612,7 @@ def _check_launch(rank: int, prog: Program, args) -> None:
     if prog.rank != rank:
         raise LaunchError(f"this script is rank {rank} but holds the Program of rank {prog.rank}")
     er = env_rank()
-    if er is not None and er != rank and args.backend != "mpi":
+    if er is not None and er != rank and args.backend != Backend.MPI:
         raise LaunchError(f"this is the script of rank {rank}, but the launcher says this process is rank {er}; "
                           "start the build through run_rank.py or its launch scripts")
     ws = env_world_size()
@@ -633,7 +633,7 @@ def _parse_fail_at(text: str | None, rank: int) -> tuple[int, int] | None:
 
 
 def _make_comm(backend: str, rank: int, world_size: int, args, device, join: Callable[[object], None] | None = None):
-    if backend == "mpi":
+    if backend == Backend.MPI:
         from runtime.comm.mpi import MpiCommunicator
 
         comm = MpiCommunicator(timeout=args.timeout)

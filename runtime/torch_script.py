@@ -41,6 +41,7 @@ from runtime.launch.placement import cuda_index
 from runtime.rank_main import LaunchError, parse_args
 from runtime.comm.store_host import host_store, listen_address
 from runtime.torch_records import whole_model_spec
+from runtime.vocab import Backend
 
 # name parts torch's wrappers put into parameter names (checkpoint_wrapper, torch.compile, FSDP1): the
 # model's own name is the name without them
@@ -52,7 +53,7 @@ def script_args(argv: list[str], default_out: str) -> argparse.Namespace:
     cannot honour, naming them and what to use instead."""
     args = parse_args(argv, default_out)
     refused = [flag for flag, given in (
-        ("--backend mpi", args.backend == "mpi"), ("--eval-every", args.eval_every),
+        ("--backend mpi", args.backend == Backend.MPI), ("--eval-every", args.eval_every),
         ("--eval-batches", args.eval_batches),
         ("--tensorboard", args.tensorboard), ("--sabotage", args.sabotage), ("--fail-at", args.fail_at),
         ("--track-memory", args.track_memory), ("--probe-comm", args.probe_comm)) if given]
@@ -68,8 +69,8 @@ def join(args: argparse.Namespace, rank: int, world_size: int) -> str:
 
     The store is the launcher's (`meshplan run`, torchrun: TORCHELASTIC_USE_AGENT_STORE=True) or
     hosted by rank 0 on --master-addr:--master-port, as for meshplan's rank scripts (runtime/comm/__init__.py)."""
-    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
+    backend = args.backend or (Backend.NCCL if torch.cuda.is_available() else Backend.GLOO)
+    if backend == Backend.NCCL:
         torch.cuda.set_device(cuda_index(os.environ, torch.cuda.device_count()))
     timeout = datetime.timedelta(seconds=args.timeout)
     try:

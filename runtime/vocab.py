@@ -72,9 +72,12 @@ class ShardRole(StrEnum):
     INNER: an op between column and row that keeps the split; VOCAB: an embedding table split by
     rows; CHANNELS: a per-channel norm between column and row keeps its channels; SEQUENCE: a module
     kept whole that runs on this rank's block of the sequence (sequence parallelism), whose
-    parameters' gradients are all-reduced over the tensor axis.
+    parameters' gradients are all-reduced over the tensor axis; REPLICATE: not split, every tensor
+    rank runs the op whole (the role of every node a plan does not list). SPLIT_ROLES below are the
+    roles a plan's tensor split may store.
     """
 
+    REPLICATE = "replicate"
     COLUMN = "column"
     COLUMN_OUT = "column_out"
     ROW = "row"
@@ -87,6 +90,19 @@ class ShardRole(StrEnum):
     def splits_output(self) -> bool:
         """Whether the op's output features are split (a column layer, the last one included)."""
         return self in (ShardRole.COLUMN, ShardRole.COLUMN_OUT)
+
+
+# the roles that split something (a module's or weight op's shard in a plan's tensor split)
+SPLIT_ROLES = tuple(r for r in ShardRole if r != ShardRole.REPLICATE)
+
+
+class Backend(StrEnum):
+    """How a build's ranks talk: torch.distributed over gloo (CPU tensors) or NCCL (CUDA tensors), or
+    MPI through mpi4py (runtime/comm/mpi.py)."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+    MPI = "mpi"
 
 
 class DType(StrEnum):

@@ -257,7 +257,7 @@ def _tensor_styles(plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ..
             if not weights:
                 continue
             split = weights[0].split
-        if role == "replicate":
+        if role == ShardRole.REPLICATE:
             continue
         styles[path] = ModuleStyle(path, _style(path, node.kind, ShardRole(role), split, t), split.groups,
                                    sequence_dim if node.name in split_at else None)

@@ -75,6 +75,7 @@ from cost_models.op_curves import fit_curve_mix
 from cost_models.presets import CPU_ACTIVE_WATTS_PER_CORE, CPU_IDLE_WATTS_PER_CORE
 from runtime.launch.launcher import free_port, local_mpiexec, mpiexec_args
 from runtime.lifetime import Children
+from runtime.vocab import Backend
 
 
 class CalibrationError(ValueError):
@@ -108,7 +109,7 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
     return alpha, beta
 
 
-def run_workers(ranks: int, *, quick: bool = True, backend: str = "gloo", timeout: float = 300.0,
+def run_workers(ranks: int, *, quick: bool = True, backend: str = Backend.GLOO, timeout: float = 300.0,
                 progress: Callable[[str], None] | None = print) -> list[dict]:
     """Start `ranks` calibration processes on this machine and return each rank's results."""
 
@@ -122,7 +123,7 @@ def run_workers(ranks: int, *, quick: bool = True, backend: str = "gloo", timeou
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         with Children() as children:  # no calibration process outlives this one (runtime/lifetime.py)
-            if backend == "mpi":   # on loopback only, as meshplan run's MPI runs (runtime/launch/launcher.py)
+            if backend == Backend.MPI:   # on loopback only, as meshplan run's MPI runs (runtime/launch/launcher.py)
                 mpiexec, warning = local_mpiexec(mpiexec_args(ranks), env)
                 if warning and progress:
                     progress(f"warning: {warning}")
@@ -152,14 +153,14 @@ def run_workers(ranks: int, *, quick: bool = True, backend: str = "gloo", timeou
             tail = "\n".join((lines + [ln for o in others for ln in o.splitlines()])[-15:])
             raise CalibrationError(f"the calibration processes failed (exit status {codes}):\n{tail}\n"
                                    "check that this machine lets local processes talk over 127.0.0.1"
-                                   + (" and that mpiexec works" if backend == "mpi" else ""))
+                                   + (" and that mpiexec works" if backend == Backend.MPI else ""))
         files = sorted(Path(tmp).glob("calib_rank_*.json"))
         if len(files) != ranks:
             raise CalibrationError(f"{len(files)} of {ranks} calibration ranks wrote results; run it again")
         return [json.loads(f.read_text()) for f in files]
 
 
-def build_cluster(results: list[dict], *, backend: str = "gloo", quick: bool = True, seconds: float = 0.0,
+def build_cluster(results: list[dict], *, backend: str = Backend.GLOO, quick: bool = True, seconds: float = 0.0,
                   name: str = "local-calibrated") -> Cluster:
     """The calibrated Cluster from run_workers' results (one node of len(results) devices)."""
 
@@ -352,11 +353,11 @@ def _curve_measurements(results: list[dict], share: float, fit) -> dict[str, flo
     return m
 
 
-def calibrate(ranks: int | None = None, *, quick: bool = True, backend: str = "gloo", timeout: float = 300.0,
+def calibrate(ranks: int | None = None, *, quick: bool = True, backend: str = Backend.GLOO, timeout: float = 300.0,
               progress: Callable[[str], None] | None = print) -> Cluster:
     """Measure this machine with `ranks` processes (default: one per usable CPU, at least 2)."""
 
-    if backend == "nccl":
+    if backend == Backend.NCCL:
         raise CalibrationError("calibrate measures CPU processes over gloo or MPI; a GPU is calibrated on its own "
                                "(meshplan calibrate --device cuda: its op table, cost_models/calibration/"
                                "gpu_calibrate.py), and collectives between GPUs are not measured yet")

@@ -56,6 +56,7 @@ from cost_models.calibration.stage import time_stage_calls, time_tensor_parallel
 from cost_models.local_machine import _measure_compute_and_memory
 from runtime.comm import TorchCommunicator
 from runtime.comm.mpi import MpiCommunicator
+from runtime.vocab import Backend
 
 QUICK_SIZES = (8, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
 FULL_SIZES = (8, 256, 1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 17, 1 << 18, 1 << 20, 1 << 21, 1 << 22, 1 << 24)
@@ -63,9 +64,9 @@ COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 
 
 def _make_comm(backend: str, rank: int, world: int, port: int, timeout: float):
-    if backend == "mpi":
+    if backend == Backend.MPI:
         return MpiCommunicator(timeout=timeout)
-    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if backend == "nccl" else None
+    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if backend == Backend.NCCL else None
     return TorchCommunicator(backend, rank, world, "127.0.0.1", port, timeout=timeout, device=device)
 
 
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--port", type=int, default=29500)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "mpi"))
+    ap.add_argument("--backend", default=Backend.GLOO, choices=tuple(Backend))
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--timeout", type=float, default=120.0)
     args = ap.parse_args(argv)
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(msg, flush=True)
 
-    device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if args.backend == Backend.NCCL else torch.device("cpu")
     try:
         comm.barrier()
         progress(f"compute, per op kind ({args.world} ranks at once, 1 thread each):")

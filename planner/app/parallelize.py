@@ -46,6 +46,7 @@ from runtime.torch_stack.data import apply_data
 from runtime.torch_stack.grad_norm import clip_grad_norm_
 from runtime.torch_stack.mesh import build_mesh, check_mesh, check_world, mesh_dims
 from runtime.torch_stack.pipeline import PipelineRun
+from runtime.vocab import Backend
 
 
 class ParallelizeError(ValueError):
@@ -173,7 +174,7 @@ def parallelize(model: nn.Module, plan: Plan, *, mesh: DeviceMesh | None = None,
     layout_dict = layout.to_dict()
     check_world(mesh_dims(layout_dict))
     if mesh is None:
-        mesh = build_mesh(layout_dict, "cuda" if dist.get_backend() == "nccl" else "cpu")
+        mesh = build_mesh(layout_dict, "cuda" if dist.get_backend() == Backend.NCCL else "cpu")
     else:
         check_mesh(mesh, layout_dict)
     if layout.pipeline is not None:

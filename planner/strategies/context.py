@@ -30,7 +30,7 @@ from cost_models.overlap import DeviceWork
 from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, OpInfo
 from planner.strategies.base import Strategy
-from runtime.vocab import ContextAttention, DType, MeshAxis, Recompute, StrategyName
+from runtime.vocab import ContextAttention, DType, MeshAxis, Recompute, ShardRole, StrategyName
 
 # The search proposes a context degree only where each rank keeps at least this many tokens of a
 # sequence. A ring step's block attention (4 n^2 H D FLOPs for n tokens per rank) hides its key/value
@@ -169,7 +169,7 @@ def exchange(ev, layer: Layer, n: OpInfo, config: ParallelConfig) -> tuple[Excha
         seconds = ulysses(c, (q_bytes, kv_bytes, kv_bytes), q_bytes,
                           lambda nb: ev.axis_seconds(mesh, MeshAxis.CONTEXT, "all_to_all", nb))
         return seconds, q_bytes + 2 * kv_bytes
-    role = ev.layer_roles(layer, config).get(n.name, "replicate")
+    role = ev.layer_roles(layer, config).get(n.name, ShardRole.REPLICATE)
     attn = ev.node_cost(n, role, config)
     seconds = ring_attention(c, 2 * kv_bytes, lambda nb: ev.axis_seconds(mesh, MeshAxis.CONTEXT, "p2p", nb),
                              attn.fwd / c, attn.bwd / c)

@@ -36,6 +36,7 @@ import torch
 from runtime.comm.jobauth import SECRET_ENV, Signer, shown
 from runtime.launch.placement import cuda_index
 from runtime.comm.store_host import StoreBindError, host_store, listen_address
+from runtime.vocab import Backend
 
 ABORT_KEY = "meshplan/abort"
 ACK_KEY = "meshplan/abort_acks"
@@ -358,9 +359,9 @@ class TorchCommunicator:
                  join: Callable[[object], None] | None = None):
         import torch.distributed as dist
 
-        if backend not in ("gloo", "nccl"):
+        if backend not in (Backend.GLOO, Backend.NCCL):
             raise ValueError(f"unknown torch.distributed backend {backend!r}; use gloo or nccl")
-        if backend == "nccl" and not torch.cuda.is_available():
+        if backend == Backend.NCCL and not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs CUDA devices; use --backend gloo on CPU")
         self.rank = rank
         self.world_size = world_size
@@ -369,9 +370,9 @@ class TorchCommunicator:
         self._td = datetime.timedelta(seconds=self.timeout)
         if device is None:
             device = torch.device("cuda", cuda_index(os.environ, torch.cuda.device_count())) \
-                if backend == "nccl" else torch.device("cpu")
+                if backend == Backend.NCCL else torch.device("cpu")
         self.device = device
-        if backend == "nccl":
+        if backend == Backend.NCCL:
             torch.cuda.set_device(device)
         self._hosts_store = rank == 0 and not use_agent_store
         self.signer = signer or Signer()
@@ -404,7 +405,7 @@ class TorchCommunicator:
                                  self.store)
         rank = ranks.index(self.rank)
         try:
-            if self.backend == "gloo":
+            if self.backend == Backend.GLOO:
                 return dist.ProcessGroupGloo(store, rank, len(ranks), self._td)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self._td

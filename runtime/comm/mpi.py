@@ -23,6 +23,7 @@ import torch
 
 from runtime.comm import CommError, Group, PeerFailure, SoloGroup, group_send_recv
 from runtime.comm.jobauth import SECRET_ENV, Signer, shown, signer_from_env
+from runtime.vocab import Backend
 
 # Above every p2p_tag (which stay below 2**29); OpenMPI's MPI_TAG_UB is 2**31 - 1.
 _ABORT_TAG = 1_500_000_000
@@ -149,7 +150,7 @@ class _MpiGroup:
 class MpiCommunicator:
     """mpi4py over MPI.COMM_WORLD; every wait polls with a deadline and watches for an abort."""
 
-    backend = "mpi"
+    backend = Backend.MPI
 
     def __init__(self, timeout: float = 300.0, signer: Signer | None = None):
         from mpi4py import MPI

@@ -44,6 +44,7 @@ from runtime.comm.store_host import LOOPBACK, host_store
 from runtime.execute.evaluation import EvalResult
 from runtime.program.trace import Timeline, write_run_timeline
 from runtime.verify import Verification, verify_build
+from runtime.vocab import Backend
 
 
 @dataclass
@@ -109,7 +110,7 @@ def local_mpiexec(cmd: list[str], env: dict) -> tuple[list[str], str | None]:
     return wrapped, warning
 
 
-def run_local(build: str | os.PathLike, steps: int = 1, backend: str = "gloo", *, timeout: float = 120.0,
+def run_local(build: str | os.PathLike, steps: int = 1, backend: str = Backend.GLOO, *, timeout: float = 120.0,
               verify: bool = False, rtol: float | None = None, atol: float | None = None,
               extra_args: list[str] | None = None,
               world_size: int | None = None, grace: float = 15.0, wall_timeout: float | None = None,
@@ -130,7 +131,7 @@ def run_local(build: str | os.PathLike, steps: int = 1, backend: str = "gloo", *
                     quiet=quiet, through_workers=False, progress=progress)[0]
 
 
-def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gloo", *, timeout: float = 120.0,
+def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = Backend.GLOO, *, timeout: float = 120.0,
              verify: bool = False, rtol: float | None = None, atol: float | None = None,
              extra_args: list[str] | None = None, build_args: list[list[str]] | None = None,
              world_size: int | None = None, grace: float = 15.0, wall_timeout: float | None = None,
@@ -175,9 +176,9 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     # The launcher hosts each build's rendezvous store (as torchrun's agent does), so the store
     # outlives any rank: a failing rank 0 can still tell the others why. MPI runs use one for heartbeats,
     # unless they run in a network namespace of their own (local_mpiexec): then rank 0 hosts it there.
-    mpi_cmd, mpi_warning = local_mpiexec(mpiexec_args(world), env) if backend == "mpi" else ([], None)
-    namespaced = backend == "mpi" and mpi_warning is None
-    stores = [host_store(LOOPBACK, 0, timeout) for _ in (builds if backend != "mpi" else builds[:0 if namespaced else 1])]
+    mpi_cmd, mpi_warning = local_mpiexec(mpiexec_args(world), env) if backend == Backend.MPI else ([], None)
+    namespaced = backend == Backend.MPI and mpi_warning is None
+    stores = [host_store(LOOPBACK, 0, timeout) for _ in (builds if backend != Backend.MPI else builds[:0 if namespaced else 1])]
     per_build = [[*base, *a, "--master-port", str(st.port)] for st, a in zip(stores, own)] if backend != "mpi" \
         else [[*base, *a] for a in own]
     if through_workers:
@@ -186,7 +187,7 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
             cmd += ["--build", str(b), *[f"--arg={x}" for x in a]]
     else:
         cmd = [sys.executable, str(entry_script(builds[0], infos[0])), *base]
-    if backend == "mpi":
+    if backend == Backend.MPI:
         if mpi_warning is not None:
             print(f"meshplan run: warning: {mpi_warning}", file=sys.stderr, flush=True)
         env.pop(HEARTBEAT_STORE_ENV, None)
@@ -236,7 +237,7 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = "gl
     results = []
     for b, first_step in zip(builds, first_steps):
         result = RunResult(rc, world, output=output)
-        if backend != "mpi":
+        if backend != Backend.MPI:
             result.returncodes = {r: c for r, (c, _t) in exits.items()}
             result.exit_times = {r: t for r, (_c, t) in exits.items()}
         run_dir = b / "run"

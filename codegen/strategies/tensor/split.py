@@ -111,5 +111,5 @@ def split_graph(gm: fx.GraphModule, roles: dict[str, str], tensor: int, inputs: 
     Raises TensorSplitError naming the node when the roles cannot be carried out.
     """
     full = run_meta(gm, gm.graph, inputs, {})
-    split = tensor > 1 and any(r != "replicate" for r in roles.values())
+    split = tensor > 1 and any(r != ShardRole.REPLICATE for r in roles.values())
     return _apply(gm, gm.graph, decide(gm, roles, tensor, full) if split else None, inputs, full, {})

@@ -22,7 +22,7 @@ from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer
 from planner.strategies.base import Strategy
 from planner.strategies.subgraph.regions import Region, split_regions
-from runtime.vocab import DType, MeshAxis, StrategyName
+from runtime.vocab import DType, MeshAxis, ShardRole, StrategyName
 
 # config.mesh's name for the sub-grid axis; it becomes MeshAxis.SUBGRAPH with the vocabulary's axis rename.
 SUBGRID_AXIS = MeshAxis.SUBGRAPH
@@ -116,7 +116,7 @@ def _split_cost(ev, regions: list[Region], cost, config: ParallelConfig):
     sub_f, sub_b = cost.subgraph_forward, cost.subgraph_backward
     for r in regions:
         if r.kind == "heads":    # each sub-grid runs 1/B of the heads of one attention op
-            c = ev.node_cost(ev.node(r.fork), "replicate", config)
+            c = ev.node_cost(ev.node(r.fork), ShardRole.REPLICATE, config)
             share = 1 - 1 / config.subgraph
             fwd -= c.fwd * share
             bwd -= c.bwd * share
@@ -125,7 +125,7 @@ def _split_cost(ev, regions: list[Region], cost, config: ParallelConfig):
             sub_f += cf
             sub_b += cb
             continue
-        per_path = [[ev.node_cost(ev.node(x), "replicate", config) for x in path] for path in r.paths]
+        per_path = [[ev.node_cost(ev.node(x), ShardRole.REPLICATE, config) for x in path] for path in r.paths]
         tot = [sum(getattr(c, f) for cs in per_path for c in cs) for f in ("fwd", "bwd", "saved", "params")]
         by_grid = [[0.0] * 4 for _ in range(config.subgraph)]
         for cs, g in zip(per_path, r.owners):

@@ -37,7 +37,7 @@ _WEIGHT = ("linear", "conv")
 class NodeShard:
     """Tensor-parallel role of one node.
 
-    role: "replicate", "column", "row", "inner" (between column and row ops),
+    role: a ShardRole: REPLICATE, COLUMN, ROW, INNER (between column and row ops),
     "vocab" (vocabulary-split embedding), "column_out" (column op whose region
     ends at the model output). `fwd_allreduce` / `bwd_allreduce` are bytes
     all-reduced over the tensor axis in forward / backward for the example batch.
@@ -51,7 +51,7 @@ class NodeShard:
 
     @property
     def sharded(self) -> bool:
-        return self.role != "replicate"
+        return self.role != ShardRole.REPLICATE
 
     def divisor(self, tensor: int) -> float:
         """What the node's work and weights are divided by on `tensor` ranks: `tensor`, or less where
@@ -126,7 +126,7 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
                 roles[r] = NodeShard(ShardRole.ROW, fwd_allreduce=by_name[r].output_bytes, region=region,
                                      split_size=size)
     for n in graph.nodes:
-        roles.setdefault(n.name, NodeShard("replicate"))
+        roles.setdefault(n.name, NodeShard(ShardRole.REPLICATE))
     return ShardingPlan(roles=roles, constraints=tuple(dict.fromkeys(constraints)))
 
 
@@ -295,5 +295,5 @@ def without_regions(plan: ShardingPlan, regions: set[int]) -> ShardingPlan:
     """`plan` with the nodes of `regions` replicated (and their size constraints gone)."""
     if not regions:
         return plan
-    roles = {n: (NodeShard("replicate") if r.region in regions else r) for n, r in plan.roles.items()}
+    roles = {n: (NodeShard(ShardRole.REPLICATE) if r.region in regions else r) for n, r in plan.roles.items()}
     return ShardingPlan(roles=roles, constraints=tuple(c for c in plan.constraints if c[3] not in regions))

@@ -113,7 +113,7 @@ def stream(ev, tensor: int) -> SequenceSplit:
 def sequence_share(ev, name: str, role: str, config: ParallelConfig) -> int:
     """What a node's FLOPs and bytes are divided by for sequence parallelism: t for a replicated op
     between regions (it runs on T/t tokens), else 1."""
-    if not config.sequence_parallel or role != "replicate" or name not in stream(ev, config.tensor).split:
+    if not config.sequence_parallel or role != ShardRole.REPLICATE or name not in stream(ev, config.tensor).split:
         return 1
     return config.tensor
 
@@ -137,7 +137,7 @@ def sequence_collectives(ev, n: OpInfo, role: str, config: ParallelConfig, scale
         return collective("reduce_scatter", shard.fwd_allreduce), collective("all_gather", shard.fwd_allreduce) + grads
     if n.name in seq.gathering:
         return collective("all_gather", shard.bwd_allreduce), collective("reduce_scatter", shard.bwd_allreduce)
-    if role != "replicate":
+    if role != ShardRole.REPLICATE:
         return 0.0, collective("all_reduce", shard.bwd_allreduce)
     whole = seq.read_whole.get(n.name, ())
     return sum((collective("all_gather", ev.node(v).output_bytes) for v in whole), 0.0), grads
@@ -153,7 +153,7 @@ def _partial_grads(ev, n: OpInfo, role: str, seq: SequenceSplit) -> list[float]:
             return [n.output_meta[0].shape[-1] * n.param_bytes / n.param_count] if has_bias and n.param_count else []
         return [m.output_bytes for m in map(ev.node, n.inputs)
                 if m.kind == "param" and len(m.output_meta[0].shape) == 1]
-    if role != "replicate" or n.name not in seq.split:
+    if role != ShardRole.REPLICATE or n.name not in seq.split:
         return []
     if n.op == "call_module":
         return [n.param_bytes / len(n.param_names)] * len(n.param_names) if n.param_names else []
@@ -175,7 +175,7 @@ def _choose(ev, by_region: dict[int, list[OpInfo]], config: ParallelConfig) -> f
     pb = param_bytes(config.dtype, config.zero, config.data).total
     options, edges = [], []
     for r, nodes in by_region.items():
-        rep = [ev.node_cost(n, "replicate", config) for n in nodes]
+        rep = [ev.node_cost(n, ShardRole.REPLICATE, config) for n in nodes]
         sh = [ev.node_cost(n, roles[n.name].role, config) for n in nodes]
         options.append(RegionOption(
             region=r,

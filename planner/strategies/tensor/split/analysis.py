@@ -94,7 +94,7 @@ def tensor_splits(graph, roles: dict[str, str], tensor: int, sequence: bool = Fa
     sequence: with sequence parallelism (the values between regions split along the sequence).
     Raises TensorSplitError naming the node when the roles cannot be carried out, and
     SequenceSplitError (a ConfigError) when the sequence cannot be split."""
-    if tensor == 1 or graph.module is None or not any(r != "replicate" for r in roles.values()):
+    if tensor == 1 or graph.module is None or not any(r != ShardRole.REPLICATE for r in roles.values()):
         return None
     splits = decide(graph.module, roles, tensor, graph_values(graph))
     return with_sequence(splits, graph, sequence_stream(graph, roles, tensor)) if sequence else splits

@@ -265,7 +265,7 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
 
     for n in gm.graph.nodes:
         name = n.name
-        role = roles.get(name, "replicate")
+        role = roles.get(name, ShardRole.REPLICATE)
         out = full.get(name)
         tensor_args = _input_nodes((n.args, n.kwargs), [])
         in_splits = [(a, split_of(a)) for a in tensor_args]
@@ -327,7 +327,7 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
         if not sharded and not tuple_inputs:
             vals[name] = None
             continue
-        if role == "replicate" and sharded and base not in ("size", "dim", "getattr"):
+        if role == ShardRole.REPLICATE and sharded and base not in ("size", "dim", "getattr"):
             raise _Fail(name, f"{tname} reads a tensor split over the tensor axis but the plan replicates it")
         vals[name] = _rule(n, mod, base, full, sharded, tensor_args, vals, st, uses, split_of)
     return vals, uses

@@ -135,7 +135,7 @@ def sequence_stream(graph: ModelGraph, roles: dict[str, str], tensor: int) -> Se
     starts, nodes, columns, gathers, scatters, params = [], [], [], [], [], []
     length = 0
     for n in graph.nodes:
-        role = roles.get(n.name, "replicate")
+        role = roles.get(n.name, ShardRole.REPLICATE)
         split_in = [i for i in dict.fromkeys(n.inputs) if i in shape]
         if role in _STARTS:
             out = tuple(n.output_meta[0].shape) if len(n.output_meta) == 1 else ()
@@ -162,7 +162,7 @@ def sequence_stream(graph: ModelGraph, roles: dict[str, str], tensor: int) -> Se
             columns.append(n.name)
             continue
         src = shape[split_in[0]]
-        if role == "replicate" and all(len(shape[i]) == len(src) and shape[i][:2] == src[:2] for i in split_in) \
+        if role == ShardRole.REPLICATE and all(len(shape[i]) == len(src) and shape[i][:2] == src[:2] for i in split_in) \
                 and _per_token(n, src):
             nodes.append(n.name)
             shape[n.name] = tuple(n.output_meta[0].shape)

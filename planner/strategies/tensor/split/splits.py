@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from planner.strategies.tensor.split.sequence import SequenceSplit
 from runtime.documents import Fields
 from runtime.parallel.tensor.layers import FeatureSplit, ModuleShard, ParamShard, ShardError
-from runtime.vocab import ShardRole
+from runtime.vocab import SPLIT_ROLES, ShardRole
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class TensorSplits:
         values = tuple((node, dim, fs) for node, (dim, fs) in _dim_splits(f, "values").items())
         modules = []
         for path, entry in f.sub("modules").data.items():
-            if not isinstance(entry, list) or len(entry) not in (3, 4) or entry[0] not in tuple(ShardRole) \
+            if not isinstance(entry, list) or len(entry) not in (3, 4) or entry[0] not in SPLIT_ROLES \
                     or (len(entry) == 4 and not _is_index(entry[3])):
                 raise f.error(f"modules.{path}", f"must be [role, factors, split] or [role, factors, split, "
                               f"sequence dimension] with a role of {', '.join(ShardRole)}")
@@ -77,7 +77,7 @@ class TensorSplits:
         params = tuple(ParamShard(name, dim, fs) for name, (dim, fs) in _dim_splits(f, "params").items())
         weight_ops = []
         for node, role in f.sub("weight_ops").data.items():
-            if role not in tuple(ShardRole):
+            if role not in SPLIT_ROLES:
                 raise f.error(f"weight_ops.{node}", f"is {role!r}; known roles: {', '.join(ShardRole)}")
             weight_ops.append((node, ShardRole(role)))
         scatters = []
