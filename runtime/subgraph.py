@@ -6,12 +6,6 @@ Their rank scripts say `from runtime.subgraph import ...`; new builds import fro
 run the same code.
 """
 
-from __future__ import annotations
+from runtime.refs import forwarding
 
-import importlib
-
-HOME = "runtime.parallel.subgraph.regions"
-
-
-def __getattr__(name: str):
-    return getattr(importlib.import_module(HOME), name)
+__getattr__ = forwarding("runtime.parallel.subgraph.regions")

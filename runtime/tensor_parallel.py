@@ -6,12 +6,6 @@ Their rank scripts say `from runtime.tensor_parallel import ...`; new builds imp
 the same code.
 """
 
-from __future__ import annotations
+from runtime.refs import forwarding
 
-import importlib
-
-HOME = "runtime.parallel.tensor.layers"
-
-
-def __getattr__(name: str):
-    return getattr(importlib.import_module(HOME), name)
+__getattr__ = forwarding("runtime.parallel.tensor.layers")
