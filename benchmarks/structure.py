@@ -8,7 +8,7 @@ Everything is read from the four packages' source with ast, except the emit path
 codegen.emit.emit on a small tensor x pipeline plan of examples/models/gpt.py ("tiny") under a
 profiler and lists the meshplan files whose functions ran. A "descent" there is a call from one
 package into a lower one of the import order (codegen > planner > cost_models > runtime), counted once
-per pair of files, and a "climb" is the first call back into the higher package after a descent.
+per pair of files.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def folders() -> list[tuple[int, int, str]]:
     return sorted(((files[f], lines[f], f) for f in files), reverse=True)
 
 
-def emit_path() -> tuple[list[str], list[str], int]:
-    """(files entered, descents, climbs) while codegen.emit builds a tensor x pipeline GPT."""
+def emit_path() -> tuple[list[str], list[str]]:
+    """(files entered, descents) while codegen.emit builds a data x tensor x pipeline GPT."""
     sys.path.insert(0, str(ROOT))
     from planner import Cluster, ParallelConfig, capture, make_plan   # noqa: E402  (after the path)
     from codegen.emit import emit
@@ -102,7 +102,6 @@ def emit_path() -> tuple[list[str], list[str], int]:
                      ParallelConfig(data=2, tensor=2, pipeline=2, micro_batch_size=1), global_batch_size=4)
     entered: list[str] = []
     descents: set[tuple[str, str]] = set()
-    climbs = 0
     stack: list[str] = []
 
     def package(filename: str) -> str | None:
@@ -113,7 +112,6 @@ def emit_path() -> tuple[list[str], list[str], int]:
         return name if name.split("/")[0] in PACKAGES else None
 
     def profile(frame, event, arg):
-        nonlocal climbs
         if event == "call":
             here = package(frame.f_code.co_filename)
             caller = stack[-1] if stack else None
@@ -127,10 +125,7 @@ def emit_path() -> tuple[list[str], list[str], int]:
                 if down < up:
                     descents.add((caller, here))
         elif event == "return" and stack:
-            left = stack.pop()
-            back = stack[-1] if stack else None
-            if left and back and LAYER[left.split("/")[0]] < LAYER[back.split("/")[0]]:
-                climbs += 1
+            stack.pop()
 
     with tempfile.TemporaryDirectory() as out:
         sys.setprofile(profile)
@@ -138,7 +133,7 @@ def emit_path() -> tuple[list[str], list[str], int]:
             emit(plan, "examples/models/gpt.py:build", out_dir=out, model_kwargs={"preset": "tiny"})
         finally:
             sys.setprofile(None)
-    return entered, sorted(f"{a} -> {b}" for a, b in descents), climbs
+    return entered, sorted(f"{a} -> {b}" for a, b in descents)
 
 
 def main() -> None:
@@ -165,8 +160,8 @@ def main() -> None:
     total = sources()
     print(f"\npackages: {len(total)} files, {sum(len(p.read_text().splitlines()) for p in total)} lines")
     if not args.no_trace:
-        entered, descents, climbs = emit_path()
-        print(f"\nemit's path: {len(entered)} files, {len(descents)} descents, {climbs} climbs")
+        entered, descents = emit_path()
+        print(f"\nemit's path: {len(entered)} files, {len(descents)} descents")
         for f in sorted(entered):
             print(f"  {f}")
         print("  descents:")
