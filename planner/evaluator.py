@@ -48,7 +48,6 @@ from planner.saved import SavedActivations
 from planner.strategies.tensor.sharding import ShardingPlan, find_sharding
 from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
-from planner.strategies.tensor.strategy import sequence_boundary_share, sequence_collectives, sequence_share
 from planner.graph.ties import tied_weights
 from runtime.execution import Execution, LossImpl
 from runtime.vocab import DType, MeshAxis, Recompute, ShardRole, element_bytes
@@ -308,9 +307,21 @@ class Evaluator:
             return out
         return [self._layer_cost(layer, config, key, adjusters) for layer in self.graph.layers]
 
-    @staticmethod
-    def _layer_key(config: ParallelConfig) -> tuple:
-        return (config.tensor, config.micro_batch_size, config.dtype, config.recompute, config.sequence_parallel)
+    def _layer_key(self, config: ParallelConfig) -> tuple:
+        return (config.tensor, config.micro_batch_size, config.dtype, config.recompute, *self._strategy_key(config))
+
+    def _strategy_key(self, config: ParallelConfig) -> tuple:
+        """What the strategies' node hooks read of `config` beyond the degrees (Strategy.cache_key)."""
+        return tuple(k for s in self.strategies for k in s.cache_key(config))
+
+    def _token_share(self, name: str, role: str, config: ParallelConfig,
+                     active: tuple[Strategy, ...] | None = None) -> float:
+        """What node `name`'s tokens are divided by on one device (Strategy.token_share of the active ones;
+        `active`: those strategies, where the caller has them)."""
+        share = 1
+        for s in self.active(config) if active is None else active:
+            share *= s.token_share(self, name, role, config)
+        return share
 
     def _layer_cost(self, layer: Layer, config: ParallelConfig, key: tuple,
                     adjusters: tuple[Strategy, ...]) -> LayerCost:
@@ -419,15 +430,18 @@ class Evaluator:
         return [first] + [layers[k - 1].boundary_bytes for k in range(1, len(layers))]
 
     def _boundary(self, layer: Layer, config: ParallelConfig) -> float:
-        key = (layer.index, config.micro_batch_size, config.dtype, config.tensor, config.sequence_parallel)
+        key = (layer.index, config.micro_batch_size, config.dtype, config.tensor, *self._strategy_key(config))
         hit = self._boundary_cache.get(key)
         if hit is None:
             hit = self._boundary_cache[key] = self._boundary_bytes(layer, config)
         return hit
 
     def _boundary_bytes(self, layer: Layer, config: ParallelConfig) -> float:
+        share = 1
+        for s in self.active(config):
+            share *= s.boundary_share(self, layer, config)
         return layer.boundary_bytes * config.micro_batch_size / self.graph.batch_size * \
-            DType(config.dtype).bytes / 4 / sequence_boundary_share(self, layer, config)
+            DType(config.dtype).bytes / 4 / share
 
     def node_cost(self, n: OpInfo, role: str, config: ParallelConfig, *, fused_head: bool = False,
                   compiled: bool = False) -> _NodeCost:
@@ -440,8 +454,9 @@ class Evaluator:
         sharded = role != ShardRole.REPLICATE and t > 1
         # a padded split (a vocabulary t does not divide) leaves each rank ceil(size / t) of it
         div = self.sharding.roles[n.name].divisor(t) if sharded else 1
-        # a replicated op between regions runs on T/t tokens under sequence parallelism (its weights whole)
-        seq = sequence_share(self, n.name, role, config)
+        active = self.active(config)
+        # e.g. a replicated op between regions runs on T/t tokens under sequence parallelism (its weights whole)
+        seq = self._token_share(n.name, role, config, active)
         work = div * seq
         scale = config.micro_batch_size / self.graph.batch_size
         ds = _dtype_scale(n, config.dtype)
@@ -475,26 +490,10 @@ class Evaluator:
         hf = hb = copies = 0.0
         if self.gpu_graph is not None:
             f, b, hf, hb, copies = self._gpu_extras(n, config, f, b, scale / seq, div, compiled)
-        tp_f = tp_b = 0.0
-        if sharded:
-            shard = self.sharding.roles[n.name]
-            mesh = config.mesh
-            if config.sequence_parallel:   # reduce-scatters and all-gathers along the sequence instead
-                tp_f, tp_b = sequence_collectives(self, n, role, config, scale * ds)
-            else:
-                if shard.fwd_allreduce:
-                    tp_f = self.axis_seconds(mesh, MeshAxis.TENSOR, "all_reduce", shard.fwd_allreduce * scale * ds)
-                if shard.bwd_allreduce:
-                    tp_b = self.axis_seconds(mesh, MeshAxis.TENSOR, "all_reduce", shard.bwd_allreduce * scale * ds)
-            if shard.fwd_allreduce or shard.bwd_allreduce:
-                # What the runtime adds around the all-reduce (calibrated; 0 otherwise): a vocabulary-
-                # parallel embedding masks the ids it does not hold and zeroes their outputs; a layer's
-                # autograd function costs both ways and copies the values it reduces.
-                elements = max(shard.fwd_allreduce, shard.bwd_allreduce) * scale / 4  # fp32 bytes
-                wf, wb = (self.tp_embedding if role == ShardRole.VOCAB else self.tp_wrapper).at(elements)
-                tp_f, tp_b = tp_f + wf, tp_b + wb
-        elif config.sequence_parallel and t > 1:   # a replicated op reading a sequence-split value whole
-            tp_f, tp_b = sequence_collectives(self, n, ShardRole.REPLICATE, config, scale * ds)
+        tp_f = tp_b = 0.0   # the collectives inside the node, from every active strategy
+        for s in active:
+            f_c, b_c = s.node_comm(self, n, role if sharded else ShardRole.REPLICATE, config, scale, ds)
+            tp_f, tp_b = tp_f + f_c, tp_b + b_c
         params = _params_per_rank(n, role if sharded else ShardRole.REPLICATE, div) if n.param_count else 0.0
         saved = self.saved.node_bytes(n, config, fused_attention=self.fused_attention, divisor=div)
         # its output and that output's gradient; a weight read through get_attr is a parameter, counted
@@ -533,7 +532,7 @@ class Evaluator:
 
         Cached on what the tensor strategy's choice depends on (planner/strategies/tensor/strategy.py keys its
         per-layer decision the same way); the search asks once per mesh shape."""
-        key = ("roles", config.tensor, config.micro_batch_size, config.dtype, config.sequence_parallel)
+        key = ("roles", config.tensor, config.micro_batch_size, config.dtype, *self._strategy_key(config))
         hit = self._roles_cache.get(key)
         if hit is None:
             hit = self._roles_cache[key] = {name: role for layer in self.graph.layers
@@ -632,7 +631,7 @@ class Evaluator:
         t = config.tensor
         div = self.sharding.roles[n.name].divisor(t) if role != ShardRole.REPLICATE and t > 1 else 1
         tokens = meta.numel / max(classes, 1) * config.micro_batch_size / self.graph.batch_size / \
-            sequence_share(self, n.name, role, config)
+            self._token_share(n.name, role, config)
         gpu = self.gpu(config.dtype)
         parallel = t if div > 1 else 1
 

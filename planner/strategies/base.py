@@ -54,6 +54,8 @@ class Pricing(Protocol):
     allocator_margin: float         # fraction the caching allocator reserves beyond what is allocated
     memory_cap: float               # bytes per device a stage may hold
     strategies: tuple["Strategy", ...]
+    tp_wrapper: Any                 # calibrated cost around a tensor-parallel layer's all-reduce (per element)
+    tp_embedding: Any               # ... around a vocabulary-parallel embedding's
 
     def state(self, key: str, make: Callable[[], T]) -> T:
         """The value cached under `key` for this graph and cluster, made by `make()` the first time."""
@@ -142,6 +144,28 @@ class Strategy:
     def node_roles(self, ev: "Pricing", layer: "Layer", config: "ParallelConfig") -> dict[str, str]:
         """Split roles this strategy gives `layer`'s nodes (fx node name -> role; the rest replicated)."""
         return {}
+
+    # ---- node pricing: the Evaluator's node_cost asks every active strategy ------------
+    def cache_key(self, config: "ParallelConfig") -> tuple:
+        """The config values this strategy's node hooks read beyond the mesh degrees, micro-batch, dtype and
+        recompute (part of the Evaluator's per-layer cache keys)."""
+        return ()
+
+    def token_share(self, ev: "Pricing", name: str, role: str, config: "ParallelConfig") -> float:
+        """What node `name`'s tokens (its FLOPs and activation bytes) are divided by on one device under
+        this strategy, given its split `role` (a ShardRole)."""
+        return 1
+
+    def boundary_share(self, ev: "Pricing", layer: "Layer", config: "ParallelConfig") -> float:
+        """What the bytes crossing the pipeline cut after `layer` are divided by under this strategy."""
+        return 1
+
+    def node_comm(self, ev: "Pricing", n: "OpInfo", role: str, config: "ParallelConfig", scale: float,
+                  ds: float) -> tuple[float, float]:
+        """(forward s, backward s) of the collectives inside node `n` this strategy adds for one micro-batch
+        (`scale`: the micro-batch's fraction of the captured batch; `ds`: the dtype's size over the
+        captured one)."""
+        return 0.0, 0.0
 
     # True where layer_cost depends on the layer only through its signature (and `cost`, `config`): the
     # Evaluator then adjusts each distinct layer of a model's repeated blocks once per configuration

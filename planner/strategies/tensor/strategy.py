@@ -61,6 +61,40 @@ class TensorStrategy(Strategy):
             out.append(cfg.replace(sequence_parallel=True))
         return out
 
+    def cache_key(self, config: ParallelConfig) -> tuple:
+        return (config.sequence_parallel,)
+
+    def token_share(self, ev, name: str, role: str, config: ParallelConfig) -> int:
+        return sequence_share(ev, name, role, config)
+
+    def boundary_share(self, ev, layer: Layer, config: ParallelConfig) -> int:
+        return sequence_boundary_share(ev, layer, config)
+
+    def node_comm(self, ev, n: OpInfo, role: str, config: ParallelConfig, scale: float,
+                  ds: float) -> tuple[float, float]:
+        """A split node's all-reduces on the tensor axis (or, under sequence parallelism, its reduce-scatters
+        and all-gathers along the sequence), with what the runtime adds around them; a replicated node's
+        gathers of the sequence-split values it reads whole."""
+        if role == ShardRole.REPLICATE:
+            return sequence_collectives(ev, n, role, config, scale * ds) if config.sequence_parallel else (0.0, 0.0)
+        shard = ev.sharding.roles[n.name]
+        if config.sequence_parallel:   # reduce-scatters and all-gathers along the sequence instead
+            f, b = sequence_collectives(ev, n, role, config, scale * ds)
+        else:
+            mesh = config.mesh
+            f = ev.axis_seconds(mesh, MeshAxis.TENSOR, "all_reduce", shard.fwd_allreduce * scale * ds) \
+                if shard.fwd_allreduce else 0.0
+            b = ev.axis_seconds(mesh, MeshAxis.TENSOR, "all_reduce", shard.bwd_allreduce * scale * ds) \
+                if shard.bwd_allreduce else 0.0
+        if shard.fwd_allreduce or shard.bwd_allreduce:
+            # What the runtime adds around the all-reduce (calibrated; 0 otherwise): a vocabulary-parallel
+            # embedding masks the ids it does not hold and zeroes their outputs; a layer's autograd function
+            # costs both ways and copies the values it reduces.
+            elements = max(shard.fwd_allreduce, shard.bwd_allreduce) * scale / 4  # fp32 bytes
+            wf, wb = (ev.tp_embedding if role == ShardRole.VOCAB else ev.tp_wrapper).at(elements)
+            f, b = f + wf, b + wb
+        return f, b
+
     def node_roles(self, ev, layer: Layer, config: ParallelConfig) -> dict[str, str]:
         chosen = sharded_regions(ev, layer, config)
         roles = ev.sharding.roles
