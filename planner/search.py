@@ -14,6 +14,8 @@ pruning never loses the optimum within the cost model.
 
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 import math
 import time
@@ -25,6 +27,7 @@ from cost_models.prediction import Prediction
 from cost_models.overlap import Overlap
 from planner.capabilities import MESHPLAN_RUNTIME, RuntimeSupport, TargetError
 from planner.config import ConfigError, ParallelConfig
+from planner.config_fields import ConfigFields
 from planner.execution_choice import choose
 from planner.evaluator import Evaluator, as_graph
 from planner.fixed_plan import plan_for
@@ -37,9 +40,8 @@ from planner.strategies.tensor.split.analysis import SplitCache
 from runtime.vocab import Recompute, Target
 
 OBJECTIVES = ("time", "energy")
-FIXED_KNOBS = ("data", "tensor", "pipeline", "micro_batch_size", "schedule", "virtual_stages", "recompute",
-               "zero", "dtype", "bidirectional", "replicas_per_direction", "subgraph", "spatial", "spatial_split",
-               "spatial_until", "spatial_batchnorm", "sequence_parallel", "context", "context_attention")
+# every ParallelConfig field can be pinned by a constraint, but the stage boundaries (the search places them)
+FIXED_KNOBS = tuple(f.name for f in dataclasses.fields(ConfigFields) if f.name != "stage_boundaries")
 LIMITS = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s", "allow_cross_node_tensor",
           "max_micro_batch_size")
 RECOMPUTE_ORDER = tuple(Recompute)   # least recomputation first: none, selective, full

@@ -12,11 +12,13 @@ values of the type each key takes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from planner.config_fields import ConfigFields
 from planner.plan import MAX_BATCH, MAX_WORLD
 
 __all__ = ["MAX_BATCH", "MAX_WORLD", "OutputError", "check_constraints", "count", "output_dir", "output_file",
@@ -122,15 +124,18 @@ def output_dir(path: str, flag: str = "-o", create: bool = True) -> Path:
     return p
 
 
-# --constraint KEY=VALUE: what each key takes (planner.optimize checks the names).
-_COUNTS = {"data": 1, "tensor": 1, "pipeline": 1, "micro_batch_size": 1, "virtual_stages": 1,
-           "replicas_per_direction": 1, "subgraph": 1, "spatial": 1, "max_micro_batch_size": 1, "zero": 0,
-           "context": 1}
-_FLAGS = ("bidirectional", "allow_cross_node_tensor", "sequence_parallel")
+# --constraint KEY=VALUE: what each key takes (planner.optimize checks the names). The ParallelConfig
+# fields are read from ConfigFields by their annotated type (a new dimension's fields come with it); the
+# search's limits are listed here.
+def _config_keys(kind: str) -> tuple:
+    return tuple(f for f in dataclasses.fields(ConfigFields) if f.type == kind or f.type == f"{kind} | None")
+
+
+_COUNTS = {**{f.name: min(f.default, 1) for f in _config_keys("int")}, "max_micro_batch_size": 1}   # the least
+_FLAGS = (*(f.name for f in _config_keys("bool")), "allow_cross_node_tensor")
 _POSITIVE = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s")
-_TEXT = {"schedule": "1f1b", "recompute": "selective", "dtype": "bf16", "spatial_split": "strips_h",
-         "spatial_batchnorm": "sync", "spatial_until": "LAYER_NAME",
-         "context_attention": "ring"}
+_EXAMPLES = {"recompute": "selective", "spatial_until": "LAYER_NAME"}   # where the default is no example
+_TEXT = {f.name: _EXAMPLES.get(f.name, f.default) for f in _config_keys("str")}
 
 
 def check_constraints(cons: dict[str, Any]) -> dict[str, Any]:
