@@ -51,7 +51,7 @@ from runtime.comm import CommError, PeerFailure, local_threads_hint
 from runtime.comm.context import DistContext
 from runtime.batch_source import open_data
 from runtime.data import DataSource, Split
-from runtime.execute.evaluation import EvalResult, EvalSpec, check_program, eval_setting, evaluate
+from runtime.execute.evaluation import EvalResult, EvalSpec, check_program, eval_setting, evaluate_held_out
 from runtime.executor import Executor, RankFailure
 from runtime.launch.faults import FAULTS, SAVE_FAULTS, inject
 from runtime.comm.jobauth import signer_from_env
@@ -753,7 +753,7 @@ def _train_steps(session: RankSession, first: int, metrics,
         if steps is not None:
             steps.end(r.loss)
         if p.evaluation is not None and p.evaluation.due(step):
-            ev = evaluate(ex, p.evaluation, step)
+            ev = evaluate_held_out(ex, p.evaluation, step)
             evals.append(ev)
             r.evaluation = ev.metrics()
             if p.rank == 0:

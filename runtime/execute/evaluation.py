@@ -211,7 +211,7 @@ class EvalResult:
         return f"step {self.step}: eval loss {self.loss:.6f}{acc}"
 
 
-def evaluate(executor, spec: EvalSpec, step: int) -> EvalResult:
+def evaluate_held_out(executor, spec: EvalSpec, step: int) -> EvalResult:
     """Run `spec.batches` held-out batches through `executor` (runtime/executor.Executor.evaluate_batch),
     its stage modules in eval() mode meanwhile; the same result on every rank."""
     modules = [r.module for r in executor.stages.values()]
