@@ -116,7 +116,7 @@ class RuntimeSupport:
     spatial: bool = True
     subgraph: bool = True
     context: bool = True
-    backends: tuple[str, ...] = tuple(Backend)
+    backends: tuple[str, ...] = tuple(b.value for b in Backend)
     stack: OverlapPreset = OverlapPreset.MESHPLAN
     fill_1f1b: bool = False
     # the op kinds (planner/graph/ops.py) whose weights the target splits over the tensor axis; None: every
@@ -284,6 +284,6 @@ MESHPLAN_RUNTIME = RuntimeSupport()
 # "torch" twin trains under autocast, as the target's loop does.
 TORCH_RUNTIME = RuntimeSupport(target=Target.TORCH, recompute=("none", "full"), dtypes=("fp32", "bf16"),
                                bidirectional=False, spatial=False, subgraph=False, context=False,
-                               backends=(Backend.GLOO, Backend.NCCL), stack=OverlapPreset.TORCH, fill_1f1b=True,
+                               backends=(Backend.GLOO.value, Backend.NCCL.value), stack=OverlapPreset.TORCH, fill_1f1b=True,
                                split_kinds=("linear", "embedding"), tensor_in_pipelines=False,
                                fully_shard_part_splits=False)

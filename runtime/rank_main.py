@@ -284,7 +284,7 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
         check_program(prog)
     if args.tensorboard:  # before anything is built: every rank stops with the same advice
         require_tensorboard()
-    backend = args.backend or (Backend.NCCL if torch.cuda.is_available() else Backend.GLOO)
+    backend = args.backend or (Backend.NCCL.value if torch.cuda.is_available() else Backend.GLOO.value)
     model = meta_model(spec)
     if model_signature(model) != signature["hash"]:
         if not signature.get("shapes") and (Path(build_dir) / "build.json").is_file():

@@ -69,7 +69,7 @@ def join(args: argparse.Namespace, rank: int, world_size: int) -> str:
 
     The store is the launcher's (`meshplan run`, torchrun: TORCHELASTIC_USE_AGENT_STORE=True) or
     hosted by rank 0 on --master-addr:--master-port, as for meshplan's rank scripts (runtime/comm/__init__.py)."""
-    backend = args.backend or (Backend.NCCL if torch.cuda.is_available() else Backend.GLOO)
+    backend = args.backend or (Backend.NCCL.value if torch.cuda.is_available() else Backend.GLOO.value)
     if backend == Backend.NCCL:
         torch.cuda.set_device(cuda_index(os.environ, torch.cuda.device_count()))
     timeout = datetime.timedelta(seconds=args.timeout)

@@ -109,7 +109,7 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
     return alpha, beta
 
 
-def run_workers(ranks: int, *, quick: bool = True, backend: str = Backend.GLOO, timeout: float = 300.0,
+def run_workers(ranks: int, *, quick: bool = True, backend: str = Backend.GLOO.value, timeout: float = 300.0,
                 progress: Callable[[str], None] | None = print) -> list[dict]:
     """Start `ranks` calibration processes on this machine and return each rank's results."""
 
@@ -160,7 +160,7 @@ def run_workers(ranks: int, *, quick: bool = True, backend: str = Backend.GLOO, 
         return [json.loads(f.read_text()) for f in files]
 
 
-def build_cluster(results: list[dict], *, backend: str = Backend.GLOO, quick: bool = True, seconds: float = 0.0,
+def build_cluster(results: list[dict], *, backend: str = Backend.GLOO.value, quick: bool = True, seconds: float = 0.0,
                   name: str = "local-calibrated") -> Cluster:
     """The calibrated Cluster from run_workers' results (one node of len(results) devices)."""
 
@@ -353,7 +353,7 @@ def _curve_measurements(results: list[dict], share: float, fit) -> dict[str, flo
     return m
 
 
-def calibrate(ranks: int | None = None, *, quick: bool = True, backend: str = Backend.GLOO, timeout: float = 300.0,
+def calibrate(ranks: int | None = None, *, quick: bool = True, backend: str = Backend.GLOO.value, timeout: float = 300.0,
               progress: Callable[[str], None] | None = print) -> Cluster:
     """Measure this machine with `ranks` processes (default: one per usable CPU, at least 2)."""
 

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--port", type=int, default=29500)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--backend", default=Backend.GLOO, choices=tuple(Backend))
+    ap.add_argument("--backend", default=Backend.GLOO.value, choices=tuple(Backend))
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--timeout", type=float, default=120.0)
     args = ap.parse_args(argv)

@@ -65,7 +65,7 @@ def in_run_factor(measured: float, predicted: float, per_op: float) -> float | N
     return factor if FACTOR_RANGE[0] <= factor <= FACTOR_RANGE[1] else None
 
 
-def measure_in_run(cluster, backend: str = Backend.GLOO, *, workdir: str | Path | None = None, steps: int = STEPS,
+def measure_in_run(cluster, backend: str = Backend.GLOO.value, *, workdir: str | Path | None = None, steps: int = STEPS,
                    launches: int = LAUNCHES, timeout: float = 120.0,
                    progress: Callable[[str], None] | None = None) -> dict[str, float]:
     """Train the probe model data-parallel over the cluster's devices of one node for `steps`
@@ -130,14 +130,14 @@ def _fmt(m: dict[str, float], name: str) -> str:
             + (f"{got:.3f}" if got is not None else f"1 (kept: the ratio is outside {FACTOR_RANGE})"))
 
 
-def with_in_run(cluster, backend: str = Backend.GLOO, **kwargs):
+def with_in_run(cluster, backend: str = Backend.GLOO.value, **kwargs):
     """`cluster` with the in-run probe's measurements added (see measure_in_run)."""
     got = measure_in_run(cluster, backend, **kwargs)
     # Cluster keeps measurements as sorted pairs whatever mapping it is given
     return dataclasses.replace(cluster, measurements={**dict(cluster.measurements), **got})
 
 
-def calibrate_machine(ranks: int | None = None, *, quick: bool = True, backend: str = Backend.GLOO, timeout: float = 300.0,
+def calibrate_machine(ranks: int | None = None, *, quick: bool = True, backend: str = Backend.GLOO.value, timeout: float = 300.0,
                       run_probe: bool = True, progress: Callable[[str], None] | None = print):
     """cost_models.calibration.calibrate.calibrate, then (run_probe) the in-run probe (with_in_run). A probe that
     fails leaves the calibration as it is and says so through `progress`: nothing measured is lost."""

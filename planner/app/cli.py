@@ -315,7 +315,7 @@ def _add_codegen_and_run(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("build", metavar="BUILD_DIR")
     p.add_argument("--steps", type=STEPS, default=1, help="training steps (default 1)")
-    p.add_argument("--backend", default=Backend.GLOO, choices=tuple(Backend))
+    p.add_argument("--backend", default=Backend.GLOO.value, choices=tuple(Backend))
     p.add_argument("--timeout", type=positive_number, default=120.0, help="seconds any communication may take")
     p.add_argument("--heartbeat-timeout", type=positive_number, default=30.0,
                    help="seconds without a heartbeat after which a rank is named as not responding (stopped, "
@@ -451,7 +451,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if device.type == "cuda":
         cluster = calibrate_gpu(device, quick=not args.full, progress=progress)
     else:
-        cluster = calibrate_run.calibrate_machine(args.ranks, quick=not args.full, backend=args.backend or Backend.GLOO,
+        cluster = calibrate_run.calibrate_machine(args.ranks, quick=not args.full, backend=args.backend or Backend.GLOO.value,
                                                   timeout=args.timeout, run_probe=args.run_probe, progress=progress)
     cluster.save(args.out)
     print()
@@ -527,7 +527,7 @@ def _add_calibrate(sub) -> None:
                       help="few repeats and message sizes, on a GPU fewer op shapes: under 2 minutes (the default)")
     mode.add_argument("--full", action="store_true",
                       help="more repeats and message sizes (about 4x longer); on a GPU every shape of the H100 op table")
-    p.add_argument("--backend", default=None, choices=[Backend.GLOO, Backend.MPI],
+    p.add_argument("--backend", default=None, choices=[Backend.GLOO.value, Backend.MPI.value],
                    help="the CPU processes' communicator (default gloo)")
     p.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N",
                    help="what to calibrate: CPU processes, or one CUDA device's op table (default: cuda when "

@@ -150,7 +150,7 @@ class _MpiGroup:
 class MpiCommunicator:
     """mpi4py over MPI.COMM_WORLD; every wait polls with a deadline and watches for an abort."""
 
-    backend = Backend.MPI
+    backend = Backend.MPI.value
 
     def __init__(self, timeout: float = 300.0, signer: Signer | None = None):
         from mpi4py import MPI

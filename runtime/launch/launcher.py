@@ -110,7 +110,7 @@ def local_mpiexec(cmd: list[str], env: dict) -> tuple[list[str], str | None]:
     return wrapped, warning
 
 
-def run_local(build: str | os.PathLike, steps: int = 1, backend: str = Backend.GLOO, *, timeout: float = 120.0,
+def run_local(build: str | os.PathLike, steps: int = 1, backend: str = Backend.GLOO.value, *, timeout: float = 120.0,
               verify: bool = False, rtol: float | None = None, atol: float | None = None,
               extra_args: list[str] | None = None,
               world_size: int | None = None, grace: float = 15.0, wall_timeout: float | None = None,
@@ -131,7 +131,7 @@ def run_local(build: str | os.PathLike, steps: int = 1, backend: str = Backend.G
                     quiet=quiet, through_workers=False, progress=progress)[0]
 
 
-def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = Backend.GLOO, *, timeout: float = 120.0,
+def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = Backend.GLOO.value, *, timeout: float = 120.0,
              verify: bool = False, rtol: float | None = None, atol: float | None = None,
              extra_args: list[str] | None = None, build_args: list[list[str]] | None = None,
              world_size: int | None = None, grace: float = 15.0, wall_timeout: float | None = None,
