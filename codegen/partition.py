@@ -119,7 +119,7 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
     shared = _Shared(local_mods, shared_names(graph),
                      region_code(plan.subgraph, res.local_values) if plan.subgraph else [],
                      _stage_tiles(spatial, gm, res.local_values, cut.layer_of, cut.stage_of, cut.stage_of_layer,
-                                  cut.known))
+                                  cut.known), _compiled_layers(graph))
     parts = tuple(_stage_part(plan, graph, cut, st, shared) for st in sorted(plan.stages, key=lambda s: s.index))
     sd = gm.state_dict(keep_vars=True)
     return Partition(parts, cfg.tensor, cfg.micro_batch_size, _signature_of(gm),
@@ -176,6 +176,7 @@ class _Cut:
     stage_of_layer: dict[str, int]
     known: list[str]                      # layer names, in model order
     crossing: dict[int, list[fx.Node]]    # stage s -> values made before s and read at s or later
+    placeholders: list[str]               # the model inputs, in order
     head: Any
     head_extra: tuple
     padded_names: tuple
@@ -193,8 +194,9 @@ class _Cut:
         last_use = {n.name: max((stage_of[u.name] for u in n.users), default=-1) for n in nodes if n.op != "get_attr"}
         crossing = {s: [n for n in nodes if n.op not in ("output", "get_attr") and stage_of[n.name] < s <= last_use[n.name]]
                     for s in range(len(plan.stages))}
-        return cls(res, nodes, pos, layer_of, stage_of, stage_of_layer, known, crossing, head, head_extra,
-                   padded_names)
+        placeholders = [n.name for n in nodes if n.op == "placeholder"]
+        return cls(res, nodes, pos, layer_of, stage_of, stage_of_layer, known, crossing, placeholders, head,
+                   head_extra, padded_names)
 
     def boundary(self, n: fx.Node, source: str, data_index: int = -1) -> Boundary:
         """The Boundary of value `n` entering or leaving a stage (`source`: "data", "recv" or "send")."""
@@ -265,6 +267,7 @@ class _Shared:
     canonical: dict[str, str]
     codes: list
     tiles: dict
+    compiled_layers: frozenset[str]   # the layers whose methods torch.compile compiles (regional compilation)
 
 
 def _stage_part(plan: Plan, graph: ModelGraph, cut: _Cut, st, shared_by: _Shared) -> StagePart:
@@ -274,8 +277,7 @@ def _stage_part(plan: Plan, graph: ModelGraph, cut: _Cut, st, shared_by: _Shared
     own = [n for n in nodes if n.op != "get_attr" and stage_of[n.name] == s]
     read = {a.name for n in own for a in n.all_input_nodes if a.op == "get_attr"}
     members = [n for n in nodes if (n.op != "get_attr" and stage_of[n.name] == s) or n.name in read]
-    placeholders = [n.name for n in nodes if n.op == "placeholder"]
-    data_in = [cut.boundary(n, "data", placeholders.index(n.name)) for n in members if n.op == "placeholder"]
+    data_in = [cut.boundary(n, "data", cut.placeholders.index(n.name)) for n in members if n.op == "placeholder"]
     recv_in = [cut.boundary(v, "recv") for v in cut.crossing[s]]
     ins = sorted(data_in + recv_in, key=lambda b: cut.pos[b.name])
     is_last = s == len(plan.stages) - 1
@@ -300,20 +302,25 @@ def _stage_part(plan: Plan, graph: ModelGraph, cut: _Cut, st, shared_by: _Shared
                      recompute=cfg.recompute, shared=shared,
                      param_shards=tuple(res.param_shards[a] for a in attributes if a in res.param_shards),
                      running_stats=_running_stats(res.graph, gm, members), head=cut.head if is_last else None,
-                     padded=padded, compiled=_compiled_methods(graph, served, ex) if ex.compile else ())
+                     padded=padded, compiled=_compiled_methods(shared_by.compiled_layers, served, ex) if ex.compile else ())
     return StagePart(spec, st.device_index, f"Stage{s}", source, globs, tuple(params))
 
 
-def _compiled_methods(graph: ModelGraph, served: dict[str, list[str]], ex) -> tuple[str, ...]:
-    """The stage methods torch.compile compiles: regional compilation, the methods of the repeated blocks (one
-    per distinct block); in a model without repeated blocks, those of the layers that hold parameters (a few
-    views or an activation alone: never). Under CompileScope.STAGE, the stage's whole forward."""
-    if ex.whole_stage:   # the stage's whole forward, one compiled function (runtime/execution.py CompileScope)
-        return ("forward",)
+def _compiled_layers(graph: ModelGraph) -> frozenset[str]:
+    """Regional compilation: the repeated blocks (those holding parameters); in a model without repeated
+    blocks, the layers that hold parameters (a few views or an activation alone: never)."""
     signatures = [L.signature for L in graph.layers]
     weighty = {L.name for L in graph.layers if L.param_count > 0}
     blocks = {L.name for L in graph.layers if signatures.count(L.signature) > 1} & weighty
-    return tuple(m for m, ls in served.items() if any(L in (blocks or weighty) for L in ls))
+    return frozenset(blocks or weighty)
+
+
+def _compiled_methods(layers: frozenset[str], served: dict[str, list[str]], ex) -> tuple[str, ...]:
+    """The stage methods torch.compile compiles: those running one of `layers` (one method per distinct
+    block); under CompileScope.STAGE, the stage's whole forward."""
+    if ex.whole_stage:   # the stage's whole forward, one compiled function (runtime/execution.py CompileScope)
+        return ("forward",)
+    return tuple(m for m, ls in served.items() if any(L in layers for L in ls))
 
 
 def _output_layer(g: fx.Graph, gm: fx.GraphModule, graph: ModelGraph, res, ex, t: int,

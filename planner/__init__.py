@@ -18,18 +18,14 @@ from planner.evaluator import Evaluator, evaluate
 from planner.fixed_plan import make_plan
 from planner.search import NoFeasiblePlan, explain, optimize
 from planner.plan import Plan, PlanFileError
+from runtime.lazy import forwarding
 
 # The public names that live in the application shell, by the module that defines them.
 _SHELL_NAMES = {"visualize": "planner.app.visualize", "parallelize": "planner.app.parallelize"}
 
 
-def __getattr__(name: str):
-    """planner.visualize and planner.parallelize: the shell's functions, imported on first use."""
-    if name in _SHELL_NAMES:
-        import importlib
-
-        return getattr(importlib.import_module(_SHELL_NAMES[name]), name)
-    raise AttributeError(f"module 'planner' has no attribute {name!r}")
+# planner.visualize and planner.parallelize: the shell's functions, imported on first use
+__getattr__ = forwarding(_SHELL_NAMES, "planner")
 
 
 __all__ = [

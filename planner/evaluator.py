@@ -145,6 +145,7 @@ class Evaluator:
         self._bounds_cache: dict[tuple, list[tuple[int, int]]] = {}
         # the search prices thousands of configs x hundreds of layers: what repeats is kept
         self._active_cache: dict[ParallelConfig, tuple[Strategy, ...]] = {}
+        self._key_cache: dict[ParallelConfig, tuple] = {}
         self._adjusters_cache: dict[ParallelConfig, tuple[Strategy, ...]] = {}
         self._boundary_cache: dict[tuple, float] = {}
         self._axis_cache: dict[tuple, float] = {}
@@ -311,8 +312,12 @@ class Evaluator:
         return (config.tensor, config.micro_batch_size, config.dtype, config.recompute, *self._strategy_key(config))
 
     def _strategy_key(self, config: ParallelConfig) -> tuple:
-        """What the strategies' node hooks read of `config` beyond the degrees (Strategy.cache_key)."""
-        return tuple(k for s in self.strategies for k in s.cache_key(config))
+        """What the strategies' node hooks read of `config` beyond the degrees (Strategy.cache_key), worked
+        out once per config (the per-layer caches ask for it on every layer)."""
+        hit = self._key_cache.get(config)
+        if hit is None:
+            hit = self._key_cache[config] = tuple(k for s in self.strategies for k in s.cache_key(config))
+        return hit
 
     def _token_share(self, name: str, role: str, config: ParallelConfig,
                      active: tuple[Strategy, ...] | None = None) -> float:

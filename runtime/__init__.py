@@ -18,7 +18,7 @@ Names are imported on first use, so `import runtime` stays cheap.
 
 from __future__ import annotations
 
-import importlib
+from runtime.lazy import forwarding
 
 _EXPORTS = {
     "Program": "runtime.program", "Instr": "runtime.program", "ProgramError": "runtime.program",
@@ -33,8 +33,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = forwarding(_EXPORTS, "runtime")

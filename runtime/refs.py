@@ -174,13 +174,3 @@ def _import(where: str, root: str | Path | None):
             raise RefError(f"cannot import module {where!r}: {e}; check the name, or give a file path "
                            "(path/to/file.py:NAME)") from None
         raise
-
-
-def forwarding(home: str) -> Callable[[str], Any]:
-    """A module-level __getattr__ that finds every name in module `home` when first asked for: what a
-    module left at an old path uses, so that code importing from that path (builds written before the
-    module moved) gets the very objects of its new home."""
-    def __getattr__(name: str) -> Any:
-        return getattr(importlib.import_module(home), name)
-    return __getattr__
-

@@ -6,6 +6,6 @@ Their rank scripts say `from runtime.spatial import ...`; new builds import from
 the same code.
 """
 
-from runtime.refs import forwarding
+from runtime.lazy import forwarding
 
 __getattr__ = forwarding("runtime.parallel.spatial.tiles")

@@ -6,6 +6,6 @@ Their rank scripts say `from runtime.subgraph import ...`; new builds import fro
 run the same code.
 """
 
-from runtime.refs import forwarding
+from runtime.lazy import forwarding
 
 __getattr__ = forwarding("runtime.parallel.subgraph.regions")

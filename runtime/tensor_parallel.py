@@ -6,6 +6,6 @@ Their rank scripts say `from runtime.tensor_parallel import ...`; new builds imp
 the same code.
 """
 
-from runtime.refs import forwarding
+from runtime.lazy import forwarding
 
 __getattr__ = forwarding("runtime.parallel.tensor.layers")

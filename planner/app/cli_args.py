@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import math
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any, Callable
 
@@ -127,15 +128,17 @@ def output_dir(path: str, flag: str = "-o", create: bool = True) -> Path:
 # --constraint KEY=VALUE: what each key takes (planner.optimize checks the names). The ParallelConfig
 # fields are read from ConfigFields by their annotated type (a new dimension's fields come with it); the
 # search's limits are listed here.
-def _config_keys(kind: str) -> tuple:
-    return tuple(f for f in dataclasses.fields(ConfigFields) if f.type == kind or f.type == f"{kind} | None")
+def _config_keys(kind: type) -> tuple:
+    """ConfigFields' fields that hold a `kind` (or None)."""
+    hints = typing.get_type_hints(ConfigFields)
+    return tuple(f for f in dataclasses.fields(ConfigFields) if hints[f.name] in (kind, kind | None))
 
 
-_COUNTS = {**{f.name: min(f.default, 1) for f in _config_keys("int")}, "max_micro_batch_size": 1}   # the least
-_FLAGS = (*(f.name for f in _config_keys("bool")), "allow_cross_node_tensor")
+_COUNTS = {**{f.name: min(f.default, 1) for f in _config_keys(int)}, "max_micro_batch_size": 1}   # the least
+_FLAGS = (*(f.name for f in _config_keys(bool)), "allow_cross_node_tensor")
 _POSITIVE = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s")
 _EXAMPLES = {"recompute": "selective", "spatial_until": "LAYER_NAME"}   # where the default is no example
-_TEXT = {f.name: _EXAMPLES.get(f.name, f.default) for f in _config_keys("str")}
+_TEXT = {f.name: _EXAMPLES.get(f.name, f.default) for f in _config_keys(str)}
 
 
 def check_constraints(cons: dict[str, Any]) -> dict[str, Any]:
