@@ -36,6 +36,7 @@ from codegen.lower import DEFAULT_BUCKET_BYTES, lower_plan
 from codegen.throughput import step_work
 from codegen.partition import Partition, stage_imports
 from codegen.pysrc import comment_text, doc_text, py_literal
+from codegen.strategies import registry
 from planner.binding import graph_mismatch
 from planner.graph.capture import capture_ref
 from planner.graph.model import ModelGraph
@@ -220,13 +221,6 @@ def _executable(path: Path) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
-def _context_line(prog: Program) -> str:
-    """The reader's line on context parallelism: the rank's sequence chunks and its context group."""
-    c, k = prog.context.degree, prog.context.index(prog.rank)
-    return (f"Context: ranks {list(prog.context.ranks)} share each sequence of {prog.context.seq_len} tokens; this "
-            f"rank holds chunks {k} and {2 * c - 1 - k} of {2 * c} (the data axis holds data x context {c})")
-
-
 def rank_script(rank: int, prog: Program, parts: Partition, train: TrainSpec, plan: Plan, model_ref: str,
                 model_kwargs: dict) -> str:
     """The source of one rank's script."""
@@ -245,7 +239,7 @@ def rank_script(rank: int, prog: Program, parts: Partition, train: TrainSpec, pl
         + "; stages " + ", ".join(f"{sp.spec.index} ({sp.spec.layers[0]} .. {sp.spec.layers[-1]})" for sp in mine),
         "Process groups (global ranks): " + ", ".join(f"{a} {g}" for a, g in groups.items()),
         *([f"Execution: {' '.join(train.execution.options())}"] if not train.execution.is_default else []),
-        *([_context_line(prog)] if prog.context else []),
+        *(line for s in registry.active(plan) for line in s.reader_lines(prog)),
     ]
     head = [
         "#!/usr/bin/env python3",

@@ -22,7 +22,7 @@ prices the step.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, TypeVar
 
 from cost_models.comm import collective_time, link_models
@@ -30,33 +30,32 @@ from cost_models.mesh_axes import axis_collective_time
 from cost_models.calibrated import calibrated_efficiency, curve_mix, in_run_factors, op_curves, per_element_cost
 from cost_models.activations import SelectivePolicy
 from cost_models.autocast import FLOAT32
-from cost_models.compute import Efficiency, op_time, wave_efficiency
+from cost_models.compute import Efficiency
 from cost_models.gpu_costs import gpu_costs
 from cost_models.gpu_fit import efficiency_of
 from cost_models.gpu_node import GpuGraph
-from cost_models.kernels import gpu_for, node_seconds
 from cost_models.step_costs import LossCost, StepSetup, Work, chunked_loss_cost, full_loss_cost, prefetched_batch
-from cost_models.op_curves import node_curve_times
 from cost_models.overlap import DeviceWork, Overlap, OverlapPreset, tp_exposed
 from cost_models.hardware import Cluster
 from cost_models.memory import ALLOCATOR_MARGIN
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
-from planner.layer_cost import LayerCost
+from planner.layer_cost import AxisComm, LayerCost
+from planner.node_pricing import NodePricing
 from planner.saved import SavedActivations
 from planner.strategies.tensor.sharding import ShardingPlan, find_sharding
 from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
 from planner.graph.ties import tied_weights
 from runtime.execution import Execution, LossImpl
-from runtime.vocab import DType, MeshAxis, Recompute, ShardRole, element_bytes
+from runtime.vocab import DType, MeshAxis, Recompute, ShardRole
 
 T = TypeVar("T")
 _GEMM_KINDS = ("linear", "conv")   # the ops whose split a tensor-parallel collective feeds
 
 
-class Evaluator:
+class Evaluator(NodePricing):
     """Prices ParallelConfigs of one ModelGraph on one Cluster."""
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, *, efficiency: Efficiency | None = None,
@@ -397,38 +396,6 @@ class Evaluator:
         link = intra if stride < self.cluster.devices_per_node else inter
         return lambda n: link.alpha + n * link.beta
 
-    def _kernel_times(self, n: OpInfo, role: str, scale: float, div: float,
-                      config: ParallelConfig) -> tuple[float, float] | None:
-        """(forward s, backward s) of `n` priced as the GPU kernels it runs (GEMMs by shape, flash or
-        unfused attention, memory passes: cost_models/kernels.py); None on a CPU or for kinds priced
-        by the roofline below."""
-        if self.gpu_costs is None:
-            return None
-        mixed = config.dtype != DType.FP32
-        widths = self.gpu_graph.widths(n, DType(config.dtype).bytes) if mixed and self.overlap.autocast else None
-        pad = self.execution.vocab_multiple if n.name == self._logits else 1
-        return node_seconds(n, self.gpu(config.dtype), role=role, share=scale, div=div,
-                            fused_attention=self.fused_attention, widths=widths, pad_outputs=pad)
-
-    def gpu(self, dtype: str):
-        """The cost_models.kernels.Gpu pricing `dtype` kernels on this cluster's device (a GPU)."""
-        key = ("gpu", dtype)
-        hit = self._state.get(key)
-        if hit is None:
-            hit = self._state[key] = gpu_for(self.cluster.device, dtype, self.eff, self.gpu_costs)
-        return hit
-
-    def _wave_efficiency(self, n: OpInfo, role: str, scale: float, t: int) -> float:
-        """Wave quantization of a conv's implicit GEMM on this device, for its per-rank shape."""
-        units = self.cluster.device.compute_units
-        if not units or n.kind != "conv" or not n.output_meta:
-            return 1.0
-        shape = n.output_meta[0].shape
-        split = t if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT) else 1
-        cols = shape[1] if len(shape) >= 3 else shape[-1]  # (B*H*W) x out_channels
-        rows = n.output_meta[0].numel // max(cols, 1)
-        return wave_efficiency(max(int(rows * scale), 1), max(cols // split, 1), units)
-
     def _input_bytes_per_layer(self) -> list[int]:
         layers = self.graph.layers
         first = sum(n.output_bytes for n in self.graph.nodes if n.kind == "input")
@@ -447,90 +414,6 @@ class Evaluator:
             share *= s.boundary_share(self, layer, config)
         return layer.boundary_bytes * config.micro_batch_size / self.graph.batch_size * \
             DType(config.dtype).bytes / 4 / share
-
-    def node_cost(self, n: OpInfo, role: str, config: ParallelConfig, *, fused_head: bool = False,
-                  compiled: bool = False) -> _NodeCost:
-        """One node on one device for one micro-batch, with `role` (ShardRole.REPLICATE or its split role, a ShardRole).
-        `fused_head`: the node is the output layer the fused chunked loss computes itself (its GEMMs are the
-        loss's; its casts and its gradient's accumulation stay here). `compiled`: its layer runs compiled
-        (runtime/execution.py; the layers compile_layers names)."""
-        dev = self.cluster.device
-        t = config.tensor
-        sharded = role != ShardRole.REPLICATE and t > 1
-        # a padded split (a vocabulary t does not divide) leaves each rank ceil(size / t) of it
-        div = self.sharding.roles[n.name].divisor(t) if sharded else 1
-        active = self.active(config)
-        # e.g. a replicated op between regions runs on T/t tokens under sequence parallelism (its weights whole)
-        seq = self._token_share(n.name, role, config, active)
-        work = div * seq
-        scale = config.micro_batch_size / self.graph.batch_size
-        ds = _dtype_scale(n, config.dtype)
-        peak, bw = dev.peak(config.dtype), dev.memory_bandwidth
-        act_in = sum(mm.nbytes for mm in n.input_meta)
-        param_read = max(n.bytes_read - act_in, 0)
-        nbytes = ((act_in + n.bytes_written) * scale / seq + param_read) * ds / div
-        f_bytes, b_bytes = nbytes, 2 * nbytes
-        if n.kind == "attention" and not self.fused_attention:
-            # Unfused attention materializes the scores: Q@K^T writes them, softmax
-            # reads and writes them, P@V reads them (4 passes; backward 6). Dropout
-            # on the probabilities adds a read, a write and a 1-byte mask each way.
-            scores = _score_bytes(n) * scale * ds / div
-            drop = 2.5 if (n.attr("dropout_p") or 0) > 0 else 0.0
-            f_bytes += (4 + drop) * scores
-            b_bytes += (6 + drop) * scores
-        measured = self._curve_times(n, scale / work, config.dtype, n.param_count / div)
-        if measured is not None:
-            f, b = measured[0], measured[1] if n.requires_grad else 0.0
-        elif (priced := self._kernel_times(n, role if sharded else ShardRole.REPLICATE, scale / seq, div, config)) is not None:
-            f, b = priced[0], priced[1] if n.requires_grad else 0.0
-        else:
-            waves = self._wave_efficiency(n, role if sharded else ShardRole.REPLICATE, scale, t)
-            f = op_time(n.kind, n.fwd_flops * scale / work, f_bytes, peak, bw, self.eff, shape_efficiency=waves)
-            b = op_time(n.kind, n.bwd_flops * scale / work, b_bytes, peak, bw, self.eff,
-                        kernels=2 if n.param_count or param_read else 1,
-                        shape_efficiency=waves, backward=True) if n.requires_grad else 0.0
-        f, b = f * self.in_run[0], b * self.in_run[1]
-        if fused_head:
-            f = b = 0.0
-        hf = hb = copies = 0.0
-        if self.gpu_graph is not None:
-            f, b, hf, hb, copies = self._gpu_extras(n, config, f, b, scale / seq, div, compiled)
-        tp_f = tp_b = 0.0   # the collectives inside the node, from every active strategy
-        for s in active:
-            f_c, b_c = s.node_comm(self, n, role if sharded else ShardRole.REPLICATE, config, scale, ds)
-            tp_f, tp_b = tp_f + f_c, tp_b + b_c
-        params = _params_per_rank(n, role if sharded else ShardRole.REPLICATE, div) if n.param_count else 0.0
-        saved = self.saved.node_bytes(n, config, fused_attention=self.fused_attention, divisor=div)
-        # its output and that output's gradient; a weight read through get_attr is a parameter, counted
-        # once as such and not once per sample
-        # (the output layer the fused loss computes itself never holds its whole output)
-        temp = 0.0 if n.kind == "param" or fused_head else 2 * n.output_bytes * scale * ds / div
-        return _NodeCost(fwd=f, bwd=b, tp_fwd=tp_f, tp_bwd=tp_b, saved=saved, params=params, temp=temp,
-                         host_fwd=hf, host_bwd=hb, weight_copies=copies,
-                         tensors=len(n.param_names) if n.param_count else 0)
-
-    def _gpu_extras(self, n: OpInfo, config: ParallelConfig, f: float, b: float, share: float,
-                    div: float, compiled: bool) -> tuple[float, float, float, float, float]:
-        """(forward s, backward s, host forward s, host backward s, weight-copy bytes) of `n` on a GPU: its
-        kernels `f`, `b` plus autocast's casts and eager autograd's extra work (cost_models/gpu_node.py),
-        and, where the runtime's gradients are views of data-parallel buckets (zeroed in place), adding its
-        weights' gradients into them (without buckets the first micro-batch's backward writes them fresh;
-        later micro-batches' adds are left out)."""
-        gpu = self.gpu(config.dtype)
-        mixed = config.dtype != DType.FP32
-        x = self.gpu_graph.extras(n, gpu, share=share, div=div, low_bytes=DType(config.dtype).bytes if mixed else 0,
-                                  compiled=compiled)
-        f, b = f + x.forward, b + (x.backward if n.requires_grad else 0.0)
-        hf, hb = x.host_forward, x.host_backward
-        if self.overlap.autocast and _bucketed(config) and n.param_count and n.requires_grad:
-            tensors = max(len(n.param_names), 1)
-            b += gpu.stream("elementwise", 12.0 * n.param_count / div, True, kernels=tensors)
-            hb += tensors * gpu.costs.host_op * gpu.costs.host_backward_share
-        return f, b, hf, hb, x.weight_copies
-
-    def _curve_times(self, n: OpInfo, share: float, dtype: str, weights: float) -> tuple[float, float] | None:
-        """(forward s, backward s) of `n` off the calibrated op curves (fp32 only), or None."""
-        return node_curve_times(n, self.curves, self.curve_mix, share, weights) if dtype == "fp32" else None
 
     def node_roles(self, config: ParallelConfig) -> dict[str, str]:
         """Split role of every non-replicated node under `config` (fx node name -> role).
@@ -561,16 +444,20 @@ class Evaluator:
         # The stack may run the tensor-parallel communication under the split GEMMs it feeds.
         gemms = [c for name, c in zip(layer.nodes, costs) if name in roles and self._nodes[name].kind in _GEMM_KINDS]
         ov = self.overlap
-        tp_f = tp_exposed(sum(c.tp_fwd for c in costs), sum(c.fwd for c in gemms), ov.tp_comm, ov.contention)
-        tp_b = tp_exposed(sum(c.tp_bwd for c in costs), sum(c.bwd for c in gemms), ov.tp_comm, ov.contention)
+        comm = []   # per axis, what the GEMMs do not hide (and, under full recompute, the forward's again)
+        for axis in dict.fromkeys(a.axis for c in costs for a in c.comm):
+            f_a = tp_exposed(sum(c.on(axis).forward for c in costs), sum(c.fwd for c in gemms), ov.tp_comm,
+                             ov.contention)
+            b_a = tp_exposed(sum(c.on(axis).backward for c in costs), sum(c.bwd for c in gemms), ov.tp_comm,
+                             ov.contention)
+            comm.append(AxisComm(axis, f_a, b_a + (f_a if config.recompute == Recompute.FULL else 0.0)))
         params = sum(c.params for c in costs)
         scale = config.micro_batch_size / self.graph.batch_size
         layer_in = self._layer_inputs[layer.index] * scale * DType(config.dtype).bytes / 4
         acts = self.saved.layer(layer, roles, config, fused_attention=self.fused_attention, layer_input=layer_in,
                                 policy=self.selective)
         recompute = sum(c.fwd for name, c in zip(layer.nodes, costs) if name in acts.recomputed)
-        if config.recompute == Recompute.FULL:
-            tp_b += tp_f  # the recomputed forward repeats its all-reduces
+        # (the recomputed forward repeats its all-reduces: added to each axis's backward above)
         bwd = sum(c.bwd for c in costs)
         host_f = sum(c.host_fwd for c in costs)
         host_b = sum(c.host_bwd for c in costs) + sum(c.host_fwd for name, c in zip(layer.nodes, costs)
@@ -583,7 +470,7 @@ class Evaluator:
             fwd, bwd = fwd + loss.forward.device, bwd + loss.backward.device
             host_f, host_b = host_f + loss.forward.host, host_b + loss.backward.host
         return LayerCost(forward=fwd, backward=bwd, recompute=recompute,
-                         tp_forward=tp_f, tp_backward=tp_b, subgraph_forward=0.0, subgraph_backward=0.0,
+                         comm=tuple(comm),
                          saved=acts.kept + (loss.kept_bytes if loss is not None else 0.0), working=acts.working,
                          params=params, largest_param_layer=params, temporary=temp,
                          boundary=self._boundary(layer, config), host_forward=host_f, host_backward=host_b,
@@ -671,21 +558,6 @@ class Evaluator:
         return work
 
 
-@dataclass(frozen=True)
-class _NodeCost:
-    fwd: float
-    bwd: float
-    tp_fwd: float
-    tp_bwd: float
-    saved: float    # activation bytes this op alone keeps (planner/saved.py node_bytes)
-    params: float
-    temp: float
-    host_fwd: float = 0.0       # GPU: host s dispatching its forward / backward ops
-    host_bwd: float = 0.0
-    weight_copies: float = 0.0  # GPU: bytes of the 16-bit weight copies autocast keeps
-    tensors: int = 0            # parameter tensors it holds
-
-
 def compiled_layers(graph: ModelGraph) -> frozenset[int]:
     """The layers a build with compiled stages compiles (codegen/partition.py, regional compilation): the
     repeated blocks that hold parameters, or without any, every layer that holds parameters; the others
@@ -694,44 +566,6 @@ def compiled_layers(graph: ModelGraph) -> frozenset[int]:
     weighty = {layer.index for layer in graph.layers if layer.param_count > 0}
     blocks = {layer.index for layer in graph.layers if signatures.count(layer.signature) > 1} & weighty
     return frozenset(blocks or weighty)
-
-
-def _bucketed(config: ParallelConfig) -> bool:
-    """Whether meshplan's runtime keeps this config's gradients as views of data-parallel buckets (a data or
-    context axis to sum them over, runtime/execute/grads.py), zeroed in place, rather than freeing them."""
-    return config.data * config.context > 1
-
-
-def _params_per_rank(n: OpInfo, role: str, t: float) -> float:
-    """Parameters of one node held by one tensor-parallel rank.
-
-    Split ops hold 1/t of their weights (t: the divisor, below the tensor degree where a split
-    is padded); a row-parallel op's bias is added after the all-reduce and stays whole on every
-    rank (Megatron's layout).
-    """
-    if role == ShardRole.REPLICATE or t == 1:
-        return float(n.param_count)
-    if role == ShardRole.ROW and any(name.endswith("bias") for name in n.param_names) and n.output_meta:
-        bias = n.output_meta[0].shape[1] if n.kind == "conv" else n.output_meta[0].shape[-1]
-        return (n.param_count - bias) / t + bias
-    return n.param_count / t
-
-
-def _score_bytes(n: OpInfo) -> int:
-    """Bytes of the (B, H, Tq, Tk) attention score matrix an unfused attention materializes."""
-    if len(n.input_meta) < 2 or len(n.input_meta[0].shape) != 4:
-        return 0
-    b, h, tq, _ = n.input_meta[0].shape
-    tk = n.input_meta[1].shape[2]
-    return b * h * tq * tk * element_bytes(n.input_meta[0].dtype)
-
-
-def _dtype_scale(n: OpInfo, dtype: str) -> float:
-    """Bytes scale from the captured dtype to the run's compute dtype (floats only)."""
-    meta = n.output_meta[0] if n.output_meta else (n.input_meta[0] if n.input_meta else None)
-    if meta is None or not meta.dtype.startswith(("float", "bfloat")):
-        return 1.0
-    return DType(dtype).bytes / element_bytes(meta.dtype)
 
 
 def _tokens_per_sample(graph: ModelGraph) -> int | None:

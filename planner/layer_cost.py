@@ -4,7 +4,24 @@ strategies read the type without importing the Evaluator, which imports them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class AxisComm:
+    """Seconds of the collectives one mesh axis (a runtime.vocab.MeshAxis value) runs inside a layer, on one
+    device for one micro-batch: they block the layer (the tensor axis's all-reduces, the spatial axis's
+    halos, the context axis's ring, the sub-graph axis's broadcasts). `backward` includes a recomputed
+    forward's."""
+
+    axis: str
+    forward: float
+    backward: float
+
+
+def comm_on(comm: tuple[AxisComm, ...], axis: str) -> AxisComm:
+    """The entry of `comm` for mesh axis `axis`, or zero seconds where it has none."""
+    return next((c for c in comm if c.axis == axis), AxisComm(axis, 0.0, 0.0))
 
 
 @dataclass(frozen=True)
@@ -14,10 +31,6 @@ class LayerCost:
     forward: float          # compute only
     backward: float         # compute only
     recompute: float        # extra forward work in backward (per recompute mode)
-    tp_forward: float       # tensor-parallel collectives in forward (and spatial halos, BatchNorm sync, gather)
-    tp_backward: float      # ... in backward (and in the recomputed forward)
-    subgraph_forward: float   # sub-graph collectives over the sub-grids in forward (planner/strategies/subgraph/strategy.py)
-    subgraph_backward: float  # ... in backward
     saved: float            # activation bytes kept for backward (per recompute mode)
     working: float          # bytes materialized again while this layer's backward runs (recompute)
     params: float           # parameters held per device (count)
@@ -34,13 +47,34 @@ class LayerCost:
     loss_peak: float = 0.0
     weight_copies: float = 0.0
     tensors: int = 0
+    # the in-layer collectives, one entry per mesh axis that runs any, in the order the strategies added them
+    comm: tuple[AxisComm, ...] = ()
 
     @property
     def comm_forward(self) -> float:
-        """Seconds of in-layer collectives in forward (they block the layer)."""
-        return self.tp_forward + self.subgraph_forward
+        """Seconds of in-layer collectives in forward, on every axis (they block the layer)."""
+        return sum((c.forward for c in self.comm), 0.0)
 
     @property
     def comm_backward(self) -> float:
-        """Seconds of in-layer collectives in backward."""
-        return self.tp_backward + self.subgraph_backward
+        """Seconds of in-layer collectives in backward, on every axis."""
+        return sum((c.backward for c in self.comm), 0.0)
+
+    def on(self, axis: str) -> AxisComm:
+        """The in-layer collectives on mesh axis `axis` (zero seconds where it runs none)."""
+        return comm_on(self.comm, axis)
+
+    def with_comm(self, axis: str, forward: float, backward: float) -> "LayerCost":
+        """This cost with `axis`'s in-layer collectives set to (forward, backward) seconds (an axis already
+        listed keeps its place)."""
+        entry = AxisComm(axis, forward, backward)
+        if any(c.axis == axis for c in self.comm):
+            return replace(self, comm=tuple(entry if c.axis == axis else c for c in self.comm))
+        return replace(self, comm=(*self.comm, entry))
+
+    def comm_divided(self, by: float) -> "LayerCost":
+        """This cost with every axis's in-layer collectives divided by `by` (ranks sharing the tokens)."""
+        return replace(self, comm=tuple(AxisComm(c.axis, c.forward / by, c.backward / by) for c in self.comm))
+
+
+__all__ = ["AxisComm", "LayerCost", "comm_on"]

@@ -4,7 +4,7 @@ its launch options, joining the launcher's rendezvous, and the files `meshplan r
 The script is one SPMD program, the same on every rank, that applies the plan with PyTorch's own
 parallel stack (DeviceMesh, DTensor, FSDP2, torch.distributed.pipelining). It is started exactly as
 a meshplan build's ranks are (`meshplan run`, launch_torchrun.sh, launch_srun.sh) and takes the same
-options (runtime/rank_main.parse_args); those it cannot honour are refused before it talks to any
+options (runtime/launch/rank_args.parse_args); those it cannot honour are refused before it talks to any
 other rank, with the same message on every rank. It records no Timeline (--trace and --no-trace
 change nothing; `meshplan run` then writes no trace) and runs no heartbeats (--heartbeat-timeout
 changes nothing): a failing rank exits with its error, the launcher ends the others after its
@@ -38,7 +38,7 @@ from torch import nn
 from runtime.comm import CommError
 from runtime.execute.optim import OptimizerImpl, OptimizerSpec
 from runtime.launch.placement import cuda_index
-from runtime.rank_main import LaunchError, parse_args
+from runtime.launch.rank_args import LaunchError, parse_args
 from runtime.comm.store_host import host_store, listen_address
 from runtime.torch_records import whole_model_spec
 from runtime.vocab import Backend
@@ -49,7 +49,7 @@ _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_mo
 
 
 def script_args(argv: list[str], default_out: str) -> argparse.Namespace:
-    """The launcher's options (runtime/rank_main.parse_args); LaunchError for those this script
+    """The launcher's options (runtime/launch/rank_args.parse_args); LaunchError for those this script
     cannot honour, naming them and what to use instead."""
     args = parse_args(argv, default_out)
     refused = [flag for flag, given in (

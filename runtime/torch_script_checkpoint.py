@@ -1,6 +1,6 @@
 """Checkpoints of the torch target's script (codegen/torch_target/script.py): Distributed Checkpoint
 directories, saved and resumed with the flags meshplan's own runtime takes (--checkpoint-dir,
---save-every, --resume, --resume-from-other-run; runtime/rank_main.parse_args).
+--save-every, --resume, --resume-from-other-run; runtime/launch/rank_args.parse_args).
 
 Layout under a checkpoint root ROOT (--checkpoint-dir):
 

@@ -156,8 +156,12 @@ class LoweringStrategy(Protocol):
         return []
 
     def finish_program(self, plan: Plan, graph: ModelGraph, program: Program) -> Program:
-        """The rank's finished Program with this strategy's own fields (spatial: its tile)."""
+        """The rank's finished Program with this strategy's own part (spatial: its tile; Program.with_part)."""
         return program
+
+    def reader_lines(self, program: Program) -> list[str]:
+        """Lines for the reader's summary at the top of the rank's script (plain text: the caller quotes it)."""
+        return []
 
 
 class Placement(LoweringStrategy, Protocol):

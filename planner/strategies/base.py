@@ -160,11 +160,14 @@ class Strategy:
         """What the bytes crossing the pipeline cut after `layer` are divided by under this strategy."""
         return 1
 
+    # the mesh axis (a MeshAxis value) node_comm's collectives run on: the LayerCost keeps them under it
+    comm_axis: str | None = None
+
     def node_comm(self, ev: "Pricing", n: "OpInfo", role: str, config: "ParallelConfig", scale: float,
                   ds: float) -> tuple[float, float]:
         """(forward s, backward s) of the collectives inside node `n` this strategy adds for one micro-batch
-        (`scale`: the micro-batch's fraction of the captured batch; `ds`: the dtype's size over the
-        captured one)."""
+        on its `comm_axis` (`scale`: the micro-batch's fraction of the captured batch; `ds`: the dtype's
+        size over the captured one)."""
         return 0.0, 0.0
 
     # True where layer_cost depends on the layer only through its signature (and `cost`, `config`): the

@@ -193,9 +193,10 @@ def adjust(ev, layer: Layer, cost, config: ParallelConfig):
                 buffers = max(buffers, nbytes)
         if config.recompute in (Recompute.FULL, Recompute.SELECTIVE):
             ex_b += ex_f   # the recomputed attention exchanges its keys and values again
+        shared = cost.comm_divided(c)   # each rank runs the other axes' collectives on its tokens alone
         return dataclasses.replace(
-            cost, forward=cost.forward / c, backward=cost.backward / c, recompute=cost.recompute / c,
-            tp_forward=cost.tp_forward / c + ex_f, tp_backward=cost.tp_backward / c + ex_b,
+            shared.with_comm(MeshAxis.CONTEXT, ex_f, ex_b) if ex_f or ex_b else shared,
+            forward=cost.forward / c, backward=cost.backward / c, recompute=cost.recompute / c,
             saved=cost.saved / c, working=cost.working / c, temporary=cost.temporary / c + buffers,
             boundary=cost.boundary / c, loss_forward=cost.loss_forward / c, loss_backward=cost.loss_backward / c,
             loss_peak=cost.loss_peak / c)

@@ -116,11 +116,12 @@ class PipelineStrategy(Placement):
         autocast = _autocast_memory(ev, config)
         p2p = ev.p2p_seconds(config)
         tie_params, tie_seconds = ev.tie_costs(config, bounds)
-        # Gradient and weight traffic on the data axis shares its link with the tensor-parallel
+        # Gradient and weight traffic on the data axis shares its link with an axis's in-layer
         # collectives when both axes run on the same link level: they take turns, so only compute
         # hides it. On different levels (tensor in a node, data across) they run at once.
         dpn = ev.cluster.devices_per_node
-        apart = axis_spans_nodes(config.mesh, MeshAxis.DATA, dpn) != axis_spans_nodes(config.mesh, MeshAxis.TENSOR, dpn)
+        data_spans = axis_spans_nodes(config.mesh, MeshAxis.DATA, dpn)
+        apart = {a: data_spans != axis_spans_nodes(config.mesh, a, dpn) for a in config.mesh}
         for i in range(p):
             chunks = [bounds[c] for c in range(i, config.num_stages, p)]
             cs = [c for lo, hi in chunks for c in costs[lo:hi]]
@@ -139,8 +140,9 @@ class PipelineStrategy(Placement):
                            bwd + rc + sum(c.comm_backward for c in cs) + pp / 2 + sum(b for _, b in excess)))
             parts.append((fwd, bwd, rc, tp, pp, sum(c.loss_forward for c in cs), sum(c.loss_backward for c in cs)))
             works.append(DeviceWork(
-                layers=tuple((c.params, c.forward + apart * c.tp_forward,
-                              c.backward + c.recompute + apart * c.tp_backward) for c in cs),
+                layers=tuple((c.params, c.forward + sum(apart[a.axis] * a.forward for a in c.comm),
+                              c.backward + c.recompute + sum(apart[a.axis] * a.backward for a in c.comm))
+                             for c in cs),
                 chunk_sizes=tuple(hi - lo for lo, hi in chunks), later_passes=min(p, m) if v > 1 else 1))
             params = sum(c.params for c in cs) + tie_params.get(i, 0.0)
             live = live_micro_batches(config.schedule, i, p, m, v)

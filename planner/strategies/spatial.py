@@ -164,12 +164,12 @@ class SpatialPricer:
             # codegen/strategies/spatial/program.py), then each device keeps its tile
             gather_back = spatial("all_reduce", cost.boundary)
             boundary = cost.boundary
+        comm_f = halo_f + bn_f + gather
+        comm_b = halo_f + bn_b + gather_back + (comm_f if config.recompute == Recompute.FULL else 0.0)
         hit = dataclasses.replace(
-            cost, forward=cost.forward / s * factor, backward=cost.backward / s * factor,
+            cost.with_comm(MeshAxis.SPATIAL, comm_f, comm_b) if comm_f or comm_b else cost,
+            forward=cost.forward / s * factor, backward=cost.backward / s * factor,
             recompute=cost.recompute / s * factor,
-            tp_forward=cost.tp_forward + halo_f + bn_f + gather,
-            tp_backward=cost.tp_backward + halo_f + bn_b + gather_back +
-            (halo_f + bn_f + gather if config.recompute == Recompute.FULL else 0.0),
             saved=cost.saved / s, working=cost.working / s,
             temporary=max(cost.temporary / s, 2 * cost.boundary if layer.index == k else 0.0),
             boundary=boundary)

@@ -13,6 +13,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from runtime.documents import FieldError, Fields
+from runtime.parallel.parts import PARTS
 from runtime.program.instr_set import COLLECTIVE_OPS, KINDS, OPS, P2P_OPS, PROGRAM_FORMAT_VERSION, TIE_AXIS, Op, ProgramError
 from runtime.program.mesh import MeshError
 from runtime.vocab import current_axis_name
@@ -20,12 +21,10 @@ from runtime.vocab import current_axis_name
 GroupOf = Callable[[Sequence[tuple[str, int]], Sequence[int], str], tuple[int, ...]]
 
 _TOP = ("format_version", "rank", "world_size", "mesh", "coords", "stages", "num_stages", "num_micro_batches",
-        "micro_batch_size", "zero", "buckets", "instrs", "ties", "spatial", "context")
+        "micro_batch_size", "zero", "buckets", "instrs", "ties") + tuple(k.key for k in PARTS)
 _BUCKET = ("stage", "params", "numel", "nbytes")
 _BUCKET_KEYS = _BUCKET + ("decay",)   # decay: optional (default true)
 _TIE = ("index", "name", "copies", "owned", "axis")
-_SPATIAL = ("degree", "split", "grid", "tile", "ranks")
-_CONTEXT = ("degree", "seq_len", "dim", "ranks")
 _INSTR_INT = ("stage", "micro", "peer", "handle", "bucket", "nbytes")
 _INSTR_STR = ("op", "kind", "axis")
 
@@ -48,7 +47,7 @@ def check_program_dict(d: Any, axis_group: GroupOf) -> None:
 
 
 def _check(f: Fields, axis_group: GroupOf) -> None:
-    f.only(_TOP, tuple(k for k in _TOP if k not in ("zero", "buckets", "ties", "spatial", "context")))
+    f.only(_TOP, _TOP[:_TOP.index("zero")] + ("instrs",))
     version = f.raw("format_version")
     if version != PROGRAM_FORMAT_VERSION or isinstance(version, bool):
         raise f.error("format_version", f"is {version!r}; this runtime reads {PROGRAM_FORMAT_VERSION}")
@@ -81,10 +80,9 @@ def _check(f: Fields, axis_group: GroupOf) -> None:
         f.integer("zero", minimum=0, maximum=3)
     buckets = f.each("buckets", lambda b: _check_bucket(b, stages), [])
     ties = _check_ties(f, stages, mesh, coords, axis_group) if "ties" in f.data else set()
-    if "spatial" in f.data:
-        _check_spatial(f.sub("spatial"), world, f.raw("rank"))
-    if "context" in f.data:
-        _check_context(f.sub("context"), world, f.raw("rank"))
+    for part in PARTS:
+        if part.key in f.data:
+            part.check_document(f.sub(part.key), world, f.raw("rank"))
     created: set[int] = set()
     for i, ins in enumerate(f.items("instrs")):
         g = Fields(ins, _WHERE, f"instrs[{i}]")
@@ -143,51 +141,6 @@ def _check_bucket(b: Fields, stages: list) -> None:
         raise b.error("params", "must be a list of parameter names")
     b.integer("numel", minimum=0)
     b.integer("nbytes", minimum=0)
-
-
-def _check_spatial(t: Fields, world: int, rank: int) -> None:
-    """The "spatial" entry (runtime.program.SpatialTiles): a grid of degree tiles over ranks of the world,
-    this rank's among them at its tile's place."""
-    t.only(_SPATIAL, _SPATIAL)
-    degree = t.integer("degree", minimum=1, maximum=world)
-    if not t.text("split"):
-        raise t.error("split", "must be the split's name")
-    pairs = {}
-    for key in ("grid", "tile"):
-        v = t.items(key)
-        if len(v) != 2:
-            raise t.error(key, f"must be [rows, cols], got {v!r}")
-        pairs[key] = [t.whole(t.path(f"{key}[{k}]"), x, minimum=0 if key == "tile" else 1) for k, x in enumerate(v)]
-    (rows, cols), (i, j) = pairs["grid"], pairs["tile"]
-    if rows * cols != degree:
-        raise t.error("grid", f"is {rows} x {cols}, not {degree} tiles")
-    if i >= rows or j >= cols:
-        raise t.error("tile", f"is ({i}, {j}), outside the {rows} x {cols} grid")
-    ranks = t.items("ranks")
-    for k, r in enumerate(ranks):
-        t.whole(t.path(f"ranks[{k}]"), r, minimum=0, maximum=world - 1)
-    if len(ranks) != degree or len(set(ranks)) != degree:
-        raise t.error("ranks", f"must be {degree} distinct ranks, got {ranks}")
-    if ranks[i * cols + j] != rank:
-        raise t.error("ranks", f"holds rank {ranks[i * cols + j]} at tile ({i}, {j}), not this rank {rank}")
-
-
-def _check_context(t: Fields, world: int, rank: int) -> None:
-    """The "context" entry (runtime.program.ContextShard): degree distinct ranks of the world, this rank
-    among them, and a sequence that cuts into 2 x degree chunks."""
-    t.only(_CONTEXT, _CONTEXT)
-    degree = t.integer("degree", minimum=2, maximum=world)
-    seq_len = t.integer("seq_len", minimum=1)
-    if seq_len % (2 * degree):
-        raise t.error("seq_len", f"is {seq_len}, which does not cut into 2 x {degree} chunks")
-    t.integer("dim", minimum=0)
-    ranks = t.items("ranks")
-    for k, r in enumerate(ranks):
-        t.whole(t.path(f"ranks[{k}]"), r, minimum=0, maximum=world - 1)
-    if len(ranks) != degree or len(set(ranks)) != degree:
-        raise t.error("ranks", f"must be {degree} distinct ranks, got {ranks}")
-    if rank not in ranks:
-        raise t.error("ranks", f"is {ranks}, which does not hold this rank {rank}")
 
 
 def _check_ties(f: Fields, stages: list, mesh: list, coords: list, axis_group: GroupOf) -> set[int]:

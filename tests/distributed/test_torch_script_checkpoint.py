@@ -20,7 +20,7 @@ import pytest
 from runtime.checkpoint import MANIFEST, TORCH_INFO, TORCH_LATEST, CheckpointError, resolve_checkpoint
 from planner.app.cli import main
 from runtime.launch.launcher import run_many
-from runtime.rank_main import parse_args
+from runtime.launch.rank_args import parse_args
 from runtime.torch_script_checkpoint import TorchCheckpoint, open_checkpoints
 from tests.distributed.test_torch_script import GPT, emit_torch_fixed
 from tests.real_models import CONFIGS

@@ -147,8 +147,8 @@ def test_planner_charges_a_wrapper_per_in_layer_all_reduce_of_a_tensor_parallel_
         wraps = n in with_ar
         # per micro-batch of 2 (the graph was captured at 4): the values it all-reduces
         elements = max(roles[n.name].fwd_allreduce, roles[n.name].bwd_allreduce) / 2 / 4
-        assert b.tp_fwd - a.tp_fwd == pytest.approx(2e-5 + 1e-9 * elements if wraps else 0.0)
-        assert b.tp_bwd - a.tp_bwd == pytest.approx(1e-5 if wraps else 0.0)
+        assert b.on("tensor").forward - a.on("tensor").forward == pytest.approx(2e-5 + 1e-9 * elements if wraps else 0.0)
+        assert b.on("tensor").backward - a.on("tensor").backward == pytest.approx(1e-5 if wraps else 0.0)
         assert (b.fwd, b.bwd) == (a.fwd, a.bwd)
     # the whole step: four micro-batches of two, each paying every wrapper both ways
     grown = ev_w.evaluate(cfg, 8).time.tensor_comm - ev.evaluate(cfg, 8).time.tensor_comm

@@ -104,5 +104,5 @@ def test_the_planner_charges_the_vocabulary_parallel_embedding_not_a_wrapper():
     for n in vocab:
         a, b = ev.node_cost(n, "vocab", cfg), ev_x.node_cost(n, "vocab", cfg)
         elements = ev.sharding.roles[n.name].fwd_allreduce / 2 / 4  # a micro-batch of 2 of the 4 captured
-        assert b.tp_fwd - a.tp_fwd == pytest.approx(3e-5 + 1e-9 * elements)
-        assert b.tp_bwd - a.tp_bwd == pytest.approx(2e-5)
+        assert b.on("tensor").forward - a.on("tensor").forward == pytest.approx(3e-5 + 1e-9 * elements)
+        assert b.on("tensor").backward - a.on("tensor").backward == pytest.approx(2e-5)

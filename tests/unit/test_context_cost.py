@@ -105,11 +105,11 @@ def test_ring_block_does_half_the_work_and_exposes_its_kv_transfer(graph, node):
     block_f, block_b = a.fwd / 2 / 2, a.bwd / 2 / 2   # this rank's half, in 2 blocks
     fwd = (intra.alpha + intra.beta) + max(0.0, intra.alpha + kv * intra.beta - block_f)
     bwd = (intra.alpha + intra.beta) + max(0.0, intra.alpha + 2 * kv * intra.beta - block_b)
-    assert got.tp_forward == pytest.approx(fwd, rel=1e-9)
-    assert got.tp_backward == pytest.approx(bwd, rel=1e-9)
+    assert got.comm_forward == pytest.approx(fwd, rel=1e-9)
+    assert got.comm_backward == pytest.approx(bwd, rel=1e-9)
     # the recomputed attention exchanges again in backward
     rc = ev.layer_cost(layer, cp.replace(recompute="full"))
-    assert rc.tp_backward == pytest.approx(bwd + fwd, rel=1e-9)
+    assert rc.comm_backward == pytest.approx(bwd + fwd, rel=1e-9)
 
 
 def test_ulysses_block_pays_four_all_to_alls_each_way(graph, node):
@@ -119,8 +119,8 @@ def test_ulysses_block_pays_four_all_to_alls_each_way(graph, node):
     intra, _ = link_models(node)
     q = 2 * 128 * HEADS * D * 2   # q, k, v and the output are each this size on a rank: 65536 bytes
     a2a = (2 - 1) * intra.alpha + (2 - 1) / 2 * q * intra.beta
-    assert got.tp_forward == pytest.approx(4 * a2a, rel=1e-9)
-    assert got.tp_backward == pytest.approx(4 * a2a, rel=1e-9)
+    assert got.comm_forward == pytest.approx(4 * a2a, rel=1e-9)
+    assert got.comm_backward == pytest.approx(4 * a2a, rel=1e-9)
 
 
 def test_activations_divided_by_c_weights_and_optimizer_state_not(graph, node):

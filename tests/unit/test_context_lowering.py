@@ -17,7 +17,8 @@ from runtime.comm import SoloGroup
 from runtime.parallel.context.layout import chunk_layout
 from runtime.program.instr_set import ProgramError
 from runtime.parallel.context.strategy import ContextBatches, ContextRank
-from runtime.program import ContextShard, Program
+from runtime.parallel.context.part import ContextShard
+from runtime.program import Program
 from tests.parallel_cases import graph_of, plan_for
 
 
@@ -57,7 +58,7 @@ def test_gradients_and_zero_reduce_over_data_x_context(d2c2):
     assert programs[0].mesh == (("pipeline", 1), ("data", 4), ("tensor", 1))
     assert {i.axis for i in programs[0].instrs if i.kind in ("grads", "loss")} == {"data"}
     assert programs[0].group("data") == (0, 1, 2, 3)
-    assert [programs[r].context.ranks for r in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [programs[r].part("context").ranks for r in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert [programs[r].data_shard() for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert programs[0].num_micro_batches == 2   # 8 samples / (2 data shards x micro-batch 2)
 

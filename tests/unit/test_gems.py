@@ -245,7 +245,7 @@ def test_evaluator_moves_stage_boundaries_until_each_pair_fits():
         cl = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=int(mib * 2**20)))
         ev = Evaluator(graph, cl)
         costs = [ev.layer_cost(layer, cfg) for layer in graph.layers]
-        weights = [c.forward + c.backward + c.recompute + c.tp_forward + c.tp_backward for c in costs]
+        weights = [c.forward + c.backward + c.recompute + c.comm_forward + c.comm_backward for c in costs]
         return ev.evaluate(cfg, 8), ev.stage_bounds(cfg, costs, 8), balanced_partition(weights, 4, None)
 
     roomy, bounds, plain = run(80 * 1024)

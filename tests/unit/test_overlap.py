@@ -247,7 +247,7 @@ def test_gradient_sync_hides_behind_tensor_collectives_only_on_another_link():
     fast = dict(flops=1e13, memory_bandwidth=1e12)
     apart = Evaluator(graph, _cluster(4, nodes=2, **fast), sharding="all")
     shared = Evaluator(graph, _cluster(4, nodes=1, **fast), sharding="all")
-    tp_backward = sum(apart.layer_cost(layer, config).tp_backward for layer in graph.layers)
+    tp_backward = sum(apart.layer_cost(layer, config).on("tensor").backward for layer in graph.layers)
     assert tp_backward > 0
     gap = shared.evaluate(config, 4).time.data_comm - apart.evaluate(config, 4).time.data_comm
     assert gap == pytest.approx(tp_backward)

@@ -72,25 +72,25 @@ def test_collectives_of_a_region_become_reduce_scatters_and_all_gathers(tiny):
     plain_col, sp_col = (ev.node_cost(qkv, ShardRole.COLUMN, _cfg(sp)) for sp in (False, True))
     plain_row, sp_row = (ev.node_cost(proj, ShardRole.ROW, _cfg(sp)) for sp in (False, True))
     # plain: the column op all-reduces its input's gradient, the row op its output
-    assert (plain_col.tp_fwd, plain_col.tp_bwd) == (0.0, pytest.approx(2 * ONE_STEP, rel=1e-12))
-    assert (plain_row.tp_fwd, plain_row.tp_bwd) == (pytest.approx(2 * ONE_STEP, rel=1e-12), 0.0)
+    assert (plain_col.on("tensor").forward, plain_col.on("tensor").backward) == (0.0, pytest.approx(2 * ONE_STEP, rel=1e-12))
+    assert (plain_row.on("tensor").forward, plain_row.on("tensor").backward) == (pytest.approx(2 * ONE_STEP, rel=1e-12), 0.0)
     # SP: the column op all-gathers its input and reduce-scatters its gradient; the row op
     # reduce-scatters its output and all-gathers its gradient: the same bytes, split both ways.
     # The row op's bias (32 fp32 = 128 bytes), added after the reduce-scatter, meets this rank's tokens
     # only: its gradient is all-reduced too, 2 x 20 us + 128 / 2e9 s on 2 ranks; so are a LayerNorm's
     # weight and bias.
     bias = 2 * 20e-6 + 128 / 2e9
-    assert (sp_col.tp_fwd, sp_col.tp_bwd) == (pytest.approx(ONE_STEP, rel=1e-12), pytest.approx(ONE_STEP, rel=1e-12))
-    assert (sp_row.tp_fwd, sp_row.tp_bwd) == (pytest.approx(ONE_STEP, rel=1e-12),
+    assert (sp_col.on("tensor").forward, sp_col.on("tensor").backward) == (pytest.approx(ONE_STEP, rel=1e-12), pytest.approx(ONE_STEP, rel=1e-12))
+    assert (sp_row.on("tensor").forward, sp_row.on("tensor").backward) == (pytest.approx(ONE_STEP, rel=1e-12),
                                               pytest.approx(ONE_STEP + bias, rel=1e-12))
     ln = ev.node_cost(ev.node("blocks_0_ln1"), "replicate", _cfg(True))
-    assert (ln.tp_fwd, ln.tp_bwd) == (0.0, pytest.approx(2 * bias, rel=1e-12))
+    assert (ln.on("tensor").forward, ln.on("tensor").backward) == (0.0, pytest.approx(2 * bias, rel=1e-12))
     block = tiny.layers[2]
     assert block.name == "blocks.0"
     plain, sp = ev.layer_cost(block, _cfg(False)), ev.layer_cost(block, _cfg(True))
     # 2 regions, each a gather in and a scatter out; 2 row biases and 2 LayerNorms' partial gradients
-    assert sp.tp_forward == pytest.approx(4 * ONE_STEP, rel=1e-12)
-    assert sp.tp_forward + sp.tp_backward == pytest.approx(plain.tp_forward + plain.tp_backward + 6 * bias, rel=1e-12)
+    assert sp.on("tensor").forward == pytest.approx(4 * ONE_STEP, rel=1e-12)
+    assert sp.on("tensor").forward + sp.on("tensor").backward == pytest.approx(plain.on("tensor").forward + plain.on("tensor").backward + 6 * bias, rel=1e-12)
 
 
 def test_replicated_ops_between_regions_do_a_tth_of_the_work(tiny):

@@ -109,9 +109,9 @@ def test_spatial_layers_cost_a_quarter_plus_halos_and_the_gather(cnn):
     for w, t in zip(whole[:k + 1], tiled[:k + 1]):
         assert t.saved == pytest.approx(w.saved / 4)
         assert w.forward / 4 <= t.forward <= w.forward / 4 * (516 / 512) ** 2 * (1 + 1e-9)  # 5x5 halo area
-    assert tiled[1].tp_forward > 0                                # a 3x3 conv exchanges halos
+    assert tiled[1].on("spatial").forward > 0                                # a 3x3 conv exchanges halos
     assert tiled[k].boundary == whole[k].boundary                 # gathered: the full activation
-    assert tiled[k].tp_forward > tiled[1].tp_forward              # the gather is charged on it
+    assert tiled[k].on("spatial").forward > tiled[1].on("spatial").forward              # the gather is charged on it
     for w, t in zip(whole[k + 1:], tiled[k + 1:]):
         assert t == w                                             # replicated after the gather
     p_whole = ev.evaluate(base.replace(data=2, pipeline=2), 2)

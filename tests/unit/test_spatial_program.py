@@ -10,7 +10,8 @@ import pytest
 import planner
 from codegen.emit import capture_ref
 from codegen.lower import lower_plan
-from runtime.program import Instr, Program, ProgramError, SpatialTiles
+from runtime.program import Instr, Program, ProgramError
+from runtime.parallel.spatial.part import SpatialTiles
 from runtime.parallel.spatial.tiles import SpatialContext
 from runtime.parallel.spatial.geometry import SpatialError
 
@@ -30,7 +31,7 @@ def lowered():
 def test_every_program_names_its_tile_and_the_ranks_sharing_its_image(lowered):
     _parts, programs = lowered
     for rank, p in programs.items():
-        sp = p.spatial
+        sp = p.part("spatial")
         assert (sp.degree, sp.split, sp.grid) == (4, "grid", (2, 2))
         assert sp.ranks == tuple(range(rank // 4 * 4, rank // 4 * 4 + 4))
         assert sp.tile == divmod(rank % 4, 2) and sp.ranks[sp.index] == rank
@@ -55,7 +56,7 @@ def test_the_stage_code_runs_the_spatial_part_on_tiles_and_gathers_after_it(lowe
 def _doc(**spatial):
     p = Program(rank=1, world_size=2, mesh=(("data", 2),), coords=(1,), stages=(0,), num_stages=1,
                 num_micro_batches=1, micro_batch_size=1, instrs=(Instr("STEP"),),
-                spatial=SpatialTiles(2, "strips_h", (2, 1), (1, 0), (0, 1)))
+                parts=(SpatialTiles(2, "strips_h", (2, 1), (1, 0), (0, 1)),))
     d = p.to_dict()
     d["spatial"] = {**d["spatial"], **spatial}
     return d

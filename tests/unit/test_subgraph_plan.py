@@ -64,7 +64,7 @@ def test_attention_heads_split_into_equal_groups():
     ev = Evaluator(graph_of("gpt"), planner.Cluster.preset("dgx-a100-80gb", devices=2))
     layer = next(la for la in graph_of("gpt").layers if la.name == "blocks.0")
     one, two = (ev.layer_cost(layer, ParallelConfig(micro_batch_size=2, subgraph=b)) for b in (1, 2))
-    assert two.forward < one.forward and two.subgraph_forward > 0 and two.params == one.params
+    assert two.forward < one.forward and two.on("subgraph").forward > 0 and two.params == one.params
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -107,7 +107,7 @@ def test_cost_model_splits_branch_compute_and_adds_the_region_collectives():
     stem = inception().layers[0]
     base, split = ev.layer_cost(layer, one), ev.layer_cost(layer, two)
     assert split.forward < base.forward and split.backward < base.backward and split.params < base.params
-    assert split.subgraph_forward > 0 and split.subgraph_backward > 0 and base.tp_forward == 0
+    assert split.on("subgraph").forward > 0 and split.on("subgraph").backward > 0 and base.on("tensor").forward == 0
     assert ev.layer_cost(stem, two) == ev.layer_cost(stem, one)   # outside the regions: replicated
     # the busiest sub-grid holds the 3x3 branch alone: more than half of the branch compute
     assert split.forward > base.forward / 2

@@ -22,7 +22,7 @@ from runtime.execute.evaluation import EvalSpec
 from runtime.launch.launcher import BuildError, entry_script
 from runtime.execute.loss_scale import LossScaleSpec
 from runtime.execute.optim import OptimizerSpec
-from runtime.rank_main import LaunchError
+from runtime.launch.rank_args import LaunchError
 from runtime.torch_records import WHOLE_MODEL_KEY, whole_model_view
 from runtime.torch_script import check_world, script_args
 from runtime.torch_stack.vocab import DataKind, TensorStyle

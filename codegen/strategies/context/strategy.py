@@ -9,7 +9,7 @@ data x context, as Megatron reduces gradients and shards its distributed optimiz
 data-parallel x context-parallel group. What is context-parallel is said where it runs: the
 stage code takes this rank's tokens and positions and calls context attention
 (codegen/strategies/context/stage_code.py), and each rank's Program names its context group and the sequence
-(runtime.program.ContextShard).
+(runtime.parallel.context.part.ContextShard).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from codegen.strategies.base import LoweringError, LoweringStrategy
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from planner.strategies.combinations import Level, why_not
-from runtime.program import ContextShard, Program
+from runtime.parallel.context.part import ContextShard
+from runtime.program import Program
 from runtime.vocab import ContextAttention, MeshAxis, StrategyName
 
 
@@ -62,7 +63,14 @@ class Context(LoweringStrategy):
         return {"rewrite": functools.partial(context_graph, graph=graph, spec=_spec(plan, graph))}
 
     def finish_program(self, plan: Plan, graph: ModelGraph, program: Program) -> Program:
-        return dataclasses.replace(program, context=context_shard(program, _spec(plan, graph)))
+        return program.with_part(context_shard(program, _spec(plan, graph)))
+
+    def reader_lines(self, program: Program) -> list[str]:
+        """The rank's sequence chunks and its context group."""
+        shard = program.part(ContextShard.key)
+        c, k = shard.degree, shard.index(program.rank)
+        return [f"Context: ranks {list(shard.ranks)} share each sequence of {shard.seq_len} tokens; this "
+                f"rank holds chunks {k} and {2 * c - 1 - k} of {2 * c} (the data axis holds data x context {c})"]
 
 
 __all__ = ["Context", "context_shard", "context_twin"]

@@ -10,7 +10,7 @@ runs: the first stage's code takes this rank's tile of the images, runs its laye
 gathers the tiles after them with a backward that sums the gradient over the s ranks
 (runtime.parallel.spatial.tiles._GatherTiles), so that every gradient, tiled and replicated layers alike, is a
 partial sum that the data-axis all-reduce completes. Each rank's Program names its tile and its
-spatial group (runtime.program.SpatialTiles). The spatial part must lie in the first stage: the
+spatial group (runtime.parallel.spatial.part.SpatialTiles). The spatial part must lie in the first stage: the
 tiles are gathered before the first pipeline cut, and the later stages run replicated on the s
 lanes.
 """
@@ -24,7 +24,8 @@ from codegen.strategies.base import LoweringError
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from planner.strategies.combinations import Level, why_not
-from runtime.program import Program, SpatialTiles
+from runtime.parallel.spatial.part import SpatialTiles
+from runtime.program import Program
 from runtime.parallel.spatial.geometry import SpatialSpec, tile_shape
 from runtime.vocab import MeshAxis
 

@@ -33,7 +33,7 @@ class Spatial(LoweringStrategy):
         return spatial_stages(plan, graph, parts)
 
     def finish_program(self, plan: Plan, graph: ModelGraph, program: Program) -> Program:
-        return dataclasses.replace(program, spatial=spatial_tiles(program, spatial_spec(plan, graph)))
+        return program.with_part(spatial_tiles(program, spatial_spec(plan, graph)))
 
 
 __all__ = ["Spatial"]

@@ -7,7 +7,7 @@ paths of the busiest sub-grid, plus the region's collectives over the B sub-grid
 sub-grid mesh axis: in forward one broadcast per path output (from the sub-grid that
 computed it), in backward one all-reduce of the fork value's gradient. Those collectives
 block the layer, so they are charged in full to the layer's in-layer communication
-(`LayerCost.subgraph_forward` / `subgraph_backward`; a Prediction reports them in
+(`LayerCost.comm`, under the sub-grid axis; a Prediction reports them in
 tensor_comm with tensor-parallel traffic). Parameters, gradients and saved activations of
 a path live only on its sub-grid; a device keeps the busiest sub-grid's share. An
 attention op split by heads costs 1/B of its compute per sub-grid, plus an all-gather of
@@ -113,7 +113,7 @@ def region_comm_seconds(ev, config: ParallelConfig, region: Region) -> tuple[flo
 
 def _split_cost(ev, regions: list[Region], cost, config: ParallelConfig):
     fwd, bwd, saved, params = cost.forward, cost.backward, cost.saved, cost.params
-    sub_f, sub_b = cost.subgraph_forward, cost.subgraph_backward
+    sub_f, sub_b = cost.on(SUBGRID_AXIS).forward, cost.on(SUBGRID_AXIS).backward
     for r in regions:
         if r.kind == "heads":    # each sub-grid runs 1/B of the heads of one attention op
             c = ev.node_cost(ev.node(r.fork), ShardRole.REPLICATE, config)
@@ -139,5 +139,5 @@ def _split_cost(ev, regions: list[Region], cost, config: ParallelConfig):
         cf, cb = region_comm_seconds(ev, config, r)
         sub_f += cf
         sub_b += cb
-    return dataclasses.replace(cost, forward=fwd, backward=bwd, saved=saved, params=params,
-                               largest_param_layer=params, subgraph_forward=sub_f, subgraph_backward=sub_b)
+    return dataclasses.replace(cost.with_comm(SUBGRID_AXIS, sub_f, sub_b), forward=fwd, backward=bwd, saved=saved,
+                               params=params, largest_param_layer=params)

@@ -70,6 +70,8 @@ class TensorStrategy(Strategy):
     def boundary_share(self, ev, layer: Layer, config: ParallelConfig) -> int:
         return sequence_boundary_share(ev, layer, config)
 
+    comm_axis = MeshAxis.TENSOR.value
+
     def node_comm(self, ev, n: OpInfo, role: str, config: ParallelConfig, scale: float,
                   ds: float) -> tuple[float, float]:
         """A split node's all-reduces on the tensor axis (or, under sequence parallelism, its reduce-scatters
@@ -220,7 +222,7 @@ def _choose(ev, by_region: dict[int, list[OpInfo]], config: ParallelConfig) -> f
         ))
         # Resharding edges: where the region's output rejoins the replicated stream
         # (forward all-reduce) and where the stream enters it (backward all-reduce).
-        edges.append(Edge(r, -1, sum(c.tp_fwd for c in sh)))
-        edges.append(Edge(-1, r, sum(c.tp_bwd for c in sh)))
+        edges.append(Edge(r, -1, sum(c.on(MeshAxis.TENSOR).forward for c in sh)))
+        edges.append(Edge(-1, r, sum(c.on(MeshAxis.TENSOR).backward for c in sh)))
     chosen, _ = choose_shardings(options, edges, memory_cap=ev.cluster.device.memory_bytes)
     return chosen

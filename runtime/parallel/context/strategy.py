@@ -3,7 +3,7 @@
 The stage code (written at build time, codegen/strategies/context/stage_code.py) calls `self.context` to take this
 rank's tokens of each input sequence, their positions, and attention over the whole sequence
 (runtime/parallel/context/attention.py). This module builds that attribute from the Program
-(runtime.program.ContextShard): the context group (`degree` consecutive coordinates of the data
+(runtime.parallel.context.part.ContextShard): the context group (`degree` consecutive coordinates of the data
 axis), and this rank's chunks of the causal load-balanced layout. The loss reads the targets in
 the same order (`batches`).
 
@@ -26,7 +26,8 @@ from runtime.parallel.context.layout import ContextLayout, chunk_layout
 from runtime.data import Batch
 from runtime.materialize import CONTEXT
 from runtime.parallel.base import Modules, RuntimeStrategy, Specs
-from runtime.program import ContextShard, Program
+from runtime.parallel.context.part import ContextShard
+from runtime.program import Program
 from runtime.vocab import StrategyName
 
 
@@ -76,21 +77,23 @@ def _layout(program: Program, shard: ContextShard) -> ContextLayout:
 
 
 class Context(RuntimeStrategy):
-    """Sequence chunks over runs of c ranks on the data axis (Program.context)."""
+    """Sequence chunks over runs of c ranks on the data axis (the Program's context part)."""
 
     name = StrategyName.CONTEXT
 
     def attach(self, ctx: DistContext, program: Program, specs: Specs, modules: Modules) -> None:
-        if program.context is None:
+        shard = program.part(ContextShard.key)
+        if shard is None:
             return
-        rank = ContextRank(ctx.comm.group(program.context.ranks), _layout(program, program.context))
+        rank = ContextRank(ctx.comm.group(shard.ranks), _layout(program, shard))
         for module in modules.values():
             setattr(module, CONTEXT, rank)
 
     def batches(self, program: Program, source: Any) -> Any:
-        if program.context is None:
+        shard = program.part(ContextShard.key)
+        if shard is None:
             return source
-        return ContextBatches(source, _layout(program, program.context), program.context.dim)
+        return ContextBatches(source, _layout(program, shard), shard.dim)
 
 
 __all__ = ["Context", "ContextBatches", "ContextRank"]

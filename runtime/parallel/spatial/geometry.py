@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from runtime.program import SpatialTiles
+from runtime.parallel.spatial.part import SpatialTiles
 from runtime.vocab import SpatialBatchNorm, SpatialSplit
 
 
@@ -164,7 +164,7 @@ class TileLayout:
 
     @classmethod
     def of(cls, tiles: SpatialTiles) -> "TileLayout":
-        """The layout a Program states (Program.spatial)."""
+        """The layout a Program states (its spatial part)."""
         (rows, cols), (i, j) = tiles.grid, tiles.tile
         return cls(rows, cols, i, j, tiles.ranks)
 

@@ -1,6 +1,6 @@
 """Spatial parallelism at run time: the stage code's spatial part (written at build time,
 codegen/strategies/spatial/tiles.py) gets this rank's tile and the spatial group from the Program
-(runtime.program.SpatialTiles). Which data the tiles read is the Program's too
+(runtime.parallel.spatial.part.SpatialTiles). Which data the tiles read is the Program's too
 (Program.data_shard)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from runtime.vocab import StrategyName
 
 
 class Spatial(RuntimeStrategy):
-    """Image tiles over runs of s ranks on the data axis (Program.spatial)."""
+    """Image tiles over runs of s ranks on the data axis (the Program's spatial part)."""
 
     name = StrategyName.SPATIAL
 

@@ -28,7 +28,7 @@ end of the spatial part are autograd Functions over the runtime's
 Communicator and Group (gloo, NCCL or MPI alike). Generated stage code calls
 them through its `SpatialContext` (codegen/strategies/spatial/tiles.py writes the calls
 at build time); `attach_tiles` gives that context this rank's tile and the
-spatial group from the Program (runtime.program.SpatialTiles). A tile op keeps only its
+spatial group from the Program (runtime.parallel.spatial.part.SpatialTiles). A tile op keeps only its
 tile and the thin halos for backward (the extended copy is rebuilt), and the
 BatchNorm keeps only its input, so a tile saves 1/s of what the unsplit
 layers save (benchmarks/spatial_memory.py measures it).
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.program import Program
+from runtime.parallel.spatial.part import SpatialTiles
 from runtime.parallel.spatial.geometry import AxisHalo, SpatialError, TileLayout, Window, axis_halos, bounds, check_batchnorm
 from runtime.vocab import SpatialBatchNorm
 
@@ -549,14 +550,15 @@ def spatial_contexts(module: nn.Module) -> list[SpatialContext]:
 
 
 def attach_tiles(program: Program, modules: dict[int, nn.Module], comm) -> None:
-    """Give every stage module's spatial part this rank's tile and the spatial group (Program.spatial)."""
+    """Give every stage module's spatial part this rank's tile and the spatial group (the Program's spatial part)."""
     contexts = [sp for m in modules.values() for sp in spatial_contexts(m)]
     if not contexts:
         return
-    if program.spatial is None:
+    tiles = program.part(SpatialTiles.key)
+    if tiles is None:
         raise SpatialError(f"rank {program.rank}'s stage code splits images but its Program has no spatial "
                            "field; generate the build again")
-    layout = TileLayout.of(program.spatial)
-    group = comm.group(program.spatial.ranks)
+    layout = TileLayout.of(tiles)
+    group = comm.group(tiles.ranks)
     for sp in contexts:
         sp.attach(layout, group, comm)
