@@ -15,7 +15,7 @@ does the same share of the masked attention work). Attention must still see ever
   turns the output back; backward mirrors them (the output gradient in, dq, dk, dv back). The
   attention waits on them: nothing is overlapped.
 
-Pure functions of seconds and bytes; the planner (planner/strategies/context.py) gives them the
+Pure functions of seconds and bytes; the planner (planner/strategies/context/strategy.py) gives them the
 context axis' link prices.
 """
 

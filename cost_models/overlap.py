@@ -26,7 +26,7 @@ take streaming multiprocessors and memory bandwidth from the compute it hides be
 hidden second costs ``contention`` seconds of the critical path, so the exposed time is
 ``unhidden + contention * hidden``. Collectives that share a link take turns instead: the
 data-parallel traffic hides behind the tensor-parallel collectives' time only where the two
-axes run on different link levels (planner/strategies/pipeline.py builds the `DeviceWork`
+axes run on different link levels (planner/strategies/pipeline/strategy.py builds the `DeviceWork`
 that way). Units: seconds throughout.
 """
 

@@ -16,6 +16,7 @@ from cost_models.overlap import OverlapPreset
 from planner.config import ConfigError, ParallelConfig
 from planner.strategies.combinations import Level
 from planner.strategies.combinations import why_not as combination_refusal
+from planner.strategies.fields import FIELDS
 from planner.strategies.registry import STRATEGIES
 from planner.strategies.tensor.sharding import ShardingPlan, without_regions
 from planner.strategies.tensor.split.analysis import unsplittable
@@ -24,30 +25,11 @@ from runtime.vocab import Backend, Schedule, ShardRole, StrategyName, Target
 if TYPE_CHECKING:
     from planner.plan import Plan
 
-# the strategies RuntimeSupport switches on and off (its boolean field of the strategy's name): what a refusal
-# calls the strategy, and the setting that leaves it out
-_SWITCHED: dict[StrategyName, tuple[str, str]] = {
-    StrategyName.BIDIRECTIONAL: ("bidirectional (GEMS) pipelines", "bidirectional=False"),
-    StrategyName.SPATIAL: ("spatial parallelism", "spatial=1"),
-    StrategyName.SUBGRAPH: ("sub-graph parallelism", "subgraph=1"),
-    StrategyName.CONTEXT: ("context parallelism", "context=1"),
-}
-
 # Why the torch target leaves an option out (the part of a refusal after the colon), by the option's key in
-# RuntimeSupport._refusal. Checked against torch 2.13's sources: torch/distributed/pipelining/schedules.py,
-# torch/distributed/tensor/experimental/_context_parallel/_attention.py, torch/amp/grad_scaler.py.
+# RuntimeSupport._refusal; for a strategy it leaves out, its fields module's `torch_gap`
+# (planner/strategies/<name>/fields.py). Checked against torch 2.13's sources: torch/distributed/pipelining/
+# schedules.py, torch/distributed/tensor/experimental/_context_parallel/_attention.py, torch/amp/grad_scaler.py.
 _TORCH_WHY: dict[str, str] = {
-    StrategyName.BIDIRECTIONAL: "torch.distributed.pipelining has no schedule that runs a second pipeline "
-                                "replica's stages in reverse over the same devices",
-    StrategyName.SPATIAL: "PyTorch has no tiling of convolutions over devices with halo exchange",
-    StrategyName.SUBGRAPH: "PyTorch places no fork/join branches of a model on sub-grids of one data replica",
-    # context_parallel's dispatch table (_context_parallel/_attention.py) holds only
-    # aten._scaled_dot_product_{flash,efficient,cudnn}_attention and their backwards, and its rotate
-    # methods pass key/value blocks around a ring (all-gather or all-to-all): no head split.
-    StrategyName.CONTEXT: "torch.distributed.tensor.experimental.context_parallel swaps in ring attention only "
-                          "for the CUDA flash, memory-efficient and cuDNN scaled_dot_product_attention kernels (not "
-                          "the CPU kernel, nor attention written as matmul and softmax) and has no Ulysses head "
-                          "split, so it does not carry out meshplan's context-parallel plans",
     # Megatron's selective recompute (Korthikanti et al. 2022, section 5) frees attention's QK^T scores and
     # softmax; a torch.utils.checkpoint policy keeps or recomputes outputs by op, and the one that keeps the
     # matrix products (create_selective_checkpoint_contexts) keeps the scores, a matrix product themselves
@@ -106,16 +88,13 @@ class RuntimeSupport:
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    bidirectional: bool = True   # GEMS MAST/MASTER: tests/distributed/test_bidirectional.py
     # fp16 trains with dynamic loss scaling (runtime/execute/loss_scale.py); bf16 and fp32 need none.
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
-    # Spatial tiles: tests/distributed/test_spatial_build.py; sub-graph parallelism:
-    # tests/distributed/test_subgraph.py; context parallelism: tests/distributed/test_context_parallel.py.
-    # The compositions each runs are the RUNTIME rules of planner/strategies/combinations.py; the
-    # others are priced, not run.
-    spatial: bool = True
-    subgraph: bool = True
-    context: bool = True
+    # the strategies (StrategyName values) the target leaves out. meshplan's runtime runs them all: GEMS
+    # pipelines (tests/distributed/test_bidirectional.py), spatial tiles (test_spatial_build.py), sub-graph
+    # parallelism (test_subgraph.py), context parallelism (test_context_parallel.py); the compositions each runs
+    # are the RUNTIME rules of planner/strategies/combinations.py, the others are priced, not run.
+    not_run: tuple[str, ...] = ()
     backends: tuple[str, ...] = tuple(b.value for b in Backend)
     stack: OverlapPreset = OverlapPreset.MESHPLAN
     fill_1f1b: bool = False
@@ -144,11 +123,10 @@ class RuntimeSupport:
         return why + (f", or plan for the {' or '.join(others)} target" if others else "")
 
     def _own_refusal(self, config: ParallelConfig, global_batch_size: int | None) -> str | None:
-        off = next((s.name for s in STRATEGIES
-                    if s.name in _SWITCHED and not getattr(self, s.name) and s.active(config)), None)
+        off = next((s.name for s in STRATEGIES if s.name in self.not_run and s.active(config)), None)
         if off is not None:
-            what, use = _SWITCHED[off]
-            return self._refusal(off, what, f"use {use}")
+            f = next(f for f in FIELDS if f.name == off)
+            return self._refusal(off, f.title, f"use {f.off_setting}", why=f.torch_gap)
         if config.schedule not in self.schedules:
             return self._refusal("schedule", f"the {config.schedule} schedule", _one_of("schedule", self.schedules))
         if config.recompute not in self.recompute:
@@ -198,9 +176,10 @@ class RuntimeSupport:
         return self._refusal("backend", f"on the {backend} backend", _one_of("backend", self.backends)) + (
             f", or plan for the {' or '.join(others)} target" if others else "")
 
-    def _refusal(self, key: str, what: str, advice: str) -> str:
-        """"the <target> target does not run <what>: <why>; <advice>" (why: the torch target's _TORCH_WHY)."""
-        why = _TORCH_WHY.get(key) if self.target == Target.TORCH else None
+    def _refusal(self, key: str, what: str, advice: str, why: str | None = None) -> str:
+        """"the <target> target does not run <what>: <why>; <advice>" (why, on the torch target: `why`, or
+        _TORCH_WHY's)."""
+        why = (why or _TORCH_WHY.get(key)) if self.target == Target.TORCH else None
         return f"the {self.target} target does not run {what}" + (f": {why}" if why else "") + f"; {advice}"
 
     def splittable(self, graph, sharding: ShardingPlan, degrees) -> ShardingPlan:
@@ -283,7 +262,8 @@ MESHPLAN_RUNTIME = RuntimeSupport()
 # out: _TORCH_WHY. torchtitan's overlap preset describes the same stack (FSDP2 prefetch, pipelining's waits); its
 # "torch" twin trains under autocast, as the target's loop does.
 TORCH_RUNTIME = RuntimeSupport(target=Target.TORCH, recompute=("none", "full"), dtypes=("fp32", "bf16"),
-                               bidirectional=False, spatial=False, subgraph=False, context=False,
+                               not_run=(StrategyName.BIDIRECTIONAL.value, StrategyName.SPATIAL.value,
+                                        StrategyName.SUBGRAPH.value, StrategyName.CONTEXT.value),
                                backends=(Backend.GLOO.value, Backend.NCCL.value), stack=OverlapPreset.TORCH, fill_1f1b=True,
                                split_kinds=("linear", "embedding"), tensor_in_pipelines=False,
                                fully_shard_part_splits=False)

@@ -35,7 +35,7 @@ from planner.plan import Alternative, Plan
 from planner.progress import Progress
 from planner.strategies.base import MeshShape
 from planner.strategies.subgraph.regions import describe
-from planner.strategies.describe import idle_tensor_note
+from planner.strategies.tensor.fields import idle_tensor_note
 from planner.strategies.tensor.split.analysis import SplitCache
 from runtime.vocab import Recompute, Target
 

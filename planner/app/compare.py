@@ -53,7 +53,7 @@ from cost_models.step_costs import StepSetup
 from planner.app.schedule_view import ScheduleRecord
 from planner.app.visualize import save_figure, schedule_figure, style
 from planner.evaluator import Evaluator
-from planner.strategies.data import GRAD_BUCKET_BYTES
+from planner.strategies.data.strategy import GRAD_BUCKET_BYTES
 from planner.graph.model import ModelGraph
 from planner.plan import Plan, PlanFileError
 from runtime.launch.build_files import REMAKE, BuildError, read_build, read_build_file

@@ -8,11 +8,11 @@ combinations.py.
 from __future__ import annotations
 
 from planner.strategies.base import Strategy
-from planner.strategies.bidirectional import BidirectionalStrategy
-from planner.strategies.context import ContextStrategy
-from planner.strategies.data import DataStrategy
-from planner.strategies.pipeline import PipelineStrategy
-from planner.strategies.spatial import SpatialStrategy
+from planner.strategies.bidirectional.strategy import BidirectionalStrategy
+from planner.strategies.context.strategy import ContextStrategy
+from planner.strategies.data.strategy import DataStrategy
+from planner.strategies.pipeline.strategy import PipelineStrategy
+from planner.strategies.spatial.strategy import SpatialStrategy
 from planner.strategies.subgraph.strategy import SubgraphStrategy
 from planner.strategies.tensor.strategy import TensorStrategy
 

@@ -15,7 +15,7 @@ from examples.models import gpt, mlp
 from planner import ParallelConfig
 from planner.config import ConfigError
 from planner.evaluator import Evaluator
-from planner.strategies.context import (MIN_SEARCH_TOKENS_PER_RANK, ContextStrategy, check_config,
+from planner.strategies.context.strategy import (MIN_SEARCH_TOKENS_PER_RANK, ContextStrategy, check_config,
                                         search_degrees, sequence_length)
 
 

@@ -95,7 +95,7 @@ def test_search_considers_bidirectional_plans(small):
     # a runtime without it: the search says so instead of returning a plan it cannot run
     with pytest.raises(planner.NoFeasiblePlan, match="cannot run .*bidirectional"):
         planner.optimize(small, cl, global_batch_size=16, progress=False,
-                         runtime=RuntimeSupport(bidirectional=False),
+                         runtime=RuntimeSupport(not_run=("bidirectional",)),
                          constraints={"bidirectional": True, "pipeline": 4})
 
 
@@ -189,7 +189,7 @@ def test_codegen_command_takes_bidirectional_flags(tmp_path, capsys):
 def _brute_force(weights, p, sizes, cap):
     import itertools
 
-    from planner.strategies.bidirectional import pairs_fit
+    from planner.strategies.bidirectional.strategy import pairs_fit
 
     n, best = len(weights), None
     for cuts in itertools.combinations(range(1, n), p - 1):
@@ -207,7 +207,7 @@ def test_pair_aware_bounds_match_brute_force(seed):
     from types import SimpleNamespace
 
     from planner.stage_split import balanced_partition
-    from planner.strategies.bidirectional import _Sizes, bidirectional_bounds, pairs_fit
+    from planner.strategies.bidirectional.strategy import _Sizes, bidirectional_bounds, pairs_fit
 
     rng = random.Random(seed)
     n, p = rng.randint(4, 9), rng.choice([2, 3, 4])

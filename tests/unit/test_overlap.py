@@ -273,7 +273,7 @@ def test_link_efficiency_falls_with_the_number_of_nodes():
 
 def test_search_bound_stays_below_the_step_when_sends_are_hidden(tiny):
     # The search prunes with a compute-only bound; where the stack hides pipeline sends it must
-    # not count them (planner/strategies/pipeline.py lower_bound). On this cluster each send about
+    # not count them (planner/strategies/pipeline/strategy.py lower_bound). On this cluster each send about
     # matches the compute it hides under, so a bound that charged them would exceed the step.
     from planner.search import _lower_bound
 

@@ -13,7 +13,7 @@ from examples.models import large_image_cnn
 from planner import ParallelConfig, Plan
 from planner.config import ConfigError
 from planner.plan import PlanFileError
-from planner.strategies.spatial import MIN_TILE_ROWS, SpatialPricer, spatial_candidates
+from planner.strategies.spatial.strategy import MIN_TILE_ROWS, SpatialPricer, spatial_candidates
 from runtime.vocab import MeshAxis
 
 
@@ -139,7 +139,7 @@ def test_candidates_end_each_resolution_and_keep_tiles_thick(cnn):
 
 def test_pipelined_spatial_configs_keep_the_spatial_part_in_the_first_stage(cnn):
     from planner.stage_split import balanced_partition
-    from planner.strategies.spatial import first_stage_partition
+    from planner.strategies.spatial.strategy import first_stage_partition
 
     # time-balanced cuts would split after layer 1; the spatial part (layers 0..2) stays whole
     assert balanced_partition([1, 1, 1, 1, 1, 1], 2) == [(0, 3), (3, 6)]

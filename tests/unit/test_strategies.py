@@ -74,7 +74,7 @@ def test_the_protocols_the_strategies_see_are_satisfied():
     PlanView (each protocol lists members; a member the real class lacks fails here)."""
     from planner.evaluator import Evaluator
     from planner.strategies.base import Pricing
-    from planner.strategies.describe import PlanView, StageView
+    from planner.strategies.field_hooks import PlanView, StageView
     from tests.parallel_cases import plan_for, graph_of
 
     plan = plan_for("gpt", global_batch=4, data=2)

@@ -24,7 +24,7 @@ from cost_models.step_costs import Work, optimizer_cost
 from planner.config import ConfigError, ParallelConfig
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, MeshShape, Placement
-from planner.strategies.data import GRAD_BUCKET_BYTES
+from planner.strategies.data.strategy import GRAD_BUCKET_BYTES
 from runtime.vocab import DType, MeshAxis, Schedule, StrategyName
 
 
@@ -184,7 +184,7 @@ class PipelineStrategy(Placement):
         bubble += m * (pace - effective[crit])
 
         # Gradient sync and ZeRO traffic for the critical device, hidden behind its compute as the
-        # stack's overlap allows (planner/strategies/data.py).
+        # stack's overlap allows (planner/strategies/data/strategy.py).
         params_crit = mems[crit][1]
         data_comm, zero_comm = ev.grad_sync(config, params_crit, works[crit], m)
         if ev.overlap.p2p and p > 1:

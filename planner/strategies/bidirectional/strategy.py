@@ -35,7 +35,7 @@ from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
 from planner.config import ParallelConfig
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, MeshShape, Placement
-from planner.strategies.pipeline import optimizer_work, param_bytes_for
+from planner.strategies.pipeline.strategy import optimizer_work, param_bytes_for
 from runtime.vocab import DType, StrategyName
 
 
@@ -216,7 +216,7 @@ class BidirectionalStrategy(Placement):
         tp = [sum(c.comm_forward + c.comm_backward for c in cs) for cs in per_stage]
         f_dev = [fc[k] + sum(c.comm_forward for c in per_stage[k]) for k in range(p)]
         b_dev = [bc[k] + rc[k] + sum(c.comm_backward for c in per_stage[k]) for k in range(p)]
-        # on a GPU a pass takes the host's dispatching its kernels where that is longer (planner/strategies/pipeline.py)
+        # on a GPU a pass takes the host's dispatching its kernels where that is longer (planner/strategies/pipeline/strategy.py)
         f = [max(f_dev[k], sum(c.host_forward for c in per_stage[k])) for k in range(p)]
         b = [max(b_dev[k], sum(c.host_backward for c in per_stage[k])) for k in range(p)]
         link = ev.p2p_seconds(config)
