@@ -28,8 +28,8 @@ from cost_models.op_table import format_op_table, measured_rows
 from cost_models.overlap import Overlap, OverlapPreset, stack_selective
 from cost_models.simulate import simulate_steady
 from planner.app import calibrate_run
-from planner.app.cli_args import (MAX_BATCH, MAX_WORLD, OutputError, check_constraints, count, nonnegative_number,
-                                  output_dir, output_file, positive_number, refuse_existing)
+from planner.app.cli_args import (MAX_BATCH, MAX_WORLD, OutputError, add_strategy_flags, check_constraints, count,
+                                  nonnegative_number, output_dir, output_file, positive_number, refuse_existing)
 from planner.app.commands import codegen_command, read_checked_build, run_command
 from planner.app.compare import compare_build, draw, predicted_costs
 from planner.app.report import write_report
@@ -43,7 +43,7 @@ from runtime.checkpoint.restore import to_state_dict
 from runtime.launch.launcher import read_build
 from runtime import torch_script_checkpoint as torch_checkpoints
 from runtime.program.trace import TRACE_WINDOW_STEPS
-from runtime.vocab import Backend, ContextAttention, DType, Recompute, Schedule, SpatialBatchNorm, SpatialSplit, Target
+from runtime.vocab import Backend, DType, Recompute, Target
 
 # Bounds of the numeric options (argparse refuses anything outside in one line).
 BATCH = count(1, MAX_BATCH, " samples")
@@ -249,31 +249,9 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="factory keyword (repeatable)")
     p.add_argument("--plan", help="a plan file (from meshplan optimize); otherwise give the configuration below")
     p.add_argument("--batch", type=BATCH, help="global batch size (samples per optimizer step)")
-    for name in ("data", "tensor", "pipeline"):
-        p.add_argument(f"--{name}", type=DEGREE, default=1, help=f"{name} degree (default 1)")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron sequence parallelism inside the tensor axis (needs --tensor >= 2)")
+    add_strategy_flags(p)
     p.add_argument("--micro-batch", type=BATCH, default=1, help="samples per micro-batch per data rank")
-    p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=list(map(str, Schedule)))
-    p.add_argument("--virtual-stages", type=DEGREE, default=1, help="chunks per device (interleaved)")
-    p.add_argument("--bidirectional", action="store_true",
-                   help="GEMS bi-directional pipeline (device r holds stages r and p-1-r)")
-    p.add_argument("--replicas-per-direction", type=BATCH, default=1,
-                   help="MASTER's T with --bidirectional: 2T micro-batches per step")
-    p.add_argument("--subgraph", type=DEGREE, default=1, help="sub-graph parallel degree B (sub-grids per replica)")
-    p.add_argument("--spatial", type=DEGREE, default=1, help="spatial degree: tiles per image (needs --spatial-until)")
-    p.add_argument("--spatial-split", default=SpatialSplit.STRIPS_H.value, choices=list(map(str, SpatialSplit)),
-                   help="how images are tiled: horizontal strips, vertical strips or a grid")
-    p.add_argument("--spatial-until", help="the last layer that runs on image tiles (a layer name)")
-    p.add_argument("--spatial-batchnorm", default=SpatialBatchNorm.SYNC.value,
-                   choices=list(map(str, SpatialBatchNorm)),
-                   help="BatchNorm statistics over the whole image (sync, exact) or per tile")
-    p.add_argument("--context", type=DEGREE, default=1,
-                   help="context-parallel degree: ranks sharing each sequence (every layer's tokens split)")
-    p.add_argument("--context-attention", default=ContextAttention.RING.value, choices=list(map(str, ContextAttention)),
-                   help="how attention reaches the other ranks' keys and values: ring or ulysses (all-to-all)")
     p.add_argument("--recompute", default=Recompute.NONE.value, choices=list(map(str, Recompute)))
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     p.add_argument("--dtype", default=DType.FP32.value, choices=list(map(str, DType)))
     p.add_argument("--cluster", help="cluster preset or file the plan is priced on (default: local)")
     p.add_argument("--nodes", type=DEGREE, help="nodes of a preset cluster")

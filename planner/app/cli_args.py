@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import math
 import tempfile
 import typing
 from pathlib import Path
 from typing import Any, Callable
 
+from planner.config import ParallelConfig
 from planner.config_fields import ConfigFields
 from planner.plan import MAX_BATCH, MAX_WORLD
+from planner.strategies.fields import FIELDS
 
-__all__ = ["MAX_BATCH", "MAX_WORLD", "OutputError", "check_constraints", "count", "output_dir", "output_file",
+__all__ = ["MAX_BATCH", "MAX_WORLD", "OutputError", "add_strategy_flags", "check_constraints", "config_from_flags", "count", "output_dir", "output_file",
            "positive_number", "nonnegative_number", "refuse_existing"]
 
 
@@ -123,6 +126,30 @@ def output_dir(path: str, flag: str = "-o", create: bool = True) -> Path:
     except OSError as e:
         raise OutputError(f"{flag} {path}: cannot create the directory ({e.strerror or e})") from None
     return p
+
+
+def add_strategy_flags(p) -> None:
+    """The strategies' ParallelConfig fields as flags (planner/strategies/<name>/fields.py lists each strategy's),
+    with the type, default and choices ConfigFields gives them."""
+    hints = typing.get_type_hints(ConfigFields)
+    defaults = {f.name: f.default for f in dataclasses.fields(ConfigFields)}
+    for flag in (fl for f in FIELDS for fl in f.flags):
+        option, kind, default = "--" + flag.field.replace("_", "-"), hints[flag.field], defaults[flag.field]
+        if kind is bool:
+            p.add_argument(option, action="store_true", help=flag.help)
+        elif isinstance(default, enum.Enum):
+            p.add_argument(option, default=default.value, choices=list(map(str, type(default))), help=flag.help)
+        elif kind is int:
+            parse = int if flag.choices else count(1, MAX_BATCH, " samples") if flag.samples else count(1, MAX_WORLD, " devices")
+            p.add_argument(option, type=parse, default=default, choices=list(flag.choices) or None, help=flag.help)
+        else:
+            p.add_argument(option, help=flag.help)
+
+
+def config_from_flags(args, **more) -> ParallelConfig:
+    """The ParallelConfig `meshplan codegen`'s flags give (the strategies' fields, add_strategy_flags), with
+    `more` fields."""
+    return ParallelConfig(**{fl.field: getattr(args, fl.field) for f in FIELDS for fl in f.flags}, **more)
 
 
 # --constraint KEY=VALUE: what each key takes (planner.optimize checks the names). The ParallelConfig

@@ -22,7 +22,7 @@ from codegen.torch_target.script import emit_torch
 from codegen.train_flags import execution_of, optimizer_and_schedule
 from cost_models.step_costs import StepSetup
 from planner.execution_choice import choose
-from planner.app.cli_args import output_dir
+from planner.app.cli_args import config_from_flags, output_dir
 from planner.capabilities import RuntimeSupport, TargetError
 from planner.config import ConfigError
 from planner.evaluator import Evaluator
@@ -62,15 +62,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
     else:
         if args.batch is None:
             raise ValueError("give --plan PLAN.json, or the configuration with at least --batch (global batch size)")
-        cfg = planner.ParallelConfig(data=args.data, tensor=args.tensor, pipeline=args.pipeline,
-                                     sequence_parallel=args.sequence_parallel,
-                                     micro_batch_size=args.micro_batch, schedule=args.schedule,
-                                     virtual_stages=args.virtual_stages, recompute=args.recompute, zero=args.zero,
-                                     dtype=args.dtype, bidirectional=args.bidirectional,
-                                     replicas_per_direction=args.replicas_per_direction, subgraph=args.subgraph,
-                                     spatial=args.spatial, spatial_split=args.spatial_split,
-                                     spatial_until=args.spatial_until, spatial_batchnorm=args.spatial_batchnorm,
-                                     context=args.context, context_attention=args.context_attention)
+        cfg = config_from_flags(args, micro_batch_size=args.micro_batch, recompute=args.recompute, dtype=args.dtype)
         check_fixed_config(cfg, args.batch)
         check_target_config(cfg, args.batch, args.target)
         scaling = _loss_scaling(args, cfg.dtype)

@@ -14,6 +14,7 @@ sentence saying what to change, or None.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, runtime_checkable
 
 from runtime.vocab import StrategyName
@@ -54,10 +55,25 @@ class PlanView(Protocol):
     tensor_splits: SplitsView | None
 
 
+@dataclass(frozen=True)
+class FieldFlag:
+    """A ParallelConfig field `meshplan codegen` takes as a flag, --FIELD with dashes (planner/app/cli.py
+    reads its type, default and choices from ConfigFields: a bool is a switch, an enum's default gives the
+    choices, a degree is a device count). `help`: the flag's help text; `choices`: a whole number's only
+    values; `samples`: a count of micro-batches rather than of devices."""
+
+    field: str
+    help: str | None = None
+    choices: tuple[int, ...] = ()
+    samples: bool = False
+
+
 class StrategyFields:
     """One strategy's ParallelConfig fields and its part of a plan's text (see module docstring)."""
 
     name: StrategyName
+    # its fields `meshplan codegen` takes as flags, in the order --help lists them
+    flags: tuple[FieldFlag, ...] = ()
     # what a target's refusal calls this strategy ("spatial parallelism"), the setting that leaves it out
     # ("spatial=1"), and why PyTorch's stack (the torch target, planner/capabilities.py) does not run it
     # (None where it does)
@@ -115,4 +131,4 @@ class StrategyFields:
         return iter(())
 
 
-__all__ = ["PlanView", "Problem", "SplitsView", "StageView", "StrategyFields"]
+__all__ = ["FieldFlag", "PlanView", "Problem", "SplitsView", "StageView", "StrategyFields"]

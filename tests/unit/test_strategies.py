@@ -8,7 +8,9 @@ import pytest
 from planner import ConfigError, ParallelConfig
 from planner.capabilities import MESHPLAN_RUNTIME
 from planner.strategies.base import Placement
+from planner.config_fields import ConfigFields
 from planner.strategies.combinations import RULES, Level, why_not
+from planner.strategies.fields import FIELDS
 from planner.strategies.registry import STRATEGIES
 from runtime.vocab import StrategyName
 
@@ -18,6 +20,19 @@ def test_registry_lists_every_strategy_once_under_its_module_name():
     for s in STRATEGIES:
         # a strategy's home is a module, or a package whose hook module is `strategy`
         assert type(s).__module__ in (f"planner.strategies.{s.name}", f"planner.strategies.{s.name}.strategy")
+
+
+def test_every_strategy_says_what_its_fields_are_in_its_home_in_registry_order():
+    """planner/strategies/fields.py lists one fields module per strategy (its checks, label, plan text and
+    flags), in registry order; every ParallelConfig field is some strategy's flag or one of the few every
+    plan has, so a new dimension's field reaches `meshplan codegen` through its own home."""
+    assert [f.name for f in FIELDS] == [s.name for s in STRATEGIES]
+    for f in FIELDS:
+        assert type(f).__module__ == f"planner.strategies.{f.name}.fields"
+    flagged = [fl.field for f in FIELDS for fl in f.flags]
+    shared = {"micro_batch_size", "recompute", "dtype", "stage_boundaries"}
+    assert len(flagged) == len(set(flagged)) and not set(flagged) & shared
+    assert set(flagged) | shared == {f.name for f in dataclasses.fields(ConfigFields)}
 
 
 def test_the_last_active_placement_prices_the_step():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from planner.strategies.field_hooks import StageView, StrategyFields
+from planner.strategies.field_hooks import FieldFlag, StageView, StrategyFields
 from runtime.vocab import StrategyName
 
 if TYPE_CHECKING:
@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 
 class BidirectionalFields(StrategyFields):
     name = StrategyName.BIDIRECTIONAL
+    flags = (FieldFlag("bidirectional", "GEMS bi-directional pipeline (device r holds stages r and p-1-r)"),
+             FieldFlag("replicas_per_direction", "MASTER's T with --bidirectional: 2T micro-batches per step",
+                       samples=True))
     title = "bidirectional (GEMS) pipelines"
     off_setting = "bidirectional=False"
     torch_gap = ("torch.distributed.pipelining has no schedule that runs a second pipeline replica's stages in "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from planner.strategies.field_hooks import StrategyFields
+from planner.strategies.field_hooks import FieldFlag, StrategyFields
 from runtime.vocab import StrategyName
 
 if TYPE_CHECKING:
@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 
 class ContextFields(StrategyFields):
     name = StrategyName.CONTEXT
+    flags = (FieldFlag("context", "context-parallel degree: ranks sharing each sequence (every layer's tokens split)"),
+             FieldFlag("context_attention",
+                       "how attention reaches the other ranks' keys and values: ring or ulysses (all-to-all)"))
     title = "context parallelism"
     off_setting = "context=1"
     # context_parallel's dispatch table (torch/distributed/tensor/experimental/_context_parallel/_attention.py,

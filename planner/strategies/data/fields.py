@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from planner.strategies.field_hooks import StrategyFields
+from planner.strategies.field_hooks import FieldFlag, StrategyFields
 from runtime.vocab import StrategyName
 
 if TYPE_CHECKING:
@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 class DataFields(StrategyFields):
     name = StrategyName.DATA
+    flags = (FieldFlag("data", "data degree (default 1)"), FieldFlag("zero", choices=(0, 1, 2, 3)))
 
     def refusal(self, c: "ConfigFields") -> str | None:
         if c.zero not in (0, 1, 2, 3) or isinstance(c.zero, bool):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from planner.strategies.field_hooks import PlanView, Problem, StrategyFields
+from planner.strategies.field_hooks import FieldFlag, PlanView, Problem, StrategyFields
 from runtime.vocab import Schedule, StrategyName
 
 if TYPE_CHECKING:
@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 class PipelineFields(StrategyFields):
     name = StrategyName.PIPELINE
+    flags = (FieldFlag("pipeline", "pipeline degree (default 1)"), FieldFlag("schedule"),
+             FieldFlag("virtual_stages", "chunks per device (interleaved)"))
 
     def refusal(self, c: "ConfigFields") -> str | None:
         """Interleaved 1F1B (and only it) runs virtual_stages >= 2 chunks per device."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from planner.strategies.field_hooks import PlanView, Problem, StrategyFields
+from planner.strategies.field_hooks import FieldFlag, PlanView, Problem, StrategyFields
 from runtime.vocab import SpatialBatchNorm, StrategyName
 
 if TYPE_CHECKING:
@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 
 class SpatialFields(StrategyFields):
     name = StrategyName.SPATIAL
+    flags = (FieldFlag("spatial", "spatial degree: tiles per image (needs --spatial-until)"),
+             FieldFlag("spatial_split", "how images are tiled: horizontal strips, vertical strips or a grid"),
+             FieldFlag("spatial_until", "the last layer that runs on image tiles (a layer name)"),
+             FieldFlag("spatial_batchnorm", "BatchNorm statistics over the whole image (sync, exact) or per tile"))
     title = "spatial parallelism"
     off_setting = "spatial=1"
     torch_gap = "PyTorch has no tiling of convolutions over devices with halo exchange"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from planner.strategies.field_hooks import PlanView, Problem, StrategyFields
+from planner.strategies.field_hooks import FieldFlag, PlanView, Problem, StrategyFields
 from planner.strategies.subgraph.regions import describe as describe_regions
 from runtime.vocab import MeshAxis, StrategyName
 
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 class SubgraphFields(StrategyFields):
     name = StrategyName.SUBGRAPH
+    flags = (FieldFlag("subgraph", "sub-graph parallel degree B (sub-grids per replica)"),)
     title = "sub-graph parallelism"
     off_setting = "subgraph=1"
     torch_gap = "PyTorch places no fork/join branches of a model on sub-grids of one data replica"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from planner.strategies.field_hooks import PlanView, Problem, StrategyFields
+from planner.strategies.field_hooks import FieldFlag, PlanView, Problem, StrategyFields
 from runtime.vocab import StrategyName
 
 if TYPE_CHECKING:
@@ -26,6 +26,8 @@ def idle_tensor_note(plan: PlanView) -> str | None:
 
 class TensorFields(StrategyFields):
     name = StrategyName.TENSOR
+    flags = (FieldFlag("tensor", "tensor degree (default 1)"),
+             FieldFlag("sequence_parallel", "Megatron sequence parallelism inside the tensor axis (needs --tensor >= 2)"))
 
     def refusal(self, c: "ConfigFields") -> str | None:
         """Sequence parallelism shards the stream between tensor-parallel regions over the tensor ranks."""
