@@ -127,9 +127,7 @@ class ExecutionError(ValueError):
 def check_execution(plan: Plan, execution: Execution, loss: str) -> None:
     """ExecutionError naming the option and the plan's strategy or the loss it does not run with."""
     cfg = plan.config
-    blocked = [name for name, on in (("spatial parallelism (--spatial)", cfg.spatial > 1),
-                                     ("sub-graph parallelism (--subgraph)", cfg.subgraph > 1),
-                                     ("context parallelism (--context)", cfg.context > 1)) if on]
+    blocked = [s.exchanges_in_layers for s in registry.active(plan) if s.exchanges_in_layers]
     for option, on in (("--compile", execution.compile), ("--loss-impl chunked", execution.chunked)):
         if on and blocked:
             raise ExecutionError(f"{option} does not run with {blocked[0]}: its stages exchange tiles, paths or "

@@ -20,7 +20,7 @@ from planner.strategies.fields import FIELDS
 from planner.strategies.registry import STRATEGIES
 from planner.strategies.tensor.sharding import ShardingPlan, without_regions
 from planner.strategies.tensor.split.analysis import unsplittable
-from runtime.vocab import Backend, Schedule, ShardRole, StrategyName, Target
+from runtime.vocab import Backend, Schedule, ShardRole, Target
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -262,8 +262,7 @@ MESHPLAN_RUNTIME = RuntimeSupport()
 # out: _TORCH_WHY. torchtitan's overlap preset describes the same stack (FSDP2 prefetch, pipelining's waits); its
 # "torch" twin trains under autocast, as the target's loop does.
 TORCH_RUNTIME = RuntimeSupport(target=Target.TORCH, recompute=("none", "full"), dtypes=("fp32", "bf16"),
-                               not_run=(StrategyName.BIDIRECTIONAL.value, StrategyName.SPATIAL.value,
-                                        StrategyName.SUBGRAPH.value, StrategyName.CONTEXT.value),
+                               not_run=tuple(f.name.value for f in FIELDS if f.torch_gap),
                                backends=(Backend.GLOO.value, Backend.NCCL.value), stack=OverlapPreset.TORCH, fill_1f1b=True,
                                split_kinds=("linear", "embedding"), tensor_in_pipelines=False,
                                fully_shard_part_splits=False)

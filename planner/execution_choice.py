@@ -26,7 +26,7 @@ def candidates(ev, config) -> list[Execution]:
     """The execution options worth pricing for `config` on `ev`'s cluster and graph (the defaults first)."""
     if ev.gpu_costs is None or not ev.overlap.autocast or ev.overlap.param_gather:
         return [Execution()]   # a CPU, or a stack other than meshplan's runtime (the torch target's FSDP)
-    if config.spatial > 1 or config.subgraph > 1 or config.context > 1:
+    if not all(s.compiles for s in ev.active(config)):   # tiles, paths or sequence chunks inside the layers
         return [Execution()]
     head = ev.fused_head_candidate()
     pad = VOCAB_MULTIPLE if head is not None and _vocab(ev, head) % VOCAB_MULTIPLE and _pads(ev, config, head) else 1

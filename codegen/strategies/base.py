@@ -126,6 +126,10 @@ class LoweringStrategy(Protocol):
 
     name: StrategyName
     places_stages: bool = False   # a Placement (pipeline, bidirectional)
+    # where its stage code exchanges data inside the layers (tiles, paths, sequence chunks), what the build's
+    # messages call it, e.g. "spatial parallelism (--spatial)": compiled stages and the fused chunked loss do
+    # not run with it (codegen/emit.py check_execution); None where it does not
+    exchanges_in_layers: str | None = None
 
     def active(self, plan: Plan) -> bool:
         """Whether `plan` uses this strategy."""

@@ -111,6 +111,10 @@ class Strategy:
 
     name: StrategyName
     named_at_one = False   # device-count messages name this degree even where it is 1
+    # whether meshplan's runtime may compile its layers and fuse the chunked loss where it is active (not
+    # where the stage code exchanges tiles, paths or sequence chunks inside the layers:
+    # planner/execution_choice.py prices the defaults alone there)
+    compiles = True
 
     def active(self, config: "ParallelConfig") -> bool:
         """Whether `config` uses this strategy: by default, whether its degree (the ParallelConfig field

@@ -151,7 +151,7 @@ def test_options_the_model_or_the_setup_cannot_run_are_refused_with_the_reason()
     mlp = plan_for("mlp")
     with pytest.raises(ExecutionError, match="loss is mse: use --loss-impl full"):
         check_execution(mlp, Execution(loss="chunked"), "mse")
-    spatial = types.SimpleNamespace(config=types.SimpleNamespace(spatial=2, subgraph=1, context=1))
+    spatial = types.SimpleNamespace(config=planner.ParallelConfig(spatial=2, spatial_until="conv"), subgraph=())
     with pytest.raises(ExecutionError, match="--compile does not run with spatial parallelism"):
         check_execution(spatial, Execution(compile=True), "cross_entropy")
     recomputed = plan_for("gpt", recompute="full")

@@ -52,6 +52,7 @@ class Context(LoweringStrategy):
     """Sequence chunks over c ranks in every layer (the context mesh axis)."""
 
     name = StrategyName.CONTEXT
+    exchanges_in_layers = "context parallelism (--context)"
 
     def active(self, plan: Plan) -> bool:
         return plan.config.context > 1

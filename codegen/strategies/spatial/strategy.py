@@ -19,6 +19,7 @@ class Spatial(LoweringStrategy):
     """Image tiles over s ranks in the first stage's spatial part."""
 
     name = StrategyName.SPATIAL
+    exchanges_in_layers = "spatial parallelism (--spatial)"
 
     def active(self, plan: Plan) -> bool:
         return plan.config.spatial > 1

@@ -20,6 +20,7 @@ class Subgraph(LoweringStrategy):
     """Branches placed on sub-grids (the subgraph mesh axis)."""
 
     name = StrategyName.SUBGRAPH
+    exchanges_in_layers = "sub-graph parallelism (--subgraph)"
 
     def active(self, plan: Plan) -> bool:
         return bool(plan.subgraph)

@@ -239,6 +239,7 @@ class ContextStrategy(Strategy):
     """See module docstring; per-layer costs and the sequence length are cached in the Evaluator's state."""
 
     name = StrategyName.CONTEXT
+    compiles = False
 
     def pinned_on(self, constraints: dict) -> bool:
         return constraints.get("context", 1) != 1

@@ -266,6 +266,7 @@ class SpatialStrategy(Strategy):
     """See module docstring; the per-graph `SpatialPricer` is kept in the Evaluator's state."""
 
     name = StrategyName.SPATIAL
+    compiles = False
 
     def pinned_on(self, constraints: dict) -> bool:
         return constraints.get("spatial", 1) != 1

@@ -32,6 +32,7 @@ class SubgraphStrategy(Strategy):
     """See module docstring; regions and per-layer costs are cached in the Evaluator's state."""
 
     name = StrategyName.SUBGRAPH
+    compiles = False
     # a layer's split regions follow its structure, so layers of one signature split alike
     layer_cost_by_signature = True
 
