@@ -1,0 +1,133 @@
+"""The recipe for a dimension, checked: a strategy lives in its homes (planner/strategies/<name>/,
+codegen/strategies/<name>[.py], runtime/parallel/<name>/) and is listed in the registries; no other
+file names it, except those listed below, each with what still ties it there. The list may only
+shrink: a file that names a strategy and is not listed fails, and so does a listed file that no
+longer names it (take it off the list).
+
+"Names a strategy", read from the source with ast: its StrategyName or MeshAxis member, a
+ParallelConfig field of its own (its fields module's flags) read off a config (`config.spatial`,
+`c.context`, `plan.config.bidirectional`) or passed to ParallelConfig/replace, or an import from its
+homes. Data and pipeline parallelism are the mesh every plan has and are not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from planner.strategies.fields import FIELDS
+from runtime.vocab import StrategyName
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("planner", "codegen", "runtime", "cost_models")
+CORE = (StrategyName.DATA, StrategyName.PIPELINE)
+HOMES = ("planner/strategies/{n}/", "codegen/strategies/{n}/", "codegen/strategies/{n}.py", "runtime/parallel/{n}/")
+# the lists of strategies, and the one list of a ParallelConfig's fields and the vocabulary
+REGISTRIES = ("planner/strategies/registry.py", "planner/strategies/fields.py", "planner/strategies/combinations.py",
+              "codegen/strategies/registry.py", "runtime/parallel/registry.py", "runtime/parallel/parts.py",
+              "planner/config_fields.py", "runtime/vocab.py")
+_CONFIGS = {"config", "c", "cfg"}
+
+# file -> the strategies it still names, and why
+STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
+    # the tensor split: decided in planner/strategies/tensor/split/, applied by codegen on meta tensors,
+    # materialized, checkpointed and reduced (vocabulary-parallel loss) by the runtime's shared modules
+    "planner/capabilities.py": (("tensor",), "which splits each target runs (split kinds, FSDP2 part splits)"),
+    "planner/evaluator.py": (("tensor",), "the tensor degree in its cost tables' keys; tied weights' shards"),
+    "planner/saved.py": (("tensor",), "saved activations under the tensor split and sequence parallelism"),
+    "planner/strategies/base.py": (("tensor",), "the Pricing protocol's ShardingPlan"),
+    "planner/execution_choice.py": (("tensor",), "whether the fused loss's output layer is split over the tensor ranks"),
+    "planner/node_pricing.py": (("context", "tensor"), "a node's tensor split; gradient buckets over data x context"),
+    "planner/fixed_plan.py": (("subgraph", "tensor"), "the Plan's stored tensor splits and sub-graph regions"),
+    "planner/plan.py": (("subgraph", "tensor"), "the Plan's stored tensor splits and sub-graph regions"),
+    "planner/search.py": (("subgraph", "tensor"), "the Plan's stored tensor splits and sub-graph regions"),
+    "planner/strategies/field_hooks.py": (("subgraph",), "PlanView's sub-graph regions"),
+    "planner/strategies/bidirectional/strategy.py": (("spatial", "tensor"), "its candidates' mesh; ranks of data x spatial"),
+    "planner/strategies/pipeline/strategy.py": (("context", "tensor"), "stage configs; buckets over data x context"),
+    "planner/strategies/context/strategy.py": (("tensor",), "its exchange over the tensor ranks' heads"),
+    "planner/strategies/spatial/strategy.py": (("tensor",), "the tensor degree in its layer costs' cache key"),
+    "planner/app/commands.py": (("tensor",), "the splittable regions of a fixed configuration"),
+    "planner/app/compare.py": (("tensor",), "the predicted costs of the vocabulary split"),
+    "planner/app/mesh_view.py": (("tensor",), "the mesh picture"),
+    "planner/app/schedule_view.py": (("spatial", "tensor"), "the schedule picture's rank layout"),
+    "planner/app/visualize.py": (("tensor",), "the pictures"),
+    "codegen/emit.py": (("bidirectional",), "evaluation's check of the plan (runtime/execute/evaluation.py)"),
+    "codegen/head.py": (("tensor",), "the output layer's vocabulary split"),
+    "codegen/partition.py": (("spatial", "subgraph", "tensor"), "the stage cut calls tiles, regions and splits"),
+    "codegen/stage_source.py": (("spatial", "subgraph"), "stage code for tiles and sub-grid paths"),
+    "codegen/strategies/context/stage_code.py": (("tensor",), "the chunks' graph is split for tensor ranks"),
+    "codegen/strategies/pipeline.py": (("bidirectional",), "the pipeline places stages unless GEMS does"),
+    "codegen/torch_target/layout.py": (("tensor",), "the torch target's DTensor layout"),
+    "codegen/torch_target/pipeline.py": (("bidirectional", "tensor"), "the torch target's refusals"),
+    "runtime/execute/evaluation.py": (("spatial", "subgraph"), "the plans evaluation does not run on"),
+    "runtime/execute/output_head.py": (("tensor",), "the vocabulary-parallel output head"),
+    "runtime/losses.py": (("tensor",), "the vocabulary-parallel loss"),
+    "runtime/materialize.py": (("tensor",), "this rank's shard of each split parameter"),
+    "runtime/rank_main.py": (("tensor",), "the tensor coordinate for parameter shards"),
+    "runtime/reference.py": (("tensor",), "split parameters gathered for the reference"),
+    "runtime/spec.py": (("spatial", "tensor"), "StageSpec's splits and spatial spec"),
+    "runtime/verify/sabotage.py": (("spatial",), "the tile ops a sabotage test breaks"),
+    "cost_models/calibration/executor.py": (("tensor",), "calibrating the tensor-parallel wrappers"),
+    "cost_models/calibration/stage.py": (("tensor",), "calibrating the tensor-parallel wrappers"),
+    "cost_models/mesh_axes.py": (("tensor",), "the mesh's default axis order"),
+    "cost_models/spatial.py": (("spatial",), "halo and BatchNorm bytes of tiles"),
+}
+
+
+def _names(tree: ast.AST, name: str, fields: set[str]) -> bool:
+    member = name.upper()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if node.attr == member and isinstance(node.value, ast.Name) and node.value.id in ("StrategyName", "MeshAxis"):
+                return True
+            base = node.value
+            if node.attr in fields and ((isinstance(base, ast.Name) and base.id in _CONFIGS)
+                                        or (isinstance(base, ast.Attribute) and base.attr == "config")):
+                return True
+        elif isinstance(node, ast.ImportFrom) and node.module and \
+                re.search(rf"\.(strategies|parallel)\.{name}(\.|$)", node.module):
+            return True
+        elif isinstance(node, ast.Call) and any(k.arg in fields for k in node.keywords):
+            f = node.func
+            if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")) in ("ParallelConfig", "replace"):
+                return True
+    return False
+
+
+def _named() -> dict[str, set[str]]:
+    fields = {f.name.value: {fl.field for fl in f.flags} for f in FIELDS}
+    found: dict[str, set[str]] = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel in REGISTRIES:
+                continue
+            tree = ast.parse(path.read_text())
+            for s in StrategyName:
+                if s in CORE or any(rel.startswith(h.format(n=s.value)) for h in HOMES):
+                    continue
+                if _names(tree, s.value, fields[s.value]):
+                    found.setdefault(rel, set()).add(s.value)
+    return found
+
+
+def test_no_file_outside_the_homes_and_registries_names_a_strategy_beyond_the_list():
+    found = _named()
+    new = {f: sorted(s - set(STILL_NAMED.get(f, ((), ""))[0])) for f, s in found.items()}
+    new = {f: s for f, s in new.items() if s}
+    gone = {f: sorted(set(names) - found.get(f, set())) for f, (names, _) in STILL_NAMED.items()}
+    gone = {f: s for f, s in gone.items() if s}
+    assert not new, ("these files name strategies outside their homes and the registries; move the code into "
+                     f"the strategy's home or behind a hook: {new}")
+    assert not gone, f"these files no longer name the strategies listed for them; take them off STILL_NAMED: {gone}"
+
+
+def test_the_check_sees_a_strategy_named_outside_its_home():
+    fields = {"spatial", "spatial_until"}
+    assert _names(ast.parse("x = plan.config.spatial > 1"), "spatial", fields)
+    assert _names(ast.parse("from runtime.parallel.spatial.tiles import f"), "spatial", fields)
+    assert _names(ast.parse("a = MeshAxis.SPATIAL"), "spatial", fields)
+    assert _names(ast.parse("c = ParallelConfig(spatial=2)"), "spatial", fields)
+    assert not _names(ast.parse("x = config.data; y = self.spatial"), "spatial", fields)
+    assert not _names(ast.parse("from runtime.comm.context import DistContext"), "context", {"context"})
