@@ -102,7 +102,7 @@ def graph_method(graph: fx.Graph, method: str, indent: str = "    ") -> tuple[st
     for n in graph.nodes:
         n.type = None
         if n.op in ("get_attr", "call_module"):
-            check_target(n.target)
+            check_call_target(n.target)
     pc = graph.python_code(root_module="self")
     src = pc.src.strip("\n")
     src = re.sub(r"^def forward\(", f"def {method}(", src, count=1)
@@ -122,7 +122,7 @@ def graph_method(graph: fx.Graph, method: str, indent: str = "    ") -> tuple[st
     return "\n".join(lines).rstrip() + "\n", dict(pc.globals)
 
 
-def check_target(target: str) -> None:
+def check_call_target(target: str) -> None:
     """torch.fx writes a module path part that is not an identifier as `getattr(x, "part")` without
     escaping it: refuse a part that would end that string (a double quote, a backslash, a line break)."""
     for part in target.split("."):

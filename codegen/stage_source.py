@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from codegen.pysrc import check_target, comment_text, doc_text, graph_method
+from codegen.pysrc import check_call_target, comment_text, doc_text, graph_method
 from codegen.strategies.spatial.tiles import StageTiles
 from codegen.strategies.subgraph.regions import (insert_region_call, layer_regions, region_inputs, region_methods,
                                                  skipped_nodes, subgraph_init)
@@ -322,7 +322,7 @@ def _canonical_names(lg: fx.Graph, root: str | None) -> fx.Graph:
 
 def _module_expr(path: str) -> str:
     """Python for the stage's module at `path`, as torch.fx writes it (`getattr(self.blocks, "3")`)."""
-    check_target(path)
+    check_call_target(path)
     expr = "self"
     for part in path.split("."):
         expr = f"{expr}.{part}" if part.isidentifier() else f'getattr({expr}, "{part}")'

@@ -20,11 +20,11 @@ from planner.strategies.fields import field_refusal, micro_batch_refusal
 from planner.strategies.fields import label as strategy_label
 from planner.strategies.fields import unused_fields
 from runtime.documents import FieldError
-from runtime.vocab import ContextAttention, DType, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
+from runtime.vocab import ContextAttention, DType, RecomputeMode, Schedule, SpatialBatchNorm, SpatialSplit
 
 # the fields whose value is one of a vocabulary's members (given as the member or its string; held as the string)
 _CHOICES: tuple[tuple[str, type[StrEnum]], ...] = (
-    ("schedule", Schedule), ("recompute", Recompute), ("dtype", DType),
+    ("schedule", Schedule), ("recompute", RecomputeMode), ("dtype", DType),
     ("spatial_split", SpatialSplit), ("spatial_batchnorm", SpatialBatchNorm),
     ("context_attention", ContextAttention),
 )
@@ -43,7 +43,7 @@ class ParallelConfig(ConfigFields):
         micro_batch_size: samples per micro-batch on one data-parallel rank.
         schedule: pipeline schedule, a runtime.vocab.Schedule value.
         virtual_stages: model chunks per device (interleaved schedule only).
-        recompute: activation recomputation, a runtime.vocab.Recompute value.
+        recompute: activation recomputation, a runtime.vocab.RecomputeMode value.
         zero: ZeRO stage 0-3 (sharding of optimizer state, gradients, parameters over data).
         dtype: compute dtype; "bf16"/"fp16" mean mixed precision with fp32 master weights and Adam state.
         stage_boundaries: optional names of the first layer of every stage after the first

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from runtime.vocab import ContextAttention, DType, MeshAxis, Recompute, Schedule, SpatialBatchNorm, SpatialSplit
+from runtime.vocab import ContextAttention, DType, MeshAxis, RecomputeMode, Schedule, SpatialBatchNorm, SpatialSplit
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class ConfigFields:
     micro_batch_size: int = 1
     schedule: str = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
-    recompute: str = Recompute.NONE
+    recompute: str = RecomputeMode.NONE
     zero: int = 0
     dtype: str = DType.BF16
     stage_boundaries: tuple[str, ...] | None = None

@@ -49,7 +49,7 @@ from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
 from planner.graph.ties import tied_weights
 from runtime.execution import Execution, LossImpl
-from runtime.vocab import DType, MeshAxis, Recompute, ShardRole
+from runtime.vocab import DType, MeshAxis, RecomputeMode, ShardRole
 
 T = TypeVar("T")
 _GEMM_KINDS = ("linear", "conv")   # the ops whose split a tensor-parallel collective feeds
@@ -450,7 +450,7 @@ class Evaluator(NodePricing):
                              ov.contention)
             b_a = tp_exposed(sum(c.on(axis).backward for c in costs), sum(c.bwd for c in gemms), ov.tp_comm,
                              ov.contention)
-            comm.append(AxisComm(axis, f_a, b_a + (f_a if config.recompute == Recompute.FULL else 0.0)))
+            comm.append(AxisComm(axis, f_a, b_a + (f_a if config.recompute == RecomputeMode.FULL else 0.0)))
         params = sum(c.params for c in costs)
         scale = config.micro_batch_size / self.graph.batch_size
         layer_in = self._layer_inputs[layer.index] * scale * DType(config.dtype).bytes / 4

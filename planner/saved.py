@@ -17,7 +17,7 @@ from cost_models.activations import (OpView, SavedTensor, SelectivePolicy, Tenso
 from planner.config import ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
 from planner.strategies.tensor.sharding import ShardingPlan
-from runtime.vocab import DType, Recompute, ShardRole
+from runtime.vocab import DType, RecomputeMode, ShardRole
 
 # roles whose output stays split over the tensor ranks (a row-parallel op's output is all-reduced)
 _SPLIT_OUTPUT = (ShardRole.COLUMN, ShardRole.COLUMN_OUT, ShardRole.INNER, ShardRole.CHANNELS)
@@ -97,7 +97,7 @@ class SavedActivations:
         """What `n` alone keeps for one micro-batch under `config`'s dtype and recompute mode (the
         attention core left out under selective recomputation), divided by `divisor` (its tensor split):
         the per-op figure the tensor-parallel and sub-graph choices weigh."""
-        key = (n.name, config.dtype, config.recompute == Recompute.SELECTIVE, fused_attention)
+        key = (n.name, config.dtype, config.recompute == RecomputeMode.SELECTIVE, fused_attention)
         kept = self._node_cache.get(key)
         if kept is None:   # the search prices every node under many configs: once per dtype and mode
             saved = saved_by(self.op_view(n, {}, 1, config.dtype != DType.FP32), fused_attention)
@@ -116,10 +116,10 @@ class SavedActivations:
         mixed = config.dtype != DType.FP32
         views = [self.op_view(self._nodes[name], roles, t, mixed) for name in layer.nodes]
         per_op = [saved_by(v, fused_attention) for v in views]
-        selective = config.recompute == Recompute.SELECTIVE
+        selective = config.recompute == RecomputeMode.SELECTIVE
         total = layer_bytes([s for saved in per_op for s in saved], DType(config.dtype).bytes, sequence,
                             selective=selective)
-        if config.recompute == Recompute.FULL:
+        if config.recompute == RecomputeMode.FULL:
             return LayerActivations(kept=layer_input / sequence, working=total.total * scale,
                                     recomputed=frozenset(layer.nodes))
         if selective and policy is SelectivePolicy.ALTERNATE_MATMULS and any(v.kind == "attention" for v in views):

@@ -34,17 +34,17 @@ from planner.fixed_plan import plan_for
 from planner.plan import Alternative, Plan
 from planner.progress import Progress
 from planner.strategies.base import MeshShape
-from planner.strategies.subgraph.regions import describe
+from planner.strategies.subgraph.regions import describe_regions
 from planner.strategies.tensor.fields import idle_tensor_note
 from planner.strategies.tensor.split.analysis import SplitCache
-from runtime.vocab import Recompute, Target
+from runtime.vocab import RecomputeMode, Target
 
 OBJECTIVES = ("time", "energy")
 # every ParallelConfig field can be pinned by a constraint, but the stage boundaries (the search places them)
 FIXED_KNOBS = tuple(f.name for f in dataclasses.fields(ConfigFields) if f.name != "stage_boundaries")
 LIMITS = ("max_memory_fraction", "max_step_energy_j", "max_step_time_s", "allow_cross_node_tensor",
           "max_micro_batch_size")
-RECOMPUTE_ORDER = tuple(Recompute)   # least recomputation first: none, selective, full
+RECOMPUTE_ORDER = tuple(RecomputeMode)   # least recomputation first: none, selective, full
 
 
 class NoFeasiblePlan(ValueError):
@@ -201,7 +201,7 @@ def explain(plan: Plan, top: int = 5) -> str:
     p = plan.prediction
     lines = [f"chosen: {plan.config.short():<44} step {p.step_time * 1e3:>11.3f} ms  "
              f"mem {p.peak_memory / 2**30:>8.3f} GiB  energy {p.step_energy:>10.1f} J"]
-    lines += [f"  sub-graph {ln}" for ln in describe(plan.subgraph, plan.config.subgraph)]
+    lines += [f"  sub-graph {ln}" for ln in describe_regions(plan.subgraph, plan.config.subgraph)]
     idle = idle_tensor_note(plan)
     if idle:
         lines.append(f"  note: {idle}")

@@ -24,7 +24,8 @@ class LossError(ValueError):
     """A loss name or output/target pair the runtime cannot use."""
 
 
-def check_loss(name: str) -> str:
+def known_loss(name: str) -> str:
+    """`name` when it is one of LOSSES; LossError listing them otherwise."""
     if name not in LOSSES:
         raise LossError(f"unknown loss {name!r}; known: {', '.join(LOSSES)}")
     return name

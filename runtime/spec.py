@@ -39,7 +39,7 @@ from runtime.execute.output_head import OutputHead
 from runtime.parallel.spatial.geometry import SpatialSpec
 from runtime.program.step_work import StepWork
 from runtime.parallel.tensor.layers import FeatureSplit, ModuleShard, ParamShard, shard_dim
-from runtime.vocab import DType, Recompute
+from runtime.vocab import DType, RecomputeMode
 
 INITS = ("seed", "per-module", "checkpoint")
 
@@ -113,9 +113,9 @@ class TrainSpec:
         if self.loss_scale is not None and self.dtype != DType.FP16:
             raise SpecError(f"loss scaling is for dtype fp16 (float16's narrow range), this build is {self.dtype}; "
                             "leave loss_scale out")
-        from runtime.losses import check_loss
+        from runtime.losses import known_loss
 
-        check_loss(self.loss)
+        known_loss(self.loss)
 
     def replace(self, **changes: Any) -> "TrainSpec":
         return dataclasses.replace(self, **changes)
@@ -213,7 +213,7 @@ class StageSpec:
             ranks after every step (runtime/execute/running_stats.py).
         output_split: on the last stage, how the model output's last dimension is split
             over the tensor axis (vocabulary-parallel logits), else None.
-        recompute: a runtime.vocab.Recompute value (the generated code applies it).
+        recompute: a runtime.vocab.RecomputeMode value (the generated code applies it).
         spatial: how the stage splits images into tiles (runtime.parallel.spatial.geometry.SpatialSpec), or None.
         shared: the model's names of each parameter this stage holds that the model uses under
             several names (tied weights), canonical name first. The stage module holds one
@@ -237,7 +237,7 @@ class StageSpec:
     shards: tuple[ModuleShard, ...] = ()
     is_last: bool = False
     output_split: FeatureSplit | None = None
-    recompute: str = Recompute.NONE.value
+    recompute: str = RecomputeMode.NONE.value
     spatial: SpatialSpec | None = None
     shared: tuple[tuple[str, ...], ...] = ()
     param_shards: tuple[ParamShard, ...] = ()
@@ -296,7 +296,7 @@ class StageSpec:
             shards=tuple(ModuleShard.from_dict(s) for s in d.get("shards", ())),
             is_last=bool(d.get("is_last", False)),
             output_split=FeatureSplit.from_list(d["output_split"]) if d.get("output_split") else None,
-            recompute=d.get("recompute", Recompute.NONE.value),
+            recompute=d.get("recompute", RecomputeMode.NONE.value),
             spatial=SpatialSpec.from_dict(d["spatial"]) if d.get("spatial") else None,
             shared=tuple(tuple(str(n) for n in g) for g in d.get("shared", ())),
             param_shards=tuple(ParamShard.from_dict(p) for p in d.get("param_shards", ())),

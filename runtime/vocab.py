@@ -149,7 +149,7 @@ class Schedule(StrEnum):
     INTERLEAVED = "interleaved"
 
 
-class Recompute(StrEnum):
+class RecomputeMode(StrEnum):
     """Activation recomputation: none, selective (attention's softmax and the like), full (whole stage)."""
 
     NONE = "none"

@@ -36,7 +36,7 @@ repeated layers that hold matrix products (the transformer blocks).
 A fused projection split by parts (COLWISE_STRIDED) is refused under fully_shard: FSDP2 cuts the rank's
 [q_r, k_r, v_r] into contiguous pieces that no DTensor placement describes.
 
-Recompute: "full" -> every block under torch.utils.checkpoint (checkpoint_wrapper); "selective" ->
+RecomputeMode: "full" -> every block under torch.utils.checkpoint (checkpoint_wrapper); "selective" ->
 the same blocks under a selective-checkpoint policy that keeps the matmul outputs and recomputes the
 rest (the softmax, norms and elementwise work; torch.utils.checkpoint.create_selective_checkpoint_contexts),
 the closest torch offers to Megatron's selective recompute.
@@ -54,7 +54,7 @@ from planner.plan import Plan
 from runtime.parallel.tensor.layers import FeatureSplit
 from runtime.torch_stack.pipeline_layout import PipelineLayout
 from runtime.torch_stack.vocab import DataKind, TensorStyle
-from runtime.vocab import MeshAxis, Recompute, ShardRole
+from runtime.vocab import MeshAxis, RecomputeMode, ShardRole
 
 # Axes the torch target builds; the others (spatial tiles, sub-graph sub-grids, context rings) have
 # no torch counterpart here.
@@ -121,7 +121,7 @@ class TorchLayout:
     tensor: tuple[ModuleStyle, ...] = ()
     sequence_dim: int | None = None
     data: DataLayout = field(default_factory=lambda: DataLayout(DataKind.NONE))
-    recompute: Recompute = Recompute.NONE
+    recompute: RecomputeMode = RecomputeMode.NONE
     checkpoint_units: tuple[str, ...] = ()
     ties: tuple[tuple[str, ...], ...] = ()
     pipeline: PipelineLayout | None = None
@@ -162,7 +162,7 @@ class TorchLayout:
                                      None if s["dim"] is None else int(s["dim"])) for s in d["tensor"]),
             sequence_dim=None if d["sequence_dim"] is None else int(d["sequence_dim"]),
             data=DataLayout(DataKind(data["kind"]), bool(data["reshard_after_forward"]), tuple(data["units"])),
-            recompute=Recompute(d["recompute"]),
+            recompute=RecomputeMode(d["recompute"]),
             checkpoint_units=tuple(d["checkpoint_units"]),
             ties=tuple(tuple(t) for t in d["ties"]),
             pipeline=pipeline,
@@ -199,8 +199,8 @@ def torch_layout(plan: Plan, graph: ModelGraph) -> TorchLayout:
         tensor=tensor,
         sequence_dim=sequence_dim,
         data=data,
-        recompute=Recompute(cfg.recompute),
-        checkpoint_units=() if cfg.recompute == Recompute.NONE else blocks,
+        recompute=RecomputeMode(cfg.recompute),
+        checkpoint_units=() if cfg.recompute == RecomputeMode.NONE else blocks,
         ties=tuple(tuple(g) for g in graph.shared_params),
         pipeline=pipeline,
     )

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from codegen.pysrc import py_literal
 from codegen.torch_target.layout import ModuleStyle, TorchLayout
 from runtime.torch_stack.vocab import DataKind, TensorStyle
-from runtime.vocab import Recompute, Schedule
+from runtime.vocab import RecomputeMode, Schedule
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,7 @@ def _checkpoint_lines(layout: TorchLayout, imports: list[str], helpers: list[str
     """Each checkpoint unit wrapped in checkpoint_wrapper, in its parent's place."""
     imports.append("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper")
     wrap = "checkpoint_wrapper(model.get_submodule(path))"
-    if layout.recompute is Recompute.SELECTIVE:
+    if layout.recompute is RecomputeMode.SELECTIVE:
         imports += ["from functools import partial",
                     "from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts"]
         helpers += [

@@ -43,7 +43,7 @@ from runtime.checkpoint.restore import to_state_dict
 from runtime.launch.launcher import read_build
 from runtime import torch_script_checkpoint as torch_checkpoints
 from runtime.program.trace import TRACE_WINDOW_STEPS
-from runtime.vocab import Backend, DType, Recompute, Target
+from runtime.vocab import Backend, DType, RecomputeMode, Target
 
 # Bounds of the numeric options (argparse refuses anything outside in one line).
 BATCH = count(1, MAX_BATCH, " samples")
@@ -251,7 +251,7 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--batch", type=BATCH, help="global batch size (samples per optimizer step)")
     add_strategy_flags(p)
     p.add_argument("--micro-batch", type=BATCH, default=1, help="samples per micro-batch per data rank")
-    p.add_argument("--recompute", default=Recompute.NONE.value, choices=list(map(str, Recompute)))
+    p.add_argument("--recompute", default=RecomputeMode.NONE.value, choices=list(map(str, RecomputeMode)))
     p.add_argument("--dtype", default=DType.FP32.value, choices=list(map(str, DType)))
     p.add_argument("--cluster", help="cluster preset or file the plan is priced on (default: local)")
     p.add_argument("--nodes", type=DEGREE, help="nodes of a preset cluster")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Callable
 
-from runtime.vocab import Recompute, Schedule, StrategyName
+from runtime.vocab import RecomputeMode, Schedule, StrategyName
 
 if TYPE_CHECKING:
     from planner.config_fields import ConfigFields
@@ -89,7 +89,7 @@ RULES: tuple[Rule, ...] = (
          (Conflict(lambda c: "tensor > 1", lambda c: c.tensor > 1),
           Conflict(lambda c: "bidirectional", _bidirectional),
           Conflict(lambda c: "spatial > 1", _spatial),
-          Conflict(lambda c: f"recompute={c.recompute!r}", lambda c: c.recompute != Recompute.NONE)),
+          Conflict(lambda c: f"recompute={c.recompute!r}", lambda c: c.recompute != RecomputeMode.NONE)),
          lambda c, names: f"subgraph={c.subgraph} does not combine with {names} yet; use subgraph=1 or drop those"),
     # Context parallelism splits token sequences; spatial tiles and sub-grids split images and branches,
     # and GEMS's reversed replica would need a second ring.
@@ -103,7 +103,7 @@ RULES: tuple[Rule, ...] = (
          (Conflict(lambda c: f"the {c.schedule} schedule",
                    lambda c: c.schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B)),
           Conflict(lambda c: f"tensor {c.tensor}", lambda c: c.tensor != 1),
-          Conflict(lambda c: f"recompute {c.recompute!r}", lambda c: c.recompute != Recompute.NONE)),
+          Conflict(lambda c: f"recompute {c.recompute!r}", lambda c: c.recompute != RecomputeMode.NONE)),
          lambda c, names: "the runtime runs spatial tiles with gpipe/1f1b/bidirectional pipelines, tensor 1 and no "
                           f"recompute, not with {names}"),
     # codegen/strategies/context/stage_code.py rewrites the captured graph for the chunks before the tensor-parallel split; sequence

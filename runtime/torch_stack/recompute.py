@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from runtime.vocab import Recompute
+from runtime.vocab import RecomputeMode
 
 # the matrix products whose outputs selective recompute keeps (nn.Linear reaches the policy as mm/addmm)
 _KEPT = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -34,10 +34,10 @@ def _selective_contexts():
 
 def apply_recompute(model: nn.Module, layout: dict) -> nn.Module:
     """Wrap every module of the layout's `checkpoint_units` (in place) as its `recompute` says."""
-    kind = Recompute(layout["recompute"])
-    if kind is Recompute.NONE:
+    kind = RecomputeMode(layout["recompute"])
+    if kind is RecomputeMode.NONE:
         return model
-    extra = {} if kind is Recompute.FULL else {"context_fn": _selective_contexts}
+    extra = {} if kind is RecomputeMode.FULL else {"context_fn": _selective_contexts}
     wrap = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra)
     for path in layout["checkpoint_units"]:
         parent_path, _, name = path.rpartition(".")

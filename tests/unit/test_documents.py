@@ -7,7 +7,7 @@ import pytest
 from cost_models.memory import param_bytes
 from planner.config import ConfigError, ParallelConfig
 from runtime.documents import DocumentError, FieldError, Fields, parse_document, read_document
-from runtime.vocab import DType, Recompute, Schedule, ShardRole, element_bytes
+from runtime.vocab import DType, RecomputeMode, Schedule, ShardRole, element_bytes
 
 
 def test_read_document_names_the_file_for_every_failure(tmp_path):
@@ -64,7 +64,7 @@ def test_fields_name_the_document_and_the_dotted_field():
 
 def test_config_choices_are_the_vocabulary_and_stay_plain_strings():
     c = ParallelConfig(schedule=Schedule.GPIPE, recompute="full", dtype=DType.FP16)
-    assert (c.schedule, c.recompute, c.dtype) == ("gpipe", Recompute.FULL, "fp16")
+    assert (c.schedule, c.recompute, c.dtype) == ("gpipe", RecomputeMode.FULL, "fp16")
     assert type(c.schedule) is str and type(ParallelConfig().dtype) is str  # reprs and generated code as before
     with pytest.raises(ConfigError, match="ParallelConfig.dtype='fp8' is not one of fp32, bf16, fp16"):
         ParallelConfig(dtype="fp8")

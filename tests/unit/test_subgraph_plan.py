@@ -9,7 +9,7 @@ from planner.evaluator import Evaluator
 from codegen.emit import capture_ref
 from codegen.lower import lower
 from planner import ConfigError, ParallelConfig
-from planner.strategies.subgraph.regions import SubgraphError, describe, module_owners, split_regions
+from planner.strategies.subgraph.regions import SubgraphError, describe_regions, module_owners, split_regions
 from runtime.vocab import MeshAxis
 from tests.parallel_cases import graph_of
 from tests.fixed_machine import local_cluster
@@ -144,7 +144,7 @@ def test_lowered_ranks_hold_only_their_sub_grids_parameters(B, d):
 
 def test_describe_names_idle_sub_grids():
     r = split_regions(inception(), 8)[0]
-    lines = describe((r,), 8)
+    lines = describe_regions((r,), 8)
     assert "(idle)" in lines[0]
 
 def test_codegen_command_takes_the_subgraph_degree(tmp_path, capsys):

@@ -14,7 +14,7 @@ from codegen.torch_target.layout import (DataKind, DataLayout, MeshDim, ModuleSt
                                          TorchLayoutError, _style, torch_layout)
 from planner.app.commands import make_fixed_plan
 from runtime.parallel.tensor.layers import FeatureSplit
-from runtime.vocab import MeshAxis, Recompute, ShardRole
+from runtime.vocab import MeshAxis, RecomputeMode, ShardRole
 from tests.real_models import HF, graph_of
 
 GPT = "examples/models/gpt.py:build"
@@ -72,7 +72,7 @@ def test_gpt_data_by_tensor_mesh_order_and_recompute():
     assert lay.mesh == (MeshDim(MeshAxis.DATA, 2), MeshDim(MeshAxis.TENSOR, 2))   # tensor innermost
     assert lay.world_size == 4
     assert lay.data.kind is DataKind.REPLICATE
-    assert lay.recompute is Recompute.FULL and lay.checkpoint_units == ("blocks.0", "blocks.1")
+    assert lay.recompute is RecomputeMode.FULL and lay.checkpoint_units == ("blocks.0", "blocks.1")
     assert lay.style_of("blocks.0.mlp.fc") == ModuleStyle("blocks.0.mlp.fc", C)
 
 
@@ -134,7 +134,7 @@ def test_round_trip_through_json():
     assert back == lay and lay.data.kind is DataKind.FULLY_SHARD and lay.sequence_dim == 1
     strided = _layout(GPT, {}, tensor=2, sequence_parallel=True)
     assert TorchLayout.from_dict(json.loads(json.dumps(strided.to_dict()))) == strided
-    assert isinstance(back.tensor[0].style, TensorStyle) and isinstance(back.recompute, Recompute)
+    assert isinstance(back.tensor[0].style, TensorStyle) and isinstance(back.recompute, RecomputeMode)
 
 
 def test_refusals_name_the_thing():

@@ -26,7 +26,7 @@ from runtime.launch.rank_args import LaunchError
 from runtime.torch_records import WHOLE_MODEL_KEY, whole_model_view
 from runtime.torch_script import check_world, script_args
 from runtime.torch_stack.vocab import DataKind, TensorStyle
-from runtime.vocab import MeshAxis, Recompute
+from runtime.vocab import MeshAxis, RecomputeMode
 from tests.hostile_cases import HOSTILE, HOSTILE_DIR, hostile_kwargs, load_rank_script, markers, write_model
 
 SGD = OptimizerSpec(name="sgd", lr=0.1)
@@ -152,7 +152,7 @@ def test_a_layout_is_written_out_as_explicit_torch_calls():
                 ModuleStyle(hostile, TensorStyle.ROWWISE), ModuleStyle("ln", TensorStyle.SEQUENCE),
                 ModuleStyle("head", TensorStyle.OUTPUT_COLWISE)),
         sequence_dim=1, data=DataLayout(DataKind.FULLY_SHARD, reshard_after_forward=False, units=("h.0",)),
-        recompute=Recompute.FULL, checkpoint_units=("h.0",), ties=(("wte.weight", "head.weight"), ("a.w", "b.w")))
+        recompute=RecomputeMode.FULL, checkpoint_units=("h.0",), ties=(("wte.weight", "head.weight"), ("a.w", "b.w")))
     src = parallelize_source(layout)
     text = "\n".join(src.functions)
     for line in (

@@ -30,7 +30,7 @@ from cost_models.overlap import DeviceWork
 from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, OpInfo
 from planner.strategies.base import Strategy
-from runtime.vocab import ContextAttention, DType, MeshAxis, Recompute, ShardRole, StrategyName
+from runtime.vocab import ContextAttention, DType, MeshAxis, RecomputeMode, ShardRole, StrategyName
 
 # The search proposes a context degree only where each rank keeps at least this many tokens of a
 # sequence. A ring step's block attention (4 n^2 H D FLOPs for n tokens per rank) hides its key/value
@@ -191,7 +191,7 @@ def adjust(ev, layer: Layer, cost, config: ParallelConfig):
                 ex_f += seconds.forward
                 ex_b += seconds.backward
                 buffers = max(buffers, nbytes)
-        if config.recompute in (Recompute.FULL, Recompute.SELECTIVE):
+        if config.recompute in (RecomputeMode.FULL, RecomputeMode.SELECTIVE):
             ex_b += ex_f   # the recomputed attention exchanges its keys and values again
         shared = cost.comm_divided(c)   # each rank runs the other axes' collectives on its tokens alone
         return dataclasses.replace(

@@ -24,7 +24,7 @@ from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, Strategy
-from runtime.vocab import DType, MeshAxis, Recompute, SpatialBatchNorm, SpatialSplit, StrategyName
+from runtime.vocab import DType, MeshAxis, RecomputeMode, SpatialBatchNorm, SpatialSplit, StrategyName
 
 # A tile thinner than this (rows of the last spatial layer's output) spends more on halos than it
 # saves; the search does not propose it (the user may still ask for it).
@@ -165,7 +165,7 @@ class SpatialPricer:
             gather_back = spatial("all_reduce", cost.boundary)
             boundary = cost.boundary
         comm_f = halo_f + bn_f + gather
-        comm_b = halo_f + bn_b + gather_back + (comm_f if config.recompute == Recompute.FULL else 0.0)
+        comm_b = halo_f + bn_b + gather_back + (comm_f if config.recompute == RecomputeMode.FULL else 0.0)
         hit = dataclasses.replace(
             cost.with_comm(MeshAxis.SPATIAL, comm_f, comm_b) if comm_f or comm_b else cost,
             forward=cost.forward / s * factor, backward=cost.backward / s * factor,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator
 
 from planner.strategies.field_hooks import FieldFlag, PlanView, Problem, StrategyFields
-from planner.strategies.subgraph.regions import describe as describe_regions
+from planner.strategies.subgraph.regions import describe_regions
 from runtime.vocab import MeshAxis, StrategyName
 
 if TYPE_CHECKING:

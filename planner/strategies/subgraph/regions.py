@@ -177,7 +177,7 @@ def module_owners(graph: ModelGraph, regions: tuple[Region, ...]) -> dict[str, i
     return out
 
 
-def describe(regions: tuple[Region, ...], sub_grids: int) -> list[str]:
+def describe_regions(regions: tuple[Region, ...], sub_grids: int) -> list[str]:
     """One line per region: which sub-grid runs which paths (for summary and explain)."""
     lines = []
     for r in regions:
