@@ -48,6 +48,7 @@ from typing import Any
 
 from cost_models.calibrated import fitted_collective, measured_collective
 from cost_models.hardware import Cluster, Link
+from runtime.vocab import Collective
 
 # --- achievable-bandwidth efficiencies ---------------------------------------------------
 
@@ -89,14 +90,14 @@ DEFAULT_EFFICIENCIES: Mapping[str, tuple[float, float]] = MappingProxyType({
 # "hierarchical" is only offered for all-reduce: in our runtime (as in NCCL) all-gather
 # and reduce-scatter run as flat rings, so they are priced only as flat rings.
 ALGORITHMS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "all_reduce": ("ring", "tree", "hierarchical"),
-    "all_gather": ("ring",),
-    "reduce_scatter": ("ring",),
-    "broadcast": ("chain", "binomial"),
-    "all_to_all": ("pairwise",),
-    "p2p": ("direct",),
+    Collective.ALL_REDUCE: ("ring", "tree", "hierarchical"),
+    Collective.ALL_GATHER: ("ring",),
+    Collective.REDUCE_SCATTER: ("ring",),
+    Collective.BROADCAST: ("chain", "binomial"),
+    Collective.ALL_TO_ALL: ("pairwise",),
+    Collective.P2P: ("direct",),
 })
-COLLECTIVE_OPS: tuple[str, ...] = tuple(ALGORITHMS)
+COLLECTIVE_OPS: tuple[str, ...] = tuple(op.value for op in ALGORITHMS)   # plain text: messages, documents
 
 _EFFICIENCY_KEYS = ("intra", "inter")
 _CACHE_SIZE = 1 << 16
@@ -506,7 +507,7 @@ def _candidates(
     """(algorithm, seconds) for every algorithm available to ``op`` on this group."""
     g = shape.size
     link = inter if shape.spans_nodes else intra
-    if op == "all_reduce":
+    if op == Collective.ALL_REDUCE:
         out = [
             ("ring", ring_all_reduce_time(link, nbytes, g)),
             ("tree", tree_all_reduce_time(link, nbytes, g)),
@@ -517,16 +518,16 @@ def _candidates(
                 hierarchical_all_reduce_time(intra, inter, nbytes, shape.per_node, shape.num_nodes),
             ))
         return out
-    if op == "all_gather":
+    if op == Collective.ALL_GATHER:
         return [("ring", ring_all_gather_time(link, nbytes, g))]
-    if op == "reduce_scatter":
+    if op == Collective.REDUCE_SCATTER:
         return [("ring", ring_reduce_scatter_time(link, nbytes, g))]
-    if op == "broadcast":
+    if op == Collective.BROADCAST:
         return [
             ("chain", chain_broadcast_time(link, nbytes, g)),
             ("binomial", binomial_broadcast_time(link, nbytes, g)),
         ]
-    if op == "all_to_all":
+    if op == Collective.ALL_TO_ALL:
         return [("pairwise", pairwise_all_to_all_time(link, nbytes, g))]
     # p2p
     if g > 2:

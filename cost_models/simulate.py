@@ -41,9 +41,10 @@ from cost_models.hardware import Cluster
 from runtime.program.instr_set import Op
 from runtime.program import COLLECTIVE_OPS, Instr, Program
 from runtime.program.trace import Event, Timeline
+from runtime.vocab import Collective
 
-_COLLECTIVE_NAMES = {"ALLREDUCE": "all_reduce", "ALLGATHER": "all_gather", "REDUCESCATTER": "reduce_scatter",
-                     "BROADCAST": "broadcast"}
+_COLLECTIVE_NAMES = {Op.ALLREDUCE: Collective.ALL_REDUCE, Op.ALLGATHER: Collective.ALL_GATHER,
+                     Op.REDUCESCATTER: Collective.REDUCE_SCATTER, Op.BROADCAST: Collective.BROADCAST}
 
 
 class SimulationDeadlock(RuntimeError):
@@ -105,7 +106,7 @@ class ComputeCosts:
         if vocab_split is not None and vocab_split[1] > 1:
             rows, t = vocab_split
             vf, vb = vocab_loss_costs(cluster, loss_elements)
-            reduce = collective_time(cluster, "all_reduce", 4.0 * rows, list(range(t))).seconds
+            reduce = collective_time(cluster, Collective.ALL_REDUCE, 4.0 * rows, list(range(t))).seconds
             loss_f, loss_b = loss_f + vf + 3 * reduce, loss_b + vb
         gap, issue, extra = executor_costs(cluster)
         call_f, call_b = call_f + extra.get("F", 0.0), call_b + extra.get("B", 0.0)
@@ -260,13 +261,13 @@ def _step(st: _Rank, ins: Instr, costs: ComputeCosts, cluster: Cluster, issued, 
         st.now += costs.issue_time(ins.op)
     if ins.op in (Op.SEND, Op.RECV):
         src, dst = (prog.rank, ins.peer) if ins.op == Op.SEND else (ins.peer, prog.rank)
-        key = ("p2p", src, dst, ins.kind, ins.stage, ins.micro, st.rep)
+        key = (Collective.P2P, src, dst, ins.kind, ins.stage, ins.micro, st.rep)
         members[key] = (src, dst)
         if key not in durations:
             nbytes = ins.nbytes
-            durations[key] = collective_time(cluster, "p2p", nbytes, [src, dst]).seconds if nbytes else 0.0
+            durations[key] = collective_time(cluster, Collective.P2P, nbytes, [src, dst]).seconds if nbytes else 0.0
         elif ins.nbytes:
-            durations[key] = collective_time(cluster, "p2p", ins.nbytes, [src, dst]).seconds
+            durations[key] = collective_time(cluster, Collective.P2P, ins.nbytes, [src, dst]).seconds
     else:
         group = prog.group(ins.axis)
         key = (ins.op, ins.kind, ins.axis, group, ins.stage, ins.micro, ins.bucket, st.rep)

@@ -49,7 +49,7 @@ from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
 from planner.graph.ties import tied_weights
 from runtime.execution import Execution, LossImpl
-from runtime.vocab import DType, MeshAxis, RecomputeMode, ShardRole
+from runtime.vocab import Collective, DType, MeshAxis, RecomputeMode, ShardRole
 
 T = TypeVar("T")
 _GEMM_KINDS = ("linear", "conv")   # the ops whose split a tensor-parallel collective feeds
@@ -251,7 +251,7 @@ class Evaluator(NodePricing):
             if len(positions) > 1:
                 stride = config.num_devices // p
                 nbytes = per_rank * (self.grad_reduce_bytes or DType(config.dtype).bytes)
-                seconds += collective_time(self.cluster, "all_reduce", nbytes,
+                seconds += collective_time(self.cluster, Collective.ALL_REDUCE, nbytes,
                                            [pos * stride for pos in positions]).seconds
         return extra, seconds
 
@@ -528,10 +528,10 @@ class Evaluator(NodePricing):
         parallel = t if div > 1 else 1
 
         def allreduce(nbytes: float) -> float:
-            return self.axis_seconds(config.mesh, MeshAxis.TENSOR, "all_reduce", nbytes)
+            return self.axis_seconds(config.mesh, MeshAxis.TENSOR, Collective.ALL_REDUCE, nbytes)
 
         def gather(nbytes: float) -> float:
-            return self.axis_seconds(config.mesh, MeshAxis.TENSOR, "all_gather", nbytes)
+            return self.axis_seconds(config.mesh, MeshAxis.TENSOR, Collective.ALL_GATHER, nbytes)
         if self._fused_head(config) == n.name:
             m = self.execution.vocab_multiple
             vocab = -(-int(classes / div) // m) * m

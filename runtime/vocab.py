@@ -96,6 +96,18 @@ class ShardRole(StrEnum):
 SPLIT_ROLES = tuple(r for r in ShardRole if r != ShardRole.REPLICATE)
 
 
+class Collective(StrEnum):
+    """A collective operation (or a point-to-point transfer) as the cost model prices it and the
+    communicators name it: cost_models/comm.py collective_time's `op`, runtime/comm's failures."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    BROADCAST = "broadcast"
+    ALL_TO_ALL = "all_to_all"
+    P2P = "p2p"
+
+
 class Backend(StrEnum):
     """How a build's ranks talk: torch.distributed over gloo (CPU tensors) or NCCL (CUDA tensors), or
     MPI through mpi4py (runtime/comm/mpi.py)."""

@@ -61,7 +61,7 @@ from runtime.execution import Execution
 from runtime.program.instr_set import Kind, Op
 from runtime.program import COLLECTIVE_OPS, Program
 from runtime.program.trace import HOST_TRACKS, INSTRUCTION_TRACKS, Event, Timeline
-from runtime.vocab import Clock, ShardRole, Track
+from runtime.vocab import Clock, Collective, ShardRole, Track
 
 _KIND_OF_OP = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "recv", "ALLREDUCE": "collective",
                "ALLGATHER": "collective", "REDUCESCATTER": "collective", "BROADCAST": "collective",
@@ -412,7 +412,7 @@ def _transfer(build: Path, cluster, world: int) -> tuple[float, float] | None:
         return None
     if not probe or probe.get("seconds") is None:
         return None
-    calibrated = measured_collective(cluster, "all_reduce", world, probe["all_reduce_bytes"], wake=False)
+    calibrated = measured_collective(cluster, Collective.ALL_REDUCE, world, probe["all_reduce_bytes"], wake=False)
     return (float(probe["seconds"]), calibrated) if calibrated else None
 
 

@@ -36,7 +36,7 @@ import torch
 from runtime.comm.jobauth import SECRET_ENV, Signer, shown
 from runtime.launch.placement import cuda_index
 from runtime.comm.store_host import StoreBindError, host_store, listen_address
-from runtime.vocab import Backend
+from runtime.vocab import Backend, Collective
 
 ABORT_KEY = "meshplan/abort"
 ACK_KEY = "meshplan/abort_acks"
@@ -304,10 +304,10 @@ class _TorchGroup:
         return self._run(self._pg.allreduce([tensor], opts), f"all_reduce({op})", async_op)
 
     def all_gather(self, output, tensor, async_op=False):
-        return self._run(self._pg._allgather_base(output, tensor), "all_gather", async_op)
+        return self._run(self._pg._allgather_base(output, tensor), Collective.ALL_GATHER, async_op)
 
     def reduce_scatter(self, output, tensor, async_op=False):
-        return self._run(self._pg._reduce_scatter_base(output, tensor), "reduce_scatter", async_op)
+        return self._run(self._pg._reduce_scatter_base(output, tensor), Collective.REDUCE_SCATTER, async_op)
 
     def broadcast(self, tensor, src, async_op=False):
         import torch.distributed as dist
@@ -315,12 +315,12 @@ class _TorchGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = self.ranks.index(src)
         opts.rootTensor = 0
-        return self._run(self._pg.broadcast([tensor], opts), "broadcast", async_op)
+        return self._run(self._pg.broadcast([tensor], opts), Collective.BROADCAST, async_op)
 
     def all_to_all(self, output, tensor, async_op=False):
         import torch.distributed as dist
 
-        return self._run(self._pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions()), "all_to_all",
+        return self._run(self._pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions()), Collective.ALL_TO_ALL,
                          async_op)
 
     def send_recv(self, send, dst, recv, src, tag):

@@ -23,7 +23,7 @@ import torch
 
 from runtime.comm import CommError, Group, PeerFailure, SoloGroup, group_send_recv
 from runtime.comm.jobauth import SECRET_ENV, Signer, shown, signer_from_env
-from runtime.vocab import Backend
+from runtime.vocab import Backend, Collective
 
 # Above every p2p_tag (which stay below 2**29); OpenMPI's MPI_TAG_UB is 2**31 - 1.
 _ABORT_TAG = 1_500_000_000
@@ -124,24 +124,24 @@ class _MpiGroup:
         # parameter storage it gathers into between uses.
         staging = torch.empty_like(output)
         bufs = (_np(src), _np(staging))
-        return self._run(lambda: self._c.Iallgather(*bufs), "all_gather", async_op,
+        return self._run(lambda: self._c.Iallgather(*bufs), Collective.ALL_GATHER, async_op,
                          after=lambda: output.copy_(staging), keep=bufs)
 
     def reduce_scatter(self, output, tensor, async_op=False):
         from mpi4py import MPI
 
         bufs = (_np(tensor), _np(output))
-        return self._run(lambda: self._c.Ireduce_scatter_block(*bufs, MPI.SUM), "reduce_scatter", async_op,
+        return self._run(lambda: self._c.Ireduce_scatter_block(*bufs, MPI.SUM), Collective.REDUCE_SCATTER, async_op,
                          keep=bufs)
 
     def broadcast(self, tensor, src, async_op=False):
         buf = _np(tensor)
-        return self._run(lambda: self._c.Ibcast(buf, root=self.ranks.index(src)), "broadcast", async_op,
+        return self._run(lambda: self._c.Ibcast(buf, root=self.ranks.index(src)), Collective.BROADCAST, async_op,
                          keep=(buf,))
 
     def all_to_all(self, output, tensor, async_op=False):
         bufs = (_np(tensor), _np(output))
-        return self._run(lambda: self._c.Ialltoall(*bufs), "all_to_all", async_op, keep=bufs)
+        return self._run(lambda: self._c.Ialltoall(*bufs), Collective.ALL_TO_ALL, async_op, keep=bufs)
 
     def send_recv(self, send, dst, recv, src, tag):
         return group_send_recv(self._comm, self.ranks, send, dst, recv, src, tag)

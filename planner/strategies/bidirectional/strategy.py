@@ -36,7 +36,7 @@ from planner.config import ParallelConfig
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, MeshShape, Placement
 from planner.strategies.pipeline.strategy import optimizer_work, param_bytes_for
-from runtime.vocab import DType, StrategyName
+from runtime.vocab import Collective, DType, StrategyName
 
 
 class _Sizes:
@@ -271,4 +271,4 @@ def _pair_allreduce(ev, config: ParallelConfig, device: int, params: float) -> f
     if len(ranks) < 2:
         return 0.0
     nbytes = params * (ev.grad_reduce_bytes or DType(config.dtype).bytes)
-    return collective_time(ev.cluster, "all_reduce", nbytes, ranks).seconds
+    return collective_time(ev.cluster, Collective.ALL_REDUCE, nbytes, ranks).seconds

@@ -30,7 +30,7 @@ from cost_models.overlap import DeviceWork
 from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, OpInfo
 from planner.strategies.base import Strategy
-from runtime.vocab import ContextAttention, DType, MeshAxis, RecomputeMode, ShardRole, StrategyName
+from runtime.vocab import Collective, ContextAttention, DType, MeshAxis, RecomputeMode, ShardRole, StrategyName
 
 # The search proposes a context degree only where each rank keeps at least this many tokens of a
 # sequence. A ring step's block attention (4 n^2 H D FLOPs for n tokens per rank) hides its key/value
@@ -167,11 +167,11 @@ def exchange(ev, layer: Layer, n: OpInfo, config: ParallelConfig) -> tuple[Excha
     mesh = config.mesh
     if config.context_attention == ContextAttention.ULYSSES:
         seconds = ulysses(c, (q_bytes, kv_bytes, kv_bytes), q_bytes,
-                          lambda nb: ev.axis_seconds(mesh, MeshAxis.CONTEXT, "all_to_all", nb))
+                          lambda nb: ev.axis_seconds(mesh, MeshAxis.CONTEXT, Collective.ALL_TO_ALL, nb))
         return seconds, q_bytes + 2 * kv_bytes
     role = ev.layer_roles(layer, config).get(n.name, ShardRole.REPLICATE)
     attn = ev.node_cost(n, role, config)
-    seconds = ring_attention(c, 2 * kv_bytes, lambda nb: ev.axis_seconds(mesh, MeshAxis.CONTEXT, "p2p", nb),
+    seconds = ring_attention(c, 2 * kv_bytes, lambda nb: ev.axis_seconds(mesh, MeshAxis.CONTEXT, Collective.P2P, nb),
                              attn.fwd / c, attn.bwd / c)
     return seconds, 2 * (2 * kv_bytes)   # the block being received beside the one attended to, for k and v
 

@@ -20,7 +20,7 @@ import dataclasses
 from cost_models.overlap import DeviceWork, bucketed_exposed, chunked_sync_exposed, prefetched_exposed
 from planner.config import ParallelConfig
 from planner.strategies.base import Strategy
-from runtime.vocab import DType, MeshAxis, StrategyName
+from runtime.vocab import Collective, DType, MeshAxis, StrategyName
 
 # Data-parallel gradients are reduced in buckets as backward produces them;
 # only the last bucket's reduction is always exposed (PyTorch DDP's default bucket).
@@ -46,7 +46,7 @@ class DataStrategy(Strategy):
             return ev.axis_seconds(mesh, MeshAxis.DATA, op, nbytes)
 
         if config.zero <= 2:
-            op = "all_reduce" if config.zero <= 1 else "reduce_scatter"
+            op = Collective.ALL_REDUCE if config.zero <= 1 else Collective.REDUCE_SCATTER
             if ov.grad_reduce:
                 exposed = chunked_sync_exposed(
                     [(b, data(op, n * grad_elem), data(op, min(GRAD_BUCKET_BYTES, n * grad_elem)))
@@ -55,28 +55,29 @@ class DataStrategy(Strategy):
                 exposed = data(op, params * grad_elem)
             if config.zero >= 1:  # the updated weight shards are gathered after the step
                 weight_bytes = params * weight_elem
-                exposed += bucketed_exposed(data("all_gather", weight_bytes),
-                                            data("all_gather", min(GRAD_BUCKET_BYTES, weight_bytes)),
+                exposed += bucketed_exposed(data(Collective.ALL_GATHER, weight_bytes),
+                                            data(Collective.ALL_GATHER, min(GRAD_BUCKET_BYTES, weight_bytes)),
                                             work.forward if ov.param_gather else 0.0, ov.contention)
             return exposed, 0.0
         if not (ov.param_gather or ov.grad_reduce):
-            return 0.0, m * (2 * data("all_gather", params * weight_elem) + data("reduce_scatter", params * grad_elem))
+            return 0.0, m * (2 * data(Collective.ALL_GATHER, params * weight_elem)
+                             + data(Collective.REDUCE_SCATTER, params * grad_elem))
         held = sum(n for n, _, _ in work.layers)
         share = params / held if held else 0.0
-        gathers = [data("all_gather", n * share * weight_elem) for n, _, _ in work.layers]
-        reduces = [data("reduce_scatter", n * share * grad_elem) for n, _, _ in work.layers]
+        gathers = [data(Collective.ALL_GATHER, n * share * weight_elem) for n, _, _ in work.layers]
+        reduces = [data(Collective.REDUCE_SCATTER, n * share * grad_elem) for n, _, _ in work.layers]
         forwards = [f for _, f, _ in work.layers]
         backwards = [b for _, _, b in work.layers]
         if ov.param_gather:  # forward in layer order, backward in reverse, one layer ahead
             # up to the stack's prefetch bound ahead; the rest of a layer is gathered when it starts
             cap = ov.prefetch_params
             ahead = gathers if cap is None else \
-                [data("all_gather", min(n * share, cap) * weight_elem) for n, _, _ in work.layers]
+                [data(Collective.ALL_GATHER, min(n * share, cap) * weight_elem) for n, _, _ in work.layers]
             late = sum(g - a for g, a in zip(gathers, ahead))
             gather = prefetched_exposed(ahead, forwards, ov.contention) + \
                 prefetched_exposed(ahead[::-1], backwards[::-1], ov.contention) + 2 * late
         else:  # each pass gathers all of the device's weights at once and waits
-            gather = 2 * data("all_gather", params * weight_elem)
+            gather = 2 * data(Collective.ALL_GATHER, params * weight_elem)
         # layer k's gradients are reduced while layer k-1's backward runs; layer 0's is exposed
         reduce = prefetched_exposed(reduces, backwards, ov.contention) if ov.grad_reduce else sum(reduces)
         return 0.0, m * (gather + reduce)

@@ -24,7 +24,7 @@ from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, Strategy
-from runtime.vocab import DType, MeshAxis, RecomputeMode, SpatialBatchNorm, SpatialSplit, StrategyName
+from runtime.vocab import Collective, DType, MeshAxis, RecomputeMode, SpatialBatchNorm, SpatialSplit, StrategyName
 
 # A tile thinner than this (rows of the last spatial layer's output) spends more on halos than it
 # saves; the search does not propose it (the user may still ask for it).
@@ -131,7 +131,7 @@ class SpatialPricer:
             return ev.axis_seconds(mesh, MeshAxis.SPATIAL, op, nbytes)
 
         def p2p(nbytes: float) -> float:   # a neighbour transfer
-            return spatial("p2p", nbytes)
+            return spatial(Collective.P2P, nbytes)
 
         halo_f = 0.0
         factor = 1.0
@@ -154,15 +154,15 @@ class SpatialPricer:
             for ch in self.geometry[layer.index].norms:
                 fb, bb = batchnorm_sync_bytes(ch)
                 # forward: two dependent all-reduces (sums, then squared deviations); backward: one
-                bn_f += 2 * spatial("all_reduce", fb / 2)
-                bn_b += spatial("all_reduce", bb)
+                bn_f += 2 * spatial(Collective.ALL_REDUCE, fb / 2)
+                bn_b += spatial(Collective.ALL_REDUCE, bb)
         gather = gather_back = 0.0
         boundary = cost.boundary / s
         if layer.index == k:  # the tiles are gathered into the full activation after this layer
-            gather = spatial("all_gather", cost.boundary)
+            gather = spatial(Collective.ALL_GATHER, cost.boundary)
             # backward sums the full activation's gradient over the tiles (as lowered plans run,
             # codegen/strategies/spatial/program.py), then each device keeps its tile
-            gather_back = spatial("all_reduce", cost.boundary)
+            gather_back = spatial(Collective.ALL_REDUCE, cost.boundary)
             boundary = cost.boundary
         comm_f = halo_f + bn_f + gather
         comm_b = halo_f + bn_b + gather_back + (comm_f if config.recompute == RecomputeMode.FULL else 0.0)
@@ -181,7 +181,7 @@ class SpatialPricer:
         k = self.until_index(config)
         params = sum(layer.param_count for layer in self.graph.layers[:k + 1])
         nbytes = params * (ev.grad_reduce_bytes or DType(config.dtype).bytes)
-        return ev.axis_seconds(config.mesh, MeshAxis.SPATIAL, "all_reduce", nbytes)
+        return ev.axis_seconds(config.mesh, MeshAxis.SPATIAL, Collective.ALL_REDUCE, nbytes)
 
 
 def spatial_candidates(pricer: SpatialPricer, degree: int) -> list[tuple[str, str]]:

@@ -22,7 +22,7 @@ from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer
 from planner.strategies.base import Strategy
 from planner.strategies.subgraph.regions import Region, split_regions
-from runtime.vocab import DType, MeshAxis, ShardRole, StrategyName
+from runtime.vocab import Collective, DType, MeshAxis, ShardRole, StrategyName
 
 # config.mesh's name for the sub-grid axis; it becomes MeshAxis.SUBGRAPH with the vocabulary's axis rename.
 SUBGRID_AXIS = MeshAxis.SUBGRAPH
@@ -98,11 +98,11 @@ def region_comm_seconds(ev, config: ParallelConfig, region: Region) -> tuple[flo
     scale = config.micro_batch_size / ev.graph.batch_size * DType(config.dtype).bytes / 4
     if region.kind == "heads":   # all-gather of the output along the heads; all-reduce of dq, dk, dv
         attn = ev.node(region.fork)
-        sizes = (("all_gather", attn.output_bytes * scale),
-                 ("all_reduce", sum(m.nbytes for m in attn.input_meta) * scale))
+        sizes = ((Collective.ALL_GATHER, attn.output_bytes * scale),
+                 (Collective.ALL_REDUCE, sum(m.nbytes for m in attn.input_meta) * scale))
     else:                        # a broadcast per path output; all-reduce of the fork's gradient
-        sizes = (*(("broadcast", ev.node(e).output_bytes * scale) for e in region.exits),
-                 ("all_reduce", ev.node(region.fork).output_bytes * scale))
+        sizes = (*((Collective.BROADCAST, ev.node(e).output_bytes * scale) for e in region.exits),
+                 (Collective.ALL_REDUCE, ev.node(region.fork).output_bytes * scale))
     key = ("comm", sizes, tuple(config.mesh.items()))   # repeated blocks move the same bytes
     cache = _cache(ev)
     hit = cache.get(key)

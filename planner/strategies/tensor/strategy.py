@@ -26,7 +26,7 @@ from planner.graph.model import Layer, OpInfo
 from planner.ilp import Edge, RegionOption, choose_shardings
 from planner.strategies.base import Strategy
 from planner.strategies.tensor.split.sequence import SequenceSplit, sequence_stream
-from runtime.vocab import DType, MeshAxis, ShardRole, StrategyName
+from runtime.vocab import Collective, DType, MeshAxis, ShardRole, StrategyName
 
 
 class TensorStrategy(Strategy):
@@ -84,9 +84,9 @@ class TensorStrategy(Strategy):
             f, b = sequence_collectives(ev, n, role, config, scale * ds)
         else:
             mesh = config.mesh
-            f = ev.axis_seconds(mesh, MeshAxis.TENSOR, "all_reduce", shard.fwd_allreduce * scale * ds) \
+            f = ev.axis_seconds(mesh, MeshAxis.TENSOR, Collective.ALL_REDUCE, shard.fwd_allreduce * scale * ds) \
                 if shard.fwd_allreduce else 0.0
-            b = ev.axis_seconds(mesh, MeshAxis.TENSOR, "all_reduce", shard.bwd_allreduce * scale * ds) \
+            b = ev.axis_seconds(mesh, MeshAxis.TENSOR, Collective.ALL_REDUCE, shard.bwd_allreduce * scale * ds) \
                 if shard.bwd_allreduce else 0.0
         if shard.fwd_allreduce or shard.bwd_allreduce:
             # What the runtime adds around the all-reduce (calibrated; 0 otherwise): a vocabulary-parallel
@@ -167,16 +167,18 @@ def sequence_collectives(ev, n: OpInfo, role: str, config: ParallelConfig, scale
         return ev.axis_seconds(mesh, MeshAxis.TENSOR, op, nbytes * factor)
 
     ds = DType(config.dtype).bytes / 4   # parameters do not scale with the micro-batch
-    grads = sum((collective("all_reduce", b, ds) for b in _partial_grads(ev, n, role, seq)), 0.0)
+    grads = sum((collective(Collective.ALL_REDUCE, b, ds) for b in _partial_grads(ev, n, role, seq)), 0.0)
     shard = ev.sharding.roles[n.name]
     if role in (ShardRole.ROW, ShardRole.VOCAB):
-        return collective("reduce_scatter", shard.fwd_allreduce), collective("all_gather", shard.fwd_allreduce) + grads
+        return (collective(Collective.REDUCE_SCATTER, shard.fwd_allreduce),
+                collective(Collective.ALL_GATHER, shard.fwd_allreduce) + grads)
     if n.name in seq.gathering:
-        return collective("all_gather", shard.bwd_allreduce), collective("reduce_scatter", shard.bwd_allreduce)
+        return (collective(Collective.ALL_GATHER, shard.bwd_allreduce),
+                collective(Collective.REDUCE_SCATTER, shard.bwd_allreduce))
     if role != ShardRole.REPLICATE:
-        return 0.0, collective("all_reduce", shard.bwd_allreduce)
+        return 0.0, collective(Collective.ALL_REDUCE, shard.bwd_allreduce)
     whole = seq.read_whole.get(n.name, ())
-    return sum((collective("all_gather", ev.node(v).output_bytes) for v in whole), 0.0), grads
+    return sum((collective(Collective.ALL_GATHER, ev.node(v).output_bytes) for v in whole), 0.0), grads
 
 
 def _partial_grads(ev, n: OpInfo, role: str, seq: SequenceSplit) -> list[float]:
