@@ -136,6 +136,14 @@ def emit_path() -> tuple[list[str], list[str]]:
     return entered, sorted(f"{a} -> {b}" for a, b in descents)
 
 
+def named_outside() -> dict[str, set[str]]:
+    """file -> the strategies it names outside their homes and the registries (the check of
+    tests/unit/test_strategy_homes.py, which defines what naming one is)."""
+    sys.path.insert(0, str(ROOT))
+    from tests.unit.test_strategy_homes import _named
+    return _named()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-trace", action="store_true", help="skip the emit path (no torch import)")
@@ -146,6 +154,11 @@ def main() -> None:
         homes = tuple(f"{pkg}/{name}" for pkg in ("planner/strategies", "codegen/strategies", "runtime/parallel"))
         outside = [f for f in files if not f.startswith(homes)]
         print(f"  {name:14s} {len(files):3d} files, {len(outside):2d} outside: {' '.join(outside)}")
+    named = named_outside()
+    print(f"\nfiles outside the homes and registries that name a strategy (tests/unit/test_strategy_homes.py): "
+          f"{len(named)}")
+    for name in sorted({s for found in named.values() for s in found}):
+        print(f"  {name:14s} {sum(name in found for found in named.values()):3d}")
     funcs = long_functions()
     print(f"\nfunctions over 80 lines: {len(funcs)}")
     for n, f in funcs:
