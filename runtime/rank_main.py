@@ -82,6 +82,7 @@ from runtime.program.trace import (PROBE_BYTES, TRACE_WINDOW_STEPS, Recorder, pr
 from runtime.vocab import Backend, MeshAxis
 from runtime.launch.watchdog import Watchdog
 from runtime.launch.rank_args import LaunchError, check_launch, parse_args, parse_fail_at
+from runtime.documents import read_document
 
 
 class PlanMismatchError(ValueError):
@@ -199,7 +200,7 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     model = meta_model(spec)
     if model_signature(model) != signature["hash"]:
         if not signature.get("shapes") and (Path(build_dir) / "build.json").is_file():
-            signature = json.loads((Path(build_dir) / "build.json").read_text()).get("signature", signature)
+            signature = read_document(Path(build_dir) / "build.json", "build file").get("signature", signature)
         raise PlanMismatchError(
             f"the plan was made for another model: {spec.model_ref} with {spec.model_kwargs} builds "
             f"{type(model).__name__} whose tensors differ ({signature_mismatch(model, signature['shapes'])}); "

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import json
 import os
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from runtime.execute.running_stats import batchnorm_modules, load_statistics, st
 from runtime.spec import TrainSpec
 from runtime.parallel.tensor.layers import FeatureSplit
 from runtime.vocab import DType
+from runtime.documents import read_document
 
 
 @dataclass
@@ -188,7 +188,7 @@ def like_the_ranks(spec: TrainSpec, run_dir: str | os.PathLike) -> TrainSpec:
     records it in run_dir/rank_XXXX.json as "optimizer_impl"), so that the reference steps like
     with like; unchanged when no rank recorded one."""
     for f in sorted(Path(run_dir).glob("rank_*.json")):
-        impl = json.loads(f.read_text()).get("optimizer_impl")
+        impl = read_document(f, "run record").get("optimizer_impl")
         if impl:
             return spec.replace(optimizer=spec.optimizer.with_impl(impl))
     return spec

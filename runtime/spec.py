@@ -40,6 +40,7 @@ from runtime.parallel.spatial.geometry import SpatialSpec
 from runtime.program.step_work import StepWork
 from runtime.parallel.tensor.layers import FeatureSplit, ModuleShard, ParamShard, shard_dim
 from runtime.vocab import DType, RecomputeMode
+from runtime.documents import read_document
 
 INITS = ("seed", "per-module", "checkpoint")
 
@@ -162,10 +163,7 @@ class TrainSpec:
 
     @classmethod
     def load(cls, path: str | Path) -> "TrainSpec":
-        p = Path(path)
-        if not p.is_file():
-            raise SpecError(f"build file {p} does not exist")
-        return cls.from_dict(json.loads(p.read_text()))
+        return cls.from_dict(read_document(path, "build file", error=SpecError))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ from runtime.execute.loss_scale import loss_scale_for
 from runtime.materialize import check_checkpoint_file
 from runtime.tensorboard_log import require_tensorboard
 from runtime.vocab import Target
+from runtime.documents import read_document
 
 
 # `meshplan run --verify`'s exit status when no sample-exact check applies (dropout): neither a pass (0)
@@ -214,7 +214,7 @@ def check_run_eval(build: str, info: dict, every: int | None, batches: int | Non
     if eval_setting(own, every, batches) is None:
         return
     plan = Path(build) / "plan.json"
-    config = json.loads(plan.read_text()).get("config", {}) if plan.is_file() else {}
+    config = read_document(plan, "plan file").get("config", {}) if plan.is_file() else {}
     check_supported(dict(info.get("mesh") or {}), bool(config.get("bidirectional")))
 
 

@@ -62,6 +62,7 @@ from runtime.program.instr_set import Kind, Op
 from runtime.program import COLLECTIVE_OPS, Program
 from runtime.program.trace import HOST_TRACKS, INSTRUCTION_TRACKS, Event, Timeline
 from runtime.vocab import Clock, Collective, ShardRole, Track
+from runtime.documents import read_document
 
 _KIND_OF_OP = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "recv", "ALLREDUCE": "collective",
                "ALLGATHER": "collective", "REDUCESCATTER": "collective", "BROADCAST": "collective",
@@ -437,7 +438,7 @@ def measured_steps(build: str | Path, *, skip_steps: int = 1) -> tuple["Timeline
 def _memory_steps(build: Path) -> set[int]:
     steps = set()
     for f in (build / "run").glob("rank_*.json"):
-        mem = json.loads(f.read_text()).get("memory")
+        mem = read_document(f, "run record", error=CompareError).get("memory")
         if mem and "step" in mem:
             steps.add(int(mem["step"]))
     return steps
@@ -495,7 +496,7 @@ def _memory_table(build: Path, progs: dict, pred) -> tuple[RankMemory, ...]:
         f = build / "run" / f"rank_{r:04d}.json"
         measured = None
         if f.is_file():
-            mem = json.loads(f.read_text()).get("memory")
+            mem = read_document(f, "run record", error=CompareError).get("memory")
             measured = int(mem["peak"]) if mem else None
         # A device's footprint is the same for each of its stages (evaluate prices it per device).
         out.append(RankMemory(r, measured, max(by_stage[s] for s in prog.stages)))

@@ -51,6 +51,7 @@ import torch
 from runtime.files import make_dirs, write_atomic
 from runtime.execute.lr_schedule import scheduler_state
 from runtime.execute.optim import optimizer_order
+from runtime.documents import read_document
 
 CHECKPOINT_FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -359,7 +360,7 @@ def _write_manifest(ckpt: Path, step: int, st: RankState) -> None:
         f = ckpt / f"rank_{r:04d}.json"
         if not f.is_file():
             raise CheckpointError(f"rank {r} did not write {f.name} before the barrier")
-        sides[r] = json.loads(f.read_text())
+        sides[r] = read_document(f, "checkpoint rank record", error=CheckpointError)
     tr = st.train
     man = Manifest(step=step, world_size=world, mesh=tuple(st.program.mesh), signature=st.signature,
                    model_ref=tr.model_ref, optimizer=tr.optimizer.name, global_batch_size=tr.global_batch_size,

@@ -15,7 +15,6 @@ The single-process reference (runtime/reference.evaluate_model) does the same in
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping
@@ -26,6 +25,7 @@ from runtime.program.instr_set import Kind, Op
 from runtime.losses import model_output
 from runtime.program import PAIR_AXIS, Instr, Program
 from runtime.vocab import MeshAxis
+from runtime.documents import read_document
 
 if TYPE_CHECKING:
     from runtime.comm import Group
@@ -231,7 +231,7 @@ def read_run_evals(run_dir: str | Path) -> tuple[EvalSpec | None, list[EvalResul
     f = Path(run_dir) / "rank_0000.json"
     if not f.is_file():
         return None, []
-    d = json.loads(f.read_text())
+    d = read_document(f, "run record", error=EvalError)
     spec = EvalSpec.from_dict(d["eval"]) if d.get("eval") else None
     return spec, [EvalResult.from_dict(e) for e in d.get("evals", ())]
 

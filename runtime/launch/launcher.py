@@ -45,6 +45,7 @@ from runtime.execute.evaluation import EvalResult
 from runtime.program.trace import Timeline, write_run_timeline
 from runtime.verify import Verification, verify_build
 from runtime.vocab import Backend
+from runtime.documents import read_document
 
 
 @dataclass
@@ -244,7 +245,7 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = Bac
         for r in range(world):
             f = run_dir / f"rank_{r:04d}.json"
             if f.is_file():
-                d = json.loads(f.read_text())
+                d = read_document(f, "run record", error=BuildError)
                 result.losses[r] = d["losses"]
                 result.seconds[r] = d["seconds"]
                 result.first_step = d.get("first_step", 0)

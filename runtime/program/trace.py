@@ -29,6 +29,7 @@ from itertools import accumulate
 from typing import Iterable, NamedTuple
 
 from runtime.vocab import Clock, Track
+from runtime.documents import read_document
 
 # Version 1 files written before the host tracks and the clock field load unchanged (clock "host").
 TIMELINE_FORMAT_VERSION = 1
@@ -144,7 +145,7 @@ class Timeline:
 
     @classmethod
     def load(cls, path: str | Path) -> "Timeline":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        return cls.from_dict(read_document(path, "timeline file"))
 
     @classmethod
     def merge(cls, timelines: Iterable["Timeline"]) -> "Timeline":

@@ -17,10 +17,11 @@ step was skipped. runtime/verify/__init__.py calls these:
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from runtime.documents import read_document
 
 NORM_RTOL = 1e-5   # the run's norm against the norm of its own recorded gradients (float64 sums of float32)
 
@@ -47,7 +48,7 @@ def read_outcomes(run_dir: Path) -> RunOutcomes:
     f = Path(run_dir) / "rank_0000.json"
     if not f.is_file():
         return RunOutcomes()
-    d = json.loads(f.read_text())
+    d = read_document(f, "run record")
     return RunOutcomes(list(d.get("grad_norms", [])), list(d.get("loss_scales", [])), list(d.get("skipped", [])))
 
 
