@@ -16,7 +16,7 @@ single-process reference walks through.
 
 from __future__ import annotations
 
-import enum
+from enum import StrEnum
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -136,7 +136,7 @@ class DataSource:
                 for k in range(n)]
 
 
-class Split(enum.Enum):
+class Split(StrEnum):
     """Which batches a source gives: the training steps', or the held-out evaluation batches."""
 
     TRAIN = "train"

@@ -38,7 +38,7 @@ it is shorter, sliced per data rank like a training batch.
 
 from __future__ import annotations
 
-import enum
+from enum import StrEnum
 import functools
 import itertools
 import math
@@ -52,7 +52,7 @@ from runtime.data import Batch, DataError, Split, check_batch
 from runtime.refs import call_factory, describe_failure, load_callable
 
 
-class LastBatch(enum.Enum):
+class LastBatch(StrEnum):
     """What the partial last global batch of an epoch becomes."""
 
     DROP = "drop"   # skipped: N // G steps per epoch

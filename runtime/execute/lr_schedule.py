@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import torch
 from torch.optim import lr_scheduler
@@ -32,7 +32,7 @@ from torch.optim import lr_scheduler
 _FOREVER = 2**62
 
 
-class ScheduleKind(str, Enum):
+class ScheduleKind(StrEnum):
     CONSTANT = "constant"
     COSINE = "cosine"
     LINEAR = "linear"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Iterable, Sequence
 
 import torch
@@ -36,7 +36,7 @@ import torch
 OPTIMIZERS = ("sgd", "adamw")
 
 
-class OptimizerImpl(str, Enum):
+class OptimizerImpl(StrEnum):
     """Which of torch's optimizer code paths steps the parameters."""
 
     AUTO = "auto"
@@ -45,7 +45,7 @@ class OptimizerImpl(str, Enum):
     FUSED = "fused"
 
 
-class NoDecay(str, Enum):
+class NoDecay(StrEnum):
     """Which parameters get no weight decay: "1d" those with fewer than 2 dims, "none" none."""
 
     ONE_D = "1d"
