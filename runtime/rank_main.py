@@ -67,7 +67,7 @@ from runtime.materialize import (build_model_for_stages, build_stage, meta_model
 from runtime.execute.memtrack import measure_step_memory
 from runtime.execute.optim import optimizer_order, rank_optimizer
 from runtime.program import Program
-from runtime.parallel.registry import STRATEGIES
+from runtime.parallel.registry import STRATEGIES, param_place
 from runtime.spec import StageSpec, TrainSpec
 from runtime.execute.stage import StageRunner
 from runtime.execute.running_stats import RunningStats
@@ -88,10 +88,6 @@ from runtime.documents import read_document
 class PlanMismatchError(ValueError):
     """The model reference does not build the model the plan was made for (codegen checks it when it
     writes a build, every rank again when it starts)."""
-
-
-def tcoord_of(prog: Program) -> int:
-    return prog.coord(MeshAxis.TENSOR) if MeshAxis.TENSOR in prog.mesh_dict else 0
 
 
 def _save(session: RankSession, next_step: int) -> None:
@@ -209,8 +205,7 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     fail_at = parse_fail_at(args.fail_at, rank)
     device = torch.device("cuda", cuda_index(os.environ, torch.cuda.device_count())) if backend == "nccl" \
         else torch.device("cpu")
-    tcoord = tcoord_of(prog)
-    tsize = prog.mesh_dict.get(MeshAxis.TENSOR, 1)
+    tcoord, tsize = param_place(prog)
     full = build_model_for_stages(spec)
     specs = {int(s): StageSpec.from_dict(d) for s, (_c, d) in stages.items()}
     modules = {s: build_stage(stages[s][0], specs[s], spec, tcoord, tsize, device, full_model=full)
@@ -287,8 +282,7 @@ def connect(p: Prepared) -> RankSession:
         if optimizer is not None:
             params = optimizer_order(optimizer)   # weight-decay groups: the order of its state_dict
         if p.restore is not None:
-            apply_optimizer(p.restore, p.modules, p.specs, grads, optimizer, tcoord_of(p.program),
-                            p.program.mesh_dict.get(MeshAxis.TENSOR, 1))
+            apply_optimizer(p.restore, p.modules, p.specs, grads, optimizer, *param_place(p.program))
             apply_schedule(p.restore, scheduler, optimizer, p.spec.schedule)
             apply_rng(p.restore, p.rank)
         comm.barrier()
@@ -297,7 +291,7 @@ def connect(p: Prepared) -> RankSession:
         if p.device.type == "cuda" and not p.args.no_trace:   # time the instructions on the device too
             recorder.device = CudaClock(p.device, recorder.now)
         guard = make_gradient_step(comm.group(range(p.program.world_size)), p.device, p.modules, p.specs, grads,
-                                   held, tcoord_of(p.program), p.spec, p.rank)
+                                   held, param_place(p.program)[0], p.spec, p.rank)
         if p.restore is not None:
             apply_loss_scale(p.restore, guard.scaler)
         ties = TieSync(p.program.ties, p.modules, ctx.groups, grads) if p.program.ties else None

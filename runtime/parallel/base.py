@@ -8,6 +8,8 @@ the StageSpecs say.
               (subgraph: the paths of other sub-grids)
     attach    once the process groups exist: hand the stage modules their groups, or replace
               them (spatial: the tile and its group; tensor: the tensor group; subgraph: the sub-grid group)
+    param_place  where this rank sits among the ranks holding slices of the split parameters (tensor:
+                 its tensor coordinate), for building the stage modules and restoring checkpoints
     class_split  how the last stage's logits are split over ranks for the loss (tensor: the
                  vocabulary-parallel cross-entropy)
     batches   the rank's batch source, as its stage code and loss read it (context: the targets
@@ -43,6 +45,12 @@ class RuntimeStrategy(Protocol):
 
     def attach(self, ctx: DistContext, program: Program, specs: Specs, modules: Modules) -> None:
         """Give the stage modules their process groups, or replace entries of `modules`."""
+
+    def param_place(self, program: Program) -> tuple[int, int] | None:
+        """(this rank's coordinate, the number of ranks) along the axis whose ranks each hold a slice of the
+        split parameters the StageSpecs name (tensor: the tensor axis), or None where this strategy splits
+        none. The stage modules, a resumed checkpoint's tensors and the gradient norm's pieces are sliced by it."""
+        return None
 
     def class_split(self, ctx: DistContext, spec: StageSpec) -> ClassSplit | None:
         """The split of stage `spec`'s logits over ranks, for the loss (None: this strategy splits none)."""

@@ -13,7 +13,15 @@ from runtime.parallel.context.strategy import Context
 from runtime.parallel.spatial.strategy import Spatial
 from runtime.parallel.subgraph.strategy import Subgraph
 from runtime.parallel.tensor.strategy import Tensor
+from runtime.program import Program
 
 STRATEGIES: tuple[RuntimeStrategy, ...] = (Spatial(), Tensor(), Subgraph(), Context())
 
-__all__ = ["STRATEGIES"]
+
+def param_place(program: Program) -> tuple[int, int]:
+    """(coordinate, ranks) of this rank among those holding slices of the split parameters (the strategies'
+    param_place hook; (0, 1) where nothing is split)."""
+    return next((place for s in STRATEGIES if (place := s.param_place(program)) is not None), (0, 1))
+
+
+__all__ = ["STRATEGIES", "param_place"]

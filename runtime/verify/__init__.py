@@ -54,6 +54,7 @@ from runtime.checkpoint.restore import assemble_files
 from runtime.data import map_inputs
 from runtime.execute.evaluation import compare_evals, read_run_evals
 from runtime.materialize import build_model
+from runtime.parallel.registry import param_place
 from runtime.program import Program
 from runtime.reference import like_the_ranks, local_slice, rank_threads, reference_data, reference_run, reference_step
 from runtime.spec import StageSpec, TrainSpec
@@ -478,13 +479,12 @@ def _check_trajectory(cmp: Verification, build: Path, spec: TrainSpec, programs:
                          f"{tol['floor']:.0e} relative)")
     cmp.twin_loss_diff = envelope
     check_trajectory_outcomes(cmp, read_outcomes(build / "run"), ref, twin, first_step, steps, tol["floor"], MARGIN)
-    tsize = programs[0].mesh_dict.get("tensor", 1)
     for r, prog in programs.items():
         f = build / "run" / f"params_rank_{r:04d}.pt"
         if not f.is_file():
             cmp.fail(f"rank {r} saved no final parameters ({f.name})")
             continue
-        tcoord = prog.coord("tensor") if "tensor" in prog.mesh_dict else 0
+        tcoord, tsize = param_place(prog)
         for s, params in torch.load(f, weights_only=True).items():
             sp = specs[s]
             for local_name, value in params.items():

@@ -64,7 +64,6 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "runtime/execute/output_head.py": (("tensor",), "the vocabulary-parallel output head"),
     "runtime/losses.py": (("tensor",), "the vocabulary-parallel loss"),
     "runtime/materialize.py": (("tensor",), "this rank's shard of each split parameter"),
-    "runtime/rank_main.py": (("tensor",), "the tensor coordinate for parameter shards"),
     "runtime/reference.py": (("tensor",), "split parameters gathered for the reference"),
     "runtime/spec.py": (("spatial", "tensor"), "StageSpec's splits and spatial spec"),
     "runtime/verify/sabotage.py": (("spatial",), "the tile ops a sabotage test breaks"),

@@ -29,6 +29,11 @@ class Tensor(RuntimeStrategy):
 
     name = StrategyName.TENSOR
 
+    def param_place(self, program: Program) -> tuple[int, int] | None:
+        if MeshAxis.TENSOR not in program.mesh_dict:
+            return None
+        return program.coord(MeshAxis.TENSOR), program.mesh_dict[MeshAxis.TENSOR]
+
     def attach(self, ctx: DistContext, program: Program, specs: Specs, modules: Modules) -> None:
         group = _tensor_group(ctx)
         for k, module in modules.items():
