@@ -89,7 +89,7 @@ class Pipeline(Placement):
     name = StrategyName.PIPELINE
 
     def active(self, plan: Plan) -> bool:
-        return not plan.config.bidirectional
+        return True   # every plan is placed; a later placement (GEMS) refines it (registry.active)
 
     def schedule(self, lw: Lowering) -> dict[int, list[Instr]]:
         cfg = lw.plan.config

@@ -20,8 +20,11 @@ STRATEGIES: tuple[LoweringStrategy, ...] = (Data(), Pipeline(), Bidirectional(),
 
 
 def active(plan: Plan) -> tuple[LoweringStrategy, ...]:
-    """The strategies `plan` uses, in registry order."""
-    return tuple(s for s in STRATEGIES if s.active(plan))
+    """The strategies `plan` uses, in registry order. Of the placements, the last active one places the
+    stages (it refines those before it, as bidirectional pipelines refine the pipeline), and only it."""
+    used = [s for s in STRATEGIES if s.active(plan)]
+    last = [s for s in used if s.places_stages][-1]
+    return tuple(s for s in used if not s.places_stages or s is last)
 
 
 def placement(strategies: tuple[LoweringStrategy, ...]) -> Placement:
