@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from runtime.checkpoint import CheckpointError, Manifest, complete_checkpoints, resolve_checkpoint, step_dir
-from runtime.checkpoint.dir_lock import LOCK_NAME, Holder
+from runtime.checkpoint.dir_lock import LOCK_NAME, DirectoryBusy, DirLock, Holder
 from runtime.checkpoint.restore import to_state_dict
 from runtime.launch.launcher import read_build, run_local, run_many
 from runtime.verify import verify_build
@@ -287,12 +287,23 @@ def _start_run(build: Path, *extra: str) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
 
 
-def _end(proc: subprocess.Popen) -> None:
+def _end(proc: subprocess.Popen, build: Path | None = None) -> None:
+    """End `proc`'s process group; with `build`, also wait (at most 120 s) until nothing holds the build's
+    lock, so that the next test's run of it is not refused while the ended run's processes wind down."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait(timeout=120)
+    deadline = time.monotonic() + 120
+    while build is not None:
+        try:
+            DirLock.acquire(build, Holder.here(), "build").release()
+            return
+        except DirectoryBusy as e:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the ended run still holds its build after 120 s: {e}") from None
+            time.sleep(0.1)
 
 
 def test_two_runs_on_one_checkpoint_directory_the_second_is_refused(builds, root):
@@ -306,7 +317,7 @@ def test_two_runs_on_one_checkpoint_directory_the_second_is_refused(builds, root
         os.kill(holder.pid, signal.SIGSTOP)
         res = run_local(builds["mlp_d2"], steps=1, timeout=30, extra_args=["--checkpoint-dir", str(ckpt)])
     finally:
-        _end(first)
+        _end(first, builds["mlp_t2"])
         if holder is not None:   # the stopped rank runs in its own session: ending the launcher's misses it
             try:
                 os.kill(holder.pid, signal.SIGKILL)
@@ -337,7 +348,7 @@ def test_two_concurrent_runs_of_one_build_the_second_is_refused(builds, capsys):
         assert f"build {build.resolve()} is in use by (host {holder.host}, pid {first.pid}, started " in err, err
         assert (build / "run").is_dir(), "the refused run must not clear the running one's outputs"
     finally:
-        _end(first)
+        _end(first, build)
 
 
 def test_resume_from_another_runs_checkpoint_needs_the_flag(builds, tmp_path, capsys):
