@@ -444,12 +444,11 @@ class Evaluator(NodePricing):
         # The stack may run the tensor-parallel communication under the split GEMMs it feeds.
         gemms = [c for name, c in zip(layer.nodes, costs) if name in roles and self._nodes[name].kind in _GEMM_KINDS]
         ov = self.overlap
+        gemm_f, gemm_b = sum(c.fwd for c in gemms), sum(c.bwd for c in gemms)
         comm = []   # per axis, what the GEMMs do not hide (and, under full recompute, the forward's again)
         for axis in dict.fromkeys(a.axis for c in costs for a in c.comm):
-            f_a = tp_exposed(sum(c.on(axis).forward for c in costs), sum(c.fwd for c in gemms), ov.tp_comm,
-                             ov.contention)
-            b_a = tp_exposed(sum(c.on(axis).backward for c in costs), sum(c.bwd for c in gemms), ov.tp_comm,
-                             ov.contention)
+            f_a = tp_exposed(sum(c.on(axis).forward for c in costs), gemm_f, ov.tp_comm, ov.contention)
+            b_a = tp_exposed(sum(c.on(axis).backward for c in costs), gemm_b, ov.tp_comm, ov.contention)
             comm.append(AxisComm(axis, f_a, b_a + (f_a if config.recompute == RecomputeMode.FULL else 0.0)))
         params = sum(c.params for c in costs)
         scale = config.micro_batch_size / self.graph.batch_size
@@ -457,7 +456,6 @@ class Evaluator(NodePricing):
         acts = self.saved.layer(layer, roles, config, fused_attention=self.fused_attention, layer_input=layer_in,
                                 policy=self.selective)
         recompute = sum(c.fwd for name, c in zip(layer.nodes, costs) if name in acts.recomputed)
-        # (the recomputed forward repeats its all-reduces: added to each axis's backward above)
         bwd = sum(c.bwd for c in costs)
         host_f = sum(c.host_fwd for c in costs)
         host_b = sum(c.host_bwd for c in costs) + sum(c.host_fwd for name, c in zip(layer.nodes, costs)

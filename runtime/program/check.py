@@ -22,6 +22,8 @@ GroupOf = Callable[[Sequence[tuple[str, int]], Sequence[int], str], tuple[int, .
 
 _TOP = ("format_version", "rank", "world_size", "mesh", "coords", "stages", "num_stages", "num_micro_batches",
         "micro_batch_size", "zero", "buckets", "instrs", "ties") + tuple(k.key for k in PARTS)
+_REQUIRED = ("format_version", "rank", "world_size", "mesh", "coords", "stages", "num_stages", "num_micro_batches",
+             "micro_batch_size", "instrs")
 _BUCKET = ("stage", "params", "numel", "nbytes")
 _BUCKET_KEYS = _BUCKET + ("decay",)   # decay: optional (default true)
 _TIE = ("index", "name", "copies", "owned", "axis")
@@ -47,7 +49,7 @@ def check_program_dict(d: Any, axis_group: GroupOf) -> None:
 
 
 def _check(f: Fields, axis_group: GroupOf) -> None:
-    f.only(_TOP, _TOP[:_TOP.index("zero")] + ("instrs",))
+    f.only(_TOP, _REQUIRED)
     version = f.raw("format_version")
     if version != PROGRAM_FORMAT_VERSION or isinstance(version, bool):
         raise f.error("format_version", f"is {version!r}; this runtime reads {PROGRAM_FORMAT_VERSION}")
