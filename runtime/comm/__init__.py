@@ -289,8 +289,9 @@ class _TorchGroup:
     def rank(self) -> int:
         return self._rank
 
-    def _run(self, work, what: str, async_op: bool):
-        h = _TorchHandle(work, self._comm, f"{what} on ranks {list(self.ranks)}", has_future=True)
+    def _run(self, start: Callable[[], object], what: str, async_op: bool):
+        what = f"{what} on ranks {list(self.ranks)}"
+        h = _TorchHandle(self._comm._post(start, what), self._comm, what, has_future=True)
         if async_op:
             return h
         h.wait()
@@ -301,13 +302,13 @@ class _TorchGroup:
 
         opts = dist.AllreduceOptions()
         opts.reduceOp = _torch_op(op)
-        return self._run(self._pg.allreduce([tensor], opts), f"all_reduce({op})", async_op)
+        return self._run(lambda: self._pg.allreduce([tensor], opts), f"all_reduce({op})", async_op)
 
     def all_gather(self, output, tensor, async_op=False):
-        return self._run(self._pg._allgather_base(output, tensor), Collective.ALL_GATHER, async_op)
+        return self._run(lambda: self._pg._allgather_base(output, tensor), Collective.ALL_GATHER, async_op)
 
     def reduce_scatter(self, output, tensor, async_op=False):
-        return self._run(self._pg._reduce_scatter_base(output, tensor), Collective.REDUCE_SCATTER, async_op)
+        return self._run(lambda: self._pg._reduce_scatter_base(output, tensor), Collective.REDUCE_SCATTER, async_op)
 
     def broadcast(self, tensor, src, async_op=False):
         import torch.distributed as dist
@@ -315,12 +316,13 @@ class _TorchGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = self.ranks.index(src)
         opts.rootTensor = 0
-        return self._run(self._pg.broadcast([tensor], opts), Collective.BROADCAST, async_op)
+        return self._run(lambda: self._pg.broadcast([tensor], opts), Collective.BROADCAST, async_op)
 
     def all_to_all(self, output, tensor, async_op=False):
         import torch.distributed as dist
 
-        return self._run(self._pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions()), Collective.ALL_TO_ALL,
+        return self._run(lambda: self._pg.alltoall_base(output, tensor, [], [], dist.AllToAllOptions()),
+                         Collective.ALL_TO_ALL,
                          async_op)
 
     def send_recv(self, send, dst, recv, src, tag):
@@ -426,12 +428,22 @@ class TorchCommunicator:
         return self._groups[key]
 
     def isend(self, tensor, peer, tag):
-        return _TorchHandle(self._world_pg.send([tensor], peer, tag), self, f"send to rank {peer} (tag {tag})",
+        what = f"send to rank {peer} (tag {tag})"
+        return _TorchHandle(self._post(lambda: self._world_pg.send([tensor], peer, tag), what), self, what,
                             has_future=False)
 
     def irecv(self, tensor, peer, tag):
-        return _TorchHandle(self._world_pg.recv([tensor], peer, tag), self, f"recv from rank {peer} (tag {tag})",
+        what = f"recv from rank {peer} (tag {tag})"
+        return _TorchHandle(self._post(lambda: self._world_pg.recv([tensor], peer, tag), what), self, what,
                             has_future=False)
+
+    def _post(self, start: Callable[[], object], what: str):
+        """The work `start()` queues. A peer that is already gone can make the call itself raise
+        (gloo: "Connection closed by peer"), not only its wait(): both are read as a peer's failure."""
+        try:
+            return start()
+        except Exception as e:
+            raise self._translate(e, what) from None
 
     def barrier(self) -> None:
         t = torch.zeros(1, device=self.device)

@@ -167,3 +167,37 @@ def test_a_rank_hosting_the_store_listens_where_the_launcher_says():
     resolved = {i[4][0] for i in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)}
     expected = ALL_INTERFACES if any(a.startswith("127.") or a == "::1" for a in resolved) else name
     assert listen_address(name, {}) == expected
+
+
+class _GonePeerGroup:
+    """A process group whose peer has already exited: gloo raises while queueing the work."""
+
+    def send(self, tensors, peer, tag):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
+
+    recv = send
+
+    def allreduce(self, tensors, opts):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
+
+
+def test_a_peer_gone_before_the_work_is_queued_is_read_as_that_peers_failure():
+    import torch
+
+    from runtime.comm import PeerFailure, TorchCommunicator, _TorchGroup
+
+    with bound_socket(LOOPBACK, 0) as s:
+        port = s.getsockname()[1]
+    comm = TorchCommunicator("gloo", 0, 1, LOOPBACK, port, timeout=10, signer=Signer(new_secret()))
+    try:
+        real, comm._world_pg = comm._world_pg, _GonePeerGroup()
+        reason = "rank 1 failed at step 2: the loss is nan"
+        comm.store.compare_set(ABORT_KEY, "", comm.signer.sign(reason))
+        t = torch.zeros(2)
+        for post in (lambda: comm.isend(t, 1, 3), lambda: comm.irecv(t, 1, 3),
+                     lambda: _TorchGroup(comm, (0, 1), _GonePeerGroup()).all_reduce(t)):
+            with pytest.raises(PeerFailure, match="the loss is nan"):
+                post()
+        comm._world_pg = real
+    finally:
+        comm.shutdown()
