@@ -150,16 +150,17 @@ class GlobalGradNorm:
         Each owned range's norm comes from one foreach kernel per dtype (in the gradient's dtype, as
         torch.nn.utils.get_total_norm computes it), squared and summed in float64: no copy of a
         gradient is made (a float64 norm of a float32 tensor would cast it first)."""
-        pieces = [g.reshape(-1)[a:b] for i, a, b in self._ranges
-                  if (g := self._params[i].grad) is not None and b > a]
-        total = torch.zeros((), dtype=torch.float64, device=self._device)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in pieces:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            norms = torch._foreach_norm(group)
-            total += torch.stack(norms).to(device=self._device, dtype=torch.float64).square().sum()
-        return total
+        for i, a, b in self._ranges:
+            if (g := self._params[i].grad) is not None and b > a:
+                # a whole tensor is normed as it is: a view and a slice per tensor cost as much host
+                # time as its norm on a CPU (norms of the same elements, summed in the same order)
+                by_dtype.setdefault(g.dtype, []).append(g if b - a == g.numel() else g.reshape(-1)[a:b])
+        sums = [torch.stack(torch._foreach_norm(group)).to(device=self._device, dtype=torch.float64).square().sum()
+                for group in by_dtype.values()]
+        if len(sums) == 1:
+            return sums[0]
+        return torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64, device=self._device)
 
     def compute_squared(self) -> torch.Tensor:
         """The squared L2 norm of the whole model's gradient, 0-dim float64 on the device, after one
