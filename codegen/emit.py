@@ -42,7 +42,8 @@ from planner.graph.capture import capture_ref
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.datasets import DatasetSpec
-from runtime.execute.evaluation import EvalSpec, check_supported
+from runtime.execute.eval_support import check_program
+from runtime.execute.evaluation import EvalSpec
 from runtime.execution import Execution
 from runtime.execute.lr_schedule import ScheduleSpec
 from runtime.execute.optim import OptimizerSpec
@@ -181,9 +182,9 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
                               schedule=schedule, clip_grad=clip_grad, loss_scale=loss_scale, execution=execution)
     model_kwargs = train.model_kwargs
     decay_of = train.optimizer.decays if train.optimizer.splits_decay else None   # buckets: one class each
-    if evaluation is not None:
-        check_supported(plan.config.mesh, plan.config.bidirectional)
     parts, programs = lower_plan(plan, graph, bucket_bytes=bucket_bytes, decay_of=decay_of)
+    if evaluation is not None:   # as the ranks check it, from what the Programs run
+        check_program(programs[0])
     # every rank script is written (and compiled) before any file is: a failure leaves no half build
     scripts = {rank: rank_script(rank, prog, parts, train, plan, model_ref, model_kwargs)
                for rank, prog in programs.items()}

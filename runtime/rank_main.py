@@ -51,7 +51,8 @@ from runtime.comm import CommError, PeerFailure, local_threads_hint
 from runtime.comm.context import DistContext
 from runtime.batch_source import open_data
 from runtime.data import DataSource, Split
-from runtime.execute.evaluation import EvalResult, EvalSpec, check_program, eval_setting, evaluate_held_out
+from runtime.execute.eval_support import check_program
+from runtime.execute.evaluation import EvalResult, EvalSpec, eval_setting, evaluate_held_out
 from runtime.executor import Executor, RankFailure
 from runtime.launch.faults import SAVE_FAULTS, inject
 from runtime.comm.jobauth import signer_from_env

@@ -27,7 +27,8 @@ from planner.config import ConfigError
 from planner.evaluator import Evaluator
 from planner.fixed_plan import plan_for
 from planner.plan import MAX_WORLD
-from runtime.execute.evaluation import EvalSpec, check_supported, eval_setting
+from runtime.execute.eval_support import check_supported
+from runtime.execute.evaluation import EvalSpec, eval_setting
 from runtime.launch.launcher import read_build, run_local, stop_reasons
 from runtime.lifetime import Interrupted
 from runtime.execute.loss_scale import loss_scale_for

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
 from runtime.program.instr_set import Kind, Op
 from runtime.losses import model_output
-from runtime.program import PAIR_AXIS, Instr, Program
-from runtime.vocab import MeshAxis
+from runtime.program import Instr, Program
 from runtime.documents import read_document
 
 if TYPE_CHECKING:
@@ -76,24 +75,6 @@ def eval_setting(build: EvalSpec | None, every: int | None, batches: int | None)
         raise EvalError("--eval-batches needs --eval-every N (the build does not evaluate): give both")
     return EvalSpec(every if every is not None else build.every,
                     batches if batches is not None else (build.batches if build is not None else 1))
-
-
-# ---- which plans --------------------------------------------------------------------
-
-def check_supported(mesh_axes: Iterable[str], bidirectional: bool) -> None:
-    """EvalError naming the plan feature that evaluation does not run on (checked before any rank
-    talks to another, so that every rank exits with the same message instead of hanging)."""
-    axes = set(mesh_axes)
-    feature = ("spatial parallelism (image tiles)" if MeshAxis.SPATIAL in axes else
-               "sub-graph parallelism (--subgraph)" if MeshAxis.SUBGRAPH in axes else
-               "bi-directional (GEMS) pipelines" if bidirectional else None)
-    if feature is not None:
-        raise EvalError(f"--eval-every: evaluation does not run on plans with {feature}; evaluate with a "
-                        "data/tensor/pipeline plan, or leave --eval-every out")
-
-
-def check_program(program: Program) -> None:
-    check_supported((a for a, _ in program.mesh), PAIR_AXIS in program.derived_axes)
 
 
 # ---- the forward part of a Program ----------------------------------------------------

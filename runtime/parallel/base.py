@@ -14,6 +14,11 @@ the StageSpecs say.
                  vocabulary-parallel cross-entropy)
     batches   the rank's batch source, as its stage code and loss read it (context: the targets
               in the sequence chunks' order)
+
+Two attributes say where a strategy is in use and what the runtime does not do with it:
+`axis`, the mesh axis (or the Program's derived axis) whose presence means a Program uses it, and
+`not_evaluated`, the plan feature held-out evaluation names when it cannot run on such a Program
+(runtime/execute/evaluation.py), None where it can.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class RuntimeStrategy(Protocol):
     override the hooks the strategy changes."""
 
     name: StrategyName
+    axis: str
+    not_evaluated: str | None = None
 
     def prepare(self, program: Program, specs: Specs, modules: Modules) -> None:
         """Change the stage modules before any communication (same on every rank)."""
@@ -59,3 +66,9 @@ class RuntimeStrategy(Protocol):
     def batches(self, program: Program, source: Any) -> Any:
         """The batch source (runtime.batch_source.open_data's) the rank trains on."""
         return source
+
+    sabotages: tuple[str, ...] = ()   # the --sabotage faults this strategy offers (runtime/verify/sabotage.py)
+
+    def sabotage(self, what: str, modules: Modules) -> None:
+        """Break this strategy's arithmetic as `what` (one of `sabotages`) says, while every message still
+        flows: a test's proof that `meshplan run --verify` notices."""

@@ -1,21 +1,25 @@
 """The one list of the strategies that act on a rank at run time, in the order their hooks run.
 
 Spatial comes first: it replaces stage modules, and the others attach groups to the modules
-that then train (context: its group and sequence chunks, and the targets' order). Strategies with nothing to attach (data, pipeline, bidirectional) run as the
-Program says, through the executor, and have no entry. Adding a strategy: write
+that then train (context: its group and sequence chunks, and the targets' order). Data and pipeline
+parallelism run as the Program says, through the executor, and have no entry; bidirectional
+pipelines do too, and are listed for what the runtime refuses with them (`not_evaluated`). Adding a strategy: write
 runtime/parallel/<name>.py (a RuntimeStrategy) and list it here.
 """
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from runtime.parallel.base import RuntimeStrategy
+from runtime.parallel.bidirectional.strategy import Bidirectional
 from runtime.parallel.context.strategy import Context
 from runtime.parallel.spatial.strategy import Spatial
 from runtime.parallel.subgraph.strategy import Subgraph
 from runtime.parallel.tensor.strategy import Tensor
 from runtime.program import Program
 
-STRATEGIES: tuple[RuntimeStrategy, ...] = (Spatial(), Tensor(), Subgraph(), Context())
+STRATEGIES: tuple[RuntimeStrategy, ...] = (Spatial(), Tensor(), Subgraph(), Context(), Bidirectional())
 
 
 def param_place(program: Program) -> tuple[int, int]:
@@ -24,4 +28,11 @@ def param_place(program: Program) -> tuple[int, int]:
     return next((place for s in STRATEGIES if (place := s.param_place(program)) is not None), (0, 1))
 
 
-__all__ = ["STRATEGIES", "param_place"]
+def not_evaluated(axes: Iterable[str]) -> str | None:
+    """The plan feature held-out evaluation names when it cannot run on a Program with these mesh and
+    derived `axes` (the first in registry order), or None where it runs."""
+    found = set(axes)
+    return next((s.not_evaluated for s in STRATEGIES if s.not_evaluated and s.axis in found), None)
+
+
+__all__ = ["STRATEGIES", "not_evaluated", "param_place"]

@@ -7,17 +7,18 @@ the run finishes and only the numbers are wrong.
   drop-bucket     gradient bucket 0 is reduced into a scratch copy: its parameters keep this
                   rank's own gradient instead of the sum over the data ranks
   skip-tied-sum   the copies of a tied weight keep their own stage's gradient
-  drop-halo-grad  a spatial tile ignores the gradients its neighbours return for the halo
-                  rows they borrowed
+
+and those the strategies offer (runtime/parallel/, their `sabotages`; spatial's drop-halo-grad: a
+tile ignores the gradients its neighbours return for the halo rows they borrowed).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from runtime.parallel.spatial.tiles import spatial_contexts
+from runtime.parallel.registry import STRATEGIES
 
-SABOTAGE = ("drop-bucket", "skip-tied-sum", "drop-halo-grad")
+SABOTAGE = ("drop-bucket", "skip-tied-sum", *(w for s in STRATEGIES for w in s.sabotages))
 
 
 def sabotage(what: str | None, grads, ties, modules: dict[int, nn.Module]) -> None:
@@ -28,7 +29,7 @@ def sabotage(what: str | None, grads, ties, modules: dict[int, nn.Module]) -> No
         grads.dropped.add(0)
     elif what == "skip-tied-sum" and ties is not None:
         ties.skip_sum = True
-    elif what == "drop-halo-grad":
-        for m in modules.values():
-            for sp in spatial_contexts(m):
-                sp.halo_grads = False
+    else:
+        for s in STRATEGIES:
+            if what in s.sabotages:
+                s.sabotage(what, modules)

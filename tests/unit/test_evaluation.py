@@ -11,8 +11,9 @@ from torch import nn
 
 from codegen.lower import lower
 from planner.app.cli import main
-from runtime.execute.evaluation import (EvalError, EvalResult, EvalSpec, check_program, check_supported, compare_evals, count_correct,
-                                eval_setting, forward_only)
+from runtime.execute.eval_support import check_program, check_supported
+from runtime.execute.evaluation import (EvalError, EvalResult, EvalSpec, compare_evals, count_correct, eval_setting,
+                                        forward_only)
 from runtime.execute.evaluation import evaluate_held_out as evaluate
 from runtime.program import Program
 from runtime.spec import TrainSpec

@@ -28,7 +28,7 @@ from runtime.materialize import CONTEXT
 from runtime.parallel.base import Modules, RuntimeStrategy, Specs
 from runtime.parallel.context.part import ContextShard
 from runtime.program import Program
-from runtime.vocab import StrategyName
+from runtime.vocab import MeshAxis, StrategyName
 
 
 class ContextRank:
@@ -80,6 +80,7 @@ class Context(RuntimeStrategy):
     """Sequence chunks over runs of c ranks on the data axis (the Program's context part)."""
 
     name = StrategyName.CONTEXT
+    axis = MeshAxis.CONTEXT
 
     def attach(self, ctx: DistContext, program: Program, specs: Specs, modules: Modules) -> None:
         shard = program.part(ContextShard.key)

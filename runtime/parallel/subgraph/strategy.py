@@ -23,6 +23,8 @@ class Subgraph(RuntimeStrategy):
     """Branches placed on sub-grids (the subgraph mesh axis)."""
 
     name = StrategyName.SUBGRAPH
+    axis = MeshAxis.SUBGRAPH
+    not_evaluated = "sub-graph parallelism (--subgraph)"
 
     def prepare(self, program: Program, specs: Specs, modules: Modules) -> None:
         for module in modules.values():

@@ -28,6 +28,7 @@ class Tensor(RuntimeStrategy):
     """Megatron-style column/row parallel layers over the tensor axis."""
 
     name = StrategyName.TENSOR
+    axis = MeshAxis.TENSOR
 
     def param_place(self, program: Program) -> tuple[int, int] | None:
         if MeshAxis.TENSOR not in program.mesh_dict:
