@@ -8,7 +8,7 @@ import torch
 
 import planner
 from planner.evaluator import Evaluator
-from cost_models.spatial import batchnorm_sync_bytes, halo_seconds, memory_saved_per_device, window_halo_bytes
+from planner.strategies.spatial.costs import batchnorm_sync_bytes, halo_seconds, memory_saved_per_device, window_halo_bytes
 from examples.models import large_image_cnn
 from planner import ParallelConfig, Plan
 from planner.config import ConfigError

@@ -66,7 +66,6 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "cost_models/calibration/executor.py": (("tensor",), "calibrating the tensor-parallel wrappers"),
     "cost_models/calibration/stage.py": (("tensor",), "calibrating the tensor-parallel wrappers"),
     "cost_models/mesh_axes.py": (("tensor",), "the mesh's default axis order"),
-    "cost_models/spatial.py": (("spatial",), "halo and BatchNorm bytes of tiles"),
 }
 
 

@@ -2,7 +2,7 @@
 cost, what to search.
 
 `SpatialPricer` turns a layer's whole-image `LayerCost` into its per-tile cost
-under a ParallelConfig with spatial degree s (cost_models/spatial.py holds the
+under a ParallelConfig with spatial degree s (planner/strategies/spatial/costs.py holds the
 formulas): compute, activations and the cut's bytes divided by s (compute
 times the halo's extra area), halo exchanges and synchronized BatchNorm
 all-reduces on the critical path, and the gather of the tiles after the last
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from cost_models.spatial import batchnorm_sync_bytes, halo_seconds, tile_shape, window_halo_bytes
+from planner.strategies.spatial.costs import batchnorm_sync_bytes, halo_seconds, tile_shape, window_halo_bytes
 from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
 from planner.stage_split import balanced_partition
