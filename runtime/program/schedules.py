@@ -3,7 +3,7 @@
 The one definition of the schedules: codegen lowers these lists into Programs
 (codegen/lower.py adds the communication around them), the cost model reads its
 activation peaks (cost_models/memory.py) and its bidirectional step timing
-(cost_models/gems.py) from them, and calibration runs the 1F1B one.
+(planner/strategies/bidirectional/costs.py) from them, and calibration runs the 1F1B one.
 
 A schedule is `dict[pipe_rank, list[Instr]]` holding only "F s m" and
 "B s m" instructions (torch.distributed.pipelining's "actions"). Stage k runs

@@ -9,7 +9,7 @@ import torch
 
 import planner
 from cost_models.comm import link_models
-from cost_models.context import ExchangeSeconds, ring_attention, ring_exposed, ulysses
+from planner.strategies.context.costs import ExchangeSeconds, ring_attention, ring_exposed, ulysses
 from cost_models.hardware import Cluster
 from examples.models import gpt, mlp
 from planner import ParallelConfig

@@ -5,8 +5,8 @@ import torch
 
 import planner
 from planner.evaluator import Evaluator
-from cost_models.gems import device_order, uniform_step_time
-from cost_models.gems import step_time as simulate
+from planner.strategies.bidirectional.costs import device_order, uniform_step_time
+from planner.strategies.bidirectional.costs import step_time as simulate
 from cost_models.hardware import Cluster
 from examples.models import gpt
 from codegen.lower import lower

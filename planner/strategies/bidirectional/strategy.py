@@ -2,7 +2,7 @@
 
 Two replicas of the model share the p pipeline devices in opposite directions: device r
 holds stage r of replica A and stage p-1-r of replica B, runs replica A's micro-batches,
-then replica B's (cost_models/gems.py simulates the step). Devices r and p-1-r (in every
+then replica B's (planner/strategies/bidirectional/costs.py simulates the step). Devices r and p-1-r (in every
 data replica) hold copies of the same two stages and all-reduce their gradients after
 the step.
 
@@ -28,7 +28,7 @@ from bisect import bisect_left
 from dataclasses import replace
 from typing import Callable
 
-from cost_models import gems
+from planner.strategies.bidirectional import costs as gems
 from cost_models.comm import collective_time
 from cost_models.memory import param_bytes
 from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
@@ -207,7 +207,7 @@ class BidirectionalStrategy(Placement):
 
     def step(self, ev, config: ParallelConfig, global_batch_size: int, m: int, costs: list,
              bounds: Bounds) -> Prediction:
-        """Device r runs stage r of replica A and stage p-1-r of replica B (cost_models.gems)."""
+        """Device r runs stage r of replica A and stage p-1-r of replica B (planner.strategies.bidirectional.costs)."""
         p, T = config.pipeline, config.replicas_per_direction
         per_stage = [costs[lo:hi] for lo, hi in bounds]
         fc = [sum(c.forward for c in cs) for cs in per_stage]

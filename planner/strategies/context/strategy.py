@@ -12,7 +12,7 @@ are 1/c of the sequence; attention by the load-balanced split), so compute, save
 the working set and the pipeline boundary are divided by c, and so are the tensor-parallel
 collectives of the layer (they carry this rank's tokens only; dividing their seconds drops
 1 - 1/c of their latency term, small beside the bandwidth term at the sequence lengths that need
-context parallelism). Each attention op adds its exchange (cost_models/context.py): ring
+context parallelism). Each attention op adds its exchange (planner/strategies/context/costs.py): ring
 attention's exposed transfers, or Ulysses' four all-to-alls each way, priced on the context
 axis' links; a recomputed attention (full or selective recompute) repeats its forward exchange
 in backward. Weights and optimizer state are not divided (context ranks hold whole replicas of
@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from cost_models.context import ExchangeSeconds, ring_attention, ulysses
+from planner.strategies.context.costs import ExchangeSeconds, ring_attention, ulysses
 from cost_models.overlap import DeviceWork
 from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, OpInfo
