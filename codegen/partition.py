@@ -31,7 +31,7 @@ from codegen.head import find_head, fuse, narrow_logits, output_head, pad_splits
 from codegen.pysrc import import_block
 from codegen.stage_source import stage_source
 from codegen.strategies.spatial.tiles import StageTiles, TileRewrite
-from codegen.strategies.subgraph.regions import region_code
+from codegen.strategies.subgraph.regions import StageRegions, region_code
 from codegen.strategies.tensor.split import TensorSplitError, apply_splits
 from planner.binding import graph_mismatch
 from planner.graph.model import ModelGraph
@@ -288,8 +288,10 @@ def _stage_part(plan: Plan, graph: ModelGraph, cut: _Cut, st, shared_by: _Shared
     if is_last:   # a fused output layer: its tensors are held, though no code calls it
         modules = tuple(dict.fromkeys(modules + cut.head_extra[0]))
         attributes = tuple(dict.fromkeys(attributes + cut.head_extra[1]))
+    code_parts = [part for part in (StageRegions(shared_by.codes, {n.name: n for n in res.graph.nodes})
+                                    if shared_by.codes else None, shared_by.tiles.get(s)) if part is not None]
     source, globs, served = stage_source(res.graph, s, members, ins, outs, is_last, cut.layer_of, cut.known,
-                                          cfg.recompute, shared_by.codes, shared_by.tiles.get(s), shared=ex.compile,
+                                          cfg.recompute, code_parts, shared=ex.compile,
                                           gm=gm, signatures={L.name: L.signature for L in graph.layers})
     padded = _padded(cut.padded_names, modules, attributes, ex.vocab_multiple, cut.head)
     params = _stage_params(gm, modules, attributes, shared_by.local_mods, shared_by.canonical, res.param_shards,

@@ -1,9 +1,9 @@
 """The source of one stage class (codegen/partition.py cuts the graph; this writes each stage's code).
 
 One method per layer (torch.fx's Python of the layer's nodes, with tensor-parallel local sizes), the
-copies of a repeated block sharing one method under torch.compile, sub-graph regions as calls of their
-paths (codegen/strategies/subgraph/regions.py), spatial layers on image tiles
-(codegen/strategies/spatial/tiles.py), selective recomputation as Recompute modules, and a forward that
+copies of a repeated block sharing one method under torch.compile, what the strategies change in a
+layer written by their stage-code parts (codegen/stage_parts.py: sub-graph regions as calls of their
+paths, spatial layers on image tiles), selective recomputation as Recompute modules, and a forward that
 chains the layer methods (through torch.utils.checkpoint per layer under full recomputation).
 """
 
@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch.fx as fx
 
 from codegen.pysrc import check_call_target, comment_text, doc_text, graph_method
-from codegen.strategies.spatial.tiles import StageTiles
-from codegen.strategies.subgraph.regions import (insert_region_call, layer_regions, region_inputs, region_methods,
-                                                 skipped_nodes, subgraph_init)
+from codegen.stage_parts import StageCodePart
 from planner.graph.ops import op_base
 from runtime.recompute import Recompute
 from runtime.spec import Boundary
@@ -32,17 +30,17 @@ def ident(name: str) -> str:
 
 def stage_source(g: fx.Graph, s: int, members: list[fx.Node], ins: list[Boundary], outs: list[Boundary],
                   is_last: bool, layer_of: dict[str, str], layer_order: list[str], recompute: str,
-                  codes: list | None = None, tiles: StageTiles | None = None, *, shared: bool = False,
+                  parts: Sequence[StageCodePart] = (), *, shared: bool = False,
                   gm: fx.GraphModule | None = None,
                   signatures: dict[str, str] | None = None) -> tuple[str, dict, dict[str, list[str]]]:
     """(the stage class, its globals, its layer methods -> the layers each runs): one method per layer and a
     forward chaining them
-    (tiles: its spatial part). shared: layers whose code is the same but for their own module (the
+    (parts: the strategies' parts in its code, in order). shared: layers whose code is the same but for their own module (the
     copies of a repeated block) share one method, which takes the layer's module as `layer` (so that
     torch.compile of the method compiles once for every copy); `signatures` (layer -> ModelGraph's layer
     signature) keeps layers of different shapes or modules apart, whose code may read alike."""
     live = _Liveness.of(members, outs, layer_of, layer_order)
-    writer = _StageWriter(g, live, recompute, codes or [], tiles, shared, gm, signatures)
+    writer = _StageWriter(live, recompute, tuple(parts), shared, gm, signatures)
     for i, L in enumerate(live.layers):
         writer.add_layer(i, L)
     return writer.finish(s, members, ins, outs, is_last)
@@ -85,37 +83,33 @@ class _Liveness:
 class _StageWriter:
     """Writes one stage class, a layer at a time (`add_layer`), then the class (`finish`)."""
 
-    def __init__(self, g: fx.Graph, live: _Liveness, recompute: str, codes: list, tiles: StageTiles | None,
+    def __init__(self, live: _Liveness, recompute: str, parts: tuple[StageCodePart, ...],
                  shared: bool, gm: fx.GraphModule | None, signatures: dict[str, str] | None) -> None:
-        self.live, self.recompute, self.codes, self.tiles = live, recompute, codes, tiles
+        self.live, self.recompute, self.parts = live, recompute, parts
         self.shared, self.gm, self.signatures = shared, gm, signatures
-        self.node_by_name = {n.name: n for n in g.nodes}
         self.methods: list[str] = []
         self.globs: dict = {}
         self.calls: list[str] = []
         self.inits: list[str] = []
         self.extra_imports: list[str] = []
         self.used_names: set[str] = set()
-        self.region_src: list[str] = []
-        self.owners: dict[str, int] = {}
         self.generic: dict[str, tuple[str, int]] = {}   # shared: a method's code (comments aside) -> (name, index)
         self.served: dict[str, list[str]] = {}          # shared: method -> the layers it runs
 
     def add_layer(self, i: int, L: str) -> None:
         """Layer `L` (the i-th of the stage): its method (or an earlier layer's same code) and its call."""
-        live, tiles = self.live, self.tiles
+        live = self.live
         body = live.members_by_layer[L]
         if not body:
             return
-        regs = layer_regions(self.codes, L, body)   # sub-graph parallelism: codegen/strategies/subgraph/regions.py
-        tiled = tiles is not None and L in tiles.layers   # spatial parallelism: codegen/strategies/spatial/tiles.py
-        lg, env, inputs = self._layer_graph(L, body, regs, tiled)
+        changing = tuple(p for p in self.parts if p.layer(L, body))   # the strategies that change this layer
+        lg, env, inputs = self._layer_graph(L, body, changing)
         outputs = [n.name for n in body if live.needed_after.get(n.name, -1) > i]
         if len(outputs) == 1:
             lg.output(env[outputs[0]])
         else:
             lg.output(tuple(env[o] for o in outputs))
-        plain = self.shared and not regs and not tiled
+        plain = self.shared and not changing
         method, root = self._add_method(L, lg, plain)
         args = ([_module_expr(root)] if root is not None else []) + inputs
         call = f"self.{method}({', '.join(args)})"
@@ -123,23 +117,31 @@ class _StageWriter:
             call = f"checkpoint(self.{method}, {', '.join(args)}, use_reentrant=False, " \
                    "context_fn=keep_statistics(self))"
         self.calls.append(f"        {', '.join(outputs)} = {call}" if outputs else f"        {call}")
-        if tiled and not any(x in tiles.layers for x in live.layers[i + 1:]):   # the end of the spatial part
-            self.calls += tiles.gather_lines(live.produced_in, live.needed_after, i)
+        for p in self.parts:
+            self.calls += p.after(i, live.layers, live.produced_in, live.needed_after)
 
-    def _layer_graph(self, L: str, body: list[fx.Node], regs: dict,
-                     tiled: bool) -> tuple[fx.Graph, dict[str, fx.Node], list[str]]:
-        """The graph of layer `L`'s method (its nodes, sub-graph region calls, tile ops, selective recompute
-        marks; no output yet), its node of each value by name, and its inputs: the values it reads from
-        earlier layers or the stage's inputs."""
+    def _layer_graph(self, L: str, body: list[fx.Node],
+                     changing: tuple[StageCodePart, ...]) -> tuple[fx.Graph, dict[str, fx.Node], list[str]]:
+        """The graph of layer `L`'s method (its nodes, as the strategies in `changing` write or rewrite them,
+        selective recompute marks; no output yet), its node of each value by name, and its inputs: the
+        values it reads from earlier layers or the stage's inputs."""
         lg = fx.Graph()
         env: dict[str, fx.Node] = {}
         inputs: list[str] = []
-        produced_in, skip = self.live.produced_in, skipped_nodes(regs)
+        produced_in = self.live.produced_in
+
+        def need(a: str) -> None:   # a value a strategy's code reads: an input unless this layer made it
+            if a not in env and produced_in.get(a) != L:
+                env[a] = lg.placeholder(a)
+                inputs.append(a)
+
+        def arg(x: fx.Node) -> fx.Node:
+            return env[x.name]
+
         for n in body:
-            if n.name in skip:
-                code = regs.get(n.name)
-                if code is not None:
-                    self._add_region(lg, env, inputs, L, code)
+            writer = next((p for p in changing if p.writes(n.name)), None)
+            if writer is not None:
+                self.globs.update(writer.write(n.name, lg, env, need))
                 continue
             for a in n.all_input_nodes:
                 if a.name in env:
@@ -149,23 +151,11 @@ class _StageWriter:
                 elif produced_in.get(a.name) != L:
                     env[a.name] = lg.placeholder(a.name)
                     inputs.append(a.name)
-            env[n.name] = self.tiles.rewrite.node(lg, n, lambda x: env[x.name]) if tiled else \
-                lg.node_copy(n, lambda x: env[x.name])
+            made = next((c for p in changing if (c := p.copy(lg, n, arg)) is not None), None)
+            env[n.name] = made if made is not None else lg.node_copy(n, arg)
             if self.recompute == "selective" and _recomputed(n):
                 self._mark_recomputed(n, env[n.name])
         return lg, env, inputs
-
-    def _add_region(self, lg: fx.Graph, env: dict, inputs: list[str], L: str, code) -> None:
-        """A split sub-graph region in layer L's method: one call, its methods added to the stage."""
-        for a in region_inputs(code, self.node_by_name):
-            if a not in env and self.live.produced_in.get(a) != L:
-                env[a] = lg.placeholder(a)
-                inputs.append(a)
-        insert_region_call(lg, env, code, self.node_by_name)
-        src, gl, own = region_methods(code, self.node_by_name)
-        self.region_src += src
-        self.globs.update(gl)
-        self.owners.update(own)
 
     def _mark_recomputed(self, n: fx.Node, c: fx.Node) -> None:
         """Selective recomputation: the copy `c` of `n` becomes a call of a Recompute module, named later."""
@@ -220,14 +210,11 @@ class _StageWriter:
     def finish(self, s: int, members: list[fx.Node], ins: list[Boundary], outs: list[Boundary],
                is_last: bool) -> tuple[str, dict, dict[str, list[str]]]:
         """(the stage class's source, its globals, method -> layers it runs)."""
-        methods, globs, inits = self.methods + self.region_src, self.globs, self.inits
-        if self.region_src:   # the stage splits something: it needs its SubgraphContext
-            line, gl = subgraph_init(self.owners)
-            inits.append(line)
-            globs.update(gl)
-        if self.tiles is not None:   # the stage runs on image tiles: it needs its SpatialContext
-            line, gl = self.tiles.init_line()
-            inits.append(line)
+        methods, globs, inits = list(self.methods), self.globs, self.inits
+        for p in self.parts:   # e.g. the regions' methods and the contexts the strategies' code reads
+            more, lines, gl = p.finish()
+            methods += more
+            inits += lines
             globs.update(gl)
         args = ", ".join(["self"] + [b.name for b in ins])
         if is_last:

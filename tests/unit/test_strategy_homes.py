@@ -54,7 +54,6 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "planner/app/visualize.py": (("tensor",), "the pictures"),
     "codegen/head.py": (("tensor",), "the output layer's vocabulary split"),
     "codegen/partition.py": (("spatial", "subgraph", "tensor"), "the stage cut calls tiles, regions and splits"),
-    "codegen/stage_source.py": (("spatial", "subgraph"), "stage code for tiles and sub-grid paths"),
     "codegen/strategies/context/stage_code.py": (("tensor",), "the chunks' graph is split for tensor ranks"),
     "codegen/torch_target/layout.py": (("tensor",), "the torch target's DTensor layout"),
     "codegen/torch_target/pipeline.py": (("bidirectional", "tensor"), "the torch target's refusals"),

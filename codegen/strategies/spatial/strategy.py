@@ -4,8 +4,6 @@ tiles, and every rank's Program names its tile (codegen/strategies/spatial/progr
 
 from __future__ import annotations
 
-import dataclasses
-
 from codegen.partition import Partition
 from codegen.strategies.spatial.program import spatial_spec, spatial_stages, spatial_tiles, spatial_twin
 from codegen.strategies.base import LoweringStrategy

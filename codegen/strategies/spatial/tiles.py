@@ -159,6 +159,33 @@ class StageTiles:
         late = [v for v, L in produced_in.items() if L in self.layers and needed_after.get(v, -1) > end]
         return [f"        {v} = self.{CONTEXT}.gather({v}, {self.rewrite.full_size(v)!r})" for v in late]
 
+    # ---- its part in the stage's code (codegen/stage_parts.StageCodePart) ----------------------------
+    def layer(self, name: str, body: list[fx.Node]) -> bool:
+        """Whether layer `name` runs on tiles."""
+        return name in self.layers
+
+    def writes(self, name: str) -> bool:
+        return False
+
+    def write(self, name: str, lg: fx.Graph, env: dict[str, fx.Node], need: Callable[[str], None]) -> dict:
+        return {}
+
+    def copy(self, lg: fx.Graph, n: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node:
+        """A tiled layer's node as it runs on the tile (TileRewrite.node)."""
+        return self.rewrite.node(lg, n, arg)
+
+    def after(self, i: int, layers: list[str], produced_in: dict[str, str],
+              needed_after: dict[str, int]) -> list[str]:
+        """After the spatial part's last layer: the full activations of what later layers read."""
+        if layers[i] in self.layers and not any(x in self.layers for x in layers[i + 1:]):
+            return self.gather_lines(produced_in, needed_after, i)
+        return []
+
+    def finish(self) -> tuple[list[str], list[str], dict]:
+        """The stage's SpatialContext."""
+        line, globs = self.init_line()
+        return [], [line], globs
+
 
 def full_shapes(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[fx.GraphModule, dict]:
     """(model traced with fx, node name -> full output shape) from one forward pass on the meta device."""

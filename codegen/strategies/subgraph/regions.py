@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -137,6 +138,57 @@ def _heads_method(code: RegionCode, n: fx.Node) -> tuple[list[str], dict, dict[s
            f"    def {code.name}(self, {q}, {k}, {v}):\n"
            f"        return self.subgraph.heads({fn}, {q}, {k}, {v}, {dict(n.kwargs)!r})\n")
     return [src], {fn: n.target}, {}
+
+
+class StageRegions:
+    """Sub-graph parallelism's part in one stage's code (codegen/stage_parts.StageCodePart): a region a
+    layer holds whole is one call of a method that runs its paths on their sub-grids (region_methods),
+    and a stage with regions creates its SubgraphContext.
+
+    codes: every region's RegionCode; nodes: the partition's graph's nodes by name."""
+
+    def __init__(self, codes: list[RegionCode], nodes: dict[str, fx.Node]) -> None:
+        self._codes, self._nodes = codes, nodes
+        self._regions: dict[str, RegionCode] = {}   # the current layer's, by first path node
+        self._skipped: set[str] = set()
+        self._methods: list[str] = []
+        self._owners: dict[str, int] = {}
+
+    def layer(self, name: str, body: list[fx.Node]) -> bool:
+        """Whether layer `name` holds a region whole (its nodes then written here)."""
+        self._regions = layer_regions(self._codes, name, body)
+        self._skipped = skipped_nodes(self._regions)
+        return bool(self._regions)
+
+    def writes(self, name: str) -> bool:
+        return name in self._skipped
+
+    def write(self, name: str, lg: fx.Graph, env: dict[str, fx.Node], need: Callable[[str], None]) -> dict:
+        """At a region's first path node: the region's call (its other nodes are the paths' methods)."""
+        code = self._regions.get(name)
+        if code is None:
+            return {}
+        for a in region_inputs(code, self._nodes):
+            need(a)
+        insert_region_call(lg, env, code, self._nodes)
+        src, globs, owners = region_methods(code, self._nodes)
+        self._methods += src
+        self._owners.update(owners)
+        return globs
+
+    def copy(self, lg: fx.Graph, n: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node | None:
+        return None
+
+    def after(self, i: int, layers: list[str], produced_in: dict[str, str],
+              needed_after: dict[str, int]) -> list[str]:
+        return []
+
+    def finish(self) -> tuple[list[str], list[str], dict]:
+        """The region methods, and the stage's SubgraphContext where it has any."""
+        if not self._methods:
+            return [], [], {}
+        line, globs = subgraph_init(self._owners)
+        return self._methods, [line], globs
 
 
 def subgraph_init(owners: dict[str, int]) -> tuple[str, dict]:
