@@ -17,7 +17,7 @@ from planner.config import ParallelConfig
 from planner.evaluator import Evaluator, as_graph
 from planner.execution_choice import choose
 from planner.plan import PLAN_FORMAT_VERSION, Plan, Stage
-from planner.strategies.subgraph.regions import check_splittable
+from planner.strategies import describe
 from planner.strategies.tensor.split.analysis import SplitCache
 from runtime.vocab import Target
 
@@ -43,9 +43,15 @@ def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int, sear
     return Plan(format_version=PLAN_FORMAT_VERSION, model_class=ev.graph.model_class,
                 graph_fingerprint=ev.graph.fingerprint, cluster=ev.cluster, config=config,
                 global_batch_size=global_batch_size, stages=stages, shardings=tuple(sorted(roles.items())),
-                prediction=pred, search=tuple(search), subgraph=check_splittable(ev.graph, config.subgraph),
+                prediction=pred, search=tuple(search), parts=_plan_parts(ev, config),
                 tensor_splits=tensor_splits, target=Target(target).value, graph_params=ev.graph.num_params,
                 execution=ev.execution)
+
+
+def _plan_parts(ev: Evaluator, config: ParallelConfig) -> tuple:
+    """The strategies' own parts of the plan for `config`, in the order a plan file lists them."""
+    made = {type(p): p for s in ev.strategies if (p := s.plan_part(ev.graph, config)) is not None}
+    return tuple(made[kind] for kind in describe.plan_parts() if kind in made)
 
 
 def make_plan(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, global_batch_size: int,

@@ -17,7 +17,6 @@ from cost_models.hardware import Cluster, ClusterFileError
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
 from planner.strategies import describe
-from planner.strategies.subgraph.regions import Region
 from planner.strategies.tensor.split.splits import TensorSplits
 from runtime.documents import FieldError, Fields, read_document
 from runtime.execution import Execution
@@ -82,7 +81,9 @@ class Plan:
     prediction: Prediction
     search: tuple[tuple[str, Any], ...] = ()  # how the plan was found: candidates evaluated, pruned, seconds
     alternatives: tuple[Alternative, ...] = ()  # the next best configurations, best first
-    subgraph: tuple[Region, ...] = ()  # sub-graph parallelism: the split regions, which sub-grid runs each path
+    # the strategies' own parts (planner/strategies/field_hooks.PlanPart; sub-graph parallelism's split regions
+    # and which sub-grid runs each path), each under its key in the plan document
+    parts: tuple[Any, ...] = ()
     # the split of every value over the tensor ranks, decided by the planner (planner/strategies/tensor/split/);
     # None where nothing is split, or in a plan read from a version-1 file (codegen then decides it)
     tensor_splits: TensorSplits | None = None
@@ -100,6 +101,16 @@ class Plan:
     @property
     def mesh(self) -> dict[str, int]:
         return self.config.mesh
+
+    def part(self, key: str) -> Any:
+        """The strategy part stored under `key` (a PlanPart's key), or None."""
+        return next((p for p in self.parts if p.key == key), None)
+
+    @property
+    def subgraph(self) -> tuple:
+        """The split regions of sub-graph parallelism's part (() without one), as plans had them as a field."""
+        part = self.part("subgraph")
+        return part.regions if part is not None else ()
 
     def role(self, node: str) -> str:
         return dict(self.shardings).get(node, ShardRole.REPLICATE)
@@ -159,7 +170,7 @@ class Plan:
             "prediction": self.prediction.to_dict(),
             "search": {k: v for k, v in self.search},
             "alternatives": [a.to_dict() for a in self.alternatives],
-            **({"subgraph": [r.to_dict() for r in self.subgraph]} if self.subgraph else {}),
+            **{p.key: p.to_json() for p in self.parts},
             **({"tensor_splits": self.tensor_splits.to_dict()} if self.tensor_splits is not None else {}),
             **({"target": self.target} if self.target != Target.MESHPLAN else {}),
             **({"graph_params": self.graph_params} if self.graph_params else {}),
@@ -277,7 +288,7 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
         stages=stages, shardings=tuple(sorted(roles.data.items())), prediction=prediction,
         search=tuple(search.data.items()),
         alternatives=tuple(f.each("alternatives", Alternative.read, [])),
-        subgraph=tuple(f.each("subgraph", Region.read, [])),
+        parts=tuple(part for kind in describe.plan_parts() if (part := kind.read(f)) is not None),
         tensor_splits=TensorSplits.read(f.sub("tensor_splits")) if "tensor_splits" in f.data else None,
         target=Target(target).value,
         graph_params=f.integer("graph_params", 0, minimum=0),

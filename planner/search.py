@@ -33,9 +33,8 @@ from planner.evaluator import Evaluator, as_graph
 from planner.fixed_plan import plan_for
 from planner.plan import Alternative, Plan
 from planner.progress import Progress
+from planner.strategies import describe
 from planner.strategies.base import MeshShape
-from planner.strategies.subgraph.regions import describe_regions
-from planner.strategies.tensor.fields import idle_tensor_note
 from planner.strategies.tensor.split.analysis import SplitCache
 from runtime.vocab import RecomputeMode, Target
 
@@ -201,10 +200,7 @@ def explain(plan: Plan, top: int = 5) -> str:
     p = plan.prediction
     lines = [f"chosen: {plan.config.short():<44} step {p.step_time * 1e3:>11.3f} ms  "
              f"mem {p.peak_memory / 2**30:>8.3f} GiB  energy {p.step_energy:>10.1f} J"]
-    lines += [f"  sub-graph {ln}" for ln in describe_regions(plan.subgraph, plan.config.subgraph)]
-    idle = idle_tensor_note(plan)
-    if idle:
-        lines.append(f"  note: {idle}")
+    lines += describe.explain_lines(plan)
     if not plan.alternatives:
         lines.append("no alternatives recorded (the plan was made for a fixed configuration; "
                      "planner.optimize records the runners-up)")

@@ -141,6 +141,13 @@ class Strategy:
         plain data x tensor x pipeline configs of the n devices left."""
         return []
 
+    # ---- the plan -------------------------------------------------------------
+    def plan_part(self, graph: "ModelGraph", config: "ParallelConfig") -> Any:
+        """This strategy's own part of the Plan for `config` (a planner.strategies.field_hooks.PlanPart; its
+        fields module declares the kind, so that a plan file reads it back), or None. Raises ConfigError
+        naming what `graph` lacks for `config`."""
+        return None
+
     # ---- pricing ------------------------------------------------------------
     def check(self, ev: "Pricing", config: "ParallelConfig") -> None:
         """Raise ValueError naming what to change when `config` cannot run `ev`'s graph."""

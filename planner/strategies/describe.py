@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from planner.strategies.field_hooks import PlanView, Problem, StageView
+from planner.strategies.field_hooks import PlanPart, PlanView, Problem, StageView
 from planner.strategies.fields import FIELDS
 
 if TYPE_CHECKING:
@@ -38,10 +38,21 @@ def sections(plan: PlanView) -> list[str]:
     return [ln for f in FIELDS for ln in f.section(plan)]
 
 
+def explain_lines(plan: PlanView) -> list[str]:
+    """The strategies' lines under the chosen configuration in the search's explanation."""
+    return [ln for f in FIELDS for ln in f.explain_lines(plan)]
+
+
+def plan_parts() -> tuple[type[PlanPart], ...]:
+    """The kinds of the strategies' parts of a Plan, in registry order (as a plan document lists them)."""
+    return tuple(f.plan_part for f in FIELDS if f.plan_part is not None)
+
+
 def plan_problems(plan: PlanView) -> Iterator[Problem]:
     """What each strategy finds wrong with a plan read from a file, in registry order."""
     for f in FIELDS:
         yield from f.plan_problems(plan)
 
 
-__all__ = ["config_lines", "plan_problems", "schedule_text", "sections", "stage_device"]
+__all__ = ["config_lines", "explain_lines", "plan_parts", "plan_problems", "schedule_text", "sections",
+           "stage_device"]

@@ -15,14 +15,14 @@ sentence saying what to change, or None.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol, Sequence, runtime_checkable
 
 from runtime.vocab import StrategyName
 
 if TYPE_CHECKING:
     from cost_models.hardware import Cluster
     from planner.config_fields import ConfigFields
-    from planner.strategies.subgraph.regions import Region
+    from runtime.documents import Fields
 
 # (field of the plan document, sentence saying what is wrong and what to do)
 Problem = tuple[str, str]
@@ -43,6 +43,21 @@ class SplitsView(Protocol):
     tensor: int
 
 
+class PlanPart(Protocol):
+    """A strategy's own part of a Plan (e.g. sub-graph parallelism's split regions), stored in the plan
+    document under `key` and kept in Plan.parts; a strategy declares its kind as StrategyFields.plan_part."""
+
+    key: ClassVar[str]
+
+    def to_json(self) -> Any:
+        """Its value in the plan document."""
+
+    @classmethod
+    def read(cls, f: "Fields") -> "PlanPart | None":
+        """The part in the plan document `f` (each field checked; FieldError names a bad one), or None
+        where the document has none."""
+
+
 @runtime_checkable
 class PlanView(Protocol):
     """What the hooks read of a planner.plan.Plan (which satisfies it)."""
@@ -51,8 +66,10 @@ class PlanView(Protocol):
     cluster: "Cluster"
     stages: Sequence[StageView]
     shardings: tuple[tuple[str, str], ...]
-    subgraph: tuple["Region", ...]
     tensor_splits: SplitsView | None
+
+    def part(self, key: str) -> Any:
+        """The strategy part stored under `key`, or None."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,8 @@ class StrategyFields:
     title: str = ""
     off_setting: str = ""
     torch_gap: str | None = None
+    # the kind of its part of a Plan (a PlanPart), where it stores one
+    plan_part: type[PlanPart] | None = None
 
     # ---- the config (ParallelConfig, planner/config.py) ---------------------------------------------
     def refusal(self, c: "ConfigFields") -> str | None:
@@ -130,5 +149,9 @@ class StrategyFields:
         """What is wrong with this strategy's part of a plan read from a file."""
         return iter(())
 
+    def explain_lines(self, plan: PlanView) -> list[str]:
+        """Lines under the chosen configuration in the search's explanation (planner.search.explain)."""
+        return []
 
-__all__ = ["FieldFlag", "PlanView", "Problem", "SplitsView", "StageView", "StrategyFields"]
+
+__all__ = ["FieldFlag", "PlanPart", "PlanView", "Problem", "SplitsView", "StageView", "StrategyFields"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator
 
 from planner.strategies.field_hooks import FieldFlag, PlanView, Problem, StrategyFields
+from planner.strategies.subgraph.part import SubgraphRegions
 from planner.strategies.subgraph.regions import describe_regions
 from runtime.vocab import MeshAxis, StrategyName
 
@@ -26,21 +27,34 @@ class SubgraphFields(StrategyFields):
     def label(self, c: "ConfigFields") -> str:
         return f" g{c.subgraph}" if c.subgraph > 1 else ""
 
+    plan_part = SubgraphRegions
+
     def section(self, plan: PlanView) -> list[str]:
-        if not plan.subgraph:
+        regions = _regions(plan)
+        if not regions:
             return []
         c = plan.config
         return ["", f"  sub-graph parallelism: {c.subgraph} sub-grids per data replica (mesh axis '{MeshAxis.SUBGRAPH}')",
-                *(f"    {ln}" for ln in describe_regions(plan.subgraph, c.subgraph))]
+                *(f"    {ln}" for ln in describe_regions(regions, c.subgraph))]
 
     def plan_problems(self, plan: PlanView) -> Iterator[Problem]:
-        c, regions = plan.config, plan.subgraph
+        c, regions = plan.config, _regions(plan)
         if (c.subgraph > 1) != bool(regions):
             yield "subgraph", (f"lists {len(regions)} split regions but config.subgraph is {c.subgraph}; "
                                "make the plan again")
         for k, r in enumerate(regions):
             if max(r.owners) >= c.subgraph:
                 yield f"subgraph[{k}]", f"gives a path to sub-grid {max(r.owners)}; there are {c.subgraph}"
+
+
+    def explain_lines(self, plan: PlanView) -> list[str]:
+        return [f"  sub-graph {ln}" for ln in describe_regions(_regions(plan), plan.config.subgraph)]
+
+
+def _regions(plan: PlanView) -> tuple:
+    """The plan's split regions (() where it has none)."""
+    part = plan.part(SubgraphRegions.key)
+    return part.regions if part is not None else ()
 
 
 __all__ = ["SubgraphFields"]

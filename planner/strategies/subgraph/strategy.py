@@ -21,7 +21,8 @@ import dataclasses
 from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer
 from planner.strategies.base import Strategy
-from planner.strategies.subgraph.regions import Region, split_regions
+from planner.strategies.subgraph.part import SubgraphRegions
+from planner.strategies.subgraph.regions import Region, check_splittable, split_regions
 from runtime.vocab import Collective, DType, MeshAxis, ShardRole, StrategyName
 
 # config.mesh's name for the sub-grid axis; it becomes MeshAxis.SUBGRAPH with the vocabulary's axis rename.
@@ -38,6 +39,11 @@ class SubgraphStrategy(Strategy):
 
     def pinned_on(self, constraints: dict) -> bool:
         return constraints.get("subgraph", 1) != 1
+
+    def plan_part(self, graph, config: ParallelConfig) -> SubgraphRegions | None:
+        """The split regions (SubgraphError where the graph has none to split `config.subgraph` ways)."""
+        regions = check_splittable(graph, config.subgraph)
+        return SubgraphRegions(regions) if regions else None
 
     def variants(self, ev, num_devices: int, constraints: dict, shapes_of) -> list[ParallelConfig]:
         """For each B dividing the devices (2, 4, 8) whose split finds regions, every data x pipeline shape

@@ -47,6 +47,10 @@ class TensorFields(StrategyFields):
         note = idle_tensor_note(plan)
         return ["", f"  note: {note}"] if note else []
 
+    def explain_lines(self, plan: PlanView) -> list[str]:
+        note = idle_tensor_note(plan)
+        return [f"  note: {note}"] if note else []
+
     def plan_problems(self, plan: PlanView) -> Iterator[Problem]:
         splits = plan.tensor_splits
         if splits is not None and splits.tensor != plan.config.tensor:
