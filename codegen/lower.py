@@ -101,8 +101,9 @@ def lower_plan(plan: Plan, graph: ModelGraph, *, bucket_bytes: int = DEFAULT_BUC
                                 f"runs stage k on position k % pipeline ({st.index % cfg.pipeline})")
     if parts is None:
         options = {k: v for s in strategies for k, v in s.partition_options(plan, graph).items()}
+        makers = tuple(mk for s in strategies if (mk := s.stage_code(plan, graph)) is not None)
         parts = functools.reduce(lambda q, s: s.rewrite_stages(plan, graph, q), strategies,
-                                 partition(lowered, graph, **options))
+                                 partition(lowered, graph, stage_code=makers, **options))
     outs = {sp.spec.index: sp.spec.outputs for sp in parts.stages}
     lw = Lowering(plan=lowered, graph=graph, parts=parts, num_micro_batches=m, zero=cfg.zero if cfg.data > 1 else 0,
                   act_bytes={s: sum(b.nbytes for b in outs[s]) for s in range(cfg.num_stages)},

@@ -8,9 +8,9 @@ For each pipeline stage of a Plan:
   later stage needs it); its outputs are the next stage's received inputs;
 * its code is one method per layer (torch.fx's Python, with tensor-parallel
   local sizes) and a forward that chains them (through
-  torch.utils.checkpoint per layer when the plan recomputes); the layers of a
-  spatial part run on image tiles (codegen/strategies/spatial/tiles.py), the paths of a
-  sub-graph region on their sub-grids (codegen/strategies/subgraph/regions.py);
+  torch.utils.checkpoint per layer when the plan recomputes); what a strategy changes
+  in a stage's code is its StageCodePart's (codegen/stage_parts.py: the layers of a
+  spatial part on image tiles, the paths of a sub-graph region on their sub-grids);
 * its `StageSpec` lists the local shape of every boundary tensor for one
   micro-batch, the modules its code calls and how each is split.
 
@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from codegen.head import find_head, fuse, narrow_logits, output_head, pad_splits, padded_rows, vocab_split
 from codegen.pysrc import import_block
+from codegen.stage_parts import StageCodePart
 from codegen.stage_source import stage_source
-from codegen.strategies.spatial.tiles import StageTiles, TileRewrite
-from codegen.strategies.subgraph.regions import StageRegions, region_code
 from codegen.strategies.tensor.split import TensorSplitError, apply_splits
 from planner.binding import graph_mismatch
 from planner.graph.model import ModelGraph
@@ -39,12 +38,13 @@ from planner.graph.ops import module_path_of, op_base
 from planner.plan import Plan
 from planner.strategies.tensor.split.analysis import tensor_splits
 from runtime.materialize import RUNTIME_ATTRS, model_signature
-from runtime.parallel.spatial.geometry import SpatialSpec
 from runtime.spec import Boundary, StageSpec
 from runtime.parallel.tensor.layers import shard_module
 
 
 GraphRewrite = Callable[[fx.GraphModule, dict[str, Any]], tuple[fx.Graph, dict[str, Any]]]
+# a strategy's maker of its parts of the stages' code: the cut -> {stage index: its StageCodePart}
+StageCodeMaker = Callable[["StageCut"], dict[int, StageCodePart]]
 
 
 class PartitionError(ValueError):
@@ -90,14 +90,15 @@ def example_inputs(graph: ModelGraph, batch: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = None,
-              rewrite: GraphRewrite | None = None) -> Partition:
+def partition(plan: Plan, graph: ModelGraph, *, rewrite: GraphRewrite | None = None,
+              stage_code: Sequence[StageCodeMaker] = ()) -> Partition:
     """Per-stage modules for `plan` (see module docstring).
 
-    spatial: the images' tiles (codegen/strategies/spatial/program.py): the layers up to the one holding node
-    `spatial.until` run on them, in the stage that holds that node. rewrite(gm, inputs): a
-    strategy's rewrite of the captured graph before the tensor-parallel split, and the meta
-    stand-ins of the runtime attributes it reads (context parallelism: codegen/strategies/context/stage_code.py).
+    rewrite(gm, inputs): a strategy's rewrite of the captured graph before the tensor-parallel split,
+    and the meta stand-ins of the runtime attributes it reads (context parallelism:
+    codegen/strategies/context/stage_code.py). stage_code: the strategies' makers of their parts in
+    the stages' code, each (the cut) -> {stage index: its StageCodePart} (codegen/lower.py passes
+    those of the plan's strategies: LoweringStrategy.stage_code).
 
     Raises PartitionError / TensorSplitError / SpatialError (ValueErrors) naming what cannot be cut or split.
     """
@@ -114,12 +115,13 @@ def partition(plan: Plan, graph: ModelGraph, *, spatial: SpatialSpec | None = No
     rewritten, attrs = rewrite(gm, inputs) if rewrite is not None else (None, None)
     splits = _head_splits(plan, gm, rewritten, _plan_splits(plan, graph))
     res = apply_splits(gm, splits, inputs, graph=rewritten, attrs=attrs)
-    cut = _Cut.of(plan, graph, res)
+    cut = StageCut.of(plan, graph, res)
     local_mods = {path: shard_module(gm.get_submodule(path), sh, 0, cfg.tensor, None) for path, sh in res.shards.items()}
-    shared = _Shared(local_mods, shared_names(graph),
-                     region_code(plan.subgraph, res.local_values) if plan.subgraph else [],
-                     _stage_tiles(spatial, gm, res.local_values, cut.layer_of, cut.stage_of, cut.stage_of_layer,
-                                  cut.known), _compiled_layers(graph))
+    code_parts: dict[int, list[StageCodePart]] = {}
+    for make in stage_code:
+        for s, part in make(cut).items():
+            code_parts.setdefault(s, []).append(part)
+    shared = _Shared(local_mods, shared_names(graph), code_parts, _compiled_layers(graph))
     parts = tuple(_stage_part(plan, graph, cut, st, shared) for st in sorted(plan.stages, key=lambda s: s.index))
     sd = gm.state_dict(keep_vars=True)
     return Partition(parts, cfg.tensor, cfg.micro_batch_size, _signature_of(gm),
@@ -164,9 +166,11 @@ def _head_splits(plan: Plan, gm: fx.GraphModule, rewritten: fx.Graph | None, spl
 
 
 @dataclass
-class _Cut:
+class StageCut:
     """Where the split graph is cut: each node's layer and stage, the values crossing into each stage, and
-    the local (this rank's) and full values that boundaries are described from."""
+    the local (this rank's) and full values that boundaries are described from. The strategies' stage-code
+    makers read it: `res.graph` (the split graph), `res.local_values` (node name -> this rank's meta value),
+    `layer_of`, `stage_of`, `stage_of_layer`, `known` and `stages`."""
 
     res: Any                              # apply_splits' result: the graph, shards, local and full values
     nodes: list[fx.Node]
@@ -182,7 +186,7 @@ class _Cut:
     padded_names: tuple
 
     @classmethod
-    def of(cls, plan: Plan, graph: ModelGraph, res) -> "_Cut":
+    def of(cls, plan: Plan, graph: ModelGraph, res) -> "StageCut":
         g = res.graph
         head, head_extra, padded_names = _output_layer(g, graph.module, graph, res, plan.execution,
                                                        plan.config.tensor, plan)
@@ -197,6 +201,11 @@ class _Cut:
         placeholders = [n.name for n in nodes if n.op == "placeholder"]
         return cls(res, nodes, pos, layer_of, stage_of, stage_of_layer, known, crossing, placeholders, head,
                    head_extra, padded_names)
+
+    @property
+    def stages(self) -> range:
+        """The stage indices."""
+        return range(len(self.crossing))
 
     def boundary(self, n: fx.Node, source: str, data_index: int = -1) -> Boundary:
         """The Boundary of value `n` entering or leaving a stage (`source`: "data", "recv" or "send")."""
@@ -261,16 +270,15 @@ def _stage_of_nodes(nodes: list[fx.Node], pos: dict[str, int], layer_of: dict[st
 @dataclass(frozen=True)
 class _Shared:
     """What every stage's part is made with: the tensor-parallel modules as this rank holds them (meta),
-    the canonical name of each shared weight, the sub-graph regions' code, and the spatial tiles per stage."""
+    the canonical name of each shared weight, and the strategies' parts of each stage's code."""
 
     local_mods: dict
     canonical: dict[str, str]
-    codes: list
-    tiles: dict
+    code_parts: dict[int, list[StageCodePart]]
     compiled_layers: frozenset[str]   # the layers whose methods torch.compile compiles (regional compilation)
 
 
-def _stage_part(plan: Plan, graph: ModelGraph, cut: _Cut, st, shared_by: _Shared) -> StagePart:
+def _stage_part(plan: Plan, graph: ModelGraph, cut: StageCut, st, shared_by: _Shared) -> StagePart:
     """Stage `st`'s StagePart: its boundaries, modules and attributes, source, spec and parameters."""
     cfg, ex, gm, res = plan.config, plan.execution, graph.module, cut.res
     s, nodes, stage_of = st.index, cut.nodes, cut.stage_of
@@ -288,10 +296,8 @@ def _stage_part(plan: Plan, graph: ModelGraph, cut: _Cut, st, shared_by: _Shared
     if is_last:   # a fused output layer: its tensors are held, though no code calls it
         modules = tuple(dict.fromkeys(modules + cut.head_extra[0]))
         attributes = tuple(dict.fromkeys(attributes + cut.head_extra[1]))
-    code_parts = [part for part in (StageRegions(shared_by.codes, {n.name: n for n in res.graph.nodes})
-                                    if shared_by.codes else None, shared_by.tiles.get(s)) if part is not None]
     source, globs, served = stage_source(res.graph, s, members, ins, outs, is_last, cut.layer_of, cut.known,
-                                          cfg.recompute, code_parts, shared=ex.compile,
+                                          cfg.recompute, shared_by.code_parts.get(s, ()), shared=ex.compile,
                                           gm=gm, signatures={L.name: L.signature for L in graph.layers})
     padded = _padded(cut.padded_names, modules, attributes, ex.vocab_multiple, cut.head)
     params = _stage_params(gm, modules, attributes, shared_by.local_mods, shared_by.canonical, res.param_shards,
@@ -369,26 +375,6 @@ def _padded(names: tuple[str, ...], modules: tuple[str, ...], attributes: tuple[
         return ()
     held = [n for n in names if n in attributes or n.rpartition(".")[0] in modules]
     return padded_rows(head.vocab, multiple, held)
-
-
-def _stage_tiles(spatial: SpatialSpec | None, gm: fx.GraphModule, lv: dict, layer_of: dict[str, str],
-                 stage_of: dict[str, int], stage_of_layer: dict[str, int], known: list[str]) -> dict[int, StageTiles]:
-    """stage -> its spatial part: the stage holding node `spatial.until` runs its layers up to that
-    node's layer on image tiles (codegen/strategies/spatial/tiles.py)."""
-    if spatial is None or spatial.until is None:
-        return {}
-    if spatial.until not in stage_of:
-        raise PartitionError(f"the spatial part ends at node {spatial.until!r}, which is not a node of the model")
-    s = stage_of[spatial.until]
-    last = known.index(layer_of[spatial.until])
-    layers = frozenset(L for L in known[:last + 1] if stage_of_layer[L] == s)
-
-    def shape_of(name: str) -> tuple[int, ...] | None:
-        v = lv.get(name)
-        return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-    return {s: StageTiles(layers, spatial.batchnorm, TileRewrite(spatial.degree, spatial.split, gm.get_submodule,
-                                                                 shape_of))}
 
 
 _BATCH_NORM_OPS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit",
@@ -497,5 +483,5 @@ def stage_imports(parts: list[StagePart]) -> list[str]:
     return lines
 
 
-__all__ = ["Partition", "PartitionError", "StagePart", "TensorSplitError", "example_inputs", "partition",
-           "stage_imports"]
+__all__ = ["Partition", "PartitionError", "StageCodeMaker", "StageCut", "StagePart", "TensorSplitError",
+           "example_inputs", "partition", "stage_imports"]

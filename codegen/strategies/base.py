@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Callable, Iterator, Protocol
 
-from codegen.partition import Partition, StagePart
+from codegen.partition import Partition, StageCodeMaker, StagePart
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.program import Bucket, Instr, Program, Tie
@@ -140,8 +140,14 @@ class LoweringStrategy(Protocol):
         return plan
 
     def partition_options(self, plan: Plan, graph: ModelGraph) -> dict[str, Any]:
-        """Keyword arguments for codegen.partition.partition, which writes the stage code (spatial: the tiling)."""
+        """Keyword arguments for codegen.partition.partition, which writes the stage code (context: its
+        rewrite of the captured graph)."""
         return {}
+
+    def stage_code(self, plan: Plan, graph: ModelGraph) -> StageCodeMaker | None:
+        """The maker of this strategy's parts of the stages' code (codegen/stage_parts.py; spatial: the
+        tiles, sub-graph: the regions' calls), or None where it changes no stage's code."""
+        return None
 
     def rewrite_stages(self, plan: Plan, graph: ModelGraph, parts: Partition) -> Partition:
         """The stage modules of the lowered plan, rewritten for `plan` (the plan as made)."""

@@ -52,7 +52,7 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "planner/app/schedule_view.py": (("spatial", "tensor"), "the schedule picture's rank layout"),
     "planner/app/visualize.py": (("tensor",), "the pictures"),
     "codegen/head.py": (("tensor",), "the output layer's vocabulary split"),
-    "codegen/partition.py": (("spatial", "subgraph", "tensor"), "the stage cut calls tiles, regions and splits"),
+    "codegen/partition.py": (("tensor",), "the stage cut applies the tensor splits and learns local shapes"),
     "codegen/strategies/context/stage_code.py": (("tensor",), "the chunks' graph is split for tensor ranks"),
     "codegen/torch_target/layout.py": (("tensor",), "the torch target's DTensor layout"),
     "codegen/torch_target/pipeline.py": (("bidirectional", "tensor"), "the torch target's refusals"),

@@ -4,9 +4,12 @@ tiles, and every rank's Program names its tile (codegen/strategies/spatial/progr
 
 from __future__ import annotations
 
-from codegen.partition import Partition
+import functools
+
+from codegen.partition import Partition, StageCodeMaker
 from codegen.strategies.spatial.program import spatial_spec, spatial_stages, spatial_tiles, spatial_twin
 from codegen.strategies.base import LoweringStrategy
+from codegen.strategies.spatial.tiles import stage_tiles
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.program import Program
@@ -25,8 +28,9 @@ class Spatial(LoweringStrategy):
     def lowered_plan(self, plan: Plan) -> Plan:
         return spatial_twin(plan)
 
-    def partition_options(self, plan: Plan, graph: ModelGraph) -> dict:
-        return {"spatial": spatial_spec(plan, graph)}
+    def stage_code(self, plan: Plan, graph: ModelGraph) -> StageCodeMaker:
+        """The first stage's layers up to spatial_until run on image tiles."""
+        return functools.partial(stage_tiles, spatial_spec(plan, graph), graph.module)
 
     def rewrite_stages(self, plan: Plan, graph: ModelGraph, parts: Partition) -> Partition:
         return spatial_stages(plan, graph, parts)

@@ -34,7 +34,8 @@ from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from runtime.parallel.spatial.tiles import SpatialContext, conv_windows, pool_windows
-from runtime.parallel.spatial.geometry import SpatialError, axis_halos, tile_shape
+from codegen.partition import PartitionError, StageCut
+from runtime.parallel.spatial.geometry import SpatialError, SpatialSpec, axis_halos, tile_shape
 
 # Ops that act on each pixel alone, so they run on a tile unchanged.
 _POINTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Identity,
@@ -185,6 +186,26 @@ class StageTiles:
         """The stage's SpatialContext."""
         line, globs = self.init_line()
         return [], [line], globs
+
+
+def stage_tiles(spatial: SpatialSpec | None, gm: fx.GraphModule, cut: StageCut) -> dict[int, StageTiles]:
+    """stage -> its spatial part (a StageCodePart for codegen/partition.py): the stage holding node
+    `spatial.until` runs its layers up to that node's layer on image tiles. gm: the captured model."""
+    if spatial is None or spatial.until is None:
+        return {}
+    layer_of, stage_of, known, lv = cut.layer_of, cut.stage_of, cut.known, cut.res.local_values
+    if spatial.until not in stage_of:
+        raise PartitionError(f"the spatial part ends at node {spatial.until!r}, which is not a node of the model")
+    s = stage_of[spatial.until]
+    last = known.index(layer_of[spatial.until])
+    layers = frozenset(L for L in known[:last + 1] if cut.stage_of_layer[L] == s)
+
+    def shape_of(name: str) -> tuple[int, ...] | None:
+        v = lv.get(name)
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+    return {s: StageTiles(layers, spatial.batchnorm, TileRewrite(spatial.degree, spatial.split, gm.get_submodule,
+                                                                 shape_of))}
 
 
 def full_shapes(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[fx.GraphModule, dict]:

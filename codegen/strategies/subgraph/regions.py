@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from codegen.partition import StageCut
 from codegen.pysrc import graph_method
 from planner.strategies.subgraph.regions import Region
 from runtime.parallel.subgraph.regions import SubgraphContext
@@ -189,6 +190,16 @@ class StageRegions:
             return [], [], {}
         line, globs = subgraph_init(self._owners)
         return self._methods, [line], globs
+
+
+def stage_regions(regions: tuple[Region, ...], cut: StageCut) -> dict[int, StageRegions]:
+    """Every stage's StageRegions (codegen/partition.py), with the regions' exit shapes from the cut's meta
+    run; none without regions."""
+    codes = region_code(regions, cut.res.local_values) if regions else []
+    if not codes:
+        return {}
+    nodes = {n.name: n for n in cut.res.graph.nodes}
+    return {s: StageRegions(codes, nodes) for s in cut.stages}
 
 
 def subgraph_init(owners: dict[str, int]) -> tuple[str, dict]:
