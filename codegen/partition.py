@@ -39,7 +39,6 @@ from planner.plan import Plan
 from planner.strategies.tensor.split.analysis import tensor_splits
 from runtime.materialize import RUNTIME_ATTRS, model_signature
 from runtime.spec import Boundary, StageSpec
-from runtime.parallel.tensor.layers import shard_module
 
 
 GraphRewrite = Callable[[fx.GraphModule, dict[str, Any]], tuple[fx.Graph, dict[str, Any]]]
@@ -116,12 +115,11 @@ def partition(plan: Plan, graph: ModelGraph, *, rewrite: GraphRewrite | None = N
     splits = _head_splits(plan, gm, rewritten, _plan_splits(plan, graph))
     res = apply_splits(gm, splits, inputs, graph=rewritten, attrs=attrs)
     cut = StageCut.of(plan, graph, res)
-    local_mods = {path: shard_module(gm.get_submodule(path), sh, 0, cfg.tensor, None) for path, sh in res.shards.items()}
     code_parts: dict[int, list[StageCodePart]] = {}
     for make in stage_code:
         for s, part in make(cut).items():
             code_parts.setdefault(s, []).append(part)
-    shared = _Shared(local_mods, shared_names(graph), code_parts, _compiled_layers(graph))
+    shared = _Shared(shared_names(graph), code_parts, _compiled_layers(graph))
     parts = tuple(_stage_part(plan, graph, cut, st, shared) for st in sorted(plan.stages, key=lambda s: s.index))
     sd = gm.state_dict(keep_vars=True)
     return Partition(parts, cfg.tensor, cfg.micro_batch_size, _signature_of(gm),
@@ -269,10 +267,9 @@ def _stage_of_nodes(nodes: list[fx.Node], pos: dict[str, int], layer_of: dict[st
 
 @dataclass(frozen=True)
 class _Shared:
-    """What every stage's part is made with: the tensor-parallel modules as this rank holds them (meta),
-    the canonical name of each shared weight, and the strategies' parts of each stage's code."""
+    """What every stage's part is made with: the canonical name of each shared weight, and the strategies'
+    parts of each stage's code."""
 
-    local_mods: dict
     canonical: dict[str, str]
     code_parts: dict[int, list[StageCodePart]]
     compiled_layers: frozenset[str]   # the layers whose methods torch.compile compiles (regional compilation)
@@ -300,7 +297,7 @@ def _stage_part(plan: Plan, graph: ModelGraph, cut: StageCut, st, shared_by: _Sh
                                           cfg.recompute, shared_by.code_parts.get(s, ()), shared=ex.compile,
                                           gm=gm, signatures={L.name: L.signature for L in graph.layers})
     padded = _padded(cut.padded_names, modules, attributes, ex.vocab_multiple, cut.head)
-    params = _stage_params(gm, modules, attributes, shared_by.local_mods, shared_by.canonical, res.param_shards,
+    params = _stage_params(gm, modules, attributes, res.shards, shared_by.canonical, res.param_shards,
                            cfg.tensor, padded)
     held = {shared_by.canonical.get(name, name) for name, _, _ in params}
     shared = tuple(grp for grp in graph.shared_params if grp[0] in held)
@@ -421,46 +418,47 @@ def shared_names(graph: ModelGraph) -> dict[str, str]:
     return {name: grp[0] for grp in graph.shared_params for name in grp}
 
 
-def _stage_params(gm: fx.GraphModule, modules: tuple[str, ...], attributes: tuple[str, ...], local_mods: dict,
+def _stage_params(gm: fx.GraphModule, modules: tuple[str, ...], attributes: tuple[str, ...], shards: dict,
                   canonical: dict[str, str], param_shards: dict, tensor: int,
                   padded: tuple = ()) -> list[tuple[str, tuple[int, ...], str]]:
     """The stage module's trainable parameters (name, local shape, dtype), in the order gradients
-    become ready in backward (last module first).
+    become ready in backward (last module first). A split module's (`shards`: path -> ModuleShard) and a
+    split weight's (`param_shards`) local shapes come from their split's description.
 
     A parameter the stage reaches under several names (a tied weight whose two users are both
     here) is one parameter, named as the stage module names it: the first name in the order
     runtime.materialize attaches modules and then attributes.
     """
-    groups: list[list[tuple[str, torch.Tensor]]] = []   # per module, then per attribute
+    groups: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = []   # per module, then per attribute
     for path in modules:
-        mod = local_mods[path] if path in local_mods else gm.get_submodule(path)
-        groups.append([(f"{path}.{pname}", p) for pname, p in mod.named_parameters() if p.requires_grad])
+        mod = gm.get_submodule(path)
+        held = shards[path].local_parameters(mod, tensor) if path in shards else \
+            [(pname, tuple(p.shape), p.dtype, p.requires_grad) for pname, p in mod.named_parameters()]
+        groups.append([(f"{path}.{pname}", shape, dtype) for pname, shape, dtype, trains in held if trains])
     for path in attributes:
         obj = gm
         for part in path.split("."):
             obj = getattr(obj, part)
         if isinstance(obj, torch.nn.Parameter) and obj.requires_grad:
+            shape = list(obj.shape)
             if path in param_shards:   # this rank's shard of it
                 ps = param_shards[path]
-                shape = list(obj.shape)
                 shape[ps.dim] = ps.split.local_size(tensor)
-                obj = torch.empty(shape, dtype=obj.dtype, device="meta")
-            groups.append([(path, obj)])
+            groups.append([(path, tuple(shape), obj.dtype)])
     first: dict[str, str] = {}
-    for name, _p in (x for grp in groups for x in grp):
+    for name, _shape, _dtype in (x for grp in groups for x in grp):
         first.setdefault(canonical.get(name, name), name)
     out, seen = [], set()
     ordered = groups[:len(modules)][::-1] + groups[len(modules):][::-1]
-    for name, p in (x for grp in ordered for x in grp):
+    for name, shape, dtype in (x for grp in ordered for x in grp):
         key = canonical.get(name, name)
         if key in seen:
             continue
         seen.add(key)
-        shape = tuple(p.shape)
         pad = next((ps for ps in padded if ps.name == first[key]), None)
         if pad is not None:   # rows padded at tensor degree 1 (Execution.vocab_multiple)
             shape = (pad.split.local_size(1), *shape[1:])
-        out.append((first[key], shape, str(p.dtype).removeprefix("torch.")))
+        out.append((first[key], shape, str(dtype).removeprefix("torch.")))
     return out
 
 

@@ -185,6 +185,24 @@ class ModuleShard:
         if self.role not in SHARD_ROLES:
             raise ShardError(f"unknown shard role {self.role!r} for {self.path}; known: {', '.join(SHARD_ROLES)}")
 
+    def local_parameters(self, module: nn.Module, num: int) -> list[tuple[str, tuple[int, ...], torch.dtype, bool]]:
+        """(name, shape, dtype, requires_grad) of each parameter of `module` (the model's, full size; meta
+        is fine) as one of `num` ranks holds it after shard_module, in the same order, read from this
+        description alone: the split dimension (shard_dim) at its local size, the rest whole. As
+        shard_module makes them, a split module's parameters all train if any of the original's does."""
+        params = list(module.named_parameters())
+        if self.role == ShardRole.SEQUENCE:   # whole, as the module is
+            return [(name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in params]
+        trains = any(p.requires_grad for _, p in params)
+        out = []
+        for name, p in params:
+            shape = list(p.shape)
+            dim = shard_dim(self.role, name, p.dim())
+            if dim is not None:
+                shape[dim] = self.split.local_size(num)
+            out.append((name, tuple(shape), p.dtype, trains))
+        return out
+
     def to_dict(self) -> dict:
         # str(): a ShardRole role is written as its plain name (a rank script holds it as a literal)
         d = {"path": self.path, "role": str(self.role), "split": self.split.to_list()}
