@@ -172,3 +172,26 @@ def test_softmax_across_the_split_dimension_is_refused_naming_the_node():
     assert roles.get("softmax") == "inner"          # the planner thinks it can split it
     with pytest.raises(TensorSplitError, match="softmax.*over the tensor-parallel dimension"):
         split_graph(graph.module, roles, 2, {"x": x.to("meta")})
+
+
+@pytest.mark.parametrize("model,cfg", [("gpt", dict(tensor=2)), ("gpt", dict(tensor=4, sequence_parallel=True)),
+                                       ("mlp", dict(tensor=2)), ("resnet", dict(tensor=2))])
+def test_local_parameter_shapes_from_the_split_description_match_the_sharded_modules(model, cfg):
+    """Codegen reads a split module's local parameters from its ModuleShard; the runtime builds them with
+    shard_module. Both must give the same names, shapes, dtypes and trainable flags, in the same order."""
+    from codegen.partition import _head_splits, _plan_splits, example_inputs
+    from codegen.strategies.tensor.split import apply_splits
+    from tests.parallel_cases import graph_of, plan_for
+
+    plan, graph = plan_for(model, global_batch=8, **cfg), graph_of(model)
+    gm, t = graph.module, plan.config.tensor
+    res = apply_splits(gm, _head_splits(plan, gm, None, _plan_splits(plan, graph)),
+                       example_inputs(graph, plan.config.micro_batch_size))
+    roles = set()
+    for path, shard in res.shards.items():
+        module = gm.get_submodule(path)
+        built = [(name, tuple(p.shape), p.dtype, p.requires_grad)
+                 for name, p in shard_module(module, shard, 0, t, None).named_parameters()]
+        assert shard.local_parameters(module, t) == built, path
+        roles.add(shard.role)
+    assert len(roles) >= 3, roles
