@@ -55,6 +55,24 @@ T = TypeVar("T")
 _GEMM_KINDS = ("linear", "conv")   # the ops whose split a tensor-parallel collective feeds
 
 
+def _checked_options(selective: SelectivePolicy | str, zero3_live_parameters: float | None,
+                     allocator_margin: float, sharding: str) -> SelectivePolicy:
+    """The Evaluator's `selective` policy; ValueError naming the option when one of these is out of range."""
+    try:
+        policy = SelectivePolicy(selective)
+    except ValueError:
+        raise ValueError(f"selective={selective!r} is not one of {', '.join(SelectivePolicy)}") from None
+    if zero3_live_parameters is not None and zero3_live_parameters <= 0:
+        raise ValueError(f"zero3_live_parameters={zero3_live_parameters!r} must be a positive parameter "
+                         "count, or None for whole layers")
+    if not 0 <= allocator_margin < 1:
+        raise ValueError(f"allocator_margin={allocator_margin!r} must be a fraction in [0, 1) of the "
+                         f"allocated bytes (default {ALLOCATOR_MARGIN})")
+    if sharding not in ("ilp", "all"):
+        raise ValueError(f"sharding={sharding!r} is not one of 'ilp', 'all'")
+    return policy
+
+
 class Evaluator(NodePricing):
     """Prices ParallelConfigs of one ModelGraph on one Cluster."""
 
@@ -90,20 +108,9 @@ class Evaluator(NodePricing):
                 (cost_models/activations.SelectivePolicy; default Megatron's and meshplan's: all but the
                 attention core).
         """
-        try:
-            self.selective = SelectivePolicy(selective)
-        except ValueError:
-            raise ValueError(f"selective={selective!r} is not one of {', '.join(SelectivePolicy)}") from None
-        if zero3_live_parameters is not None and zero3_live_parameters <= 0:
-            raise ValueError(f"zero3_live_parameters={zero3_live_parameters!r} must be a positive parameter "
-                             "count, or None for whole layers")
+        self.selective = _checked_options(selective, zero3_live_parameters, allocator_margin, sharding)
         self.zero3_live_parameters = zero3_live_parameters
-        if not 0 <= allocator_margin < 1:
-            raise ValueError(f"allocator_margin={allocator_margin!r} must be a fraction in [0, 1) of the "
-                             f"allocated bytes (default {ALLOCATOR_MARGIN})")
         self.allocator_margin = allocator_margin
-        if sharding not in ("ilp", "all"):
-            raise ValueError(f"sharding={sharding!r} is not one of 'ilp', 'all'")
         self.sharding_mode = sharding
         # Bytes per device the stage partition must respect (optimize lowers it for
         # max_memory_fraction).
@@ -139,17 +146,8 @@ class Evaluator(NodePricing):
         self.saved = SavedActivations(graph, self.sharding, fp32)   # what each op keeps for backward
         self.strategies: tuple[Strategy, ...] = STRATEGIES
         self._nodes = {n.name: n for n in graph.nodes}
-        self._layer_cache: dict[tuple, LayerCost] = {}
         self._state: dict[str, Any] = {}   # per strategy, what it keeps for this graph (see state())
-        self._bounds_cache: dict[tuple, list[tuple[int, int]]] = {}
-        # the search prices thousands of configs x hundreds of layers: what repeats is kept
-        self._active_cache: dict[ParallelConfig, tuple[Strategy, ...]] = {}
-        self._key_cache: dict[ParallelConfig, tuple] = {}
-        self._adjusters_cache: dict[ParallelConfig, tuple[Strategy, ...]] = {}
-        self._boundary_cache: dict[tuple, float] = {}
-        self._axis_cache: dict[tuple, float] = {}
-        self._roles_cache: dict[tuple, dict[str, str]] = {}
-        self._costs_cache: dict[tuple, tuple[LayerCost, ...]] = {}
+        self._start_caches()
         self._fwd_flops_per_sample = graph.total_fwd_flops / graph.batch_size
         self._layer_inputs = self._input_bytes_per_layer()
         self.tokens_per_sample = _tokens_per_sample(graph)
@@ -157,6 +155,18 @@ class Evaluator(NodePricing):
         self._logits = self._find_logits()
         self._compiled_layers = compiled_layers(graph)
         self._logits_layer = next((layer.index for layer in graph.layers if self._logits in layer.nodes), -1)
+
+    def _start_caches(self) -> None:
+        # the search prices thousands of configs x hundreds of layers: what repeats is kept
+        self._layer_cache: dict[tuple, LayerCost] = {}
+        self._bounds_cache: dict[tuple, list[tuple[int, int]]] = {}
+        self._active_cache: dict[ParallelConfig, tuple[Strategy, ...]] = {}
+        self._key_cache: dict[ParallelConfig, tuple] = {}
+        self._adjusters_cache: dict[ParallelConfig, tuple[Strategy, ...]] = {}
+        self._boundary_cache: dict[tuple, float] = {}
+        self._axis_cache: dict[tuple, float] = {}
+        self._roles_cache: dict[tuple, dict[str, str]] = {}
+        self._costs_cache: dict[tuple, tuple[LayerCost, ...]] = {}
 
     # ---- public ---------------------------------------------------------
     def evaluate(self, config: ParallelConfig, global_batch_size: int) -> Prediction:

@@ -27,7 +27,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from codegen.emit import GRAPH_FILE, _executable, launch_scripts, node_layout, train_spec
+from codegen.emit import GRAPH_FILE, _executable, node_layout, train_spec
+from codegen.launchers import launch_scripts
 from codegen.pysrc import doc_text, py_literal
 from codegen.torch_target.layout import TorchLayout, torch_layout
 from codegen.torch_target.script_parallel import parallelize_source

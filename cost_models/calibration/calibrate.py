@@ -160,6 +160,57 @@ def run_workers(ranks: int, *, quick: bool = True, backend: str = Backend.GLOO.v
         return [json.loads(f.read_text()) for f in files]
 
 
+def _comm_measurements(results: list[dict], comm_rows: list) -> dict[str, float]:
+    """The communication entries of a calibrated cluster's measurements, in the order a file lists them:
+    raw.comm.* (rank 0's `comm_rows`: op, group size, bytes, seconds), the wake-up after compute, the
+    overlap an asynchronous all-reduce gets, the reads after a reduce, and fit.comm.<op>.g<g>.alpha/beta.
+    CalibrationError when no p2p transfer was measured."""
+    m: dict[str, float] = {}
+    points: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+    for op, g, n, t in comm_rows:
+        m[f"raw.comm.{op}.g{g}.{n}"] = t
+        points[(op, g)].append((n, t))
+    # A blocking transfer in a step comes right after computing: it waits for its own wake-up,
+    # which back-to-back transfers hide. The measured excess of an 8-byte all-reduce after
+    # compute over the back-to-back one is added to every alpha. The rank that arrives last
+    # measures that alone; the others also wait for it, by how much slower it computed the
+    # calibration's layers, which is noise of the moment (benchmarks/calibration_timing.py
+    # shows its size) and, in a run, the simulator's to model from each rank's work. Each rank measures two windows seconds apart and keeps
+    # the quieter (calibration.worker.main).
+    sync = min(r["sync_all_reduce"] for r in results)
+    m["raw.sync.all_reduce.g2.8"] = sync
+    for i in (0, 1):  # each window's (min over ranks), kept for checking
+        got = [r["rhythm_windows"][i][1] for r in results if len(r.get("rhythm_windows") or ()) > i]
+        if got:
+            m[f"raw.sync.all_reduce.g2.8.window{i}"] = min(got)
+    back_to_back = sorted((n, t) for op, g, n, t in comm_rows if op == "all_reduce" and g == 2)
+    wake = max(sync - back_to_back[0][1], 0.0) if back_to_back else 0.0
+    m["fit.comm.wake"] = wake
+    # How much of an asynchronous all-reduce the compute running meanwhile hides (the
+    # communicator's threads compete with it for the cores): the simulator charges the rest
+    # of an overlapped gradient collective to the backward it overlaps.
+    overlaps = [r["overlap"] for r in results if r.get("overlap")]
+    if overlaps:
+        m["fit.comm.overlap_hidden"] = statistics.median(o[0] for o in overlaps)
+        for i, what in enumerate(("hidden", "compute", "all_reduce", "overlapped")):
+            m[f"raw.overlap.{what}"] = statistics.median(o[i] for o in overlaps)
+    # Reading and zeroing gradients an all-reduce has just gone through (calibration.worker.after_reduce):
+    # the slowest rank's figure, since the step waits for it.
+    after = [r["after_reduce"] for r in results if r.get("after_reduce")]
+    if after:
+        m["fit.after_reduce.optimizer_per_byte"] = max(a[0] for a in after)
+        m["fit.after_reduce.zero_grad_per_byte"] = max(a[1] for a in after)
+        for i, what in enumerate(("optimizer", "zero_grad", "optimizer_own", "zero_grad_own")):
+            m[f"raw.after_reduce.{what}"] = max(a[2 + i] for a in after)
+    for (op, g), pts in sorted(points.items()):
+        a, b = fit_alpha_beta(pts)
+        m[f"fit.comm.{op}.g{g}.alpha"] = a + wake
+        m[f"fit.comm.{op}.g{g}.beta"] = b
+    if ("p2p", 2) not in points:
+        raise CalibrationError("the calibration measured no p2p transfers; run it again")
+    return m
+
+
 def build_cluster(results: list[dict], *, backend: str = Backend.GLOO.value, quick: bool = True, seconds: float = 0.0,
                   name: str = "local-calibrated") -> Cluster:
     """The calibrated Cluster from run_workers' results (one node of len(results) devices)."""
@@ -215,48 +266,7 @@ def build_cluster(results: list[dict], *, backend: str = Backend.GLOO.value, qui
     for kind, f, b in fit.kind_overheads:
         m[f"fit.overhead.{kind}.forward"] = f
         m[f"fit.overhead.{kind}.backward"] = b
-    points: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
-    for op, g, n, t in comm_rows:
-        m[f"raw.comm.{op}.g{g}.{n}"] = t
-        points[(op, g)].append((n, t))
-    # A blocking transfer in a step comes right after computing: it waits for its own wake-up,
-    # which back-to-back transfers hide. The measured excess of an 8-byte all-reduce after
-    # compute over the back-to-back one is added to every alpha. The rank that arrives last
-    # measures that alone; the others also wait for it, by how much slower it computed the
-    # calibration's layers, which is noise of the moment (benchmarks/calibration_timing.py
-    # shows its size) and, in a run, the simulator's to model from each rank's work. Each rank measures two windows seconds apart and keeps
-    # the quieter (calibration.worker.main).
-    sync = min(r["sync_all_reduce"] for r in results)
-    m["raw.sync.all_reduce.g2.8"] = sync
-    for i in (0, 1):  # each window's (min over ranks), kept for checking
-        got = [r["rhythm_windows"][i][1] for r in results if len(r.get("rhythm_windows") or ()) > i]
-        if got:
-            m[f"raw.sync.all_reduce.g2.8.window{i}"] = min(got)
-    back_to_back = sorted((n, t) for op, g, n, t in comm_rows if op == "all_reduce" and g == 2)
-    wake = max(sync - back_to_back[0][1], 0.0) if back_to_back else 0.0
-    m["fit.comm.wake"] = wake
-    # How much of an asynchronous all-reduce the compute running meanwhile hides (the
-    # communicator's threads compete with it for the cores): the simulator charges the rest
-    # of an overlapped gradient collective to the backward it overlaps.
-    overlaps = [r["overlap"] for r in results if r.get("overlap")]
-    if overlaps:
-        m["fit.comm.overlap_hidden"] = statistics.median(o[0] for o in overlaps)
-        for i, what in enumerate(("hidden", "compute", "all_reduce", "overlapped")):
-            m[f"raw.overlap.{what}"] = statistics.median(o[i] for o in overlaps)
-    # Reading and zeroing gradients an all-reduce has just gone through (calibration.worker.after_reduce):
-    # the slowest rank's figure, since the step waits for it.
-    after = [r["after_reduce"] for r in results if r.get("after_reduce")]
-    if after:
-        m["fit.after_reduce.optimizer_per_byte"] = max(a[0] for a in after)
-        m["fit.after_reduce.zero_grad_per_byte"] = max(a[1] for a in after)
-        for i, what in enumerate(("optimizer", "zero_grad", "optimizer_own", "zero_grad_own")):
-            m[f"raw.after_reduce.{what}"] = max(a[2 + i] for a in after)
-    for (op, g), pts in sorted(points.items()):
-        a, b = fit_alpha_beta(pts)
-        m[f"fit.comm.{op}.g{g}.alpha"] = a + wake
-        m[f"fit.comm.{op}.g{g}.beta"] = b
-    if ("p2p", 2) not in points:
-        raise CalibrationError("the calibration measured no p2p transfers; run it again")
+    m.update(_comm_measurements(results, comm_rows))
     p2p_alpha, p2p_beta = m["fit.comm.p2p.g2.alpha"], m["fit.comm.p2p.g2.beta"]
     link = Link(bandwidth=1.0 / p2p_beta, latency=p2p_alpha)
     cpus = local_machine._usable_cpus()

@@ -282,8 +282,52 @@ def schedule_figure(plan: "Plan", timeline: Iterable[Any] | None = None, measure
     from matplotlib.patches import Patch
 
     _check_plan(plan)
-    cfg, pred = plan.config, plan.prediction
+    cfg = plan.config
     meas = as_records(measured, "measured timeline") if measured is not None else None
+    panels, note = _schedule_panels(plan, timeline, meas, max_micro_batches)
+    spans = [max(r.end for r in recs) - min(r.start for r in recs) for _, recs in panels]
+    unit, size = _time_unit(max(spans))
+    share_x = max(spans) <= 4 * max(min(spans), 1e-300)
+    all_ranks = sorted({r.rank for _, recs in panels for r in recs})
+    n_rows = len(all_ranks)
+
+    fig = _new_figure(14.0 if len(panels) == 1 else 16.0, min(30.0, max(4.0, 2.6 + 0.32 * n_rows)))
+    axes = fig.subplots(1, len(panels), sharey=True, sharex=share_x, squeeze=False)[0]
+    kinds_used: list[str] = []
+    boxes: list[tuple] = []  # (ax, x0, width, yc, height, label, colour) for labels after layout
+    for ax, (name, recs) in zip(axes, panels):
+        _schedule_panel(ax, name, recs, all_ranks, unit, size, kinds_used, boxes)
+    if share_x:
+        right = max(spans) / size * 1.01
+        for ax in axes:
+            ax.set_xlim(0, right if right > 0 else 1.0)
+    axes[0].set_ylim(n_rows - 0.5, -0.5)  # rank 0 on top
+    mesh = cfg.mesh
+
+    def rank_label(r: int) -> str:
+        if r < cfg.num_devices:
+            return f"{r} ({','.join(map(str, rank_coords(r, mesh)))})"
+        return str(r)
+
+    step = _thin_ticks(n_rows, 40)
+    axes[0].set_yticks(list(range(0, n_rows, step)), [rank_label(r) for r in all_ranks[::step]])
+    axes[0].set_ylabel("rank (pipe, data, tensor)")
+    kinds_used.sort(key=KINDS.index)
+    handles = [Patch(facecolor=KIND_COLORS[k], label=k) for k in kinds_used]
+    handles.append(Patch(facecolor=IDLE_COLOR, edgecolor="#999999", label="idle"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
+    what = "Pipeline schedule" + (" (predicted vs measured)" if meas is not None else "")
+    _suptitle(fig, title_for(plan, what, note))
+    if len(boxes) <= 3000:
+        _label_boxes(fig, boxes)
+    return fig
+
+
+def _schedule_panels(plan: "Plan", timeline: Iterable[Any] | None, meas: list | None,
+                     max_micro_batches: int) -> tuple[list[tuple[str, list]], str]:
+    """([(panel title, its records)], the title's note): the predicted schedule (simulated from the plan
+    unless `timeline` gives it) and the measured one (`meas`) where given; ValueError for an empty one."""
+    cfg, pred = plan.config, plan.prediction
     note = ""
     if timeline is None:
         m = pred.num_micro_batches
@@ -306,85 +350,56 @@ def schedule_figure(plan: "Plan", timeline: Iterable[Any] | None = None, measure
     for name, recs in panels:
         if not recs:
             raise ValueError(f"the {name} timeline has no records; pass at least one (rank, label, kind, start, end)")
+    return panels, note
 
-    def origin(recs):
-        return min(r.start for r in recs)
 
-    spans = [max(r.end for r in recs) - origin(recs) for _, recs in panels]
-    unit, size = _time_unit(max(spans))
-    share_x = max(spans) <= 4 * max(min(spans), 1e-300)
-    all_ranks = sorted({r.rank for _, recs in panels for r in recs})
+def _schedule_panel(ax, name: str, recs: list, all_ranks: list[int], unit: str, size: float,
+                    kinds_used: list[str], boxes: list[tuple]) -> None:
+    """One panel's bars (a row per rank of `all_ranks`, lanes where its records overlap), its title and
+    axis; appends the kinds it draws to `kinds_used` and each bar to `boxes` (for labels)."""
     row_of = {rank: k for k, rank in enumerate(all_ranks)}
-    n_rows = len(all_ranks)
+    t0 = min(r.start for r in recs)
+    lane_of, lanes = _lanes(recs)
+    groups: dict[tuple[int, int, str], list[tuple[float, float]]] = {}
+    for k, r in enumerate(recs):
+        nl = lanes[r.rank]
+        h = 0.84 / nl
+        y0 = row_of[r.rank] - 0.42 + lane_of[k] * h
+        groups.setdefault((row_of[r.rank], lane_of[k], r.kind), []).append(
+            ((r.start - t0) / size, r.duration / size))
+        if r.kind not in kinds_used:
+            kinds_used.append(r.kind)
+        boxes.append((ax, (r.start - t0) / size, r.duration / size, y0 + h / 2, h, r.label,
+                      KIND_COLORS[r.kind]))
+    for (row, lane, kind), xr in groups.items():
+        rank = all_ranks[row]
+        nl = lanes[rank]
+        h = 0.84 / nl
+        ax.broken_barh(xr, (row - 0.42 + lane * h, h), facecolors=KIND_COLORS[kind],
+                       edgecolor="white", linewidth=0.4)
+    span = max(r.end for r in recs) - t0
+    ax.set_facecolor(IDLE_COLOR)
+    ax.set_xlim(0, span / size * 1.01 if span > 0 else 1.0)
+    ax.set_title(f"{name}: {len(recs)} records, makespan {_num(span / size)} {unit}", fontsize=10)
+    ax.set_xlabel(f"time since the first record ({unit})")
+    ax.grid(axis="x", color="white", linewidth=0.8)
+    ax.set_axisbelow(True)
 
-    fig = _new_figure(14.0 if len(panels) == 1 else 16.0, min(30.0, max(4.0, 2.6 + 0.32 * n_rows)))
-    axes = fig.subplots(1, len(panels), sharey=True, sharex=share_x, squeeze=False)[0]
-    kinds_used: list[str] = []
-    boxes = []  # (ax, x0, width, yc, height, label, colour) for labels after layout
-    for ax, (name, recs) in zip(axes, panels):
-        t0 = origin(recs)
-        lane_of, lanes = _lanes(recs)
-        groups: dict[tuple[int, int, str], list[tuple[float, float]]] = {}
-        for k, r in enumerate(recs):
-            nl = lanes[r.rank]
-            h = 0.84 / nl
-            y0 = row_of[r.rank] - 0.42 + lane_of[k] * h
-            groups.setdefault((row_of[r.rank], lane_of[k], r.kind), []).append(
-                ((r.start - t0) / size, r.duration / size))
-            if r.kind not in kinds_used:
-                kinds_used.append(r.kind)
-            boxes.append((ax, (r.start - t0) / size, r.duration / size, y0 + h / 2, h, r.label,
-                          KIND_COLORS[r.kind]))
-        for (row, lane, kind), xr in groups.items():
-            rank = all_ranks[row]
-            nl = lanes[rank]
-            h = 0.84 / nl
-            ax.broken_barh(xr, (row - 0.42 + lane * h, h), facecolors=KIND_COLORS[kind],
-                           edgecolor="white", linewidth=0.4)
-        span = max(r.end for r in recs) - t0
-        ax.set_facecolor(IDLE_COLOR)
-        ax.set_xlim(0, span / size * 1.01 if span > 0 else 1.0)
-        ax.set_title(f"{name}: {len(recs)} records, makespan {_num(span / size)} {unit}", fontsize=10)
-        ax.set_xlabel(f"time since the first record ({unit})")
-        ax.grid(axis="x", color="white", linewidth=0.8)
-        ax.set_axisbelow(True)
-    if share_x:
-        right = max(spans) / size * 1.01
-        for ax in axes:
-            ax.set_xlim(0, right if right > 0 else 1.0)
-    axes[0].set_ylim(n_rows - 0.5, -0.5)  # rank 0 on top
-    mesh = cfg.mesh
 
-    def rank_label(r: int) -> str:
-        if r < cfg.num_devices:
-            return f"{r} ({','.join(map(str, rank_coords(r, mesh)))})"
-        return str(r)
-
-    step = _thin_ticks(n_rows, 40)
-    axes[0].set_yticks(list(range(0, n_rows, step)), [rank_label(r) for r in all_ranks[::step]])
-    axes[0].set_ylabel("rank (pipe, data, tensor)")
-    kinds_used.sort(key=KINDS.index)
-    handles = [Patch(facecolor=KIND_COLORS[k], label=k) for k in kinds_used]
-    handles.append(Patch(facecolor=IDLE_COLOR, edgecolor="#999999", label="idle"))
-    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
-    what = "Pipeline schedule" + (" (predicted vs measured)" if meas is not None else "")
-    _suptitle(fig, title_for(plan, what, note))
-
-    # Labels inside boxes that are wide and tall enough, in the first form that fits.
-    if len(boxes) <= 3000:
-        fig.canvas.draw()
-        for ax, x0, w, yc, h, label, col in boxes:
-            px, py = _px_per_data(ax)
-            w_pt, h_pt = w * px * 72 / fig.dpi, h * py * 72 / fig.dpi
-            fs = min(7.0, 0.7 * h_pt)
-            if fs < 4.5:
-                continue
-            for text in _box_labels(label):
-                if _text_size_pt(text, fs)[0] <= 0.9 * w_pt - 2:
-                    ax.text(x0 + w / 2, yc, text, ha="center", va="center", fontsize=fs, clip_on=True,
-                            color="black" if _luminance(col) > 0.5 else "white")
-                    break
-    return fig
+def _label_boxes(fig, boxes: list[tuple]) -> None:
+    """Labels inside the bars that are wide and tall enough, in the first form that fits."""
+    fig.canvas.draw()
+    for ax, x0, w, yc, h, label, col in boxes:
+        px, py = _px_per_data(ax)
+        w_pt, h_pt = w * px * 72 / fig.dpi, h * py * 72 / fig.dpi
+        fs = min(7.0, 0.7 * h_pt)
+        if fs < 4.5:
+            continue
+        for text in _box_labels(label):
+            if _text_size_pt(text, fs)[0] <= 0.9 * w_pt - 2:
+                ax.text(x0 + w / 2, yc, text, ha="center", va="center", fontsize=fs, clip_on=True,
+                        color="black" if _luminance(col) > 0.5 else "white")
+                break
 
 
 # ---------------------------------------------------------------------------

@@ -188,48 +188,13 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = Bac
             cmd += ["--build", str(b), *[f"--arg={x}" for x in a]]
     else:
         cmd = [sys.executable, str(entry_script(builds[0], infos[0])), *base]
+    exits: dict[int, tuple[int, float]] = {}
     if backend == Backend.MPI:
-        if mpi_warning is not None:
-            print(f"meshplan run: warning: {mpi_warning}", file=sys.stderr, flush=True)
-        env.pop(HEARTBEAT_STORE_ENV, None)
-        if stores:
-            env[HEARTBEAT_STORE_ENV] = f"{LOOPBACK}:{stores[0].port}"
-        cmd = [*mpi_cmd, *[x for k in ("OMP_NUM_THREADS", SECRET_ENV, HEARTBEAT_STORE_ENV) if k in env
-                           for x in ("-x", k)], *cmd]
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            env.pop(k, None)
-        log = log_dir / "mpiexec.log"
-        with log.open("w") as f, Children() as children:
-            proc = children.popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, direct=False)
-            rc = _wait_one(proc, wall, display)
-        output = log.read_text()
+        rc, output = _launch_mpi(cmd, env, mpi_cmd, mpi_warning, stores, log_dir, wall, display)
     else:
-        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
         if not through_workers:
             cmd += ["--master-port", per_build[0][-1]]
-        port = int(per_build[0][-1])
-        logs = []
-        exits: dict[int, tuple[int, float]] = {}
-        notes: dict[int, str] = {}
-        try:
-            with Children() as children:
-                for r in range(world):
-                    e = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-                             MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port))
-                    log = (log_dir / f"log_rank_{r:04d}.txt").open("w")
-                    logs.append(log)
-                    children.popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT)
-                rc = _wait_all(children.procs, wall, grace, exits, notes, display)
-        finally:
-            for log in logs:
-                log.close()
-        for r, (code, _t) in sorted(exits.items()):
-            if code < 0:
-                with (log_dir / f"log_rank_{r:04d}.txt").open("a") as f:
-                    f.write(f"meshplan launcher: rank {r} {notes[r]} (signal {_signal_name(-code)})\n" if r in notes
-                            else f"meshplan launcher: rank {r} was killed by signal {_signal_name(-code)}\n")
-        output = "\n".join(f"[rank {r}] {line}" for r in range(world)
-                           for line in (log_dir / f"log_rank_{r:04d}.txt").read_text().splitlines())
+        rc, output = _launch_ranks(cmd, env, world, int(per_build[0][-1]), log_dir, wall, grace, exits, display)
     if display is not None:
         display.close()
     del stores
@@ -237,26 +202,81 @@ def run_many(builds: list[str | os.PathLike], steps: int = 1, backend: str = Bac
         print(output)
     results = []
     for b, first_step in zip(builds, first_steps):
-        result = RunResult(rc, world, output=output)
-        if backend != Backend.MPI:
-            result.returncodes = {r: c for r, (c, _t) in exits.items()}
-            result.exit_times = {r: t for r, (_c, t) in exits.items()}
-        run_dir = b / "run"
-        for r in range(world):
-            f = run_dir / f"rank_{r:04d}.json"
-            if f.is_file():
-                d = read_document(f, "run record", error=BuildError)
-                result.losses[r] = d["losses"]
-                result.seconds[r] = d["seconds"]
-                result.first_step = d.get("first_step", 0)
-                result.resumed_from = d.get("resumed_from")
-                if r == 0:
-                    result.evals = [EvalResult.from_dict(e) for e in d.get("evals", ())]
-        _merge_timelines(b, result)
+        result = _read_result(b, RunResult(rc, world, output=output), exits if backend != Backend.MPI else None)
         if verify and rc == 0:
             result.comparison = verify_build(b, steps, result.losses, rtol=rtol, atol=atol, first_step=first_step)
         results.append(result)
     return results
+
+
+def _launch_mpi(cmd: list[str], env: dict, mpi_cmd: list[str], mpi_warning: str | None, stores: list,
+                log_dir: Path, wall: float, display) -> tuple[int, str]:
+    """Run `cmd` under mpiexec (`mpi_cmd`); (its exit status, its output, kept in log_dir/mpiexec.log).
+    The ranks get the heartbeat store (`stores[0]`, where the launcher hosts one) and the job's secret."""
+    if mpi_warning is not None:
+        print(f"meshplan run: warning: {mpi_warning}", file=sys.stderr, flush=True)
+    env.pop(HEARTBEAT_STORE_ENV, None)
+    if stores:
+        env[HEARTBEAT_STORE_ENV] = f"{LOOPBACK}:{stores[0].port}"
+    cmd = [*mpi_cmd, *[x for k in ("OMP_NUM_THREADS", SECRET_ENV, HEARTBEAT_STORE_ENV) if k in env
+                       for x in ("-x", k)], *cmd]
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    log = log_dir / "mpiexec.log"
+    with log.open("w") as f, Children() as children:
+        proc = children.popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, direct=False)
+        rc = _wait_one(proc, wall, display)
+    return rc, log.read_text()
+
+
+def _launch_ranks(cmd: list[str], env: dict, world: int, port: int, log_dir: Path, wall: float, grace: float,
+                  exits: dict[int, tuple[int, float]], display) -> tuple[int, str]:
+    """Start `world` processes of `cmd` with torchrun's variables (the launcher hosts the store at `port`);
+    (the exit status, their output with each line marked by its rank). exits: filled with each rank's
+    (exit code, time); a rank killed by a signal gets a line saying so at the end of its log."""
+    env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    logs = []
+    notes: dict[int, str] = {}
+    try:
+        with Children() as children:
+            for r in range(world):
+                e = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                         MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port))
+                log = (log_dir / f"log_rank_{r:04d}.txt").open("w")
+                logs.append(log)
+                children.popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT)
+            rc = _wait_all(children.procs, wall, grace, exits, notes, display)
+    finally:
+        for log in logs:
+            log.close()
+    for r, (code, _t) in sorted(exits.items()):
+        if code < 0:
+            with (log_dir / f"log_rank_{r:04d}.txt").open("a") as f:
+                f.write(f"meshplan launcher: rank {r} {notes[r]} (signal {_signal_name(-code)})\n" if r in notes
+                        else f"meshplan launcher: rank {r} was killed by signal {_signal_name(-code)}\n")
+    return rc, "\n".join(f"[rank {r}] {line}" for r in range(world)
+                         for line in (log_dir / f"log_rank_{r:04d}.txt").read_text().splitlines())
+
+
+def _read_result(build: Path, result: RunResult, exits: dict[int, tuple[int, float]] | None) -> RunResult:
+    """`result` with what build/run/ records: each rank's losses and seconds, the resumed step, rank 0's
+    evaluations, the merged timeline; and each rank's exit code and time (`exits`; None under MPI)."""
+    if exits is not None:
+        result.returncodes = {r: c for r, (c, _t) in exits.items()}
+        result.exit_times = {r: t for r, (_c, t) in exits.items()}
+    run_dir = build / "run"
+    for r in range(result.world_size):
+        f = run_dir / f"rank_{r:04d}.json"
+        if f.is_file():
+            d = read_document(f, "run record", error=BuildError)
+            result.losses[r] = d["losses"]
+            result.seconds[r] = d["seconds"]
+            result.first_step = d.get("first_step", 0)
+            result.resumed_from = d.get("resumed_from")
+            if r == 0:
+                result.evals = [EvalResult.from_dict(e) for e in d.get("evals", ())]
+    _merge_timelines(build, result)
+    return result
 
 
 def _merge_timelines(build: Path, result: RunResult) -> None:

@@ -360,78 +360,99 @@ def _check_steps(cmp: Verification, build: Path, spec: TrainSpec, programs: dict
             if k >= len(losses.get(0, [])):
                 cmp.fail(f"step {step}: rank 0 reported no loss for it")
                 return sensitive
-            got = losses[0][k]
-            bad = non_finite(got) or non_finite(loss64)
-            if bad:
-                whose = "the run's loss" if non_finite(got) else "the exact loss from the run's parameters"
-                cmp.fail_non_finite(f"{bad} in {whose} at step {step}: the run diverged or its data holds {bad}; a "
-                         "non-finite run cannot be compared (lower --lr, check the data)")
+            if not _check_step_loss(cmp, step, losses[0][k], loss64, samples, tol):
                 return sensitive
-            scale = max(abs(loss64), 1e-12)
-            noise = max(abs(lo - loss64) for lo, _g, _b in samples) / scale
-            rel = abs(got - loss64) / scale
-            allow = tol["loss"] + MARGIN * noise
-            cmp.max_step_loss_rel = max(cmp.max_step_loss_rel, rel)
-            if not rel <= allow:
-                cmp.fail(f"step {step}: loss {got:.7g}; computed exactly from the same parameters {loss64:.7g} "
-                         f"(relative difference {rel:.2g}, allowed {allow:.2g})")
             if loss_scale is not None:   # fp16: the same scale overflows in the reference, or neither does
                 overflowed = any(non_finite(g) for g in samples[0][1].values())
                 check_skip(cmp, step, outcomes.was_skipped(k), overflowed, loss_scale)
                 if overflowed or outcomes.was_skipped(k):
                     continue   # a skipped step's gradients hold inf: nothing else to compare
-            rms = math.sqrt(sum(_norm(g) ** 2 for g in g64.values()) / max(1, sum(g.numel() for g in g64.values())))
-            names = [n for n in state.optimizer if n in g64]
-            for name in state.optimizer:
-                if name not in g64:
-                    cmp.fail(f"step {step}: the run steps {name!r}, which the model does not have")
-            spread = {n: max(_norm(sg[n] - g64[n]) for _l, sg, _b in samples) for n in names}
-            if adam is not None:
-                for n in names:
-                    noise = MARGIN * torch.stack([(sg[n] - g64[n]).abs() for _l, sg, _b in samples]).amax(0)
-                    sensitive[n] = sensitive.get(n, 0) + adam_sensitive(g64[n], noise, tol["adam_steps"], adam.eps)
-            total = math.sqrt(sum(_norm(g64[n]) ** 2 for n in names)) or 1e-30
-            # rounding's effect spreads over every tensor (a flipped ReLU changes all the gradients
-            # before it): each tensor may move by the step's relative noise, as well as its own
-            step_noise = math.sqrt(sum(v ** 2 for v in spread.values())) / total
-            errs = {}
-            for name in names:
-                want = g64[name]
-                bad = non_finite(state.optimizer[name]["grad"])
-                if bad:
-                    cmp.fail_non_finite(f"{bad} in the gradient of {name} at step {step} (the run's)")
-                    errs[name] = math.inf
-                    continue
-                err = errs[name] = _norm(state.optimizer[name]["grad"].view_as(want).double() - want)
-                allow = tol["grad_rtol"] * _norm(want) + tol["grad_atol"] * math.sqrt(want.numel()) * rms \
-                    + MARGIN * max(spread[name], step_noise * _norm(want))
-                ratio = err / max(allow, 1e-30)
-                cmp.grads_compared += 1
-                if ratio > cmp.max_grad_rel:
-                    cmp.max_grad_rel, cmp.worst_grad = ratio, f"{name} at step {step}"
-                if not ratio <= 1.0:
-                    cmp.fail(f"step {step}: the gradient of {name} is {err:.3g} from the exact one from the same "
-                             f"parameters (norm {_norm(want):.3g}; rounding moves this step's gradients "
-                             f"{step_noise:.2g} (relative); allowed {allow:.3g})")
-            cmp.grad_noise = max(cmp.grad_noise, step_noise)
-            if k < len(outcomes.grad_norms):
-                recorded = math.sqrt(sum(_norm(state.optimizer[n]["grad"]) ** 2 for n in names))
-                check_norm(cmp, step, outcomes.norm(k), recorded, total, tol["grad_rtol"] + MARGIN * step_noise)
-            cmp.max_grad_err = max(cmp.max_grad_err, math.sqrt(sum(e ** 2 for e in errs.values())) / total)
-            for name, b in state.buffers.items():
-                if name not in b64 or not b.is_floating_point():
-                    continue
-                want = b64[name]
-                scale = max(_norm(want), 1e-12)
-                rel = _norm(b.double() - want) / scale
-                spread = max(_norm(sb[name] - want) for _l, _g, sb in samples) / scale
-                allow = tol["stats"] + MARGIN * spread
-                cmp.stats_compared += 1
-                cmp.max_stats_rel = max(cmp.max_stats_rel, rel)
-                if not rel <= allow:
-                    cmp.fail(f"step {step}: buffer {name} after the step is {rel:.2g} (relative) from the exact one "
-                             f"(allowed {allow:.2g})")
+            _check_step_grads(cmp, step, state, g64, samples, tol, adam, sensitive, outcomes, k)
+            _check_step_buffers(cmp, step, state, b64, samples, tol)
     return sensitive
+
+
+def _check_step_loss(cmp: Verification, step: int, got: float, loss64: float, samples: list, tol: dict) -> bool:
+    """The run's loss of `step` (`got`) against the exact one (`loss64`), allowed the rounding-level
+    `samples`' spread; False (the failure recorded) when either is not finite and nothing more compares."""
+    bad = non_finite(got) or non_finite(loss64)
+    if bad:
+        whose = "the run's loss" if non_finite(got) else "the exact loss from the run's parameters"
+        cmp.fail_non_finite(f"{bad} in {whose} at step {step}: the run diverged or its data holds {bad}; a "
+                            "non-finite run cannot be compared (lower --lr, check the data)")
+        return False
+    scale = max(abs(loss64), 1e-12)
+    noise = max(abs(lo - loss64) for lo, _g, _b in samples) / scale
+    rel = abs(got - loss64) / scale
+    allow = tol["loss"] + MARGIN * noise
+    cmp.max_step_loss_rel = max(cmp.max_step_loss_rel, rel)
+    if not rel <= allow:
+        cmp.fail(f"step {step}: loss {got:.7g}; computed exactly from the same parameters {loss64:.7g} "
+                 f"(relative difference {rel:.2g}, allowed {allow:.2g})")
+    return True
+
+
+def _check_step_grads(cmp: Verification, step: int, state, g64: dict, samples: list, tol: dict, adam,
+                      sensitive: dict[str, int], outcomes, k: int) -> None:
+    """The run's gradients of `step` (`state.optimizer`) against the exact ones (`g64`), each allowed the
+    rounding-level `samples`' spread; the global norm the run recorded for its k-th step (`outcomes`, where
+    it recorded norms) against the gradients it stepped. With an Adam-family optimizer (`adam`) `sensitive` counts the
+    elements whose update rounding decides."""
+    rms = math.sqrt(sum(_norm(g) ** 2 for g in g64.values()) / max(1, sum(g.numel() for g in g64.values())))
+    names = [n for n in state.optimizer if n in g64]
+    for name in state.optimizer:
+        if name not in g64:
+            cmp.fail(f"step {step}: the run steps {name!r}, which the model does not have")
+    spread = {n: max(_norm(sg[n] - g64[n]) for _l, sg, _b in samples) for n in names}
+    if adam is not None:
+        for n in names:
+            noise = MARGIN * torch.stack([(sg[n] - g64[n]).abs() for _l, sg, _b in samples]).amax(0)
+            sensitive[n] = sensitive.get(n, 0) + adam_sensitive(g64[n], noise, tol["adam_steps"], adam.eps)
+    total = math.sqrt(sum(_norm(g64[n]) ** 2 for n in names)) or 1e-30
+    # rounding's effect spreads over every tensor (a flipped ReLU changes all the gradients
+    # before it): each tensor may move by the step's relative noise, as well as its own
+    step_noise = math.sqrt(sum(v ** 2 for v in spread.values())) / total
+    errs = {}
+    for name in names:
+        want = g64[name]
+        bad = non_finite(state.optimizer[name]["grad"])
+        if bad:
+            cmp.fail_non_finite(f"{bad} in the gradient of {name} at step {step} (the run's)")
+            errs[name] = math.inf
+            continue
+        err = errs[name] = _norm(state.optimizer[name]["grad"].view_as(want).double() - want)
+        allow = tol["grad_rtol"] * _norm(want) + tol["grad_atol"] * math.sqrt(want.numel()) * rms \
+            + MARGIN * max(spread[name], step_noise * _norm(want))
+        ratio = err / max(allow, 1e-30)
+        cmp.grads_compared += 1
+        if ratio > cmp.max_grad_rel:
+            cmp.max_grad_rel, cmp.worst_grad = ratio, f"{name} at step {step}"
+        if not ratio <= 1.0:
+            cmp.fail(f"step {step}: the gradient of {name} is {err:.3g} from the exact one from the same "
+                     f"parameters (norm {_norm(want):.3g}; rounding moves this step's gradients "
+                     f"{step_noise:.2g} (relative); allowed {allow:.3g})")
+    cmp.grad_noise = max(cmp.grad_noise, step_noise)
+    if k < len(outcomes.grad_norms):
+        recorded = math.sqrt(sum(_norm(state.optimizer[n]["grad"]) ** 2 for n in names))
+        check_norm(cmp, step, outcomes.norm(k), recorded, total, tol["grad_rtol"] + MARGIN * step_noise)
+    cmp.max_grad_err = max(cmp.max_grad_err, math.sqrt(sum(e ** 2 for e in errs.values())) / total)
+
+
+def _check_step_buffers(cmp: Verification, step: int, state, b64: dict, samples: list, tol: dict) -> None:
+    """The floating-point buffers after `step` (BatchNorm statistics) against the exact ones."""
+    for name, b in state.buffers.items():
+        if name not in b64 or not b.is_floating_point():
+            continue
+        want = b64[name]
+        scale = max(_norm(want), 1e-12)
+        rel = _norm(b.double() - want) / scale
+        spread = max(_norm(sb[name] - want) for _l, _g, sb in samples) / scale
+        allow = tol["stats"] + MARGIN * spread
+        cmp.stats_compared += 1
+        cmp.max_stats_rel = max(cmp.max_stats_rel, rel)
+        if not rel <= allow:
+            cmp.fail(f"step {step}: buffer {name} after the step is {rel:.2g} (relative) from the exact one "
+                     f"(allowed {allow:.2g})")
 
 
 def _check_trajectory(cmp: Verification, build: Path, spec: TrainSpec, programs: dict[int, Program],
@@ -454,7 +475,15 @@ def _check_trajectory(cmp: Verification, build: Path, spec: TrainSpec, programs:
             cmp.fail(problem)
     with rank_threads():
         init = dict(build_model(spec).named_parameters())
-    ref_losses, twin_losses = ref.losses[first_step:], twin.losses[first_step:]
+    _check_losses(cmp, losses, ref.losses[first_step:], twin.losses[first_step:], steps, first_step, tol)
+    check_trajectory_outcomes(cmp, read_outcomes(build / "run"), ref, twin, first_step, steps, tol["floor"], MARGIN)
+    _check_final_params(cmp, build, spec, programs, specs, ref, twin, init, steps, total, tol, sensitive)
+
+
+def _check_losses(cmp: Verification, losses: dict[int, list[float]], ref_losses: list[float],
+                  twin_losses: list[float], steps: int, first_step: int, tol: dict) -> None:
+    """Every rank's losses against the reference's, allowed MARGIN times the rounding-level twin's distance
+    so far (at least the floor); cmp.twin_loss_diff: that distance at the end."""
     envelope = 0.0
     for r, run in sorted(losses.items()):
         if len(run) != steps:
@@ -478,7 +507,13 @@ def _check_trajectory(cmp: Verification, build: Path, spec: TrainSpec, programs:
                          f"{allow:.3g}: {MARGIN:g} x the rounding-level twin's {envelope:.3g}, at least "
                          f"{tol['floor']:.0e} relative)")
     cmp.twin_loss_diff = envelope
-    check_trajectory_outcomes(cmp, read_outcomes(build / "run"), ref, twin, first_step, steps, tol["floor"], MARGIN)
+
+
+def _check_final_params(cmp: Verification, build: Path, spec: TrainSpec, programs: dict[int, Program],
+                        specs: dict[int, StageSpec], ref, twin, init: dict, steps: int, total: int, tol: dict,
+                        sensitive: dict[str, int]) -> None:
+    """Each rank's final parameters (run/params_rank_*.pt) against its slice of the reference's, allowed
+    the floor of how far training moved them, MARGIN times the twin's distance, or Adam's allowance."""
     for r, prog in programs.items():
         f = build / "run" / f"params_rank_{r:04d}.pt"
         if not f.is_file():

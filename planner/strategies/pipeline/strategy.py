@@ -146,28 +146,7 @@ class PipelineStrategy(Placement):
                 chunk_sizes=tuple(hi - lo for lo, hi in chunks), later_passes=min(p, m) if v > 1 else 1))
             params = sum(c.params for c in cs) + tie_params.get(i, 0.0)
             live = live_micro_batches(config.schedule, i, p, m, v)
-            # what each live micro-batch keeps, and one layer's recomputed activations in its backward
-            acts = live * sum(c.saved for c in cs) + max((c.working for c in cs), default=0.0)
-            gather = 0.0
-            if config.zero == 3 and autocast:   # meshplan's runtime gathers a stage's parameters whole (fp32)
-                gather = sum(c.params for c in cs) * 4.0
-            elif config.zero == 3:  # the gathered weights of the current and the prefetched layer, or the stack's bound
-                gathered = 2 * max((c.params for c in cs), default=0.0)
-                if ev.zero3_live_parameters is not None:
-                    gathered = min(gathered, ev.zero3_live_parameters)
-                gather = gathered * (4 if ev.overlap.autocast and ev.gpu_costs is not None else DType(config.dtype).bytes)
-            # gradient buckets: meshplan's runtime reduces the gradients in place (they are views of its
-            # buckets, runtime/execute/grads.py); other stacks copy a bucket out and back
-            buckets = 0.0 if autocast else 2 * min(GRAD_BUCKET_BYTES, params * pb.gradients)
-            comm_buf = (buckets if d > 1 else 0.0) + (2 * costs[chunks[-1][1] - 1].boundary if p > 1 else 0.0)
-            loss_peak = max((c.loss_peak for c in cs), default=0.0)
-            allocated = MemoryBreakdown(
-                parameters=params * pb.weights + gather, gradients=params * pb.gradients,
-                optimizer=params * pb.optimizer, activations=acts, comm_buffers=comm_buf,
-                temporary=max(max((c.temporary for c in cs), default=0.0) - loss_peak, 0.0),
-                weight_copies=live * sum(c.weight_copies for c in cs), loss=loss_peak,
-            )
-            mem = replace(allocated, fragmentation=allocated.total * ev.allocator_margin)
+            mem = _device_memory(ev, config, cs, params, live, costs[chunks[-1][1] - 1].boundary, pb, autocast)
             mems.append((mem, params, sum(c.tensors for c in cs)))
             for (lo, hi) in chunks:
                 stages.append((lo, hi, i, mem))
@@ -187,12 +166,7 @@ class PipelineStrategy(Placement):
         # stack's overlap allows (planner/strategies/data/strategy.py).
         params_crit = mems[crit][1]
         data_comm, zero_comm = ev.grad_sync(config, params_crit, works[crit], m)
-        if ev.overlap.p2p and p > 1:
-            # Overlapped sends still cross the cuts one after another while the pipeline fills
-            # and drains: the first micro-batch's activation and the last one's gradient.
-            pp_fill = 2 * (p - 1) * max(p2p(costs[hi - 1].boundary) for lo, hi in bounds[:-1])
-        else:
-            pp_fill = 0.0
+        pp_fill = _fill_sends(ev, p, p2p, costs, bounds)
         data_comm += tie_seconds  # a tied weight's copies summed after the gradient sync
         opt_params = params_crit / (d if config.zero >= 1 else 1)
         opt = optimizer_work(ev, config, opt_params, mems[crit][2], params_crit)
@@ -212,6 +186,45 @@ class PipelineStrategy(Placement):
         return ev.prediction(config, global_batch_size, m, costs, stages, time,
                              max((mem for mem, _, _ in mems), key=lambda x: x.total),
                              busy=m * (fwd + bwd + rc) + optimizer)
+
+
+def _fill_sends(ev, p: int, p2p, costs: list, bounds: Bounds) -> float:
+    """Seconds of sends no compute hides: overlapped sends still cross the cuts one after another while
+    the pipeline fills and drains (the first micro-batch's activation and the last one's gradient)."""
+    if ev.overlap.p2p and p > 1:
+        return 2 * (p - 1) * max(p2p(costs[hi - 1].boundary) for lo, hi in bounds[:-1])
+    return 0.0
+
+
+def _device_memory(ev, config: ParallelConfig, cs: list, params: float, live: int, boundary: float, pb,
+                   autocast: bool) -> MemoryBreakdown:
+    """What one pipeline device holds at its peak (bytes): its layers `cs` (their `params` with the tied
+    weights it holds), `live` micro-batches' saved activations, the gradient buckets and the activation
+    crossing its last cut (`boundary` bytes), and the allocator's margin on top. pb: bytes per parameter;
+    autocast: meshplan's own runtime (its fp32 gathers and in-place gradient buckets)."""
+    p, d = config.pipeline, config.data
+    # what each live micro-batch keeps, and one layer's recomputed activations in its backward
+    acts = live * sum(c.saved for c in cs) + max((c.working for c in cs), default=0.0)
+    gather = 0.0
+    if config.zero == 3 and autocast:   # meshplan's runtime gathers a stage's parameters whole (fp32)
+        gather = sum(c.params for c in cs) * 4.0
+    elif config.zero == 3:  # the gathered weights of the current and the prefetched layer, or the stack's bound
+        gathered = 2 * max((c.params for c in cs), default=0.0)
+        if ev.zero3_live_parameters is not None:
+            gathered = min(gathered, ev.zero3_live_parameters)
+        gather = gathered * (4 if ev.overlap.autocast and ev.gpu_costs is not None else DType(config.dtype).bytes)
+    # gradient buckets: meshplan's runtime reduces the gradients in place (they are views of its
+    # buckets, runtime/execute/grads.py); other stacks copy a bucket out and back
+    buckets = 0.0 if autocast else 2 * min(GRAD_BUCKET_BYTES, params * pb.gradients)
+    comm_buf = (buckets if d > 1 else 0.0) + (2 * boundary if p > 1 else 0.0)
+    loss_peak = max((c.loss_peak for c in cs), default=0.0)
+    allocated = MemoryBreakdown(
+        parameters=params * pb.weights + gather, gradients=params * pb.gradients,
+        optimizer=params * pb.optimizer, activations=acts, comm_buffers=comm_buf,
+        temporary=max(max((c.temporary for c in cs), default=0.0) - loss_peak, 0.0),
+        weight_copies=live * sum(c.weight_copies for c in cs), loss=loss_peak,
+    )
+    return replace(allocated, fragmentation=allocated.total * ev.allocator_margin)
 
 
 def _host_excess(chunk: list) -> tuple[float, float]:
