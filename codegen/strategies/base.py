@@ -178,6 +178,8 @@ class Placement(LoweringStrategy, Protocol):
     """The strategy that places stages on pipeline positions (one per plan)."""
 
     places_stages = True
+    # what a refusal calls the pipelines it places ("bidirectional pipeline (GEMS)")
+    title: str = "pipeline"
 
     def schedule(self, lw: Lowering) -> dict[int, list[Instr]]:
         """Pipeline position -> its forwards and backwards ("F"/"B" instructions), in order."""

@@ -24,6 +24,7 @@ class Bidirectional(Pipeline):
     """The bidirectional placement (see module docstring); passes as the one-directional pipeline's."""
 
     name = StrategyName.BIDIRECTIONAL
+    title = "bidirectional pipeline (GEMS)"
 
     def active(self, plan: Plan) -> bool:
         return plan.config.bidirectional

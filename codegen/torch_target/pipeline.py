@@ -25,11 +25,12 @@ import torch
 from torch import nn
 
 from codegen.partition import PartitionError, StagePart, partition, stage_imports
+from codegen.strategies import registry
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.torch_stack.pipeline import PipelineRun, build_pipeline
 from runtime.torch_stack.pipeline_layout import PipelineLayout, StageLayout
-from runtime.vocab import MeshAxis, Schedule
+from runtime.vocab import MeshAxis, Schedule, StrategyName
 
 
 class PipelineLayoutError(ValueError):
@@ -46,9 +47,10 @@ def pipeline_layout(plan: Plan, graph: ModelGraph) -> PipelineLayout | None:
     cfg = plan.config
     if cfg.num_stages == 1:
         return None
-    if cfg.bidirectional:
-        raise PipelineLayoutError("the torch target runs one-directional pipelines; the plan's bidirectional "
-                                  "pipeline (GEMS) runs on meshplan's own runtime: plan for target 'meshplan'")
+    place = registry.placement(registry.active(plan))
+    if place.name != StrategyName.PIPELINE:   # torch's schedules run one pipeline, one way
+        raise PipelineLayoutError(f"the torch target runs one-directional pipelines; the plan's {place.title} "
+                                  "runs on meshplan's own runtime: plan for target 'meshplan'")
     if cfg.tensor > 1:
         raise PipelineLayoutError(f"the torch target does not yet combine pipeline {cfg.pipeline} with tensor "
                                   f"{cfg.tensor}; plan without one of them, or for target 'meshplan'")

@@ -55,7 +55,7 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "codegen/partition.py": (("tensor",), "the stage cut applies the tensor splits and learns local shapes"),
     "codegen/strategies/context/stage_code.py": (("tensor",), "the chunks' graph is split for tensor ranks"),
     "codegen/torch_target/layout.py": (("tensor",), "the torch target's DTensor layout"),
-    "codegen/torch_target/pipeline.py": (("bidirectional", "tensor"), "the torch target's refusals"),
+    "codegen/torch_target/pipeline.py": (("tensor",), "the torch target's refusal of tensor splits in stages"),
     "runtime/execute/output_head.py": (("tensor",), "the vocabulary-parallel output head"),
     "runtime/losses.py": (("tensor",), "the vocabulary-parallel loss"),
     "runtime/materialize.py": (("tensor",), "this rank's shard of each split parameter"),
