@@ -305,9 +305,7 @@ def schedule_figure(plan: "Plan", timeline: Iterable[Any] | None = None, measure
     mesh = cfg.mesh
 
     def rank_label(r: int) -> str:
-        if r < cfg.num_devices:
-            return f"{r} ({','.join(map(str, rank_coords(r, mesh)))})"
-        return str(r)
+        return f"{r} ({','.join(map(str, rank_coords(r, mesh)))})" if r < cfg.num_devices else str(r)
 
     step = _thin_ticks(n_rows, 40)
     axes[0].set_yticks(list(range(0, n_rows, step)), [rank_label(r) for r in all_ranks[::step]])
@@ -325,8 +323,7 @@ def schedule_figure(plan: "Plan", timeline: Iterable[Any] | None = None, measure
 
 def _schedule_panels(plan: "Plan", timeline: Iterable[Any] | None, meas: list | None,
                      max_micro_batches: int) -> tuple[list[tuple[str, list]], str]:
-    """([(panel title, its records)], the title's note): the predicted schedule (simulated from the plan
-    unless `timeline` gives it) and the measured one (`meas`) where given; ValueError for an empty one."""
+    """([(title, records)], note): the predicted schedule (`timeline`, else simulated) and `meas`."""
     cfg, pred = plan.config, plan.prediction
     note = ""
     if timeline is None:
@@ -355,8 +352,7 @@ def _schedule_panels(plan: "Plan", timeline: Iterable[Any] | None, meas: list | 
 
 def _schedule_panel(ax, name: str, recs: list, all_ranks: list[int], unit: str, size: float,
                     kinds_used: list[str], boxes: list[tuple]) -> None:
-    """One panel's bars (a row per rank of `all_ranks`, lanes where its records overlap), its title and
-    axis; appends the kinds it draws to `kinds_used` and each bar to `boxes` (for labels)."""
+    """One panel's bars (a row per rank, lanes where records overlap); adds to `kinds_used`, `boxes`."""
     row_of = {rank: k for k, rank in enumerate(all_ranks)}
     t0 = min(r.start for r in recs)
     lane_of, lanes = _lanes(recs)
