@@ -176,19 +176,25 @@ echo 127.0.0.1
 
 # ssh for mpirun's remote daemons: the command runs here, in a bare environment (no virtualenv on PATH),
 # as on a node where one logs in afresh; every call is logged.
+# Each simulated node's daemon gets a TMPDIR of its own (@TMP@/<host>), as separate hosts have: Open MPI
+# keeps its session directory and PMIx's rendezvous sockets there, and two daemons (or another test's
+# mpirun) sharing /tmp on one host can collide ("The PMIx server's listener thread failed to start").
 FAKE_SSH = '''#!/bin/bash
 while [[ "$1" == -* ]]; do shift; done
 host="$1"; shift
 echo "ssh $host: $*" >> "$(dirname "$0")/ssh.log"
-exec env -i HOME="$HOME" PATH=/usr/bin:/bin bash -c "$*"
+tmp="@TMP@/$host"; mkdir -p "$tmp"
+exec env -i HOME="$HOME" PATH=/usr/bin:/bin TMPDIR="$tmp" bash -c "$*"
 '''
 
 
-def write_tools(bin_dir: Path) -> Path:
-    """srun, scontrol and ssh stand-ins in bin_dir (see above)."""
+def write_tools(bin_dir: Path, tmp_root: Path | None = None) -> Path:
+    """srun, scontrol and ssh stand-ins in bin_dir (see above). tmp_root: where the ssh stand-in puts each
+    node's TMPDIR (default bin_dir/tmp; keep it short: Unix socket paths hold at most 107 bytes)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
+    tmp_root = tmp_root or bin_dir / "tmp"
     for name, text in (("srun", SRUN.replace("@PYTHON@", sys.executable)), ("scontrol", SCONTROL),
-                       ("ssh", FAKE_SSH)):
+                       ("ssh", FAKE_SSH.replace("@TMP@", str(tmp_root)))):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     return bin_dir

