@@ -49,7 +49,7 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "planner/app/commands.py": (("tensor",), "the splittable regions of a fixed configuration"),
     "planner/app/compare.py": (("tensor",), "the predicted costs of the vocabulary split"),
     "planner/app/mesh_view.py": (("tensor",), "the mesh picture"),
-    "planner/app/schedule_view.py": (("spatial", "tensor"), "the schedule picture's rank layout"),
+    "planner/app/schedule_view.py": (("tensor",), "the schedule picture's rank layout"),
     "planner/app/visualize.py": (("tensor",), "the pictures"),
     "codegen/head.py": (("tensor",), "the output layer's vocabulary split"),
     "codegen/partition.py": (("tensor",), "the stage cut applies the tensor splits and learns local shapes"),

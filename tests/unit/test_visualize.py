@@ -2,6 +2,7 @@
 text, the simulated pipeline schedules, and bad input refused with a clear ValueError."""
 
 import dataclasses
+import math
 import re
 import subprocess
 import sys
@@ -162,6 +163,30 @@ def test_mesh_coordinates_match_axis_groups():
             coords = [rank_coords(r, mesh) for r in group]
             assert [c[k] for c in coords] == list(range(mesh[axis]))
             assert len({c[:k] + c[k + 1:] for c in coords}) == 1
+
+
+@pytest.mark.parametrize("cfg", [dict(data=2, context=2, tensor=2, pipeline=2), dict(data=2, context=4),
+                                 dict(data=2, spatial=2, spatial_until="x", tensor=2)],
+                         ids=["context_t2_p2", "context4", "spatial_t2"])
+def test_mesh_coordinates_fold_the_axes_between_pipeline_and_tensor_into_data(cfg):
+    """A rank's (pipe, data, tensor) coordinates over every rank of meshes with a context or spatial axis
+    (once, the mesh picture failed for context plans: the context axis was left out of the data
+    coordinate, so ranks fell on pipeline positions that do not exist)."""
+    mesh = planner.ParallelConfig(**cfg).mesh
+    world, pipe, tensor = math.prod(mesh.values()), mesh[MeshAxis.PIPELINE], mesh[MeshAxis.TENSOR]
+    coords = [rank_coords(r, mesh) for r in range(world)]
+    assert len(set(coords)) == world
+    assert {c[0] for c in coords} == set(range(pipe)) and {c[2] for c in coords} == set(range(tensor))
+    assert {c[1] for c in coords} == set(range(world // (pipe * tensor)))
+    for group in axis_groups(mesh, MeshAxis.TENSOR):
+        assert [rank_coords(r, mesh)[2] for r in group] == list(range(tensor))
+
+
+def test_the_mesh_picture_of_a_context_plan(small, tmp_path):
+    cfg = planner.ParallelConfig(data=2, context=2, tensor=2, micro_batch_size=1)
+    plan = planner.make_plan(small, _cluster(1), cfg, global_batch_size=8)
+    written = visualize(plan, tmp_path / "ctx", formats=("png",))
+    assert written and all(p.is_file() for p in written)
 
 
 @pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("gpipe", 1)])
