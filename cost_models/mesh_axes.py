@@ -33,6 +33,13 @@ def default_mesh_order() -> tuple[str, ...]:
     return (MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.TENSOR)
 
 
+def data_lanes(mesh: Mapping[str, int]) -> int:
+    """Ranks per pipeline position and tensor coordinate: the data axis and every axis a mesh orders
+    between pipeline and tensor (spatial tiles, context chunks, sub-grids), which hold the same stage and
+    fold into one data coordinate (ranks are row-major, pipeline outermost, tensor innermost)."""
+    return math.prod(v for a, v in mesh.items() if a not in (MeshAxis.PIPELINE, MeshAxis.TENSOR))
+
+
 def _mesh_items(mesh: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     if not isinstance(mesh, Mapping):
         raise ValueError(f"mesh must be a mapping of axis name -> size, got {mesh!r}")

@@ -36,7 +36,7 @@ from runtime.execute.lr_schedule import ScheduleSpec
 from runtime.execute.loss_scale import LossScaleSpec
 from runtime.execute.optim import OptimizerSpec
 from runtime.execute.output_head import OutputHead
-from runtime.parallel.spatial.geometry import SpatialSpec
+from runtime.parallel.parts import STAGE_PARTS
 from runtime.program.step_work import StepWork
 from runtime.parallel.tensor.layers import FeatureSplit, ModuleShard, ParamShard, shard_dim
 from runtime.vocab import DType, RecomputeMode
@@ -212,7 +212,9 @@ class StageSpec:
         output_split: on the last stage, how the model output's last dimension is split
             over the tensor axis (vocabulary-parallel logits), else None.
         recompute: a runtime.vocab.RecomputeMode value (the generated code applies it).
-        spatial: how the stage splits images into tiles (runtime.parallel.spatial.geometry.SpatialSpec), or None.
+        parts: the strategies' parts of the stage (runtime/parallel/parts.py STAGE_PARTS: what its code was
+            written for; spatial parallelism's tiling, runtime.parallel.spatial.geometry.SpatialSpec, also
+            read as `spatial`), each under its key in the document.
         shared: the model's names of each parameter this stage holds that the model uses under
             several names (tied weights), canonical name first. The stage module holds one
             copy, under one of those names; other stages may hold copies too (runtime/execute/ties.py).
@@ -236,13 +238,26 @@ class StageSpec:
     is_last: bool = False
     output_split: FeatureSplit | None = None
     recompute: str = RecomputeMode.NONE.value
-    spatial: SpatialSpec | None = None
+    parts: tuple[Any, ...] = ()
     shared: tuple[tuple[str, ...], ...] = ()
     param_shards: tuple[ParamShard, ...] = ()
     running_stats: tuple[str, ...] = ()
     head: OutputHead | None = None
     padded: tuple[ParamShard, ...] = ()
     compiled: tuple[str, ...] = ()
+
+    def part(self, key: str) -> Any:
+        """The strategy part stored under `key`, or None."""
+        return next((p for p in self.parts if p.key == key), None)
+
+    def with_part(self, part: Any) -> "StageSpec":
+        """This spec with `part` in place of the part of its key."""
+        return dataclasses.replace(self, parts=tuple(p for p in self.parts if p.key != part.key) + (part,))
+
+    @property
+    def spatial(self) -> Any:
+        """Spatial parallelism's part (its tiling), or None: as specs had it as a field."""
+        return self.part("spatial")
 
     def split_of(self, name: str, ndim: int) -> tuple[int, FeatureSplit] | None:
         """(dimension, FeatureSplit) of this stage's tensor `name` (a parameter or buffer of
@@ -275,7 +290,7 @@ class StageSpec:
             "shards": [s.to_dict() for s in self.shards], "is_last": self.is_last,
             "output_split": self.output_split.to_list() if self.output_split else None,
             "recompute": self.recompute,
-            "spatial": self.spatial.to_dict() if self.spatial else None,
+            **{kind.key: (p.to_dict() if (p := self.part(kind.key)) else None) for kind in STAGE_PARTS},
             "shared": [list(g) for g in self.shared],
             "param_shards": [p.to_dict() for p in self.param_shards],
             "running_stats": list(self.running_stats),
@@ -295,7 +310,7 @@ class StageSpec:
             is_last=bool(d.get("is_last", False)),
             output_split=FeatureSplit.from_list(d["output_split"]) if d.get("output_split") else None,
             recompute=d.get("recompute", RecomputeMode.NONE.value),
-            spatial=SpatialSpec.from_dict(d["spatial"]) if d.get("spatial") else None,
+            parts=tuple(kind.from_dict(d[kind.key]) for kind in STAGE_PARTS if d.get(kind.key)),
             shared=tuple(tuple(str(n) for n in g) for g in d.get("shared", ())),
             param_shards=tuple(ParamShard.from_dict(p) for p in d.get("param_shards", ())),
             running_stats=tuple(str(n) for n in d.get("running_stats", ())),

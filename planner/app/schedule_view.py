@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cost_models.mesh_axes import data_lanes
 from planner.app.figure_kit import KINDS, _check_plan
 from runtime.documents import read_document
 from runtime.vocab import MeshAxis, Schedule
@@ -122,22 +123,16 @@ def load_timeline(path: str | os.PathLike) -> list[ScheduleRecord]:
 # Predicted schedule
 
 
-def _replicas(mesh: Mapping[str, int]) -> int:
-    """The size of the data coordinate: the data axis and every axis the mesh orders between it and the
-    tensor axis (spatial tiles, context chunks, sub-grids), folded into it."""
-    return math.prod(v for a, v in mesh.items() if a not in (MeshAxis.PIPELINE, MeshAxis.TENSOR))
-
-
 def rank_coords(rank: int, mesh: Mapping[str, int]) -> tuple[int, int, int]:
     """(pipeline, data, tensor) coordinates of a rank; ranks are row-major over the mesh (pipeline first,
     tensor fastest). The axes between pipeline and tensor are folded into the data coordinate (data x
     spatial + spatial, for one)."""
-    d, t = _replicas(mesh), mesh[MeshAxis.TENSOR]
+    d, t = data_lanes(mesh), mesh[MeshAxis.TENSOR]
     return rank // (d * t), (rank // t) % d, rank % t
 
 
 def _rank_of(pipe: int, data: int, tensor: int, mesh: Mapping[str, int]) -> int:
-    return (pipe * _replicas(mesh) + data) * mesh[MeshAxis.TENSOR] + tensor
+    return (pipe * data_lanes(mesh) + data) * mesh[MeshAxis.TENSOR] + tensor
 
 
 def schedule_orders(schedule: str, pipeline: int, micro_batches: int,

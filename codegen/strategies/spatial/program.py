@@ -61,7 +61,7 @@ def spatial_stages(plan: Plan, graph: ModelGraph, parts: Partition) -> Partition
     first = min(sp.spec.index for sp in parts.stages)
     after = dataclasses.replace(tiles, until=None)
     return dataclasses.replace(parts, stages=tuple(
-        dataclasses.replace(sp, spec=dataclasses.replace(sp.spec, spatial=tiles if sp.spec.index == first else after))
+        dataclasses.replace(sp, spec=sp.spec.with_part(tiles if sp.spec.index == first else after))
         for sp in parts.stages))
 
 

@@ -31,6 +31,7 @@ from typing import Callable
 from planner.strategies.bidirectional import costs as gems
 from cost_models.comm import collective_time
 from cost_models.memory import param_bytes
+from cost_models.mesh_axes import data_lanes
 from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
 from planner.config import ParallelConfig
 from planner.stage_split import balanced_partition
@@ -264,8 +265,9 @@ class BidirectionalStrategy(Placement):
 
 def _pair_allreduce(ev, config: ParallelConfig, device: int, params: float) -> float:
     """Seconds to all-reduce a device's gradients with its pair over every data replica."""
-    # Spatial lanes (data x spatial coordinates) sum their tile gradients in the same all-reduce.
-    p, d, t = config.pipeline, config.data * config.spatial, config.tensor
+    # Every rank of a position's data coordinate sums in the same all-reduce (spatial lanes, data x spatial,
+    # their tiles' gradients; bidirectional pipelines combine with no other axis there).
+    p, d, t = config.pipeline, data_lanes(config.mesh), config.tensor
     pair = gems.pair_of(device, p)
     ranks = sorted({(pos * d + j) * t for pos in (device, pair) for j in range(d)})
     if len(ranks) < 2:

@@ -2,4 +2,5 @@
 `tiles` (the tile operations the generated stage code calls: halo exchanges, window ops, the
 tiled BatchNorm) and `geometry` (tiles, halos and the SpatialSpec, with no tensors).
 
-The package itself imports nothing: runtime.spec reads the geometry without loading the rest."""
+The package itself imports nothing: runtime.spec reads the geometry (a StageSpec part, through
+runtime/parallel/parts.py) without loading the rest."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from runtime.parallel.spatial.part import SpatialTiles
 from runtime.vocab import SpatialBatchNorm, SpatialSplit
@@ -180,14 +181,16 @@ class TileLayout:
 
 @dataclass(frozen=True)
 class SpatialSpec:
-    """How a stage splits images, as its generated code does it (runtime.spec.StageSpec.spatial;
-    made by codegen.strategies.spatial.program; the stage code calls the tile ops, this records what it was written for).
+    """How a stage splits images, as its generated code does it: spatial parallelism's part of a StageSpec
+    (runtime/spec.py, under the key "spatial"; made by codegen.strategies.spatial.program; the stage code
+    calls the tile ops, this records what it was written for).
 
     degree: tiles per image; split: a SpatialSplit; until: fx node name of the last spatial node
     of the stage, or None for a stage after the spatial part (it runs replicated on the tiles'
     devices); batchnorm: a SpatialBatchNorm.
     """
 
+    key: ClassVar[str] = "spatial"
     degree: int
     split: str
     until: str | None
