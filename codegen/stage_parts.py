@@ -22,26 +22,33 @@ parallelism's tiles, codegen/strategies/spatial/tiles.py), and the writer asks e
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch.fx as fx
 
 
-class StageCodePart(Protocol):
-    """One strategy's part in one stage's code (module docstring)."""
+class StageCodePart:
+    """One strategy's part in one stage's code (module docstring); subclass it and override what the
+    strategy changes (by default it changes no layer and adds nothing)."""
 
-    def layer(self, name: str, body: list[fx.Node]) -> bool: ...
+    def layer(self, name: str, body: list[fx.Node]) -> bool:
+        return False
 
-    def writes(self, name: str) -> bool: ...
+    def writes(self, name: str) -> bool:
+        return False
 
-    def write(self, name: str, lg: fx.Graph, env: dict[str, fx.Node], need: Callable[[str], None]) -> dict: ...
+    def write(self, name: str, lg: fx.Graph, env: dict[str, fx.Node], need: Callable[[str], None]) -> dict:
+        return {}
 
-    def copy(self, lg: fx.Graph, n: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node | None: ...
+    def copy(self, lg: fx.Graph, n: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node | None:
+        return None
 
     def after(self, i: int, layers: list[str], produced_in: dict[str, str],
-              needed_after: dict[str, int]) -> list[str]: ...
+              needed_after: dict[str, int]) -> list[str]:
+        return []
 
-    def finish(self) -> tuple[list[str], list[str], dict]: ...
+    def finish(self) -> tuple[list[str], list[str], dict]:
+        return [], [], {}
 
 
 __all__ = ["StageCodePart"]

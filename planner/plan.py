@@ -20,6 +20,7 @@ from planner.strategies import describe
 from planner.strategies.tensor.split.splits import TensorSplits
 from runtime.documents import FieldError, Fields, read_document
 from runtime.execution import Execution
+from runtime.program.parts import find_part
 from runtime.vocab import ShardRole, Target
 
 PLAN_FORMAT_VERSION = 2   # 2: the tensor-parallel split is stored ("tensor_splits"); 1 still loads
@@ -104,7 +105,7 @@ class Plan:
 
     def part(self, key: str) -> Any:
         """The strategy part stored under `key` (a PlanPart's key), or None."""
-        return next((p for p in self.parts if p.key == key), None)
+        return find_part(self.parts, key)
 
     @property
     def subgraph(self) -> tuple:

@@ -37,6 +37,7 @@ from runtime.execute.loss_scale import LossScaleSpec
 from runtime.execute.optim import OptimizerSpec
 from runtime.execute.output_head import OutputHead
 from runtime.parallel.parts import STAGE_PARTS
+from runtime.program.parts import find_part, put_part
 from runtime.program.step_work import StepWork
 from runtime.parallel.tensor.layers import FeatureSplit, ModuleShard, ParamShard, shard_dim
 from runtime.vocab import DType, RecomputeMode
@@ -248,11 +249,11 @@ class StageSpec:
 
     def part(self, key: str) -> Any:
         """The strategy part stored under `key`, or None."""
-        return next((p for p in self.parts if p.key == key), None)
+        return find_part(self.parts, key)
 
     def with_part(self, part: Any) -> "StageSpec":
-        """This spec with `part` in place of the part of its key."""
-        return dataclasses.replace(self, parts=tuple(p for p in self.parts if p.key != part.key) + (part,))
+        """This spec with `part` added (or put in place of the part under the same key)."""
+        return dataclasses.replace(self, parts=put_part(self.parts, part, STAGE_PARTS))
 
     @property
     def spatial(self) -> Any:

@@ -61,7 +61,7 @@ from runtime.program.instr_set import (COLLECTIVE_OPS, COMPUTE_OPS, KINDS, OPS, 
 from runtime.program.mesh import MeshError, coords_of, group_along, rank_of
 from runtime.parallel.parts import PARTS
 from runtime.program.check import check_program_dict
-from runtime.program.parts import ProgramPart
+from runtime.program.parts import ProgramPart, find_part, put_part
 from runtime.documents import parse_document, read_document
 from runtime.vocab import MeshAxis, current_axis_name
 
@@ -299,12 +299,11 @@ class Program:
 
     def part(self, key: str) -> ProgramPart | None:
         """The part the strategy `key` (a runtime.vocab.StrategyName) added, or None."""
-        return next((p for p in self.parts if p.key == key), None)
+        return find_part(self.parts, key)
 
     def with_part(self, part: ProgramPart) -> "Program":
         """This Program with `part` added (or put in place of the part under the same key)."""
-        others = {p.key: p for p in self.parts if p.key != part.key} | {part.key: part}
-        return replace(self, parts=tuple(others[k.key] for k in PARTS if k.key in others))
+        return replace(self, parts=put_part(self.parts, part, PARTS))
 
     def tie(self, index: int) -> Tie:
         """The tied weight `index` (an ALLREDUCE tied's `bucket`)."""

@@ -11,7 +11,7 @@ list; no Program field names a strategy.
 
 from __future__ import annotations
 
-from typing import ClassVar, Mapping, Protocol
+from typing import Any, ClassVar, Iterable, Mapping, Protocol, Sequence
 
 from runtime.documents import Fields
 
@@ -46,4 +46,19 @@ class ProgramPart(Protocol):
         """One line for Program.__str__ (no leading '#')."""
 
 
-__all__ = ["ProgramPart"]
+
+
+def find_part(parts: Iterable[Any], key: str) -> Any:
+    """The part under `key` among `parts` (anything with a `key`: a Program's, a StageSpec's or a Plan's
+    parts), or None."""
+    return next((p for p in parts if p.key == key), None)
+
+
+def put_part(parts: Iterable[Any], part: Any, kinds: Sequence[type]) -> tuple:
+    """`parts` with `part` added, or in place of the one under its key, in the order of `kinds` (the
+    list of their kinds, as the document writes them)."""
+    held = {p.key: p for p in parts if p.key != part.key} | {part.key: part}
+    return tuple(held[k.key] for k in kinds if k.key in held)
+
+
+__all__ = ["ProgramPart", "find_part", "put_part"]

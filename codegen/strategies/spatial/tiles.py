@@ -35,6 +35,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from runtime.parallel.spatial.tiles import SpatialContext, conv_windows, pool_windows
 from codegen.partition import PartitionError, StageCut
+from codegen.stage_parts import StageCodePart
 from runtime.parallel.spatial.geometry import SpatialError, SpatialSpec, axis_halos, tile_shape
 
 # Ops that act on each pixel alone, so they run on a tile unchanged.
@@ -139,7 +140,7 @@ class TileRewrite:
 
 
 @dataclass(frozen=True)
-class StageTiles:
+class StageTiles(StageCodePart):
     """The spatial part of one stage, for codegen/partition.py: the stage's `layers` that run on
     tiles (a prefix of its layers, in model order), the SpatialContext's BatchNorm mode, and the
     rewrite that writes their nodes."""
@@ -164,12 +165,6 @@ class StageTiles:
     def layer(self, name: str, body: list[fx.Node]) -> bool:
         """Whether layer `name` runs on tiles."""
         return name in self.layers
-
-    def writes(self, name: str) -> bool:
-        return False
-
-    def write(self, name: str, lg: fx.Graph, env: dict[str, fx.Node], need: Callable[[str], None]) -> dict:
-        return {}
 
     def copy(self, lg: fx.Graph, n: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node:
         """A tiled layer's node as it runs on the tile (TileRewrite.node)."""

@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from codegen.partition import StageCut
 from codegen.pysrc import graph_method
+from codegen.stage_parts import StageCodePart
 from planner.strategies.subgraph.regions import Region
 from runtime.parallel.subgraph.regions import SubgraphContext
 
@@ -141,7 +142,7 @@ def _heads_method(code: RegionCode, n: fx.Node) -> tuple[list[str], dict, dict[s
     return [src], {fn: n.target}, {}
 
 
-class StageRegions:
+class StageRegions(StageCodePart):
     """Sub-graph parallelism's part in one stage's code (codegen/stage_parts.StageCodePart): a region a
     layer holds whole is one call of a method that runs its paths on their sub-grids (region_methods),
     and a stage with regions creates its SubgraphContext.
@@ -176,13 +177,6 @@ class StageRegions:
         self._methods += src
         self._owners.update(owners)
         return globs
-
-    def copy(self, lg: fx.Graph, n: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node | None:
-        return None
-
-    def after(self, i: int, layers: list[str], produced_in: dict[str, str],
-              needed_after: dict[str, int]) -> list[str]:
-        return []
 
     def finish(self) -> tuple[list[str], list[str], dict]:
         """The region methods, and the stage's SubgraphContext where it has any."""
