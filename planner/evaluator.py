@@ -22,6 +22,7 @@ prices the step.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import replace
 from typing import Any, Callable, TypeVar
 
@@ -193,6 +194,11 @@ class Evaluator(NodePricing):
             self._state[key] = make()
         return self._state[key]
 
+    def grad_replicas(self, config: ParallelConfig) -> int:
+        """Ranks that hold the same weights and sum their gradients at run time: the product of the degrees
+        of the strategies that replicate weights (Strategy.replicates_weights)."""
+        return math.prod(getattr(config, s.name) for s in self.strategies if s.replicates_weights)
+
     def grad_sync(self, config: ParallelConfig, params: float, work: DeviceWork, m: int) -> tuple[float, float]:
         """(exposed seconds, on-path seconds) per step of every active strategy's gradient and weight
         traffic, for the device holding `params` parameters whose compute per micro-batch is `work`."""
@@ -318,7 +324,8 @@ class Evaluator(NodePricing):
         return [self._layer_cost(layer, config, key, adjusters) for layer in self.graph.layers]
 
     def _layer_key(self, config: ParallelConfig) -> tuple:
-        return (config.tensor, config.micro_batch_size, config.dtype, config.recompute, *self._strategy_key(config))
+        return (config.tensor, config.micro_batch_size, config.dtype, config.recompute, self.adds_into_buckets(config),
+                *self._strategy_key(config))
 
     def _strategy_key(self, config: ParallelConfig) -> tuple:
         """What the strategies' node hooks read of `config` beyond the degrees (Strategy.cache_key), worked

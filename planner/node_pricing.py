@@ -121,11 +121,17 @@ class NodePricing:
                                   compiled=compiled)
         f, b = f + x.forward, b + (x.backward if n.requires_grad else 0.0)
         hf, hb = x.host_forward, x.host_backward
-        if self.overlap.autocast and _bucketed(config) and n.param_count and n.requires_grad:
+        if self.adds_into_buckets(config) and n.param_count and n.requires_grad:
             tensors = max(len(n.param_names), 1)
             b += gpu.stream("elementwise", 12.0 * n.param_count / div, True, kernels=tensors)
             hb += tensors * gpu.costs.host_op * gpu.costs.host_backward_share
         return f, b, hf, hb, x.weight_copies
+
+    def adds_into_buckets(self, config: ParallelConfig) -> bool:
+        """Whether meshplan's runtime on a GPU keeps `config`'s gradients as views of gradient buckets (ranks
+        that sum them: Evaluator.grad_replicas), so that every backward adds into them; node costs depend on
+        it, so the Evaluator's layer caches are keyed by it."""
+        return self.gpu_graph is not None and bool(self.overlap.autocast) and self.grad_replicas(config) > 1
 
     def _curve_times(self, n: OpInfo, share: float, dtype: str, weights: float) -> tuple[float, float] | None:
         """(forward s, backward s) of `n` off the calibrated op curves (fp32 only), or None."""
@@ -162,12 +168,6 @@ class NodePricing:
         cols = shape[1] if len(shape) >= 3 else shape[-1]  # (B*H*W) x out_channels
         rows = n.output_meta[0].numel // max(cols, 1)
         return wave_efficiency(max(int(rows * scale), 1), max(cols // split, 1), units)
-
-
-def _bucketed(config: ParallelConfig) -> bool:
-    """Whether meshplan's runtime keeps this config's gradients as views of data-parallel buckets (a data or
-    context axis to sum them over, runtime/execute/grads.py), zeroed in place, rather than freeing them."""
-    return config.data * config.context > 1
 
 
 def _params_per_rank(n: OpInfo, role: str, t: float) -> float:

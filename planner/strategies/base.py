@@ -79,6 +79,9 @@ class Pricing(Protocol):
     def grad_sync(self, config: "ParallelConfig", params: float, work: "DeviceWork", m: int) -> tuple[float, float]:
         """(exposed, on-path) seconds of every active strategy's gradient traffic per step."""
 
+    def grad_replicas(self, config: "ParallelConfig") -> int:
+        """Ranks that hold the same weights and sum their gradients at run time (Strategy.replicates_weights)."""
+
     def tie_costs(self, config: "ParallelConfig", bounds: list[tuple[int, int]]) -> tuple[dict[int, float], float]:
         """Per pipeline position, the tied-weight sync seconds, and their longest."""
 
@@ -115,6 +118,10 @@ class Strategy:
     # where the stage code exchanges tiles, paths or sequence chunks inside the layers:
     # planner/execution_choice.py prices the defaults alone there)
     compiles = True
+    # whether its ranks hold the same weights and run as data-parallel replicas at run time (codegen
+    # lowers the plan to a data-parallel twin over data x this degree), so meshplan's runtime sums their
+    # gradients in buckets (runtime/execute/grads.py): data, and spatial tiles and context chunks
+    replicates_weights = False
 
     def active(self, config: "ParallelConfig") -> bool:
         """Whether `config` uses this strategy: by default, whether its degree (the ParallelConfig field

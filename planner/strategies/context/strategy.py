@@ -239,6 +239,7 @@ class ContextStrategy(Strategy):
     """See module docstring; per-layer costs and the sequence length are cached in the Evaluator's state."""
 
     name = StrategyName.CONTEXT
+    replicates_weights = True
     compiles = False
 
     def pinned_on(self, constraints: dict) -> bool:

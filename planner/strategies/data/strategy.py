@@ -31,6 +31,7 @@ class DataStrategy(Strategy):
     """See module docstring."""
 
     name = StrategyName.DATA
+    replicates_weights = True
     named_at_one = True
 
     def grad_sync(self, ev, config: ParallelConfig, params: float, work: DeviceWork,

@@ -262,7 +262,7 @@ def optimizer_work(ev, config: ParallelConfig, opt_params: float, tensors: int, 
     if config.zero >= 1:   # the optimizer steps one flat shard per gradient bucket
         tensors = max(int(-(-params * 4 // GRAD_BUCKET_BYTES)), 1)
     runtime = ev.overlap.autocast   # meshplan's own runtime (other stacks fuse the norm and free their gradients)
-    bucketed = runtime and config.data * config.context > 1
+    bucketed = runtime and ev.grad_replicas(config) > 1   # gradients kept in buckets, zeroed in place
     return optimizer_cost(ev.gpu(config.dtype), opt_params, tensors, impl=ev.setup.impl_on_gpu(),
                           clip=ev.setup.clip_grad, zero_in_place=bucketed, norm=ev.setup.grad_norm and runtime,
                           groups=2, buckets=max(int(-(-params * 4 // GRAD_BUCKET_BYTES)), 1))

@@ -266,6 +266,7 @@ class SpatialStrategy(Strategy):
     """See module docstring; the per-graph `SpatialPricer` is kept in the Evaluator's state."""
 
     name = StrategyName.SPATIAL
+    replicates_weights = True
     compiles = False
 
     def pinned_on(self, constraints: dict) -> bool:
