@@ -32,7 +32,8 @@ from planner.strategies.tensor.split.splits import TensorSplits
 from planner.strategies.tensor.split.weight_op import weight_op
 from runtime.losses import output_item
 from runtime.execute.output_head import OutputHead
-from runtime.parallel.tensor.layers import FeatureSplit, ParamShard, copy_to_group, gather_sequence
+from runtime.program.shards import FeatureSplit, ParamShard
+from runtime.parallel.tensor.layers import copy_to_group, gather_sequence
 
 
 @dataclass(frozen=True, eq=False)

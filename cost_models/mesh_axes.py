@@ -40,6 +40,13 @@ def data_lanes(mesh: Mapping[str, int]) -> int:
     return math.prod(v for a, v in mesh.items() if a not in (MeshAxis.PIPELINE, MeshAxis.TENSOR))
 
 
+def lane_ranks(mesh: Mapping[str, int], positions) -> list[int]:
+    """The ranks of every data lane (data_lanes) at the given pipeline positions, each at the first coordinate
+    of the innermost (tensor) axis, sorted: the ranks that hold those stages' same shard."""
+    lanes, inner = data_lanes(mesh), mesh[MeshAxis.TENSOR]
+    return sorted({(pos * lanes + j) * inner for pos in positions for j in range(lanes)})
+
+
 def _mesh_items(mesh: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
     if not isinstance(mesh, Mapping):
         raise ValueError(f"mesh must be a mapping of axis name -> size, got {mesh!r}")

@@ -194,6 +194,12 @@ class Evaluator(NodePricing):
             self._state[key] = make()
         return self._state[key]
 
+    def split_divisor(self, name: str, role: str | None, config: ParallelConfig) -> float:
+        """What node `name`'s split dimension is divided by on one rank under `role` (see Pricing): the tensor
+        degree, or less where a size it does not divide is padded (NodeShard.divisor); 1 where it is whole."""
+        t = config.tensor
+        return self.sharding.roles[name].divisor(t) if role not in (None, ShardRole.REPLICATE) and t > 1 else 1
+
     def grad_replicas(self, config: ParallelConfig) -> int:
         """Ranks that hold the same weights and sum their gradients at run time: the product of the degrees
         of the strategies that replicate weights (Strategy.replicates_weights)."""
@@ -536,7 +542,7 @@ class Evaluator(NodePricing):
         classes = meta.shape[-1] if meta.shape else 1
         role = roles.get(n.name, ShardRole.REPLICATE)
         t = config.tensor
-        div = self.sharding.roles[n.name].divisor(t) if role != ShardRole.REPLICATE and t > 1 else 1
+        div = self.split_divisor(n.name, role, config)
         tokens = meta.numel / max(classes, 1) * config.micro_batch_size / self.graph.batch_size / \
             self._token_share(n.name, role, config)
         gpu = self.gpu(config.dtype)

@@ -55,7 +55,7 @@ class NodePricing:
         t = config.tensor
         sharded = role != ShardRole.REPLICATE and t > 1
         # a padded split (a vocabulary t does not divide) leaves each rank ceil(size / t) of it
-        div = self.sharding.roles[n.name].divisor(t) if sharded else 1
+        div = self.split_divisor(n.name, role, config)
         active = self.active(config)
         # e.g. a replicated op between regions runs on T/t tokens under sequence parallelism (its weights whole)
         seq = self._token_share(n.name, role, config, active)

@@ -299,8 +299,8 @@ def _enumerate_shapes(ev: Evaluator, cluster: Cluster, n: int, batch: int, cons:
                 continue
             cap = cons.get("max_micro_batch_size", batch // d)
             mbs = _options(cons, "micro_batch_size", tuple(m for m in _divisors(batch // d) if m <= cap))
-            shape = MeshShape(data=d, tensor=t, pipeline=p, micro_batch_sizes=mbs, max_micro_batch_size=cap,
-                              dtype=dtype, num_layers=layers, global_batch_size=batch)
+            shape = MeshShape(degrees=(("data", d), ("tensor", t), ("pipeline", p)), micro_batch_sizes=mbs,
+                              max_micro_batch_size=cap, dtype=dtype, num_layers=layers, global_batch_size=batch)
             for strategy in ev.strategies:
                 out += strategy.shape_configs(shape, cons)
     return out

@@ -25,7 +25,8 @@ from torch import nn
 
 from runtime.refs import call_factory, load_callable
 from runtime.spec import StageSpec, TrainSpec
-from runtime.parallel.tensor.layers import ParamShard, mask_padding, shard_module
+from runtime.program.shards import ParamShard
+from runtime.parallel.tensor.layers import mask_padding, shard_module
 
 
 # Attributes of every stage module that generated code reads: the torch.device its forward

@@ -40,7 +40,7 @@ from runtime.losses import compute_loss
 from runtime.materialize import build_model
 from runtime.execute.running_stats import batchnorm_modules, load_statistics, statistics
 from runtime.spec import TrainSpec
-from runtime.parallel.tensor.layers import FeatureSplit
+from runtime.program.shards import FeatureSplit
 from runtime.vocab import DType
 from runtime.documents import read_document
 

@@ -39,7 +39,7 @@ from runtime.execute.output_head import OutputHead
 from runtime.parallel.parts import STAGE_PARTS
 from runtime.program.parts import find_part, put_part
 from runtime.program.step_work import StepWork
-from runtime.parallel.tensor.layers import FeatureSplit, ModuleShard, ParamShard, shard_dim
+from runtime.program.shards import FeatureSplit, ModuleShard, ParamShard, shard_dim
 from runtime.vocab import DType, RecomputeMode
 from runtime.documents import read_document
 

@@ -51,7 +51,7 @@ from codegen.torch_target.pipeline import pipeline_layout
 from planner.binding import graph_mismatch
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
-from runtime.parallel.tensor.layers import FeatureSplit
+from runtime.program.shards import FeatureSplit
 from runtime.torch_stack.pipeline_layout import PipelineLayout
 from runtime.torch_stack.vocab import DataKind, TensorStyle
 from runtime.vocab import MeshAxis, RecomputeMode, ShardRole

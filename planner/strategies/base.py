@@ -79,6 +79,10 @@ class Pricing(Protocol):
     def grad_sync(self, config: "ParallelConfig", params: float, work: "DeviceWork", m: int) -> tuple[float, float]:
         """(exposed, on-path) seconds of every active strategy's gradient traffic per step."""
 
+    def split_divisor(self, name: str, role: str | None, config: "ParallelConfig") -> float:
+        """What node `name`'s split dimension (its features, heads, vocabulary) is divided by on one rank under
+        split role `role` (a ShardRole; None or replicated: 1)."""
+
     def grad_replicas(self, config: "ParallelConfig") -> int:
         """Ranks that hold the same weights and sum their gradients at run time (Strategy.replicates_weights)."""
 
@@ -92,21 +96,33 @@ class Pricing(Protocol):
 
 @dataclass(frozen=True)
 class MeshShape:
-    """One data x tensor x pipeline shape the search considers, with what its configs share.
+    """One plain mesh shape the search considers, with what its configs share.
 
+    degrees: the shape's degrees by ParallelConfig field (the search enumerates data x tensor x pipeline;
+    a strategy reads the two every plan has, `data` and `pipeline`, and copies the rest with `fields`);
     micro_batch_sizes: the micro-batch sizes (samples) the constraints allow for this shape;
     max_micro_batch_size: their cap; num_layers: layers the pipeline can cut between;
     global_batch_size: samples per optimizer step.
     """
 
-    data: int
-    tensor: int
-    pipeline: int
+    degrees: tuple[tuple[str, int], ...]
     micro_batch_sizes: tuple[int, ...]
     max_micro_batch_size: int
     dtype: str
     num_layers: int
     global_batch_size: int
+
+    @property
+    def data(self) -> int:
+        return dict(self.degrees)[StrategyName.DATA]
+
+    @property
+    def pipeline(self) -> int:
+        return dict(self.degrees)[StrategyName.PIPELINE]
+
+    def fields(self, **changes: Any) -> dict[str, Any]:
+        """Keyword arguments of a ParallelConfig of this shape (its degrees and dtype), with `changes`."""
+        return {**dict(self.degrees), "dtype": self.dtype, **changes}
 
 
 class Strategy:

@@ -38,7 +38,7 @@ from planner.graph.model import ModelGraph
 from planner.graph.ops import module_path_of, op_base
 from planner.strategies.tensor.split.rules import TensorSplitError
 from runtime.materialize import CONTEXT
-from runtime.parallel.tensor.layers import FeatureSplit
+from runtime.program.shards import FeatureSplit
 
 # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
 # grouped-query attention (fewer key/value heads) needs no flag of its own: context_attention reads the heads

@@ -20,7 +20,8 @@ from torch import nn
 from planner.graph.ops import target_name
 from planner.strategies.tensor.split.rules import TensorSplitError, norm_dim
 from runtime.materialize import RUN_DEVICE, RUNTIME_ATTRS
-from runtime.parallel.tensor.layers import FeatureSplit, ModuleShard, ShapeGroup, shard_module
+from runtime.program.shards import FeatureSplit, ModuleShard
+from runtime.parallel.tensor.layers import ShapeGroup, shard_module
 
 
 # ---------------------------------------------------------------------------

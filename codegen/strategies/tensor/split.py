@@ -23,7 +23,7 @@ from planner.strategies.tensor.split.analysis import decide
 from planner.strategies.tensor.split.sequence import SEQUENCE_DIM
 from planner.strategies.tensor.split.rules import TensorSplitError  # noqa: F401  (re-exported)
 from planner.strategies.tensor.split.splits import TensorSplits
-from runtime.parallel.tensor.layers import FeatureSplit, ModuleShard, ParamShard
+from runtime.program.shards import FeatureSplit, ModuleShard, ParamShard
 from runtime.vocab import ShardRole
 
 

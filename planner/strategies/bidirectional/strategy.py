@@ -31,7 +31,7 @@ from typing import Callable
 from planner.strategies.bidirectional import costs as gems
 from cost_models.comm import collective_time
 from cost_models.memory import param_bytes
-from cost_models.mesh_axes import data_lanes
+from cost_models.mesh_axes import lane_ranks
 from cost_models.prediction import MemoryBreakdown, Prediction, TimeBreakdown
 from planner.config import ParallelConfig
 from planner.stage_split import balanced_partition
@@ -184,8 +184,7 @@ class BidirectionalStrategy(Placement):
             mb = per_replica // (2 * T)
             if "micro_batch_size" in constraints and constraints["micro_batch_size"] != mb:
                 continue
-            out.append(ParallelConfig(data=d, tensor=shape.tensor, pipeline=p, micro_batch_size=mb,
-                                      dtype=shape.dtype, bidirectional=True, replicas_per_direction=T))
+            out.append(ParallelConfig(**shape.fields(micro_batch_size=mb, bidirectional=True, replicas_per_direction=T)))
         return out
 
     def lower_bound(self, ev, config: ParallelConfig, costs: list, m: int, slot: float) -> float:
@@ -267,9 +266,7 @@ def _pair_allreduce(ev, config: ParallelConfig, device: int, params: float) -> f
     """Seconds to all-reduce a device's gradients with its pair over every data replica."""
     # Every rank of a position's data coordinate sums in the same all-reduce (spatial lanes, data x spatial,
     # their tiles' gradients; bidirectional pipelines combine with no other axis there).
-    p, d, t = config.pipeline, data_lanes(config.mesh), config.tensor
-    pair = gems.pair_of(device, p)
-    ranks = sorted({(pos * d + j) * t for pos in (device, pair) for j in range(d)})
+    ranks = lane_ranks(config.mesh, (device, gems.pair_of(device, config.pipeline)))
     if len(ranks) < 2:
         return 0.0
     nbytes = params * (ev.grad_reduce_bytes or DType(config.dtype).bytes)

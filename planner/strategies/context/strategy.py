@@ -98,8 +98,7 @@ def _cache(ev, key: tuple, make):
 def _local_heads(ev, layer: Layer, n: OpInfo, config: ParallelConfig) -> tuple[float, float]:
     """(query heads, key/value heads) of attention `n` on one tensor rank."""
     shape = attention_shape(n)
-    role = ev.layer_roles(layer, config).get(n.name)
-    div = ev.sharding.roles[n.name].divisor(config.tensor) if role and config.tensor > 1 else 1.0
+    div = ev.split_divisor(n.name, ev.layer_roles(layer, config).get(n.name), config)
     return shape.heads / div, shape.kv_heads / div
 
 
@@ -117,7 +116,7 @@ def check_config(ev, config: ParallelConfig) -> None:
     if config.context_attention != ContextAttention.ULYSSES:
         return
     # the tensor strategy's head split depends on these (its per-layer choice, planner/strategies/tensor/strategy.py)
-    key = ("ulysses", c, config.tensor, config.micro_batch_size, config.dtype)
+    key = ("ulysses", c, tuple(config.mesh.items()), config.micro_batch_size, config.dtype)
     refusal = _cache(ev, key, lambda: _ulysses_refusal(ev, config))
     if refusal:
         raise ConfigError(refusal)
@@ -180,7 +179,7 @@ def adjust(ev, layer: Layer, cost, config: ParallelConfig):
     """`cost` (the whole-sequence LayerCost of `layer`) on one rank of the context axis."""
     c = config.context
     key = ("cost", layer.signature, cost, c, config.context_attention, config.micro_batch_size, config.dtype,
-           config.recompute, config.data, config.tensor, config.pipeline)   # the degrees fix config.mesh
+           config.recompute, tuple(config.mesh.items()))
 
     def make():
         ex_f = ex_b = buffers = 0.0

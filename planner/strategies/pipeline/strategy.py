@@ -62,8 +62,7 @@ class PipelineStrategy(Placement):
         for mb in shape.micro_batch_sizes:
             for sched, v in scheds:
                 try:
-                    out.append(ParallelConfig(data=shape.data, tensor=shape.tensor, pipeline=p, micro_batch_size=mb,
-                                              schedule=sched, virtual_stages=v, dtype=shape.dtype))
+                    out.append(ParallelConfig(**shape.fields(micro_batch_size=mb, schedule=sched, virtual_stages=v)))
                 except ConfigError:
                     continue
         return out

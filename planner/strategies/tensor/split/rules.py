@@ -20,7 +20,7 @@ from torch import nn
 
 from planner.graph.ops import module_path_of, target_name
 from planner.strategies.tensor.split.weight_op import weight_op
-from runtime.parallel.tensor.layers import FeatureSplit, ShardError
+from runtime.program.shards import FeatureSplit, ShardError
 from runtime.vocab import ShardRole
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from planner.strategies.tensor.split.sequence import SequenceSplit
 from runtime.documents import Fields
-from runtime.parallel.tensor.layers import FeatureSplit, ModuleShard, ParamShard, ShardError
+from runtime.program.shards import FeatureSplit, ModuleShard, ParamShard, ShardError
 from runtime.vocab import SPLIT_ROLES, ShardRole
 
 
