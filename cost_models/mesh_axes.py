@@ -40,11 +40,23 @@ def data_lanes(mesh: Mapping[str, int]) -> int:
     return math.prod(v for a, v in mesh.items() if a not in (MeshAxis.PIPELINE, MeshAxis.TENSOR))
 
 
+def rank_coords(rank: int, mesh: Mapping[str, int]) -> tuple[int, int, int]:
+    """(pipeline, data, tensor) coordinates of a rank; ranks are row-major over the mesh (pipeline first,
+    tensor fastest). The axes between pipeline and tensor are folded into the data coordinate (data x
+    spatial + spatial, for one: data_lanes)."""
+    d, t = data_lanes(mesh), mesh[MeshAxis.TENSOR]
+    return rank // (d * t), (rank // t) % d, rank % t
+
+
+def rank_at(pipe: int, data: int, tensor: int, mesh: Mapping[str, int]) -> int:
+    """The rank at (pipeline, data, tensor) coordinates (rank_coords' inverse)."""
+    return (pipe * data_lanes(mesh) + data) * mesh[MeshAxis.TENSOR] + tensor
+
+
 def lane_ranks(mesh: Mapping[str, int], positions) -> list[int]:
     """The ranks of every data lane (data_lanes) at the given pipeline positions, each at the first coordinate
     of the innermost (tensor) axis, sorted: the ranks that hold those stages' same shard."""
-    lanes, inner = data_lanes(mesh), mesh[MeshAxis.TENSOR]
-    return sorted({(pos * lanes + j) * inner for pos in positions for j in range(lanes)})
+    return sorted({rank_at(pos, j, 0, mesh) for pos in positions for j in range(data_lanes(mesh))})
 
 
 def _mesh_items(mesh: Mapping[str, int]) -> tuple[tuple[str, int], ...]:

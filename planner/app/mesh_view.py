@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.app.figure_kit import (MAX_MESH_DEVICES, _check_plan, _drop_colliding, _luminance, _new_figure,
                                     _px_per_data, _short, _stage_colors, _suptitle, _text_size_pt, title_for)
-from planner.app.schedule_view import _rank_of, rank_coords
+from cost_models.mesh_axes import rank_at, rank_coords
 
 if TYPE_CHECKING:  # only for annotations; nothing is imported at run time
     from matplotlib.figure import Figure
@@ -83,7 +83,7 @@ def _mesh_ranks(plan: "Plan") -> tuple[list[int], dict[int, list[int]], bool]:
     world, mesh = cfg.num_devices, cfg.mesh
     replica = world > MAX_MESH_DEVICES
     if replica:
-        ranks = [_rank_of(pi, 0, ti, mesh) for pi in range(cfg.pipeline) for ti in range(cfg.tensor)]
+        ranks = [rank_at(pi, 0, ti, mesh) for pi in range(cfg.pipeline) for ti in range(cfg.tensor)]
     else:
         ranks = list(range(world))
     by_node: dict[int, list[int]] = {}

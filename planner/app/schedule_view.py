@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cost_models.mesh_axes import data_lanes
+from cost_models.mesh_axes import rank_at, rank_coords
 from planner.app.figure_kit import KINDS, _check_plan
 from runtime.documents import read_document
-from runtime.vocab import MeshAxis, Schedule
+from runtime.vocab import Schedule
 
 if TYPE_CHECKING:  # only for annotations; nothing is imported at run time
     from planner.plan import Plan
@@ -121,18 +121,6 @@ def load_timeline(path: str | os.PathLike) -> list[ScheduleRecord]:
 
 # ---------------------------------------------------------------------------
 # Predicted schedule
-
-
-def rank_coords(rank: int, mesh: Mapping[str, int]) -> tuple[int, int, int]:
-    """(pipeline, data, tensor) coordinates of a rank; ranks are row-major over the mesh (pipeline first,
-    tensor fastest). The axes between pipeline and tensor are folded into the data coordinate (data x
-    spatial + spatial, for one)."""
-    d, t = data_lanes(mesh), mesh[MeshAxis.TENSOR]
-    return rank // (d * t), (rank // t) % d, rank % t
-
-
-def _rank_of(pipe: int, data: int, tensor: int, mesh: Mapping[str, int]) -> int:
-    return (pipe * data_lanes(mesh) + data) * mesh[MeshAxis.TENSOR] + tensor
 
 
 def schedule_orders(schedule: str, pipeline: int, micro_batches: int,
@@ -267,7 +255,7 @@ def predicted_schedule(plan: "Plan", *, max_micro_batches: int | None = None,
     orders = schedule_orders(cfg.schedule, cfg.pipeline, m, cfg.virtual_stages)
     ops = simulate_schedule(orders, [s.forward for s in pred.stages], [s.backward for s in pred.stages])
     if ranks is None:
-        rank_list = [_rank_of(i, 0, 0, mesh) for i in range(cfg.pipeline)]
+        rank_list = [rank_at(i, 0, 0, mesh) for i in range(cfg.pipeline)]
     else:
         rank_list = []
         for r in ranks:

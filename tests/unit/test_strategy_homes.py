@@ -47,7 +47,6 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "planner/app/commands.py": (("tensor",), "the splittable regions of a fixed configuration"),
     "planner/app/compare.py": (("tensor",), "the predicted costs of the vocabulary split"),
     "planner/app/mesh_view.py": (("tensor",), "the mesh picture"),
-    "planner/app/schedule_view.py": (("tensor",), "the schedule picture's rank layout"),
     "planner/app/visualize.py": (("tensor",), "the pictures"),
     "codegen/head.py": (("tensor",), "the output layer's vocabulary split"),
     "codegen/partition.py": (("tensor",), "the stage cut applies the tensor splits and learns local shapes"),
@@ -59,7 +58,7 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "runtime/materialize.py": (("tensor",), "this rank's shard of each split parameter"),
     "cost_models/calibration/executor.py": (("tensor",), "calibrating the tensor-parallel wrappers"),
     "cost_models/calibration/stage.py": (("tensor",), "calibrating the tensor-parallel wrappers"),
-    "cost_models/mesh_axes.py": (("tensor",), "the mesh's default axis order"),
+    "cost_models/mesh_axes.py": (("tensor",), "the mesh's rank layout: pipeline outermost, tensor innermost"),
 }
 
 

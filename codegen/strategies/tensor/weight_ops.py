@@ -9,7 +9,7 @@ swap would: a column op reads its input through copy_to_group (one per input, sh
 columns that read it, so backward all-reduces that input's gradient once, as for Megatron's
 fused qkv), a row op drops its bias, all-reduces its partial output (reduce_from_group) and
 adds the bias once, and a vocabulary-split embedding becomes vocab_parallel_embedding. The
-weights themselves are split by runtime.parallel.tensor.layers.ParamShard.
+weights themselves are split by runtime.program.shards.ParamShard.
 
 Under sequence parallelism (`sequence`, planner/strategies/tensor/split/sequence.py) a column op whose input
 is split along the sequence all-gathers it (gather_sequence) instead, a row op and a vocabulary

@@ -51,7 +51,7 @@ from torch import nn
 from runtime.comm import Group
 # the split description, kept in the Program's documents (runtime/program/shards.py); importable from here too,
 # as generated code and builds of earlier trees import it
-from runtime.program.shards import SHARD_ROLES, FeatureSplit, ModuleShard, ParamShard, ShardError, shard_dim
+from runtime.program.shards import SHARD_ROLES, FeatureSplit, ModuleShard, ParamShard, ShardError, shard_dim  # noqa: F401
 from runtime.vocab import ShardRole
 
 
