@@ -146,7 +146,8 @@ def _signature(nodes: list[OpInfo]) -> str:
     for n in nodes:
         wiring = [local[i] - local[n.name] if i in local else "ext" for i in n.inputs]
         target = "" if n.op == "get_attr" else n.target  # a parameter's path names its block
-        h.update(repr((n.op, target, n.kind, [(m.shape, m.dtype) for m in n.output_meta],
+        # the kind as its text: a member's repr ("<OpKind.LINEAR: 'linear'>") would change every signature
+        h.update(repr((n.op, target, str(n.kind), [(m.shape, m.dtype) for m in n.output_meta],
                        [(m.shape, m.dtype) for m in n.input_meta], n.bytes_read, n.fwd_flops,
                        wiring)).encode())
     return h.hexdigest()[:16]
