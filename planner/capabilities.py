@@ -20,7 +20,7 @@ from planner.strategies.fields import FIELDS
 from planner.strategies.registry import STRATEGIES
 from planner.strategies.tensor.sharding import ShardingPlan, without_regions
 from planner.strategies.tensor.split.analysis import unsplittable
-from runtime.vocab import Backend, Schedule, ShardRole, Target
+from runtime.vocab import Backend, OpKind, Schedule, ShardRole, Target
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -100,7 +100,7 @@ class RuntimeSupport:
     fill_1f1b: bool = False
     # the op kinds (planner/graph/ops.py) whose weights the target splits over the tensor axis; None: every
     # kind the split analysis accepts
-    split_kinds: tuple[str, ...] | None = None
+    split_kinds: tuple[OpKind, ...] | None = None
     tensor_in_pipelines: bool = True   # pipeline stages split over a tensor axis
     fully_shard_part_splits: bool = True   # ZeRO over data ranks with a fused projection split by parts
 
@@ -264,5 +264,5 @@ MESHPLAN_RUNTIME = RuntimeSupport()
 TORCH_RUNTIME = RuntimeSupport(target=Target.TORCH, recompute=("none", "full"), dtypes=("fp32", "bf16"),
                                not_run=tuple(f.name.value for f in FIELDS if f.torch_gap),
                                backends=(Backend.GLOO.value, Backend.NCCL.value), stack=OverlapPreset.TORCH, fill_1f1b=True,
-                               split_kinds=("linear", "embedding"), tensor_in_pipelines=False,
+                               split_kinds=(OpKind.LINEAR, OpKind.EMBEDDING), tensor_in_pipelines=False,
                                fully_shard_part_splits=False)
