@@ -135,7 +135,7 @@ class NodePricing:
 
     def _curve_times(self, n: OpInfo, share: float, dtype: str, weights: float) -> tuple[float, float] | None:
         """(forward s, backward s) of `n` off the calibrated op curves (fp32 only), or None."""
-        return node_curve_times(n, self.curves, self.curve_mix, share, weights) if dtype == "fp32" else None
+        return node_curve_times(n, self.curves, self.curve_mix, share, weights) if dtype == DType.FP32 else None
 
     def _kernel_times(self, n: OpInfo, role: str, scale: float, div: float,
                       config: ParallelConfig) -> tuple[float, float] | None:

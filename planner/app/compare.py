@@ -61,7 +61,7 @@ from runtime.execution import Execution
 from runtime.program.instr_set import Kind, Op
 from runtime.program import COLLECTIVE_OPS, Program
 from runtime.program.trace import HOST_TRACKS, INSTRUCTION_TRACKS, Event, Timeline
-from runtime.vocab import Clock, Collective, OpKind, ShardRole, Track
+from runtime.vocab import Clock, Collective, DType, OpKind, ShardRole, Track
 from runtime.documents import read_document
 
 _KIND_OF_OP = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "recv", "ALLREDUCE": "collective",
@@ -353,7 +353,7 @@ def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int
     stages = tuple(dataclasses.replace(s, memory=dataclasses.replace(
         fix(s.memory), temporary=max(s.memory.temporary, largest.get(s.index, 0.0)))) for s in pred.stages)
     time = pred.time
-    if key in _STEP_BYTES_PER_PARAM and config.dtype == "fp32" and config.zero == 0:
+    if key in _STEP_BYTES_PER_PARAM and config.dtype == DType.FP32 and config.zero == 0:
         eff = calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)
         params = max(s.memory.parameters for s in pred.stages) / 4  # fp32 weights, unsharded
         step = params * _STEP_BYTES_PER_PARAM[key] / (cluster.device.memory_bandwidth * eff.memory) \
