@@ -13,6 +13,7 @@ import torch
 
 from runtime.data import DataError, Split
 from runtime.datasets import DatasetSpec, LastBatch, open_dataset
+from runtime.vocab import OpKind
 
 # flags that mean nothing without --dataset: (attribute, flag, its default)
 _DATASET_ONLY = (("collate", "--collate", None), ("no_shuffle", "--no-shuffle", False),
@@ -100,7 +101,7 @@ def check_sample(batch, graph, what: str) -> None:
         inputs = tuple(inputs.get(name) for name in placeholders)
     inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
     for node in graph.nodes:
-        if node.kind != "embedding" or not node.inputs:
+        if node.kind != OpKind.EMBEDDING or not node.inputs:
             continue
         rows = dict(node.attrs).get("num_embeddings")
         src = nodes.get(node.inputs[0])

@@ -8,6 +8,7 @@ import math
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.program.step_work import StepWork
+from runtime.vocab import OpKind
 
 
 def step_work(plan: Plan, graph: ModelGraph) -> StepWork:
@@ -25,7 +26,7 @@ def step_work(plan: Plan, graph: ModelGraph) -> StepWork:
 def tokens_per_sample(graph: ModelGraph) -> int:
     """The model output's elements per sample over its last dimension: T of (B, T, V) logits, 1 of (B, C).
     The first output tensor is the one the loss reads (runtime.losses.model_output)."""
-    outputs = [m for n in graph.nodes if n.kind == "output" for m in n.input_meta]
+    outputs = [m for n in graph.nodes if n.kind == OpKind.OUTPUT for m in n.input_meta]
     if not outputs:
         return 1
     shape = list(outputs[0].shape)

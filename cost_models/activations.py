@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from runtime.vocab import element_bytes
+from runtime.vocab import OpKind, element_bytes
 
 # fp32 row statistics each norm keeps (see module docstring); BatchNorm keeps 2 per channel
 NORM_STATS = {"layernorm": 2, "nativelayernorm": 2, "rmsnorm": 1, "fusedrmsnorm": 1}
@@ -119,7 +119,7 @@ class OpView:
     """
 
     name: str
-    kind: str
+    kind: OpKind
     base: str
     inputs: tuple[TensorRef, ...]
     output: TensorRef | None
@@ -177,22 +177,22 @@ def saved_by(op: OpView, fused_attention: bool = True) -> tuple[SavedTensor, ...
     """The tensors `op` keeps for its backward (see module docstring)."""
     floats = [t for t in op.inputs if t.is_float]
     kind = op.kind
-    if kind in ("linear", "conv"):
+    if kind in (OpKind.LINEAR, OpKind.CONV):
         # grad of the weight reads the input (the weight itself is a parameter, not counted)
         return (_keep_cast(op.inputs[0]),) if op.inputs else ()
-    if kind == "matmul":
+    if kind == OpKind.MATMUL:
         return tuple(_keep_cast(t, core=t.score) for t in floats)
-    if kind == "norm":
+    if kind == OpKind.NORM:
         return _norm(op)
-    if kind == "softmax":
+    if kind == OpKind.SOFTMAX:
         return (keep(op.output, core=op.output.score),) if op.output is not None else ()
-    if kind == "attention":
+    if kind == OpKind.ATTENTION:
         return _attention(op, fused_attention)
-    if kind == "embedding":
+    if kind == OpKind.EMBEDDING:
         return tuple(keep(t) for t in op.inputs if not t.is_float)   # the token ids
-    if kind in ("view", "concat", "input", "output", "param", "scalar"):
+    if kind in (OpKind.VIEW, OpKind.CONCAT, OpKind.INPUT, OpKind.OUTPUT, OpKind.PARAM, OpKind.SCALAR):
         return ()
-    if kind == "elementwise":
+    if kind == OpKind.ELEMENTWISE:
         rule = _elementwise(op, floats)
         if rule is not None:
             return rule

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from runtime.vocab import OpKind
+
 FLOAT32, LOW = "float32", "low"   # LOW: the autocast dtype (bfloat16 or float16), resolved by the caller
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -42,8 +44,8 @@ _FP32 = frozenset({"layernorm", "nativelayernorm", "groupnorm", "softmax", "logs
                    "tan", "acos", "asin", "erfinv", "renorm", "cosinesimilarity", "rmsnorm"})
 _CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "typeas", "type"})
 # op kinds that are always LOWER or FP32 whatever their target's name
-_KIND_LOWER = frozenset({"linear", "matmul", "attention"})
-_KIND_FP32 = frozenset({"softmax", "loss"})
+_KIND_LOWER = frozenset({OpKind.LINEAR, OpKind.MATMUL, OpKind.ATTENTION})
+_KIND_FP32 = frozenset({OpKind.SOFTMAX, OpKind.LOSS})
 
 
 class Category(StrEnum):
@@ -61,9 +63,9 @@ def base_name(target: str) -> str:
 def category(node) -> Category:
     """The autocast category of one captured node."""
     base = base_name(node.target)
-    if node.kind == "conv" or node.kind in _KIND_LOWER or base in _LOWER:
+    if node.kind == OpKind.CONV or node.kind in _KIND_LOWER or base in _LOWER:
         return Category.LOWER
-    if node.kind in _KIND_FP32 or base in _FP32 or (node.kind == "norm" and "batchnorm" not in base):
+    if node.kind in _KIND_FP32 or base in _FP32 or (node.kind == OpKind.NORM and "batchnorm" not in base):
         return Category.FP32
     if base in _CASTS:
         return Category.CAST
@@ -88,7 +90,7 @@ def run_dtypes(nodes, autocast: bool) -> dict[str, str]:
         if not autocast:
             out[n.name] = LOW
             continue
-        if n.kind in ("input", "param"):
+        if n.kind in (OpKind.INPUT, OpKind.PARAM):
             out[n.name] = FLOAT32
             continue
         ins = [out[i] for i in n.inputs if i in out and _is_float_run(out[i])]
@@ -100,7 +102,7 @@ def run_dtypes(nodes, autocast: bool) -> dict[str, str]:
         elif cat is Category.CAST:
             target = _cast_target(n)
             out[n.name] = target if target else (ins[0] if ins else FLOAT32)
-        elif n.kind == "embedding":
+        elif n.kind == OpKind.EMBEDDING:
             out[n.name] = FLOAT32                      # reads its fp32 weight
         else:
             out[n.name] = FLOAT32 if (FLOAT32 in ins or not ins) else LOW
@@ -154,7 +156,7 @@ def cast_work(node, dtypes: dict[str, str], by_name: dict, low_bytes: int = 2) -
     weight_elems = float(node.param_count) if cat is Category.LOWER else 0.0
     for name, meta in _float_inputs(node, by_name):
         root = _root(name, by_name)
-        if by_name[root].kind == "param":
+        if by_name[root].kind == OpKind.PARAM:
             if cat is Category.LOWER:
                 weight_elems += meta.numel
             continue
@@ -179,7 +181,7 @@ def _grad_cast(node, dtypes, by_name, low_bytes: int) -> CastWork:
         return CastWork()
     b, kb = 0.0, 0
     for name, meta in _float_inputs(node, by_name):
-        if dtypes.get(name) == LOW and by_name[_root(name, by_name)].kind != "param":
+        if dtypes.get(name) == LOW and by_name[_root(name, by_name)].kind != OpKind.PARAM:
             b += (4 + low_bytes) * meta.numel
             kb += 1
     return CastWork(bwd_bytes=b, bwd_kernels=kb)
@@ -190,7 +192,7 @@ def _float_inputs(node, by_name):
     out = []
     for name in node.inputs:
         src = by_name.get(name)
-        if src is None or not src.output_meta or src.kind == "scalar":
+        if src is None or not src.output_meta or src.kind == OpKind.SCALAR:
             continue
         meta = src.output_meta[0]
         if _is_float(meta.dtype):
@@ -201,7 +203,7 @@ def _float_inputs(node, by_name):
 def _root(name: str, by_name: dict) -> str:
     """The node a view chain starts from (a parameter read through aten.t, a slice of an activation)."""
     seen = 0
-    while by_name[name].kind == "view" and by_name[name].inputs and seen < 64:
+    while by_name[name].kind == OpKind.VIEW and by_name[name].inputs and seen < 64:
         name = by_name[name].inputs[0]
         seen += 1
     return name

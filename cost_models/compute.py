@@ -16,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from runtime.vocab import OpKind
+
 # Op kinds priced on the FLOP side (tensor cores / BLAS); the rest are memory-bound.
-MATMUL_KINDS = ("linear", "matmul", "attention")
-CONV_KINDS = ("conv",)
-FREE_KINDS = ("input", "output", "param", "scalar", "view")
+MATMUL_KINDS = (OpKind.LINEAR, OpKind.MATMUL, OpKind.ATTENTION)
+CONV_KINDS = (OpKind.CONV,)
+FREE_KINDS = (OpKind.INPUT, OpKind.OUTPUT, OpKind.PARAM, OpKind.SCALAR, OpKind.VIEW)
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def wave_efficiency(rows: int, cols: int, compute_units: int, tile: tuple[int, i
     return waves / -(-tiles // compute_units)
 
 
-def op_time(kind: str, flops: float, nbytes: float, peak_flops: float, mem_bandwidth: float,
+def op_time(kind: OpKind, flops: float, nbytes: float, peak_flops: float, mem_bandwidth: float,
             eff: Efficiency, kernels: int = 1, shape_efficiency: float = 1.0, backward: bool = False) -> float:
     """Seconds for one op that does `flops` FLOPs and moves `nbytes` bytes.
 
@@ -120,7 +122,7 @@ def op_time(kind: str, flops: float, nbytes: float, peak_flops: float, mem_bandw
     `backward`: price the op's backward (selects the measured backward overhead).
     """
     if kind in FREE_KINDS:
-        return eff.overhead(kind, 0, backward) if kind == "view" else 0.0
+        return eff.overhead(kind, 0, backward) if kind == OpKind.VIEW else 0.0
     if kind in MATMUL_KINDS:
         flop_rate = peak_flops * eff.matmul * shape_efficiency
     elif kind in CONV_KINDS:

@@ -43,6 +43,7 @@ from cost_models.gemm import GemmShape
 from cost_models.gpu_costs import GpuCosts
 from cost_models.kernels import AttentionShape, Gpu, fused_attention_seconds
 from cost_models.op_table import OpRow
+from runtime.vocab import OpKind
 
 # Op families the model does not price, and why.
 EXCLUDED = {
@@ -114,17 +115,17 @@ def row_kernels(row: OpRow, device, costs: GpuCosts) -> list[Op] | None:
         rows, h = d["N"], d["h"]
         e = rows * h
         ops = [Op(fwd_host, gpu.stream("cast", 6 * e)),                          # autocast: x bf16 -> fp32
-               Op(fwd_host, gpu.stream("norm", 8 * e + 8 * rows + 8 * h))]       # LayerNorm in fp32
+               Op(fwd_host, gpu.stream(OpKind.NORM, 8 * e + 8 * rows + 8 * h))]  # LayerNorm in fp32
         if op == "layernorm_fwd_bwd":
-            ops += [Op(bwd_host, gpu.stream("norm", 12 * e + 8 * rows + 16 * h, True, kernels=2)),
+            ops += [Op(bwd_host, gpu.stream(OpKind.NORM, 12 * e + 8 * rows + 16 * h, True, kernels=2)),
                     Op(bwd_host, gpu.stream("cast", 6 * e, True))]               # dx fp32 -> bf16
         return ops
     if op == "gelu_fwd":
         gpu = gpu_of(device, "bf16", costs)
-        return [Op(fwd_host, gpu.stream("elementwise", 4 * d["N"] * d["h"]))]
+        return [Op(fwd_host, gpu.stream(OpKind.ELEMENTWISE, 4 * d["N"] * d["h"]))]
     if op == "add_residual":   # x + y: two full tensors read, one written
         gpu = gpu_of(device, "bf16", costs)
-        return [Op(fwd_host, gpu.stream("elementwise", 6 * d["N"] * d["h"]))]
+        return [Op(fwd_host, gpu.stream(OpKind.ELEMENTWISE, 6 * d["N"] * d["h"]))]
     if op == "host_linear_fwd_bwd":
         # one autograd-recorded nn.Linear forward and torch.autograd.grad of x, weight and bias, on tiny
         # tensors (the device keeps up): the forward's GEMM call; the backward's two GEMMs and the bias
@@ -141,7 +142,7 @@ def row_kernels(row: OpRow, device, costs: GpuCosts) -> list[Op] | None:
         # one full tensor read and one written: a third full tensor would exceed the HBM's peak on the
         # largest row (16384 x 8192 in 0.1996 ms), so the second operand is broadcast or the same tensor
         gpu = gpu_of(device, "bf16", costs)
-        return [Op(fwd_host, gpu.stream("elementwise", 4 * d["N"] * d["h"]))]
+        return [Op(fwd_host, gpu.stream(OpKind.ELEMENTWISE, 4 * d["N"] * d["h"]))]
     if op in ("xent_fp32_fwd_bwd", "xent_bf16_fwd_bwd"):
         gpu = gpu_of(device, "bf16", costs)
         return loss_ops(gpu, d["N"], d["V"], upcast=op == "xent_fp32_fwd_bwd")
@@ -150,7 +151,7 @@ def row_kernels(row: OpRow, device, costs: GpuCosts) -> list[Op] | None:
         return [Op(fwd_host, adam_seconds(gpu, d["params"], d["tensors"], op.removeprefix("adamw_")))]
     if op == "copy_d2d":
         gpu = gpu_of(device, "bf16", costs)
-        return [Op(fwd_host, gpu.stream("elementwise", 2 * d["bytes"]))]
+        return [Op(fwd_host, gpu.stream(OpKind.ELEMENTWISE, 2 * d["bytes"]))]
     if op in ("copy_h2d_pinned", "copy_h2d_pageable"):
         bw = costs.h2d_pinned if op == "copy_h2d_pinned" else costs.h2d_pageable
         return [Op(fwd_host, d["bytes"] / bw)]
@@ -185,10 +186,10 @@ def loss_passes(gpu: Gpu, tokens: int, vocab: int, *, upcast: bool, host: float 
     e = tokens * vocab
     w = 4 if upcast else gpu.elem_bytes
     fwd = [Op(fh, gpu.stream("cast", 6 * e))] if upcast else []
-    fwd += [Op(fh, gpu.stream("softmax", 2 * w * e)),                       # log_softmax
+    fwd += [Op(fh, gpu.stream(OpKind.SOFTMAX, 2 * w * e)),                  # log_softmax
             Op(fh, gpu.kernel_gap)]                                          # nll_loss (reads one logit a row)
-    bwd = [Op(bh, gpu.stream("elementwise", w * e, True)),                   # nll_loss_backward's zero fill
-           Op(bh, gpu.stream("softmax", 3 * w * e, True))]                   # log_softmax_backward
+    bwd = [Op(bh, gpu.stream(OpKind.ELEMENTWISE, w * e, True)),              # nll_loss_backward's zero fill
+           Op(bh, gpu.stream(OpKind.SOFTMAX, 3 * w * e, True))]              # log_softmax_backward
     if upcast:
         bwd.append(Op(bh, gpu.stream("cast", 6 * e, True)))
     return fwd, bwd

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 from cost_models.autocast import FLOAT32, LOW, CastWork, cast_work, run_dtypes
 from cost_models.kernels import Gpu
+from runtime.vocab import OpKind, element_bytes
 
 # A view or shape query costs the host this share of an op's dispatch (it runs the dispatcher, no kernel).
 # ASSUMPTION: half; calibration's host rows can refine it.
 VIEW_HOST = 0.5
-_GEMM_KINDS = ("linear", "matmul", "conv", "attention")
-_NO_HOST = ("input", "output", "param")
+_GEMM_KINDS = (OpKind.LINEAR, OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
+_NO_HOST = (OpKind.INPUT, OpKind.OUTPUT, OpKind.PARAM)
 
 
 @dataclass(frozen=True)
@@ -62,13 +63,13 @@ class GpuGraph:
         if d == LOW:
             return low_bytes
         meta = self.by_name[name].output_meta
-        from runtime.vocab import element_bytes   # noqa: PLC0415 - a leaf import, no cycle
         return element_bytes(meta[0].dtype) if meta else 0
 
     def widths(self, node, low_bytes: int) -> tuple[tuple[int, ...], int] | None:
         """(bytes per element of each tensor input in input_meta order, of the output), or None when the
         node's inputs cannot be matched to its input_meta."""
-        ins = [i for i in node.inputs if self.by_name[i].output_meta and self.by_name[i].kind not in ("param", "scalar")]
+        ins = [i for i in node.inputs
+               if self.by_name[i].output_meta and self.by_name[i].kind not in (OpKind.PARAM, OpKind.SCALAR)]
         if len(ins) != len(node.input_meta) or not node.output_meta:
             return None
         return tuple(self.width(i, low_bytes) for i in ins), self.width(node.name, low_bytes)
@@ -83,7 +84,7 @@ class GpuGraph:
 
     def _fused_slice(self, n) -> float:
         """Elements of the whole tensor an integer index `x[i]` slices (q, k or v from a QKV output), else 0."""
-        if n.kind != "view" or not n.target.endswith("getitem") or not n.inputs or not n.output_meta:
+        if n.kind != OpKind.VIEW or not n.target.endswith("getitem") or not n.inputs or not n.output_meta:
             return 0.0
         src = self.by_name[n.inputs[0]]
         if not src.output_meta or not isinstance(n.attr("arg1"), int):
@@ -117,8 +118,8 @@ class GpuGraph:
             e = self.width(node.name, low_bytes) if low_bytes else 4
             part = node.output_meta[0].numel * per_rank
             # zero-fill the whole input, copy the slice in; then add into the running sum of the slices
-            b += gpu.stream("elementwise", (whole * per_rank + 2 * part) * e, True, kernels=2)
-            b += gpu.stream("elementwise", 3 * whole * per_rank * e, True)
+            b += gpu.stream(OpKind.ELEMENTWISE, (whole * per_rank + 2 * part) * e, True, kernels=2)
+            b += gpu.stream(OpKind.ELEMENTWISE, 3 * whole * per_rank * e, True)
         hf, hb = self._host(node, c, cw, compiled)
         return NodeExtras(forward=f, backward=b, host_forward=hf, host_backward=hb * (1 if node.requires_grad else 0),
                           weight_copies=cw.weight_copy_bytes / div if self.autocast else 0.0)
@@ -130,15 +131,15 @@ class GpuGraph:
             # a compiled region launches its GEMMs and a few fused kernels from generated code: the
             # per-op Python and dispatcher work is gone (ASSUMPTION: a fifth of an eager op per kernel)
             if node.kind in _GEMM_KINDS:
-                return 0.2 * c.host_op, (0.4 if node.kind != "attention" else 0.2) * c.host_op
-            return (0.0, 0.0) if node.kind in ("view", "scalar") else (0.1 * c.host_op, 0.1 * c.host_op)
+                return 0.2 * c.host_op, (0.4 if node.kind != OpKind.ATTENTION else 0.2) * c.host_op
+            return (0.0, 0.0) if node.kind in (OpKind.VIEW, OpKind.SCALAR) else (0.1 * c.host_op, 0.1 * c.host_op)
         casts_f, casts_b = cw.fwd_kernels * c.host_op, cw.bwd_kernels * bh
-        if node.kind in ("view", "scalar"):
+        if node.kind in (OpKind.VIEW, OpKind.SCALAR):
             return VIEW_HOST * c.host_op, VIEW_HOST * bh
         if node.kind in _GEMM_KINDS:
-            grads = 1 if node.kind == "attention" else 2
+            grads = 1 if node.kind == OpKind.ATTENTION else 2
             return c.host_gemm + casts_f, grads * c.host_gemm * c.host_backward_share + casts_b
-        if node.kind == "embedding":
+        if node.kind == OpKind.EMBEDDING:
             return c.host_op, 4 * bh      # embedding_dense_backward: zero fill, sort, segment sums
-        kernels = 2 if node.kind == "norm" else 1
+        kernels = 2 if node.kind == OpKind.NORM else 1
         return c.host_op + casts_f, kernels * bh + casts_b

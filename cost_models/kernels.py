@@ -29,7 +29,7 @@ from cost_models.compute import Efficiency, op_time
 from cost_models.gemm import GemmShape, aligned, shape_efficiency
 from cost_models.gpu_costs import GpuCosts
 from cost_models.op_curves import node_family
-from runtime.vocab import DType, ShardRole, element_bytes
+from runtime.vocab import DType, OpKind, ShardRole, element_bytes
 
 # FlashAttention-2's best forward rate over the large-GEMM rate: 230 TFLOP/s = 0.73 of the
 # A100's peak (Dao 2023, section 4) over Efficiency.matmul's 0.80 (cost_models/compute.py).
@@ -104,14 +104,15 @@ class Gpu:
         se = shape_efficiency(shape, self.units, c.gemm_tile_load, c.gemm_k_fill)
         if self.units > 0 and not aligned(shape, elem_bytes or self.elem_bytes):
             se *= c.gemm_misaligned
-        return op_time("matmul", shape.flops, nbytes, peak or self.peak, self.bandwidth, self.eff,
+        return op_time(OpKind.MATMUL, shape.flops, nbytes, peak or self.peak, self.bandwidth, self.eff,
                        shape_efficiency=se, backward=backward)
 
-    def stream(self, kind: str, nbytes: float, backward: bool = False, kernels: int = 1) -> float:
+    def stream(self, kind: OpKind | str, nbytes: float, backward: bool = False, kernels: int = 1) -> float:
         """Seconds of `kernels` memory-bound kernels moving `nbytes` in all: norms, softmax-family kernels and
         dtype-converting copies ("cast") at their own share of the bandwidth (GpuCosts.norm_efficiency,
-        softmax_efficiency, cast_efficiency), the rest at the streaming share (Efficiency.memory)."""
-        share = {"norm": self.costs.norm_efficiency, "softmax": self.costs.softmax_efficiency,
+        softmax_efficiency, cast_efficiency), the rest at the streaming share (Efficiency.memory). `kind` is
+        an op kind, or "cast": autocast's copies belong to no captured node, so they have no OpKind."""
+        share = {OpKind.NORM: self.costs.norm_efficiency, OpKind.SOFTMAX: self.costs.softmax_efficiency,
                  "cast": self.costs.cast_efficiency}.get(kind)
         memory = self.eff.memory * (share / self.costs.stream_efficiency if share else 1.0)
         return nbytes / (self.bandwidth * memory) + self.eff.overhead(kind, kernels, backward)
@@ -144,9 +145,9 @@ def fused_attention_seconds(shape: AttentionShape, gpu: Gpu, nbytes: float) -> t
     flops = shape.full_flops * shape.computed_fraction
     c = gpu.costs
     rate = c.attention_share * flash_efficiency(shape, c)
-    f = op_time("attention", flops, nbytes, gpu.peak, gpu.bandwidth, gpu.eff, shape_efficiency=rate)
+    f = op_time(OpKind.ATTENTION, flops, nbytes, gpu.peak, gpu.bandwidth, gpu.eff, shape_efficiency=rate)
     # backward: the main kernel plus the small one that forms rowsum(dO * O) first
-    b = op_time("attention", 2.5 * flops, 2 * nbytes, gpu.peak, gpu.bandwidth, gpu.eff, kernels=2,
+    b = op_time(OpKind.ATTENTION, 2.5 * flops, 2 * nbytes, gpu.peak, gpu.bandwidth, gpu.eff, kernels=2,
                 shape_efficiency=rate * c.attention_backward_share, backward=True)
     return f, b
 
@@ -166,11 +167,11 @@ def unfused_attention_seconds(shape: AttentionShape, gpu: Gpu) -> tuple[float, f
     s = bh * tq * tk * e
     q, kv = bh * tq * d * e, bh * tk * d * e
     drop = (2 * s + s * MASK_BYTES / e) if shape.dropout else 0.0
-    f = (gpu.gemm(GemmShape(tq, tk, d, bh), q + kv + s) + gpu.stream("softmax", 2 * s)
-         + (gpu.stream("elementwise", drop) if drop else 0.0) + gpu.gemm(GemmShape(tq, d, tk, bh), s + kv + q))
+    f = (gpu.gemm(GemmShape(tq, tk, d, bh), q + kv + s) + gpu.stream(OpKind.SOFTMAX, 2 * s)
+         + (gpu.stream(OpKind.ELEMENTWISE, drop) if drop else 0.0) + gpu.gemm(GemmShape(tq, d, tk, bh), s + kv + q))
     b = (gpu.gemm(GemmShape(tq, tk, d, bh), q + kv + s, True)             # dP = dO V^T
-         + (gpu.stream("elementwise", drop, True) if drop else 0.0)
-         + gpu.stream("softmax", 3 * s, True)                               # dS from P and dP
+         + (gpu.stream(OpKind.ELEMENTWISE, drop, True) if drop else 0.0)
+         + gpu.stream(OpKind.SOFTMAX, 3 * s, True)                          # dS from P and dP
          + gpu.gemm(GemmShape(tk, d, tq, bh), s + q + kv, True)             # dV = P^T dO
          + gpu.gemm(GemmShape(tq, d, tk, bh), s + kv + q, True)             # dQ = dS K
          + gpu.gemm(GemmShape(tk, d, tq, bh), s + q + kv, True))            # dK = dS^T Q
@@ -228,11 +229,11 @@ def node_seconds(node, gpu: Gpu, *, role: str, share: float, div: float,
     """
     if not node.output_meta:
         return None
-    if node.kind == "linear":
+    if node.kind == OpKind.LINEAR:
         return _linear_seconds(node, gpu, role, share, div, pad_outputs)
-    if node.kind == "matmul":
+    if node.kind == OpKind.MATMUL:
         return _matmul_seconds(node, gpu, share, div)
-    if node.kind == "attention":
+    if node.kind == OpKind.ATTENTION:
         shape = _attention_shape(node, share, div)
         if shape is None:
             return None
@@ -254,7 +255,7 @@ def node_seconds(node, gpu: Gpu, *, role: str, share: float, div: float,
         output = out.numel * _bytes_per(out, e) * per_rank
     rows = out.numel / out.shape[-1] * per_rank if family == "norm" and len(out.shape) > 1 else 0.0
     f_bytes, b_bytes = pass_bytes(family, inputs, output, e, rows, node.param_count * e / div)
-    kind = "norm" if family == "norm" else "elementwise"
+    kind = OpKind.NORM if family == "norm" else OpKind.ELEMENTWISE
     f = gpu.stream(kind, f_bytes)
     # a norm's backward is two kernels: the input gradient and the weight gradients
     b = gpu.stream(kind, b_bytes, True, kernels=2 if node.param_count else 1)
@@ -321,11 +322,11 @@ def _kv_heads(node, div: float) -> int:
 
 def _pass_family(node) -> str | None:
     """pass_bytes's family of an elementwise, norm or softmax node; None for other kinds."""
-    if node.kind == "norm":
+    if node.kind == OpKind.NORM:
         return "norm"
-    if node.kind == "softmax":
+    if node.kind == OpKind.SOFTMAX:
         return "softmax"
-    if node.kind != "elementwise":
+    if node.kind != OpKind.ELEMENTWISE:
         return None
     base = node.target.rsplit(".", 1)[-1]
     if base in ("Dropout", "dropout"):

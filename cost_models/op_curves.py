@@ -39,6 +39,8 @@ from __future__ import annotations
 import bisect
 import math
 
+from runtime.vocab import OpKind
+
 # Families whose chained op is a pair of ops (timed per op: half the pair).
 PAIRED = ("linear", "linear_thin")
 FAMILIES = ("linear", "linear_thin", "attention", "layer_norm", "gelu", "relu", "add", "embedding", "softmax",
@@ -51,22 +53,22 @@ _ELEMENTWISE_TARGETS = {
 }
 
 
-def node_family(kind: str, target: str, attrs: dict) -> str | None:
+def node_family(kind: OpKind, target: str, attrs: dict) -> str | None:
     """The curve family that prices a node of `kind` with this target, or None (priced by the roofline)."""
     base = target.rsplit(".", 1)[-1]
-    if kind == "linear":
+    if kind == OpKind.LINEAR:
         return "linear"
-    if kind == "attention" and "scaled_dot_product" in base:
+    if kind == OpKind.ATTENTION and "scaled_dot_product" in base:
         return "attention"
-    if kind == "norm" and base in ("LayerNorm", "layer_norm", "native_layer_norm"):
+    if kind == OpKind.NORM and base in ("LayerNorm", "layer_norm", "native_layer_norm"):
         return "layer_norm"
-    if kind == "embedding" and base in ("Embedding", "embedding"):
+    if kind == OpKind.EMBEDDING and base in ("Embedding", "embedding"):
         return "embedding"
-    if kind == "softmax" and base in ("softmax", "Softmax", "_softmax"):
+    if kind == OpKind.SOFTMAX and base in ("softmax", "Softmax", "_softmax"):
         return "softmax"
     if base in ("Dropout", "dropout") and not (attrs.get("p") or attrs.get("dropout_p")):
         return "identity"  # p = 0: torch returns the input itself
-    if kind == "elementwise":
+    if kind == OpKind.ELEMENTWISE:
         return _ELEMENTWISE_TARGETS.get(base)
     return None
 

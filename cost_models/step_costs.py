@@ -22,6 +22,7 @@ from cost_models.gemm import GemmShape
 from cost_models.gpu_fit import adam_seconds, loss_passes
 from cost_models.kernels import Gpu
 from runtime.execute.chunked_loss import auto_chunk_tokens
+from runtime.vocab import OpKind
 
 @dataclass(frozen=True)
 class StepSetup:
@@ -145,14 +146,14 @@ def chunked_loss_cost(gpu: Gpu, tokens: float, vocab: float, hidden: int, *, chu
 
     def body(bytes_per_logit: float, backward: bool) -> Work:
         ops = 8 * len(sizes)   # the chunk body's ops: cast, max, exp, sum, log, gather, subtract, cast back
-        return Work(gpu.stream("softmax", bytes_per_logit * n * v, backward, kernels=ops),
+        return Work(gpu.stream(OpKind.SOFTMAX, bytes_per_logit * n * v, backward, kernels=ops),
                     ops * c.host_op * (c.host_backward_share if backward else 1.0))
 
     transient = 6.0 * chunk * v + (2 + 4) * v * hidden
     if vocab_parallel <= 1:
         fwd = passes(3, False) + body(36, False)
         kept = 2.0 * n * hidden + 4.0 * v * hidden
-        bwd = Work(gpu.stream("elementwise", 2 * kept, True, kernels=2), 2 * c.host_op * c.host_backward_share)
+        bwd = Work(gpu.stream(OpKind.ELEMENTWISE, 2 * kept, True, kernels=2), 2 * c.host_op * c.host_backward_share)
         return LossCost(forward=fwd, backward=bwd, peak_bytes=kept + transient, kept_bytes=kept)
     fwd = passes(1, False) + body(30, False)
     bwd = passes(3, True) + body(28, True)
@@ -182,13 +183,13 @@ def optimizer_cost(gpu: Gpu, params: float, tensors: int, *, impl: str, clip: bo
     dev = adam_seconds(gpu, params, tensors, impl)
     host = groups * c.host_op * (4 if impl in ("fused", "foreach") else tensors)
     if norm:
-        dev += gpu.stream("elementwise", 4.0 * params, kernels=NORM_KERNELS)
+        dev += gpu.stream(OpKind.ELEMENTWISE, 4.0 * params, kernels=NORM_KERNELS)
         host += NORM_KERNELS * c.host_op
     if clip:
-        dev += gpu.stream("elementwise", 8.0 * params, kernels=2)
+        dev += gpu.stream(OpKind.ELEMENTWISE, 8.0 * params, kernels=2)
         host += 2 * c.host_op
     if zero_in_place:
-        dev += gpu.stream("elementwise", 4.0 * params, kernels=max(buckets, 1))
+        dev += gpu.stream(OpKind.ELEMENTWISE, 4.0 * params, kernels=max(buckets, 1))
         host += max(buckets, 1) * c.host_op
     return Work(dev, host)
 
@@ -196,7 +197,7 @@ def optimizer_cost(gpu: Gpu, params: float, tensors: int, *, impl: str, clip: bo
 def accumulate_grads(gpu: Gpu, params: float, tensors: int) -> Work:
     """Backward adding new gradients into gradients that exist (zeroed in place, or a second micro-batch):
     an add_ per tensor reading both and writing one (12 bytes a parameter, fp32)."""
-    return Work(gpu.stream("elementwise", 12.0 * params, True, kernels=tensors),
+    return Work(gpu.stream(OpKind.ELEMENTWISE, 12.0 * params, True, kernels=tensors),
                 tensors * gpu.costs.host_op * gpu.costs.host_backward_share)
 
 

@@ -20,7 +20,7 @@ from planner.strategies.fields import FIELDS
 from planner.strategies.registry import STRATEGIES
 from planner.strategies.tensor.sharding import ShardingPlan, without_regions
 from planner.strategies.tensor.split.analysis import unsplittable
-from runtime.vocab import Backend, Schedule, ShardRole, Target
+from runtime.vocab import Backend, DType, OpKind, Schedule, ShardRole, Target
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -88,8 +88,9 @@ class RuntimeSupport:
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    # fp16 trains with dynamic loss scaling (runtime/execute/loss_scale.py); bf16 and fp32 need none.
-    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
+    # fp16 trains with dynamic loss scaling (runtime/execute/loss_scale.py); bf16 and fp32 need none. Held as
+    # strings, like the backends: a refusal quotes them (_one_of), and a member's repr is not its text.
+    dtypes: tuple[str, ...] = tuple(d.value for d in DType)
     # the strategies (StrategyName values) the target leaves out. meshplan's runtime runs them all: GEMS
     # pipelines (tests/distributed/test_bidirectional.py), spatial tiles (test_spatial_build.py), sub-graph
     # parallelism (test_subgraph.py), context parallelism (test_context_parallel.py); the compositions each runs
@@ -100,7 +101,7 @@ class RuntimeSupport:
     fill_1f1b: bool = False
     # the op kinds (planner/graph/ops.py) whose weights the target splits over the tensor axis; None: every
     # kind the split analysis accepts
-    split_kinds: tuple[str, ...] | None = None
+    split_kinds: tuple[OpKind, ...] | None = None
     tensor_in_pipelines: bool = True   # pipeline stages split over a tensor axis
     fully_shard_part_splits: bool = True   # ZeRO over data ranks with a fused projection split by parts
 
@@ -261,8 +262,9 @@ MESHPLAN_RUNTIME = RuntimeSupport()
 # Schedule1F1B or ScheduleInterleaved1F1B, torch.utils.checkpoint per block; why each other option is left
 # out: _TORCH_WHY. torchtitan's overlap preset describes the same stack (FSDP2 prefetch, pipelining's waits); its
 # "torch" twin trains under autocast, as the target's loop does.
-TORCH_RUNTIME = RuntimeSupport(target=Target.TORCH, recompute=("none", "full"), dtypes=("fp32", "bf16"),
+TORCH_RUNTIME = RuntimeSupport(target=Target.TORCH, recompute=("none", "full"),
+                               dtypes=(DType.FP32.value, DType.BF16.value),
                                not_run=tuple(f.name.value for f in FIELDS if f.torch_gap),
                                backends=(Backend.GLOO.value, Backend.NCCL.value), stack=OverlapPreset.TORCH, fill_1f1b=True,
-                               split_kinds=("linear", "embedding"), tensor_in_pipelines=False,
+                               split_kinds=(OpKind.LINEAR, OpKind.EMBEDDING), tensor_in_pipelines=False,
                                fully_shard_part_splits=False)

@@ -50,10 +50,10 @@ from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
 from planner.graph.ties import tied_weights
 from runtime.execution import Execution, LossImpl
-from runtime.vocab import Collective, DType, MeshAxis, RecomputeMode, ShardRole
+from runtime.vocab import Collective, DType, MeshAxis, OpKind, RecomputeMode, ShardRole
 
 T = TypeVar("T")
-_GEMM_KINDS = ("linear", "conv")   # the ops whose split a tensor-parallel collective feeds
+_GEMM_KINDS = (OpKind.LINEAR, OpKind.CONV)  # the ops whose split a tensor-parallel collective feeds
 
 
 def _checked_options(selective: SelectivePolicy | str, zero3_live_parameters: float | None,
@@ -421,7 +421,7 @@ class Evaluator(NodePricing):
 
     def _input_bytes_per_layer(self) -> list[int]:
         layers = self.graph.layers
-        first = sum(n.output_bytes for n in self.graph.nodes if n.kind == "input")
+        first = sum(n.output_bytes for n in self.graph.nodes if n.kind == OpKind.INPUT)
         return [first] + [layers[k - 1].boundary_bytes for k in range(1, len(layers))]
 
     def _boundary(self, layer: Layer, config: ParallelConfig) -> float:
@@ -503,11 +503,11 @@ class Evaluator(NodePricing):
     # ---- the step outside the captured graph, on a GPU (cost_models/step_costs.py) -------------------
     def _find_logits(self) -> str | None:
         """The node whose output the loss reads: the model output's first tensor, views resolved."""
-        outs = [n for n in self.graph.nodes if n.kind == "output" and n.inputs]
+        outs = [n for n in self.graph.nodes if n.kind == OpKind.OUTPUT and n.inputs]
         if not outs:
             return None
         name = outs[0].inputs[0]
-        while self._nodes[name].kind == "view" and self._nodes[name].inputs:
+        while self._nodes[name].kind == OpKind.VIEW and self._nodes[name].inputs:
             name = self._nodes[name].inputs[0]
         return name if self._nodes[name].output_meta else None
 
@@ -516,7 +516,7 @@ class Evaluator(NodePricing):
         a linear layer's)."""
         if self._logits is None:
             return None
-        return self._logits if self._nodes[self._logits].kind == "linear" else None
+        return self._logits if self._nodes[self._logits].kind == OpKind.LINEAR else None
 
     def with_execution(self, execution: Execution) -> "Evaluator":
         """This Evaluator pricing `execution` instead (planner/execution_choice.py): what depends only on
@@ -530,7 +530,7 @@ class Evaluator(NodePricing):
         """The output linear the fused chunked loss computes itself, under this Evaluator's execution."""
         if self.gpu_costs is None or self.execution.loss != LossImpl.CHUNKED or self._logits is None:
             return None
-        return self._logits if self._nodes[self._logits].kind == "linear" else None
+        return self._logits if self._nodes[self._logits].kind == OpKind.LINEAR else None
 
     def _loss_cost(self, config: ParallelConfig, roles: dict[str, str]) -> LossCost | None:
         """The loss of one micro-batch on the rank holding the logits (a GPU; None elsewhere, or for a loss
@@ -592,7 +592,7 @@ def compiled_layers(graph: ModelGraph) -> frozenset[int]:
 def _tokens_per_sample(graph: ModelGraph) -> int | None:
     """Sequence length when the model's first input is token ids, else None."""
     for n in graph.nodes:
-        if n.kind == "input" and n.output_meta:
+        if n.kind == OpKind.INPUT and n.output_meta:
             m = n.output_meta[0]
             if m.dtype.startswith(("int", "uint")) and len(m.shape) >= 2:
                 return m.numel // graph.batch_size

@@ -19,7 +19,7 @@ from cost_models.op_curves import node_curve_times
 from planner.config import ParallelConfig
 from planner.graph.model import OpInfo
 from planner.layer_cost import AxisComm, comm_on
-from runtime.vocab import DType, ShardRole, element_bytes
+from runtime.vocab import DType, OpKind, ShardRole, element_bytes
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class NodePricing:
         param_read = max(n.bytes_read - act_in, 0)
         nbytes = ((act_in + n.bytes_written) * scale / seq + param_read) * ds / div
         f_bytes, b_bytes = nbytes, 2 * nbytes
-        if n.kind == "attention" and not self.fused_attention:
+        if n.kind == OpKind.ATTENTION and not self.fused_attention:
             # Unfused attention materializes the scores: Q@K^T writes them, softmax
             # reads and writes them, P@V reads them (4 passes; backward 6). Dropout
             # on the probabilities adds a read, a write and a 1-byte mask each way.
@@ -103,7 +103,7 @@ class NodePricing:
         # its output and that output's gradient; a weight read through get_attr is a parameter, counted
         # once as such and not once per sample
         # (the output layer the fused loss computes itself never holds its whole output)
-        temp = 0.0 if n.kind == "param" or fused_head else 2 * n.output_bytes * scale * ds / div
+        temp = 0.0 if n.kind == OpKind.PARAM or fused_head else 2 * n.output_bytes * scale * ds / div
         return NodeCost(fwd=f, bwd=b, comm=tuple(comm.values()), saved=saved, params=params, temp=temp,
                          host_fwd=hf, host_bwd=hb, weight_copies=copies,
                          tensors=len(n.param_names) if n.param_count else 0)
@@ -123,7 +123,7 @@ class NodePricing:
         hf, hb = x.host_forward, x.host_backward
         if self.adds_into_buckets(config) and n.param_count and n.requires_grad:
             tensors = max(len(n.param_names), 1)
-            b += gpu.stream("elementwise", 12.0 * n.param_count / div, True, kernels=tensors)
+            b += gpu.stream(OpKind.ELEMENTWISE, 12.0 * n.param_count / div, True, kernels=tensors)
             hb += tensors * gpu.costs.host_op * gpu.costs.host_backward_share
         return f, b, hf, hb, x.weight_copies
 
@@ -135,7 +135,7 @@ class NodePricing:
 
     def _curve_times(self, n: OpInfo, share: float, dtype: str, weights: float) -> tuple[float, float] | None:
         """(forward s, backward s) of `n` off the calibrated op curves (fp32 only), or None."""
-        return node_curve_times(n, self.curves, self.curve_mix, share, weights) if dtype == "fp32" else None
+        return node_curve_times(n, self.curves, self.curve_mix, share, weights) if dtype == DType.FP32 else None
 
     def _kernel_times(self, n: OpInfo, role: str, scale: float, div: float,
                       config: ParallelConfig) -> tuple[float, float] | None:
@@ -161,7 +161,7 @@ class NodePricing:
     def _wave_efficiency(self, n: OpInfo, role: str, scale: float, t: int) -> float:
         """Wave quantization of a conv's implicit GEMM on this device, for its per-rank shape."""
         units = self.cluster.device.compute_units
-        if not units or n.kind != "conv" or not n.output_meta:
+        if not units or n.kind != OpKind.CONV or not n.output_meta:
             return 1.0
         shape = n.output_meta[0].shape
         split = t if role in (ShardRole.COLUMN, ShardRole.COLUMN_OUT) else 1
@@ -180,7 +180,7 @@ def _params_per_rank(n: OpInfo, role: str, t: float) -> float:
     if role == ShardRole.REPLICATE or t == 1:
         return float(n.param_count)
     if role == ShardRole.ROW and any(name.endswith("bias") for name in n.param_names) and n.output_meta:
-        bias = n.output_meta[0].shape[1] if n.kind == "conv" else n.output_meta[0].shape[-1]
+        bias = n.output_meta[0].shape[1] if n.kind == OpKind.CONV else n.output_meta[0].shape[-1]
         return (n.param_count - bias) / t + bias
     return n.param_count / t
 

@@ -17,11 +17,11 @@ from cost_models.activations import (OpView, SavedTensor, SelectivePolicy, Tenso
 from planner.config import ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
 from planner.strategies.tensor.sharding import ShardingPlan
-from runtime.vocab import DType, RecomputeMode, ShardRole
+from runtime.vocab import DType, OpKind, RecomputeMode, ShardRole
 
 # roles whose output stays split over the tensor ranks (a row-parallel op's output is all-reduced)
 _SPLIT_OUTPUT = (ShardRole.COLUMN, ShardRole.COLUMN_OUT, ShardRole.INNER, ShardRole.CHANNELS)
-_NOT_ACTIVATIONS = ("param", "scalar")   # get_attr buffers and non-tensor values
+_NOT_ACTIVATIONS = (OpKind.PARAM, OpKind.SCALAR)  # get_attr buffers and non-tensor values
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,12 @@ class SavedActivations:
         for n in graph.nodes:
             ins = self._activation_inputs(n)
             first = ins[0] if ins else None
-            self._root[n.name] = self._root[first] if n.kind == "view" and first is not None else n.name
+            self._root[n.name] = self._root[first] if n.kind == OpKind.VIEW and first is not None else n.name
             float_ins = [i for i in ins if _is_float(self._nodes[i])]
             if any(i in self._scores for i in ins):
-                if n.kind != "matmul":          # attention over V ends the scores
+                if n.kind != OpKind.MATMUL:     # attention over V ends the scores
                     self._scores.add(n.name)
-            elif n.kind == "matmul" and len(float_ins) >= 2 and _rank(n) >= 3:
+            elif n.kind == OpKind.MATMUL and len(float_ins) >= 2 and _rank(n) >= 3:
                 self._scores.add(n.name)        # QK^T
 
     def _activation_inputs(self, n: OpInfo) -> list[str]:
@@ -81,7 +81,7 @@ class SavedActivations:
         p = n.attr("p") if n.attr("p") is not None else n.attr("dropout_p")
         if p is None and "dropout" in base:
             p = n.attr("arg1")   # F.dropout(x, p, ...) records p positionally
-        params = bool(n.param_count) or any(self._nodes[i].kind == "param" for i in n.inputs)
+        params = bool(n.param_count) or any(self._nodes[i].kind == OpKind.PARAM for i in n.inputs)
         own = roles.get(n.name)
         return OpView(
             name=n.name, kind=n.kind, base=base,
@@ -122,7 +122,7 @@ class SavedActivations:
         if config.recompute == RecomputeMode.FULL:
             return LayerActivations(kept=layer_input / sequence, working=total.total * scale,
                                     recomputed=frozenset(layer.nodes))
-        if selective and policy is SelectivePolicy.ALTERNATE_MATMULS and any(v.kind == "attention" for v in views):
+        if selective and policy is SelectivePolicy.ALTERNATE_MATMULS and any(v.kind == OpKind.ATTENTION for v in views):
             kept = _alternate_matmuls(views, fused_attention)
             again = frozenset(layer.nodes) - {s.key for s in kept}
             kept_bytes = layer_bytes(kept, DType(config.dtype).bytes, sequence).total
@@ -142,11 +142,11 @@ def _alternate_matmuls(views: list[OpView], fused_attention: bool) -> list[Saved
     kernel's output with its row statistics."""
     kept, products = [], 0
     for v in views:
-        if v.kind == "linear" and v.output is not None:
+        if v.kind == OpKind.LINEAR and v.output is not None:
             products += 1
             if products % 2:
                 kept.append(keep(v.output))
-        elif v.kind == "attention":
+        elif v.kind == OpKind.ATTENTION:
             kept.extend(s for s in saved_by(v, fused_attention) if s.core)
     return kept
 

@@ -36,7 +36,7 @@ from planner.progress import Progress
 from planner.strategies import describe
 from planner.strategies.base import MeshShape
 from planner.strategies.tensor.split.analysis import SplitCache
-from runtime.vocab import RecomputeMode, Target
+from runtime.vocab import DType, RecomputeMode, Target
 
 OBJECTIVES = ("time", "energy")
 # every ParallelConfig field can be pinned by a constraint, but the stage boundaries (the search places them)
@@ -113,7 +113,7 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
         ev.sharding = runtime.splittable(graph, ev.sharding, degrees)
     splits = SplitCache(graph)
     search = _Search()
-    dtypes = runtime.dtypes if runtime is not None else ("bf16", "fp16", "fp32")
+    dtypes = runtime.dtypes if runtime is not None else (DType.BF16, DType.FP16, DType.FP32)
     bases = _enumerate(ev, cluster, global_batch_size, cons, dtypes)
     if runtime is not None:
         blocked = [runtime.why_not(b, global_batch_size) for b in bases if not runtime.allows(b, global_batch_size)]
@@ -252,7 +252,7 @@ def _best_dtype(cluster: Cluster, allowed: tuple[str, ...]) -> str:
     """The training dtype with the highest peak FLOP/s that the device has and the runtime trains in;
     on a tie bf16, then fp16, then fp32 (bf16 needs no loss scaling). A V100 (no bf16) trains in fp16;
     a CPU whose fp16 products are slower than fp32 keeps fp32."""
-    order = ("bf16", "fp16", "fp32")
+    order = (DType.BF16, DType.FP16, DType.FP32)
     have = [dt for dt in order if dt in cluster.device.dtypes and dt in allowed]
     if not have:
         raise ValueError(f"device {cluster.device.name} has none of {', '.join(allowed)} in its peak table")

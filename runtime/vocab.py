@@ -1,5 +1,6 @@
 """The one vocabulary every package shares: mesh axes, shard roles, dtypes, pipeline
-schedules, recompute modes, spatial splits and the targets that run a plan.
+schedules, recompute modes, spatial splits, the targets that run a plan and the op kinds of a
+captured graph.
 
 They are StrEnums, so a member equals its plain string ("data" == MeshAxis.DATA) and JSON
 files keep their spellings; code names the member, never the literal. The runtime owns them
@@ -115,6 +116,41 @@ class Backend(StrEnum):
     GLOO = "gloo"
     NCCL = "nccl"
     MPI = "mpi"
+
+
+class OpKind(StrEnum):
+    """What a captured fx node does, as the cost models price it (OpInfo.kind). planner/graph/ops.py
+    classify gives every node one, from its leaf module's class or its function's base name, so that no
+    cost model needs to know which capture path (fx or torch.export) made the node; captured graph
+    files hold the value.
+
+    INPUT: a placeholder (the model's inputs); OUTPUT: the graph's output node; PARAM: a get_attr
+    (a parameter or buffer); SCALAR: a call that returns no tensor (sizes, Python numbers).
+    LINEAR: x W^T with a weight (nn.Linear, F.linear, addmm, a matmul by a parameter); MATMUL: a
+    product of two activations (bmm, einsum, ...); CONV: a convolution; ATTENTION: scaled dot-product
+    attention, fused or as nn.MultiheadAttention; EMBEDDING: a table look-up; NORM: batch, layer,
+    group and RMS norms; SOFTMAX: softmax and log-softmax; POOL: max and average pools; CONCAT: cat and
+    stack; LOSS: a loss function; VIEW: views and metadata ops (reshape, transpose, getitem, casts,
+    contiguous: no arithmetic, at most a copy); ELEMENTWISE: everything else that returns a tensor
+    (activations, arithmetic, dropout), priced as memory-bound.
+    """
+
+    INPUT = "input"
+    OUTPUT = "output"
+    PARAM = "param"
+    SCALAR = "scalar"
+    LINEAR = "linear"
+    MATMUL = "matmul"
+    CONV = "conv"
+    ATTENTION = "attention"
+    EMBEDDING = "embedding"
+    NORM = "norm"
+    SOFTMAX = "softmax"
+    POOL = "pool"
+    CONCAT = "concat"
+    LOSS = "loss"
+    VIEW = "view"
+    ELEMENTWISE = "elementwise"
 
 
 class DType(StrEnum):

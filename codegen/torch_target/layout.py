@@ -54,12 +54,13 @@ from planner.plan import Plan
 from runtime.program.shards import FeatureSplit
 from runtime.torch_stack.pipeline_layout import PipelineLayout
 from runtime.torch_stack.vocab import DataKind, TensorStyle
-from runtime.vocab import MeshAxis, RecomputeMode, ShardRole
+from runtime.vocab import MeshAxis, OpKind, RecomputeMode, ShardRole
 
 # Axes the torch target builds; the others (spatial tiles, sub-graph sub-grids, context rings) have
 # no torch counterpart here.
 _TORCH_AXES = (MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.TENSOR)
-_MATMUL_KINDS = ("linear", "matmul", "attention", "conv")   # OpInfo kinds of a block's matrix products
+# OpInfo kinds of a block's matrix products
+_MATMUL_KINDS = (OpKind.LINEAR, OpKind.MATMUL, OpKind.ATTENTION, OpKind.CONV)
 
 
 class TorchLayoutError(ValueError):
@@ -244,7 +245,7 @@ def _tensor_styles(plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ..
     sequence_dim = None if seq is None else next((m.sequence_dim for m in ts.modules if m.sequence_dim is not None), 1)
     styles: dict[str, ModuleStyle] = {}
     for node in graph.nodes:
-        if node.kind not in ("linear", "embedding"):
+        if node.kind not in (OpKind.LINEAR, OpKind.EMBEDDING):
             continue
         path = node.module_path
         role = plan.role(node.name)
@@ -266,9 +267,9 @@ def _tensor_styles(plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ..
     return tuple(styles.values()), sequence_dim
 
 
-def _style(path: str, kind: str, role: ShardRole, split: FeatureSplit, t: int) -> TensorStyle:
+def _style(path: str, kind: OpKind, role: ShardRole, split: FeatureSplit, t: int) -> TensorStyle:
     groups = split.groups
-    if kind == "embedding":
+    if kind == OpKind.EMBEDDING:
         if role == ShardRole.VOCAB and groups == 1:
             return TensorStyle.EMBEDDING_ROWWISE
         raise TorchLayoutError(f"module {path!r}: an embedding split as {role} ({split}) has no torch style; "

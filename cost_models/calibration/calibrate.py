@@ -75,7 +75,7 @@ from cost_models.op_curves import fit_curve_mix
 from cost_models.presets import CPU_ACTIVE_WATTS_PER_CORE, CPU_IDLE_WATTS_PER_CORE
 from runtime.launch.launcher import free_port, local_mpiexec, mpiexec_args
 from runtime.lifetime import Children
-from runtime.vocab import Backend
+from runtime.vocab import Backend, OpKind
 
 
 class CalibrationError(ValueError):
@@ -223,7 +223,7 @@ def build_cluster(results: list[dict], *, backend: str = Backend.GLOO.value, qui
     for r in results:
         for t in r["ops"]:
             by_key[(t["kind"], t["size"])].append(t)
-    timings = [OpTiming(kind, size, statistics.median(t["forward"] for t in ts),
+    timings = [OpTiming(OpKind(kind), size, statistics.median(t["forward"] for t in ts),
                         statistics.median(t["backward"] for t in ts), ts[0]["flops"], ts[0]["nbytes"])
                for (kind, size), ts in sorted(by_key.items())]
     block = tuple(statistics.median(r["block"][i] for r in results) for i in range(4))
@@ -356,7 +356,7 @@ def _curve_measurements(results: list[dict], share: float, fit) -> dict[str, flo
         curves[family][0].append((size, f))
         curves[family][1].append((size, b))
     probe = tuple(statistics.median(r["probe"][i] for r in results) / share for i in (0, 1))
-    view = next(((f, b) for k, f, b in fit.kind_overheads if k == "view"), (0.0, 0.0))
+    view = next(((f, b) for k, f, b in fit.kind_overheads if k == OpKind.VIEW), (0.0, 0.0))
     mix = fit_curve_mix({k: (tuple(v[0]), tuple(v[1])) for k, v in curves.items()}, probe, view)
     m["raw.probe.forward"], m["raw.probe.backward"] = probe
     m["fit.curve_mix.forward"], m["fit.curve_mix.backward"] = mix

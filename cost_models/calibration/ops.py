@@ -34,16 +34,17 @@ import torch
 import torch.nn.functional as F
 
 from runtime.execute.optim import OptimizerSpec
+from runtime.vocab import OpKind
 
 CHAIN = 8
-KINDS = ("linear", "conv", "elementwise", "norm", "embedding", "attention", "view")
+KINDS = (OpKind.LINEAR, OpKind.CONV, OpKind.ELEMENTWISE, OpKind.NORM, OpKind.EMBEDDING, OpKind.ATTENTION, OpKind.VIEW)
 
 
 @dataclass(frozen=True)
 class OpTiming:
     """Median seconds per op of one kind at one size, forward and backward (chain-differenced)."""
 
-    kind: str
+    kind: OpKind
     size: str          # "small" or "medium"
     forward: float
     backward: float
@@ -112,29 +113,30 @@ def _cases(size: str) -> dict[str, tuple[Callable[[int], tuple], float, float]]:
     def leaf(*shape):
         return torch.randn(*shape, requires_grad=True)
 
-    cases["linear"] = (_chain(lambda: torch.nn.Linear(hidden, hidden), lambda: leaf(tokens, hidden)),
+    cases[OpKind.LINEAR] = (_chain(lambda: torch.nn.Linear(hidden, hidden), lambda: leaf(tokens, hidden)),
                        2.0 * tokens * hidden * hidden, f4 * (2 * tokens * hidden + hidden * hidden + hidden))
     c, hw, b = (4, 8, 2) if small else (32, 32, 4)
-    cases["conv"] = (_chain(lambda: torch.nn.Conv2d(c, c, 3, padding=1), lambda: leaf(b, c, hw, hw)),
+    cases[OpKind.CONV] = (_chain(lambda: torch.nn.Conv2d(c, c, 3, padding=1), lambda: leaf(b, c, hw, hw)),
                      2.0 * b * c * hw * hw * c * 9, f4 * (2 * b * c * hw * hw + c * c * 9 + c))
     if small:  # the fixed cost: a mix of the kind's ops
         n_el = tokens * hidden
         elementwise = itertools.cycle([F.gelu, F.relu, lambda t: t + t])
-        cases["elementwise"] = (_chain(lambda: next(elementwise), lambda: leaf(n_el)), float(n_el), f4 * 2.0 * n_el)
+        cases[OpKind.ELEMENTWISE] = (_chain(lambda: next(elementwise), lambda: leaf(n_el)), float(n_el),
+                                     f4 * 2.0 * n_el)
     else:  # the streaming rate: t + c reads two tensors and writes one, far bigger than the caches
         n_el = 1 << 21
         addend = torch.randn(n_el)
-        cases["elementwise"] = (_chain(lambda: (lambda t: t + addend), lambda: leaf(n_el)), float(n_el),
-                                f4 * 3.0 * n_el)
-    cases["norm"] = (_chain(lambda: torch.nn.LayerNorm(hidden), lambda: leaf(tokens, hidden)),
+        cases[OpKind.ELEMENTWISE] = (_chain(lambda: (lambda t: t + addend), lambda: leaf(n_el)), float(n_el),
+                                     f4 * 3.0 * n_el)
+    cases[OpKind.NORM] = (_chain(lambda: torch.nn.LayerNorm(hidden), lambda: leaf(tokens, hidden)),
                      5.0 * tokens * hidden, f4 * 2.0 * tokens * hidden)
     dim = hidden // heads
     bsz = max(tokens // seq, 1)
-    cases["attention"] = (
+    cases[OpKind.ATTENTION] = (
         _chain(lambda: (lambda t: F.scaled_dot_product_attention(t, t, t, is_causal=True)),
                lambda: leaf(bsz, heads, seq, dim)),
         4.0 * bsz * heads * seq * seq * dim, f4 * 4.0 * bsz * heads * seq * dim)
-    cases["view"] = (_chain(lambda: (lambda t: t.transpose(0, 1)), lambda: leaf(tokens, hidden)), 0.0, 0.0)
+    cases[OpKind.VIEW] = (_chain(lambda: (lambda t: t.transpose(0, 1)), lambda: leaf(tokens, hidden)), 0.0, 0.0)
 
     def embedding(k: int):
         # Not chainable (integer input): k tables looked up with the same indices, summed.
@@ -144,12 +146,13 @@ def _cases(size: str) -> dict[str, tuple[Callable[[int], tuple], float, float]]:
         def fwd():
             return [t(idx) for t in tables]
         return fwd, lambda ys: [torch.ones_like(y) for y in ys]
-    cases["embedding"] = (embedding, 0.0, f4 * 2.0 * tokens * hidden)
+    cases[OpKind.EMBEDDING] = (embedding, 0.0, f4 * 2.0 * tokens * hidden)
     return cases
 
 
 # A transformer-like layer: kinds alternate, as they do in a model. (B, T, C) in, (B, T, C) out.
-BLOCK = ("norm", "linear", "elementwise", "linear", "elementwise", "view", "view", "norm", "elementwise")
+BLOCK = (OpKind.NORM, OpKind.LINEAR, OpKind.ELEMENTWISE, OpKind.LINEAR, OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.VIEW,
+         OpKind.NORM, OpKind.ELEMENTWISE)
 
 
 def _block_case(size: str = "small") -> tuple[Callable[[int], tuple], tuple[str, ...]]:
@@ -188,7 +191,7 @@ def time_op_kinds(*, quick: bool = True, progress: Callable[[str], None] | None 
     reps, budget = (15, 0.25) if quick else (60, 1.0)
     out: list[OpTiming] = []
     with one_thread():
-        for size, kinds in (("small", KINDS), ("medium", ("linear", "conv", "elementwise"))):
+        for size, kinds in (("small", KINDS), ("medium", (OpKind.LINEAR, OpKind.CONV, OpKind.ELEMENTWISE))):
             cases = _cases(size)
             for kind in kinds:
                 build, flops, nbytes = cases[kind]
@@ -248,7 +251,7 @@ def fit_compute(timings: list[OpTiming], peak_flops: float, memory_bandwidth: fl
         mix_b = min(max(per_b / max(sum(alone[k][1] for k in BLOCK), 1e-12), 1.0), 4.0)
     overheads = tuple(sorted((k, f * mix_f, b * mix_b) for k, (f, b) in alone.items()))
 
-    def eff(kind: str, flops_side: bool) -> float:
+    def eff(kind: OpKind, flops_side: bool) -> float:
         t = medium.get(kind)
         if t is None:
             return 1.0
@@ -256,9 +259,10 @@ def fit_compute(timings: list[OpTiming], peak_flops: float, memory_bandwidth: fl
         ideal = t.flops / peak_flops if flops_side else t.nbytes / memory_bandwidth
         return min(max(ideal / left, 0.01), 1.0)
 
-    return ComputeFit(matmul=eff("linear", True), conv=eff("conv", True), memory=eff("elementwise", False),
-                      kernel_overhead=over["elementwise"] * mix_f, kind_overheads=overheads, mix_forward=mix_f,
-                      mix_backward=mix_b, call_forward=call_f, call_backward=call_b)
+    return ComputeFit(matmul=eff(OpKind.LINEAR, True), conv=eff(OpKind.CONV, True),
+                      memory=eff(OpKind.ELEMENTWISE, False), kernel_overhead=over[OpKind.ELEMENTWISE] * mix_f,
+                      kind_overheads=overheads, mix_forward=mix_f, mix_backward=mix_b,
+                      call_forward=call_f, call_backward=call_b)
 
 
 OPTIMIZER_KINDS = ("sgd", "sgd_momentum", "adamw")

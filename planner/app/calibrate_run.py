@@ -40,7 +40,7 @@ from codegen.emit import capture_ref, emit
 from planner.app.commands import make_fixed_plan
 from planner.app.compare import compare_build
 from runtime.launch.launcher import run_local
-from runtime.vocab import Backend
+from runtime.vocab import Backend, DType
 
 # The probe run: micro-batches of MICRO samples, MICRO_BATCHES of them per rank and step.
 MICRO, MICRO_BATCHES, STEPS = 2, 2, 8
@@ -84,7 +84,7 @@ def measure_in_run(cluster, backend: str = Backend.GLOO.value, *, workdir: str |
     if any(name.startswith("fit.in_run.") for name, _ in cluster.measurements):
         raise InRunError("the cluster already carries fit.in_run.*; measure from the calibration without them")
     ref = f"{PROBE_FILE}:build"
-    cfg = planner.ParallelConfig(micro_batch_size=MICRO, dtype="fp32", data=world)
+    cfg = planner.ParallelConfig(micro_batch_size=MICRO, dtype=DType.FP32, data=world)
     graph = capture_ref(ref, {}, batch_size=MICRO)
     plan = make_fixed_plan(graph, cluster, cfg, world * MICRO * MICRO_BATCHES)
     runs = []  # per launch: compare_build's (Comparison, predicted, measured, plan priced on the cluster)

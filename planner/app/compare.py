@@ -61,7 +61,7 @@ from runtime.execution import Execution
 from runtime.program.instr_set import Kind, Op
 from runtime.program import COLLECTIVE_OPS, Program
 from runtime.program.trace import HOST_TRACKS, INSTRUCTION_TRACKS, Event, Timeline
-from runtime.vocab import Clock, Collective, ShardRole, Track
+from runtime.vocab import Clock, Collective, DType, OpKind, ShardRole, Track
 from runtime.documents import read_document
 
 _KIND_OF_OP = {"F": "forward", "B": "backward", "SEND": "send", "RECV": "recv", "ALLREDUCE": "collective",
@@ -272,7 +272,7 @@ def execution_of(train: dict) -> Execution:
 def _loss_elements(graph, plan) -> float:
     """Logits elements per micro-batch that one last-stage rank computes the loss over (the
     model output; split by the tensor degree when its last op is split by class, vocabulary-parallel)."""
-    out = next((n for n in graph.nodes if n.kind == "output"), None)
+    out = next((n for n in graph.nodes if n.kind == OpKind.OUTPUT), None)
     if out is None or not out.input_meta:
         return 0.0
     return out.input_meta[0].numel / (plan.config.tensor if _vocab_split(graph, plan) else 1)
@@ -288,7 +288,7 @@ def _vocab_split(graph, plan) -> tuple[float, int] | None:
     """(rows of logits per micro-batch, tensor degree) when the model output's last op is split
     by class over the tensor axis (role "column_out": the runtime computes a vocabulary-parallel
     loss on it), else None."""
-    out = next((n for n in graph.nodes if n.kind == "output"), None)
+    out = next((n for n in graph.nodes if n.kind == OpKind.OUTPUT), None)
     if out is None or not out.input_meta or not out.inputs or plan.config.tensor < 2 or \
             dict(plan.shardings).get(out.inputs[0]) not in (ShardRole.COLUMN, ShardRole.COLUMN_OUT):
         return None
@@ -353,7 +353,7 @@ def for_runtime(pred, config, optimizer: dict, cluster, largest_weight: dict[int
     stages = tuple(dataclasses.replace(s, memory=dataclasses.replace(
         fix(s.memory), temporary=max(s.memory.temporary, largest.get(s.index, 0.0)))) for s in pred.stages)
     time = pred.time
-    if key in _STEP_BYTES_PER_PARAM and config.dtype == "fp32" and config.zero == 0:
+    if key in _STEP_BYTES_PER_PARAM and config.dtype == DType.FP32 and config.zero == 0:
         eff = calibrated_efficiency(cluster) or Efficiency.default_for(cluster.device)
         params = max(s.memory.parameters for s in pred.stages) / 4  # fp32 weights, unsharded
         step = params * _STEP_BYTES_PER_PARAM[key] / (cluster.device.memory_bandwidth * eff.memory) \

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from planner.graph.model import Branch, OpInfo
 from planner.graph.layers import NodeView
+from runtime.vocab import OpKind
 
 _EXIT = "__exit__"
 
@@ -23,7 +24,7 @@ def find_branches(infos: tuple[OpInfo, ...], views: list[NodeView]) -> tuple[Bra
     order = {v.name: k for k, v in enumerate(views)}
     order[_EXIT] = len(views)
     # The activation DAG: tensor-producing nodes only (no parameters, no shape arithmetic).
-    act = {v.name for v in views if by_name[v.name].kind not in ("param", "scalar") and
+    act = {v.name for v in views if by_name[v.name].kind not in (OpKind.PARAM, OpKind.SCALAR) and
            (by_name[v.name].output_meta or v.op == "output")}
     succ = {v.name: [u for u in v.users if u in act] for v in views if v.name in act}
     pred: dict[str, list[str]] = {n: [] for n in succ}
@@ -52,7 +53,7 @@ def find_branches(infos: tuple[OpInfo, ...], views: list[NodeView]) -> tuple[Bra
                                    width=len(paths), module_path=module_of.get(join, "")))
 
     for info in infos:
-        if info.kind == "attention" and info.input_meta and len(info.input_meta[0].shape) == 4:
+        if info.kind == OpKind.ATTENTION and info.input_meta and len(info.input_meta[0].shape) == 4:
             heads = info.input_meta[0].shape[1]  # q: (B, H, T, D)
             if heads > 1:
                 branches.append(Branch(kind="heads", fork=info.name, join=info.name, paths=(),

@@ -15,6 +15,7 @@ import hashlib
 from dataclasses import dataclass
 
 from planner.graph.model import Layer, OpInfo
+from runtime.vocab import OpKind
 
 _CALL_OPS = ("call_module", "call_function", "call_method")
 
@@ -31,7 +32,8 @@ class NodeView:
 
 
 def _is_activation(info: OpInfo) -> bool:
-    return bool(info.output_meta) and info.op in ("placeholder", *_CALL_OPS) and info.kind not in ("scalar", "param")
+    return (bool(info.output_meta) and info.op in ("placeholder", *_CALL_OPS)
+            and info.kind not in (OpKind.SCALAR, OpKind.PARAM))
 
 
 def side_tensors(infos: tuple[OpInfo, ...], views: list[NodeView]) -> set[str]:
@@ -81,7 +83,7 @@ def find_layers(infos: tuple[OpInfo, ...], views: list[NodeView]) -> tuple[Layer
         if nxt is None:
             continue
         main = tuple(sorted(n for n in live if n not in side))
-        if len(main) <= 1 and v.owner != nxt.owner and by_name[v.name].kind != "scalar":
+        if len(main) <= 1 and v.owner != nxt.owner and by_name[v.name].kind != OpKind.SCALAR:
             cut_after[v.name] = (main, tuple(sorted(n for n in live if n in side)))
 
     # Assign call nodes to layers; parameters and inputs join their first user's layer.
@@ -119,7 +121,7 @@ def find_layers(infos: tuple[OpInfo, ...], views: list[NodeView]) -> tuple[Layer
     for idx, names in enumerate(members):
         nodes = [by_name[n] for n in names]
         # Name a layer after the module that holds its weights, else its first real op.
-        calls_here = [n for n in nodes if n.op in _CALL_OPS and n.kind != "scalar"]
+        calls_here = [n for n in nodes if n.op in _CALL_OPS and n.kind != OpKind.SCALAR]
         first = next((n for n in calls_here if n.param_count and owner.get(n.name)),
                      next((n for n in calls_here if owner.get(n.name)),
                           calls_here[0] if calls_here else (nodes[0] if nodes else None)))
@@ -146,7 +148,8 @@ def _signature(nodes: list[OpInfo]) -> str:
     for n in nodes:
         wiring = [local[i] - local[n.name] if i in local else "ext" for i in n.inputs]
         target = "" if n.op == "get_attr" else n.target  # a parameter's path names its block
-        h.update(repr((n.op, target, n.kind, [(m.shape, m.dtype) for m in n.output_meta],
+        # the kind as its text: a member's repr ("<OpKind.LINEAR: 'linear'>") would change every signature
+        h.update(repr((n.op, target, str(n.kind), [(m.shape, m.dtype) for m in n.output_meta],
                        [(m.shape, m.dtype) for m in n.input_meta], n.bytes_read, n.fwd_flops,
                        wiring)).encode())
     return h.hexdigest()[:16]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.documents import read_document
-from runtime.vocab import element_bytes
+from runtime.vocab import OpKind, element_bytes
 
 GRAPH_FORMAT_VERSION = 1
 
@@ -49,15 +49,15 @@ class TensorMeta:
 class OpInfo:
     """One fx node with what the cost model needs to price it.
 
-    `kind` is the normalized op kind the cost models dispatch on:
-    input, output, param, linear, matmul, conv, attention, embedding, norm,
-    softmax, pool, elementwise, concat, view, loss, scalar, other.
+    `kind` is the normalized op kind the cost models dispatch on (runtime.vocab.OpKind:
+    input, output, param, scalar, linear, matmul, conv, attention, embedding, norm,
+    softmax, pool, concat, loss, view, elementwise); a graph file holds its value.
     """
 
     name: str                      # fx node name (unique in the graph)
     op: str                        # fx opcode: placeholder, get_attr, call_module, call_function, call_method, output
     target: str                    # module class, function or method name, e.g. "torch.nn.Linear", "aten.addmm"
-    kind: str
+    kind: OpKind
     module_path: str               # innermost owning module, e.g. "blocks.3.attn.qkv" ("" for the top level)
     inputs: tuple[str, ...]        # names of the nodes this one reads (in argument order)
     input_meta: tuple[TensorMeta, ...]   # the tensor inputs (activations, not parameters)
@@ -84,7 +84,7 @@ class OpInfo:
 
     @property
     def is_compute(self) -> bool:
-        return self.kind not in ("input", "output", "param", "scalar", "view")
+        return self.kind not in (OpKind.INPUT, OpKind.OUTPUT, OpKind.PARAM, OpKind.SCALAR, OpKind.VIEW)
 
 
 @dataclass(frozen=True)
@@ -254,6 +254,7 @@ class ModelGraph:
 
         nodes = tuple(
             OpInfo(**{**n,
+                      "kind": OpKind(n["kind"]),
                       "attrs": tuple((k, tup(v)) for k, v in n.get("attrs", ())),
                       "inputs": tuple(n["inputs"]),
                       "param_names": tuple(n["param_names"]),

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.graph.model import OpInfo
+from runtime.vocab import OpKind
 
 # ops that draw random numbers, by base name (fx functional calls and ATen ops of export graphs)
 _RANDOM = ("bernoulli", "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
@@ -42,7 +43,7 @@ def node_random_ops(n: OpInfo) -> list[str]:
         return []
     if base in _RANDOM:
         return [f"{where} ({base})"]
-    if n.kind == "attention" and isinstance(n.attr("dropout_p"), float) and n.attr("dropout_p") > 0:
+    if n.kind == OpKind.ATTENTION and isinstance(n.attr("dropout_p"), float) and n.attr("dropout_p") > 0:
         return [f"{where} (attention dropout p={n.attr('dropout_p')})"]
     return []
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.vocab import DType
+
 DEFAULT_INIT_SCALE = 2.0 ** 16
 DEFAULT_GROWTH_INTERVAL = 2000
 
@@ -125,11 +127,11 @@ def loss_scale_for(dtype: str, init_scale: float | None = None, growth_interval:
     scaling turned off)."""
     given = [f for f, v in (("--loss-scale-init", init_scale), ("--loss-scale-growth-interval", growth_interval))
              if v is not None]
-    if dtype != "fp16" and (given or not enabled):
+    if dtype != DType.FP16 and (given or not enabled):
         flags = given + ([] if enabled else ["--no-loss-scale"])
         raise LossScaleError(f"{' and '.join(flags)} apply to --dtype fp16 (loss scaling); this build is {dtype}, "
                              "which scales no loss: drop them")
-    if dtype != "fp16":
+    if dtype != DType.FP16:
         return None
     if not enabled:
         if given:

@@ -42,7 +42,7 @@ class StageRunner:
     """
 
     def __init__(self, spec: StageSpec, module: nn.Module, *, loss: str = "cross_entropy",
-                 class_split=None, loss_scale: float = 1.0, dtype: str = "fp32",
+                 class_split=None, loss_scale: float = 1.0, dtype: str = DType.FP32,
                  device: torch.device | str = "cpu", chunk_tokens: int = 0):
         self.spec = spec
         self.module = module

@@ -61,14 +61,15 @@ from runtime.spec import StageSpec, TrainSpec
 from runtime.verify.step_record import load_records, step_files
 from runtime.torch_records import WHOLE_MODEL_KEY, whole_model_view
 from runtime.verify.grad_checks import check_norm, check_skip, check_trajectory_outcomes, read_outcomes
+from runtime.vocab import DType
 
 # per dtype: loss (relative), gradient (relative / absolute per rms), statistics (relative), trajectory floor,
 # and for Adam-family optimizers the trajectory's parameter difference in Adam's own units ("adam_steps":
 # the rms difference per element, as a fraction of lr x sqrt(steps); see adam_allowance)
 TOLERANCES = {
-    "fp32": {"loss": 1e-6, "grad_rtol": 1e-4, "grad_atol": 1e-6, "stats": 1e-5, "floor": 1e-4, "adam_steps": 1e-3},
-    "bf16": {"loss": 2e-2, "grad_rtol": 5e-2, "grad_atol": 1e-3, "stats": 2e-2, "floor": 2e-2, "adam_steps": 2e-2},
-    "fp16": {"loss": 5e-3, "grad_rtol": 2e-2, "grad_atol": 5e-4, "stats": 5e-3, "floor": 5e-3, "adam_steps": 1e-2},
+    DType.FP32: {"loss": 1e-6, "grad_rtol": 1e-4, "grad_atol": 1e-6, "stats": 1e-5, "floor": 1e-4, "adam_steps": 1e-3},
+    DType.BF16: {"loss": 2e-2, "grad_rtol": 5e-2, "grad_atol": 1e-3, "stats": 2e-2, "floor": 2e-2, "adam_steps": 2e-2},
+    DType.FP16: {"loss": 5e-3, "grad_rtol": 2e-2, "grad_atol": 5e-4, "stats": 5e-3, "floor": 5e-3, "adam_steps": 1e-2},
 }
 # optimizers whose update is normalized per element (m / (sqrt(v) + eps)): a gradient element that is
 # rounding-level itself (a sum that cancels, a unit barely alive) still moves its parameter by up to lr
@@ -206,10 +207,10 @@ def _norm(t: torch.Tensor) -> float:
 
 # A rounding-level nudge in each dtype: one float32 ulp, or half a 16-bit ulp (relative), since 16-bit
 # autocast rounds a smaller nudge of the float32 weights away.
-NUDGE = {"bf16": 2.0 ** -9, "fp16": 2.0 ** -12}
+NUDGE = {DType.BF16: 2.0 ** -9, DType.FP16: 2.0 ** -12}
 
 
-def nudge(model: nn.Module, seed: int = 12345, dtype: str = "fp32") -> None:
+def nudge(model: nn.Module, seed: int = 12345, dtype: str = DType.FP32) -> None:
     """Move every parameter by a rounding-level step of `dtype`, up or down at random (seeded)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -265,7 +266,7 @@ def verify_build(build: str | os.PathLike, steps: int, losses: dict[int, list[fl
         programs = {int(r): Program.from_dict(d) for r, d in
                     read_build_file(build, "programs.json", "per-rank Programs file").items()}
         specs = {int(s): StageSpec.from_dict(d) for s, d in info["stages"].items()}
-    tol = dict(TOLERANCES.get(spec.dtype, TOLERANCES["fp32"]))
+    tol = dict(TOLERANCES.get(spec.dtype, TOLERANCES[DType.FP32]))
     if rtol is not None:
         tol.update(grad_rtol=rtol, loss=rtol, stats=rtol, floor=rtol)
     if atol is not None:
@@ -335,7 +336,7 @@ def _check_steps(cmp: Verification, build: Path, spec: TrainSpec, programs: dict
         cmp.fail(f"{e}; run with --verify (it records the steps)")
         return sensitive
     mesh = programs[0].mesh
-    exact_spec = spec.replace(dtype="fp32", loss_scale=None)
+    exact_spec = spec.replace(dtype=DType.FP32.value, loss_scale=None)
     outcomes = read_outcomes(build / "run")
     with rank_threads():
         model = build_model(spec)

@@ -39,6 +39,7 @@ from planner.graph.ops import module_path_of, op_base
 from planner.strategies.tensor.split.rules import TensorSplitError
 from runtime.materialize import CONTEXT
 from runtime.program.shards import FeatureSplit
+from runtime.vocab import OpKind
 
 # scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
 # grouped-query attention (fewer key/value heads) needs no flag of its own: context_attention reads the heads
@@ -121,7 +122,7 @@ def context_graph(gm: fx.GraphModule, inputs: dict[str, Any], *, graph: ModelGra
         return causal[m.name]
 
     for n in list(g.nodes):   # first: a mask's arithmetic reads the whole sequence's sizes and positions
-        if kinds.get(n.name) == "attention":
+        if kinds.get(n.name) == OpKind.ATTENTION:
             _attention(g, n, context, spec, is_causal_mask)
     seq_inputs = [n for n in placeholders if _has_sequence(full[n.name], spec)]
     for n in reversed(seq_inputs):

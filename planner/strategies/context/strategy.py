@@ -30,7 +30,7 @@ from cost_models.overlap import DeviceWork
 from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, OpInfo
 from planner.strategies.base import Strategy
-from runtime.vocab import Collective, ContextAttention, DType, MeshAxis, RecomputeMode, ShardRole, StrategyName
+from runtime.vocab import Collective, ContextAttention, DType, MeshAxis, OpKind, RecomputeMode, ShardRole, StrategyName
 
 # The search proposes a context degree only where each rank keeps at least this many tokens of a
 # sequence. A ring step's block attention (4 n^2 H D FLOPs for n tokens per rank) hides its key/value
@@ -74,7 +74,7 @@ def sequence_length(ev) -> int:
     """Tokens per sequence of the Evaluator `ev`'s graph, read off its attention ops; ConfigError when
     it has none or they disagree."""
     def find() -> int:
-        seqs = {attention_shape(n).seq for n in ev.graph.nodes if n.kind == "attention"}
+        seqs = {attention_shape(n).seq for n in ev.graph.nodes if n.kind == OpKind.ATTENTION}
         if not seqs:
             raise ConfigError("context parallelism splits the sequence that attention runs over, and this "
                               "model has no attention op; use context=1")
@@ -127,7 +127,7 @@ def _dropout_refusal(ev) -> str | None:
     run `ev`'s model, or None: an attention op with dropout (scaled_dot_product_attention's dropout_p,
     keyword or fifth argument); codegen/strategies/context/stage_code.py refuses the same at build time."""
     for n in ev.graph.nodes:
-        p = n.attr("dropout_p", n.attr("arg4", 0.0)) if n.kind == "attention" else 0.0
+        p = n.attr("dropout_p", n.attr("arg4", 0.0)) if n.kind == OpKind.ATTENTION else 0.0
         if isinstance(p, (int, float)) and p > 0:
             return (f"context parallelism runs attention without dropout, but attention op {n.name!r} "
                     f"({n.module_path or 'the top level'}) has dropout_p={p}; set the model's attention dropout "
@@ -141,7 +141,7 @@ def _ulysses_refusal(ev, config: ParallelConfig) -> str | None:
     for layer in ev.graph.layers:
         for name in layer.nodes:
             n = ev.node(name)
-            if n.kind != "attention":
+            if n.kind != OpKind.ATTENTION:
                 continue
             heads, kv = _local_heads(ev, layer, n, config)
             for what, count in (("attention heads", heads), ("key/value heads", kv)):
@@ -185,7 +185,7 @@ def adjust(ev, layer: Layer, cost, config: ParallelConfig):
         ex_f = ex_b = buffers = 0.0
         for name in layer.nodes:
             n = ev.node(name)
-            if n.kind == "attention":
+            if n.kind == OpKind.ATTENTION:
                 seconds, nbytes = exchange(ev, layer, n, config)
                 ex_f += seconds.forward
                 ex_b += seconds.backward

@@ -24,7 +24,8 @@ from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
 from planner.stage_split import balanced_partition
 from planner.strategies.base import Bounds, Fits, Strategy
-from runtime.vocab import Collective, DType, MeshAxis, RecomputeMode, SpatialBatchNorm, SpatialSplit, StrategyName
+from runtime.vocab import (Collective, DType, MeshAxis, OpKind, RecomputeMode, SpatialBatchNorm, SpatialSplit,
+                           StrategyName)
 
 # A tile thinner than this (rows of the last spatial layer's output) spends more on halos than it
 # saves; the search does not propose it (the user may still ask for it).
@@ -34,19 +35,19 @@ _WINDOW_TARGETS = ("Conv2d", "conv2d", "MaxPool2d", "AvgPool2d", "max_pool2d", "
 
 
 def _is_window(n: OpInfo) -> bool:
-    return n.kind in ("conv", "pool") and n.target.rsplit(".", 1)[-1] in _WINDOW_TARGETS and \
+    return n.kind in (OpKind.CONV, OpKind.POOL) and n.target.rsplit(".", 1)[-1] in _WINDOW_TARGETS and \
         bool(n.input_meta) and len(n.input_meta[0].shape) == 4
 
 
 def _tileable(n: OpInfo) -> bool:
     """Whether the generated stage code runs this node on image tiles (codegen/strategies/spatial/tiles.py)."""
-    if n.kind in ("input", "scalar"):
+    if n.kind in (OpKind.INPUT, OpKind.SCALAR):
         return True
     if _is_window(n):
         return True
-    if n.kind == "norm":
+    if n.kind == OpKind.NORM:
         return n.target.endswith("BatchNorm2d")
-    if n.kind == "elementwise":
+    if n.kind == OpKind.ELEMENTWISE:
         return bool(n.output_meta) and len(n.output_meta[0].shape) == 4
     return False
 
@@ -76,7 +77,7 @@ class SpatialPricer:
                     out_hw = tuple(n.output_meta[0].shape[-2:])
             self.geometry.append(_LayerGeometry(
                 tuple(n for n in ops if _is_window(n)),
-                tuple(n.input_meta[0].shape[1] for n in ops if n.kind == "norm" and n.input_meta),
+                tuple(n.input_meta[0].shape[1] for n in ops if n.kind == OpKind.NORM and n.input_meta),
                 out_hw))
             if prefix_open and all(_tileable(n) for n in ops):
                 self.tileable_prefix += 1

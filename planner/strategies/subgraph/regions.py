@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.graph.model import ModelGraph
+from runtime.vocab import OpKind
 
 
 class SubgraphError(ValueError):
@@ -108,12 +109,12 @@ def split_regions(graph: ModelGraph, sub_grids: int) -> tuple[Region, ...]:
         exits, ok = [], True
         for p in br.paths:
             inside = set(p)
-            if any(a not in inside and a != br.fork and info[a].kind not in ("param", "scalar")
+            if any(a not in inside and a != br.fork and info[a].kind not in (OpKind.PARAM, OpKind.SCALAR)
                    for x in p for a in info[x].inputs if a in info):
                 ok = False
                 break
             leaving = [x for x in p if users[x] - inside]
-            if len(leaving) != 1 or any(info[x].kind in ("param", "scalar") for x in p):
+            if len(leaving) != 1 or any(info[x].kind in (OpKind.PARAM, OpKind.SCALAR) for x in p):
                 ok = False
                 break
             exits.append(leaving[0])
@@ -172,7 +173,7 @@ def module_owners(graph: ModelGraph, regions: tuple[Region, ...]) -> dict[str, i
                 if info[x].op == "call_module" and info[x].module_path:
                     out[info[x].module_path] = owner
                 for i in info[x].inputs:   # torch.export: the op reads its weight through a get_attr
-                    if i in info and info[i].op == "get_attr" and info[i].kind == "param":
+                    if i in info and info[i].op == "get_attr" and info[i].kind == OpKind.PARAM:
                         out[info[i].target] = owner
     return out
 

@@ -25,12 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.graph.model import ModelGraph, OpInfo
-from runtime.vocab import ShardRole
+from runtime.vocab import OpKind, ShardRole
 
 # Ops that act independently on each output feature / head / channel, so a
 # tensor split on that dimension can flow through them unchanged.
-_TRANSPARENT = ("elementwise", "view", "attention", "softmax", "matmul", "pool", "concat")
-_WEIGHT = ("linear", "conv")
+_TRANSPARENT = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.ATTENTION, OpKind.SOFTMAX, OpKind.MATMUL, OpKind.POOL,
+                OpKind.CONCAT)
+_WEIGHT = (OpKind.LINEAR, OpKind.CONV)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
     for n in graph.nodes:
         if n.name in roles:
             continue
-        if n.kind == "embedding" and _has_weight(n, by_name) and _indexed_by_input(n, by_name):
+        if n.kind == OpKind.EMBEDDING and _has_weight(n, by_name) and _indexed_by_input(n, by_name):
             vocab = _param_rows(n, by_name)
             roles[n.name] = NodeShard(ShardRole.VOCAB, fwd_allreduce=n.output_bytes, region=next_region,
                                       split_size=vocab)
@@ -106,7 +107,7 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
             bwd_bytes = sum(by_name[i].output_bytes for i in bwd_inputs)
             region = next_region
             next_region += 1
-            has_heads = any(by_name[i].kind == "attention" for i in inner)
+            has_heads = any(by_name[i].kind == OpKind.ATTENTION for i in inner)
             size = 0 if has_heads else max(_out_features(by_name[c]) for c in cols)
             for k, c in enumerate(sorted(cols, key=_order(graph))):
                 roles[c] = NodeShard(ShardRole.COLUMN_OUT if to_output else ShardRole.COLUMN,
@@ -115,7 +116,7 @@ def find_sharding(graph: ModelGraph) -> ShardingPlan:
                                     True, region))
             for i in inner:
                 roles[i] = NodeShard(ShardRole.INNER, region=region, split_size=size)
-                if by_name[i].kind == "attention" and by_name[i].input_meta:
+                if by_name[i].kind == OpKind.ATTENTION and by_name[i].input_meta:
                     where = by_name[i].module_path or i
                     heads = by_name[i].input_meta[0].shape[1]
                     constraints.append((f"the heads of {where}", heads, False, region))
@@ -140,7 +141,7 @@ def _kv_heads(attn: OpInfo, by_name: dict, anc: dict[str, bool]) -> int:
     heads = attn.input_meta[1].shape[1]
     cur = by_name.get(attn.inputs[1])
     for _ in range(64):   # a repeat and a rotary embedding are a dozen ops; far below this bound
-        if cur is None or cur.kind not in ("view", "elementwise", "concat") or not cur.output_meta:
+        if cur is None or cur.kind not in (OpKind.VIEW, OpKind.ELEMENTWISE, OpKind.CONCAT) or not cur.output_meta:
             break
         shape = tuple(cur.output_meta[0].shape)
         if len(shape) == 4 and shape[0] == batch and shape[2:] == rest:
@@ -160,11 +161,11 @@ def _has_weight(n: OpInfo, by_name: dict | None = None) -> bool:
     weight's second user owns none: GPT-2's output layer reads the token embedding's)."""
     if n.param_count > 0 or n.op == "call_module" or any(True for _ in n.param_names):
         return True
-    return by_name is not None and any(by_name[i].kind == "param" for i in n.inputs if i in by_name)
+    return by_name is not None and any(by_name[i].kind == OpKind.PARAM for i in n.inputs if i in by_name)
 
 
 def _is_activation(n: OpInfo | None) -> bool:
-    return n is not None and n.kind not in ("param", "scalar") and bool(n.output_meta)
+    return n is not None and n.kind not in (OpKind.PARAM, OpKind.SCALAR) and bool(n.output_meta)
 
 
 def _weight_ancestry(graph: ModelGraph) -> dict[str, bool]:
@@ -176,7 +177,7 @@ def _weight_ancestry(graph: ModelGraph) -> dict[str, bool]:
     anc: dict[str, bool] = {}
     by_name = {n.name: n for n in graph.nodes}
     for n in graph.nodes:
-        anc[n.name] = (n.kind in _WEIGHT and _has_weight(n, by_name)) or n.kind == "embedding" or \
+        anc[n.name] = (n.kind in _WEIGHT and _has_weight(n, by_name)) or n.kind == OpKind.EMBEDDING or \
             any(anc.get(i, False) for i in n.inputs)
     return anc
 
@@ -192,7 +193,7 @@ def _grow_region(start: OpInfo, by_name, users, roles, anc):
         return n.kind in _WEIGHT and _has_weight(n, by_name)
 
     def transparent(n: OpInfo) -> bool:
-        return n.kind in _TRANSPARENT or (n.kind == "norm" and "atch" in n.target)
+        return n.kind in _TRANSPARENT or (n.kind == OpKind.NORM and "atch" in n.target)
 
     # Grow forward from every member until the region is closed, then pull in
     # sibling paths that feed its ops (k and v beside q); repeat until stable.
@@ -211,9 +212,9 @@ def _grow_region(start: OpInfo, by_name, users, roles, anc):
                     # BatchNorm normalizes per channel: transparent to a channel split.
                     inner.add(u)
                     queue.append(u)
-                elif un.kind == "output":
+                elif un.kind == OpKind.OUTPUT:
                     to_output = True
-                elif un.kind == "scalar":
+                elif un.kind == OpKind.SCALAR:
                     continue
                 else:  # layer norm, loss: needs the whole feature dimension
                     return None
@@ -263,12 +264,12 @@ def _indexed_by_input(n: OpInfo, by_name) -> bool:
     seen = 0
     cur = by_name.get(n.inputs[-1]) if n.op == "call_module" else None
     if cur is None:  # functional embedding(weight, ids): ids is the activation input
-        acts = [by_name[i] for i in n.inputs if by_name.get(i) is not None and by_name[i].kind != "param"]
+        acts = [by_name[i] for i in n.inputs if by_name.get(i) is not None and by_name[i].kind != OpKind.PARAM]
         cur = acts[0] if acts else None
     while cur is not None and seen < 16:
-        if cur.kind == "input":
+        if cur.kind == OpKind.INPUT:
             return True
-        if cur.kind != "view" or not cur.inputs:
+        if cur.kind != OpKind.VIEW or not cur.inputs:
             return False
         cur = by_name.get(cur.inputs[0])
         seen += 1
@@ -277,14 +278,14 @@ def _indexed_by_input(n: OpInfo, by_name) -> bool:
 
 def _out_features(n: OpInfo) -> int:
     shape = n.output_meta[0].shape
-    return shape[1] if n.kind == "conv" else shape[-1]
+    return shape[1] if n.kind == OpKind.CONV else shape[-1]
 
 
 def _param_rows(n: OpInfo, by_name: dict) -> int:
     """Rows of an embedding table: bytes / (row bytes) from the output's last dim, or the
     shape of the table it reads directly (a tied table's second user owns no parameters)."""
     if not n.param_count:
-        table = next((by_name[i] for i in n.inputs if i in by_name and by_name[i].kind == "param"), None)
+        table = next((by_name[i] for i in n.inputs if i in by_name and by_name[i].kind == OpKind.PARAM), None)
         return table.output_meta[0].shape[0] if table is not None and table.output_meta else 0
     dim = n.output_meta[0].shape[-1]
     elem = n.param_bytes // max(n.param_count, 1)

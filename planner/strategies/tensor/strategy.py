@@ -26,7 +26,7 @@ from planner.graph.model import Layer, OpInfo
 from planner.ilp import Edge, RegionOption, choose_shardings
 from planner.strategies.base import Strategy
 from planner.strategies.tensor.split.sequence import SequenceSplit, sequence_stream
-from runtime.vocab import Collective, DType, MeshAxis, ShardRole, StrategyName
+from runtime.vocab import Collective, DType, MeshAxis, OpKind, ShardRole, StrategyName
 
 
 class TensorStrategy(Strategy):
@@ -190,12 +190,12 @@ def _partial_grads(ev, n: OpInfo, role: str, seq: SequenceSplit) -> list[float]:
             has_bias = any(p.endswith("bias") for p in n.param_names)
             return [n.output_meta[0].shape[-1] * n.param_bytes / n.param_count] if has_bias and n.param_count else []
         return [m.output_bytes for m in map(ev.node, n.inputs)
-                if m.kind == "param" and len(m.output_meta[0].shape) == 1]
+                if m.kind == OpKind.PARAM and len(m.output_meta[0].shape) == 1]
     if role != ShardRole.REPLICATE or n.name not in seq.split:
         return []
     if n.op == "call_module":
         return [n.param_bytes / len(n.param_names)] * len(n.param_names) if n.param_names else []
-    return [m.output_bytes for m in map(ev.node, n.inputs) if m.kind == "param" and str(m.target) in seq.params]
+    return [m.output_bytes for m in map(ev.node, n.inputs) if m.kind == OpKind.PARAM and str(m.target) in seq.params]
 
 
 def sequence_boundary_share(ev, layer: Layer, config: ParallelConfig) -> int:

@@ -26,12 +26,12 @@ from functools import cached_property
 from planner.config import ConfigError
 from planner.graph.model import ModelGraph, OpInfo
 from runtime.documents import Fields
-from runtime.vocab import ShardRole
+from runtime.vocab import OpKind, ShardRole
 
 SEQUENCE_DIM = 1   # (B, T, C): the batch first, the sequence second
 
 # Ops that act on every token alone. Names as planner.graph records the target (its last part).
-_PER_TOKEN_KINDS = ("elementwise", "norm", "view")
+_PER_TOKEN_KINDS = (OpKind.ELEMENTWISE, OpKind.NORM, OpKind.VIEW)
 # elementwise-kind ops that mix tokens, which a sequence split must not pass through
 _MIXING = ("cumsum", "cumprod", "diff", "flip", "roll", "index", "gather", "scatter", "sort", "cummax", "cummin",
            "arange", "new_ones", "new_zeros", "triu", "tril")
@@ -118,7 +118,7 @@ def _per_token(n: OpInfo, src: tuple[int, ...]) -> bool:
     if n.kind not in _PER_TOKEN_KINDS or _base(n) in _MIXING or len(n.output_meta) != 1:
         return False
     out = tuple(n.output_meta[0].shape)
-    if n.kind == "view":
+    if n.kind == OpKind.VIEW:
         return out == src
     return len(out) == len(src) and out[:2] == src[:2]
 
@@ -174,7 +174,7 @@ def sequence_stream(graph: ModelGraph, roles: dict[str, str], tensor: int) -> Se
                 dim = SEQUENCE_DIM - (len(src) - len(ms))
                 if 0 <= dim < len(ms) and ms[dim] != 1:
                     scatters.append((n.name, i, dim))   # its gradient is all-reduced where it is cut
-                elif m.kind == "param":
+                elif m.kind == OpKind.PARAM:
                     params.append(str(m.target))
             if n.op == "call_module" and n.param_names:
                 params.append(n.module_path)
