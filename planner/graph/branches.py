@@ -12,7 +12,7 @@ independent by construction.
 
 from __future__ import annotations
 
-from planner.graph.model import Branch, OpInfo
+from planner.graph.model import Branch, BranchKind, OpInfo
 from planner.graph.layers import NodeView
 from runtime.vocab import OpKind
 
@@ -49,14 +49,14 @@ def find_branches(infos: tuple[OpInfo, ...], views: list[NodeView]) -> tuple[Bra
             # in graph order (the components come out of sets): the same model gives the same plan file
             paths = tuple(sorted((tuple(sorted(c, key=order.__getitem__)) for c in real),
                                  key=lambda p: order[p[0]]))
-            branches.append(Branch(kind="parallel", fork=f, join=join, paths=paths,
+            branches.append(Branch(kind=BranchKind.PARALLEL, fork=f, join=join, paths=paths,
                                    width=len(paths), module_path=module_of.get(join, "")))
 
     for info in infos:
         if info.kind == OpKind.ATTENTION and info.input_meta and len(info.input_meta[0].shape) == 4:
             heads = info.input_meta[0].shape[1]  # q: (B, H, T, D)
             if heads > 1:
-                branches.append(Branch(kind="heads", fork=info.name, join=info.name, paths=(),
+                branches.append(Branch(kind=BranchKind.HEADS, fork=info.name, join=info.name, paths=(),
                                        width=heads, module_path=info.module_path))
     return tuple(branches)
 

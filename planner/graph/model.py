@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,13 @@ class Layer:
     side_inputs: tuple[str, ...]
 
 
+class BranchKind(StrEnum):
+    """What a Branch's independent paths are (planner/graph/branches.py finds both)."""
+
+    PARALLEL = "parallel"   # separate chains of nodes between a fork and a join (Inception branches)
+    HEADS = "heads"         # the heads of one attention op
+
+
 @dataclass(frozen=True)
 class Branch:
     """A fork/join region whose paths are independent (sub-graph parallelism).
@@ -122,12 +130,15 @@ class Branch:
     is empty and `fork`/`join` are the attention node itself.
     """
 
-    kind: str
+    kind: BranchKind
     fork: str
     join: str
     paths: tuple[tuple[str, ...], ...]
     width: int                     # number of independent paths (heads for kind "heads")
     module_path: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", BranchKind(self.kind))   # a graph file holds the text
 
 
 @dataclass(frozen=True)

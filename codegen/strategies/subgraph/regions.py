@@ -26,7 +26,7 @@ import torch.fx as fx
 from codegen.partition import StageCut
 from codegen.pysrc import graph_method
 from codegen.stage_parts import StageCodePart
-from planner.strategies.subgraph.regions import Region
+from planner.strategies.subgraph.regions import Region, RegionKind
 from runtime.parallel.subgraph.regions import SubgraphContext
 
 
@@ -73,7 +73,7 @@ def skipped_nodes(regions: dict[str, RegionCode]) -> set[str]:
 
 def region_inputs(code: RegionCode, nodes: dict[str, fx.Node]) -> list[str]:
     """The values the region call reads: the fork value (paths), or q, k, v (heads)."""
-    if code.region.kind == "heads":
+    if code.region.kind == RegionKind.HEADS:
         return [a.name for a in nodes[code.region.fork].args[:3]]
     return [code.region.fork]
 
@@ -82,7 +82,7 @@ def insert_region_call(lg: fx.Graph, env: dict, code: RegionCode, nodes: dict[st
     """Add `self.<region>(inputs)` to the layer graph `lg`, and one getitem per path exit
     (heads: the call's value is the attention output)."""
     call = lg.call_module(code.name, tuple(env[a] for a in region_inputs(code, nodes)))
-    if code.region.kind == "heads":
+    if code.region.kind == RegionKind.HEADS:
         env[code.region.fork] = call
         return
     for k, e in enumerate(code.region.exits):
@@ -92,7 +92,7 @@ def insert_region_call(lg: fx.Graph, env: dict, code: RegionCode, nodes: dict[st
 def region_methods(code: RegionCode, nodes: dict[str, fx.Node]) -> tuple[list[str], dict, dict[str, int]]:
     """(method sources, their globals, module path or directly read weight -> owning sub-grid) for one region."""
     r = code.region
-    if r.kind == "heads":
+    if r.kind == RegionKind.HEADS:
         return _heads_method(code, nodes[r.fork])
     methods, globs, owners = [], {}, {}
     names = []

@@ -23,13 +23,21 @@ heads' slice) are all-reduced.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-from planner.graph.model import ModelGraph
+from planner.graph.model import BranchKind, ModelGraph
 from runtime.vocab import OpKind
 
 
 class SubgraphError(ValueError):
     """A sub-graph split that cannot be made; the message says what to change."""
+
+
+class RegionKind(StrEnum):
+    """What a Region's paths are: chains of nodes (a "parallel" Branch), or head groups of one attention op."""
+
+    PATHS = "paths"
+    HEADS = "heads"
 
 
 @dataclass(frozen=True)
@@ -51,12 +59,12 @@ class Region:
     exits: tuple[str, ...]
     owners: tuple[int, ...]
     cost: tuple[float, ...]
-    kind: str = "paths"
+    kind: RegionKind = RegionKind.PATHS
     heads: int = 0
 
     def to_dict(self) -> dict:
         return {"fork": self.fork, "join": self.join, "layer": self.layer,
-                **({"kind": "heads", "heads": self.heads} if self.kind == "heads" else {}),
+                **({"kind": str(self.kind), "heads": self.heads} if self.kind == RegionKind.HEADS else {}),
                 "paths": [{"nodes": list(p), "exit": e, "sub_grid": o, "flops": c}
                           for p, e, o, c in zip(self.paths, self.exits, self.owners, self.cost)]}
 
@@ -77,11 +85,12 @@ class Region:
             exits.append(p["exit"])
             owners.append(p["sub_grid"])
             cost.append(float(p["flops"]))
-        kind = f.text("kind") if "kind" in f.data else "paths"
-        if kind not in ("paths", "heads"):
-            raise f.error("kind", f"is {kind!r}; known: paths, heads")
-        heads = f.integer("heads", minimum=1) if kind == "heads" else 0
-        if kind == "heads" and heads % len(nodes):
+        kind = f.text("kind") if "kind" in f.data else RegionKind.PATHS
+        if kind not in tuple(RegionKind):
+            raise f.error("kind", f"is {kind!r}; known: {', '.join(RegionKind)}")
+        kind = RegionKind(kind)
+        heads = f.integer("heads", minimum=1) if kind == RegionKind.HEADS else 0
+        if kind == RegionKind.HEADS and heads % len(nodes):
             raise f.error("heads", f"is {heads}, not a multiple of its {len(nodes)} head groups")
         return cls(fork=f.text("fork"), join=f.text("join"), layer=f.text("layer"), paths=tuple(nodes),
                    exits=tuple(exits), owners=tuple(owners), cost=tuple(cost), kind=kind, heads=heads)
@@ -101,7 +110,7 @@ def split_regions(graph: ModelGraph, sub_grids: int) -> tuple[Region, ...]:
     taken: set[str] = set()
     out = []
     for br in graph.branches:
-        if br.kind != "parallel" or len(br.paths) < 2:
+        if br.kind != BranchKind.PARALLEL or len(br.paths) < 2:
             continue
         nodes = {x for p in br.paths for x in p}
         if nodes & taken or len({layer_of.get(x) for x in nodes}) != 1:
@@ -132,13 +141,13 @@ def split_regions(graph: ModelGraph, sub_grids: int) -> tuple[Region, ...]:
                           tuple(owners), cost))
     for br in graph.branches:
         n = info.get(br.fork)
-        if br.kind != "heads" or n is None or br.fork in taken or br.width % sub_grids or \
+        if br.kind != BranchKind.HEADS or n is None or br.fork in taken or br.width % sub_grids or \
                 not _plain_attention(n):
             continue
         taken.add(br.fork)
         share = float(n.fwd_flops + n.bwd_flops) / sub_grids
         out.append(Region(br.fork, br.fork, layer_of[br.fork], ((br.fork,),) * sub_grids, (br.fork,) * sub_grids,
-                          tuple(range(sub_grids)), (share,) * sub_grids, kind="heads", heads=br.width))
+                          tuple(range(sub_grids)), (share,) * sub_grids, kind=RegionKind.HEADS, heads=br.width))
     return tuple(out)
 
 
@@ -182,7 +191,7 @@ def describe_regions(regions: tuple[Region, ...], sub_grids: int) -> list[str]:
     """One line per region: which sub-grid runs which paths (for summary and explain)."""
     lines = []
     for r in regions:
-        if r.kind == "heads":
+        if r.kind == RegionKind.HEADS:
             h = r.heads // len(r.paths)
             lines.append(f"{r.layer}: {r.fork} heads " + "; ".join(f"{g * h}-{g * h + h - 1} on sub-grid {g}"
                                                                    for g in r.owners))

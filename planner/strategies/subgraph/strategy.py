@@ -22,7 +22,7 @@ from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer
 from planner.strategies.base import Strategy
 from planner.strategies.subgraph.part import SubgraphRegions
-from planner.strategies.subgraph.regions import Region, check_splittable, split_regions
+from planner.strategies.subgraph.regions import Region, RegionKind, check_splittable, split_regions
 from runtime.vocab import Collective, DType, MeshAxis, ShardRole, StrategyName
 
 # config.mesh's name for the sub-grid axis; it becomes MeshAxis.SUBGRAPH with the vocabulary's axis rename.
@@ -102,7 +102,7 @@ def region_comm_seconds(ev, config: ParallelConfig, region: Region) -> tuple[flo
     """(forward, backward) seconds of one region's collectives for one micro-batch:
     a broadcast of every path output, and an all-reduce of the fork value's gradient."""
     scale = config.micro_batch_size / ev.graph.batch_size * DType(config.dtype).bytes / 4
-    if region.kind == "heads":   # all-gather of the output along the heads; all-reduce of dq, dk, dv
+    if region.kind == RegionKind.HEADS:   # all-gather of the output along the heads; all-reduce of dq, dk, dv
         attn = ev.node(region.fork)
         sizes = ((Collective.ALL_GATHER, attn.output_bytes * scale),
                  (Collective.ALL_REDUCE, sum(m.nbytes for m in attn.input_meta) * scale))
@@ -122,7 +122,7 @@ def _split_cost(ev, regions: list[Region], cost, config: ParallelConfig):
     fwd, bwd, saved, params = cost.forward, cost.backward, cost.saved, cost.params
     sub_f, sub_b = cost.on(SUBGRID_AXIS).forward, cost.on(SUBGRID_AXIS).backward
     for r in regions:
-        if r.kind == "heads":    # each sub-grid runs 1/B of the heads of one attention op
+        if r.kind == RegionKind.HEADS:    # each sub-grid runs 1/B of the heads of one attention op
             c = ev.node_cost(ev.node(r.fork), ShardRole.REPLICATE, config)
             share = 1 - 1 / config.subgraph
             fwd -= c.fwd * share
