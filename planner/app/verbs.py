@@ -14,7 +14,8 @@ import torch
 
 from cost_models import local_machine
 from cost_models.calibration.gpu_calibrate import calibrate_gpu, calibration_device
-from cost_models.hardware import LOCAL_PRESET, Cluster
+from cost_models.hardware import Cluster
+from cost_models.presets import LOCAL_PRESET
 from cost_models.op_table import format_op_table, measured_rows
 from cost_models.overlap import Overlap, stack_selective
 from cost_models.simulate import simulate_steady

@@ -11,7 +11,8 @@ from cost_models.calibration.gpu_calibrate import GpuInfo, calibration_device, g
 from cost_models.calibration.gpu_ops import (FAMILIES, OpSpec, Timer, _input_sets, gpu_op_specs, host_timer,
                                              measure_ops, row_of)
 from cost_models.gpu_costs import gpu_costs
-from cost_models.hardware import Cluster, ClusterFileError
+from cost_models.cluster_file import ClusterFileError
+from cost_models.hardware import Cluster
 from cost_models.op_table import GPU_OPS_KEY, OpRow, format_op_table, measured_rows, parse_op_table
 from planner.app import cli, verbs
 
