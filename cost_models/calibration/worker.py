@@ -54,7 +54,7 @@ from cost_models.calibration.executor import time_executor
 from cost_models.calibration.ops import _block_case, time_block, time_op_kinds, time_optimizer_steps
 from cost_models.calibration.stage import time_stage_calls, time_tensor_parallel, time_zero_grad
 from cost_models.local_machine import _measure_compute_and_memory
-from runtime.comm import TorchCommunicator
+from runtime.comm.torch_dist import TorchCommunicator
 from runtime.comm.mpi import MpiCommunicator
 from runtime.vocab import Backend
 

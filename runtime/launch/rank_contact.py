@@ -36,7 +36,7 @@ def make_comm(backend: str, rank: int, world_size: int, args, device, join: Call
         if comm.rank != rank:
             raise LaunchError(f"MPI says this process is rank {comm.rank}, but this is the script of rank {rank}")
         return comm
-    from runtime.comm import TorchCommunicator
+    from runtime.comm.torch_dist import TorchCommunicator
 
     return TorchCommunicator(backend, rank, world_size, args.master_addr, args.master_port, timeout=args.timeout,
                              use_agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
