@@ -22,7 +22,8 @@ from cost_models.simulate import simulate_steady
 from planner.app import calibrate_run
 from planner.app.cli_args import MAX_WORLD, OutputError, check_constraints, output_dir, output_file, refuse_existing
 from planner.app.commands import codegen_command, read_checked_build, run_command
-from planner.app.compare import compare_build, draw, predicted_costs
+from planner.app.build_costs import predicted_costs
+from planner.app.compare import compare_build, draw
 from planner.app.report import write_report
 from planner.app.visualize import FIGURES, FORMATS, output_stem, visualize
 from planner.graph.capture import capture_ref

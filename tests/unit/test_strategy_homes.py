@@ -47,7 +47,7 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "planner/strategies/context/strategy.py": (("tensor",), "its exchange over the tensor ranks' heads"),
     "planner/strategies/spatial/strategy.py": (("tensor",), "the tensor degree in its layer costs' cache key"),
     "planner/app/commands.py": (("tensor",), "the splittable regions of a fixed configuration"),
-    "planner/app/compare.py": (("tensor",), "the predicted costs of the vocabulary split"),
+    "planner/app/build_costs.py": (("tensor",), "the predicted costs of the vocabulary split"),
     "planner/app/mesh_view.py": (("tensor",), "the mesh picture"),
     "planner/app/schedule_view.py": (("tensor",), "the schedule picture's rank layout"),
     "planner/app/visualize.py": (("tensor",), "the pictures"),
