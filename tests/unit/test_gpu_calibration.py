@@ -8,8 +8,8 @@ import torch
 from cost_models.calibration import gpu_ops
 from cost_models.calibration.calibrate import CalibrationError
 from cost_models.calibration.gpu_calibrate import GpuInfo, calibration_device, gpu_cluster
-from cost_models.calibration.gpu_ops import (FAMILIES, OpSpec, Timer, _input_sets, gpu_op_specs, host_timer,
-                                             measure_ops, row_of)
+from cost_models.calibration.gpu_families import FAMILIES, OpSpec, row_of
+from cost_models.calibration.gpu_ops import Timer, _input_sets, gpu_op_specs, host_timer, measure_ops
 from cost_models.gpu_costs import gpu_costs
 from cost_models.cluster_file import ClusterFileError
 from cost_models.hardware import Cluster
