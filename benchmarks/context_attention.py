@@ -65,7 +65,7 @@ def allgather_attention(q, k, v, group, layout):
 def _worker(rank: int, world: int, port: int, args, results) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from runtime.comm import TorchCommunicator
+    from runtime.comm.torch_dist import TorchCommunicator
     from runtime.parallel.context.attention import chunk_layout, context_attention
 
     comm = TorchCommunicator("gloo", rank, world, "127.0.0.1", port, timeout=300)

@@ -43,7 +43,8 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as torch_dcp  # noqa: E402
 
 import planner  # noqa: E402
-from cost_models.hardware import Cluster, ClusterFileError  # noqa: E402
+from cost_models.cluster_file import ClusterFileError  # noqa: E402
+from cost_models.hardware import Cluster  # noqa: E402
 from examples.models import gpt  # noqa: E402
 from fuzz_mutations import mutate, sample_program_docs  # noqa: E402
 from planner import Plan, PlanFileError  # noqa: E402

@@ -53,7 +53,7 @@ def rank_main(rank: int, world: int, port: int, side: int, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     from codegen.strategies.spatial.tiles import tile_model
-    from runtime.comm import TorchCommunicator
+    from runtime.comm.torch_dist import TorchCommunicator
     from runtime.parallel.spatial.geometry import TileLayout
 
     comm = TorchCommunicator("gloo", rank, world, "127.0.0.1", port, timeout=120)

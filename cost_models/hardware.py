@@ -9,20 +9,9 @@ Every figure is in SI units: bytes, bytes/s, seconds, FLOP/s, watts. Link bandwi
 per device and one direction (what one rank can send while it also receives).
 
 Clusters come from presets (:meth:`Cluster.preset`: published DGX A100 / DGX H100 /
-Summit figures, or ``local``, measured on this machine), or from YAML/JSON files
-(:meth:`Cluster.load`) laid out like :meth:`Cluster.to_dict`::
-
-    format_version: 1                      # optional
-    name: my-cluster
-    num_nodes: 2
-    devices_per_node: 8
-    device: {name: A100, kind: gpu, peak_flops: {bf16: 312e12, fp32: 19.5e12},
-             memory_bytes: 85899345920, memory_bandwidth: 2.0e12,
-             active_watts: 400, idle_watts: 60}
-    intra_node: {bandwidth: 300e9, latency: 3e-6}
-    inter_node: {bandwidth: 25e9, latency: 6e-6}
-    source: where the figures came from    # optional
-    measurements: {}                       # optional raw measured numbers (or tables of records), kept as is
+Summit figures, or ``local``, measured on this machine; cost_models/presets.py), or from YAML/JSON
+files (:meth:`Cluster.load`) laid out like :meth:`Cluster.to_dict` (cost_models/cluster_file.py).
+Each field's value is checked by cost_models/field_checks.py.
 
 Nothing here runs at import time; the ``local`` preset measures (once, then cached)
 only when asked for.
@@ -30,9 +19,6 @@ only when asked for.
 
 from __future__ import annotations
 
-import difflib
-import json
-import math
 import numbers
 import os
 from collections.abc import Iterable, Mapping
@@ -41,16 +27,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import yaml
+from cost_models.cluster_file import FORMAT_VERSION, built, check_layout, cluster_text, read_cluster_file
+from cost_models.field_checks import (KNOWN_DTYPES, FieldProblem, measurement_table, measurement_value, peak_table,
+                                      positive_int, real_number, text_field)
+from cost_models.presets import NodeSpec, preset_names, preset_spec
 
-from cost_models.presets import GPU_PRESETS, NodeSpec, local_spec
-from runtime.documents import FieldError, Fields, read_document
-
-
-FORMAT_VERSION = 1
-KNOWN_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 DEVICE_KINDS = ("gpu", "cpu")
-LOCAL_PRESET = "local"
 
 # Other spellings of the dtype names, e.g. str(torch.bfloat16) == "torch.bfloat16".
 _DTYPE_ALIASES = MappingProxyType(
@@ -58,137 +40,6 @@ _DTYPE_ALIASES = MappingProxyType(
 )
 
 _GiB = 2**30
-
-
-class ClusterFileError(ValueError):
-    """A cluster file (or dict) that cannot be used.
-
-    The message names the file, the field (dotted, e.g. ``device.memory_bytes``) and
-    what to do. ``path`` and ``field`` hold the same for programs (either may be None).
-    """
-
-    def __init__(self, message: str, *, path: str | None = None, field: str | None = None):
-        super().__init__(message)
-        self.path = path
-        self.field = field
-
-
-class _FieldError(ValueError):
-    """A bad value for ``owner.field`` (``field`` may be dotted: ``peak_flops.bf16``)."""
-
-    def __init__(self, owner: str, field: str, problem: str):
-        super().__init__(f"{owner}.{field} {problem}")
-        self.field = field
-        self.problem = problem
-
-
-# --- value checks, shared by the constructors and (through them) the file reader ------
-
-
-def _text(value: Any, owner: str, field: str, *, allow_empty: bool = False) -> str:
-    if not isinstance(value, str):
-        raise _FieldError(owner, field, f"must be text, got {value!r} ({type(value).__name__})")
-    if not allow_empty and not value.strip():
-        raise _FieldError(owner, field, "must not be empty")
-    return value
-
-
-def _positive_int(value: Any, owner: str, field: str, unit: str) -> int:
-    # A file may say 80e9 for a byte count: accept floats that are whole numbers.
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        got = f"{value!r} ({type(value).__name__})"
-        raise _FieldError(owner, field, f"must be a positive integer ({unit}), got {got}")
-    return int(value)
-
-
-def _number(value: Any, owner: str, field: str, unit: str, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        got = f"{value!r} ({type(value).__name__})"
-        raise _FieldError(owner, field, f"must be a number ({unit}), got {got}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        sign = "zero or positive" if allow_zero else "positive"
-        raise _FieldError(owner, field, f"must be {sign} and finite ({unit}), got {value!r}")
-    return value
-
-
-def _suggest(name: str, known: Iterable[str]) -> str:
-    """`` Did you mean 'x'?`` for the closest known name, or ``''``."""
-    close = difflib.get_close_matches(str(name), list(known), n=1)
-    return f" Did you mean '{close[0]}'?" if close else ""
-
-
-def _pairs(value: Any, owner: str, field: str, what: str) -> list[tuple[Any, Any]]:
-    """The (key, value) pairs of a mapping or of an iterable of pairs."""
-    items = value.items() if isinstance(value, Mapping) else value
-    try:
-        return [(key, item) for key, item in items]
-    except (TypeError, ValueError):
-        raise _FieldError(owner, field, f"must map {what}, got {value!r}") from None
-
-
-def _peak_table(value: Any) -> tuple[tuple[str, float], ...]:
-    """A dtype -> FLOP/s mapping (or pairs) as sorted, hashable pairs."""
-    pairs = _pairs(value, "Device", "peak_flops", "dtype names to FLOP/s")
-    if not pairs:
-        raise _FieldError("Device", "peak_flops", f"must give at least one of {KNOWN_DTYPES}")
-    table: dict[str, float] = {}
-    for dtype, flops in pairs:
-        field = f"peak_flops.{dtype}"
-        if dtype not in KNOWN_DTYPES:
-            hint = _suggest(dtype, KNOWN_DTYPES)
-            known = ", ".join(KNOWN_DTYPES)
-            raise _FieldError("Device", field, f"is not a known dtype.{hint} Known: {known}")
-        if dtype in table:
-            raise _FieldError("Device", field, "is given twice")
-        table[dtype] = _number(flops, "Device", field, "FLOP/s")
-    return tuple(sorted(table.items()))
-
-
-def _scalar(item: Any, field: str, *, allow_none: bool = False) -> int | float | str | None:
-    """A measured value JSON and YAML both carry exactly: an int, a finite float, text (or None)."""
-    if item is None and allow_none:
-        return None
-    if isinstance(item, bool) or not isinstance(item, (int, float, str)):
-        raise _FieldError("Cluster", field, f"must be a number or text{' or null' if allow_none else ''}, "
-                                            f"got {item!r}")
-    if isinstance(item, float) and not math.isfinite(item):
-        raise _FieldError("Cluster", field, f"must be finite, got {item!r}")
-    return item
-
-
-def _record_table(item: Any, field: str) -> tuple[tuple[tuple[str, Any], ...], ...]:
-    """A table of records (a list of mappings of column name -> number, text or null, e.g. the op rows
-    of a GPU calibration, raw.gpu_ops) as hashable nested pairs, rows and columns in their order."""
-    if not all(isinstance(row, (Mapping, tuple)) for row in item):
-        raise _FieldError("Cluster", field, f"must be a number, text or a list of records (mappings of column "
-                                            f"names to numbers, text or null), got {item!r}")
-    rows = []
-    for i, row in enumerate(item):
-        pairs = _pairs(row, "Cluster", f"{field}[{i}]", "column names to numbers, text or null")
-        if any(not isinstance(k, str) for k, _ in pairs) or len({k for k, _ in pairs}) != len(pairs):
-            raise _FieldError("Cluster", f"{field}[{i}]", "must have unique text column names")
-        rows.append(tuple((k, _scalar(v, f"{field}[{i}].{k}", allow_none=True)) for k, v in pairs))
-    return tuple(rows)
-
-
-def _measurement_table(value: Any) -> tuple[tuple[str, Any], ...]:
-    """Raw measurements (mapping or pairs of name -> number, text, or a table of records) as sorted pairs."""
-    pairs = _pairs(value, "Cluster", "measurements", "names to numbers, text or tables")
-    table: dict[str, Any] = {}
-    for key, item in pairs:
-        field = f"measurements.{key}"
-        if not isinstance(key, str) or key in table:
-            raise _FieldError("Cluster", field, "must be a unique text name")
-        table[key] = _record_table(item, field) if isinstance(item, (list, tuple)) else _scalar(item, field)
-    return tuple(sorted(table.items()))
-
-
-def _measurement_value(item: Any) -> Any:
-    """A measurement as the file holds it: a table of records as a list of mappings."""
-    return [dict(row) for row in item] if isinstance(item, tuple) else item
 
 
 # --- the value types ------------------------------------------------------------------
@@ -224,32 +75,32 @@ class Device:
     def __post_init__(self) -> None:
         # Frozen: check and normalize each field in place, once, here.
         set_, own = object.__setattr__, "Device"
-        set_(self, "name", _text(self.name, own, "name"))
-        set_(self, "peak_flops", _peak_table(self.peak_flops))
-        set_(self, "memory_bytes", _positive_int(self.memory_bytes, own, "memory_bytes", "bytes"))
+        set_(self, "name", text_field(self.name, own, "name"))
+        set_(self, "peak_flops", peak_table(self.peak_flops))
+        set_(self, "memory_bytes", positive_int(self.memory_bytes, own, "memory_bytes", "bytes"))
         set_(
             self,
             "memory_bandwidth",
-            _number(self.memory_bandwidth, own, "memory_bandwidth", "bytes/s"),
+            real_number(self.memory_bandwidth, own, "memory_bandwidth", "bytes/s"),
         )
-        set_(self, "active_watts", _number(self.active_watts, own, "active_watts", "watts"))
+        set_(self, "active_watts", real_number(self.active_watts, own, "active_watts", "watts"))
         set_(
             self,
             "idle_watts",
-            _number(self.idle_watts, own, "idle_watts", "watts", allow_zero=True),
+            real_number(self.idle_watts, own, "idle_watts", "watts", allow_zero=True),
         )
         if self.idle_watts > self.active_watts:
-            raise _FieldError(
+            raise FieldProblem(
                 own,
                 "idle_watts",
                 f"({self.idle_watts} W) must not exceed active_watts ({self.active_watts} W)",
             )
         if isinstance(self.compute_units, bool) or not isinstance(self.compute_units, int) \
                 or self.compute_units < 0:
-            raise _FieldError(own, "compute_units", f"must be a whole number >= 0, got {self.compute_units!r}")
+            raise FieldProblem(own, "compute_units", f"must be a whole number >= 0, got {self.compute_units!r}")
         if self.kind not in DEVICE_KINDS:
             kinds = ", ".join(DEVICE_KINDS)
-            raise _FieldError(own, "kind", f"must be one of {kinds}, got {self.kind!r}")
+            raise FieldProblem(own, "kind", f"must be one of {kinds}, got {self.kind!r}")
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -286,8 +137,8 @@ class Link:
     latency: float
 
     def __post_init__(self) -> None:
-        bandwidth = _number(self.bandwidth, "Link", "bandwidth", "bytes/s")
-        latency = _number(self.latency, "Link", "latency", "seconds", allow_zero=True)
+        bandwidth = real_number(self.bandwidth, "Link", "bandwidth", "bytes/s")
+        latency = real_number(self.latency, "Link", "latency", "seconds", allow_zero=True)
         object.__setattr__(self, "bandwidth", bandwidth)
         object.__setattr__(self, "latency", latency)
 
@@ -326,19 +177,19 @@ class Cluster:
 
     def __post_init__(self) -> None:
         set_, own = object.__setattr__, "Cluster"
-        set_(self, "name", _text(self.name, own, "name"))
-        set_(self, "num_nodes", _positive_int(self.num_nodes, own, "num_nodes", "nodes"))
+        set_(self, "name", text_field(self.name, own, "name"))
+        set_(self, "num_nodes", positive_int(self.num_nodes, own, "num_nodes", "nodes"))
         set_(
             self,
             "devices_per_node",
-            _positive_int(self.devices_per_node, own, "devices_per_node", "devices"),
+            positive_int(self.devices_per_node, own, "devices_per_node", "devices"),
         )
         for field, kind in (("device", Device), ("intra_node", Link), ("inter_node", Link)):
             value = getattr(self, field)
             if not isinstance(value, kind):
-                raise _FieldError(own, field, f"must be a {kind.__name__}, got {value!r}")
-        set_(self, "source", _text(self.source, own, "source", allow_empty=True))
-        set_(self, "measurements", _measurement_table(self.measurements))
+                raise FieldProblem(own, field, f"must be a {kind.__name__}, got {value!r}")
+        set_(self, "source", text_field(self.source, own, "source", allow_empty=True))
+        set_(self, "measurements", measurement_table(self.measurements))
 
     # --- topology ---
 
@@ -417,7 +268,7 @@ class Cluster:
             "intra_node": _link_dict(self.intra_node),
             "inter_node": _link_dict(self.inter_node),
             "source": self.source,
-            "measurements": {k: _measurement_value(v) for k, v in self.measurements},
+            "measurements": {k: measurement_value(v) for k, v in self.measurements},
         }
 
     @classmethod
@@ -430,38 +281,12 @@ class Cluster:
         :class:`ClusterFileError` naming the field and the file for a missing, unknown
         (with the closest known name), mistyped or out-of-range field.
         """
-        path = None if origin is None else str(origin)
-        where = f"cluster file {path}" if path else "cluster description"
-        try:
-            top = Fields(data, where)
-            top.known(_CLUSTER_FIELDS, _CLUSTER_OPTIONAL)
-            version = top.raw("format_version", FORMAT_VERSION)
-            if version != FORMAT_VERSION or isinstance(version, bool):
-                raise top.error("format_version", f"is {version!r}, but this meshplan reads version "
-                                f"{FORMAT_VERSION}. Write the file in format version {FORMAT_VERSION}, or "
-                                "upgrade meshplan.")
-            for section, fields, optional in (
-                ("device", _DEVICE_FIELDS, _DEVICE_OPTIONAL),
-                ("intra_node", _LINK_FIELDS, ()),
-                ("inter_node", _LINK_FIELDS, ()),
-            ):
-                top.sub(section).known(fields, optional)
-        except FieldError as e:
-            raise ClusterFileError(f"{e}", path=path, field=e.field) from None
-
-        def build(kind: type, fields: Mapping[str, Any], prefix: str) -> Any:
-            """kind(**fields); the constructor's complaint gets the file and the dotted field."""
-            try:
-                return kind(**fields)
-            except _FieldError as e:
-                error = FieldError(where, prefix + e.field, f"{e.problem}. Correct it in the file.")
-                raise ClusterFileError(str(error), path=path, field=error.field) from None
-
+        path, where = check_layout(data, origin)
         rest = {key: value for key, value in data.items() if key != "format_version"}
-        rest["device"] = build(Device, data["device"], "device.")
-        rest["intra_node"] = build(Link, data["intra_node"], "intra_node.")
-        rest["inter_node"] = build(Link, data["inter_node"], "inter_node.")
-        return build(cls, rest, "")
+        rest["device"] = built(Device, data["device"], "device.", where, path)
+        rest["intra_node"] = built(Link, data["intra_node"], "intra_node.", where, path)
+        rest["inter_node"] = built(Link, data["inter_node"], "inter_node.", where, path)
+        return built(cls, rest, "", where, path)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write this cluster to ``path``: YAML for .yaml/.yml, JSON for .json.
@@ -470,19 +295,7 @@ class Cluster:
         gives back an equal Cluster, bit for bit.
         """
         path = Path(path)
-        suffix = path.suffix.lower()
-        if suffix in (".yaml", ".yml"):
-            text = yaml.dump(
-                self.to_dict(), Dumper=yaml.SafeDumper, sort_keys=False, allow_unicode=True
-            )
-        elif suffix == ".json":
-            text = json.dumps(self.to_dict(), indent=2) + "\n"
-        else:
-            raise ValueError(
-                f"cannot tell the format of {path} from its suffix {path.suffix!r}; "
-                f"name it .yaml, .yml or .json"
-            )
-        path.write_text(text)
+        path.write_text(cluster_text(self.to_dict(), path))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Cluster:
@@ -492,10 +305,7 @@ class Cluster:
         or describes no valid cluster.
         """
         path = Path(path)
-        presets = ", ".join(cls.preset_names())
-        data = read_document(path, "cluster file", yaml=True,
-                             error=lambda message: ClusterFileError(f"{message}.", path=str(path)),
-                             missing_hint=f". Check the path, or use a preset: {presets}")
+        data = read_cluster_file(path, ", ".join(cls.preset_names()))
         return cls.from_dict(data, origin=path)
 
     # --- presets ---
@@ -503,7 +313,7 @@ class Cluster:
     @staticmethod
     def preset_names() -> tuple[str, ...]:
         """Names :meth:`preset` accepts, sorted."""
-        return tuple(sorted([*GPU_PRESETS, LOCAL_PRESET]))
+        return preset_names()
 
     @classmethod
     def preset(
@@ -524,32 +334,7 @@ class Cluster:
 
         Raises ValueError for an unknown name (listing the known ones) or bad sizes.
         """
-        if name == LOCAL_PRESET:
-            if nodes not in (None, 1):
-                raise ValueError(
-                    f"the 'local' preset is this one machine: nodes must be 1, got {nodes!r}"
-                )
-            spec = local_spec(None if devices is None else _count(devices, "devices"), figures)
-            return cls._from_spec(name, 1, spec.devices_per_node, spec)
-        if figures is not None:
-            raise ValueError(f"figures describe this machine for the 'local' preset; preset {name!r} has "
-                             "published figures (edit a saved cluster file to change them)")
-        spec = GPU_PRESETS.get(name) if isinstance(name, str) else None
-        if spec is None:
-            known = cls.preset_names()
-            raise ValueError(
-                f"unknown cluster preset {name!r}.{_suggest(str(name), known)} "
-                f"Known presets: {', '.join(known)}."
-            )
-        num_nodes = 1 if nodes is None else _count(nodes, "nodes")
-        per_node = spec.devices_per_node
-        if devices is not None:
-            if _count(devices, "devices") > per_node:
-                raise ValueError(
-                    f"preset {name!r} has {per_node} GPUs per node, so devices={devices} "
-                    f"does not fit one node; ask for nodes=N (with devices <= {per_node})."
-                )
-            per_node = devices
+        num_nodes, per_node, spec = preset_spec(name, nodes, devices, figures)
         return cls._from_spec(name, num_nodes, per_node, spec)
 
     @classmethod
@@ -566,48 +351,7 @@ class Cluster:
         )
 
 
-# --- reading files ----------------------------------------------------------------------
-
-# Field descriptions for the reader's messages: name -> what it is, with its unit.
-_CLUSTER_FIELDS = MappingProxyType({
-    "name": "cluster name, text",
-    "num_nodes": "number of nodes, integer >= 1",
-    "devices_per_node": "devices per node, integer >= 1",
-    "device": "the device description, a mapping",
-    "intra_node": "link between devices of one node, a mapping",
-    "inter_node": "link between devices of different nodes, a mapping",
-})
-_CLUSTER_OPTIONAL = MappingProxyType({
-    "format_version": f"file format version, {FORMAT_VERSION}",
-    "source": "where the figures came from, text",
-    "measurements": "raw measured numbers (or lists of records), a mapping",
-})
-_DEVICE_FIELDS = MappingProxyType({
-    "name": "device model name, text",
-    "kind": "gpu or cpu",
-    "peak_flops": "peak FLOP/s per dtype, a mapping like {bf16: 312e12}",
-    "memory_bytes": "device memory in bytes",
-    "memory_bandwidth": "memory bandwidth in bytes/s",
-    "active_watts": "power while computing in watts",
-    "idle_watts": "power while idle in watts",
-})
-_DEVICE_OPTIONAL = MappingProxyType({
-    "compute_units": "streaming multiprocessors (GPU), 0 if unknown",
-})
-_LINK_FIELDS = MappingProxyType({
-    "bandwidth": "bytes/s per device, one direction",
-    "latency": "seconds per message",
-})
-
-
 # --- small helpers ----------------------------------------------------------------------
-
-
-def _count(value: Any, what: str) -> int:
-    """``value`` as an integer >= 1, else ValueError naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
-    return int(value)
 
 
 def _si(value: float, unit: str) -> str:

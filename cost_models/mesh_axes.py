@@ -1,7 +1,7 @@
 """Named mesh axes on a cluster: which ranks form each axis's groups (row-major, last axis
 fastest, tensor innermost by default) and the time of a collective over one axis.
 
-The collective formulas themselves live in :mod:`cost_models.comm`.
+The collective formulas themselves live in :mod:`cost_models.comm_formulas`, their choice in :mod:`cost_models.comm`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import math
 import numbers
 from collections.abc import Mapping
 
-from cost_models.comm import (CollectiveCost, _check_bytes, _check_op, _cheapest, _group_shape, _GroupShape,
-                              _measured, _scaled_links)
+from cost_models.comm import CollectiveCost, _check_op, _cheapest, _group_shape, _GroupShape, _measured, _scaled_links
+from cost_models.comm_formulas import check_bytes
 from cost_models.hardware import Cluster
 from runtime.program.mesh import groups_along
 from runtime.vocab import MeshAxis
@@ -132,7 +132,7 @@ def axis_collective_time(
     both), for an unknown axis, and as :func:`collective_time` does.
     """
     _check_op(op)
-    _check_bytes(nbytes)
+    check_bytes(nbytes)
     items = _mesh_items(mesh)
     world = math.prod(s for _, s in items)
     if world != cluster.num_devices:

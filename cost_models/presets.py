@@ -2,19 +2,23 @@
 (docs/reference/PUBLISHED.md), and ``local``: this machine's CPU processes, measured.
 
 Plain data: each preset is a :class:`NodeSpec` holding the fields of the Device and the
-two Links its nodes are made of; :meth:`cost_models.hardware.Cluster.preset` builds (and
-so checks) the Cluster from it. That keeps the import one way: hardware reads presets.
+two Links its nodes are made of; :func:`preset_spec` resolves a preset's name and sizes to one,
+and :meth:`cost_models.hardware.Cluster.preset` builds (and so checks) the Cluster from it. That keeps
+the import one way: hardware reads presets.
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
 from cost_models import local_machine
+from cost_models.field_checks import did_you_mean
 
 _GiB = 2**30
+LOCAL_PRESET = "local"   # this machine's CPU processes, measured
 
 
 # --- presets ----------------------------------------------------------------------------
@@ -197,3 +201,49 @@ def local_spec(devices: int | None, figures: Mapping[str, Any] | None = None) ->
         ),
         measurements=m,
     )
+
+
+def preset_names() -> tuple[str, ...]:
+    """Names Cluster.preset accepts, sorted."""
+    return tuple(sorted([*GPU_PRESETS, LOCAL_PRESET]))
+
+
+def preset_spec(name: str, nodes: int | None, devices: int | None,
+                figures: Mapping[str, Any] | None) -> tuple[int, int, NodeSpec]:
+    """(nodes, devices per node, what each node is made of) of the preset `name` at the sizes asked for
+    (the arguments of Cluster.preset, which documents them). Raises ValueError for an unknown name (listing
+    the known ones) or bad sizes."""
+    if name == LOCAL_PRESET:
+        if nodes not in (None, 1):
+            raise ValueError(
+                f"the 'local' preset is this one machine: nodes must be 1, got {nodes!r}"
+            )
+        spec = local_spec(None if devices is None else _count(devices, "devices"), figures)
+        return 1, spec.devices_per_node, spec
+    if figures is not None:
+        raise ValueError(f"figures describe this machine for the 'local' preset; preset {name!r} has "
+                         "published figures (edit a saved cluster file to change them)")
+    spec = GPU_PRESETS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        known = preset_names()
+        raise ValueError(
+            f"unknown cluster preset {name!r}.{did_you_mean(str(name), known)} "
+            f"Known presets: {', '.join(known)}."
+        )
+    num_nodes = 1 if nodes is None else _count(nodes, "nodes")
+    per_node = spec.devices_per_node
+    if devices is not None:
+        if _count(devices, "devices") > per_node:
+            raise ValueError(
+                f"preset {name!r} has {per_node} GPUs per node, so devices={devices} "
+                f"does not fit one node; ask for nodes=N (with devices <= {per_node})."
+            )
+        per_node = devices
+    return num_nodes, per_node, spec
+
+
+def _count(value: Any, what: str) -> int:
+    """``value`` as an integer >= 1, else ValueError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+    return int(value)

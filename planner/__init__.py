@@ -11,7 +11,8 @@ probing, no measurement, no process groups) and loads none of the application sh
 on first use (the module-level __getattr__ below).
 """
 
-from cost_models.hardware import Cluster, ClusterFileError
+from cost_models.cluster_file import ClusterFileError
+from cost_models.hardware import Cluster
 from planner.graph.capture import CaptureError, capture
 from planner.config import ConfigError, ParallelConfig
 from planner.evaluator import Evaluator, evaluate

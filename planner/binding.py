@@ -1,6 +1,6 @@
 """Is a plan bound to this captured graph, and if not, how do the two models differ?
 
-A plan is bound to the graph it was made for by the graph's fingerprint (planner/graph/capture.py),
+A plan is bound to the graph it was made for by the graph's fingerprint (planner/graph/analysis.py),
 which does not depend on the device the model was captured on (capture traces a meta twin). When
 the fingerprints differ, `graph_mismatch` says what differs, most telling first: the model's class,
 its parameter count, its layers (the plan's stages name them), the nodes the plan splits; when all

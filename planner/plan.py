@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cost_models.hardware import Cluster, ClusterFileError
+from cost_models.cluster_file import ClusterFileError
+from cost_models.hardware import Cluster
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
 from planner.strategies import describe

@@ -94,14 +94,41 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
     t0 = time.perf_counter()
     if objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r} is not one of {', '.join(OBJECTIVES)}")
-    if target is not None:
-        if runtime is not MESHPLAN_RUNTIME:
-            raise TargetError(f"optimize got target={str(target)!r} and a runtime; give one: the target says what "
-                              "runs the plan, runtime=None searches what no target runs (a what-if search)")
-        runtime = RuntimeSupport.for_target(target)
-        evaluator_options = {"overlap": Overlap.preset(runtime.stack), **evaluator_options}
+    runtime, evaluator_options = _resolve_target(target, runtime, evaluator_options)
     cons = _check_constraints(constraints or {})
     graph = as_graph(model_or_graph, example_inputs)
+    ev = _evaluator(graph, cluster, cons, runtime, evaluator_options)
+    splits = SplitCache(graph)
+    search = _Search()
+    bases = _searched_shapes(ev, cluster, global_batch_size, cons, runtime)
+    search.bases = len(bases)
+    if not bases:
+        raise NoFeasiblePlan(_no_base_message(ev, cluster, global_batch_size, cons))
+    best = _branch_and_bound(ev, bases, global_batch_size, objective, cons, search, runtime, splits, progress, t0)
+    if best is None and not search.priced and search.blocked and runtime is not None:
+        raise NoFeasiblePlan(_blocked_message(runtime, search.blocked))
+    if best is None:
+        raise NoFeasiblePlan(_infeasible_message(search, cluster, cons))
+    return _plan_of(ev, best, global_batch_size, objective, cons, search, runtime, splits, keep_alternatives,
+                    chose_execution="execution" in evaluator_options)
+
+
+def _resolve_target(target: Target | str | None, runtime: RuntimeSupport | None,
+                    evaluator_options: dict) -> tuple[RuntimeSupport | None, dict]:
+    """The runtime a `target` runs, and the Evaluator options with its stack's overlap (unless given)."""
+    if target is None:
+        return runtime, evaluator_options
+    if runtime is not MESHPLAN_RUNTIME:
+        raise TargetError(f"optimize got target={str(target)!r} and a runtime; give one: the target says what "
+                          "runs the plan, runtime=None searches what no target runs (a what-if search)")
+    runtime = RuntimeSupport.for_target(target)
+    return runtime, {"overlap": Overlap.preset(runtime.stack), **evaluator_options}
+
+
+def _evaluator(graph, cluster: Cluster, cons: dict, runtime: RuntimeSupport | None,
+               evaluator_options: dict) -> Evaluator:
+    """The Evaluator the search prices with: memory capped by max_memory_fraction (bytes per device) and,
+    for a runtime, tensor sharding limited to the regions its code generator can split."""
     ev = Evaluator(graph, cluster, **evaluator_options)
     ev.memory_cap = cluster.device.memory_bytes * cons.get("max_memory_fraction", 1.0)
     if runtime is not None:   # price only the tensor-parallel regions the code generator can split
@@ -111,20 +138,30 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
         degrees = [cons["tensor"]] if "tensor" in cons else \
             [t for t in _divisors(cluster.num_devices) if 2 <= t <= max_t and _divides_splits(ev, t)]
         ev.sharding = runtime.splittable(graph, ev.sharding, degrees)
-    splits = SplitCache(graph)
-    search = _Search()
+    return ev
+
+
+def _searched_shapes(ev: Evaluator, cluster: Cluster, batch: int, cons: dict,
+                     runtime: RuntimeSupport | None) -> list[ParallelConfig]:
+    """The base configurations (mesh shape, micro-batch, schedule, dtype) the runtime runs; raises
+    NoFeasiblePlan naming the runtime's first refusal when it runs none of the ones the cost model prices."""
     dtypes = runtime.dtypes if runtime is not None else (DType.BF16, DType.FP16, DType.FP32)
-    bases = _enumerate(ev, cluster, global_batch_size, cons, dtypes)
+    bases = _enumerate(ev, cluster, batch, cons, dtypes)
     if runtime is not None:
-        blocked = [runtime.why_not(b, global_batch_size) for b in bases if not runtime.allows(b, global_batch_size)]
-        bases = [b for b in bases if runtime.allows(b, global_batch_size)]
+        blocked = [runtime.why_not(b, batch) for b in bases if not runtime.allows(b, batch)]
+        bases = [b for b in bases if runtime.allows(b, batch)]
         if not bases and blocked:
             raise NoFeasiblePlan(_blocked_message(runtime, blocked[0]))
-    search.bases = len(bases)
-    if not bases:
-        raise NoFeasiblePlan(_no_base_message(ev, cluster, global_batch_size, cons))
+    return bases
 
-    bound = [(_lower_bound(ev, cfg, global_batch_size, objective), k, cfg) for k, cfg in enumerate(bases)]
+
+def _branch_and_bound(ev: Evaluator, bases: list[ParallelConfig], batch: int, objective: str, cons: dict,
+                      search: _Search, runtime: RuntimeSupport | None, splits: SplitCache, progress: bool | None,
+                      t0: float) -> tuple[float, ParallelConfig, Prediction] | None:
+    """Prices the bases in the order of their lower bounds, pruning each whose bound is no better than the
+    best found; returns (objective value, config, prediction) of the best that fits, or None. `search` counts
+    what was priced and pruned, and its seconds run from `t0` (time.perf_counter())."""
+    bound = [(_lower_bound(ev, cfg, batch, objective), k, cfg) for k, cfg in enumerate(bases)]
     bound.sort(key=lambda x: (x[0], x[1]))
     best: tuple[float, ParallelConfig, Prediction] | None = None
     bar = Progress(len(bound), "meshplan optimize", enabled=progress)
@@ -134,18 +171,22 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
         if best is not None and lb >= best[0]:
             search.pruned += 1
             continue
-        best = _inner(ev, base, global_batch_size, objective, cons, search, best, runtime, splits)
+        best = _inner(ev, base, batch, objective, cons, search, best, runtime, splits)
     search.seconds = time.perf_counter() - t0
     bar.close(f"{search.evaluated} priced, {search.pruned} pruned")
-    if best is None and not search.priced and search.blocked and runtime is not None:
-        raise NoFeasiblePlan(_blocked_message(runtime, search.blocked))
-    if best is None:
-        raise NoFeasiblePlan(_infeasible_message(search, cluster, cons))
+    return best
+
+
+def _plan_of(ev: Evaluator, best: tuple[float, ParallelConfig, Prediction], batch: int, objective: str, cons: dict,
+             search: _Search, runtime: RuntimeSupport | None, splits: SplitCache, keep_alternatives: int,
+             chose_execution: bool) -> Plan:
+    """The Plan of the best configuration, with the search's figures and its runners-up. Unless the caller
+    fixed the execution options (`chose_execution`), the ones that pay for this configuration are chosen."""
     stats = (("candidates", search.bases), ("evaluated", search.evaluated), ("pruned", search.pruned),
              ("rejected", search.infeasible), ("seconds", round(search.seconds, 3)), ("objective", objective))
-    if "execution" not in evaluator_options:   # the execution options that pay for the chosen configuration
-        ev, _ = choose(ev, best[1], global_batch_size, objective, fits=lambda pred: _fits(pred, cons))
-    plan = plan_for(ev, best[1], global_batch_size, search=stats, splits=splits,
+    if not chose_execution:   # the execution options that pay for the chosen configuration
+        ev, _ = choose(ev, best[1], batch, objective, fits=lambda pred: _fits(pred, cons))
+    plan = plan_for(ev, best[1], batch, search=stats, splits=splits,
                     target=runtime.target if runtime is not None else Target.MESHPLAN)
     alts = _alternatives(search, best, objective, cons, keep_alternatives)
     return Plan(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__}, "alternatives": alts})

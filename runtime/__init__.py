@@ -3,7 +3,7 @@ Depends on no other meshplan package: a generated rank script imports only `runt
 and the user's model code.
 
 What a user or a generated script needs is named here; everything else is reached by
-its module path (runtime.comm.TorchCommunicator, runtime.spec.TrainSpec, ...):
+its module path (runtime.comm.torch_dist.TorchCommunicator, runtime.spec.TrainSpec, ...):
 
     Program, Instr, ProgramError    runtime.program   the instruction set
     Timeline                        runtime.program.trace     measured / predicted timelines

@@ -207,7 +207,7 @@ def save_whole_parameters(modules: list[nn.Module], rank: int, run_dir: Path, ca
 def write_rank_result(run_dir: Path, rank: int, losses: list[float], seconds: list[float], optimizer_impl: str,
                       grad_norms: list[float] | None = None, first_step: int = 0,
                       resumed_from: Path | None = None) -> None:
-    """run/rank_XXXX.json as meshplan's rank scripts write it (runtime/rank_main.py): what
+    """run/rank_XXXX.json as meshplan's rank scripts write it (runtime/launch/rank_steps.py): what
     `meshplan run` reports and --verify compares; `first_step`: the step a resumed run started at."""
     record = {"rank": rank, "losses": losses, "seconds": seconds, "stages": [0], "first_step": first_step,
               "optimizer_impl": optimizer_impl, **({"resumed_from": str(resumed_from)} if resumed_from else {})}

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.execute.chunked_loss import chunked_cross_entropy, chunked_eval
-from runtime.comm import TorchCommunicator
+from runtime.comm.torch_dist import TorchCommunicator
 from runtime.parallel.tensor.layers import vocab_parallel_embedding
 
 FP64, BF16 = 1e-10, 2e-2   # tolerances relative to the largest value (tests/unit/test_chunked_loss.py says why)

@@ -52,7 +52,7 @@ def run_rank(rank: int, world: int, port: int, cases: list[Case], out: str) -> N
     """One rank: every case in turn; writes out/<case>_rank<r>.pt (its output and q, k, v gradients)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from runtime.comm import TorchCommunicator
+    from runtime.comm.torch_dist import TorchCommunicator
     from runtime.parallel.context.attention import chunk_layout, context_attention
 
     comm = TorchCommunicator("gloo", rank, world, "127.0.0.1", port, timeout=60)

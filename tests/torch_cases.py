@@ -24,7 +24,7 @@ from planner.plan import Plan
 from runtime.launch.launcher import free_port
 from runtime.lifetime import Children
 from runtime.refs import load_callable, load_module
-from runtime.verify import TOLERANCES
+from runtime.verify.rounding import TOLERANCES
 from tests.real_models import HF, graph_of
 
 GPT = "examples/models/gpt.py:build"

@@ -1,7 +1,7 @@
 """Run a function on several ranks as threads of this process, with real gloo groups.
 
 Used by unit tests of the tensor-parallel layers and of the graph rewrite: the
-collectives are real (runtime.comm.TorchCommunicator over a TCPStore on
+collectives are real (runtime.comm.torch_dist.TorchCommunicator over a TCPStore on
 localhost), only the processes are threads.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from runtime.comm import TorchCommunicator
+from runtime.comm.torch_dist import TorchCommunicator
 from runtime.launch.launcher import free_port
 
 

@@ -10,5 +10,6 @@ communicators); pricing reads the fitted figures through cost_models/calibrated.
     executor.py   the executor's own time per instruction, from a traced reference pipeline
     curves.py     the op curves (cost_models/op_curves.py) and the probe block
     gpu_ops.py    one GPU's op table (GEMMs, attention, norms, the loss, AdamW, copies, host costs), CUDA events
+    gpu_families.py  each op family of that table: its inputs, its call, the work its rate divides by
     gpu_calibrate.py  `meshplan calibrate --device cuda`: that op table and the one-device Cluster carrying it
 """

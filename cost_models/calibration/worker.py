@@ -54,7 +54,7 @@ from cost_models.calibration.executor import time_executor
 from cost_models.calibration.ops import _block_case, time_block, time_op_kinds, time_optimizer_steps
 from cost_models.calibration.stage import time_stage_calls, time_tensor_parallel, time_zero_grad
 from cost_models.local_machine import _measure_compute_and_memory
-from runtime.comm import TorchCommunicator
+from runtime.comm.torch_dist import TorchCommunicator
 from runtime.comm.mpi import MpiCommunicator
 from runtime.vocab import Backend
 
@@ -275,15 +275,7 @@ def _fmt(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, default=29500)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--backend", default=Backend.GLOO.value, choices=tuple(Backend))
-    ap.add_argument("--full", action="store_true")
-    ap.add_argument("--timeout", type=float, default=120.0)
-    args = ap.parse_args(argv)
+    args = _parse_args(argv)
     torch.set_num_threads(1)
     comm = _make_comm(args.backend, args.rank, args.world, args.port, args.timeout)
     rank = comm.rank  # under mpiexec, MPI numbers the ranks
@@ -293,73 +285,147 @@ def main(argv: list[str] | None = None) -> int:
             print(msg, flush=True)
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.backend == Backend.NCCL else torch.device("cpu")
+    rhythm_s = 1.0 if args.full else 0.5
     try:
         comm.barrier()
-        progress(f"compute, per op kind ({args.world} ranks at once, 1 thread each):")
-        ops = time_op_kinds(quick=not args.full, progress=progress)
-        block = time_block(quick=not args.full)
-        progress(f"  a layer of alternating kinds: forward {block[0] * 1e6:.1f} us, backward {block[1] * 1e6:.1f} us; "
-                 f"fixed cost per call {block[2] * 1e6:.1f} / {block[3] * 1e6:.1f} us")
-        curves = time_op_curves(quick=not args.full, progress=progress)
-        probe = time_probe_block(quick=not args.full)
-        progress(f"  probe transformer block: forward {probe[0] * 1e6:.0f} us, backward {probe[1] * 1e6:.0f} us")
-        optim = time_optimizer_steps()
-        progress("  optimizer step, fixed + per parameter tensor: "
-                 + ", ".join(f"{k} {f * 1e6:.1f} + {t * 1e6:.1f} us" for k, (f, t) in optim.items()))
-        stage = time_stage_calls(quick=not args.full)
-        stage["zero_grad"] = time_zero_grad()
-        stage["tensor_parallel"] = time_tensor_parallel(quick=not args.full)
-        progress(f"  runtime stage call: forward {stage['call'][0] * 1e6:.1f} us, backward {stage['call'][1] * 1e6:.1f} us; "
-                 + "; ".join(f"loss over {int(n)} logits {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in stage["loss"]))
-        progress("  tensor parallelism besides its all-reduces: " + "; ".join(
-            f"{part.replace('_', ' ')} " + ", ".join(f"{int(n)} elements {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in pts)
-            for part, pts in stage["tensor_parallel"].items()))
+        compute = _time_compute(args.world, not args.full, progress)
         comm.barrier()
-        executor = time_executor(comm)
-        progress("  runtime executor, between instructions: "
-                 + ", ".join(f"after {op} {t * 1e6:.1f} us" for op, t in executor["gap"].items())
-                 + "; issuing: " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in executor["issue"].items()))
-        comm.barrier()
-        peak, bandwidth = _measure_compute_and_memory()
-        comm.barrier()
-        share, sync = run_like_share(comm, 1.0 if args.full else 0.5)
-        progress(f"  CPU share of a rank while it computes between collectives: {share:.2f}; "
-                 f"an 8-byte all-reduce after computing: {sync * 1e6:.0f} us")
-        hidden = overlap_hidden(comm, device)
-        progress(f"  an asynchronous 1 MiB all-reduce ({hidden[2] * 1e3:.2f} ms) under {hidden[1] * 1e3:.2f} ms of compute: "
-                 f"{hidden[3] * 1e3:.2f} ms together, " + (f"{hidden[0]:.0%} of it hidden" if hidden[0] >= 0 else
-                                                            f"{-hidden[0]:.0%} of it more than alone"))
-        reduced = after_reduce(comm, device)
-        progress(f"  right after a 2 MiB all-reduce through it, an optimizer step reading the buffer takes "
-                 f"{reduced[2] * 1e6:.0f} us (its own: {reduced[4] * 1e6:.0f}), zeroing it {reduced[3] * 1e6:.0f} us "
-                 f"({reduced[5] * 1e6:.0f}) on rank 0")
-        progress(f"  peak fp32 GEMM {peak / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s per rank")
+        machine = _time_machine(comm, device, rhythm_s, progress)
         comm.barrier()
         progress(f"communication ({args.backend}):")
         # 16 rounds in quick mode: the call times are bimodal, so fewer rounds leave the mean of
         # a size too loose (benchmarks/calibration_timing.py)
         rows = measure_comm(comm, args.world, FULL_SIZES if args.full else QUICK_SIZES, 25 if args.full else 16,
                             device, progress)
-        # The training rhythm again, some seconds later: a window can be disturbed (another
-        # process, the host) and a small all-reduce after compute then waits many times longer;
-        # the window whose all-reduce waited less is the machine's own rhythm.
         comm.barrier()
-        windows = [(share, sync), run_like_share(comm, 1.0 if args.full else 0.5)]
-        share, sync = min(windows, key=lambda w: w[1])
-        progress(f"  the training rhythm again: an 8-byte all-reduce after computing {windows[1][1] * 1e6:.0f} us "
-                 f"(first {windows[0][1] * 1e6:.0f} us); kept {sync * 1e6:.0f} us, CPU share {share:.2f}")
-        out = {"rank": rank, "ops": [dataclasses.asdict(t) for t in ops], "block": list(block), "curves": curves,
-               "probe": list(probe), "cpu_share": share, "sync_all_reduce": sync,
-               "rhythm_windows": [list(w) for w in windows],
-               "overlap": list(hidden), "after_reduce": reduced, "optimizer": {k: t for k, (_, t) in optim.items()},
-               "optimizer_fixed": {k: f for k, (f, _) in optim.items()}, "stage": stage, "executor": executor,
-               "peak_flops": peak,
-               "memory_bandwidth": bandwidth, "comm": rows}
+        windows = _rhythm_again(comm, machine.rhythm, rhythm_s, progress)
+        out = _rank_figures(rank, compute, machine, windows, rows)
         Path(args.out, f"calib_rank_{rank:04d}.json").write_text(json.dumps(out))
         comm.barrier()
     finally:
         comm.shutdown()
     return 0
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--port", type=int, default=29500)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--backend", default=Backend.GLOO.value, choices=tuple(Backend))
+    ap.add_argument("--full", action="store_true")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    return ap.parse_args(argv)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ComputeTimes:
+    """What one rank's compute costs, every rank measuring at once (seconds; see the module's docstring)."""
+
+    ops: list           # OpTiming per op kind (calibration.ops.time_op_kinds)
+    block: tuple        # a layer of alternating kinds: fwd s, bwd s, fixed fwd s, fixed bwd s
+    curves: list        # [[family, size, fwd s, bwd s], ...]
+    probe: tuple        # the probe transformer block: fwd s, bwd s
+    optim: dict         # {kind: (fixed s per step, s per parameter tensor)}
+    stage: dict         # the runtime's stage call, loss, zeroing and tensor-parallel costs
+
+
+def _time_compute(world: int, quick: bool, progress: Callable[[str], None]) -> _ComputeTimes:
+    """Times the cost model's op kinds, a layer, the op curves, the probe block, the optimizer step and
+    the runtime's stage costs, printing each on rank 0."""
+    progress(f"compute, per op kind ({world} ranks at once, 1 thread each):")
+    ops = time_op_kinds(quick=quick, progress=progress)
+    block = time_block(quick=quick)
+    progress(f"  a layer of alternating kinds: forward {block[0] * 1e6:.1f} us, backward {block[1] * 1e6:.1f} us; "
+             f"fixed cost per call {block[2] * 1e6:.1f} / {block[3] * 1e6:.1f} us")
+    curves = time_op_curves(quick=quick, progress=progress)
+    probe = time_probe_block(quick=quick)
+    progress(f"  probe transformer block: forward {probe[0] * 1e6:.0f} us, backward {probe[1] * 1e6:.0f} us")
+    optim = time_optimizer_steps()
+    progress("  optimizer step, fixed + per parameter tensor: "
+             + ", ".join(f"{k} {f * 1e6:.1f} + {t * 1e6:.1f} us" for k, (f, t) in optim.items()))
+    return _ComputeTimes(ops, block, curves, probe, optim, _time_stage(quick, progress))
+
+
+def _time_stage(quick: bool, progress: Callable[[str], None]) -> dict:
+    """The runtime's fixed costs around a stage: a call, the loss, zeroing gradients, tensor parallelism's
+    work besides its all-reduces (calibration.stage)."""
+    stage = time_stage_calls(quick=quick)
+    stage["zero_grad"] = time_zero_grad()
+    stage["tensor_parallel"] = time_tensor_parallel(quick=quick)
+    progress(f"  runtime stage call: forward {stage['call'][0] * 1e6:.1f} us, backward {stage['call'][1] * 1e6:.1f} us; "
+             + "; ".join(f"loss over {int(n)} logits {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in stage["loss"]))
+    progress("  tensor parallelism besides its all-reduces: " + "; ".join(
+        f"{part.replace('_', ' ')} " + ", ".join(f"{int(n)} elements {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in pts)
+        for part, pts in stage["tensor_parallel"].items()))
+    return stage
+
+
+@dataclasses.dataclass(frozen=True)
+class _MachineTimes:
+    """How this machine runs a rank's step beside the others (seconds unless said)."""
+
+    executor: dict          # {"gap": {op: s}, "issue": {op: s}, "extra": {...}} (calibration.executor)
+    peak_flops: float       # fp32 GEMM, FLOP/s per rank
+    bandwidth: float        # copy bandwidth, bytes/s per rank
+    rhythm: tuple           # run_like_share: (CPU share, s of a small all-reduce after computing)
+    hidden: tuple           # overlap_hidden: (hidden, compute s, all-reduce s, overlapped s)
+    reduced: list           # after_reduce: [optimizer s/byte, zeroing s/byte, 4 raw medians s]
+
+
+def _time_machine(comm, device, rhythm_s: float, progress: Callable[[str], None]) -> _MachineTimes:
+    """Times the executor, the peak GEMM rate and copy bandwidth, a rank's share of a core in a training
+    step's rhythm (for `rhythm_s` seconds), overlap, and the cost of a buffer just all-reduced."""
+    executor = time_executor(comm)
+    progress("  runtime executor, between instructions: "
+             + ", ".join(f"after {op} {t * 1e6:.1f} us" for op, t in executor["gap"].items())
+             + "; issuing: " + ", ".join(f"{op} {t * 1e6:.1f} us" for op, t in executor["issue"].items()))
+    comm.barrier()
+    peak, bandwidth = _measure_compute_and_memory()
+    comm.barrier()
+    share, sync = run_like_share(comm, rhythm_s)
+    progress(f"  CPU share of a rank while it computes between collectives: {share:.2f}; "
+             f"an 8-byte all-reduce after computing: {sync * 1e6:.0f} us")
+    hidden = overlap_hidden(comm, device)
+    progress(f"  an asynchronous 1 MiB all-reduce ({hidden[2] * 1e3:.2f} ms) under {hidden[1] * 1e3:.2f} ms of compute: "
+             f"{hidden[3] * 1e3:.2f} ms together, " + (f"{hidden[0]:.0%} of it hidden" if hidden[0] >= 0 else
+                                                        f"{-hidden[0]:.0%} of it more than alone"))
+    reduced = after_reduce(comm, device)
+    progress(f"  right after a 2 MiB all-reduce through it, an optimizer step reading the buffer takes "
+             f"{reduced[2] * 1e6:.0f} us (its own: {reduced[4] * 1e6:.0f}), zeroing it {reduced[3] * 1e6:.0f} us "
+             f"({reduced[5] * 1e6:.0f}) on rank 0")
+    progress(f"  peak fp32 GEMM {peak / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s per rank")
+    return _MachineTimes(executor, peak, bandwidth, (share, sync), hidden, reduced)
+
+
+def _rhythm_again(comm, first: tuple[float, float], rhythm_s: float,
+                  progress: Callable[[str], None]) -> list[tuple[float, float]]:
+    """The two (CPU share, s) windows of the training rhythm: `first`, and one measured now."""
+    # The training rhythm again, some seconds later: a window can be disturbed (another
+    # process, the host) and a small all-reduce after compute then waits many times longer;
+    # the window whose all-reduce waited less is the machine's own rhythm.
+    windows = [first, run_like_share(comm, rhythm_s)]
+    share, sync = min(windows, key=lambda w: w[1])
+    progress(f"  the training rhythm again: an 8-byte all-reduce after computing {windows[1][1] * 1e6:.0f} us "
+             f"(first {windows[0][1] * 1e6:.0f} us); kept {sync * 1e6:.0f} us, CPU share {share:.2f}")
+    return windows
+
+
+def _rank_figures(rank: int, compute: _ComputeTimes, machine: _MachineTimes, windows: list[tuple[float, float]],
+                  rows: list[list]) -> dict:
+    """The JSON document of calib_rank_RRRR.json (its keys in the module's docstring); the rhythm kept is
+    the window whose all-reduce waited less."""
+    share, sync = min(windows, key=lambda w: w[1])
+    optim = compute.optim
+    return {"rank": rank, "ops": [dataclasses.asdict(t) for t in compute.ops], "block": list(compute.block),
+            "curves": compute.curves, "probe": list(compute.probe), "cpu_share": share, "sync_all_reduce": sync,
+            "rhythm_windows": [list(w) for w in windows],
+            "overlap": list(machine.hidden), "after_reduce": machine.reduced,
+            "optimizer": {k: t for k, (_, t) in optim.items()},
+            "optimizer_fixed": {k: f for k, (f, _) in optim.items()}, "stage": compute.stage,
+            "executor": machine.executor, "peak_flops": machine.peak_flops,
+            "memory_bandwidth": machine.bandwidth, "comm": rows}
 
 
 if __name__ == "__main__":

@@ -6,42 +6,22 @@
 
 User errors (bad references, files, sizes) print one line naming the problem
 and exit with status 2; they never end in a traceback.
+
+This module defines each verb's arguments; planner/app/verbs.py does what the verb says.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
-from pathlib import Path
-from typing import Any, Sequence
-
-import torch
+from typing import Sequence
 
 # planner/__init__ already imports capture, the search and torch before this module runs.
 from codegen.dataset_flags import add_dataset_flags
 from codegen.train_flags import MAX_STEPS, add_flags
-from cost_models import local_machine
-from cost_models.calibration.gpu_calibrate import calibrate_gpu, calibration_device
-from cost_models.hardware import LOCAL_PRESET, Cluster
-from cost_models.op_table import format_op_table, measured_rows
-from cost_models.overlap import Overlap, OverlapPreset, stack_selective
-from cost_models.simulate import simulate_steady
-from planner.app import calibrate_run
-from planner.app.cli_args import (MAX_BATCH, MAX_WORLD, OutputError, add_strategy_flags, check_constraints, count,
-                                  nonnegative_number, output_dir, output_file, positive_number, refuse_existing)
-from planner.app.commands import codegen_command, read_checked_build, run_command
-from planner.app.compare import compare_build, draw, predicted_costs
-from planner.app.report import write_report
-from planner.app.visualize import FIGURES, FORMATS, output_stem, visualize
-from planner.graph.capture import capture_ref
-from planner.search import explain, optimize
-from planner.plan import Plan
-from runtime.checkpoint import Manifest, check_rank_files, complete_checkpoints, enclosing_checkpoint, \
-    is_torch_checkpoint, resolve_checkpoint
-from runtime.checkpoint.restore import to_state_dict
-from runtime.launch.launcher import read_build
-from runtime import torch_script_checkpoint as torch_checkpoints
+from cost_models.overlap import OverlapPreset
+from planner.app import verbs
+from planner.app.cli_args import MAX_BATCH, MAX_WORLD, add_strategy_flags, count, nonnegative_number, positive_number
 from runtime.program.trace import TRACE_WINDOW_STEPS
 from runtime.vocab import Backend, DType, RecomputeMode, Target
 
@@ -52,11 +32,36 @@ STEPS = count(1, MAX_STEPS)
 MAX_RANKS = 1024  # calibration processes on one machine
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
 
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="meshplan", description="Parallelization-strategy compiler for DL training.")
+    sub = ap.add_subparsers(dest="verb", required=True, metavar="VERB")
+    # in the order --help lists the verbs
+    for add in (_add_capture, _add_optimize, _add_show, _add_cluster, _add_codegen, _add_run, _add_checkpoint,
+                _add_calibrate, _add_compare):
+        add(sub)
+    return ap
+
+
 _EPILOG_CAPTURE = """examples:
   meshplan capture examples/models/gpt.py:build --arg preset=1t --batch 1
   meshplan capture examples/models/resnet.py:build --arg depth=1001 -o resnet.json
 The model is built under torch.device("meta") (no memory) and its example
 inputs come from example_inputs() in the same module as the factory."""
+
+
+def _add_capture(sub) -> None:
+    p = sub.add_parser("capture", help="capture a model on meta tensors and print its graph summary",
+                       epilog=_EPILOG_CAPTURE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL_REF", help="factory reference, e.g. examples/models/gpt.py:build")
+    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for the factory and example_inputs (repeatable)")
+    p.add_argument("--batch", type=BATCH, default=1, help="samples in the example batch (default 1)")
+    p.add_argument("--max-layers", type=count(0), default=12, help="layers listed in the summary (default 12)")
+    p.add_argument("-o", "--output", help="also write the ModelGraph as JSON here")
+    _add_force(p)
+    p.set_defaults(func=verbs.cmd_capture)
+
 
 _EPILOG_OPTIMIZE = """examples:
   meshplan optimize examples/models/gpt.py:build --arg preset=gpt3-175b --cluster dgx-a100-80gb --nodes 16 --batch 1536
@@ -65,10 +70,51 @@ _EPILOG_OPTIMIZE = """examples:
   meshplan optimize examples/models/gpt.py:build --arg preset=tiny --cluster dgx-a100-80gb --batch 16 --target torch
 Prints the plan, the runners-up with the reason each lost, and writes the plan as JSON."""
 
+
+def _add_optimize(sub) -> None:
+    p = sub.add_parser("optimize", help="search the best plan for a model on a cluster and write plan.json",
+                       epilog=_EPILOG_OPTIMIZE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL_REF", help="factory reference, e.g. examples/models/gpt.py:build")
+    p.add_argument("--cluster", required=True, metavar="PRESET_OR_FILE", help="cluster preset or file")
+    p.add_argument("--nodes", type=DEGREE, help="nodes of a preset cluster")
+    p.add_argument("--devices", type=DEGREE, help="devices of a preset cluster (for 'local', processes)")
+    p.add_argument("--batch", type=BATCH, required=True, help="global batch size (samples per step)")
+    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for the factory and example_inputs (repeatable)")
+    p.add_argument("--objective", choices=["time", "energy"], default="time")
+    p.add_argument("--constraint", action="append", default=[], metavar="KEY=VALUE",
+                   help="fixed knob or limit, e.g. tensor=8, max_memory_fraction=0.9 (repeatable)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--what-if", action="store_true",
+                   help="also search what the cost model prices but meshplan's runtime does not run yet (the plan "
+                        "is for comparison; codegen refuses it)")
+    p.add_argument("--target", default=Target.MESHPLAN.value, choices=list(map(str, Target)),
+                   help="what will run the plan: meshplan's own runtime (default), or torch (PyTorch's DeviceMesh, "
+                        "DTensor, FSDP2 and pipelining, through planner.parallelize or codegen --target torch); the "
+                        "search picks only strategies the target runs")
+    p.add_argument("--stack", default=None, choices=list(map(str, OverlapPreset)),
+                   help="the training stack whose communication overlap and selective recomputation the cost model "
+                        "assumes (cost_models/overlap.py; default: the target's, meshplan for meshplan, torchtitan's "
+                        "overlap for torch)")
+    p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
+    _add_force(p)
+    p.set_defaults(func=verbs.cmd_optimize)
+
+
 _EPILOG_SHOW = """examples:
   meshplan show plan.json                 # plan_mesh.png, plan_memory.png, ... and plan_report.html
   meshplan show plan.json -o pictures/gpt # pictures/gpt_mesh.png ... pictures/gpt_report.html
 PNG and SVG of each picture, plus one self-contained HTML report."""
+
+
+def _add_show(sub) -> None:
+    p = sub.add_parser("show", help="print a plan and draw it (mesh, memory, time, alternatives, schedule)",
+                       epilog=_EPILOG_SHOW, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plan", metavar="PLAN_JSON")
+    p.add_argument("-o", "--output", help="file stem for the pictures (default: next to the plan, plan_*.png)")
+    _add_force(p)
+    p.set_defaults(func=verbs.cmd_show)
+
 
 _EPILOG_CLUSTER = """examples:
   meshplan cluster dgx-a100-80gb --nodes 4
@@ -77,112 +123,17 @@ _EPILOG_CLUSTER = """examples:
   meshplan cluster my_cluster.yaml"""
 
 
-def _parse_kv(items: Sequence[str]) -> dict[str, Any]:
-    """`key=value` pairs; values are Python literals when they parse as one, else strings."""
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--arg {item!r} is not KEY=VALUE (for example --arg num_layers=4)")
-        key, raw = item.split("=", 1)
-        try:
-            out[key] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            out[key] = raw
-    return out
-
-
-def _check_world(devices: int, what: str) -> None:
-    if devices > MAX_WORLD:
-        raise ValueError(f"{what} has {devices} devices; meshplan plans at most {MAX_WORLD}: "
-                         "use fewer --nodes/--devices")
-
-
-def resolve_cluster(name: str, nodes: int | None = None, devices: int | None = None):
-    """A preset name (with nodes/devices) or a cluster file path."""
-    if name in Cluster.preset_names():
-        return Cluster.preset(name, nodes=nodes, devices=devices)
-    if Path(name).suffix in (".yaml", ".yml", ".json") or Path(name).exists():
-        if nodes or devices:
-            raise ValueError("--nodes/--devices apply to presets; edit the cluster file instead")
-        return Cluster.load(name)
-    raise ValueError(f"{name!r} is neither a preset ({', '.join(Cluster.preset_names())}) "
-                     "nor a cluster file (.yaml/.yml/.json)")
-
-
-def _cmd_capture(args: argparse.Namespace) -> int:
-    if args.output:
-        output_file(args.output, force=args.force)
-    graph = capture_ref(args.model, _parse_kv(args.arg), args.batch)
-    print(graph.summary(max_layers=args.max_layers))
-    if args.output:
-        graph.save(args.output)
-        print(f"\nwrote {args.output}")
-    return 0
-
-
-def _cmd_optimize(args: argparse.Namespace) -> int:
-    output_file(args.output, force=args.force)
-    constraints = check_constraints(_parse_kv(args.constraint))
-    cluster = resolve_cluster(args.cluster, args.nodes, args.devices)
-    _check_world(cluster.num_devices, "the cluster")
-    graph = capture_ref(args.model, _parse_kv(args.arg), 1)
-    if args.what_if and args.target != Target.MESHPLAN:
-        raise ValueError(f"--what-if searches what no target runs yet; drop --target {args.target} or --what-if")
-    stack = {"overlap": Overlap.preset(args.stack), "selective": stack_selective(args.stack)} \
-        if args.stack else {}   # else the target's stack
-    plan = optimize(graph, cluster, global_batch_size=args.batch, objective=args.objective,
-                    constraints=constraints, progress=False if args.quiet else None, **stack,
-                    **({"runtime": None} if args.what_if else {"target": args.target}))
-    print(plan.summary())
-    print()
-    print(explain(plan))
-    plan.save(args.output)
-    print(f"\nwrote {args.output}")
-    return 0
-
-
-def _cmd_show(args: argparse.Namespace) -> int:
-    plan = Plan.load(args.plan)
-    out = args.output or str(Path(args.plan).with_suffix(""))
-    report = f"{out}_report.html" if not out.endswith("/") else f"{out}report.html"
-    if out.endswith("/"):  # a directory: the pictures go inside it
-        output_dir(out)
-    else:
-        output_file(report, force=args.force)
-    directory, prefix = output_stem(out)
-    refuse_existing([report, *(directory / f"{prefix}{name}.{fmt}" for name in FIGURES for fmt in FORMATS)], "-o",
-                    args.force)
-    print(plan.summary())
-    print()
-    print(explain(plan))
-    files = visualize(plan, out)
-    report = write_report(plan, report)
-    # a directory holds mesh.png, memory.png, ...; a stem gets stem_mesh.png, stem_memory.png, ...
-    pattern = Path(out) / "*" if out.endswith("/") else Path(f"{out}_*")
-    print(f"\nwrote {len(files)} pictures ({pattern}.png|svg) and {report}")
-    return 0
-
-
-def _cmd_cluster(args: argparse.Namespace) -> int:
-    if args.output:
-        output_file(args.output, force=args.force)
-    if args.remeasure:
-        if args.name != LOCAL_PRESET:
-            raise ValueError(f"--remeasure measures this machine: it applies to 'meshplan cluster {LOCAL_PRESET}', "
-                             f"not to {args.name!r}")
-        figures = local_machine.load_or_measure(remeasure=True)   # and cached for every later use
-        cluster = Cluster.preset(LOCAL_PRESET, devices=args.devices, figures=figures)
-        print(f"measured this machine now ({figures['measure_seconds']:.1f} s, load {figures['load_per_cpu']:.2f} "
-              f"per CPU{', busy: measure again when it is quieter' if local_machine.is_busy(figures) else ''}); "
-              f"cached in {local_machine.default_cache_dir() / local_machine.CACHE_FILE_NAME}")
-    else:
-        cluster = resolve_cluster(args.name, args.nodes, args.devices)
-    _check_world(cluster.num_devices, "the cluster")
-    print(cluster.summary())
-    if args.output:
-        cluster.save(args.output)
-        print(f"\nwrote {args.output}")
-    return 0
+def _add_cluster(sub) -> None:
+    p = sub.add_parser("cluster", help="show a preset or a cluster file, optionally save it",
+                       epilog=_EPILOG_CLUSTER, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", metavar="PRESET_OR_FILE")
+    p.add_argument("--nodes", type=DEGREE, help="number of nodes (presets only)")
+    p.add_argument("--devices", type=DEGREE, help="devices (presets only; for 'local', processes)")
+    p.add_argument("-o", "--output", help="write the cluster as YAML or JSON (by suffix)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="'local' only: measure this machine now, whatever its cache holds (after a busy reading)")
+    _add_force(p)
+    p.set_defaults(func=verbs.cmd_cluster)
 
 
 _EPILOG_CODEGEN = """examples:
@@ -194,55 +145,8 @@ Writes plan.json, one rank_XXXX.py per rank and launch scripts (torchrun, mpirun
 --target torch one train_torch.py for every rank (PyTorch's DeviceMesh, DTensor, FSDP2) and the
 torchrun and srun scripts."""
 
-_EPILOG_RUN = """examples:
-  meshplan run build --steps 3 --verify
-  meshplan run build --steps 10 --backend mpi
-  meshplan run build --steps 10 --checkpoint-dir ckpt --save-every 5; meshplan run build --steps 10 --resume ckpt
-  meshplan run build --steps 20000 --no-trace
-Writes build/metrics.jsonl (a line per step as it ends: loss, seconds, lr, grad_norm, loss_scale,
-samples_per_s, tokens_per_s, mfu, peak_memory_bytes), build/timeline.json and build/trace.json
-(the first {window} steps; every step with --trace, none with --no-trace). A NaN or infinite loss stops
-the run at the step where it appears (exit 1, naming the step)."""
 
-
-def _cmd_codegen(args: argparse.Namespace) -> int:
-    data_kwargs = _parse_kv(args.data_arg) if args.data_arg else None
-    args.dataset_kwargs = _parse_kv(args.dataset_arg)
-    args.eval_dataset_kwargs = _parse_kv(args.eval_dataset_arg) if args.eval_dataset_arg else None
-    _build_output(args.output, args.force)   # emit creates it once the build is complete: a refusal leaves none
-    return codegen_command(args, _parse_kv(args.arg), data_kwargs)
-
-
-def _build_output(path: str, force: bool) -> None:
-    """codegen's -o: a new directory, or a build it replaces; a directory of other files only with --force."""
-    out = Path(path).expanduser()
-    try:
-        others = out.is_dir() and not (out / "build.json").is_file() and any(out.iterdir())
-    except OSError:   # a directory we may not list: output_dir says so
-        others = False
-    if others and not force:
-        raise OutputError(f"-o {path} is a directory with other files than a meshplan build; codegen would write "
-                          "among them: pass --force, or give a new directory")
-    output_dir(path, create=False)
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
-    if args.backend == Backend.NCCL:
-        if not torch.cuda.is_available():
-            raise ValueError("--backend nccl needs CUDA GPUs, and torch sees none here "
-                             f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); "
-                             "use --backend gloo or mpi on CPUs")
-    if args.checkpoint_dir:
-        output_dir(args.checkpoint_dir, "--checkpoint-dir")
-    if args.resume:  # here, not after every rank has started and built its model
-        if read_build(args.build).get("target") == Target.TORCH:   # its checkpoints are DCP directories, checked
-            torch_checkpoints.checked(args.resume)
-        else:
-            check_rank_files(resolve_checkpoint(args.resume))
-    return run_command(args)
-
-
-def _add_codegen_and_run(sub) -> None:
+def _add_codegen(sub) -> None:
     p = sub.add_parser("codegen", help="generate per-rank programs, rank scripts and launchers for a plan",
                        epilog=_EPILOG_CODEGEN, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL_REF", help="factory reference, e.g. examples/models/gpt.py:build")
@@ -255,10 +159,28 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--dtype", default=DType.FP32.value, choices=list(map(str, DType)))
     p.add_argument("--cluster", help="cluster preset or file the plan is priced on (default: local)")
     p.add_argument("--nodes", type=DEGREE, help="nodes of a preset cluster")
+    _add_batch_source_flags(p)
+    _add_training_flags(p)
+    _add_loss_scale_flags(p)
+    p.add_argument("--target", default=Target.MESHPLAN.value, choices=list(map(str, Target)),
+                   help="what runs the plan: meshplan's own runtime (one script per rank, default) or PyTorch's "
+                        "parallel stack (one SPMD script, train_torch.py: DeviceMesh, DTensor, FSDP2, pipelining)")
+    p.add_argument("-o", "--output", default="build", help="build directory (default build)")
+    _add_force(p)
+    p.set_defaults(func=verbs.cmd_codegen)
+
+
+def _add_batch_source_flags(p) -> None:
+    """codegen: where each step's batch comes from (a batch factory, or a dataset)."""
     p.add_argument("--data-ref", help="batch factory (default: example_batch in the model's file)")
     p.add_argument("--data-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="batch factory keyword (default: the model's --arg values)")
     add_dataset_flags(p)
+
+
+def _add_training_flags(p) -> None:
+    """codegen: the loss, the optimizer and its schedule, initialisation, seeds, gradient buckets, evaluation
+    and clipping."""
     p.add_argument("--loss", default="cross_entropy", choices=["cross_entropy", "mse"])
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
     p.add_argument("--lr", type=positive_number, default=0.1)
@@ -275,19 +197,30 @@ def _add_codegen_and_run(sub) -> None:
     p.add_argument("--clip-grad", type=positive_number, default=None, metavar="MAX_NORM",
                    help="clip the global gradient norm (the whole model's, every plan alike) to MAX_NORM before "
                         "each optimizer step, as torch.nn.utils.clip_grad_norm_ (default: no clipping)")
+
+
+def _add_loss_scale_flags(p) -> None:
+    """codegen: fp16's dynamic loss scaling."""
     p.add_argument("--loss-scale-init", type=positive_number, default=None, metavar="SCALE",
                    help="--dtype fp16: the first dynamic loss scale (default 65536, GradScaler's)")
     p.add_argument("--loss-scale-growth-interval", type=count(1, 2 ** 31), default=None, metavar="STEPS",
                    help="--dtype fp16: double the loss scale after this many steps without overflow (default 2000)")
     p.add_argument("--no-loss-scale", action="store_true",
                    help="--dtype fp16 without dynamic loss scaling (on by default for fp16)")
-    p.add_argument("--target", default=Target.MESHPLAN.value, choices=list(map(str, Target)),
-                   help="what runs the plan: meshplan's own runtime (one script per rank, default) or PyTorch's "
-                        "parallel stack (one SPMD script, train_torch.py: DeviceMesh, DTensor, FSDP2, pipelining)")
-    p.add_argument("-o", "--output", default="build", help="build directory (default build)")
-    _add_force(p)
-    p.set_defaults(func=_cmd_codegen)
 
+
+_EPILOG_RUN = """examples:
+  meshplan run build --steps 3 --verify
+  meshplan run build --steps 10 --backend mpi
+  meshplan run build --steps 10 --checkpoint-dir ckpt --save-every 5; meshplan run build --steps 10 --resume ckpt
+  meshplan run build --steps 20000 --no-trace
+Writes build/metrics.jsonl (a line per step as it ends: loss, seconds, lr, grad_norm, loss_scale,
+samples_per_s, tokens_per_s, mfu, peak_memory_bytes), build/timeline.json and build/trace.json
+(the first {window} steps; every step with --trace, none with --no-trace). A NaN or infinite loss stops
+the run at the step where it appears (exit 1, naming the step)."""
+
+
+def _add_run(sub) -> None:
     p = sub.add_parser("run", help="run a generated build on this machine (optionally verify it)",
                        epilog=_EPILOG_RUN.format(window=TRACE_WINDOW_STEPS),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -329,20 +262,7 @@ def _add_codegen_and_run(sub) -> None:
                         "(pip install 'meshplan[tensorboard]')")
     p.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true",
                    help="no live progress display (default: a bar with ETA on a terminal, else a line every 10 s)")
-    p.set_defaults(func=_cmd_run)
-    _add_checkpoint(sub)
-
-
-def _add_force(p) -> None:
-    p.add_argument("--force", action="store_true", help="replace output files that exist (default: refuse them)")
-
-
-def _add_eval_flags(p, default: str) -> None:
-    p.add_argument("--eval-every", type=STEPS, metavar="N",
-                   help="after every N-th training step, evaluate on held-out batches (forward only): their "
-                        "loss and, for class targets, accuracy" + default)
-    p.add_argument("--eval-batches", type=STEPS, metavar="K",
-                   help="held-out global batches per evaluation" + (default or " (default 1)"))
+    p.set_defaults(func=verbs.cmd_run)
 
 
 _EPILOG_CHECKPOINT = """examples:
@@ -353,33 +273,6 @@ _EPILOG_CHECKPOINT = """examples:
 A checkpoint of one plan resumes on another plan of the same model (re-sliced on load)."""
 
 
-def _cmd_checkpoint(args: argparse.Namespace) -> int:
-    torch_ckpt = is_torch_checkpoint(args.checkpoint)
-    if args.action == "convert":
-        inside = enclosing_checkpoint(args.output)
-        if inside is not None:   # even with --force: a checkpoint holds what its run wrote, nothing else
-            raise OutputError(f"-o {args.output} is inside the checkpoint directory {inside}; write the state_dict "
-                              "elsewhere")
-        output_file(args.output, force=args.force)
-        ckpt, info, n = (torch_checkpoints.to_state_dict if torch_ckpt else to_state_dict)(args.checkpoint,
-                                                                                            args.output)
-        print(f"wrote {args.output}: {n} tensors of {info.model_ref} at step {info.step} (from {ckpt})")
-        return 0
-    if torch_ckpt:
-        ckpt, info = torch_checkpoints.checked(args.checkpoint)
-        print(f"{ckpt}: a torch build's Distributed Checkpoint, step {info.step} ({info.samples} samples), model "
-              f"{info.model_ref}, run {info.run_id}, {len(info.files) or 'no'} files with sha256 checked")
-        return 0
-    ckpt = resolve_checkpoint(args.checkpoint)
-    man = Manifest.load(ckpt)
-    print(f"{ckpt}: step {man.step} ({man.samples} samples), {man.world_size} ranks, mesh "
-          + " x ".join(f"{a} {s}" for a, s in man.mesh) + f", model {man.model_ref}, optimizer {man.optimizer}")
-    done = complete_checkpoints(ckpt.parent)
-    if len(done) > 1:
-        print("complete checkpoints here: " + ", ".join(d.name for d in done))
-    return 0
-
-
 def _add_checkpoint(sub) -> None:
     p = sub.add_parser("checkpoint", help="show a sharded checkpoint, or convert it to one state_dict file",
                        epilog=_EPILOG_CHECKPOINT, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -388,7 +281,7 @@ def _add_checkpoint(sub) -> None:
     p.add_argument("-o", "--output", default="model.pt",
                    help="state_dict file for convert (default model.pt; never inside a checkpoint directory)")
     _add_force(p)
-    p.set_defaults(func=_cmd_checkpoint)
+    p.set_defaults(func=verbs.cmd_checkpoint)
 
 
 _EPILOG_CALIBRATE = """examples:
@@ -405,92 +298,6 @@ table of that one device with CUDA events (GEMMs by shape and dtype, attention, 
 elementwise ops, the loss, AdamW, copies, the host's launch and layer costs; no collectives:
 one GPU has no peer) and fits the GPU cost model to it. Either way it writes a cluster file
 (fits under measurements fit.*, raw numbers under raw.*) that Cluster.load reads back."""
-
-
-def _cmd_calibrate(args: argparse.Namespace) -> int:
-    if Path(args.out).suffix.lower() not in (".yaml", ".yml", ".json"):
-        raise ValueError(f"--out {args.out}: name the cluster file .yaml, .yml or .json")
-    device = calibration_device(args.device)
-    if device.type == "cuda":
-        for flag, given in (("--ranks", args.ranks is not None), ("--backend", args.backend is not None)):
-            if given:
-                raise ValueError(f"{flag}: a GPU calibration measures this one device in this process (collectives "
-                                 "are not measured on one GPU); leave it out, or calibrate CPU processes with "
-                                 "--device cpu")
-    elif args.op_table:
-        raise ValueError(f"--op-table {args.op_table}: the op table is measured on a GPU (--device cuda); this "
-                         f"calibration runs on {device.type.upper()} processes")
-    if args.op_table and Path(args.op_table).suffix.lower() != ".csv":
-        raise ValueError(f"--op-table {args.op_table}: name the op table .csv")
-    output_file(args.out, "--out", force=args.force)  # before minutes of measuring
-    if args.op_table:
-        output_file(args.op_table, "--op-table", force=args.force)
-    progress = lambda line: print(line, flush=True)  # noqa: E731
-    if device.type == "cuda":
-        cluster = calibrate_gpu(device, quick=not args.full, progress=progress)
-    else:
-        cluster = calibrate_run.calibrate_machine(args.ranks, quick=not args.full, backend=args.backend or Backend.GLOO.value,
-                                                  timeout=args.timeout, run_probe=args.run_probe, progress=progress)
-    cluster.save(args.out)
-    print()
-    print(cluster.summary().split("\n  measurements:")[0])
-    print(f"\nwrote {args.out}")
-    if args.op_table:
-        rows = measured_rows(cluster.measurements)
-        Path(args.op_table).expanduser().write_text(format_op_table(rows))
-        print(f"wrote {args.op_table} ({len(rows)} op rows)")
-    return 0
-
-
-_EPILOG_COMPARE = """examples:
-  meshplan calibrate --out cluster.yaml
-  meshplan run build --steps 6 --track-memory --probe-comm
-  meshplan compare build --cluster cluster.yaml     # also draws build/compare_schedule.png|svg
-Prints predicted (the simulator on the build's Programs, priced on the cluster) versus
-measured step time, the error per instruction kind, peak memory per rank, and (after
---probe-comm) a 1 MiB all-reduce's time in the run beside its time at calibration."""
-
-_EPILOG_SIMULATE = """examples:
-  meshplan simulate build --cluster cluster.yaml
-Writes build/predicted_timeline.json and build/predicted_trace.json (ui.perfetto.dev)."""
-
-
-def _cmd_compare(args: argparse.Namespace) -> int:
-    read_checked_build(args.build)
-    cluster = resolve_cluster(args.cluster)
-    cmp, predicted, measured, plan = compare_build(args.build, cluster)
-    print(cmp.report())
-    if not args.no_pictures:
-        paths = draw(plan, predicted, measured, cmp.typical_step, Path(args.build) / "compare_schedule")
-        print(f"wrote {paths[0]} and .svg (predicted beside measured step {cmp.typical_step})")
-    return 0
-
-
-def _cmd_simulate(args: argparse.Namespace) -> int:
-    read_checked_build(args.build)
-    _plan, pred, costs, progs, cluster = predicted_costs(args.build, resolve_cluster(args.cluster))
-    tl = simulate_steady(progs, costs, cluster)  # a step after the first, as `compare` measures
-    out = Path(args.build)
-    tl.save(out / "predicted_timeline.json")
-    tl.save_chrome(out / "predicted_trace.json")
-    print(f"simulated step (steady state) on {cluster.name!r}: {tl.step_times()[0] * 1e3:.3f} ms "
-          f"(analytic {pred.step_time * 1e3:.3f} ms); {len(tl.events)} instructions on {len(progs)} ranks")
-    print(f"wrote {out / 'predicted_timeline.json'} and {out / 'predicted_trace.json'} (ui.perfetto.dev)")
-    return 0
-
-
-def _add_compare(sub) -> None:
-    for verb, helptext, epilog, func in (
-            ("compare", "predicted versus measured step time, per instruction kind, and peak memory of a run",
-             _EPILOG_COMPARE, _cmd_compare),
-            ("simulate", "simulate a build's Programs: the predicted timeline", _EPILOG_SIMULATE, _cmd_simulate)):
-        p = sub.add_parser(verb, help=helptext, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("build", metavar="BUILD_DIR")
-        p.add_argument("--cluster", default="local", metavar="PRESET_OR_FILE",
-                       help="cluster to price on; a calibrated file (meshplan calibrate) is best (default: local)")
-        if verb == "compare":
-            p.add_argument("--no-pictures", action="store_true", help="do not draw the schedules")
-        p.set_defaults(func=func)
 
 
 def _add_calibrate(sub) -> None:
@@ -518,74 +325,47 @@ def _add_calibrate(sub) -> None:
                    help="CPU: skip the last part: training a small probe transformer through the runtime, traced, "
                         "to measure how much longer compute takes in a run than its per-op prices "
                         "(fit.in_run.*; about 25 s on 2 cores)")
-    p.set_defaults(func=_cmd_calibrate)
+    p.set_defaults(func=verbs.cmd_calibrate)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="meshplan", description="Parallelization-strategy compiler for DL training.")
-    sub = ap.add_subparsers(dest="verb", required=True, metavar="VERB")
+_EPILOG_COMPARE = """examples:
+  meshplan calibrate --out cluster.yaml
+  meshplan run build --steps 6 --track-memory --probe-comm
+  meshplan compare build --cluster cluster.yaml     # also draws build/compare_schedule.png|svg
+Prints predicted (the simulator on the build's Programs, priced on the cluster) versus
+measured step time, the error per instruction kind, peak memory per rank, and (after
+--probe-comm) a 1 MiB all-reduce's time in the run beside its time at calibration."""
 
-    p = sub.add_parser("capture", help="capture a model on meta tensors and print its graph summary",
-                       epilog=_EPILOG_CAPTURE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="MODEL_REF", help="factory reference, e.g. examples/models/gpt.py:build")
-    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="keyword argument for the factory and example_inputs (repeatable)")
-    p.add_argument("--batch", type=BATCH, default=1, help="samples in the example batch (default 1)")
-    p.add_argument("--max-layers", type=count(0), default=12, help="layers listed in the summary (default 12)")
-    p.add_argument("-o", "--output", help="also write the ModelGraph as JSON here")
-    _add_force(p)
-    p.set_defaults(func=_cmd_capture)
 
-    p = sub.add_parser("optimize", help="search the best plan for a model on a cluster and write plan.json",
-                       epilog=_EPILOG_OPTIMIZE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="MODEL_REF", help="factory reference, e.g. examples/models/gpt.py:build")
-    p.add_argument("--cluster", required=True, metavar="PRESET_OR_FILE", help="cluster preset or file")
-    p.add_argument("--nodes", type=DEGREE, help="nodes of a preset cluster")
-    p.add_argument("--devices", type=DEGREE, help="devices of a preset cluster (for 'local', processes)")
-    p.add_argument("--batch", type=BATCH, required=True, help="global batch size (samples per step)")
-    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="keyword argument for the factory and example_inputs (repeatable)")
-    p.add_argument("--objective", choices=["time", "energy"], default="time")
-    p.add_argument("--constraint", action="append", default=[], metavar="KEY=VALUE",
-                   help="fixed knob or limit, e.g. tensor=8, max_memory_fraction=0.9 (repeatable)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--what-if", action="store_true",
-                   help="also search what the cost model prices but meshplan's runtime does not run yet (the plan "
-                        "is for comparison; codegen refuses it)")
-    p.add_argument("--target", default=Target.MESHPLAN.value, choices=list(map(str, Target)),
-                   help="what will run the plan: meshplan's own runtime (default), or torch (PyTorch's DeviceMesh, "
-                        "DTensor, FSDP2 and pipelining, through planner.parallelize or codegen --target torch); the "
-                        "search picks only strategies the target runs")
-    p.add_argument("--stack", default=None, choices=list(map(str, OverlapPreset)),
-                   help="the training stack whose communication overlap and selective recomputation the cost model "
-                        "assumes (cost_models/overlap.py; default: the target's, meshplan for meshplan, torchtitan's "
-                        "overlap for torch)")
-    p.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default plan.json)")
-    _add_force(p)
-    p.set_defaults(func=_cmd_optimize)
+_EPILOG_SIMULATE = """examples:
+  meshplan simulate build --cluster cluster.yaml
+Writes build/predicted_timeline.json and build/predicted_trace.json (ui.perfetto.dev)."""
 
-    p = sub.add_parser("show", help="print a plan and draw it (mesh, memory, time, alternatives, schedule)",
-                       epilog=_EPILOG_SHOW, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("plan", metavar="PLAN_JSON")
-    p.add_argument("-o", "--output", help="file stem for the pictures (default: next to the plan, plan_*.png)")
-    _add_force(p)
-    p.set_defaults(func=_cmd_show)
 
-    p = sub.add_parser("cluster", help="show a preset or a cluster file, optionally save it",
-                       epilog=_EPILOG_CLUSTER, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", metavar="PRESET_OR_FILE")
-    p.add_argument("--nodes", type=DEGREE, help="number of nodes (presets only)")
-    p.add_argument("--devices", type=DEGREE, help="devices (presets only; for 'local', processes)")
-    p.add_argument("-o", "--output", help="write the cluster as YAML or JSON (by suffix)")
-    p.add_argument("--remeasure", action="store_true",
-                   help="'local' only: measure this machine now, whatever its cache holds (after a busy reading)")
-    _add_force(p)
-    p.set_defaults(func=_cmd_cluster)
+def _add_compare(sub) -> None:
+    for verb, helptext, epilog, func in (
+            ("compare", "predicted versus measured step time, per instruction kind, and peak memory of a run",
+             _EPILOG_COMPARE, verbs.cmd_compare),
+            ("simulate", "simulate a build's Programs: the predicted timeline", _EPILOG_SIMULATE, verbs.cmd_simulate)):
+        p = sub.add_parser(verb, help=helptext, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("build", metavar="BUILD_DIR")
+        p.add_argument("--cluster", default="local", metavar="PRESET_OR_FILE",
+                       help="cluster to price on; a calibrated file (meshplan calibrate) is best (default: local)")
+        if verb == "compare":
+            p.add_argument("--no-pictures", action="store_true", help="do not draw the schedules")
+        p.set_defaults(func=func)
 
-    _add_codegen_and_run(sub)
-    _add_calibrate(sub)
-    _add_compare(sub)
-    return ap
+
+def _add_force(p) -> None:
+    p.add_argument("--force", action="store_true", help="replace output files that exist (default: refuse them)")
+
+
+def _add_eval_flags(p, default: str) -> None:
+    p.add_argument("--eval-every", type=STEPS, metavar="N",
+                   help="after every N-th training step, evaluate on held-out batches (forward only): their "
+                        "loss and, for class targets, accuracy" + default)
+    p.add_argument("--eval-batches", type=STEPS, metavar="K",
+                   help="held-out global batches per evaluation" + (default or " (default 1)"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

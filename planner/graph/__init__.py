@@ -1,6 +1,7 @@
 """Capture and graph analysis: a PyTorch model becomes a ModelGraph.
 
     capture.py       torch.fx, torch.export as the fallback, meta tensors for models too big to allocate
+    analysis.py      the pass that runs every node once on meta tensors: shapes, FLOPs, saved bytes
     export.py        the torch.export path (unflattened back into module calls)
     ops.py           per-op facts (FLOPs, bytes, parameters) of an fx node
     model.py         ModelGraph, OpInfo, Layer, Branch, TensorMeta: the captured graph as a JSON value

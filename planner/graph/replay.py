@@ -1,7 +1,7 @@
 """Running a model's repeated nodes once during capture.
 
 The capture's analysis runs every fx node on meta tensors under the FLOP counter and the
-saved-tensor hooks (planner/graph/capture.py). A model's repeated blocks repeat the same
+saved-tensor hooks (planner/graph/analysis.py). A model's repeated blocks repeat the same
 nodes with the same inputs: the 128 blocks of a 1T GPT run the same 19 ops 128 times, and
 the dispatch of those runs is most of the capture's time. `ForwardMemo` keeps, per node
 signature, what the first run produced, and replays it for the next node of that signature:

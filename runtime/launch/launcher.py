@@ -43,7 +43,8 @@ from runtime.launch.progress import RunProgress
 from runtime.comm.store_host import LOOPBACK, host_store
 from runtime.execute.evaluation import EvalResult
 from runtime.program.trace import Timeline, write_run_timeline
-from runtime.verify import Verification, verify_build
+from runtime.verify import verify_build
+from runtime.verify.verification import Verification
 from runtime.vocab import Backend
 from runtime.documents import read_document
 

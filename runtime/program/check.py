@@ -10,6 +10,7 @@ message names the field by its path ("instrs[12].peer") and what it should be.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from runtime.documents import FieldError, Fields
@@ -49,27 +50,11 @@ def check_program_dict(d: Any, axis_group: GroupOf) -> None:
 
 
 def _check(f: Fields, axis_group: GroupOf) -> None:
+    """The whole document, in the order its problems are reported: header, mesh, stages, step sizes,
+    buckets, ties, strategy parts, then each instruction."""
     f.only(_TOP, _REQUIRED)
-    version = f.raw("format_version")
-    if version != PROGRAM_FORMAT_VERSION or isinstance(version, bool):
-        raise f.error("format_version", f"is {version!r}; this runtime reads {PROGRAM_FORMAT_VERSION}")
-    world = f.integer("world_size", minimum=1)
-    f.integer("rank", minimum=0, maximum=world - 1)  # checked; nothing below depends on it
-    mesh = []
-    for i, pair in enumerate(f.items("mesh")):
-        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and pair[0]):
-            raise f.error(f"mesh[{i}]", f"must be [axis name, size], got {pair!r}")
-        mesh.append((current_axis_name(pair[0]), f.whole(f"mesh[{i}][1]", pair[1], minimum=1, maximum=world)))
-    names = [a for a, _ in mesh]
-    if len(set(names)) != len(names):
-        raise f.error("mesh", f"names an axis twice: {names}")
-    if math.prod(s for _, s in mesh) != world:
-        raise f.error("mesh", f"has {math.prod(s for _, s in mesh)} ranks but world_size is {world}")
-    coords = f.items("coords")
-    if len(coords) != len(mesh):
-        raise f.error("coords", f"has {len(coords)} entries for the {len(mesh)} mesh axes {names}")
-    for i, c in enumerate(coords):
-        f.whole(f"coords[{i}]", c, minimum=0, maximum=mesh[i][1] - 1)
+    world = _check_header(f)
+    mesh, coords = _check_mesh(f, world)
     num_stages = f.integer("num_stages", minimum=1)
     stages = f.items("stages")
     for i, s in enumerate(stages):
@@ -85,52 +70,118 @@ def _check(f: Fields, axis_group: GroupOf) -> None:
     for part in PARTS:
         if part.key in f.data:
             part.check_document(f.sub(part.key), world, f.raw("rank"))
+    shape = _RankShape(world, tuple(mesh), tuple(coords), tuple(stages), num_stages, micros, len(buckets),
+                      frozenset(ties), axis_group)
     created: set[int] = set()
     for i, ins in enumerate(f.items("instrs")):
-        g = Fields(ins, _WHERE, f"instrs[{i}]")
-        g.only(_INSTR_INT + _INSTR_STR, ("op",))
-        for k in _INSTR_STR:
-            if k in ins:
-                g.text(k)
-        for k in _INSTR_INT:
-            if k in ins:
-                g.integer(k, minimum=0 if k == "nbytes" else -1)
-        op, kind, axis = ins["op"], ins.get("kind", ""), current_axis_name(ins.get("axis", ""))
-        if op not in OPS:
-            raise g.error("op", f"is {op!r}; known: {', '.join(OPS)}")
-        if kind not in KINDS:
-            raise g.error("kind", f"is {kind!r}; known: {', '.join(k for k in KINDS if k)}")
-        stage, micro = ins.get("stage", -1), ins.get("micro", -1)
-        if op in (Op.F, Op.B) and stage not in stages:
-            raise g.error("stage", f"is {stage}, not one of this rank's stages {stages}")
-        if stage >= num_stages:
-            raise g.error("stage", f"is {stage}, the pipeline has {num_stages} stages")
-        if micro >= micros:
-            raise g.error("micro", f"is {micro}, a step has {micros} micro-batches")
-        peer = ins.get("peer", -1)
-        if peer >= world:
-            raise g.error("peer", f"is rank {peer}, outside the world of {world} ranks")
-        if axis:
-            try:
-                group = axis_group(mesh, coords, axis)
-            except (ProgramError, MeshError):
-                raise g.error("axis", f"is {axis!r}, not an axis of the mesh {names}") from None
-            if op == Op.BROADCAST and peer not in group:
-                raise g.error("peer", f"is rank {peer}, not in this rank's {axis} group {list(group)}")
-        bucket = ins.get("bucket", -1)
-        if kind == "tied":
-            if bucket not in ties:
-                raise g.error("bucket", f"is {bucket}; this rank holds tied weights {sorted(ties)}")
-        elif bucket >= len(buckets) or (op in COLLECTIVE_OPS and kind in ("grads", "params") and bucket < 0):
-            raise g.error("bucket", f"is {bucket}; this rank has {len(buckets)} bucket(s)")
-        handle = ins.get("handle", -1)
-        if op in P2P_OPS or op in COLLECTIVE_OPS:
-            if handle in created:
-                raise g.error("handle", f"h{handle} is created twice")
-            if handle >= 0:
-                created.add(handle)
-        elif op == Op.WAIT and handle >= 0 and handle not in created:
-            raise g.error("handle", f"waits on h{handle}, which no earlier instruction creates")
+        _check_instr(Fields(ins, _WHERE, f"instrs[{i}]"), ins, shape, created)
+
+
+def _check_header(f: Fields) -> int:
+    """The format version and the rank inside the world; returns the world size."""
+    version = f.raw("format_version")
+    if version != PROGRAM_FORMAT_VERSION or isinstance(version, bool):
+        raise f.error("format_version", f"is {version!r}; this runtime reads {PROGRAM_FORMAT_VERSION}")
+    world = f.integer("world_size", minimum=1)
+    f.integer("rank", minimum=0, maximum=world - 1)  # checked; nothing below depends on it
+    return world
+
+
+def _check_mesh(f: Fields, world: int) -> tuple[list[tuple[str, int]], list]:
+    """The mesh ([(axis name, size)], current names, sizes multiplying to the world) and this rank's
+    coordinate along each of its axes."""
+    mesh = []
+    for i, pair in enumerate(f.items("mesh")):
+        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str) and pair[0]):
+            raise f.error(f"mesh[{i}]", f"must be [axis name, size], got {pair!r}")
+        mesh.append((current_axis_name(pair[0]), f.whole(f"mesh[{i}][1]", pair[1], minimum=1, maximum=world)))
+    names = [a for a, _ in mesh]
+    if len(set(names)) != len(names):
+        raise f.error("mesh", f"names an axis twice: {names}")
+    if math.prod(s for _, s in mesh) != world:
+        raise f.error("mesh", f"has {math.prod(s for _, s in mesh)} ranks but world_size is {world}")
+    coords = f.items("coords")
+    if len(coords) != len(mesh):
+        raise f.error("coords", f"has {len(coords)} entries for the {len(mesh)} mesh axes {names}")
+    for i, c in enumerate(coords):
+        f.whole(f"coords[{i}]", c, minimum=0, maximum=mesh[i][1] - 1)
+    return mesh, coords
+
+
+@dataclass(frozen=True)
+class _RankShape:
+    """What an instruction's fields are checked against, from the checked top of the document."""
+
+    world: int
+    mesh: tuple[tuple[str, int], ...]
+    coords: tuple[int, ...]
+    stages: tuple[int, ...]       # this rank's stages, ascending
+    num_stages: int
+    num_micro_batches: int
+    num_buckets: int
+    ties: frozenset[int]          # the tied weights' indices this rank holds
+    axis_group: GroupOf
+
+    @property
+    def names(self) -> list[str]:
+        return [a for a, _ in self.mesh]
+
+
+def _check_instr(g: Fields, ins: dict, shape: _RankShape, created: set[int]) -> None:
+    """One instruction's fields and references; adds the handle it creates to `created`."""
+    g.only(_INSTR_INT + _INSTR_STR, ("op",))
+    for k in _INSTR_STR:
+        if k in ins:
+            g.text(k)
+    for k in _INSTR_INT:
+        if k in ins:
+            g.integer(k, minimum=0 if k == "nbytes" else -1)
+    op, kind, axis = ins["op"], ins.get("kind", ""), current_axis_name(ins.get("axis", ""))
+    if op not in OPS:
+        raise g.error("op", f"is {op!r}; known: {', '.join(OPS)}")
+    if kind not in KINDS:
+        raise g.error("kind", f"is {kind!r}; known: {', '.join(k for k in KINDS if k)}")
+    _check_instr_place(g, ins, op, shape)
+    if axis:
+        _check_instr_axis(g, ins.get("peer", -1), op, axis, shape)
+    bucket = ins.get("bucket", -1)
+    if kind == "tied":
+        if bucket not in shape.ties:
+            raise g.error("bucket", f"is {bucket}; this rank holds tied weights {sorted(shape.ties)}")
+    elif bucket >= shape.num_buckets or (op in COLLECTIVE_OPS and kind in ("grads", "params") and bucket < 0):
+        raise g.error("bucket", f"is {bucket}; this rank has {shape.num_buckets} bucket(s)")
+    handle = ins.get("handle", -1)
+    if op in P2P_OPS or op in COLLECTIVE_OPS:
+        if handle in created:
+            raise g.error("handle", f"h{handle} is created twice")
+        if handle >= 0:
+            created.add(handle)
+    elif op == Op.WAIT and handle >= 0 and handle not in created:
+        raise g.error("handle", f"waits on h{handle}, which no earlier instruction creates")
+
+
+def _check_instr_place(g: Fields, ins: dict, op: str, shape: _RankShape) -> None:
+    """An instruction's stage, micro-batch and peer inside the pipeline, the step and the world."""
+    stage, micro = ins.get("stage", -1), ins.get("micro", -1)
+    if op in (Op.F, Op.B) and stage not in shape.stages:
+        raise g.error("stage", f"is {stage}, not one of this rank's stages {list(shape.stages)}")
+    if stage >= shape.num_stages:
+        raise g.error("stage", f"is {stage}, the pipeline has {shape.num_stages} stages")
+    if micro >= shape.num_micro_batches:
+        raise g.error("micro", f"is {micro}, a step has {shape.num_micro_batches} micro-batches")
+    peer = ins.get("peer", -1)
+    if peer >= shape.world:
+        raise g.error("peer", f"is rank {peer}, outside the world of {shape.world} ranks")
+
+
+def _check_instr_axis(g: Fields, peer: int, op: str, axis: str, shape: _RankShape) -> None:
+    """An instruction's axis resolves to a group of this rank, and a broadcast's root is in it."""
+    try:
+        group = shape.axis_group(list(shape.mesh), list(shape.coords), axis)
+    except (ProgramError, MeshError):
+        raise g.error("axis", f"is {axis!r}, not an axis of the mesh {shape.names}") from None
+    if op == Op.BROADCAST and peer not in group:
+        raise g.error("peer", f"is rank {peer}, not in this rank's {axis} group {list(group)}")
 
 
 def _check_bucket(b: Fields, stages: list) -> None:

@@ -36,6 +36,9 @@ per-step ones. A model that draws random numbers in training (dropout with p > 0
 module capture keeps whole, such as nn.TransformerEncoderLayer) cannot equal the single-process
 run sample by sample: the check says it does not apply (Verification.inapplicable) and compares
 nothing, instead of reporting a mismatch.
+
+The tolerances and the rounding-level tools are runtime/verify/rounding.py; what the checks found,
+runtime/verify/verification.py.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,167 +62,11 @@ from runtime.reference import like_the_ranks, local_slice, rank_threads, referen
 from runtime.spec import StageSpec, TrainSpec
 from runtime.verify.step_record import load_records, step_files
 from runtime.torch_records import WHOLE_MODEL_KEY, whole_model_view
+from runtime.verify.rounding import (MARGIN, NORMALIZED_OPTIMIZERS, ROUNDING_SAMPLES, TOLERANCES, in_float64, l2_norm,
+                                     adam_allowance, adam_sensitive, non_finite, nudge)
+from runtime.verify.verification import Verification
 from runtime.verify.grad_checks import check_norm, check_skip, check_trajectory_outcomes, read_outcomes
 from runtime.vocab import DType
-
-# per dtype: loss (relative), gradient (relative / absolute per rms), statistics (relative), trajectory floor,
-# and for Adam-family optimizers the trajectory's parameter difference in Adam's own units ("adam_steps":
-# the rms difference per element, as a fraction of lr x sqrt(steps); see adam_allowance)
-TOLERANCES = {
-    DType.FP32: {"loss": 1e-6, "grad_rtol": 1e-4, "grad_atol": 1e-6, "stats": 1e-5, "floor": 1e-4, "adam_steps": 1e-3},
-    DType.BF16: {"loss": 2e-2, "grad_rtol": 5e-2, "grad_atol": 1e-3, "stats": 2e-2, "floor": 2e-2, "adam_steps": 2e-2},
-    DType.FP16: {"loss": 5e-3, "grad_rtol": 2e-2, "grad_atol": 5e-4, "stats": 5e-3, "floor": 5e-3, "adam_steps": 1e-2},
-}
-# optimizers whose update is normalized per element (m / (sqrt(v) + eps)): a gradient element that is
-# rounding-level itself (a sum that cancels, a unit barely alive) still moves its parameter by up to lr
-NORMALIZED_OPTIMIZERS = ("adamw", "adam")
-MARGIN = 10.0   # how much further than rounding-level twins a run may stray from the reference
-ROUNDING_SAMPLES = 3   # per-step noise: the reference in the run's dtype and 2 rounding-level twins
-
-
-@dataclass
-class Verification:
-    """What --verify found; `ok` when every check passed."""
-
-    ok: bool = True
-    steps: int = 0
-    problems: list[str] = field(default_factory=list)
-    # per step, from the run's own parameters
-    max_step_loss_rel: float = 0.0
-    max_grad_rel: float = 0.0      # largest |g - g_exact| / (its allowance), 1.0 = at the tolerance
-    worst_grad: str = ""
-    max_grad_err: float = 0.0      # largest relative distance of a step's whole gradient from the exact one
-    grad_noise: float = 0.0        # ... and how far rounding alone moved it (the check's resolution)
-    max_stats_rel: float = 0.0
-    stats_compared: int = 0
-    grads_compared: int = 0
-    # trajectory
-    max_loss_diff: float = 0.0
-    max_loss_rel: float = 0.0
-    max_param_diff: float = 0.0
-    max_param_rel: float = 0.0     # largest tensor difference / its allowance
-    worst_param: str = ""
-    params_compared: int = 0
-    twin_loss_diff: float = 0.0    # the rounding-level twin's largest loss distance from the reference
-    evals_compared: int = 0        # held-out evaluations compared with the reference's (runtime/execute/evaluation.py)
-    max_eval_rel: float = 0.0      # their largest difference / its allowance
-    non_finite: bool = False       # a NaN or infinity was found (the figures above mean nothing then)
-    norms_compared: int = 0        # steps whose global gradient norm was checked (runtime/verify/grad_checks.py)
-    max_norm_rel: float = 0.0      # ... the largest relative distance from the exact norm
-    skips_compared: int = 0        # steps whose skip (fp16 overflow) was checked against the reference
-    incomplete: bool = False       # some rank left no results
-    # why a sample-exact check does not apply to this model (it draws random numbers in training:
-    # dropout); nothing was compared, and nothing differed. Empty when the check applied.
-    inapplicable: str = ""
-
-    def fail(self, problem: str) -> None:
-        self.ok = False
-        if len(self.problems) < 12:
-            self.problems.append(problem)
-
-    def fail_non_finite(self, problem: str) -> None:
-        """A NaN or infinity: no difference means anything, so the summary gives none."""
-        self.non_finite = True
-        self.fail(problem)
-
-    def fail_incomplete(self, problem: str) -> None:
-        """Ranks left no results: there is nothing to compare, so the summary gives no figures."""
-        self.incomplete = True
-        self.fail(problem)
-
-    def not_applicable(self, reason: str) -> None:
-        """No sample-exact comparison applies to this model (`reason`): not a mismatch, not a pass."""
-        self.ok = False
-        self.inapplicable = reason
-
-    def summary(self) -> str:
-        if self.inapplicable:
-            return f"NOT APPLICABLE: {self.inapplicable}; nothing was compared, so nothing was found to differ"
-        if self.incomplete:
-            return "\n".join(["FAILED: the run left no results to compare"] + [f"  - {p}" for p in self.problems])
-        if self.non_finite:
-            return "\n".join([f"FAILED: non-finite values in {self.steps} step(s), nothing to compare"]
-                             + [f"  - {p}" for p in self.problems])
-        head = "OK" if self.ok else "MISMATCH"
-        lines = [f"{head}: {self.steps} step(s); per step from the run's parameters: loss within "
-                 f"{self.max_step_loss_rel:.2g} (relative), gradients within {self.max_grad_err:.2g} of exact "
-                 f"(rounding alone moves them {self.grad_noise:.2g}; {self.grads_compared} tensors, the worst at "
-                 f"{self.max_grad_rel:.2g} of its tolerance: {self.worst_grad or '-'}), "
-                 + (f"BatchNorm statistics within {self.max_stats_rel:.2g}" if self.stats_compared
-                    else "no BatchNorm statistics")
-                 + (f", global gradient norms within {self.max_norm_rel:.2g} of exact ({self.norms_compared} steps)"
-                    if self.norms_compared else "")
-                 + (f", fp16 overflow skips as the reference's ({self.skips_compared} steps)"
-                    if self.skips_compared else "")
-                 + f"; trajectory: loss |diff| {self.max_loss_diff:.3g} "
-                 f"(a rounding-level twin of the reference strays {self.twin_loss_diff:.3g}), {self.params_compared} "
-                 f"parameters within {self.max_param_rel:.2g} of their tolerance (worst {self.worst_param or '-'})"
-                 + (f"; {self.evals_compared} evaluation(s) within {self.max_eval_rel:.2g} of their tolerance"
-                    if self.evals_compared else "")]
-        lines += [f"  - {p}" for p in self.problems]
-        return "\n".join(lines)
-
-
-ADAM_REACH = 2.0   # a rounding-decided Adam update moves its element by up to about lr either way
-
-
-def adam_sensitive(exact: torch.Tensor, noise: torch.Tensor, fraction: float, eps: float) -> int:
-    """Elements of one step's gradient whose Adam update rounding decides: those where the gradient's
-    rounding noise (per element) is more than `fraction` of |g| + eps (Adam's update there moves by
-    about lr x noise / (|g| + eps))."""
-    return int(((exact.abs() + eps) * fraction < noise).sum())
-
-
-def adam_allowance(optimizer, steps: int, numel: int, fraction: float, sensitive: float = 0.0) -> float:
-    """How far (L2 norm over a tensor of `numel` elements) rounding may move a tensor in `steps` steps
-    of an Adam-family optimizer; 0 for others (SGD's update is proportional to the gradient: the
-    rounding-level twin measures it).
-
-    Adam's update is lr * m / (sqrt(v) + eps) per element, about lr whatever the gradient's size.
-    Where an element's gradient is itself at rounding level (a sum that cancels; an attention key
-    bias, whose exact gradient is 0), two correct summation orders give it different signs and the
-    parameter moves by up to ~lr: `sensitive` counts such (element, step) pairs (adam_sensitive),
-    each allowed ADAM_REACH x lr. Every other element may move by `fraction` of lr per step. Steps
-    add up as a random walk."""
-    if getattr(optimizer, "name", None) not in NORMALIZED_OPTIMIZERS:
-        return 0.0
-    return optimizer.lr * math.sqrt(fraction ** 2 * max(steps, 1) * max(numel, 1) + ADAM_REACH ** 2 * sensitive)
-
-
-def non_finite(t: torch.Tensor | float) -> str | None:
-    """"NaN" or "inf" when `t` holds one (NaN first), else None."""
-    t = torch.as_tensor(t)
-    if not t.is_floating_point():
-        return None
-    if torch.isnan(t).any():
-        return "NaN"
-    return "inf" if torch.isinf(t).any() else None
-
-
-def _double(t: torch.Tensor) -> torch.Tensor:
-    return t.double() if t.is_floating_point() else t
-
-
-def _norm(t: torch.Tensor) -> float:
-    return float(t.double().norm()) if t.numel() else 0.0
-
-
-# A rounding-level nudge in each dtype: one float32 ulp, or half a 16-bit ulp (relative), since 16-bit
-# autocast rounds a smaller nudge of the float32 weights away.
-NUDGE = {DType.BF16: 2.0 ** -9, DType.FP16: 2.0 ** -12}
-
-
-def nudge(model: nn.Module, seed: int = 12345, dtype: str = DType.FP32) -> None:
-    """Move every parameter by a rounding-level step of `dtype`, up or down at random (seeded)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            up = torch.rand(p.shape, generator=g) < 0.5
-            if dtype in NUDGE:
-                p.mul_(torch.where(up, 1 + NUDGE[dtype], 1 - NUDGE[dtype]))
-            else:
-                away = torch.where(up, torch.full_like(p, math.inf), torch.full_like(p, -math.inf))
-                p.copy_(torch.nextafter(p, away))
 
 
 def stats_groups(programs: dict[int, Program], specs: dict[int, StageSpec], bidirectional: bool) -> list[int]:
@@ -354,7 +200,7 @@ def _check_steps(cmp: Verification, build: Path, spec: TrainSpec, programs: dict
                                     for f, rec in zip(files, records)], mesh)
             chunks = data.micro_batches(step)
             loss64, g64, b64 = _evaluate(exact, exact_spec, state, start,
-                                         [(map_inputs(i, _double), t) for i, t in chunks], groups)
+                                         [(map_inputs(i, in_float64), t) for i, t in chunks], groups)
             loss_scale = outcomes.scale(k)
             samples = [_evaluate(model, spec, state, start, chunks, groups, seed, loss_scale)
                        for seed in [None, *range(1, ROUNDING_SAMPLES)]]
@@ -399,17 +245,17 @@ def _check_step_grads(cmp: Verification, step: int, state, g64: dict, samples: l
     rounding-level `samples`' spread; the global norm the run recorded for its k-th step (`outcomes`, where
     it recorded norms) against the gradients it stepped. With an Adam-family optimizer (`adam`) `sensitive` counts the
     elements whose update rounding decides."""
-    rms = math.sqrt(sum(_norm(g) ** 2 for g in g64.values()) / max(1, sum(g.numel() for g in g64.values())))
+    rms = math.sqrt(sum(l2_norm(g) ** 2 for g in g64.values()) / max(1, sum(g.numel() for g in g64.values())))
     names = [n for n in state.optimizer if n in g64]
     for name in state.optimizer:
         if name not in g64:
             cmp.fail(f"step {step}: the run steps {name!r}, which the model does not have")
-    spread = {n: max(_norm(sg[n] - g64[n]) for _l, sg, _b in samples) for n in names}
+    spread = {n: max(l2_norm(sg[n] - g64[n]) for _l, sg, _b in samples) for n in names}
     if adam is not None:
         for n in names:
             noise = MARGIN * torch.stack([(sg[n] - g64[n]).abs() for _l, sg, _b in samples]).amax(0)
             sensitive[n] = sensitive.get(n, 0) + adam_sensitive(g64[n], noise, tol["adam_steps"], adam.eps)
-    total = math.sqrt(sum(_norm(g64[n]) ** 2 for n in names)) or 1e-30
+    total = math.sqrt(sum(l2_norm(g64[n]) ** 2 for n in names)) or 1e-30
     # rounding's effect spreads over every tensor (a flipped ReLU changes all the gradients
     # before it): each tensor may move by the step's relative noise, as well as its own
     step_noise = math.sqrt(sum(v ** 2 for v in spread.values())) / total
@@ -421,20 +267,20 @@ def _check_step_grads(cmp: Verification, step: int, state, g64: dict, samples: l
             cmp.fail_non_finite(f"{bad} in the gradient of {name} at step {step} (the run's)")
             errs[name] = math.inf
             continue
-        err = errs[name] = _norm(state.optimizer[name]["grad"].view_as(want).double() - want)
-        allow = tol["grad_rtol"] * _norm(want) + tol["grad_atol"] * math.sqrt(want.numel()) * rms \
-            + MARGIN * max(spread[name], step_noise * _norm(want))
+        err = errs[name] = l2_norm(state.optimizer[name]["grad"].view_as(want).double() - want)
+        allow = tol["grad_rtol"] * l2_norm(want) + tol["grad_atol"] * math.sqrt(want.numel()) * rms \
+            + MARGIN * max(spread[name], step_noise * l2_norm(want))
         ratio = err / max(allow, 1e-30)
         cmp.grads_compared += 1
         if ratio > cmp.max_grad_rel:
             cmp.max_grad_rel, cmp.worst_grad = ratio, f"{name} at step {step}"
         if not ratio <= 1.0:
             cmp.fail(f"step {step}: the gradient of {name} is {err:.3g} from the exact one from the same "
-                     f"parameters (norm {_norm(want):.3g}; rounding moves this step's gradients "
+                     f"parameters (norm {l2_norm(want):.3g}; rounding moves this step's gradients "
                      f"{step_noise:.2g} (relative); allowed {allow:.3g})")
     cmp.grad_noise = max(cmp.grad_noise, step_noise)
     if k < len(outcomes.grad_norms):
-        recorded = math.sqrt(sum(_norm(state.optimizer[n]["grad"]) ** 2 for n in names))
+        recorded = math.sqrt(sum(l2_norm(state.optimizer[n]["grad"]) ** 2 for n in names))
         check_norm(cmp, step, outcomes.norm(k), recorded, total, tol["grad_rtol"] + MARGIN * step_noise)
     cmp.max_grad_err = max(cmp.max_grad_err, math.sqrt(sum(e ** 2 for e in errs.values())) / total)
 
@@ -445,9 +291,9 @@ def _check_step_buffers(cmp: Verification, step: int, state, b64: dict, samples:
         if name not in b64 or not b.is_floating_point():
             continue
         want = b64[name]
-        scale = max(_norm(want), 1e-12)
-        rel = _norm(b.double() - want) / scale
-        spread = max(_norm(sb[name] - want) for _l, _g, sb in samples) / scale
+        scale = max(l2_norm(want), 1e-12)
+        rel = l2_norm(b.double() - want) / scale
+        spread = max(l2_norm(sb[name] - want) for _l, _g, sb in samples) / scale
         allow = tol["stats"] + MARGIN * spread
         cmp.stats_compared += 1
         cmp.max_stats_rel = max(cmp.max_stats_rel, rel)
@@ -542,11 +388,11 @@ def _check_final_params(cmp: Verification, build: Path, spec: TrainSpec, program
                         f"the single-process reference's {name}"
                     cmp.fail_non_finite(f"{bad} in {whose} after step {total - 1}")
                     continue
-                d = _norm(value.double() - want.double())
+                d = l2_norm(value.double() - want.double())
                 # the floor scales with how far training moved the tensor (a bias starts at zero); under
                 # Adam, rounding reaches the parameters through its normalized update (adam_allowance)
-                allow = max(tol["floor"] * _norm(want.double() - start.double()),
-                            MARGIN * _norm(other.double() - want.double()),
+                allow = max(tol["floor"] * l2_norm(want.double() - start.double()),
+                            MARGIN * l2_norm(other.double() - want.double()),
                             adam_allowance(spec.optimizer, total, value.numel(), tol["adam_steps"],
                                            sensitive.get(name, 0) * total / max(steps, 1)
                                            * value.numel() / max(ref.params[name].numel(), 1)), 1e-12)

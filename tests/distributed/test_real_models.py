@@ -21,7 +21,8 @@ from runtime.program import Program
 from runtime.reference import reference_run
 from runtime.spec import StageSpec, TrainSpec
 from runtime.verify.step_record import load_records, step_files
-from runtime.verify import MARGIN, nudge, stats_groups
+from runtime.verify import stats_groups
+from runtime.verify.rounding import MARGIN, nudge
 from tests.real_models import CONFIGS, HF, HF_ARCHS, assert_verified, emit_fixed, emit_optimized
 
 TWO_RANKS = ("d2", "d2_zero3", "t2", "p2_interleaved")

@@ -17,7 +17,7 @@ import math
 
 import pytest
 
-from runtime.verify import TOLERANCES
+from runtime.verify.rounding import TOLERANCES
 from tests.torch_pipeline_cases import SGD, STEPS, Case, build_model, reference, run_cases
 
 TOL = TOLERANCES["fp32"]

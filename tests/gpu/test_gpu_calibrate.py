@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from cost_models.calibration.gpu_ops import FAMILIES, gpu_op_specs
+from cost_models.calibration.gpu_families import FAMILIES
+from cost_models.calibration.gpu_ops import gpu_op_specs
 from cost_models.hardware import Cluster
 from cost_models.op_table import measured_rows, read_op_table
 from planner.app.cli import main

@@ -7,7 +7,7 @@ from cost_models.calibration.calibrate import build_cluster
 from cost_models.calibrated import after_reduce_costs
 from cost_models.hardware import Cluster
 from cost_models.simulate import ComputeCosts
-from planner.app.compare import _reduces_grads
+from planner.app.build_costs import reduces_grads
 from tests.unit.test_calibrate import _results
 from tests.unit.test_calibrate_stage import _prediction, _stage_results
 from tests.unit.test_simulate import four_bucket_backward, two_stage_1f1b
@@ -40,5 +40,5 @@ def test_the_simulator_charges_them_to_step_and_zero_grad_of_reduced_gradients()
 
 
 def test_only_programs_that_reduce_gradients_with_other_ranks_count():
-    assert _reduces_grads({p.rank: p for p in four_bucket_backward(1024)})
-    assert not _reduces_grads({p.rank: p for p in two_stage_1f1b()})  # a pipeline: sends, no gradient reduce
+    assert reduces_grads({p.rank: p for p in four_bucket_backward(1024)})
+    assert not reduces_grads({p.rank: p for p in two_stage_1f1b()})  # a pipeline: sends, no gradient reduce

@@ -15,7 +15,7 @@ from cost_models.calibrated import tensor_embedding_costs, tensor_wrapper_costs,
 from cost_models.comm import collective_time
 from cost_models.hardware import Cluster
 from cost_models.simulate import ComputeCosts
-from planner.app.compare import _loss_elements, _vocab_split
+from planner.app.build_costs import loss_elements, vocab_split
 from tests.unit.test_calibrate import _results
 from tests.unit.test_calibrate_stage import _prediction, _stage_results
 
@@ -82,10 +82,10 @@ def test_a_class_split_output_splits_the_loss_over_the_tensor_ranks():
     logits = next(n for n in graph.nodes if n.kind == "output").input_meta[0]
     rows = logits.numel / logits.shape[-1]
     # the planner marks the vocabulary projection "column_out"
-    assert _loss_elements(graph, _plan(2, "column_out")) == logits.numel / 2
-    assert _vocab_split(graph, _plan(2, "column_out")) == (rows, 2)
-    assert _loss_elements(graph, _plan(2, None)) == logits.numel
-    assert _vocab_split(graph, _plan(2, None)) is None and _vocab_split(graph, _plan(1, "column_out")) is None
+    assert loss_elements(graph, _plan(2, "column_out")) == logits.numel / 2
+    assert vocab_split(graph, _plan(2, "column_out")) == (rows, 2)
+    assert loss_elements(graph, _plan(2, None)) == logits.numel
+    assert vocab_split(graph, _plan(2, None)) is None and vocab_split(graph, _plan(1, "column_out")) is None
 
 
 def test_the_planner_charges_the_vocabulary_parallel_embedding_not_a_wrapper():

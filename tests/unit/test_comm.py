@@ -8,17 +8,13 @@ import math
 import pytest
 
 from cost_models import Cluster, Device, Link
-from cost_models import comm
-from cost_models.comm import (
-    COLLECTIVE_OPS,
-    CollectiveCost,
+from cost_models import comm, comm_formulas
+from cost_models.comm import COLLECTIVE_OPS, CollectiveCost, collective_candidates, collective_time, link_models
+from cost_models.comm_formulas import (
     LinkModel,
     binomial_broadcast_time,
     chain_broadcast_time,
-    collective_candidates,
-    collective_time,
     hierarchical_all_reduce_time,
-    link_models,
     optimal_broadcast_chunks,
     p2p_time,
     pairwise_all_to_all_time,
@@ -194,7 +190,7 @@ def test_broadcast_picks_cheaper_of_chain_and_binomial(h100):
     tiny = collective_time(h100, "broadcast", 1, range(8))
     assert tiny.algorithm == "binomial"  # 3 latencies against 7
     assert tiny.seconds == pytest.approx(3 * (3e-6 + 1 / 378e9))
-    assert comm.broadcast_time(intra, 1, 8) == pytest.approx(tiny.seconds)
+    assert comm_formulas.broadcast_time(intra, 1, 8) == pytest.approx(tiny.seconds)
 
 
 def test_broadcast_two_ranks_is_p2p():

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import planner
-from cost_models.hardware import Cluster, ClusterFileError
+from cost_models.cluster_file import ClusterFileError
+from cost_models.hardware import Cluster
 from examples.models import gpt
 from planner import Plan, PlanFileError
 from fuzz_mutations import mutate, sample_program_docs  # tests/unit is on sys.path (pytest prepend mode)

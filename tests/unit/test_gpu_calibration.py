@@ -8,12 +8,13 @@ import torch
 from cost_models.calibration import gpu_ops
 from cost_models.calibration.calibrate import CalibrationError
 from cost_models.calibration.gpu_calibrate import GpuInfo, calibration_device, gpu_cluster
-from cost_models.calibration.gpu_ops import (FAMILIES, OpSpec, Timer, _input_sets, gpu_op_specs, host_timer,
-                                             measure_ops, row_of)
+from cost_models.calibration.gpu_families import FAMILIES, OpSpec, row_of
+from cost_models.calibration.gpu_ops import Timer, _input_sets, gpu_op_specs, host_timer, measure_ops
 from cost_models.gpu_costs import gpu_costs
-from cost_models.hardware import Cluster, ClusterFileError
+from cost_models.cluster_file import ClusterFileError
+from cost_models.hardware import Cluster
 from cost_models.op_table import GPU_OPS_KEY, OpRow, format_op_table, measured_rows, parse_op_table
-from planner.app import cli
+from planner.app import cli, verbs
 
 # Rows of ../shared/reference/gpu/h100_ops.csv (one H100, H100.md): every family's rate as the table
 # derives it from ms, and shapes the full calibration measures.
@@ -247,7 +248,7 @@ def test_cli_gpu_options_are_checked_before_measuring(monkeypatch, tmp_path, cap
                      "--out", str(tmp_path / "c.yaml")]) == 2
     assert "measured on a GPU" in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cli, "calibrate_gpu", lambda *a, **k: pytest.fail("measured before checking the options"))
+    monkeypatch.setattr(verbs, "calibrate_gpu", lambda *a, **k: pytest.fail("measured before checking the options"))
     assert cli.main(["calibrate", "--device", "cuda", "--ranks", "2", "--out", str(tmp_path / "c.yaml")]) == 2
     assert "--ranks: a GPU calibration measures this one device" in capsys.readouterr().err
     assert cli.main(["calibrate", "--device", "cuda", "--op-table", str(tmp_path / "t.txt"),
@@ -262,7 +263,7 @@ def test_cli_gpu_calibration_writes_the_cluster_and_the_op_table(monkeypatch, tm
     def fake(device, *, quick, progress):
         asked.update(device=device, quick=quick)
         return gpu_cluster(_rows(), H100, quick=quick, fit=_no_fit, progress=progress)
-    monkeypatch.setattr(cli, "calibrate_gpu", fake)
+    monkeypatch.setattr(verbs, "calibrate_gpu", fake)
     out, table = tmp_path / "h100.yaml", tmp_path / "ops" / "h100_ops.csv"
     assert cli.main(["calibrate", "--out", str(out), "--op-table", str(table), "--full"]) == 0
     assert asked == {"device": torch.device("cuda"), "quick": False}

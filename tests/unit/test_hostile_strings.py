@@ -25,7 +25,7 @@ from cost_models.hardware import Cluster
 from cost_models.simulate import simulate
 from planner.graph.capture import capture, capture_ref
 from planner.app.cli import main
-from planner.app.compare import CompareError, predicted_costs
+from planner.app.build_costs import CompareError, predicted_costs
 from planner.config import ParallelConfig
 from planner.graph.model import ModelGraph
 from planner.fixed_plan import make_plan

@@ -184,7 +184,8 @@ class _GonePeerGroup:
 def test_a_peer_gone_before_the_work_is_queued_is_read_as_that_peers_failure():
     import torch
 
-    from runtime.comm import PeerFailure, TorchCommunicator, _TorchGroup
+    from runtime.comm import PeerFailure
+    from runtime.comm.torch_dist import TorchCommunicator, _TorchGroup
 
     with bound_socket(LOOPBACK, 0) as s:
         port = s.getsockname()[1]

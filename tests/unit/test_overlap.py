@@ -297,7 +297,8 @@ def test_inter_node_bandwidth_falls_per_doubling_as_nccl_1229_measured():
 
 def test_a_reduce_scatter_over_many_nodes_runs_at_the_scaled_rate():
     # one rank per node over 128 DGX A100 nodes: beta / (260/360) on the inter link; 1 GiB
-    from cost_models.comm import link_models, ring_reduce_scatter_time
+    from cost_models.comm import link_models
+    from cost_models.comm_formulas import ring_reduce_scatter_time
 
     cluster = Cluster.preset("dgx-a100-80gb", nodes=128)
     _, inter = link_models(cluster)

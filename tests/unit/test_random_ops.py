@@ -12,7 +12,8 @@ from torch import nn
 import planner
 from examples.models import minimal
 from planner.graph.capture import capture_ref
-from runtime.verify import Verification, random_ops_problem, verify_build
+from runtime.verify import random_ops_problem, verify_build
+from runtime.verify.verification import Verification
 
 MINIMAL = "examples/models/minimal.py:build"
 

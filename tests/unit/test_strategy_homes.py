@@ -45,7 +45,7 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "planner/strategies/context/strategy.py": (("tensor",), "Ulysses' refusal names the tensor degree that splits "
                                                 "the heads it deals"),
     "planner/app/commands.py": (("tensor",), "the splittable regions of a fixed configuration"),
-    "planner/app/compare.py": (("tensor",), "the predicted costs of the vocabulary split"),
+    "planner/app/build_costs.py": (("tensor",), "the predicted costs of the vocabulary split"),
     "planner/app/mesh_view.py": (("tensor",), "the mesh picture"),
     "planner/app/visualize.py": (("tensor",), "the pictures"),
     "codegen/head.py": (("tensor",), "the output layer's vocabulary split"),

@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 from runtime.recompute import keep_statistics
 from runtime.reference import reference_step
 from runtime.spec import TrainSpec
-from runtime.verify import NUDGE, nudge
+from runtime.verify.rounding import NUDGE, nudge
 
 
 class BN(nn.Module):
@@ -92,7 +92,7 @@ def test_adam_turns_rounding_level_gradients_into_a_part_of_lr_and_the_allowance
     allowance counts such elements from their measured noise and allows them Adam's step; a
     gradient that is really different still exceeds it."""
     from runtime.execute.optim import OptimizerSpec
-    from runtime.verify import MARGIN, TOLERANCES, adam_allowance, adam_sensitive
+    from runtime.verify.rounding import MARGIN, TOLERANCES, adam_allowance, adam_sensitive
 
     torch.manual_seed(0)
     steps, n, adamw = 5, 64, OptimizerSpec(name="adamw", lr=0.1)
@@ -123,7 +123,7 @@ def test_adam_turns_rounding_level_gradients_into_a_part_of_lr_and_the_allowance
 def test_non_finite_names_nan_before_inf():
     import math
 
-    from runtime.verify import non_finite
+    from runtime.verify.rounding import non_finite
 
     assert non_finite(torch.tensor([1.0, math.inf, math.nan])) == "NaN"
     assert non_finite(torch.tensor([1.0, -math.inf])) == "inf"
