@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 
 from planner.plan import Plan
+from runtime.vocab import DeviceKind
 
 _SECRET = """# meshplan signs its failure messages and heartbeats with a job secret passed in the environment
 # (never on a command line); one is made here unless MESHPLAN_JOB_SECRET is set.
@@ -21,7 +22,7 @@ def launch_scripts(plan: Plan, world: int, build_dir: str, entry: str = "run_ran
     every process. Several nodes: the README's "Run on several nodes" says what each expects."""
     nodes = plan.cluster.num_nodes
     per_node = max(1, min(world, plan.cluster.devices_per_node))
-    gpu = plan.cluster.device.kind == "gpu" if hasattr(plan.cluster.device, "kind") else False
+    gpu = plan.cluster.device.kind == DeviceKind.GPU if hasattr(plan.cluster.device, "kind") else False
     return {"launch_torchrun.sh": _torchrun(world, entry), "launch_mpirun.sh": _mpirun(world, entry),
             "launch_srun.sh": _srun(world, entry, build_dir, nodes, per_node, gpu)}
 

@@ -39,7 +39,7 @@ from cost_models.comm_formulas import (LinkModel, binomial_broadcast_time, chain
                                        pairwise_all_to_all_time, ring_all_gather_time, ring_all_reduce_time,
                                        ring_reduce_scatter_time, tree_all_reduce_time)
 from cost_models.hardware import Cluster, Link
-from runtime.vocab import Collective
+from runtime.vocab import Collective, DeviceKind
 
 # --- achievable-bandwidth efficiencies ---------------------------------------------------
 
@@ -70,8 +70,8 @@ CPU_EFFICIENCY = 1.0
 
 # device kind -> (intra-node efficiency, inter-node efficiency)
 DEFAULT_EFFICIENCIES: Mapping[str, tuple[float, float]] = MappingProxyType({
-    "gpu": (GPU_INTRA_NODE_EFFICIENCY, GPU_INTER_NODE_EFFICIENCY),
-    "cpu": (CPU_EFFICIENCY, CPU_EFFICIENCY),
+    DeviceKind.GPU: (GPU_INTRA_NODE_EFFICIENCY, GPU_INTER_NODE_EFFICIENCY),
+    DeviceKind.CPU: (CPU_EFFICIENCY, CPU_EFFICIENCY),
 })
 
 # --- operations and algorithms -----------------------------------------------------------
@@ -164,7 +164,7 @@ def inter_node_scale(kind: str, num_nodes: int) -> float:
     """Fraction of the inter-node link's achieved bandwidth left when a collective spans
     `num_nodes` nodes (1.0 up to GPU_INTER_NODE_SCALE_BASE_NODES; falling per doubling beyond,
     see GPU_INTER_NODE_LOSS_PER_DOUBLING). CPUs (measured loopback rates) keep 1.0."""
-    if kind != "gpu" or num_nodes <= GPU_INTER_NODE_SCALE_BASE_NODES:
+    if kind != DeviceKind.GPU or num_nodes <= GPU_INTER_NODE_SCALE_BASE_NODES:
         return 1.0
     return GPU_INTER_NODE_LOSS_PER_DOUBLING ** math.log2(num_nodes / GPU_INTER_NODE_SCALE_BASE_NODES)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from runtime.vocab import OpKind
+from runtime.vocab import DeviceKind, OpKind
 
 # Op kinds priced on the FLOP side (tensor cores / BLAS); the rest are memory-bound.
 MATMUL_KINDS = (OpKind.LINEAR, OpKind.MATMUL, OpKind.ATTENTION)
@@ -70,7 +70,7 @@ class Efficiency:
     @classmethod
     def default_for(cls, device) -> "Efficiency":
         """Published-fact defaults for a device kind ("gpu" or "cpu")."""
-        if device.kind == "gpu":
+        if device.kind == DeviceKind.GPU:
             # cuBLAS reaches about 80% of the tensor-core peak on large bf16/fp16
             # GEMMs on A100/H100: Stas Bekman's "Maximum Achievable Matmul FLOPS" table
             # (ml-engineering, compute/accelerator) measured 267.9-271.2 of 312 TFLOP/s

@@ -31,8 +31,9 @@ from cost_models.cluster_file import FORMAT_VERSION, built, check_layout, cluste
 from cost_models.field_checks import (KNOWN_DTYPES, FieldProblem, measurement_table, measurement_value, peak_table,
                                       positive_int, real_number, text_field)
 from cost_models.presets import NodeSpec, preset_names, preset_spec
+from runtime.vocab import DeviceKind
 
-DEVICE_KINDS = ("gpu", "cpu")
+DEVICE_KINDS = tuple(k.value for k in DeviceKind)
 
 # Other spellings of the dtype names, e.g. str(torch.bfloat16) == "torch.bfloat16".
 _DTYPE_ALIASES = MappingProxyType(
@@ -101,6 +102,7 @@ class Device:
         if self.kind not in DEVICE_KINDS:
             kinds = ", ".join(DEVICE_KINDS)
             raise FieldProblem(own, "kind", f"must be one of {kinds}, got {self.kind!r}")
+        set_(self, "kind", DeviceKind(self.kind).value)   # the plain text, as cluster files write it
 
     @property
     def dtypes(self) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from cost_models import local_machine
 from cost_models.field_checks import did_you_mean
+from runtime.vocab import DeviceKind
 
 _GiB = 2**30
 LOCAL_PRESET = "local"   # this machine's CPU processes, measured
@@ -53,7 +54,7 @@ _IB_LATENCY = 6e-6  # s, assumption (see above)
 
 _A100_80GB = MappingProxyType(dict(
     name="A100-SXM4-80GB",
-    kind="gpu",
+    kind=DeviceKind.GPU,
     compute_units=108,  # NVIDIA A100 whitepaper: 108 SMs; not in PUBLISHED.md
     peak_flops={
         "bf16": 312e12,  # PUBLISHED.md: dense bf16/fp16 tensor peak 312 TFLOP/s
@@ -70,7 +71,7 @@ _A100_80GB = MappingProxyType(dict(
 
 _H100_80GB = MappingProxyType(dict(
     name="H100-SXM5-80GB",
-    kind="gpu",
+    kind=DeviceKind.GPU,
     compute_units=132,  # NVIDIA H100 SXM5 datasheet: 132 SMs; not in PUBLISHED.md
     peak_flops={
         "bf16": 989e12,  # PUBLISHED.md: dense bf16/fp16 tensor peak 989 TFLOP/s
@@ -89,7 +90,7 @@ _H100_80GB = MappingProxyType(dict(
 
 _V100_16GB = MappingProxyType(dict(
     name="V100-SXM2-16GB",
-    kind="gpu",
+    kind=DeviceKind.GPU,
     compute_units=80,  # NVIDIA V100 whitepaper: 80 SMs; not in PUBLISHED.md
     # V100 has no bf16 or tf32 at all, so those are absent rather than zero.
     peak_flops={
@@ -183,7 +184,7 @@ def local_spec(devices: int | None, figures: Mapping[str, Any] | None = None) ->
         devices_per_node=n,
         device=MappingProxyType(dict(
             name=f"cpu process ({m['cpu_model']})",
-            kind="cpu",
+            kind=DeviceKind.CPU,
             peak_flops={"fp32": m["fp32_flops"] * share, "bf16": m["bf16_flops"] * share,
                         "fp16": m["fp16_flops"] * share},
             memory_bytes=int(m["memory_bytes"]) // n,

@@ -41,7 +41,7 @@ from cost_models.hardware import Cluster
 from runtime.program.instr_set import Op
 from runtime.program import COLLECTIVE_OPS, Instr, Program
 from runtime.program.trace import Event, Timeline
-from runtime.vocab import Collective
+from runtime.vocab import Collective, DeviceKind
 
 _COLLECTIVE_NAMES = {Op.ALLREDUCE: Collective.ALL_REDUCE, Op.ALLGATHER: Collective.ALL_GATHER,
                      Op.REDUCESCATTER: Collective.REDUCE_SCATTER, Op.BROADCAST: Collective.BROADCAST}
@@ -94,7 +94,7 @@ class ComputeCosts:
         (fit.after_reduce.*). This is why the simulated step is longer than the planner's
         analytic one on small models. The executor's time between instructions (gap) and
         issuing asynchronous ones (issue) comes from the cluster too."""
-        if cluster is None or cluster.device.kind == "gpu":
+        if cluster is None or cluster.device.kind == DeviceKind.GPU:
             # a GPU's stage times already take the host's dispatch into account where it is longer
             # (planner.evaluate), as does the optimizer phase
             return cls(forward={s.index: s.forward for s in prediction.stages},

@@ -50,7 +50,7 @@ from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
 from planner.graph.ties import tied_weights
 from runtime.execution import Execution, LossImpl
-from runtime.vocab import Collective, DType, MeshAxis, OpKind, RecomputeMode, ShardRole
+from runtime.vocab import Collective, DeviceKind, DType, MeshAxis, OpKind, RecomputeMode, ShardRole
 
 T = TypeVar("T")
 _GEMM_KINDS = (OpKind.LINEAR, OpKind.CONV)  # the ops whose split a tensor-parallel collective feeds
@@ -120,7 +120,7 @@ class Evaluator(NodePricing):
         self.cluster = cluster
         # A GPU's kernel, host and optimizer constants: a calibrated file's or a preset's fit.gpu.*, else the
         # published defaults (cost_models/gpu_costs.py); None on a CPU.
-        self.gpu_costs = gpu_costs(cluster) if cluster.device.kind == "gpu" else None
+        self.gpu_costs = gpu_costs(cluster) if cluster.device.kind == DeviceKind.GPU else None
         # A calibrated cluster file carries its measured efficiencies (meshplan calibrate).
         self.eff = efficiency or calibrated_efficiency(cluster) or (
             efficiency_of(self.gpu_costs) if self.gpu_costs is not None else Efficiency.default_for(cluster.device))

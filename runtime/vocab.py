@@ -118,6 +118,15 @@ class Backend(StrEnum):
     MPI = "mpi"
 
 
+class DeviceKind(StrEnum):
+    """What one rank runs on (cost_models.hardware.Device.kind): a GPU, priced kernel by kernel with its
+    own constants (cost_models/gpu_costs.py), or a CPU process, priced from its measured figures. Cluster
+    files hold the value."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+
+
 class OpKind(StrEnum):
     """What a captured fx node does, as the cost models price it (OpInfo.kind). planner/graph/ops.py
     classify gives every node one, from its leaf module's class or its function's base name, so that no

@@ -75,7 +75,7 @@ from cost_models.op_curves import fit_curve_mix
 from cost_models.presets import CPU_ACTIVE_WATTS_PER_CORE, CPU_IDLE_WATTS_PER_CORE
 from runtime.launch.launcher import free_port, local_mpiexec, mpiexec_args
 from runtime.lifetime import Children
-from runtime.vocab import Backend, OpKind
+from runtime.vocab import Backend, DeviceKind, OpKind
 
 
 class CalibrationError(ValueError):
@@ -271,7 +271,7 @@ def build_cluster(results: list[dict], *, backend: str = Backend.GLOO.value, qui
     link = Link(bandwidth=1.0 / p2p_beta, latency=p2p_alpha)
     cpus = local_machine._usable_cpus()
     share = min(1.0, cpus / ranks)
-    device = Device(name=f"cpu process ({local_machine._cpu_model()})", kind="cpu", peak_flops={"fp32": peak},
+    device = Device(name=f"cpu process ({local_machine._cpu_model()})", kind=DeviceKind.CPU, peak_flops={"fp32": peak},
                     memory_bytes=local_machine._total_memory_bytes() // ranks, memory_bandwidth=bandwidth,
                     active_watts=CPU_ACTIVE_WATTS_PER_CORE * share, idle_watts=CPU_IDLE_WATTS_PER_CORE * share)
     source = (f"meshplan calibrate ({'quick' if quick else 'full'}, {backend}) on host "

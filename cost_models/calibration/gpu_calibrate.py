@@ -31,6 +31,7 @@ from cost_models.gpu_fit import error_report, fit_gpu
 from cost_models.hardware import Cluster, Device, Link
 from cost_models.op_table import GPU_OPS_KEY, OpRow
 from cost_models.presets import GPU_PRESETS
+from runtime.vocab import DeviceKind
 
 # A GPU no preset describes: ASSUMPTIONS, for energy estimates only (power) and for a build of more
 # GPUs than were calibrated (links: PCIe Gen4-like, through the host).
@@ -113,7 +114,7 @@ def gpu_device(rows: list[OpRow], info: GpuInfo) -> tuple[Device, str]:
     else:
         bandwidth = max(copy) * 1e9
         figures = "peak FLOP/s: the fastest measured GEMM per dtype; memory bandwidth: the measured device copy"
-    device = Device(name=info.name, kind="gpu", peak_flops=peaks, memory_bytes=info.memory_bytes,
+    device = Device(name=info.name, kind=DeviceKind.GPU, peak_flops=peaks, memory_bytes=info.memory_bytes,
                     memory_bandwidth=bandwidth, active_watts=watts[0], idle_watts=watts[1],
                     compute_units=info.sm_count)
     power = f"power from preset {match[0]}" if match else "power assumed"

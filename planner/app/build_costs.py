@@ -29,7 +29,7 @@ from runtime.launch.build_files import REMAKE, BuildError, read_build, read_buil
 from runtime.execution import Execution
 from runtime.program.instr_set import Kind
 from runtime.program import COLLECTIVE_OPS, Program
-from runtime.vocab import DType, OpKind, ShardRole
+from runtime.vocab import DeviceKind, DType, OpKind, ShardRole
 
 # Optimizer state bytes per parameter (fp32 state) for what the runtime builds (runtime/execute/optim.py),
 # and bytes one step moves per parameter (fp32): SGD reads weight and gradient and writes the
@@ -86,7 +86,7 @@ def predicted_costs(build: str | Path, cluster: "Cluster"):
     config = dataclasses.replace(plan.config, stage_boundaries=bounds or None)
     mode = "all" if plan.config.tensor > 1 and \
         Evaluator(graph, cluster, sharding="all").node_roles(config) == dict(plan.shardings) else "ilp"
-    gpu = cluster.device.kind == "gpu"
+    gpu = cluster.device.kind == DeviceKind.GPU
     # on a GPU the Evaluator prices the build's own step (its optimizer and implementation, clipping, loss
     # and execution options) as the runtime runs it; on a CPU the calibrated fixed costs are added below
     options = dict(setup=setup_of(train), execution=execution_of(train)) if gpu else {}
