@@ -4,8 +4,9 @@ Every loss is a mean over all elements of the micro-batch, so that the
 average of equal-sized micro-batch losses is the loss of the whole batch.
 
   cross_entropy: logits (..., C) with integer targets (...), or (N, C, d1, ...) with
-                 targets (N, d1, ...); with class-split (vocabulary-parallel) logits
-                 the tensor-parallel loss runs without gathering them.
+                 targets (N, d1, ...); with class-split (vocabulary-parallel) logits, each rank
+                 of a group holding a block of the classes, it runs without gathering them
+                 (vocab_parallel_cross_entropy: max, target-logit and sum-exp all-reduces).
   mse:           mean squared error, output and targets of one shape.
 """
 
@@ -15,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from runtime.comm import Group
-from runtime.parallel.tensor.layers import vocab_parallel_cross_entropy
 
 LOSSES = ("cross_entropy", "mse")
 
@@ -83,3 +83,48 @@ def compute_loss(name: str, output, targets: torch.Tensor, *,
                             "not split the last op for an mse model")
         return F.mse_loss(_wide(out), targets.to(_wide(out).dtype))
     raise LossError(f"unknown loss {name!r}; known: {', '.join(LOSSES)}")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, start, group, valid):
+        # logits (N, V/t) this rank's classes [start, start + V/t), the first `valid` of them
+        # real (the rest pad a vocabulary t does not divide); target (N,) global ids
+        logits = logits.float()
+        if valid < logits.shape[-1]:
+            logits = logits.clone()
+            logits[:, valid:] = torch.finfo(logits.dtype).min
+        vmax = logits.max(dim=-1).values
+        group.all_reduce(vmax, op="max")
+        shifted = logits - vmax.unsqueeze(-1)
+        n = logits.shape[-1]
+        outside = (target < start) | (target >= start + n)
+        local = (target - start).masked_fill(outside, 0)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        group.all_reduce(picked)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        group.all_reduce(sum_exp)
+        loss = sum_exp.log() - picked
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local] -= (~outside).to(grad.dtype)
+        return grad * grad_loss.unsqueeze(-1), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, start: int,
+                                 group: Group, valid: int | None = None) -> torch.Tensor:
+    """Per-element cross-entropy of class-split logits (..., V/t) against global targets (...).
+
+    valid: how many of this rank's classes are real (the rest pad the vocabulary); all if None.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    n = flat.shape[-1] if valid is None else int(valid)
+    loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), int(start), group, n)
+    return loss.reshape(target.shape)

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.losses import vocab_parallel_cross_entropy
 from runtime.parallel.tensor.layers import (FeatureSplit, ModuleShard, ShardError, gather_whole, sequence_grads,
-                                     shard_module, vocab_parallel_cross_entropy)
+                                     shard_module)
 from tests.tp_threads import run_ranks
 
 

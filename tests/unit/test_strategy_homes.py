@@ -54,7 +54,6 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "codegen/torch_target/layout.py": (("tensor",), "the torch target's DTensor layout"),
     "codegen/torch_target/pipeline.py": (("tensor",), "the torch target's refusal of tensor splits in stages"),
     "runtime/execute/output_head.py": (("tensor",), "the vocabulary-parallel output head"),
-    "runtime/losses.py": (("tensor",), "the vocabulary-parallel loss"),
     "runtime/materialize.py": (("tensor",), "this rank's shard of each split parameter"),
     "cost_models/calibration/executor.py": (("tensor",), "calibrating the tensor-parallel wrappers"),
     "cost_models/calibration/stage.py": (("tensor",), "calibrating the tensor-parallel wrappers"),

@@ -27,6 +27,7 @@ Collectives (Megatron-LM's pattern):
   row op:      forward all-reduce of the partial output (bias added once, after)
   vocab embed: each rank looks up its rows (others masked to 0), forward all-reduce
   vocab loss:  max, sum-exp and target-logit all-reduces; the logits are never gathered
+               (runtime/losses.py vocab_parallel_cross_entropy)
 
 Under sequence parallelism (Korthikanti et al. 2022, section 4.2.2; planner/strategies/tensor/split/sequence.py
 decides where) the values between regions hold this rank's block of the sequence (dimension
@@ -433,52 +434,3 @@ def shard_channels(module: nn.Module, split: FeatureSplit, rank: int, num: int, 
     if hasattr(m, "num_features"):
         m.num_features = split.local_size(num)
     return m
-
-
-# ---------------------------------------------------------------------------
-# vocabulary-parallel cross-entropy
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, start, group, valid):
-        # logits (N, V/t) this rank's classes [start, start + V/t), the first `valid` of them
-        # real (the rest pad a vocabulary t does not divide); target (N,) global ids
-        logits = logits.float()
-        if valid < logits.shape[-1]:
-            logits = logits.clone()
-            logits[:, valid:] = torch.finfo(logits.dtype).min
-        vmax = logits.max(dim=-1).values
-        group.all_reduce(vmax, op="max")
-        shifted = logits - vmax.unsqueeze(-1)
-        n = logits.shape[-1]
-        outside = (target < start) | (target >= start + n)
-        local = (target - start).masked_fill(outside, 0)
-        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        group.all_reduce(picked)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        group.all_reduce(sum_exp)
-        loss = sum_exp.log() - picked
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local, outside = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local] -= (~outside).to(grad.dtype)
-        return grad * grad_loss.unsqueeze(-1), None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, start: int,
-                                 group: Group, valid: int | None = None) -> torch.Tensor:
-    """Per-element cross-entropy of class-split logits (..., V/t) against global targets (...).
-
-    valid: how many of this rank's classes are real (the rest pad the vocabulary); all if None.
-    """
-    flat = logits.reshape(-1, logits.shape[-1])
-    n = flat.shape[-1] if valid is None else int(valid)
-    loss = _VocabParallelCrossEntropy.apply(flat, target.reshape(-1), int(start), group, n)
-    return loss.reshape(target.shape)
