@@ -16,12 +16,13 @@ branch on a strategy: it loops over the strategies the config uses
 check the config against the graph, adjust layer costs (tiles, sub-grids),
 impose stage bounds and add gradient traffic; the last active `Placement`
 (the pipeline, or its bi-directional refinement) lays the stages out and
-prices the step.
+prices the step. Parts of it with a concern of their own are classes it inherits: a node's price
+(planner/node_pricing.py), what its Execution adds, the loss among it (planner/execution_pricing.py),
+and the Prediction of a priced step (planner/step_summary.py).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import replace
 from typing import Any, Callable, TypeVar
@@ -35,22 +36,24 @@ from cost_models.compute import Efficiency
 from cost_models.gpu_costs import gpu_costs
 from cost_models.gpu_fit import efficiency_of
 from cost_models.gpu_node import GpuGraph
-from cost_models.step_costs import LossCost, StepSetup, Work, chunked_loss_cost, full_loss_cost, prefetched_batch
+from cost_models.step_costs import StepSetup
 from cost_models.overlap import DeviceWork, Overlap, OverlapPreset, tp_exposed
 from cost_models.hardware import Cluster
 from cost_models.memory import ALLOCATOR_MARGIN
-from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
+from cost_models.prediction import Prediction
 from planner.config import ConfigError, ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
 from planner.layer_cost import AxisComm, LayerCost
+from planner.execution_pricing import ExecutionPricing, compiled_layers
 from planner.node_pricing import NodePricing
 from planner.saved import SavedActivations
+from planner.step_summary import StepSummary, input_tokens_per_sample
 from planner.strategies.tensor.sharding import ShardingPlan, find_sharding
 from planner.strategies.base import Placement, Strategy
 from planner.strategies.registry import STRATEGIES
 from planner.graph.ties import tied_weights
-from runtime.execution import Execution, LossImpl
-from runtime.vocab import Collective, DeviceKind, DType, MeshAxis, OpKind, RecomputeMode, ShardRole
+from runtime.execution import Execution
+from runtime.vocab import Collective, DeviceKind, DType, OpKind, RecomputeMode, ShardRole
 
 T = TypeVar("T")
 _GEMM_KINDS = (OpKind.LINEAR, OpKind.CONV)  # the ops whose split a tensor-parallel collective feeds
@@ -74,7 +77,7 @@ def _checked_options(selective: SelectivePolicy | str, zero3_live_parameters: fl
     return policy
 
 
-class Evaluator(NodePricing):
+class Evaluator(NodePricing, ExecutionPricing, StepSummary):
     """Prices ParallelConfigs of one ModelGraph on one Cluster."""
 
     def __init__(self, graph: ModelGraph, cluster: Cluster, *, efficiency: Efficiency | None = None,
@@ -151,7 +154,7 @@ class Evaluator(NodePricing):
         self._start_caches()
         self._fwd_flops_per_sample = graph.total_fwd_flops / graph.batch_size
         self._layer_inputs = self._input_bytes_per_layer()
-        self.tokens_per_sample = _tokens_per_sample(graph)
+        self.tokens_per_sample = input_tokens_per_sample(graph)
         self.ties = tied_weights(graph)
         self._logits = self._find_logits()
         self._compiled_layers = compiled_layers(graph)
@@ -219,40 +222,6 @@ class Evaluator(NodePricing):
         """The graph node named `name` (fx node name)."""
         return self._nodes[name]
 
-    def prediction(self, config: ParallelConfig, global_batch_size: int, m: int, costs: list[LayerCost],
-                    stages: list, time: TimeBreakdown, peak_mem: MemoryBreakdown, busy: float) -> Prediction:
-        """Assemble a Prediction from the step's time breakdown and the largest device footprint."""
-        dev = self.cluster.device
-        step = time.total
-        samples = global_batch_size / step
-        model_flops = 3 * self._fwd_flops_per_sample * samples / config.num_devices
-        peak_flops = dev.peak(config.dtype)
-        # a stage's forward and backward per micro-batch: its device time, or on a GPU the host's dispatching
-        # its kernels where that is longer (the simulator runs the instructions with these times)
-        stage_preds = tuple(
-            StagePrediction(
-                index=k, first_layer=self.graph.layers[lo].name, last_layer=self.graph.layers[hi - 1].name,
-                num_layers=hi - lo,
-                forward=max(sum(c.forward + c.comm_forward for c in costs[lo:hi]),
-                            sum(c.host_forward for c in costs[lo:hi])),
-                backward=max(sum(c.backward + c.recompute + c.comm_backward for c in costs[lo:hi]),
-                             sum(c.host_backward for c in costs[lo:hi])),
-                memory=mem,
-                host_forward=sum(c.host_forward for c in costs[lo:hi]),
-                host_backward=sum(c.host_backward for c in costs[lo:hi]),
-            )
-            for k, (lo, hi, _i, mem) in enumerate(sorted(stages, key=lambda s: s[0]))
-        )
-        return Prediction(
-            step_time=step, time=time, peak_memory=peak_mem.total, memory=peak_mem,
-            memory_capacity=float(dev.memory_bytes), fits=peak_mem.total <= dev.memory_bytes,
-            samples_per_s=samples,
-            tokens_per_s=samples * self.tokens_per_sample if self.tokens_per_sample else None,
-            model_flops_per_device=model_flops, mfu=model_flops / peak_flops,
-            num_micro_batches=m, stages=stage_preds,
-            step_energy=self._energy(step, busy, config.num_devices),
-        )
-
     def tie_costs(self, config: ParallelConfig, bounds: list[tuple[int, int]]) -> tuple[dict[int, float], float]:
         """Tied weights whose readers fall in several stages: the extra copies' parameters per
         pipeline position (the graph counts one, at the first reader) and the seconds of the
@@ -276,12 +245,6 @@ class Evaluator(NodePricing):
                 seconds += collective_time(self.cluster, Collective.ALL_REDUCE, nbytes,
                                            [pos * stride for pos in positions]).seconds
         return extra, seconds
-
-    def _energy(self, step: float, busy: float, devices: int) -> float:
-        """Joules per step: every device busy for `busy` s at active power, idle the rest."""
-        dev = self.cluster.device
-        busy = min(busy, step)
-        return devices * (busy * dev.active_watts + (step - busy) * dev.idle_watts)
 
     def check(self, config: ParallelConfig, global_batch_size: int) -> None:
         """ValueError naming the numbers when `config` cannot run this model on this cluster."""
@@ -499,105 +462,6 @@ class Evaluator(NodePricing):
                          loss_backward=loss.backward.device if loss is not None else 0.0,
                          loss_peak=max(loss.peak_bytes - loss.kept_bytes, 0.0) if loss is not None else 0.0,
                          weight_copies=sum(c.weight_copies for c in costs), tensors=sum(c.tensors for c in costs))
-
-    # ---- the step outside the captured graph, on a GPU (cost_models/step_costs.py) -------------------
-    def _find_logits(self) -> str | None:
-        """The node whose output the loss reads: the model output's first tensor, views resolved."""
-        outs = [n for n in self.graph.nodes if n.kind == OpKind.OUTPUT and n.inputs]
-        if not outs:
-            return None
-        name = outs[0].inputs[0]
-        while self._nodes[name].kind == OpKind.VIEW and self._nodes[name].inputs:
-            name = self._nodes[name].inputs[0]
-        return name if self._nodes[name].output_meta else None
-
-    def fused_head_candidate(self) -> str | None:
-        """The output linear a fused chunked loss would compute itself, or None (the model's output is not
-        a linear layer's)."""
-        if self._logits is None:
-            return None
-        return self._logits if self._nodes[self._logits].kind == OpKind.LINEAR else None
-
-    def with_execution(self, execution: Execution) -> "Evaluator":
-        """This Evaluator pricing `execution` instead (planner/execution_choice.py): what depends only on
-        the graph and the cluster is shared, the layer costs are priced again."""
-        other = copy.copy(self)
-        other.execution = execution
-        other._layer_cache, other._bounds_cache, other._costs_cache = {}, {}, {}
-        return other
-
-    def _fused_head(self, config: ParallelConfig) -> str | None:
-        """The output linear the fused chunked loss computes itself, under this Evaluator's execution."""
-        if self.gpu_costs is None or self.execution.loss != LossImpl.CHUNKED or self._logits is None:
-            return None
-        return self._logits if self._nodes[self._logits].kind == OpKind.LINEAR else None
-
-    def _loss_cost(self, config: ParallelConfig, roles: dict[str, str]) -> LossCost | None:
-        """The loss of one micro-batch on the rank holding the logits (a GPU; None elsewhere, or for a loss
-        over a few values per sample)."""
-        if self.gpu_costs is None or self._logits is None or self.setup.loss != "cross_entropy":
-            return None
-        n = self._nodes[self._logits]
-        meta = n.output_meta[0]
-        classes = meta.shape[-1] if meta.shape else 1
-        role = roles.get(n.name, ShardRole.REPLICATE)
-        t = config.tensor
-        div = self.split_divisor(n.name, role, config)
-        tokens = meta.numel / max(classes, 1) * config.micro_batch_size / self.graph.batch_size / \
-            self._token_share(n.name, role, config)
-        gpu = self.gpu(config.dtype)
-        parallel = t if div > 1 else 1
-
-        def allreduce(nbytes: float) -> float:
-            return self.axis_seconds(config.mesh, MeshAxis.TENSOR, Collective.ALL_REDUCE, nbytes)
-
-        def gather(nbytes: float) -> float:
-            return self.axis_seconds(config.mesh, MeshAxis.TENSOR, Collective.ALL_GATHER, nbytes)
-        if self._fused_head(config) == n.name:
-            m = self.execution.vocab_multiple
-            vocab = -(-int(classes / div) // m) * m
-            return chunked_loss_cost(gpu, tokens, vocab, n.input_meta[0].shape[-1],
-                                     chunk_tokens=self.execution.loss_chunk_tokens, vocab_parallel=parallel,
-                                     allreduce=allreduce, gather=gather)
-        mixed = config.dtype != DType.FP32
-        low = self.overlap.autocast is False or self.gpu_graph.dtypes.get(n.name) != FLOAT32
-        return full_loss_cost(gpu, tokens, classes / div, logits_bytes=2 if mixed and low else 4,
-                              vocab_parallel=parallel, allreduce=allreduce)
-
-    def _batch_copies(self, layer: Layer, config: ParallelConfig) -> Work:
-        """Host-to-device copies of a micro-batch, the inputs before the first layer and the targets before
-        the layer holding the logits: prefetched on a side stream by meshplan's runtime on a GPU, so only
-        their host dispatch counts (cost_models/step_costs.prefetched_batch); nothing elsewhere."""
-        if self.gpu_costs is None:
-            return Work()
-        gpu = self.gpu(config.dtype)
-        work = Work()
-        if layer.index == 0:
-            work = work + prefetched_batch(gpu)
-        if layer.index == self._logits_layer and self._logits is not None:
-            work = work + prefetched_batch(gpu)
-        return work
-
-
-def compiled_layers(graph: ModelGraph) -> frozenset[int]:
-    """The layers a build with compiled stages compiles (codegen/partition.py, regional compilation): the
-    repeated blocks that hold parameters, or without any, every layer that holds parameters; the others
-    run eager (a compiled region's call costs more than fusing a few views saves)."""
-    signatures = [layer.signature for layer in graph.layers]
-    weighty = {layer.index for layer in graph.layers if layer.param_count > 0}
-    blocks = {layer.index for layer in graph.layers if signatures.count(layer.signature) > 1} & weighty
-    return frozenset(blocks or weighty)
-
-
-def _tokens_per_sample(graph: ModelGraph) -> int | None:
-    """Sequence length when the model's first input is token ids, else None."""
-    for n in graph.nodes:
-        if n.kind == OpKind.INPUT and n.output_meta:
-            m = n.output_meta[0]
-            if m.dtype.startswith(("int", "uint")) and len(m.shape) >= 2:
-                return m.numel // graph.batch_size
-            return None
-    return None
 
 
 def evaluate(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, global_batch_size: int,

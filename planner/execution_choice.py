@@ -3,9 +3,9 @@ they pay.
 
 On a GPU, meshplan's runtime can compile each stage's repeated blocks, compute the loss in chunks fused
 with the output layer, and pad the output layer's rows to a multiple of 64. The cost model prices each
-(planner/evaluator.py: compiled layers fuse their casts and dispatch from generated code; the fused loss
-runs the head's GEMMs itself and never holds the logits; a padded vocabulary prices the output GEMM at its
-aligned width), so the plan takes the combination with the best objective that fits, the defaults on a
+(planner/node_pricing.py and execution_pricing.py: compiled layers fuse their casts and dispatch from
+generated code; the fused loss runs the head's GEMMs itself and never holds the logits; a padded
+vocabulary prices the output GEMM at its aligned width), so the plan takes the combination with the best objective that fits, the defaults on a
 tie. Where an option does not apply nothing is tried: on a CPU (the CPU cost model does not price
 compilation), for the torch target (PyTorch's stack runs its own loop), for strategies whose stages the
 runtime does not compile (spatial, sub-graph and context parallelism; codegen/emit.check_execution), for

@@ -14,7 +14,8 @@ from examples.models import gpt
 from planner import ConfigError, Plan
 from planner.graph.capture import capture_ref
 from planner.strategies.tensor.sharding import find_sharding
-from planner.strategies.tensor.split.rules import Split, _Fail, _grouped_heads, _State
+from planner.strategies.tensor.split.op_rules import _grouped_heads
+from planner.strategies.tensor.split.state import Split, _Fail, _State
 from runtime.parallel.tensor.layers import FeatureSplit
 
 # hidden 64 = 8 heads of 8; 2 key/value heads, each read by 4 consecutive query heads

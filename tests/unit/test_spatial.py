@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.parallel.spatial.tiles import TileExchange
+from runtime.parallel.spatial.halo import TileExchange, _AxisExchange
 from runtime.parallel.spatial.geometry import SpatialError, TileLayout, Window, axis_halos, bounds, halo_widths, tile_shape
-from runtime.parallel.spatial.tiles import SpatialBatchNorm2d, SpatialConv2d, SpatialPool2d, conv_windows, pool_windows
+from runtime.parallel.spatial.tile_ops import SpatialBatchNorm2d, SpatialConv2d, SpatialPool2d, conv_windows, pool_windows
 
 
 # ---- geometry -------------------------------------------------------------
@@ -197,9 +197,7 @@ def test_tile_conv_equals_whole_image_conv_with_border_gradients(split, n, k, s,
 
 def test_dropping_the_halo_gradients_breaks_the_border_rows(monkeypatch):
     """The equality above is sensitive: without the neighbours' halo gradients the borders differ."""
-    from runtime.parallel.spatial import tiles as spatial
-
-    monkeypatch.setattr(spatial._AxisExchange, "add_borrowed", staticmethod(lambda gx, got, dim: None))
+    monkeypatch.setattr(_AxisExchange, "add_borrowed", staticmethod(lambda gx, got, dim: None))
     torch.manual_seed(0)
     conv = nn.Conv2d(2, 3, 3, padding=1)
     x = torch.randn(1, 2, 16, 16)

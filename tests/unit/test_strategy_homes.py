@@ -39,6 +39,7 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "planner/strategies/base.py": (("tensor",), "the Pricing protocol's ShardingPlan"),
     "planner/execution_choice.py": (("tensor",), "whether the fused loss's output layer is split over the tensor ranks"),
     "planner/node_pricing.py": (("tensor",), "a node's tensor split"),
+    "planner/execution_pricing.py": (("tensor",), "the loss's vocabulary split over the tensor ranks"),
     "planner/fixed_plan.py": (("tensor",), "the Plan's stored tensor splits"),
     "planner/plan.py": (("tensor",), "the Plan's stored tensor splits"),
     "planner/search.py": (("tensor",), "the tensor split's analysis of each candidate"),

@@ -8,7 +8,7 @@ stage runs over the data axis, that is over data x spatial. What is spatial is s
 runs: the first stage's code takes this rank's tile of the images, runs its layers up to
 `spatial_until` as tile ops with halo exchange (codegen/strategies/spatial/tiles.py writes them), and
 gathers the tiles after them with a backward that sums the gradient over the s ranks
-(runtime.parallel.spatial.tiles._GatherTiles), so that every gradient, tiled and replicated layers alike, is a
+(runtime.parallel.spatial.tile_ops._GatherTiles), so that every gradient, tiled and replicated layers alike, is a
 partial sum that the data-axis all-reduce completes. Each rank's Program names its tile and its
 spatial group (runtime.parallel.spatial.part.SpatialTiles). The spatial part must lie in the first stage: the
 tiles are gathered before the first pipeline cut, and the later stages run replicated on the s

@@ -1,7 +1,7 @@
 """Costs of spatial parallelism: halo messages, the gather after the spatial part, memory saved.
 
 A spatially split layer runs on one of s = rows x cols tiles of each image
-(runtime/parallel/spatial/tiles.py). Per window op (conv or pool) with input (B, C, H, W),
+(runtime/parallel/spatial/tile_ops.py). Per window op (conv or pool) with input (B, C, H, W),
 an interior tile of h = H/rows by w = W/cols pixels exchanges, forward:
 
     rows phase:    halo_rows x w x C x B x bytes        with each of 2 row neighbours
@@ -71,7 +71,7 @@ def memory_saved_per_device(activation_bytes: float, degree: int) -> float:
 
 
 def batchnorm_sync_bytes(channels: int, elem_bytes: float = 4.0) -> tuple[float, float]:
-    """(forward, backward) all-reduce payloads of one synchronized BatchNorm (runtime.parallel.spatial.tiles): forward
+    """(forward, backward) all-reduce payloads of one synchronized BatchNorm (runtime.parallel.spatial.tile_ops): forward
     the per-channel sums with the element count, then the sums of squared deviations (two
     all-reduces); backward the per-channel sums of g and g * xhat (one all-reduce)."""
     return (2 * channels + 1) * elem_bytes, (2 * channels + 1) * elem_bytes

@@ -1,7 +1,8 @@
 """The geometry of spatial parallelism, with no tensors: how an image is cut into tiles, which halo
 rows a window op (conv, pool) needs from its neighbours, where a rank's tile sits, and the
 SpatialSpec a stage records. The cost model prices halos with it and codegen checks a layer's
-halos at build time; runtime/parallel/spatial/tiles.py runs the tile ops (see its docstring for the rules).
+halos at build time; runtime/parallel/spatial/halo.py and tile_ops.py run the halo exchange and the tile ops
+(see their docstrings for the rules).
 """
 
 from __future__ import annotations

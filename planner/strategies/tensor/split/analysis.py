@@ -38,7 +38,8 @@ import torch.fx as fx
 
 from planner.config import ConfigError
 from planner.graph.ops import module_path_of, target_name
-from planner.strategies.tensor.split.rules import Split, TensorSplitError, _feature_split, _search, _State
+from planner.strategies.tensor.split.rules import _search
+from planner.strategies.tensor.split.state import Split, TensorSplitError, _feature_split, _State
 from planner.strategies.tensor.split.sequence import SEQUENCE_DIM, SequenceSplit, SequenceSplitError, sequence_stream
 from planner.strategies.tensor.split.splits import TensorSplits
 from planner.strategies.tensor.split.weight_op import weight_op
