@@ -197,12 +197,6 @@ class Evaluator(NodePricing, ExecutionPricing, StepSummary):
             self._state[key] = make()
         return self._state[key]
 
-    def split_divisor(self, name: str, role: str | None, config: ParallelConfig) -> float:
-        """What node `name`'s split dimension is divided by on one rank under `role` (see Pricing): the tensor
-        degree, or less where a size it does not divide is padded (NodeShard.divisor); 1 where it is whole."""
-        t = config.tensor
-        return self.sharding.roles[name].divisor(t) if role not in (None, ShardRole.REPLICATE) and t > 1 else 1
-
     def grad_replicas(self, config: ParallelConfig) -> int:
         """Ranks that hold the same weights and sum their gradients at run time: the product of the degrees
         of the strategies that replicate weights (Strategy.replicates_weights)."""

@@ -6,8 +6,8 @@ and the same Evaluator pricing another Execution (planner/execution_choice.py as
 
 `ExecutionPricing` is the part of planner/evaluator.py's Evaluator that does this, kept apart so each file
 holds one concern; it reads the Evaluator's tables (graph, gpu_costs, gpu_graph, overlap, execution,
-setup, _nodes, _logits, _logits_layer), calls its `split_divisor`, `_token_share`, `gpu` and
-`axis_seconds`, and `with_execution` empties its layer caches (the ones that depend on the execution).
+setup, _nodes, _logits, _logits_layer), calls its `split_divisor`, `split_ranks`, `split_seconds`,
+`_token_share` and `gpu`, and `with_execution` empties its layer caches (the ones that depend on the execution).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from cost_models.step_costs import LossCost, Work, chunked_loss_cost, full_loss_
 from planner.config import ParallelConfig
 from planner.graph.model import Layer, ModelGraph
 from runtime.execution import Execution, LossImpl
-from runtime.vocab import Collective, DType, MeshAxis, OpKind, ShardRole
+from runtime.vocab import Collective, DType, OpKind, ShardRole
 
 E = TypeVar("E", bound="ExecutionPricing")   # the Evaluator, whose copy with_execution returns
 
@@ -68,18 +68,17 @@ class ExecutionPricing:
         meta = n.output_meta[0]
         classes = meta.shape[-1] if meta.shape else 1
         role = roles.get(n.name, ShardRole.REPLICATE)
-        t = config.tensor
         div = self.split_divisor(n.name, role, config)
         tokens = meta.numel / max(classes, 1) * config.micro_batch_size / self.graph.batch_size / \
             self._token_share(n.name, role, config)
         gpu = self.gpu(config.dtype)
-        parallel = t if div > 1 else 1
+        parallel = self.split_ranks(config) if div > 1 else 1   # the ranks that hold the vocabulary's blocks
 
         def allreduce(nbytes: float) -> float:
-            return self.axis_seconds(config.mesh, MeshAxis.TENSOR, Collective.ALL_REDUCE, nbytes)
+            return self.split_seconds(config, Collective.ALL_REDUCE, nbytes)
 
         def gather(nbytes: float) -> float:
-            return self.axis_seconds(config.mesh, MeshAxis.TENSOR, Collective.ALL_GATHER, nbytes)
+            return self.split_seconds(config, Collective.ALL_GATHER, nbytes)
         if self._fused_head(config) == n.name:
             m = self.execution.vocab_multiple
             vocab = -(-int(classes / div) // m) * m

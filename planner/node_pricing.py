@@ -1,12 +1,13 @@
 """How the Evaluator prices one node (an fx op) on one device for one micro-batch: its kernels (on a GPU,
 by shape: cost_models/kernels.py; elsewhere the calibrated curves or the roofline), what autocast and
 eager autograd add on a GPU, the collectives the active strategies run inside it (per mesh axis),
-and its parameters, saved activations and largest temporary.
+and its parameters, saved activations and largest temporary; and how far a split node is spread (the
+ranks, their collectives, what its split dimension is divided by).
 
 `NodePricing` is the part of planner/evaluator.py's Evaluator that does this, kept apart so each file
 holds one concern; it reads the Evaluator's tables (cluster, gpu_costs, gpu_graph, eff, curves,
-curve_mix, in_run, overlap, execution, fused_attention, saved, and its caches) and calls its
-`active` and `_token_share`.
+curve_mix, in_run, overlap, execution, fused_attention, saved, sharding, and its caches) and calls its
+`active`, `axis_seconds`, `grad_replicas` and `_token_share`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from cost_models.op_curves import node_curve_times
 from planner.config import ParallelConfig
 from planner.graph.model import OpInfo
 from planner.layer_cost import AxisComm, comm_on
-from runtime.vocab import DType, OpKind, ShardRole, element_bytes
+from runtime.vocab import DType, MeshAxis, OpKind, ShardRole, element_bytes
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,21 @@ class NodePricing:
             b += gpu.stream(OpKind.ELEMENTWISE, 12.0 * n.param_count / div, True, kernels=tensors)
             hb += tensors * gpu.costs.host_op * gpu.costs.host_backward_share
         return f, b, hf, hb, x.weight_copies
+
+    def split_ranks(self, config: ParallelConfig) -> int:
+        """The ranks a split node (a role other than replicated: planner/strategies/tensor/) is spread over."""
+        return config.tensor
+
+    def split_seconds(self, config: ParallelConfig, op: str, nbytes: float) -> float:
+        """Seconds of collective `op` over `nbytes` among the ranks a split node is spread over (the tensor axis
+        of the mesh), as the collectives around a vocabulary-split loss run."""
+        return self.axis_seconds(config.mesh, MeshAxis.TENSOR, op, nbytes)
+
+    def split_divisor(self, name: str, role: str | None, config: ParallelConfig) -> float:
+        """What node `name`'s split dimension is divided by on one rank under `role` (see Pricing): the split
+        ranks, or fewer where a size they do not divide is padded (NodeShard.divisor); 1 where it is whole."""
+        t = self.split_ranks(config)
+        return self.sharding.roles[name].divisor(t) if role not in (None, ShardRole.REPLICATE) and t > 1 else 1
 
     def adds_into_buckets(self, config: ParallelConfig) -> bool:
         """Whether meshplan's runtime on a GPU keeps `config`'s gradients as views of gradient buckets (ranks
