@@ -57,6 +57,11 @@ class ConfigFields:
         busiest traffic after tensor parallelism's, so its groups stay within a node where they fit."""
         return dict(self._mesh_axes)
 
+    @property
+    def mesh_items(self) -> tuple[tuple[str, int], ...]:
+        """`mesh` as (axis, size) pairs, hashable (a cache key of everything the mesh fixes), made once."""
+        return self._mesh_axes
+
     @functools.cached_property
     def _mesh_axes(self) -> tuple[tuple[str, int], ...]:
         """`mesh` as (axis, size) pairs, worked out once per config (the search asks for it often)."""

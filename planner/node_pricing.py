@@ -122,7 +122,7 @@ class NodePricing:
                                   compiled=compiled)
         f, b = f + x.forward, b + (x.backward if n.requires_grad else 0.0)
         hf, hb = x.host_forward, x.host_backward
-        if self.adds_into_buckets(config) and n.param_count and n.requires_grad:
+        if n.param_count and n.requires_grad and self.adds_into_buckets(config):
             tensors = max(len(n.param_names), 1)
             b += gpu.stream(OpKind.ELEMENTWISE, 12.0 * n.param_count / div, True, kernels=tensors)
             hb += tensors * gpu.costs.host_op * gpu.costs.host_backward_share

@@ -116,7 +116,7 @@ def check_config(ev, config: ParallelConfig) -> None:
     if config.context_attention != ContextAttention.ULYSSES:
         return
     # the tensor strategy's head split depends on these (its per-layer choice, planner/strategies/tensor/strategy.py)
-    key = ("ulysses", c, tuple(config.mesh.items()), config.micro_batch_size, config.dtype)
+    key = ("ulysses", c, config.mesh_items, config.micro_batch_size, config.dtype)
     refusal = _cache(ev, key, lambda: _ulysses_refusal(ev, config))
     if refusal:
         raise ConfigError(refusal)
@@ -179,7 +179,7 @@ def adjust(ev, layer: Layer, cost, config: ParallelConfig):
     """`cost` (the whole-sequence LayerCost of `layer`) on one rank of the context axis."""
     c = config.context
     key = ("cost", layer.signature, cost, c, config.context_attention, config.micro_batch_size, config.dtype,
-           config.recompute, tuple(config.mesh.items()))
+           config.recompute, config.mesh_items)
 
     def make():
         ex_f = ex_b = buffers = 0.0

@@ -118,7 +118,7 @@ class SpatialPricer:
         if layer.index > k:
             return cost
         key = (layer.index, cost, config.spatial, config.spatial_split, config.spatial_until,
-               config.spatial_batchnorm, config.micro_batch_size, config.dtype, tuple(config.mesh.items()))
+               config.spatial_batchnorm, config.micro_batch_size, config.dtype, config.mesh_items)
         hit = self._cache.get(key)
         if hit is not None:
             return hit

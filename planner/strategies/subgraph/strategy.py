@@ -73,7 +73,7 @@ class SubgraphStrategy(Strategy):
             return cost
         # the same layer under the same per-device shape and mesh costs the same (the search asks often)
         key = ("cost", layer.signature, cost, config.subgraph, config.micro_batch_size, config.dtype,
-               config.recompute, tuple(config.mesh.items()))
+               config.recompute, config.mesh_items)
         cache = _cache(ev)
         hit = cache.get(key)
         if hit is None:
@@ -109,7 +109,7 @@ def region_comm_seconds(ev, config: ParallelConfig, region: Region) -> tuple[flo
     else:                        # a broadcast per path output; all-reduce of the fork's gradient
         sizes = (*((Collective.BROADCAST, ev.node(e).output_bytes * scale) for e in region.exits),
                  (Collective.ALL_REDUCE, ev.node(region.fork).output_bytes * scale))
-    key = ("comm", sizes, tuple(config.mesh.items()))   # repeated blocks move the same bytes
+    key = ("comm", sizes, config.mesh_items)   # repeated blocks move the same bytes
     cache = _cache(ev)
     hit = cache.get(key)
     if hit is None:
