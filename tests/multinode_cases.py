@@ -179,12 +179,16 @@ echo 127.0.0.1
 # Each simulated node's daemon gets a TMPDIR of its own (@TMP@/<host>), as separate hosts have: Open MPI
 # keeps its session directory and PMIx's rendezvous sockets there, and two daemons (or another test's
 # mpirun) sharing /tmp on one host can collide ("The PMIx server's listener thread failed to start").
+# So do the shared-memory transport's segments: Open MPI names them after the host name, the job and the
+# rank's place on its node, in /dev/shm by default, so both simulated nodes' first ranks (one host name)
+# mapped one segment and crashed in mca_btl_sm_poll_handle_frag, about one run in ten. Each node's daemon
+# keeps them in its own TMPDIR instead (its ranks inherit the setting).
 FAKE_SSH = '''#!/bin/bash
 while [[ "$1" == -* ]]; do shift; done
 host="$1"; shift
 echo "ssh $host: $*" >> "$(dirname "$0")/ssh.log"
 tmp="@TMP@/$host"; mkdir -p "$tmp"
-exec env -i HOME="$HOME" PATH=/usr/bin:/bin TMPDIR="$tmp" bash -c "$*"
+exec env -i HOME="$HOME" PATH=/usr/bin:/bin TMPDIR="$tmp" OMPI_MCA_btl_sm_backing_directory="$tmp" bash -c "$*"
 '''
 
 
