@@ -33,7 +33,7 @@ from planner.strategies.tensor.split.weight_op import weight_op
 from runtime.losses import output_item
 from runtime.execute.output_head import OutputHead
 from runtime.program.shards import FeatureSplit, ParamShard
-from runtime.parallel.tensor.layers import copy_to_group, gather_sequence
+from runtime.comm.autograd import copy_to_group, gather_sequence
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,5 +1,6 @@
 """Named mesh axes on a cluster: which ranks form each axis's groups (row-major, last axis
-fastest, tensor innermost by default) and the time of a collective over one axis.
+fastest, tensor innermost by default: runtime.vocab.default_mesh_order) and the time of a collective over
+one axis.
 
 The collective formulas themselves live in :mod:`cost_models.comm_formulas`, their choice in :mod:`cost_models.comm`.
 """
@@ -21,36 +22,36 @@ from runtime.vocab import MeshAxis
 # --- named mesh axes -----------------------------------------------------------------------
 
 
-def default_mesh_order() -> tuple[str, ...]:
-    """The default order of mesh axes, outermost to innermost: pipeline, data, tensor.
+def _innermost(mesh: Mapping[str, int]) -> str:
+    """The mesh's innermost (last, fastest-varying) axis: tensor in every ParallelConfig.mesh."""
+    return next(reversed(list(mesh)))
 
-    Tensor is innermost (contiguous ranks) so that a tensor axis that fits in a node
-    runs its frequent activation all-reduces on the intra-node link; data comes next;
-    pipeline is outermost, since its point-to-point traffic is the lightest (Megatron-LM's
-    convention). Other axes (spatial, subgraph) can be placed anywhere in a mesh; the
-    functions here work for any axis names.
-    """
-    return (MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.TENSOR)
+
+def innermost(mesh: Mapping[str, int]) -> tuple[str, int]:
+    """(name, size) of the mesh's innermost axis (tensor in every ParallelConfig.mesh, of size 1 included)."""
+    axis = _innermost(mesh)
+    return axis, mesh[axis]
 
 
 def data_lanes(mesh: Mapping[str, int]) -> int:
-    """Ranks per pipeline position and tensor coordinate: the data axis and every axis a mesh orders
-    between pipeline and tensor (spatial tiles, context chunks, sub-grids), which hold the same stage and
-    fold into one data coordinate (ranks are row-major, pipeline outermost, tensor innermost)."""
-    return math.prod(v for a, v in mesh.items() if a not in (MeshAxis.PIPELINE, MeshAxis.TENSOR))
+    """Ranks per pipeline position and innermost coordinate: the data axis and every axis a mesh orders
+    between pipeline and its innermost axis (spatial tiles, context chunks, sub-grids), which hold the same
+    stage and fold into one data coordinate (ranks are row-major, pipeline outermost, tensor innermost)."""
+    inner = _innermost(mesh)
+    return math.prod(v for a, v in mesh.items() if a not in (MeshAxis.PIPELINE, inner))
 
 
 def rank_coords(rank: int, mesh: Mapping[str, int]) -> tuple[int, int, int]:
-    """(pipeline, data, tensor) coordinates of a rank; ranks are row-major over the mesh (pipeline first,
-    tensor fastest). The axes between pipeline and tensor are folded into the data coordinate (data x
-    spatial + spatial, for one: data_lanes)."""
-    d, t = data_lanes(mesh), mesh[MeshAxis.TENSOR]
+    """(pipeline, data, innermost) coordinates of a rank; ranks are row-major over the mesh (pipeline first,
+    the innermost axis, tensor, fastest). The axes between pipeline and the innermost one are folded into the
+    data coordinate (data x spatial + spatial, for one: data_lanes)."""
+    d, t = data_lanes(mesh), mesh[_innermost(mesh)]
     return rank // (d * t), (rank // t) % d, rank % t
 
 
-def rank_at(pipe: int, data: int, tensor: int, mesh: Mapping[str, int]) -> int:
-    """The rank at (pipeline, data, tensor) coordinates (rank_coords' inverse)."""
-    return (pipe * data_lanes(mesh) + data) * mesh[MeshAxis.TENSOR] + tensor
+def rank_at(pipe: int, data: int, inner: int, mesh: Mapping[str, int]) -> int:
+    """The rank at (pipeline, data, innermost) coordinates (rank_coords' inverse)."""
+    return (pipe * data_lanes(mesh) + data) * mesh[_innermost(mesh)] + inner
 
 
 def lane_ranks(mesh: Mapping[str, int], positions) -> list[int]:

@@ -43,7 +43,7 @@ def _vocab(ev, head: str) -> int:
 def _pads(ev, config, head: str) -> bool:
     """Whether the runtime can pad the output layer under `config`: whole on the rank, or split over the
     vocabulary by the tensor axis (codegen/partition.py refuses a padding nothing splits)."""
-    return config.tensor == 1 or ev.node_roles(config).get(head, ShardRole.REPLICATE) != ShardRole.REPLICATE
+    return ev.split_ranks(config) == 1 or ev.node_roles(config).get(head, ShardRole.REPLICATE) != ShardRole.REPLICATE
 
 
 def choose(ev, config, global_batch_size: int, objective: str = "time", fits=None):

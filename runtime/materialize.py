@@ -18,15 +18,14 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
 
 from runtime.refs import call_factory, load_callable
 from runtime.spec import StageSpec, TrainSpec
-from runtime.program.shards import ParamShard
-from runtime.parallel.tensor.layers import mask_padding, shard_module
+from runtime.program.shards import ModuleShard, ParamShard
 
 
 # Attributes of every stage module that generated code reads: the torch.device its forward
@@ -185,14 +184,28 @@ def _set_path(root: nn.Module, path: str, value, kind: str) -> None:
         parent.register_buffer(parts[-1], value)
 
 
+class Splits(Protocol):
+    """This rank's parts of the modules and parameters a StageSpec splits (runtime.parallel.registry.StageSplits:
+    the strategies that make the splits)."""
+
+    def module(self, module: nn.Module, shard: ModuleShard, rank: int, num: int) -> nn.Module: ...
+
+    def param(self, value: torch.Tensor, shard: ParamShard, rank: int, num: int) -> torch.Tensor: ...
+
+
 def build_stage(stage_cls: type, sspec: StageSpec, spec: TrainSpec, tensor_rank: int = 0, tensor_size: int = 1,
-                device: torch.device | str = "cpu", full_model: nn.Module | None = None) -> nn.Module:
+                device: torch.device | str = "cpu", full_model: nn.Module | None = None,
+                splits: Splits | None = None) -> nn.Module:
     """This rank's module for one stage, holding only the stage's (sharded) parameters.
 
-    The tensor-parallel modules are built without a group; `set_tensor_group` gives
-    them the group once the process groups exist (so every local failure happens
-    before any rank waits for another).
+    tensor_rank, tensor_size: this rank's place among the ranks holding slices of the split parameters
+    (runtime.parallel.registry.param_place); splits: what makes those slices (needed where the StageSpec
+    splits anything). The split modules are built without a group; the strategy's attach hook gives them
+    the group once the process groups exist (so every local failure happens before any rank waits for another).
     """
+    if (sspec.shards or sspec.param_shards) and splits is None:
+        raise MaterializeError(f"stage {sspec.index} splits modules or parameters over ranks: pass build_stage "
+                               "the strategies' splits (runtime.parallel.registry.StageSplits())")
     if full_model is None:
         full_model = build_model_for_stages(spec)
     shards = {s.path: s for s in sspec.shards}
@@ -209,7 +222,7 @@ def build_stage(stage_cls: type, sspec: StageSpec, spec: TrainSpec, tensor_rank:
         elif spec.init == "checkpoint":
             _fill_from(module, path, sd)
         if path in shards:
-            module = shard_module(module, shards[path], tensor_rank, tensor_size, None)
+            module = splits.module(module, shards[path], tensor_rank, tensor_size)
         _set_path(stage, path, module, "module")
     param_shards = {ps.name: ps for ps in sspec.param_shards}
     for path in sspec.attributes:
@@ -223,13 +236,8 @@ def build_stage(stage_cls: type, sspec: StageSpec, spec: TrainSpec, tensor_rank:
         elif spec.init == "per-module" and isinstance(value, torch.Tensor) and value.is_meta:
             raise MaterializeError(f"{path} is read directly by the model's code (not through a module), so "
                                    "init 'per-module' cannot initialise it: use init 'seed' or a checkpoint")
-        if path in param_shards:   # this tensor rank's slice (runtime/parallel/tensor/layers.py)
-            ps = param_shards[path]
-            local = ps.split.take(value, ps.dim, tensor_rank, tensor_size)
-            if isinstance(value, nn.Parameter):
-                local = nn.Parameter(local, requires_grad=value.requires_grad)
-                mask_padding(local, ps.dim, ps.split, tensor_rank, tensor_size)
-            value = local
+        if path in param_shards:   # this rank's slice
+            value = splits.param(value, param_shards[path], tensor_rank, tensor_size)
         _set_path(stage, path, value, "parameter" if isinstance(value, nn.Parameter) else "buffer")
     for ps in sspec.padded:   # rows padded at tensor degree 1 (Execution.vocab_multiple)
         pad_rows(stage, ps)
@@ -319,11 +327,3 @@ def build_model_for_stages(spec: TrainSpec) -> nn.Module:
         torch.manual_seed(spec.seed)
         return _build(factory, spec)
     return meta_model(spec)
-
-
-def set_tensor_group(module: nn.Module, group) -> None:
-    """Give every tensor-parallel module of `module`, and the stage itself, its communication group."""
-    setattr(module, TENSOR_GROUP, group)
-    for m in module.modules():
-        if hasattr(m, "group") and type(m).__module__ == "runtime.parallel.tensor.layers":
-            m.group = group

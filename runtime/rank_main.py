@@ -55,7 +55,7 @@ from runtime.materialize import (build_model_for_stages, build_stage, meta_model
                                  separate_copies, signature_mismatch)
 from runtime.execute.optim import optimizer_order, rank_optimizer
 from runtime.program import Program
-from runtime.parallel.registry import STRATEGIES, param_place
+from runtime.parallel.registry import STRATEGIES, StageSplits, param_place
 from runtime.spec import StageSpec, TrainSpec
 from runtime.execute.stage import StageRunner
 from runtime.execute.running_stats import RunningStats
@@ -114,7 +114,8 @@ def prepare(*, rank: int, program: dict, stages: dict, train: dict, signature: d
     tcoord, tsize = param_place(prog)
     full = build_model_for_stages(spec)
     specs = {int(s): StageSpec.from_dict(d) for s, (_c, d) in stages.items()}
-    modules = {s: build_stage(stages[s][0], specs[s], spec, tcoord, tsize, device, full_model=full)
+    splits = StageSplits()
+    modules = {s: build_stage(stages[s][0], specs[s], spec, tcoord, tsize, device, full_model=full, splits=splits)
                for s in sorted(specs)}
     separate_copies(modules)
     del full

@@ -29,6 +29,18 @@ class MeshAxis(StrEnum):
     CONTEXT = "context"
 
 
+def default_mesh_order() -> tuple[MeshAxis, ...]:
+    """The default order of mesh axes, outermost to innermost: pipeline, data, tensor.
+
+    Tensor is innermost (contiguous ranks) so that a tensor axis that fits in a node
+    runs its frequent activation all-reduces on the intra-node link; data comes next;
+    pipeline is outermost, since its point-to-point traffic is the lightest (Megatron-LM's
+    convention). Other axes (spatial, subgraph, context) sit between data and the innermost
+    axis (ParallelConfig.mesh); cost_models/mesh_axes.py works for any axis names.
+    """
+    return (MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.TENSOR)
+
+
 # mesh axis spellings of Program files written before the axes took the ParallelConfig names
 OLD_AXIS_NAMES = {"pipe": MeshAxis.PIPELINE, "branch": MeshAxis.SUBGRAPH}
 

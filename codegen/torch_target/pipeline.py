@@ -26,11 +26,12 @@ from torch import nn
 
 from codegen.partition import PartitionError, StagePart, partition, stage_imports
 from codegen.strategies import registry
+from planner.capabilities import RuntimeSupport
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.torch_stack.pipeline import PipelineRun, build_pipeline
 from runtime.torch_stack.pipeline_layout import PipelineLayout, StageLayout
-from runtime.vocab import MeshAxis, Schedule, StrategyName
+from runtime.vocab import MeshAxis, Schedule, StrategyName, Target
 
 
 class PipelineLayoutError(ValueError):
@@ -51,9 +52,9 @@ def pipeline_layout(plan: Plan, graph: ModelGraph) -> PipelineLayout | None:
     if place.name != StrategyName.PIPELINE:   # torch's schedules run one pipeline, one way
         raise PipelineLayoutError(f"the torch target runs one-directional pipelines; the plan's {place.title} "
                                   "runs on meshplan's own runtime: plan for target 'meshplan'")
-    if cfg.tensor > 1:
-        raise PipelineLayoutError(f"the torch target does not yet combine pipeline {cfg.pipeline} with tensor "
-                                  f"{cfg.tensor}; plan without one of them, or for target 'meshplan'")
+    why = RuntimeSupport.for_target(Target.TORCH).why_not(cfg)   # tensor splits inside stages, ...
+    if why is not None:
+        raise PipelineLayoutError(why)
     if graph.batch_dim != 0:
         raise PipelineLayoutError(f"torch's pipeline schedules split the batch on dimension 0; the model's batch "
                                   f"dimension is {graph.batch_dim}")

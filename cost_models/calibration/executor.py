@@ -38,7 +38,7 @@ from runtime.program.instr_set import Kind, Op
 from runtime.program import Instr, Program
 from runtime.program.schedules import one_f_one_b
 from runtime.program.trace import Recorder
-from runtime.vocab import MeshAxis
+from runtime.vocab import MeshAxis, default_mesh_order
 
 REF_WIDTH = 128            # features of the reference stages
 REF_ROWS = 2               # samples per micro-batch
@@ -55,7 +55,7 @@ def reference_programs(world: int, micro_batches: int = REF_MICRO_BATCHES) -> li
     each waited; STEP and ZERO_GRAD as every step has them."""
     nbytes = REF_ROWS * REF_WIDTH * 4
     last = world - 1
-    mesh = ((MeshAxis.PIPELINE, world), (MeshAxis.DATA, 1), (MeshAxis.TENSOR, 1))
+    mesh = tuple(zip(default_mesh_order(), (world, 1, 1)))   # pipeline, data, tensor
     order = one_f_one_b(world, micro_batches)
     progs = []
     for r in range(world):

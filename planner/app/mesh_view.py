@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.app.figure_kit import (MAX_MESH_DEVICES, _check_plan, _drop_colliding, _luminance, _new_figure,
                                     _px_per_data, _short, _stage_colors, _suptitle, _text_size_pt, title_for)
-from cost_models.mesh_axes import rank_at, rank_coords
+from cost_models.mesh_axes import innermost, rank_at, rank_coords
 
 if TYPE_CHECKING:  # only for annotations; nothing is imported at run time
     from matplotlib.figure import Figure
@@ -61,7 +61,8 @@ def mesh_figure(plan: "Plan") -> "Figure":
     world = cfg.num_devices
     extra = ""
     if replica:
-        extra = (f"one data-parallel replica shown (pipe {cfg.pipeline} x tensor {cfg.tensor} = {len(ranks)} "
+        inner, size = innermost(cfg.mesh)
+        extra = (f"one data-parallel replica shown (pipe {cfg.pipeline} x {inner} {size} = {len(ranks)} "
                  f"of {world} devices) x {cfg.data} data replicas" if cfg.data > 1 else
                  f"all {world} devices (one pipeline, no data parallelism)")
     elif cfg.schedule == "interleaved":
@@ -83,7 +84,7 @@ def _mesh_ranks(plan: "Plan") -> tuple[list[int], dict[int, list[int]], bool]:
     world, mesh = cfg.num_devices, cfg.mesh
     replica = world > MAX_MESH_DEVICES
     if replica:
-        ranks = [rank_at(pi, 0, ti, mesh) for pi in range(cfg.pipeline) for ti in range(cfg.tensor)]
+        ranks = [rank_at(pi, 0, ti, mesh) for pi in range(cfg.pipeline) for ti in range(innermost(mesh)[1])]
     else:
         ranks = list(range(world))
     by_node: dict[int, list[int]] = {}

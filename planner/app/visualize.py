@@ -49,6 +49,7 @@ from planner.app.figure_kit import (DEFAULT_MAX_MICRO_BATCHES, DPI, FIGURES, FOR
                                 _check_plan, _count, _drop_colliding, _fmt_time, _luminance, _memory_unit,
                                 _new_figure, _num, _px_per_data, _rc, _right_labels, _share, _short,
                                 _suptitle, _text_size_pt, _thin_ticks, _time_unit)
+from cost_models.mesh_axes import innermost
 from planner.app.mesh_view import mesh_figure
 from planner.app.schedule_view import (ScheduleRecord, as_records, load_timeline, predicted_schedule, rank_coords,
                                    save_timeline, schedule_orders, simulate_schedule)
@@ -337,8 +338,9 @@ def _schedule_panels(plan: "Plan", timeline: Iterable[Any] | None, meas: list | 
         sched = cfg.schedule + (f" x{cfg.virtual_stages}" if cfg.schedule == "interleaved" else "")
         note = (f"{sched} schedule simulated from the plan's per-stage times (p2p free), "
                 + (f"first {shown} of {m} micro-batches" if shown < m else _count(m, "micro-batch")))
-        if ranks is None and cfg.data * cfg.tensor > 1:
-            note += f"; one pipeline (data 0, tensor 0) of {cfg.data * cfg.tensor}"
+        lanes = cfg.data * innermost(cfg.mesh)[1]   # the pipelines: data x tensor
+        if ranks is None and lanes > 1:
+            note += f"; one pipeline (data 0, tensor 0) of {lanes}"
         pred_title = "predicted"
     else:
         predicted = as_records(timeline, "timeline")

@@ -25,7 +25,7 @@ from torch import nn
 
 from runtime.execute.chunked_loss import chunked_cross_entropy, chunked_eval
 from runtime.losses import model_output
-from runtime.parallel.tensor.layers import gather_whole
+from runtime.comm.autograd import gather_whole
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ the StageSpecs say.
               them (spatial: the tile and its group; tensor: the tensor group; subgraph: the sub-grid group)
     param_place  where this rank sits among the ranks holding slices of the split parameters (tensor:
                  its tensor coordinate), for building the stage modules and restoring checkpoints
+    local_module, local_param  this rank's part of a module or parameter the StageSpecs split (tensor:
+                 its column/row/vocabulary-parallel layers), as runtime.materialize builds the stage modules
     class_split  how the last stage's logits are split over ranks for the loss (tensor: the
                  vocabulary-parallel cross-entropy)
     batches   the rank's batch source, as its stage code and loss read it (context: the targets
@@ -25,11 +27,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from runtime.comm import Group
 from runtime.comm.context import DistContext
 from runtime.program import Program
+from runtime.program.shards import ModuleShard, ParamShard
 from runtime.spec import StageSpec
 from runtime.vocab import StrategyName
 
@@ -57,6 +61,17 @@ class RuntimeStrategy(Protocol):
         """(this rank's coordinate, the number of ranks) along the axis whose ranks each hold a slice of the
         split parameters the StageSpecs name (tensor: the tensor axis), or None where this strategy splits
         none. The stage modules, a resumed checkpoint's tensors and the gradient norm's pieces are sliced by it."""
+        return None
+
+    def local_module(self, module: nn.Module, shard: ModuleShard, rank: int, num: int) -> nn.Module | None:
+        """This rank's part of `module`, which a StageSpec splits as `shard` over `num` ranks (this one `rank`,
+        param_place's), its group given later by `attach`; None where this strategy makes no such splits."""
+        return None
+
+    def local_param(self, value: torch.Tensor, shard: ParamShard, rank: int,
+                    num: int) -> torch.Tensor | None:
+        """This rank's slice of `value`, a parameter or buffer the model's code reads directly and a StageSpec
+        splits as `shard` (a Parameter stays one); None where this strategy makes no such splits."""
         return None
 
     def class_split(self, ctx: DistContext, spec: StageSpec) -> ClassSplit | None:

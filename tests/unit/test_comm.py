@@ -23,7 +23,8 @@ from cost_models.comm_formulas import (
     ring_reduce_scatter_time,
     tree_all_reduce_time,
 )
-from cost_models.mesh_axes import axis_collective_time, axis_groups, default_mesh_order
+from cost_models.mesh_axes import axis_collective_time, axis_groups
+from runtime.vocab import default_mesh_order
 from runtime.vocab import MeshAxis
 
 GB = 1e9

@@ -7,6 +7,7 @@ from examples.models import gpt, mlp
 from runtime.data import DataError, DataSource
 from runtime.materialize import build_model, build_stage, model_signature
 from runtime.execute.optim import OptimizerSpec
+from runtime.parallel.registry import StageSplits
 from runtime.reference import reference_run
 from runtime.spec import SpecError, StageSpec, TrainSpec
 from tests.parallel_cases import graph_of, plan_for
@@ -71,7 +72,7 @@ def test_a_stage_built_from_a_checkpoint_holds_its_slice(tmp_path):
                      init="checkpoint", checkpoint=str(tmp_path / "ck.pt"))
     ns: dict = {}
     exec("\n".join(stage_imports([parts.stages[1]])) + "\n" + parts.stages[1].source, ns)
-    stage = build_stage(ns["Stage1"], parts.stages[1].spec, spec, tensor_rank=1, tensor_size=2)
+    stage = build_stage(ns["Stage1"], parts.stages[1].spec, spec, tensor_rank=1, tensor_size=2, splits=StageSplits())
     w = dict(stage.named_parameters())["lm_head.weight"]
     assert torch.equal(w, model.lm_head.weight[64:])
     assert "wte.weight" not in dict(stage.named_parameters())     # only this stage's parameters

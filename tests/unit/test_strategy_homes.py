@@ -38,27 +38,17 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
                              "ranks and axis a split node spreads over (split_ranks, split_seconds)"),
     "planner/saved.py": (("tensor",), "saved activations under the tensor split and sequence parallelism"),
     "planner/strategies/base.py": (("tensor",), "the Pricing protocol's ShardingPlan"),
-    "planner/execution_choice.py": (("tensor",), "whether the fused loss's output layer is split over the tensor ranks"),
     "planner/node_pricing.py": (("tensor",), "a node's tensor split"),
     "planner/fixed_plan.py": (("tensor",), "the Plan's stored tensor splits"),
     "planner/plan.py": (("tensor",), "the Plan's stored tensor splits"),
     "planner/search.py": (("tensor",), "the tensor split's analysis of each candidate"),
-    "planner/strategies/context/strategy.py": (("tensor",), "Ulysses' refusal names the tensor degree that splits "
-                                                "the heads it deals"),
     "planner/app/commands.py": (("tensor",), "the splittable regions of a fixed configuration"),
     "planner/app/build_costs.py": (("tensor",), "the predicted costs of the vocabulary split"),
-    "planner/app/mesh_view.py": (("tensor",), "the mesh picture"),
-    "planner/app/visualize.py": (("tensor",), "the pictures"),
     "codegen/head.py": (("tensor",), "the output layer's vocabulary split"),
     "codegen/partition.py": (("tensor",), "the stage cut applies the tensor splits and learns local shapes"),
     "codegen/strategies/context/stage_code.py": (("tensor",), "the chunks' graph is split for tensor ranks"),
     "codegen/torch_target/layout.py": (("tensor",), "the torch target's DTensor layout"),
-    "codegen/torch_target/pipeline.py": (("tensor",), "the torch target's refusal of tensor splits in stages"),
-    "runtime/execute/output_head.py": (("tensor",), "the vocabulary-parallel output head"),
-    "runtime/materialize.py": (("tensor",), "this rank's shard of each split parameter"),
-    "cost_models/calibration/executor.py": (("tensor",), "calibrating the tensor-parallel wrappers"),
     "cost_models/calibration/stage.py": (("tensor",), "calibrating the tensor-parallel wrappers"),
-    "cost_models/mesh_axes.py": (("tensor",), "the mesh's rank layout: pipeline outermost, tensor innermost"),
 }
 
 

@@ -19,7 +19,7 @@ from codegen.strategies.tensor.weight_ops import _like
 from planner.strategies.tensor.split.sequence import SEQUENCE_DIM, SequenceSplit
 from runtime.materialize import TENSOR_GROUP
 from runtime.program.shards import FeatureSplit
-from runtime.parallel.tensor.layers import copy_to_group, gather_whole
+from runtime.comm.autograd import copy_to_group, gather_whole
 
 
 def sequence_scatters(seq: SequenceSplit) -> list[tuple[str, str, int, FeatureSplit]]:

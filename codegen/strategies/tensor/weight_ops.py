@@ -28,9 +28,9 @@ import torch.fx as fx
 from planner.strategies.tensor.split.sequence import SEQUENCE_DIM, SequenceSplit
 from planner.strategies.tensor.split.weight_op import weight_op
 from runtime.materialize import TENSOR_GROUP
+from runtime.comm.autograd import copy_to_group, gather_sequence, reduce_from_group, reduce_scatter_sequence
 from runtime.program.shards import FeatureSplit
-from runtime.parallel.tensor.layers import (copy_to_group, gather_sequence, reduce_from_group, reduce_scatter_sequence,
-                                            scatter_to_group, vocab_parallel_embedding)
+from runtime.parallel.tensor.layers import scatter_to_group, vocab_parallel_embedding
 
 
 def rewrite(graph: fx.Graph, columns: list[str], rows: list[str], vocabs: list[str],

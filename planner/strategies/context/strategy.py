@@ -148,7 +148,7 @@ def _ulysses_refusal(ev, config: ParallelConfig) -> str | None:
                 if count != int(count) or int(count) % c:
                     return (f"Ulysses context parallelism deals each tensor rank's heads to the {c} context ranks, "
                             f"but attention op {n.name!r} has {count:g} {what} per tensor rank (tensor="
-                            f"{config.tensor}); use a context degree dividing {count:g}, a smaller tensor degree, "
+                            f"{ev.split_ranks(config)}); use a context degree dividing {count:g}, a smaller tensor degree, "
                             "or context_attention='ring'")
     return None
 

@@ -10,18 +10,30 @@ are connected.
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from runtime.comm import Group
 from runtime.comm.context import DistContext
-from runtime.materialize import set_tensor_group
+from runtime.materialize import TENSOR_GROUP
 from runtime.parallel.base import ClassSplit, Modules, RuntimeStrategy, Specs
+from runtime.parallel.tensor import layers
 from runtime.program import Program
+from runtime.program.shards import ModuleShard, ParamShard
 from runtime.spec import StageSpec
-from runtime.parallel.tensor.layers import sequence_grads
 from runtime.vocab import MeshAxis, ShardRole, StrategyName
 
 
 def _tensor_group(ctx: DistContext) -> Group | None:
     return ctx.group(MeshAxis.TENSOR) if MeshAxis.TENSOR in ctx.groups else None
+
+
+def set_tensor_group(module: nn.Module, group) -> None:
+    """Give every tensor-parallel module of `module`, and the stage itself, its communication group."""
+    setattr(module, TENSOR_GROUP, group)
+    for m in module.modules():
+        if hasattr(m, "group") and type(m).__module__ == layers.__name__:
+            m.group = group
 
 
 class Tensor(RuntimeStrategy):
@@ -41,7 +53,17 @@ class Tensor(RuntimeStrategy):
             set_tensor_group(module, group)
             for sh in specs[k].shards:
                 if sh.role == ShardRole.SEQUENCE:
-                    sequence_grads(module.get_submodule(sh.path), group)
+                    layers.sequence_grads(module.get_submodule(sh.path), group)
+
+    def local_module(self, module: nn.Module, shard: ModuleShard, rank: int, num: int) -> nn.Module:
+        return layers.shard_module(module, shard, rank, num, None)   # the group comes with attach
+
+    def local_param(self, value: torch.Tensor, shard: ParamShard, rank: int, num: int) -> torch.Tensor:
+        local = shard.split.take(value, shard.dim, rank, num)
+        if isinstance(value, nn.Parameter):
+            local = nn.Parameter(local, requires_grad=value.requires_grad)
+            layers.mask_padding(local, shard.dim, shard.split, rank, num)
+        return local
 
     def class_split(self, ctx: DistContext, spec: StageSpec) -> ClassSplit | None:
         """The last stage's vocabulary-parallel logits: this rank holds a slice of the classes
