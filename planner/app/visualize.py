@@ -338,8 +338,7 @@ def _schedule_panels(plan: "Plan", timeline: Iterable[Any] | None, meas: list | 
         sched = cfg.schedule + (f" x{cfg.virtual_stages}" if cfg.schedule == "interleaved" else "")
         note = (f"{sched} schedule simulated from the plan's per-stage times (p2p free), "
                 + (f"first {shown} of {m} micro-batches" if shown < m else _count(m, "micro-batch")))
-        lanes = cfg.data * innermost(cfg.mesh)[1]   # the pipelines: data x tensor
-        if ranks is None and lanes > 1:
+        if ranks is None and (lanes := cfg.data * innermost(cfg.mesh)[1]) > 1:   # the pipelines: data x tensor
             note += f"; one pipeline (data 0, tensor 0) of {lanes}"
         pred_title = "predicted"
     else:
