@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from runtime.materialize import MaterializeError
 from runtime.parallel.base import RuntimeStrategy
 from runtime.parallel.bidirectional.strategy import Bidirectional
 from runtime.parallel.context.strategy import Context
@@ -46,7 +47,7 @@ class StageSplits:
 def _first(hook, what: str):
     out = next((x for s in STRATEGIES if (x := hook(s)) is not None), None)
     if out is None:
-        raise ValueError(f"the StageSpec splits {what}, but no strategy of this runtime makes such splits; "
+        raise MaterializeError(f"the StageSpec splits {what}, but no strategy of this runtime makes such splits; "
                          "build the plan again with this version of meshplan")
     return out
 
