@@ -173,6 +173,12 @@ class LoweringStrategy(Protocol):
         """Lines for the reader's summary at the top of the rank's script (plain text: the caller quotes it)."""
         return []
 
+    def torch_styles(self, plan: Plan, graph: ModelGraph) -> tuple[tuple[Any, ...], int | None] | None:
+        """For the torch target (codegen/torch_target/layout.py): the torch styles (ModuleStyle) of the modules
+        this strategy splits, in graph order, and the activations' sequence dimension where it splits them by
+        sequence (else None); None where it splits no module."""
+        return None
+
 
 class Placement(LoweringStrategy, Protocol):
     """The strategy that places stages on pipeline positions (one per plan)."""

@@ -14,9 +14,11 @@ from codegen.strategies.data import Data
 from codegen.strategies.pipeline import Pipeline
 from codegen.strategies.spatial.strategy import Spatial
 from codegen.strategies.subgraph.strategy import Subgraph
+from codegen.strategies.tensor.strategy import Tensor
 from planner.plan import Plan
 
-STRATEGIES: tuple[LoweringStrategy, ...] = (Data(), Pipeline(), Bidirectional(), Spatial(), Subgraph(), Context())
+STRATEGIES: tuple[LoweringStrategy, ...] = (Data(), Pipeline(), Bidirectional(), Spatial(), Tensor(), Subgraph(),
+                                            Context())
 
 
 def active(plan: Plan) -> tuple[LoweringStrategy, ...]:

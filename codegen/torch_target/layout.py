@@ -45,129 +45,23 @@ the closest torch offers to Megatron's selective recompute.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
+from codegen.strategies import registry
 from codegen.torch_target.pipeline import pipeline_layout
+# the records, importable from here as before
+from codegen.torch_target.records import DataLayout, MeshDim, ModuleStyle, TorchLayout, TorchLayoutError  # noqa: F401
 from planner.binding import graph_mismatch
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
-from runtime.program.shards import FeatureSplit
-from runtime.torch_stack.pipeline_layout import PipelineLayout
+from runtime.torch_stack.pipeline_layout import PipelineLayout  # noqa: F401  (importable from here)
 from runtime.torch_stack.vocab import DataKind, TensorStyle
-from runtime.vocab import MeshAxis, OpKind, RecomputeMode, ShardRole
+from runtime.vocab import MeshAxis, OpKind, RecomputeMode, default_mesh_order
 
-# Axes the torch target builds; the others (spatial tiles, sub-graph sub-grids, context rings) have
-# no torch counterpart here.
-_TORCH_AXES = (MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.TENSOR)
+# Axes the torch target builds, the default mesh's; the others (spatial tiles, sub-graph sub-grids,
+# context rings) have no torch counterpart here.
+_TORCH_AXES = default_mesh_order()
 # OpInfo kinds of a block's matrix products
 _MATMUL_KINDS = (OpKind.LINEAR, OpKind.MATMUL, OpKind.ATTENTION, OpKind.CONV)
-
-
-class TorchLayoutError(ValueError):
-    """A plan the torch target cannot express; the message names the axis or module and what to do."""
-
-
-@dataclass(frozen=True)
-class MeshDim:
-    """One dimension of the DeviceMesh: its axis name and size (devices)."""
-
-    axis: MeshAxis
-    size: int
-
-
-@dataclass(frozen=True)
-class ModuleStyle:
-    """The tensor-parallel style of the module at `path`.
-
-    groups: for COLWISE_STRIDED, the equal parts of the output features each split into t blocks
-        (3 for a fused qkv), else 1.
-    dim: under sequence parallelism, the sequence dimension split at a column's input (the columns of a
-        region; BERT's decoder, after the head gathered the sequence, has None), at a row's or vocabulary
-        embedding's output, at a SEQUENCE_SCATTER module's output or a SEQUENCE_GATHER module's input;
-        else None.
-    """
-
-    path: str
-    style: TensorStyle
-    groups: int = 1
-    dim: int | None = None
-
-
-@dataclass(frozen=True)
-class DataLayout:
-    """Data parallelism: the wrapper, whether fully_shard frees gathered parameters after forward, and
-    the module paths wrapped one by one before the root (the plan's blocks, in model order)."""
-
-    kind: DataKind
-    reshard_after_forward: bool = True
-    units: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class TorchLayout:
-    """A plan in torch's vocabulary (see the module docstring).
-
-    mesh: the DeviceMesh dimensions, outermost first (ranks row-major, last dimension fastest, as
-        meshplan lays them out: runtime/program/mesh.py).
-    tensor: the style of every tensor-parallel module, in graph order.
-    sequence_dim: the activations' sequence dimension under sequence parallelism, else None.
-    data: the data-parallel wrapper.
-    recompute: activation recomputation; `checkpoint_units` the module paths it wraps.
-    ties: groups of parameter names that are one parameter (tied embeddings), canonical name first;
-        the apply side ties them again after the styles replaced the parameters.
-    pipeline: the pipeline layout (codegen/torch_target/pipeline.py) or None for plans without one.
-    """
-
-    mesh: tuple[MeshDim, ...]
-    tensor: tuple[ModuleStyle, ...] = ()
-    sequence_dim: int | None = None
-    data: DataLayout = field(default_factory=lambda: DataLayout(DataKind.NONE))
-    recompute: RecomputeMode = RecomputeMode.NONE
-    checkpoint_units: tuple[str, ...] = ()
-    ties: tuple[tuple[str, ...], ...] = ()
-    pipeline: PipelineLayout | None = None
-
-    @property
-    def world_size(self) -> int:
-        out = 1
-        for d in self.mesh:
-            out *= d.size
-        return out
-
-    def style_of(self, path: str) -> ModuleStyle | None:
-        """The style of the module at `path`, or None if it is not tensor-parallel."""
-        return next((s for s in self.tensor if s.path == path), None)
-
-    def to_dict(self) -> dict:
-        return {
-            "mesh": [[str(d.axis), d.size] for d in self.mesh],
-            "tensor": [{"path": s.path, "style": str(s.style), "groups": s.groups, "dim": s.dim} for s in self.tensor],
-            "sequence_dim": self.sequence_dim,
-            "data": {"kind": str(self.data.kind), "reshard_after_forward": self.data.reshard_after_forward,
-                     "units": list(self.data.units)},
-            "recompute": str(self.recompute),
-            "checkpoint_units": list(self.checkpoint_units),
-            "ties": [list(t) for t in self.ties],
-            "pipeline": None if self.pipeline is None else self.pipeline.to_dict(),
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TorchLayout":
-        pipeline = None
-        if d.get("pipeline") is not None:
-            pipeline = PipelineLayout.from_dict(d["pipeline"])
-        data = d["data"]
-        return cls(
-            mesh=tuple(MeshDim(MeshAxis(a), int(n)) for a, n in d["mesh"]),
-            tensor=tuple(ModuleStyle(s["path"], TensorStyle(s["style"]), int(s["groups"]),
-                                     None if s["dim"] is None else int(s["dim"])) for s in d["tensor"]),
-            sequence_dim=None if d["sequence_dim"] is None else int(d["sequence_dim"]),
-            data=DataLayout(DataKind(data["kind"]), bool(data["reshard_after_forward"]), tuple(data["units"])),
-            recompute=RecomputeMode(d["recompute"]),
-            checkpoint_units=tuple(d["checkpoint_units"]),
-            ties=tuple(tuple(t) for t in d["ties"]),
-            pipeline=pipeline,
-        )
 
 
 def torch_layout(plan: Plan, graph: ModelGraph) -> TorchLayout:
@@ -186,7 +80,9 @@ def torch_layout(plan: Plan, graph: ModelGraph) -> TorchLayout:
     # checkpoint wrappers on the blocks would not run: the stage module is the one fully_shard unit, and
     # recomputation is written into the stage code (codegen/partition.py).
     blocks = _blocks(plan, graph) if pipeline is None else ()
-    tensor, sequence_dim = _tensor_styles(plan, graph) if cfg.tensor > 1 else ((), None)
+    # the split modules' styles, from the strategy that splits them (codegen/strategies/tensor/torch_styles.py)
+    found = [x for s in registry.active(plan) if (x := s.torch_styles(plan, graph)) is not None]
+    tensor, sequence_dim = found[0] if found else ((), None)
     data = _data_layout(cfg.data, cfg.zero, blocks)
     strided = [s.path for s in tensor if s.style is TensorStyle.COLWISE_STRIDED]
     if strided and data.kind is DataKind.FULLY_SHARD:
@@ -226,82 +122,3 @@ def _blocks(plan: Plan, graph: ModelGraph) -> tuple[str, ...]:
     return tuple(name for name in layers if repeats[by_name[name].signature] > 1
                  and any(kinds[n] in _MATMUL_KINDS for n in by_name[name].nodes)
                  and any(p == name or p.startswith(name + ".") for p in paths))
-
-
-def _tensor_styles(plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ...], int | None]:
-    """Styles by module path (graph order) and the sequence dimension under sequence parallelism."""
-    ts = plan.tensor_splits
-    if ts is None and not plan.shardings:   # a tensor axis that splits nothing: its ranks compute alike
-        return (), None
-    if ts is None:
-        raise TorchLayoutError("the plan has tensor degree > 1 but no tensor split (a version-1 plan file); "
-                               "make the plan again with this meshplan")
-    t = ts.tensor
-    by_path = {m.path: m for m in ts.modules}
-    by_param = {p.name: p for p in ts.params}
-    aliases = {name: group for group in graph.shared_params for name in group}
-    seq = ts.sequence
-    split_at = set() if seq is None else {*seq.columns, *seq.starts}   # nodes whose input / output is split
-    sequence_dim = None if seq is None else next((m.sequence_dim for m in ts.modules if m.sequence_dim is not None), 1)
-    styles: dict[str, ModuleStyle] = {}
-    for node in graph.nodes:
-        if node.kind not in (OpKind.LINEAR, OpKind.EMBEDDING):
-            continue
-        path = node.module_path
-        role = plan.role(node.name)
-        if path in by_path:
-            split = by_path[path].split
-        else:
-            names = {path + ".weight", *node.param_names}
-            names |= {a for n in tuple(names) for a in aliases.get(n, ())}
-            weights = [by_param[n] for n in sorted(names) if n in by_param and not n.endswith(".bias")]
-            if not weights:
-                continue
-            split = weights[0].split
-        if role == ShardRole.REPLICATE:
-            continue
-        styles[path] = ModuleStyle(path, _style(path, node.kind, ShardRole(role), split, t), split.groups,
-                                   sequence_dim if node.name in split_at else None)
-    if seq is not None:
-        _add_sequence_styles(plan, graph, styles, sequence_dim)
-    return tuple(styles.values()), sequence_dim
-
-
-def _style(path: str, kind: OpKind, role: ShardRole, split: FeatureSplit, t: int) -> TensorStyle:
-    groups = split.groups
-    if kind == OpKind.EMBEDDING:
-        if role == ShardRole.VOCAB and groups == 1:
-            return TensorStyle.EMBEDDING_ROWWISE
-        raise TorchLayoutError(f"module {path!r}: an embedding split as {role} ({split}) has no torch style; "
-                               f"plan without tensor parallelism on it")
-    if role == ShardRole.COLUMN:
-        return TensorStyle.COLWISE if groups == 1 else TensorStyle.COLWISE_STRIDED
-    if role == ShardRole.COLUMN_OUT and groups == 1:
-        return TensorStyle.OUTPUT_COLWISE
-    if role == ShardRole.ROW and groups == 1:
-        return TensorStyle.ROWWISE
-    raise TorchLayoutError(f"module {path!r}: a {role} split over {t} ranks as {split} (not one contiguous block "
-                           f"per rank) has no torch style; write the model's projections unfused")
-
-
-def _add_sequence_styles(plan: Plan, graph: ModelGraph, styles: dict[str, ModuleStyle], dim: int) -> None:
-    """SEQUENCE for the norms between regions, SEQUENCE_SCATTER / SEQUENCE_GATHER where a replicated
-    module meets the split activation."""
-    seq = plan.tensor_splits.sequence
-    nodes = {n.name: n for n in graph.nodes}
-    for name in seq.params:   # module paths (fx) or parameter names (ATen captures)
-        path = name if any(n.module_path == name for n in graph.nodes) else name.rsplit(".", 1)[0]
-        styles.setdefault(path, ModuleStyle(path, TensorStyle.SEQUENCE))
-    for _, value, value_dim in seq.scatters:
-        path = _module_of(nodes[value], "a replicated input cut to the sequence block")
-        styles.setdefault(path, ModuleStyle(path, TensorStyle.SEQUENCE_SCATTER, dim=value_dim))
-    for consumer, _ in seq.gathers:
-        path = _module_of(nodes[consumer], "a consumer reading the whole sequence")
-        styles.setdefault(path, ModuleStyle(path, TensorStyle.SEQUENCE_GATHER, dim=dim))
-
-
-def _module_of(node, what: str) -> str:
-    if not node.module_path:
-        raise TorchLayoutError(f"node {node.name!r} ({what}) belongs to no module, so no torch style can hold it; "
-                               f"plan without sequence parallelism")
-    return node.module_path

@@ -46,8 +46,6 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "planner/app/build_costs.py": (("tensor",), "the predicted costs of the vocabulary split"),
     "codegen/head.py": (("tensor",), "the output layer's vocabulary split"),
     "codegen/partition.py": (("tensor",), "the stage cut applies the tensor splits and learns local shapes"),
-    "codegen/strategies/context/stage_code.py": (("tensor",), "the chunks' graph is split for tensor ranks"),
-    "codegen/torch_target/layout.py": (("tensor",), "the torch target's DTensor layout"),
     "cost_models/calibration/stage.py": (("tensor",), "calibrating the tensor-parallel wrappers"),
 }
 

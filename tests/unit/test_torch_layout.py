@@ -10,8 +10,9 @@ import json
 import pytest
 
 import planner
+from codegen.strategies.tensor.torch_styles import _style
 from codegen.torch_target.layout import (DataKind, DataLayout, MeshDim, ModuleStyle, TensorStyle, TorchLayout,
-                                         TorchLayoutError, _style, torch_layout)
+                                         TorchLayoutError, torch_layout)
 from planner.app.commands import make_fixed_plan
 from runtime.parallel.tensor.layers import FeatureSplit
 from runtime.vocab import MeshAxis, RecomputeMode, ShardRole

@@ -11,7 +11,7 @@ stage code calls the stage's `context` attribute (runtime/parallel/context/strat
                                                        attention over the whole sequence
 
 Every other op works token by token, so it runs unchanged on T/c tokens; the view/reshape
-constants that still hold T become T/c (codegen/strategies/tensor/shapes.py, with the sequence as the split
+constants that still hold T become T/c (codegen/local_shapes.py, with the sequence as the split
 dimension of every value that carries it). A mask tensor the attention reads is evaluated once at
 build time when it is computed from sizes alone (HF models build their causal mask from the
 sequence length): if it is the causal triangle it becomes causal=True and its arithmetic is
@@ -32,11 +32,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from codegen.strategies.tensor.shapes import _rewrite, run_meta
+from codegen.local_shapes import ShapeRewriteError, rewrite_local, run_meta
 from codegen.strategies.base import LoweringError
 from planner.graph.model import ModelGraph
 from planner.graph.ops import module_path_of, op_base
-from planner.strategies.tensor.split.rules import TensorSplitError
 from runtime.materialize import CONTEXT
 from runtime.program.shards import FeatureSplit
 from runtime.vocab import OpKind
@@ -135,8 +134,8 @@ def context_graph(gm: fx.GraphModule, inputs: dict[str, Any], *, graph: ModelGra
     attrs = {CONTEXT: MetaContext(spec)}
     splits = {name: (d, FeatureSplit((spec.seq_len,), 0)) for name, d in _sequence_dims(g, full, spec).items()}
     try:
-        _rewrite(gm, g, {}, splits, spec.degree, inputs, full, attrs)
-    except TensorSplitError as e:
+        rewrite_local(gm, g, {}, splits, spec.degree, inputs, full, attrs)
+    except ShapeRewriteError as e:
         raise LoweringError(f"context parallelism (each rank holds {spec.local_len} of {spec.seq_len} tokens): "
                             f"{e}") from None
     g.lint()

@@ -3,5 +3,6 @@ every value applied to the stage modules), `sequence` (the sequence-parallel str
 tensor-parallel regions), `shapes` (local shapes in the generated code) and `weight_ops` (weights
 used by ops other than their module's own).
 
-Tensor parallelism changes no instruction of a Program, so it has no LoweringStrategy of its own:
-codegen/partition.py applies these while it writes each stage. The package itself imports nothing."""
+Tensor parallelism changes no instruction of a Program: codegen/partition.py applies these while it writes
+each stage. Its LoweringStrategy (`strategy`) gives the torch target the split modules' styles
+(`torch_styles`). The package itself imports nothing."""
