@@ -10,10 +10,9 @@ instruction has costs no op carries, and on small models they are most of a step
   as the difference between a last stage and the same modules as a middle stage, at two
   logits sizes (a fixed part and a part per logits element);
 - ZERO_GRAD: zeroing gradient tensors or flat buckets: `time_zero_grad`;
-- what tensor parallelism adds besides its all-reduces (runtime.parallel.tensor.layers: the autograd
-  functions around the in-layer all-reduces of column- and row-parallel layers, the
-  vocabulary-parallel embedding's masking and the vocabulary-parallel loss):
-  `time_tensor_parallel`.
+- what a strategy's runtime adds besides its collectives (its calibration_cases; tensor parallelism: the
+  autograd functions around the in-layer all-reduces of column- and row-parallel layers, the
+  vocabulary-parallel embedding's masking and the vocabulary-parallel loss): `time_strategy_extras`.
 
 Each figure is a median of repeated calls of one variant in a row, as a step repeats the
 same stage for its micro-batches (alternating variants would leave every call's caches
@@ -33,7 +32,7 @@ from cost_models.calibration.ops import one_thread
 from runtime.losses import compute_loss
 from runtime.spec import Boundary, StageSpec
 from runtime.execute.stage import StageRunner
-from runtime.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from runtime.parallel.registry import STRATEGIES as RUNTIME_STRATEGIES
 
 WIDTH = 96                   # features of the reference stage's layers (no example model's width)
 ROWS = 2                     # samples per micro-batch
@@ -140,42 +139,15 @@ def time_zero_grad(*, tensors: int = 32, numel: int = 16, big_bytes: int = 4 << 
     return [per_tensor, per_byte]
 
 
-class _NoCommGroup:
-    """A two-rank tensor group whose collectives do nothing: what remains is the wrappers' own cost."""
+def time_strategy_extras(*, quick: bool = True) -> dict[str, dict[str, list]]:
+    """What the strategies' runtime costs beyond the same ops unsplit (their calibration_cases, e.g. the
+    tensor-parallel layers' autograd wrappers, the vocabulary-parallel embedding and loss), at two sizes each:
 
-    size, rank, ranks = 2, 0, (0, 1)
+        {strategy's calibration_key: {part: [[elements, forward s, backward s], ...]}}
 
-    def all_reduce(self, tensor, op="sum", async_op=False):
-        return None
-
-
-# (rows, features) of the tensor-parallel measurements: the elements a wrapper copies and adds
-# (a layer's output, 192 and 24,576 of them), the embedding's output and, with LOSS_SHAPES, the
-# vocabulary-parallel loss's logits. Two sizes give a fixed part and a part per element.
-TP_SHAPES = ((ROWS, WIDTH), (128, 192))
-VOCAB = 512                  # rows of the reference embedding table (half on each of the two ranks)
-
-
-def time_tensor_parallel(*, quick: bool = True) -> dict[str, list]:
-    """What the tensor-parallel runtime (runtime.parallel.tensor.layers, a group of two whose
-    all-reduces do nothing) costs beyond the same ops unsplit, at two sizes each:
-
-        {"wrapper":         [[elements, forward s, backward s], ...] per in-layer all-reduce,
-         "vocab_embedding": [[elements, forward s, backward s], ...] per embedding call,
-         "vocab_loss":      [[elements, forward s, backward s], ...] per loss}
-
-    wrapper: a column- then a row-parallel Linear less the same two linears unwrapped, halved:
-    each wraps its layer in an autograd function (forward: the function call, the row layer's
-    copy of its output and its separate bias add; backward: a Python backward, the column
-    layer's copy of its gradient); elements: the layer's output (rows x features).
-    vocab_embedding: a vocabulary-parallel embedding (masking the ids outside its rows, zeroing
-    their outputs, the all-reduce's wrapper) less nn.Embedding; elements: its output.
-    vocab_loss: runtime.losses.compute_loss with a class split (max, shifted exponentials,
-    picked target logits, each for an all-reduce) less the plain cross-entropy on the same
-    logits; elements: this rank's logits (LOSS_SHAPES).
-    None of it is in the captured graph; planner.evaluate and the simulator add it (the
-    all-reduces themselves are priced by the communication model)."""
-    group = _NoCommGroup()
+    Each figure is the median call of the strategy's variant less the plain one's (clamped at 0), divided
+    by the case's figures per call. None of it is in the captured graph; planner.evaluate and the simulator
+    add it (the collectives themselves are priced by the communication model)."""
     reps = 200 if quick else 800
 
     def timed(fwd) -> Callable[[], tuple[float, float]]:
@@ -187,39 +159,23 @@ def time_tensor_parallel(*, quick: bool = True) -> dict[str, list]:
             return t1 - t0, time.perf_counter() - t1
         return once
 
-    def extra(split, plain, n: int, per: int = 1) -> list[float]:
+    def extra(n: int, split, plain, per: int) -> list[float]:
         a, b = _median_calls(timed(split), reps), _median_calls(timed(plain), reps)
         return [float(n)] + [max(x - y, 0.0) / per for x, y in zip(a, b)]
 
-    out: dict[str, list] = {"wrapper": [], "vocab_embedding": [], "vocab_loss": []}
+    out: dict[str, dict[str, list]] = {}
     with one_thread():
-        for rows, width in TP_SHAPES:
-            half = width // 2
-            w1, b1, w2, b2 = torch.randn(half, width), torch.randn(half), torch.randn(width, half), torch.randn(width)
-            col, row = ColumnParallelLinear(w1, b1, group), RowParallelLinear(w2, b2, group)
-            plain = [torch.nn.Parameter(t.clone()) for t in (w1, b1, w2, b2)]
-            x = torch.randn(rows, width, requires_grad=True)
-            out["wrapper"].append(extra(lambda: row(torch.relu(col(x))),
-                                        lambda: F.linear(torch.relu(F.linear(x, plain[0], plain[1])), plain[2], plain[3]),
-                                        rows * width, per=2))
-            ids = torch.randint(0, VOCAB, (rows,))
-            split = VocabParallelEmbedding(torch.randn(VOCAB // 2, width), 0, group)
-            table = torch.nn.Embedding(VOCAB, width)
-            out["vocab_embedding"].append(extra(lambda: split(ids), lambda: table(ids), rows * width))
-        for rows, classes in LOSS_SHAPES:
-            logits = torch.randn(rows, classes, requires_grad=True)
-            targets = torch.randint(0, 2 * classes, (rows,))
-            local = targets % classes
-            split = (0, group, classes)
-            out["vocab_loss"].append(extra(lambda: compute_loss("cross_entropy", logits, targets, class_split=split),
-                                           lambda: compute_loss("cross_entropy", logits, local), rows * classes))
+        for strategy in RUNTIME_STRATEGIES:
+            parts = strategy.calibration_cases(LOSS_SHAPES)
+            if parts:
+                out[strategy.calibration_key] = {part: [extra(*case) for case in cases] for part, cases in parts.items()}
     return out
 
 
 def fit_loss(points: list[list[float]]) -> tuple[tuple[float, float], tuple[float, float]]:
     """((forward fixed s, forward s per element), (backward fixed, backward per element)) through
     the smallest and largest of [elements, forward s, backward s] points (time_stage_calls' loss,
-    time_tensor_parallel's figures); both parts clamped to >= 0."""
+    time_strategy_extras' figures); both parts clamped to >= 0."""
     (n0, f0, b0), (n1, f1, b1) = sorted(points)[:1] + sorted(points)[-1:]
     if n1 <= n0:
         return (f0, 0.0), (b0, 0.0)

@@ -52,7 +52,8 @@ import torch
 from cost_models.calibration.curves import time_op_curves, time_probe_block
 from cost_models.calibration.executor import time_executor
 from cost_models.calibration.ops import _block_case, time_block, time_op_kinds, time_optimizer_steps
-from cost_models.calibration.stage import time_stage_calls, time_tensor_parallel, time_zero_grad
+from cost_models.calibration.stage import time_stage_calls, time_strategy_extras, time_zero_grad
+from runtime.parallel.registry import STRATEGIES as RUNTIME_STRATEGIES
 from cost_models.local_machine import _measure_compute_and_memory
 from runtime.comm.torch_dist import TorchCommunicator
 from runtime.comm.mpi import MpiCommunicator
@@ -349,16 +350,19 @@ def _time_compute(world: int, quick: bool, progress: Callable[[str], None]) -> _
 
 
 def _time_stage(quick: bool, progress: Callable[[str], None]) -> dict:
-    """The runtime's fixed costs around a stage: a call, the loss, zeroing gradients, tensor parallelism's
-    work besides its all-reduces (calibration.stage)."""
+    """The runtime's fixed costs around a stage: a call, the loss, zeroing gradients, the strategies' work
+    besides their collectives (tensor parallelism's wrappers: calibration.stage)."""
     stage = time_stage_calls(quick=quick)
     stage["zero_grad"] = time_zero_grad()
-    stage["tensor_parallel"] = time_tensor_parallel(quick=quick)
+    extras = time_strategy_extras(quick=quick)
+    stage.update(extras)
     progress(f"  runtime stage call: forward {stage['call'][0] * 1e6:.1f} us, backward {stage['call'][1] * 1e6:.1f} us; "
              + "; ".join(f"loss over {int(n)} logits {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in stage["loss"]))
-    progress("  tensor parallelism besides its all-reduces: " + "; ".join(
-        f"{part.replace('_', ' ')} " + ", ".join(f"{int(n)} elements {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in pts)
-        for part, pts in stage["tensor_parallel"].items()))
+    titles = {s.calibration_key: s.calibration_title for s in RUNTIME_STRATEGIES}
+    for key, parts in extras.items():
+        progress(f"  {titles[key]}: " + "; ".join(
+            f"{part.replace('_', ' ')} " + ", ".join(f"{int(n)} elements {f * 1e6:.1f} / {b * 1e6:.1f} us" for n, f, b in pts)
+            for part, pts in parts.items()))
     return stage
 
 

@@ -25,7 +25,7 @@ Two attributes say where a strategy is in use and what the runtime does not do w
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from runtime.vocab import StrategyName
 
 
 ClassSplit = tuple[int, Group, int]   # (first class held here, the group, how many classes held here)
+# a calibration case: (elements, the strategy's call, the same work without it, figures per call); each call
+# returns the tensor backward starts from (cost_models/calibration/stage.py times the difference)
+CalibrationCase = tuple[int, Callable[[], torch.Tensor], Callable[[], torch.Tensor], int]
 Modules = dict[int, nn.Module]     # stage index -> stage module
 Specs = dict[int, StageSpec]       # stage index -> its StageSpec
 
@@ -81,6 +84,15 @@ class RuntimeStrategy(Protocol):
     def batches(self, program: Program, source: Any) -> Any:
         """The batch source (runtime.batch_source.open_data's) the rank trains on."""
         return source
+
+    # what `meshplan calibrate` records this strategy's own runtime costs under, and calls them in its progress
+    calibration_key: str | None = None
+    calibration_title: str = ""
+
+    def calibration_cases(self, loss_shapes: tuple[tuple[int, int], ...]) -> dict[str, list[CalibrationCase]]:
+        """What this strategy's runtime adds beyond the ops it wraps, as cases to time: {part: [CalibrationCase,
+        ...]} at two sizes each (loss_shapes: (rows, classes) of the logits, for a loss case); {} where none."""
+        return {}
 
     sabotages: tuple[str, ...] = ()   # the --sabotage faults this strategy offers (runtime/verify/sabotage.py)
 

@@ -1,5 +1,5 @@
 """What tensor parallelism costs besides its all-reduces: measured through the runtime's own
-modules (calibration.stage.time_tensor_parallel), fitted per call and per element, and charged
+modules (calibration.stage.time_strategy_extras), fitted per call and per element, and charged
 by the planner (wrappers, the vocabulary-parallel embedding) and the simulator (the
 vocabulary-parallel loss)."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from codegen.emit import capture_ref
 from cost_models.calibration.calibrate import build_cluster
-from cost_models.calibration.stage import time_tensor_parallel
+from cost_models.calibration.stage import time_strategy_extras
 from cost_models.calibrated import tensor_embedding_costs, tensor_wrapper_costs, vocab_loss_costs
 from cost_models.comm import collective_time
 from cost_models.hardware import Cluster
@@ -23,7 +23,7 @@ GPT_TINY = ("examples/models/gpt.py:build", {"preset": "tiny"})
 
 
 def test_the_extras_are_measured_at_two_sizes_through_the_runtime_modules():
-    got = time_tensor_parallel(quick=True)
+    got = time_strategy_extras(quick=True)["tensor_parallel"]
     assert set(got) == {"wrapper", "vocab_embedding", "vocab_loss"}
     for part, points in got.items():
         assert len(points) == 2 and points[0][0] < points[1][0], part

@@ -46,7 +46,6 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "planner/app/build_costs.py": (("tensor",), "the predicted costs of the vocabulary split"),
     "codegen/head.py": (("tensor",), "the output layer's vocabulary split"),
     "codegen/partition.py": (("tensor",), "the stage cut applies the tensor splits and learns local shapes"),
-    "cost_models/calibration/stage.py": (("tensor",), "calibrating the tensor-parallel wrappers"),
 }
 
 

@@ -16,8 +16,8 @@ from torch import nn
 from runtime.comm import Group
 from runtime.comm.context import DistContext
 from runtime.materialize import TENSOR_GROUP
-from runtime.parallel.base import ClassSplit, Modules, RuntimeStrategy, Specs
-from runtime.parallel.tensor import layers
+from runtime.parallel.base import CalibrationCase, ClassSplit, Modules, RuntimeStrategy, Specs
+from runtime.parallel.tensor import calibration, layers
 from runtime.program import Program
 from runtime.program.shards import ModuleShard, ParamShard
 from runtime.spec import StageSpec
@@ -41,6 +41,11 @@ class Tensor(RuntimeStrategy):
 
     name = StrategyName.TENSOR
     axis = MeshAxis.TENSOR
+    calibration_key = "tensor_parallel"
+    calibration_title = "tensor parallelism besides its all-reduces"
+
+    def calibration_cases(self, loss_shapes: tuple[tuple[int, int], ...]) -> dict[str, list[CalibrationCase]]:
+        return calibration.cases(loss_shapes)
 
     def param_place(self, program: Program) -> tuple[int, int] | None:
         if MeshAxis.TENSOR not in program.mesh_dict:
