@@ -12,6 +12,7 @@ from typing import Any
 
 from cost_models.hardware import Cluster
 from cost_models.overlap import Overlap
+from cost_models.step_costs import StepSetup
 from planner.capabilities import RuntimeSupport, TargetError
 from planner.config import ParallelConfig
 from planner.evaluator import Evaluator, as_graph
@@ -83,3 +84,20 @@ def make_plan(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, 
     if why:
         raise TargetError(f"make_plan for {config.short()}: {why}")
     return plan
+
+
+def make_fixed_plan(graph, cluster, cfg, global_batch_size: int, target: Target = Target.MESHPLAN,
+                    setup: StepSetup | None = None):
+    """make_plan for a fixed config, with every tensor-parallel region the graph offers that `target`
+    can split (Megatron's layout), whatever regions the evaluator's own search would keep; priced for the
+    step `setup` describes (default: AdamW, cross-entropy) and, for meshplan's runtime, at the execution
+    options that pay for it there (planner/execution_choice.py)."""
+    support = RuntimeSupport.for_target(target)
+    ev = Evaluator(graph, cluster, setup=setup)
+    if support.target == Target.MESHPLAN:   # the execution options that pay for it (codegen flags override them)
+        ev, _ = choose(ev, cfg, global_batch_size)
+    roles = None
+    if cfg.tensor > 1:
+        sharding = support.splittable(graph, ev.sharding, [cfg.tensor])
+        roles = {n: r.role for n, r in sharding.roles.items() if r.sharded}
+    return plan_for(ev, cfg, global_batch_size, roles=roles, target=support.target)

@@ -117,6 +117,12 @@ class Plan:
     def role(self, node: str) -> str:
         return dict(self.shardings).get(node, ShardRole.REPLICATE)
 
+    @property
+    def split_ranks(self) -> int:
+        """The ranks a split node (a role other than replicated, `shardings`) is spread over: the tensor
+        degree, 1 where nothing can be split."""
+        return self.config.tensor
+
     def summary(self) -> str:
         """A readable table: mesh, stages, memory per stage, time breakdown."""
         c, p = self.config, self.prediction

@@ -84,7 +84,7 @@ def predicted_costs(build: str | Path, cluster: "Cluster"):
     graph = build_graph(build, plan)
     bounds = tuple(st.layers[0] for st in plan.stages[1:])
     config = dataclasses.replace(plan.config, stage_boundaries=bounds or None)
-    mode = "all" if plan.config.tensor > 1 and \
+    mode = "all" if plan.split_ranks > 1 and \
         Evaluator(graph, cluster, sharding="all").node_roles(config) == dict(plan.shardings) else "ilp"
     gpu = cluster.device.kind == DeviceKind.GPU
     # on a GPU the Evaluator prices the build's own step (its optimizer and implementation, clipping, loss
@@ -124,7 +124,7 @@ def loss_elements(graph, plan) -> float:
     out = next((n for n in graph.nodes if n.kind == OpKind.OUTPUT), None)
     if out is None or not out.input_meta:
         return 0.0
-    return out.input_meta[0].numel / (plan.config.tensor if vocab_split(graph, plan) else 1)
+    return out.input_meta[0].numel / (plan.split_ranks if vocab_split(graph, plan) else 1)
 
 
 def reduces_grads(progs: dict) -> bool:
@@ -138,11 +138,11 @@ def vocab_split(graph, plan) -> tuple[float, int] | None:
     by class over the tensor axis (role "column_out": the runtime computes a vocabulary-parallel
     loss on it), else None."""
     out = next((n for n in graph.nodes if n.kind == OpKind.OUTPUT), None)
-    if out is None or not out.input_meta or not out.inputs or plan.config.tensor < 2 or \
+    if out is None or not out.input_meta or not out.inputs or plan.split_ranks < 2 or \
             dict(plan.shardings).get(out.inputs[0]) not in (ShardRole.COLUMN, ShardRole.COLUMN_OUT):
         return None
     logits = out.input_meta[0]
-    return logits.numel / max(logits.shape[-1], 1), plan.config.tensor
+    return logits.numel / max(logits.shape[-1], 1), plan.split_ranks
 
 
 def largest_weights(graph, plan) -> dict[int, float]:
@@ -151,7 +151,7 @@ def largest_weights(graph, plan) -> dict[int, float]:
     nodes = {n.name: n for n in graph.nodes}
     layers = {layer.name: layer for layer in graph.layers}
     sharded = dict(plan.shardings)
-    t = plan.config.tensor
+    t = plan.split_ranks
     out = {}
     for st in plan.stages:
         sizes = [nodes[name].param_count * 4 / (t if name in sharded else 1)

@@ -20,12 +20,10 @@ from codegen.emit import capture_ref, emit
 from codegen.torch_target.script import emit_torch
 from codegen.train_flags import execution_of, optimizer_and_schedule
 from cost_models.step_costs import StepSetup
-from planner.execution_choice import choose
 from planner.app.cli_args import config_from_flags, output_dir
 from planner.capabilities import RuntimeSupport, TargetError
 from planner.config import ConfigError
-from planner.evaluator import Evaluator
-from planner.fixed_plan import plan_for
+from planner.fixed_plan import make_fixed_plan  # noqa: F401  (importable from here, as before)
 from planner.plan import MAX_WORLD
 from runtime.execute.eval_support import check_supported
 from runtime.execute.evaluation import EvalSpec, eval_setting
@@ -140,23 +138,6 @@ def _step_setup(args: argparse.Namespace, scaling) -> StepSetup:
     """What the build's step runs besides the model, for the cost model (cost_models/step_costs.py)."""
     return StepSetup(optimizer=args.optimizer, optimizer_impl=args.optimizer_impl, clip_grad=args.clip_grad is not None,
                      loss_scaling=scaling is not None, loss=args.loss)
-
-
-def make_fixed_plan(graph, cluster, cfg, global_batch_size: int, target: Target = Target.MESHPLAN,
-                    setup: StepSetup | None = None):
-    """make_plan for a fixed config, with every tensor-parallel region the graph offers that `target`
-    can split (Megatron's layout), whatever regions the evaluator's own search would keep; priced for the
-    step `setup` describes (default: AdamW, cross-entropy) and, for meshplan's runtime, at the execution
-    options that pay for it there (planner/execution_choice.py)."""
-    support = RuntimeSupport.for_target(target)
-    ev = Evaluator(graph, cluster, setup=setup)
-    if support.target == Target.MESHPLAN:   # the execution options that pay for it (codegen flags override them)
-        ev, _ = choose(ev, cfg, global_batch_size)
-    roles = None
-    if cfg.tensor > 1:
-        sharding = support.splittable(graph, ev.sharding, [cfg.tensor])
-        roles = {n: r.role for n, r in sharding.roles.items() if r.sharded}
-    return plan_for(ev, cfg, global_batch_size, roles=roles, target=support.target)
 
 
 def checkpoint_args(args: argparse.Namespace) -> list[str]:

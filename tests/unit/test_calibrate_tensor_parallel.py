@@ -73,7 +73,7 @@ def test_the_simulator_charges_the_vocabulary_parallel_loss_and_its_three_all_re
 
 
 def _plan(tensor, lm_head_role):
-    return SimpleNamespace(config=SimpleNamespace(tensor=tensor),
+    return SimpleNamespace(config=SimpleNamespace(tensor=tensor), split_ranks=tensor,   # Plan.split_ranks
                            shardings=(("lm_head", lm_head_role),) if lm_head_role else ())
 
 

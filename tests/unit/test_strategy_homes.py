@@ -42,8 +42,6 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "planner/fixed_plan.py": (("tensor",), "the Plan's stored tensor splits"),
     "planner/plan.py": (("tensor",), "the Plan's stored tensor splits"),
     "planner/search.py": (("tensor",), "the tensor split's analysis of each candidate"),
-    "planner/app/commands.py": (("tensor",), "the splittable regions of a fixed configuration"),
-    "planner/app/build_costs.py": (("tensor",), "the predicted costs of the vocabulary split"),
     "codegen/head.py": (("tensor",), "the output layer's vocabulary split"),
     "codegen/partition.py": (("tensor",), "the stage cut applies the tensor splits and learns local shapes"),
 }
