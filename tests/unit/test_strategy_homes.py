@@ -39,7 +39,8 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     "planner/saved.py": (("tensor",), "saved activations under the tensor split and sequence parallelism"),
     "planner/strategies/base.py": (("tensor",), "the Pricing protocol's ShardingPlan"),
     "planner/node_pricing.py": (("tensor",), "a node's tensor split"),
-    "planner/fixed_plan.py": (("tensor",), "the Plan's stored tensor splits"),
+    "planner/fixed_plan.py": (("tensor",), "the Plan's stored tensor splits; every region a target splits for a "
+                              "fixed configuration (make_fixed_plan)"),
     "planner/plan.py": (("tensor",), "the Plan's stored tensor splits"),
     "planner/search.py": (("tensor",), "the tensor split's analysis of each candidate"),
     "codegen/head.py": (("tensor",), "the output layer's vocabulary split"),
