@@ -33,25 +33,31 @@ def innermost(mesh: Mapping[str, int]) -> tuple[str, int]:
     return axis, mesh[axis]
 
 
+def _lanes_and_inner(mesh: Mapping[str, int]) -> tuple[int, int]:
+    """(data_lanes, the innermost axis's size), with one look at the mesh."""
+    inner = _innermost(mesh)
+    return math.prod(v for a, v in mesh.items() if a not in (MeshAxis.PIPELINE, inner)), mesh[inner]
+
+
 def data_lanes(mesh: Mapping[str, int]) -> int:
     """Ranks per pipeline position and innermost coordinate: the data axis and every axis a mesh orders
     between pipeline and its innermost axis (spatial tiles, context chunks, sub-grids), which hold the same
     stage and fold into one data coordinate (ranks are row-major, pipeline outermost, tensor innermost)."""
-    inner = _innermost(mesh)
-    return math.prod(v for a, v in mesh.items() if a not in (MeshAxis.PIPELINE, inner))
+    return _lanes_and_inner(mesh)[0]
 
 
 def rank_coords(rank: int, mesh: Mapping[str, int]) -> tuple[int, int, int]:
     """(pipeline, data, innermost) coordinates of a rank; ranks are row-major over the mesh (pipeline first,
     the innermost axis, tensor, fastest). The axes between pipeline and the innermost one are folded into the
     data coordinate (data x spatial + spatial, for one: data_lanes)."""
-    d, t = data_lanes(mesh), mesh[_innermost(mesh)]
+    d, t = _lanes_and_inner(mesh)
     return rank // (d * t), (rank // t) % d, rank % t
 
 
 def rank_at(pipe: int, data: int, inner: int, mesh: Mapping[str, int]) -> int:
     """The rank at (pipeline, data, innermost) coordinates (rank_coords' inverse)."""
-    return (pipe * data_lanes(mesh) + data) * mesh[_innermost(mesh)] + inner
+    d, t = _lanes_and_inner(mesh)
+    return (pipe * d + data) * t + inner
 
 
 def lane_ranks(mesh: Mapping[str, int], positions) -> list[int]:

@@ -53,7 +53,6 @@ from codegen.torch_target.records import DataLayout, MeshDim, ModuleStyle, Torch
 from planner.binding import graph_mismatch
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
-from runtime.torch_stack.pipeline_layout import PipelineLayout  # noqa: F401  (importable from here)
 from runtime.torch_stack.vocab import DataKind, TensorStyle
 from runtime.vocab import MeshAxis, OpKind, RecomputeMode, default_mesh_order
 
