@@ -48,9 +48,8 @@ from planner.execution_pricing import ExecutionPricing, compiled_layers
 from planner.node_pricing import NodePricing
 from planner.saved import SavedActivations
 from planner.step_summary import StepSummary, input_tokens_per_sample
-from planner.strategies.tensor.sharding import ShardingPlan, find_sharding
-from planner.strategies.base import Placement, Strategy
-from planner.strategies.registry import STRATEGIES
+from planner.strategies.base import GraphSplits, Placement, Strategy
+from planner.strategies.registry import STRATEGIES, node_splitter
 from planner.graph.ties import tied_weights
 from runtime.execution import Execution
 from runtime.vocab import Collective, DeviceKind, DType, OpKind, RecomputeMode, ShardRole
@@ -142,13 +141,14 @@ class Evaluator(NodePricing, ExecutionPricing, StepSummary):
             self.overlap = replace(self.overlap, grad_reduce=overlap_grad_reduce)
         self.grad_reduce_bytes = grad_reduce_bytes or (
             DType(self.overlap.grad_reduce_dtype).bytes if self.overlap.grad_reduce_dtype else None)
-        self.sharding: ShardingPlan = find_sharding(graph)
+        self.strategies: tuple[Strategy, ...] = STRATEGIES
+        self.splitter = node_splitter(self.strategies)   # the strategy whose split roles divide nodes
+        self.sharding: GraphSplits = self.splitter.graph_splits(graph)
         # On a GPU: the dtype every value runs in (autocast), the casts, the host's dispatch per node
         self.gpu_graph = GpuGraph(graph.nodes, autocast=self.overlap.autocast) if self.gpu_costs is not None else None
         fp32 = frozenset(k for k, v in self.gpu_graph.dtypes.items() if v == FLOAT32) \
             if self.gpu_graph is not None and self.overlap.autocast else frozenset()
         self.saved = SavedActivations(graph, self.sharding, fp32)   # what each op keeps for backward
-        self.strategies: tuple[Strategy, ...] = STRATEGIES
         self._nodes = {n.name: n for n in graph.nodes}
         self._state: dict[str, Any] = {}   # per strategy, what it keeps for this graph (see state())
         self._start_caches()
@@ -229,7 +229,7 @@ class Evaluator(NodePricing, ExecutionPricing, StepSummary):
             if len(held) < 2:
                 continue
             shards = [self.sharding.roles[n] for n in tie.nodes if self.sharding.roles[n].sharded]
-            per_rank = tie.numel / (shards[0].divisor(config.tensor) if shards else 1.0)
+            per_rank = tie.numel / (shards[0].divisor(self.split_ranks(config)) if shards else 1.0)
             for s in held[1:]:
                 extra[s % p] = extra.get(s % p, 0.0) + per_rank
             positions = sorted({s % p for s in held})
@@ -287,7 +287,8 @@ class Evaluator(NodePricing, ExecutionPricing, StepSummary):
         return [self._layer_cost(layer, config, key, adjusters) for layer in self.graph.layers]
 
     def _layer_key(self, config: ParallelConfig) -> tuple:
-        return (config.tensor, config.micro_batch_size, config.dtype, config.recompute, self.adds_into_buckets(config),
+        return (self.split_ranks(config), config.micro_batch_size, config.dtype, config.recompute,
+                self.adds_into_buckets(config),
                 *self._strategy_key(config))
 
     def _strategy_key(self, config: ParallelConfig) -> tuple:
@@ -382,7 +383,7 @@ class Evaluator(NodePricing, ExecutionPricing, StepSummary):
         return [first] + [layers[k - 1].boundary_bytes for k in range(1, len(layers))]
 
     def _boundary(self, layer: Layer, config: ParallelConfig) -> float:
-        key = (layer.index, config.micro_batch_size, config.dtype, config.tensor, *self._strategy_key(config))
+        key = (layer.index, config.micro_batch_size, config.dtype, self.split_ranks(config), *self._strategy_key(config))
         hit = self._boundary_cache.get(key)
         if hit is None:
             hit = self._boundary_cache[key] = self._boundary_bytes(layer, config)
@@ -400,7 +401,7 @@ class Evaluator(NodePricing, ExecutionPricing, StepSummary):
 
         Cached on what the tensor strategy's choice depends on (planner/strategies/tensor/strategy.py keys its
         per-layer decision the same way); the search asks once per mesh shape."""
-        key = ("roles", config.tensor, config.micro_batch_size, config.dtype, *self._strategy_key(config))
+        key = ("roles", self.split_ranks(config), config.micro_batch_size, config.dtype, *self._strategy_key(config))
         hit = self._roles_cache.get(key)
         if hit is None:
             hit = self._roles_cache[key] = {name: role for layer in self.graph.layers
@@ -433,8 +434,9 @@ class Evaluator(NodePricing, ExecutionPricing, StepSummary):
         params = sum(c.params for c in costs)
         scale = config.micro_batch_size / self.graph.batch_size
         layer_in = self._layer_inputs[layer.index] * scale * DType(config.dtype).bytes / 4
-        acts = self.saved.layer(layer, roles, config, fused_attention=self.fused_attention, layer_input=layer_in,
-                                policy=self.selective)
+        acts = self.saved.layer(layer, roles, config, ranks=self.split_ranks(config),
+                                sequence=self.splitter.sequence_ranks(config), fused_attention=self.fused_attention,
+                                layer_input=layer_in, policy=self.selective)
         recompute = sum(c.fwd for name, c in zip(layer.nodes, costs) if name in acts.recomputed)
         bwd = sum(c.bwd for c in costs)
         host_f = sum(c.host_fwd for c in costs)

@@ -6,7 +6,7 @@ ranks, their collectives, what its split dimension is divided by).
 
 `NodePricing` is the part of planner/evaluator.py's Evaluator that does this, kept apart so each file
 holds one concern; it reads the Evaluator's tables (cluster, gpu_costs, gpu_graph, eff, curves,
-curve_mix, in_run, overlap, execution, fused_attention, saved, sharding, and its caches) and calls its
+curve_mix, in_run, overlap, execution, fused_attention, saved, sharding, splitter, and its caches) and calls its
 `active`, `axis_seconds`, `grad_replicas` and `_token_share`.
 """
 
@@ -20,7 +20,7 @@ from cost_models.op_curves import node_curve_times
 from planner.config import ParallelConfig
 from planner.graph.model import OpInfo
 from planner.layer_cost import AxisComm, comm_on
-from runtime.vocab import DType, MeshAxis, OpKind, ShardRole, element_bytes
+from runtime.vocab import DType, OpKind, ShardRole, element_bytes
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class NodePricing:
         loss's; its casts and its gradient's accumulation stay here). `compiled`: its layer runs compiled
         (runtime/execution.py; the layers compile_layers names)."""
         dev = self.cluster.device
-        t = config.tensor
+        t = self.split_ranks(config)
         sharded = role != ShardRole.REPLICATE and t > 1
         # a padded split (a vocabulary t does not divide) leaves each rank ceil(size / t) of it
         div = self.split_divisor(n.name, role, config)
@@ -129,13 +129,13 @@ class NodePricing:
         return f, b, hf, hb, x.weight_copies
 
     def split_ranks(self, config: ParallelConfig) -> int:
-        """The ranks a split node (a role other than replicated: planner/strategies/tensor/) is spread over."""
-        return config.tensor
+        """The ranks a split node (a role other than replicated: Strategy.splits_nodes) is spread over."""
+        return self.splitter.split_ranks(config)
 
     def split_seconds(self, config: ParallelConfig, op: str, nbytes: float) -> float:
         """Seconds of collective `op` over `nbytes` among the ranks a split node is spread over (the tensor axis
         of the mesh), as the collectives around a vocabulary-split loss run."""
-        return self.axis_seconds(config.mesh, MeshAxis.TENSOR, op, nbytes)
+        return self.axis_seconds(config.mesh, self.splitter.comm_axis, op, nbytes)
 
     def split_divisor(self, name: str, role: str | None, config: ParallelConfig) -> float:
         """What node `name`'s split dimension is divided by on one rank under `role` (see Pricing): the split

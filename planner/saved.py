@@ -16,7 +16,7 @@ from cost_models.activations import (OpView, SavedTensor, SelectivePolicy, Tenso
                                     saved_by)
 from planner.config import ParallelConfig
 from planner.graph.model import Layer, ModelGraph, OpInfo
-from planner.strategies.tensor.sharding import ShardingPlan
+from planner.strategies.base import GraphSplits
 from runtime.vocab import DType, OpKind, RecomputeMode, ShardRole
 
 # roles whose output stays split over the tensor ranks (a row-parallel op's output is all-reduced)
@@ -38,7 +38,7 @@ class LayerActivations:
 class SavedActivations:
     """What each op of one graph keeps for backward; see module docstring."""
 
-    def __init__(self, graph: ModelGraph, sharding: ShardingPlan, fp32_values: frozenset[str] = frozenset()) -> None:
+    def __init__(self, graph: ModelGraph, sharding: GraphSplits, fp32_values: frozenset[str] = frozenset()) -> None:
         """`fp32_values`: the values a mixed-precision run holds in fp32 (cost_models/autocast.py: under
         torch.autocast, a residual stream fed by an fp32 embedding, a norm's output); they are kept 4 bytes
         an element, and an autocast-lowered op reading one keeps its 16-bit copy."""
@@ -105,13 +105,14 @@ class SavedActivations:
                                                        selective=key[2]).kept
         return kept * config.micro_batch_size / self._batch / divisor
 
-    def layer(self, layer: Layer, roles: dict[str, str], config: ParallelConfig, *, fused_attention: bool,
-              layer_input: float, policy: SelectivePolicy = SelectivePolicy.ATTENTION_CORE) -> LayerActivations:
-        """`layer`'s activations under `config` (micro-batch, dtype, tensor degree, sequence
-        parallelism, recompute); `layer_input`: bytes of its input for one micro-batch, whole, the one
+    def layer(self, layer: Layer, roles: dict[str, str], config: ParallelConfig, *, ranks: int, sequence: int,
+              fused_attention: bool, layer_input: float,
+              policy: SelectivePolicy = SelectivePolicy.ATTENTION_CORE) -> LayerActivations:
+        """`layer`'s activations under `config` (micro-batch, dtype, recompute), its split `roles` spread over
+        `ranks` ranks (Strategy.split_ranks), the values between split regions divided by `sequence`
+        (Strategy.sequence_ranks); `layer_input`: bytes of its input for one micro-batch, whole, the one
         tensor full recomputation keeps; `policy`: what selective recomputation keeps of a block."""
-        t = config.tensor
-        sequence = t if config.sequence_parallel else 1
+        t = ranks
         scale = config.micro_batch_size / self._batch
         mixed = config.dtype != DType.FP32
         views = [self.op_view(self._nodes[name], roles, t, mixed) for name in layer.nodes]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, TypeVar, runtime_checkable
 
 from runtime.vocab import StrategyName
 
@@ -26,13 +26,31 @@ if TYPE_CHECKING:
     from planner.config import ParallelConfig
     from planner.graph.model import Layer, ModelGraph, OpInfo
     from planner.layer_cost import LayerCost
-    from planner.strategies.tensor.sharding import ShardingPlan
     from runtime.execution import Execution
 
 T = TypeVar("T")
 
 Bounds = list[tuple[int, int]]            # [lo, hi) layer ranges of the pipeline stages
 Fits = Callable[[int, int, int], bool]    # fits(stage, lo, hi): layers [lo, hi) fit on that stage's device
+
+
+class NodeSplit(Protocol):
+    """How one node splits over the ranks of the strategy that splits nodes (Strategy.splits_nodes)."""
+
+    sharded: bool   # the node has a split role of its own (its weights or features divide)
+
+    def divisor(self, ranks: int) -> float:
+        """What its split dimension is divided by on one of `ranks` ranks (fewer than `ranks` where a size they
+        do not divide is padded)."""
+
+
+class GraphSplits(Protocol):
+    """The splitting strategy's description of one graph (Strategy.graph_splits): each node's split, by fx name."""
+
+    roles: Mapping[str, NodeSplit]
+
+    def check(self, ranks: int) -> None:
+        """Raise ValueError naming the first split size `ranks` does not divide and may not pad."""
 
 
 @runtime_checkable
@@ -46,7 +64,7 @@ class Pricing(Protocol):
     overlap: "Overlap"
     execution: "Execution"
     setup: "StepSetup"
-    sharding: "ShardingPlan"        # tensor-parallel regions of the graph (planner/strategies/tensor)
+    sharding: GraphSplits           # how each node splits (the splitting strategy's graph_splits)
     sharding_mode: str              # "ilp" or "all"
     gpu_costs: "GpuCosts | None"    # None off a GPU
     eff: Any                        # per-kind efficiencies (cost_models/compute.Efficiency)
@@ -148,6 +166,24 @@ class Strategy:
         """(name, degree) of this strategy's factor of the device count, where it is worth naming."""
         degree = getattr(config, self.name)
         return (self.name, degree) if degree > 1 or self.named_at_one else None
+
+    # ---- the node split: one registered strategy divides nodes over its ranks (split roles) ----
+    # whether this is that strategy: its node_roles give nodes split roles, graph_splits describes a graph's
+    # splits, split_ranks counts the ranks a split node spreads over, on its comm_axis
+    splits_nodes = False
+
+    def graph_splits(self, graph: "ModelGraph") -> GraphSplits:
+        """How each node of `graph` may split (the strategy with splits_nodes only)."""
+        raise NotImplementedError(f"the {self.name} strategy does not split nodes")
+
+    def split_ranks(self, config: "ParallelConfig") -> int:
+        """The ranks a node with a split role is spread over under `config` (1: nothing is split)."""
+        return 1
+
+    def sequence_ranks(self, config: "ParallelConfig") -> int:
+        """What the activations between split regions (whole on each rank) are divided by under `config`:
+        the split ranks where they also split the sequence, else 1."""
+        return 1
 
     # ---- search -------------------------------------------------------------
     def pinned_on(self, constraints: dict) -> bool:

@@ -25,3 +25,11 @@ STRATEGIES: tuple[Strategy, ...] = (
     SubgraphStrategy(),
     ContextStrategy(),
 )
+
+
+def node_splitter(strategies: tuple[Strategy, ...] = STRATEGIES) -> Strategy:
+    """The one strategy of `strategies` that splits nodes over ranks (Strategy.splits_nodes)."""
+    found = [s for s in strategies if s.splits_nodes]
+    if len(found) != 1:
+        raise RuntimeError(f"exactly one registered strategy must split nodes, found {[s.name for s in found]}")
+    return found[0]

@@ -34,11 +34,6 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     # the tensor split: decided in planner/strategies/tensor/split/, applied by codegen on meta tensors,
     # materialized, checkpointed and reduced (vocabulary-parallel loss) by the runtime's shared modules
     "planner/capabilities.py": (("tensor",), "which splits each target runs (split kinds, FSDP2 part splits)"),
-    "planner/evaluator.py": (("tensor",), "the tensor degree in its cost tables' keys; tied weights' shards; the "
-                             "ranks and axis a split node spreads over (split_ranks, split_seconds)"),
-    "planner/saved.py": (("tensor",), "saved activations under the tensor split and sequence parallelism"),
-    "planner/strategies/base.py": (("tensor",), "the Pricing protocol's ShardingPlan"),
-    "planner/node_pricing.py": (("tensor",), "a node's tensor split"),
     "planner/fixed_plan.py": (("tensor",), "the Plan's stored tensor splits; every region a target splits for a "
                               "fixed configuration (make_fixed_plan)"),
     "planner/plan.py": (("tensor",), "the Plan's stored tensor splits"),

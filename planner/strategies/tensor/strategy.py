@@ -25,6 +25,7 @@ from planner.config import ParallelConfig
 from planner.graph.model import Layer, OpInfo
 from planner.ilp import Edge, RegionOption, choose_shardings
 from planner.strategies.base import Strategy
+from planner.strategies.tensor.sharding import ShardingPlan, find_sharding
 from planner.strategies.tensor.split.sequence import SequenceSplit, sequence_stream
 from runtime.vocab import Collective, DType, MeshAxis, OpKind, ShardRole, StrategyName
 
@@ -34,6 +35,16 @@ class TensorStrategy(Strategy):
 
     name = StrategyName.TENSOR
     named_at_one = True
+    splits_nodes = True
+
+    def graph_splits(self, graph) -> ShardingPlan:
+        return find_sharding(graph)
+
+    def split_ranks(self, config: ParallelConfig) -> int:
+        return config.tensor
+
+    def sequence_ranks(self, config: ParallelConfig) -> int:
+        return config.tensor if config.sequence_parallel else 1
 
     def check(self, ev, config: ParallelConfig) -> None:
         """ValueError naming the first split size that the tensor degree must divide and does not (and,
