@@ -383,7 +383,8 @@ class Evaluator(NodePricing, ExecutionPricing, StepSummary):
         return [first] + [layers[k - 1].boundary_bytes for k in range(1, len(layers))]
 
     def _boundary(self, layer: Layer, config: ParallelConfig) -> float:
-        key = (layer.index, config.micro_batch_size, config.dtype, self.split_ranks(config), *self._strategy_key(config))
+        key = (layer.index, config.micro_batch_size, config.dtype, self.split_ranks(config),
+               *self._strategy_key(config))
         hit = self._boundary_cache.get(key)
         if hit is None:
             hit = self._boundary_cache[key] = self._boundary_bytes(layer, config)

@@ -19,12 +19,12 @@ from planner.evaluator import Evaluator, as_graph
 from planner.execution_choice import choose
 from planner.plan import PLAN_FORMAT_VERSION, Plan, Stage
 from planner.strategies import describe
-from planner.strategies.tensor.split.analysis import SplitCache
+from planner.strategies.base import SplitAnalysis
 from runtime.vocab import Target
 
 
 def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int, search: tuple = (),
-             splits: SplitCache | None = None, roles: dict[str, str] | None = None,
+             splits: SplitAnalysis | None = None, roles: dict[str, str] | None = None,
              target: Target = Target.MESHPLAN) -> Plan:
     """The Plan for `config` as `ev` prices it, with its tensor-parallel split decided (`splits`:
     the search's cache of split analyses, if it has one). `roles`: the tensor-parallel roles
@@ -40,7 +40,7 @@ def plan_for(ev: Evaluator, config: ParallelConfig, global_batch_size: int, sear
     stages = tuple(Stage(index=k, device_index=k % config.pipeline, layers=tuple(names[lo:hi]))
                    for k, (lo, hi) in enumerate(bounds))
     roles = ev.node_roles(config) if roles is None else roles
-    tensor_splits = (splits or SplitCache(ev.graph)).for_plan(roles, config.tensor, config.sequence_parallel)
+    tensor_splits = (splits or ev.splitter.split_analysis(ev.graph)).for_plan(roles, config)
     return Plan(format_version=PLAN_FORMAT_VERSION, model_class=ev.graph.model_class,
                 graph_fingerprint=ev.graph.fingerprint, cluster=ev.cluster, config=config,
                 global_batch_size=global_batch_size, stages=stages, shardings=tuple(sorted(roles.items())),
@@ -78,7 +78,7 @@ def make_plan(model_or_graph: Any, cluster: Cluster, config: ParallelConfig, *, 
         return plan_for(ev, config, global_batch_size)
     # priced with what the target's stack overlaps, unless told otherwise
     ev = Evaluator(graph, cluster, **{"overlap": Overlap.preset(support.stack), **evaluator_options})
-    ev.sharding = support.splittable(graph, ev.sharding, [config.tensor])   # the regions the target splits
+    ev.sharding = support.splittable(graph, ev.sharding, [ev.split_ranks(config)])   # the regions the target splits
     plan = plan_for(ev, config, global_batch_size, target=support.target)
     why = support.why_not_splits(config, plan.tensor_splits)
     if why:
@@ -97,7 +97,7 @@ def make_fixed_plan(graph, cluster, cfg, global_batch_size: int, target: Target 
     if support.target == Target.MESHPLAN:   # the execution options that pay for it (codegen flags override them)
         ev, _ = choose(ev, cfg, global_batch_size)
     roles = None
-    if cfg.tensor > 1:
-        sharding = support.splittable(graph, ev.sharding, [cfg.tensor])
+    if ev.split_ranks(cfg) > 1:
+        sharding = support.splittable(graph, ev.sharding, [ev.split_ranks(cfg)])
         roles = {n: r.role for n, r in sharding.roles.items() if r.sharded}
     return plan_for(ev, cfg, global_batch_size, roles=roles, target=support.target)

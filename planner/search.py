@@ -34,8 +34,7 @@ from planner.fixed_plan import plan_for
 from planner.plan import Alternative, Plan
 from planner.progress import Progress
 from planner.strategies import describe
-from planner.strategies.base import MeshShape
-from planner.strategies.tensor.split.analysis import SplitCache
+from planner.strategies.base import MeshShape, SplitAnalysis
 from runtime.vocab import DType, RecomputeMode, Target
 
 OBJECTIVES = ("time", "energy")
@@ -98,7 +97,7 @@ def optimize(model_or_graph: Any, cluster: Cluster, *, global_batch_size: int, e
     cons = _check_constraints(constraints or {})
     graph = as_graph(model_or_graph, example_inputs)
     ev = _evaluator(graph, cluster, cons, runtime, evaluator_options)
-    splits = SplitCache(graph)
+    splits = ev.splitter.split_analysis(graph)
     search = _Search()
     bases = _searched_shapes(ev, cluster, global_batch_size, cons, runtime)
     search.bases = len(bases)
@@ -156,7 +155,7 @@ def _searched_shapes(ev: Evaluator, cluster: Cluster, batch: int, cons: dict,
 
 
 def _branch_and_bound(ev: Evaluator, bases: list[ParallelConfig], batch: int, objective: str, cons: dict,
-                      search: _Search, runtime: RuntimeSupport | None, splits: SplitCache, progress: bool | None,
+                      search: _Search, runtime: RuntimeSupport | None, splits: SplitAnalysis, progress: bool | None,
                       t0: float) -> tuple[float, ParallelConfig, Prediction] | None:
     """Prices the bases in the order of their lower bounds, pruning each whose bound is no better than the
     best found; returns (objective value, config, prediction) of the best that fits, or None. `search` counts
@@ -178,7 +177,7 @@ def _branch_and_bound(ev: Evaluator, bases: list[ParallelConfig], batch: int, ob
 
 
 def _plan_of(ev: Evaluator, best: tuple[float, ParallelConfig, Prediction], batch: int, objective: str, cons: dict,
-             search: _Search, runtime: RuntimeSupport | None, splits: SplitCache, keep_alternatives: int,
+             search: _Search, runtime: RuntimeSupport | None, splits: SplitAnalysis, keep_alternatives: int,
              chose_execution: bool) -> Plan:
     """The Plan of the best configuration, with the search's figures and its runners-up. Unless the caller
     fixed the execution options (`chose_execution`), the ones that pay for this configuration are chosen."""
@@ -193,7 +192,7 @@ def _plan_of(ev: Evaluator, best: tuple[float, ParallelConfig, Prediction], batc
 
 
 def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons: dict, search: _Search, best,
-           runtime: RuntimeSupport | None, splits: SplitCache):
+           runtime: RuntimeSupport | None, splits: SplitAnalysis):
     """Every recompute mode and ZeRO stage for one shape; keeps the best that fits.
 
     All of them are priced: ZeRO-2's half-size reduce-scatter can beat plain
@@ -219,13 +218,13 @@ def _inner(ev: Evaluator, base: ParallelConfig, batch: int, objective: str, cons
                 search.infeasible += 1
                 continue
             if not checked:
-                why, checked = splits.refusal(ev.node_roles(cfg), cfg.tensor, cfg.sequence_parallel), True
+                why, checked = splits.refusal(ev.node_roles(cfg), cfg), True
             if why is not None:   # a plan must lower: roles the split analysis refuses are skipped
                 search.infeasible += 1
                 search.refused.append((cfg, why))
                 continue
             if runtime is not None and (refusal := runtime.why_not_splits(
-                    cfg, lambda: splits.get(ev.node_roles(cfg), cfg.tensor, cfg.sequence_parallel))):
+                    cfg, lambda: splits.get(ev.node_roles(cfg), cfg))):
                 search.blocked = search.blocked or refusal   # the target cannot run this split with this ZeRO
                 continue
             search.evaluated += 1

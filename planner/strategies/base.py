@@ -53,6 +53,20 @@ class GraphSplits(Protocol):
         """Raise ValueError naming the first split size `ranks` does not divide and may not pad."""
 
 
+class SplitAnalysis(Protocol):
+    """Whether, and how, a graph's split roles can be carried out under a configuration (the splitting
+    strategy's split_analysis, remembered per roles and configuration: the search asks it many times)."""
+
+    def refusal(self, roles: dict[str, str], config: "ParallelConfig") -> str | None:
+        """Why nodes with split `roles` (fx name -> role) cannot be split under `config`, or None."""
+
+    def get(self, roles: dict[str, str], config: "ParallelConfig") -> Any:
+        """The split the Plan stores (None where nothing is split); raises the refusal's error."""
+
+    def for_plan(self, roles: dict[str, str], config: "ParallelConfig") -> Any:
+        """As get, for a plan about to be returned: ConfigError naming the node on failure."""
+
+
 @runtime_checkable
 class Pricing(Protocol):
     """What the strategies' hooks read of the Evaluator (planner/evaluator.py, which satisfies this):
@@ -174,6 +188,10 @@ class Strategy:
 
     def graph_splits(self, graph: "ModelGraph") -> GraphSplits:
         """How each node of `graph` may split (the strategy with splits_nodes only)."""
+        raise NotImplementedError(f"the {self.name} strategy does not split nodes")
+
+    def split_analysis(self, graph: "ModelGraph") -> SplitAnalysis:
+        """A fresh analysis of whether `graph`'s split roles can be carried out (splits_nodes' strategy only)."""
         raise NotImplementedError(f"the {self.name} strategy does not split nodes")
 
     def split_ranks(self, config: "ParallelConfig") -> int:

@@ -34,10 +34,7 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     # the tensor split: decided in planner/strategies/tensor/split/, applied by codegen on meta tensors,
     # materialized, checkpointed and reduced (vocabulary-parallel loss) by the runtime's shared modules
     "planner/capabilities.py": (("tensor",), "which splits each target runs (split kinds, FSDP2 part splits)"),
-    "planner/fixed_plan.py": (("tensor",), "the Plan's stored tensor splits; every region a target splits for a "
-                              "fixed configuration (make_fixed_plan)"),
     "planner/plan.py": (("tensor",), "the Plan's stored tensor splits"),
-    "planner/search.py": (("tensor",), "the tensor split's analysis of each candidate"),
     "codegen/head.py": (("tensor",), "the output layer's vocabulary split"),
     "codegen/partition.py": (("tensor",), "the stage cut applies the tensor splits and learns local shapes"),
 }

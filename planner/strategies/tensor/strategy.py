@@ -26,6 +26,7 @@ from planner.graph.model import Layer, OpInfo
 from planner.ilp import Edge, RegionOption, choose_shardings
 from planner.strategies.base import Strategy
 from planner.strategies.tensor.sharding import ShardingPlan, find_sharding
+from planner.strategies.tensor.split.analysis import ConfigSplits
 from planner.strategies.tensor.split.sequence import SequenceSplit, sequence_stream
 from runtime.vocab import Collective, DType, MeshAxis, OpKind, ShardRole, StrategyName
 
@@ -39,6 +40,9 @@ class TensorStrategy(Strategy):
 
     def graph_splits(self, graph) -> ShardingPlan:
         return find_sharding(graph)
+
+    def split_analysis(self, graph) -> ConfigSplits:
+        return ConfigSplits(graph)
 
     def split_ranks(self, config: ParallelConfig) -> int:
         return config.tensor

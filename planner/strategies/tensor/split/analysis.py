@@ -163,6 +163,23 @@ class SplitCache:
                               "choose another tensor degree") from None
 
 
+class ConfigSplits:
+    """A SplitCache asked by configuration (its tensor degree and sequence parallelism): the
+    search's and the fixed plan's view of the split analysis (planner/strategies/base.SplitAnalysis)."""
+
+    def __init__(self, graph) -> None:
+        self._cache = SplitCache(graph)
+
+    def refusal(self, roles: dict[str, str], config) -> str | None:
+        return self._cache.refusal(roles, config.tensor, config.sequence_parallel)
+
+    def get(self, roles: dict[str, str], config) -> TensorSplits | None:
+        return self._cache.get(roles, config.tensor, config.sequence_parallel)
+
+    def for_plan(self, roles: dict[str, str], config) -> TensorSplits | None:
+        return self._cache.for_plan(roles, config.tensor, config.sequence_parallel)
+
+
 def _param_shards(gm: fx.GraphModule, st: _State, tensor: int) -> dict[str, ParamShard]:
     """How each weight read by a split ATen op is split (one way, whichever ops read it)."""
     nodes = {n.name: n for n in gm.graph.nodes}
