@@ -16,20 +16,19 @@ With Execution.vocab_multiple m > 1 the layer's rows are padded: at tensor degre
 bias, and a tied embedding) hold V_pad = ceil(V / m) * m rows (StageSpec.padded) and, where the
 logits are computed, a narrow to the first V follows the linear, so the model's logits keep their
 size; under tensor parallelism each rank's block of the vocabulary split is rounded up to a multiple
-of m (`pad_splits`: the splits' FeatureSplit gets the multiple, and every size derived from it follows).
+of m (codegen/strategies/tensor/vocab.py's `pad_splits`: the splits' FeatureSplit gets the multiple, and
+every size derived from it follows).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from planner.strategies.tensor.split.splits import TensorSplits
-from planner.strategies.tensor.split.weight_op import weight_op
+from planner.graph.weight_op import weight_op
 from runtime.losses import output_item
 from runtime.execute.output_head import OutputHead
 from runtime.program.shards import FeatureSplit, ParamShard
@@ -138,35 +137,6 @@ def output_head(site: HeadSite, fused: bool, sequence_dim: int | None = None) ->
                       sequence_dim=site.sequence_dim if sequence_dim is None else sequence_dim)
 
 
-def vocab_split(splits: TensorSplits, site: HeadSite) -> FeatureSplit | None:
-    """The split of the output layer's rows (its weight's dimension 0) in `splits`, or None when the
-    plan leaves the layer whole."""
-    if site.module is not None:
-        sh = next((m for m in splits.modules if m.path == site.module), None)
-        return sh.split if sh is not None else None
-    ps = next((p for p in splits.params if p.name == site.weight), None)
-    return ps.split if ps is not None and ps.dim == 0 else None
-
-
-def pad_splits(splits: TensorSplits, split: FeatureSplit, multiple: int) -> TensorSplits:
-    """`splits` with every FeatureSplit equal to the vocabulary's `split` rounding each rank's block
-    up to a multiple of `multiple` (the logits, the layer's rows, a tied embedding's rows: one split).
-    Another plain split of the same size, if any, is padded alike, which computes the same: padding
-    of a plain split holds zeros the model never reads (runtime/parallel/tensor/layers.py)."""
-    padded = dataclasses.replace(split, multiple=multiple)
-
-    def fix(fs: FeatureSplit) -> FeatureSplit:
-        return padded if fs == split else fs
-
-    return dataclasses.replace(
-        splits,
-        values=tuple((n, d, fix(fs)) for n, d, fs in splits.values),
-        modules=tuple(dataclasses.replace(m, split=fix(m.split)) for m in splits.modules),
-        params=tuple(dataclasses.replace(p, split=fix(p.split)) for p in splits.params),
-        scatters=tuple((n, x, d, fix(fs)) for n, x, d, fs in splits.scatters),
-        output=None if splits.output is None else fix(splits.output))
-
-
 def padded_rows(vocab: int, multiple: int, names: list[str]) -> tuple[ParamShard, ...]:
     """StageSpec.padded at tensor degree 1 for the stage's tensors `names` that hold the layer's
     `vocab` rows (its weight and bias, a tied embedding's weight under any of its names)."""
@@ -174,5 +144,4 @@ def padded_rows(vocab: int, multiple: int, names: list[str]) -> tuple[ParamShard
     return tuple(ParamShard(n, 0, split) for n in names)
 
 
-__all__ = ["HeadSite", "find_head", "fuse", "narrow_logits", "output_head", "pad_splits", "padded_rows",
-           "vocab_split"]
+__all__ = ["HeadSite", "find_head", "fuse", "narrow_logits", "output_head", "padded_rows"]

@@ -27,11 +27,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from codegen.head import find_head, fuse, narrow_logits, output_head, pad_splits, padded_rows, vocab_split
+from codegen.head import find_head, fuse, narrow_logits, output_head, padded_rows
 from codegen.pysrc import import_block
 from codegen.stage_parts import StageCodePart
 from codegen.stage_source import stage_source
 from codegen.strategies.tensor.split import TensorSplitError, apply_splits
+from codegen.strategies.tensor.vocab import pad_splits, vocab_split
 from planner.binding import graph_mismatch
 from planner.graph.model import ModelGraph
 from planner.graph.ops import module_path_of, op_base

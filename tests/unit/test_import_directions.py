@@ -40,7 +40,8 @@ TORCH_TARGET_USERS = ("codegen.torch_target", SHELL)
 # the graph it binds to (and the capture and binding check codegen runs to bind it), and the tables the
 # planner decided with; never the pricing (the Evaluator, the strategies' hooks) or the search
 PLANNER_FOR_CODEGEN = ("planner.plan", "planner.config", "planner.config_fields", "planner.graph.model",
-                       "planner.graph.ops", "planner.graph.capture", "planner.binding", "planner.capabilities",
+                       "planner.graph.ops", "planner.graph.weight_op", "planner.graph.capture", "planner.binding",
+                       "planner.capabilities",
                        "planner.strategies.combinations", "planner.strategies.subgraph.regions",
                        "planner.strategies.tensor.split")
 

@@ -35,7 +35,6 @@ STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     # materialized, checkpointed and reduced (vocabulary-parallel loss) by the runtime's shared modules
     "planner/capabilities.py": (("tensor",), "which splits each target runs (split kinds, FSDP2 part splits)"),
     "planner/plan.py": (("tensor",), "the Plan's stored tensor splits"),
-    "codegen/head.py": (("tensor",), "the output layer's vocabulary split"),
     "codegen/partition.py": (("tensor",), "the stage cut applies the tensor splits and learns local shapes"),
 }
 

@@ -3,7 +3,7 @@
 An fx capture keeps nn.Linear whole: a call_module node the runtime swaps for a
 ColumnParallelLinear. A torch.export capture has `linear(x, W, b)`, `addmm(b, x, W)`
 (Hugging Face's Conv1D), `mm(x, W)`, `convolution(x, W, b, ...)` and `embedding(W, ids)`,
-with W read by a get_attr node. `planner/strategies/tensor/split/weight_op.py` reads such a node and
+with W read by a get_attr node. `planner/graph/weight_op.py` reads such a node and
 the planner decides how its weight is split; `rewrite` here changes the graph as the module
 swap would: a column op reads its input through copy_to_group (one per input, shared by the
 columns that read it, so backward all-reduces that input's gradient once, as for Megatron's
@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from planner.strategies.tensor.split.sequence import SEQUENCE_DIM, SequenceSplit
-from planner.strategies.tensor.split.weight_op import weight_op
+from planner.graph.weight_op import weight_op
 from runtime.materialize import TENSOR_GROUP
 from runtime.comm.autograd import copy_to_group, gather_sequence, reduce_from_group, reduce_scatter_sequence
 from runtime.program.shards import FeatureSplit

@@ -42,7 +42,7 @@ from planner.strategies.tensor.split.rules import _search
 from planner.strategies.tensor.split.state import Split, TensorSplitError, _feature_split, _State
 from planner.strategies.tensor.split.sequence import SEQUENCE_DIM, SequenceSplit, SequenceSplitError, sequence_stream
 from planner.strategies.tensor.split.splits import TensorSplits
-from planner.strategies.tensor.split.weight_op import weight_op
+from planner.graph.weight_op import weight_op
 from runtime.program.shards import FeatureSplit, ModuleShard, ParamShard
 from runtime.vocab import ShardRole
 

@@ -21,7 +21,7 @@ from planner.graph.ops import module_path_of, target_name
 from planner.strategies.tensor.split.op_rules import _rule
 from planner.strategies.tensor.split.state import Split, TensorSplitError, _Fail, _resolve, _State
 from planner.strategies.tensor.split.state import norm_dim  # noqa: F401  (re-exported: codegen imports it from here)
-from planner.strategies.tensor.split.weight_op import weight_op
+from planner.graph.weight_op import weight_op
 from runtime.vocab import ShardRole
 
 
@@ -122,7 +122,7 @@ def _analyze(gm: fx.GraphModule, roles: dict[str, str], full: dict[str, Any], st
 
 
 def _weight_role(n, role, tname, full, sharded, st) -> Split | None:
-    """The split of an ATen weight op's output (planner/strategies/tensor/split/weight_op.py) under its role."""
+    """The split of an ATen weight op's output (planner/graph/weight_op.py) under its role."""
     name = n.name
     op = weight_op(n)
     if op is None:

@@ -1,11 +1,12 @@
-"""ATen ops that read their weight directly (torch.export graphs), as the split analysis sees them.
+"""ATen ops that read their weight directly (torch.export graphs): their input, weight, bias and feature dimensions.
 
 An fx capture keeps nn.Linear whole (a call_module node). A torch.export capture has
 `linear(x, W, b)`, `addmm(b, x, W)` (Hugging Face's Conv1D), `mm(x, W)`,
 `convolution(x, W, b, ...)` and `embedding(W, ids)`, with W read by a get_attr node.
 `weight_op` reads such a node: its activation input, weight and bias, and which dimension of
-the weight holds the output and the input features. The planner's split analysis
-(rules.py) decides how those weights are split; codegen/strategies/tensor/weight_ops.py rewrites the ops.
+the weight holds the output and the input features. The tensor split analysis
+(planner/strategies/tensor/split/rules.py) decides how those weights are split;
+codegen/strategies/tensor/weight_ops.py rewrites the ops; codegen/head.py finds the output layer with it.
 """
 
 from __future__ import annotations
