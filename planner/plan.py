@@ -18,7 +18,8 @@ from cost_models.hardware import Cluster
 from cost_models.prediction import MemoryBreakdown, Prediction, StagePrediction, TimeBreakdown
 from planner.config import ConfigError, ParallelConfig
 from planner.strategies import describe
-from planner.strategies.tensor.split.splits import TensorSplits
+from planner.strategies.field_hooks import SplitsView
+from planner.strategies.fields import node_split_fields
 from runtime.documents import FieldError, Fields, read_document
 from runtime.execution import Execution
 from runtime.program.parts import find_part
@@ -88,7 +89,7 @@ class Plan:
     parts: tuple[Any, ...] = ()
     # the split of every value over the tensor ranks, decided by the planner (planner/strategies/tensor/split/);
     # None where nothing is split, or in a plan read from a version-1 file (codegen then decides it)
-    tensor_splits: TensorSplits | None = None
+    tensor_splits: SplitsView | None = None
     # what the plan was made for (a runtime.vocab.Target value; planner/capabilities.py says what each runs);
     # written only when not meshplan's own runtime, so plans of earlier builds read unchanged
     target: str = Target.MESHPLAN
@@ -119,9 +120,9 @@ class Plan:
 
     @property
     def split_ranks(self) -> int:
-        """The ranks a split node (a role other than replicated, `shardings`) is spread over: the tensor
-        degree, 1 where nothing can be split."""
-        return self.config.tensor
+        """The ranks a split node (a role other than replicated, `shardings`) is spread over: the degree of the
+        strategy that splits nodes (StrategyFields.split_degree)."""
+        return getattr(self.config, node_split_fields().split_degree)
 
     def summary(self) -> str:
         """A readable table: mesh, stages, memory per stage, time breakdown."""
@@ -297,7 +298,8 @@ def _read_plan(f: Fields, origin: str | None) -> Plan:
         search=tuple(search.data.items()),
         alternatives=tuple(f.each("alternatives", Alternative.read, [])),
         parts=tuple(part for kind in describe.plan_parts() if (part := kind.read(f)) is not None),
-        tensor_splits=TensorSplits.read(f.sub("tensor_splits")) if "tensor_splits" in f.data else None,
+        tensor_splits=node_split_fields().node_splits.read(f.sub("tensor_splits")) if "tensor_splits" in f.data
+        else None,
         target=Target(target).value,
         graph_params=f.integer("graph_params", 0, minimum=0),
         execution=Execution.read(f.sub("execution")) if "execution" in f.data else Execution(),

@@ -37,10 +37,14 @@ class StageView(Protocol):
 
 
 class SplitsView(Protocol):
-    """What the hooks read of a plan's tensor splits (planner.strategies.tensor.split.splits.TensorSplits,
-    which imports ParallelConfig): the tensor degree they were made for."""
+    """What the hooks and the Plan read of the split a plan stores for its nodes (the splitting strategy's
+    StrategyFields.node_splits: planner.strategies.tensor.split.splits.TensorSplits): the degree it was made
+    for, and its document."""
 
     tensor: int
+
+    def to_dict(self) -> dict:
+        """Its value in the plan document."""
 
 
 class PlanPart(Protocol):
@@ -99,6 +103,11 @@ class StrategyFields:
     torch_gap: str | None = None
     # the kind of its part of a Plan (a PlanPart), where it stores one
     plan_part: type[PlanPart] | None = None
+    # where this is the strategy that splits nodes (planner/strategies/base.Strategy.splits_nodes): the kind
+    # of the split a plan stores for them (Plan.tensor_splits: a SplitsView with a classmethod read(Fields)),
+    # and the ParallelConfig field counting the ranks a split node spreads over
+    node_splits: type | None = None
+    split_degree: str | None = None
 
     # ---- the config (ParallelConfig, planner/config.py) ---------------------------------------------
     def refusal(self, c: "ConfigFields") -> str | None:

@@ -51,4 +51,10 @@ def micro_batch_refusal(config: "ConfigFields", global_batch_size: int, m: int) 
     return next((why for f in FIELDS if (why := f.micro_batch_refusal(config, global_batch_size, m))), None)
 
 
-__all__ = ["FIELDS", "field_refusal", "label", "micro_batch_refusal", "unused_fields"]
+def node_split_fields() -> StrategyFields:
+    """The fields of the one strategy that splits nodes (StrategyFields.node_splits): what a plan stores of
+    the split, and the degree a split node spreads over."""
+    return next(f for f in FIELDS if f.node_splits is not None)
+
+
+__all__ = ["FIELDS", "field_refusal", "label", "micro_batch_refusal", "node_split_fields", "unused_fields"]

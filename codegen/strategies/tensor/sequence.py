@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from codegen.strategies.tensor.weight_ops import _like
-from planner.strategies.tensor.split.sequence import SEQUENCE_DIM, SequenceSplit
+from planner.strategies.tensor.split.sequence import SEQUENCE_DIM
+from planner.strategies.tensor.split.splits import SequenceSplit
 from runtime.materialize import TENSOR_GROUP
 from runtime.program.shards import FeatureSplit
 from runtime.comm.autograd import copy_to_group, gather_whole

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from planner.strategies.tensor.split.sequence import SEQUENCE_DIM, SequenceSplit
+from planner.strategies.tensor.split.sequence import SEQUENCE_DIM
+from planner.strategies.tensor.split.splits import SequenceSplit
 from planner.graph.weight_op import weight_op
 from runtime.materialize import TENSOR_GROUP
 from runtime.comm.autograd import copy_to_group, gather_sequence, reduce_from_group, reduce_scatter_sequence

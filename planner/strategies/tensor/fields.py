@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator
 
 from planner.strategies.field_hooks import FieldFlag, PlanView, Problem, StrategyFields
+from planner.strategies.tensor.split.splits import TensorSplits
 from runtime.vocab import StrategyName
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ class TensorFields(StrategyFields):
     name = StrategyName.TENSOR
     flags = (FieldFlag("tensor", "tensor degree (default 1)"),
              FieldFlag("sequence_parallel", "Megatron sequence parallelism inside the tensor axis (needs --tensor >= 2)"))
+    node_splits = TensorSplits
+    split_degree = "tensor"
 
     def refusal(self, c: "ConfigFields") -> str | None:
         """Sequence parallelism shards the stream between tensor-parallel regions over the tensor ranks."""

@@ -27,7 +27,8 @@ from planner.ilp import Edge, RegionOption, choose_shardings
 from planner.strategies.base import Strategy
 from planner.strategies.tensor.sharding import ShardingPlan, find_sharding
 from planner.strategies.tensor.split.analysis import ConfigSplits
-from planner.strategies.tensor.split.sequence import SequenceSplit, sequence_stream
+from planner.strategies.tensor.split.sequence import sequence_stream
+from planner.strategies.tensor.split.splits import SequenceSplit
 from runtime.vocab import Collective, DType, MeshAxis, OpKind, ShardRole, StrategyName
 
 

@@ -40,8 +40,8 @@ from planner.config import ConfigError
 from planner.graph.ops import module_path_of, target_name
 from planner.strategies.tensor.split.rules import _search
 from planner.strategies.tensor.split.state import Split, TensorSplitError, _feature_split, _State
-from planner.strategies.tensor.split.sequence import SEQUENCE_DIM, SequenceSplit, SequenceSplitError, sequence_stream
-from planner.strategies.tensor.split.splits import TensorSplits
+from planner.strategies.tensor.split.sequence import SEQUENCE_DIM, SequenceSplitError, sequence_stream
+from planner.strategies.tensor.split.splits import SequenceSplit, TensorSplits
 from planner.graph.weight_op import weight_op
 from runtime.program.shards import FeatureSplit, ModuleShard, ParamShard
 from runtime.vocab import ShardRole

@@ -4,17 +4,81 @@ The planner's split analysis (analysis.py) works out, for a graph, the roles of 
 tensor degree, which dimension of every value is divided over the tensor ranks and how; the
 code generator only applies it (codegen/strategies/tensor/split.py: shape constants rewritten to local
 sizes, weights partitioned, communication inserted). A value of this type round-trips through
-the Plan's JSON ("tensor_splits").
+the Plan's JSON ("tensor_splits"); its sequence part (`SequenceSplit`) is found by sequence.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
-from planner.strategies.tensor.split.sequence import SequenceSplit
 from runtime.documents import Fields
 from runtime.program.shards import FeatureSplit, ModuleShard, ParamShard, ShardError
 from runtime.vocab import SPLIT_ROLES, ShardRole
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Where the sequence split lives in one graph (fx node names; planner/strategies/tensor/split/sequence.py).
+
+    length: the sequence length T (dimension 1 of every split value); the tensor degree divides it.
+    starts: row-parallel ops and vocabulary-parallel embeddings whose output is reduce-scattered.
+    nodes: replicated ops that run on this rank's T/t tokens.
+    columns: column-parallel ops whose input is split (all-gathered in forward).
+    gathers: (consumer, value): a split value that `consumer` reads whole.
+    scatters: (consumer, replicated input, its dimension): a replicated tensor cut to this rank's tokens.
+    params: parameters (get_attr targets, or module paths for modules) read on split tokens; their
+        gradient is all-reduced over the tensor axis.
+    """
+
+    length: int
+    starts: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = ()
+    columns: tuple[str, ...] = ()
+    gathers: tuple[tuple[str, str], ...] = ()
+    scatters: tuple[tuple[str, str, int], ...] = ()
+    params: tuple[str, ...] = ()
+
+    # (cached: the cost model asks for every node of every configuration it prices)
+    @cached_property
+    def split(self) -> frozenset[str]:
+        """Every node whose output is split along the sequence."""
+        return frozenset(self.starts) | frozenset(self.nodes)
+
+    @cached_property
+    def gathering(self) -> frozenset[str]:
+        """The column ops that gather their input along the sequence."""
+        return frozenset(self.columns)
+
+    @cached_property
+    def read_whole(self) -> dict[str, tuple[str, ...]]:
+        """consumer -> the split values it reads whole."""
+        out: dict[str, tuple[str, ...]] = {}
+        for consumer, value in self.gathers:
+            out[consumer] = out.get(consumer, ()) + (value,)
+        return out
+
+    def to_dict(self) -> dict:
+        return {"length": self.length, "starts": list(self.starts), "nodes": list(self.nodes),
+                "columns": list(self.columns), "gathers": [list(g) for g in self.gathers],
+                "scatters": [list(s) for s in self.scatters], "params": list(self.params)}
+
+    @classmethod
+    def read(cls, f: Fields) -> "SequenceSplit":
+        """From a checked document reader; FieldError names the field on any damage."""
+        names = {key: tuple(f.strings(key)) for key in ("starts", "nodes", "columns", "params")}
+        gathers = []
+        for k, g in enumerate(f.items("gathers")):
+            if not isinstance(g, list) or len(g) != 2 or not all(isinstance(x, str) for x in g):
+                raise f.error(f"gathers[{k}]", "must be [consumer, value]")
+            gathers.append((g[0], g[1]))
+        scatters = []
+        for k, s in enumerate(f.items("scatters")):
+            if not isinstance(s, list) or len(s) != 3 or not all(isinstance(x, str) for x in s[:2]) \
+                    or isinstance(s[2], bool) or not isinstance(s[2], int) or s[2] < 0:
+                raise f.error(f"scatters[{k}]", "must be [consumer, input, dimension]")
+            scatters.append((s[0], s[1], s[2]))
+        return cls(length=f.integer("length", minimum=1), gathers=tuple(gathers), scatters=tuple(scatters), **names)
 
 
 @dataclass(frozen=True)
