@@ -17,10 +17,9 @@ from planner.config import ConfigError, ParallelConfig
 from planner.strategies.combinations import Level
 from planner.strategies.combinations import why_not as combination_refusal
 from planner.strategies.fields import FIELDS
-from planner.strategies.registry import STRATEGIES
-from planner.strategies.tensor.sharding import ShardingPlan, without_regions
-from planner.strategies.tensor.split.analysis import unsplittable
-from runtime.vocab import Backend, DType, OpKind, Schedule, ShardRole, Target
+from planner.strategies.base import GraphSplits
+from planner.strategies.registry import STRATEGIES, node_splitter
+from runtime.vocab import Backend, DType, OpKind, Schedule, Target
 
 if TYPE_CHECKING:
     from planner.plan import Plan
@@ -54,10 +53,6 @@ _TORCH_WHY: dict[str, str] = {
     "schedule": "torch.distributed.pipelining's Schedule1F1B needs at least as many micro-batches as pipeline "
                 "stages",
 }
-
-
-# the tensor-parallel roles of the ops whose weights are split
-_WEIGHT_ROLES = (ShardRole.COLUMN, ShardRole.COLUMN_OUT, ShardRole.ROW, ShardRole.VOCAB)
 
 
 class TargetError(ConfigError):
@@ -139,9 +134,10 @@ class RuntimeSupport:
         refusal = combination_refusal(config, Level.RUNTIME)
         if refusal:
             return refusal
-        if not self.tensor_in_pipelines and config.pipeline > 1 and config.tensor > 1:
-            return self._refusal("tensor_in_pipelines", f"pipeline {config.pipeline} with tensor {config.tensor} "
-                                 "inside its stages", "use pipeline=1 or tensor=1")
+        splitter = node_splitter()
+        if not self.tensor_in_pipelines and config.pipeline > 1 and (t := splitter.split_ranks(config)) > 1:
+            return self._refusal("tensor_in_pipelines", f"pipeline {config.pipeline} with {splitter.name} {t} "
+                                 "inside its stages", f"use pipeline=1 or {splitter.name}=1")
         if config.dtype not in self.dtypes:
             return self._refusal("dtype", f"{config.dtype} training", _one_of("dtype", self.dtypes))
         if self.fill_1f1b and global_batch_size is not None and config.pipeline > 1 \
@@ -158,13 +154,14 @@ class RuntimeSupport:
         """A sentence naming this target and what it cannot run in `config` with the tensor-parallel split
         `splits` (planner/tensor_split TensorSplits, None where nothing is split, or a function giving them,
         called only when `config` could be refused) the plan makes; or None."""
-        if self.fully_shard_part_splits or config.tensor == 1 or config.data == 1 or config.zero == 0:
+        t = node_splitter().split_ranks(config)
+        if self.fully_shard_part_splits or t == 1 or config.data == 1 or config.zero == 0:
             return None
         splits = splits() if callable(splits) else splits
         parts = () if splits is None else splits.part_splits()
         if parts:
             return self._refusal("fully_shard_part_splits", f"ZeRO {config.zero} with module {parts[0]!r} split by "
-                                 f"parts over {config.tensor} tensor ranks",
+                                 f"parts over {t} tensor ranks",
                                  "use zero=0, or write the fused projection as separate Linears")
         return None
 
@@ -183,60 +180,10 @@ class RuntimeSupport:
         why = (why or _TORCH_WHY.get(key)) if self.target == Target.TORCH else None
         return f"the {self.target} target does not run {what}" + (f": {why}" if why else "") + f"; {advice}"
 
-    def splittable(self, graph, sharding: ShardingPlan, degrees) -> ShardingPlan:
-        """`sharding` without the tensor-parallel regions the code generator cannot split for any of
-        the tensor `degrees` (planner/strategies/tensor/split/, on the captured graph's shapes: no model run).
-
-        A region that fails is replicated together with its copies in every layer of the same
-        signature (a model's repeated blocks fail alike). Where the target splits the weights of some
-        op kinds only (`split_kinds`), a region that splits another kind's weight or the channels of a
-        norm is replicated first.
-        """
-        if self.split_kinds is not None:
-            kinds = {n.name: n.kind for n in graph.nodes}
-            other = {r.region for name, r in sharding.roles.items() if r.sharded and r.region >= 0 and (
-                r.role == ShardRole.CHANNELS or (r.role in _WEIGHT_ROLES and kinds.get(name) not in self.split_kinds))}
-            sharding = without_regions(sharding, other)
-        if graph.module is None:
-            return sharding
-        key = _region_keys(graph, sharding)
-        for t in sorted({int(t) for t in degrees if t > 1}):
-            for _ in range(len(key) + 1):
-                roles = {n: r.role for n, r in sharding.roles.items() if r.sharded}
-                err = unsplittable(graph, roles, t) if roles else None
-                if err is None:
-                    break
-                bad = _failing_regions(graph, sharding, getattr(err, "node", None))
-                if not bad:   # cannot tell which region: replicate them all for this degree
-                    bad = set(key)
-                sharding = without_regions(sharding, {r for r in key if key[r] in {key[b] for b in bad}})
-        return sharding
-
-
-def _region_keys(graph, sharding: ShardingPlan) -> dict[int, tuple]:
-    """Region -> (layer signature, position of its first node in the layer): equal for the same
-    region of repeated blocks."""
-    where = {}
-    for layer in graph.layers:
-        for k, name in enumerate(layer.nodes):
-            where[name] = (layer.signature, k)
-    keys: dict[int, tuple] = {}
-    for name, r in sharding.roles.items():
-        if r.sharded and r.region >= 0:
-            keys.setdefault(r.region, where.get(name, ("", r.region)))
-    return keys
-
-
-def _failing_regions(graph, sharding: ShardingPlan, node: str | None) -> set[int]:
-    """The regions the failing node belongs to or reads from."""
-    if node is None or node not in sharding.roles:
-        return set()
-    own = sharding.roles[node].region
-    if own >= 0:
-        return {own}
-    info = next((n for n in graph.nodes if n.name == node), None)
-    return {sharding.roles[i].region for i in (info.inputs if info else ()) if i in sharding.roles
-            and sharding.roles[i].region >= 0}
+    def splittable(self, graph, sharding: GraphSplits, degrees) -> GraphSplits:
+        """`sharding` without the split regions the code generator cannot split for any of the split `degrees`
+        (Strategy.target_splits of the strategy that splits nodes), given the op kinds this target splits."""
+        return node_splitter().target_splits(graph, sharding, degrees, self.split_kinds)
 
 
 def _one_of(name: str, allowed: tuple) -> str:

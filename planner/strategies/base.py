@@ -194,6 +194,11 @@ class Strategy:
         """A fresh analysis of whether `graph`'s split roles can be carried out (splits_nodes' strategy only)."""
         raise NotImplementedError(f"the {self.name} strategy does not split nodes")
 
+    def target_splits(self, graph: "ModelGraph", splits: GraphSplits, degrees, kinds) -> GraphSplits:
+        """`splits` without the regions a target's code generator cannot split at any of `degrees`, where the
+        target splits the weights of op kinds `kinds` only (None: every kind); splits_nodes' strategy only."""
+        raise NotImplementedError(f"the {self.name} strategy does not split nodes")
+
     def split_ranks(self, config: "ParallelConfig") -> int:
         """The ranks a node with a split role is spread over under `config` (1: nothing is split)."""
         return 1

@@ -33,7 +33,6 @@ _CONFIGS = {"config", "c", "cfg"}
 STILL_NAMED: dict[str, tuple[tuple[str, ...], str]] = {
     # the tensor split: decided in planner/strategies/tensor/split/, applied by codegen on meta tensors,
     # materialized, checkpointed and reduced (vocabulary-parallel loss) by the runtime's shared modules
-    "planner/capabilities.py": (("tensor",), "which splits each target runs (split kinds, FSDP2 part splits)"),
     "codegen/partition.py": (("tensor",), "the stage cut applies the tensor splits and learns local shapes"),
 }
 

@@ -29,6 +29,7 @@ from planner.strategies.tensor.sharding import ShardingPlan, find_sharding
 from planner.strategies.tensor.split.analysis import ConfigSplits
 from planner.strategies.tensor.split.sequence import sequence_stream
 from planner.strategies.tensor.split.splits import SequenceSplit
+from planner.strategies.tensor.target_split import splittable
 from runtime.vocab import Collective, DType, MeshAxis, OpKind, ShardRole, StrategyName
 
 
@@ -44,6 +45,9 @@ class TensorStrategy(Strategy):
 
     def split_analysis(self, graph) -> ConfigSplits:
         return ConfigSplits(graph)
+
+    def target_splits(self, graph, splits: ShardingPlan, degrees, kinds) -> ShardingPlan:
+        return splittable(graph, splits, degrees, kinds)
 
     def split_ranks(self, config: ParallelConfig) -> int:
         return config.tensor
