@@ -31,49 +31,16 @@ from codegen.head import find_head, fuse, narrow_logits, output_head, padded_row
 from codegen.pysrc import import_block
 from codegen.stage_parts import StageCodePart
 from codegen.stage_source import stage_source
-from codegen.strategies.tensor.split import TensorSplitError, apply_splits
-from codegen.strategies.tensor.vocab import pad_splits, vocab_split
+from codegen.stages import GraphRewrite, Partition, PartitionError, StageCodeMaker, StageCut, StagePart
+from codegen.strategies.registry import node_split_lowering
 from planner.binding import graph_mismatch
 from planner.graph.model import ModelGraph
 from planner.graph.ops import module_path_of, op_base
 from planner.plan import Plan
-from planner.strategies.tensor.split.analysis import tensor_splits
 from runtime.materialize import RUNTIME_ATTRS, model_signature
-from runtime.spec import Boundary, StageSpec
+from runtime.spec import StageSpec
 
 
-GraphRewrite = Callable[[fx.GraphModule, dict[str, Any]], tuple[fx.Graph, dict[str, Any]]]
-# a strategy's maker of its parts of the stages' code: the cut -> {stage index: its StageCodePart}
-StageCodeMaker = Callable[["StageCut"], dict[int, StageCodePart]]
-
-
-class PartitionError(ValueError):
-    """The plan cannot be cut into stage modules; the message names the layer or value."""
-
-
-@dataclass(frozen=True)
-class StagePart:
-    """One stage: its runtime spec, generated class, and local parameters.
-
-    params: (name, local shape, dtype) of the stage module's trainable parameters, in
-    the order gradients become ready in backward (last layer first).
-    """
-
-    spec: StageSpec
-    device_index: int
-    class_name: str
-    source: str
-    globals: dict
-    params: tuple[tuple[str, tuple[int, ...], str], ...]
-
-
-@dataclass(frozen=True)
-class Partition:
-    stages: tuple[StagePart, ...]
-    tensor: int
-    micro_batch_size: int
-    signature: str
-    tensor_shapes: dict          # model tensor name -> full shape (for mismatch messages)
 
 
 def example_inputs(graph: ModelGraph, batch: int) -> dict[str, torch.Tensor]:
@@ -113,9 +80,8 @@ def partition(plan: Plan, graph: ModelGraph, *, rewrite: GraphRewrite | None = N
     cfg = plan.config
     inputs = example_inputs(graph, cfg.micro_batch_size)
     rewritten, attrs = rewrite(gm, inputs) if rewrite is not None else (None, None)
-    splits = _head_splits(plan, gm, rewritten, _plan_splits(plan, graph))
-    res = apply_splits(gm, splits, inputs, graph=rewritten, attrs=attrs)
-    cut = StageCut.of(plan, graph, res)
+    res = node_split_lowering().split_stage_graph(plan, graph, inputs, rewritten, attrs)
+    cut = cut_stages(plan, graph, res)
     code_parts: dict[int, list[StageCodePart]] = {}
     for make in stage_code:
         for s, part in make(cut).items():
@@ -123,99 +89,26 @@ def partition(plan: Plan, graph: ModelGraph, *, rewrite: GraphRewrite | None = N
     shared = _Shared(shared_names(graph), code_parts, _compiled_layers(graph))
     parts = tuple(_stage_part(plan, graph, cut, st, shared) for st in sorted(plan.stages, key=lambda s: s.index))
     sd = gm.state_dict(keep_vars=True)
-    return Partition(parts, cfg.tensor, cfg.micro_batch_size, _signature_of(gm),
+    return Partition(parts, plan.split_ranks, cfg.micro_batch_size, _signature_of(gm),
                      {k: list(v.shape) for k, v in sd.items()})
 
 
-def _plan_splits(plan: Plan, graph: ModelGraph):
-    """The plan's tensor-parallel split (TensorSplits, or None at tensor 1), checked against its config."""
-    cfg, splits = plan.config, plan.tensor_splits
-    t = cfg.tensor
-    if splits is None and t > 1:   # a version-1 plan: decide the split as the planner does now
-        splits = tensor_splits(graph, dict(plan.shardings), t, cfg.sequence_parallel)
-    if splits is not None and splits.tensor != t:
-        raise PartitionError(f"the plan's tensor-parallel split is for tensor {splits.tensor}, its config has "
-                             f"tensor {t}; make the plan again")
-    if splits is not None and (splits.sequence is not None) != cfg.sequence_parallel:
-        raise PartitionError(f"the plan's tensor-parallel split is {'with' if splits.sequence else 'without'} "
-                             f"sequence parallelism, its config has sequence_parallel={cfg.sequence_parallel}; "
-                             "make the plan again")
-    return splits
-
-
-def _head_splits(plan: Plan, gm: fx.GraphModule, rewritten: fx.Graph | None, splits):
-    """`splits` with the output layer's vocabulary padded where the execution asks for it (codegen/head.py);
-    PartitionError where the model has no output layer the options need."""
-    ex, t = plan.execution, plan.config.tensor
-    if not (ex.chunked or ex.vocab_multiple > 1):
-        return splits
-    site, why = find_head(rewritten if rewritten is not None else gm.graph, gm)
-    if site is None:
-        flag = "--loss-impl chunked" if ex.chunked else f"--vocab-multiple {ex.vocab_multiple}"
-        raise PartitionError(f"{flag} needs a model whose output is a final linear layer's, but {why}; "
-                             f"leave {flag.split()[0]} out")
-    if t > 1 and ex.vocab_multiple > 1:
-        vsplit = vocab_split(splits, site)
-        if vsplit is None:
-            raise PartitionError(f"--vocab-multiple {ex.vocab_multiple} at tensor {t}: the plan does not split "
-                                 f"the output layer ({site.weight}) over the vocabulary, so nothing pads it; "
-                                 "leave --vocab-multiple out")
-        splits = pad_splits(splits, vsplit, ex.vocab_multiple)
-    return splits
-
-
-@dataclass
-class StageCut:
-    """Where the split graph is cut: each node's layer and stage, the values crossing into each stage, and
-    the local (this rank's) and full values that boundaries are described from. The strategies' stage-code
-    makers read it: `res.graph` (the split graph), `res.local_values` (node name -> this rank's meta value),
-    `layer_of`, `stage_of`, `stage_of_layer`, `known` and `stages`."""
-
-    res: Any                              # apply_splits' result: the graph, shards, local and full values
-    nodes: list[fx.Node]
-    pos: dict[str, int]                   # node name -> position in the graph
-    layer_of: dict[str, str]              # node name -> layer name
-    stage_of: dict[str, int]              # node name (not get_attr) -> stage index
-    stage_of_layer: dict[str, int]
-    known: list[str]                      # layer names, in model order
-    crossing: dict[int, list[fx.Node]]    # stage s -> values made before s and read at s or later
-    placeholders: list[str]               # the model inputs, in order
-    head: Any
-    head_extra: tuple
-    padded_names: tuple
-
-    @classmethod
-    def of(cls, plan: Plan, graph: ModelGraph, res) -> "StageCut":
-        g = res.graph
-        head, head_extra, padded_names = _output_layer(g, graph.module, graph, res, plan.execution,
-                                                       plan.config.tensor, plan)
-        nodes = list(g.nodes)
-        pos = {n.name: i for i, n in enumerate(nodes)}
-        layer_of = {name: layer.name for layer in graph.layers for name in layer.nodes}
-        stage_of_layer, known = _stage_of_layers(plan, graph)
-        stage_of = _stage_of_nodes(nodes, pos, layer_of, stage_of_layer, known, len(plan.stages))
-        last_use = {n.name: max((stage_of[u.name] for u in n.users), default=-1) for n in nodes if n.op != "get_attr"}
-        crossing = {s: [n for n in nodes if n.op not in ("output", "get_attr") and stage_of[n.name] < s <= last_use[n.name]]
-                    for s in range(len(plan.stages))}
-        placeholders = [n.name for n in nodes if n.op == "placeholder"]
-        return cls(res, nodes, pos, layer_of, stage_of, stage_of_layer, known, crossing, placeholders, head,
-                   head_extra, padded_names)
-
-    @property
-    def stages(self) -> range:
-        """The stage indices."""
-        return range(len(self.crossing))
-
-    def boundary(self, n: fx.Node, source: str, data_index: int = -1) -> Boundary:
-        """The Boundary of value `n` entering or leaving a stage (`source`: "data", "recv" or "send")."""
-        v = self.res.local_values[n.name]
-        if not isinstance(v, torch.Tensor):
-            raise PartitionError(f"value {n.name!r} ({type(v).__name__}) crosses a pipeline cut; only tensors can "
-                                 "be sent between stages. Choose other stage boundaries.")
-        key = str(n.target).lstrip("*") if source == "data" else ""
-        return Boundary(n.name, tuple(v.shape), str(v.dtype).removeprefix("torch."),
-                        bool(self.res.full_values[n.name].requires_grad and v.is_floating_point()), source,
-                        data_index, key)
+def cut_stages(plan: Plan, graph: ModelGraph, res) -> StageCut:
+    """Where `res.graph` (the split graph) is cut into the plan's stages (StageCut)."""
+    g = res.graph
+    head, head_extra, padded_names = _output_layer(g, graph.module, graph, res, plan.execution,
+                                                   plan.split_ranks, plan)
+    nodes = list(g.nodes)
+    pos = {n.name: i for i, n in enumerate(nodes)}
+    layer_of = {name: layer.name for layer in graph.layers for name in layer.nodes}
+    stage_of_layer, known = _stage_of_layers(plan, graph)
+    stage_of = _stage_of_nodes(nodes, pos, layer_of, stage_of_layer, known, len(plan.stages))
+    last_use = {n.name: max((stage_of[u.name] for u in n.users), default=-1) for n in nodes if n.op != "get_attr"}
+    crossing = {s: [n for n in nodes if n.op not in ("output", "get_attr") and stage_of[n.name] < s <= last_use[n.name]]
+                for s in range(len(plan.stages))}
+    placeholders = [n.name for n in nodes if n.op == "placeholder"]
+    return StageCut(res, nodes, pos, layer_of, stage_of, stage_of_layer, known, crossing, placeholders, head,
+                    head_extra, padded_names)
 
 
 def _stage_of_layers(plan: Plan, graph: ModelGraph) -> tuple[dict[str, int], list[str]]:
@@ -299,7 +192,7 @@ def _stage_part(plan: Plan, graph: ModelGraph, cut: StageCut, st, shared_by: _Sh
                                           gm=gm, signatures={L.name: L.signature for L in graph.layers})
     padded = _padded(cut.padded_names, modules, attributes, ex.vocab_multiple, cut.head)
     params = _stage_params(gm, modules, attributes, res.shards, shared_by.canonical, res.param_shards,
-                           cfg.tensor, padded)
+                           plan.split_ranks, padded)
     held = {shared_by.canonical.get(name, name) for name, _, _ in params}
     shared = tuple(grp for grp in graph.shared_params if grp[0] in held)
     spec = StageSpec(index=s, layers=st.layers, inputs=tuple(ins), outputs=tuple(outs), modules=modules,
@@ -482,5 +375,5 @@ def stage_imports(parts: list[StagePart]) -> list[str]:
     return lines
 
 
-__all__ = ["Partition", "PartitionError", "StageCodeMaker", "StageCut", "StagePart", "TensorSplitError",
-           "example_inputs", "partition", "stage_imports"]
+__all__ = ["Partition", "PartitionError", "StageCodeMaker", "StageCut", "StagePart", "cut_stages", "example_inputs",
+           "partition", "stage_imports"]

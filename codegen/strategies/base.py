@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Callable, Iterator, Protocol
 
-from codegen.partition import Partition, StageCodeMaker, StagePart
+from codegen.stages import Partition, StageCodeMaker, StagePart
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from runtime.program import Bucket, Instr, Program, Tie
@@ -134,6 +134,18 @@ class LoweringStrategy(Protocol):
     def active(self, plan: Plan) -> bool:
         """Whether `plan` uses this strategy."""
         ...
+
+    # whether this is the one strategy that splits nodes (planner/strategies/base.Strategy.splits_nodes):
+    # codegen/partition.py asks it to apply the plan's split to the graph it cuts (split_stage_graph), at
+    # every degree (at 1 it still specializes the graph to the build and gives every value's meta shape)
+    splits_nodes: bool = False
+
+    def split_stage_graph(self, plan: Plan, graph: ModelGraph, inputs: dict[str, Any], rewritten: Any = None,
+                          attrs: dict[str, Any] | None = None) -> Any:
+        """`graph.module`'s graph (or `rewritten`, whose runtime attributes' meta stand-ins are `attrs`) split as
+        `plan` decides, run on the micro-batch's meta `inputs`: the graph, its split modules and parameters,
+        and every value's local and full meta value (the strategy with splits_nodes only)."""
+        raise NotImplementedError(f"the {self.name} strategy does not split nodes")
 
     def lowered_plan(self, plan: Plan) -> Plan:
         """The plan whose Programs run this one."""

@@ -35,4 +35,10 @@ def placement(strategies: tuple[LoweringStrategy, ...]) -> Placement:
     return found  # type: ignore[return-value]
 
 
-__all__ = ["STRATEGIES", "active", "placement"]
+def node_split_lowering() -> LoweringStrategy:
+    """The one registered strategy that splits nodes (LoweringStrategy.splits_nodes), whatever the plan's degree."""
+    (found,) = [s for s in STRATEGIES if s.splits_nodes]
+    return found
+
+
+__all__ = ["STRATEGIES", "active", "node_split_lowering", "placement"]

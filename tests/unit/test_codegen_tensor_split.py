@@ -179,7 +179,8 @@ def test_softmax_across_the_split_dimension_is_refused_naming_the_node():
 def test_local_parameter_shapes_from_the_split_description_match_the_sharded_modules(model, cfg):
     """Codegen reads a split module's local parameters from its ModuleShard; the runtime builds them with
     shard_module. Both must give the same names, shapes, dtypes and trainable flags, in the same order."""
-    from codegen.partition import _head_splits, _plan_splits, example_inputs
+    from codegen.partition import example_inputs
+    from codegen.strategies.tensor.plan_split import head_splits as _head_splits, plan_splits as _plan_splits
     from codegen.strategies.tensor.split import apply_splits
     from tests.parallel_cases import graph_of, plan_for
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from codegen.partition import Partition
+from codegen.stages import Partition
 from codegen.strategies.base import LoweringError
 from planner.graph.model import ModelGraph
 from planner.plan import Plan

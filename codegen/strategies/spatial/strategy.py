@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from codegen.partition import Partition, StageCodeMaker
+from codegen.stages import Partition, StageCodeMaker
 from codegen.strategies.spatial.program import spatial_spec, spatial_stages, spatial_tiles, spatial_twin
 from codegen.strategies.base import LoweringStrategy
 from codegen.strategies.spatial.tiles import stage_tiles

@@ -35,7 +35,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from runtime.parallel.spatial.tile_ops import conv_windows, pool_windows
 from runtime.parallel.spatial.tiles import SpatialContext
-from codegen.partition import PartitionError, StageCut
+from codegen.stages import PartitionError, StageCut
 from codegen.stage_parts import StageCodePart
 from runtime.parallel.spatial.geometry import SpatialError, SpatialSpec, axis_halos, tile_shape
 

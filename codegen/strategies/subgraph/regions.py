@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from codegen.partition import StageCut
+from codegen.stages import StageCut
 from codegen.pysrc import graph_method
 from codegen.stage_parts import StageCodePart
 from planner.strategies.subgraph.regions import Region, RegionKind

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from codegen.partition import StageCodeMaker
+from codegen.stages import StageCodeMaker
 from codegen.strategies.base import Lowering, LoweringStrategy, Params, RankPlan
 from codegen.strategies.subgraph.regions import stage_regions
 from planner.graph.model import ModelGraph

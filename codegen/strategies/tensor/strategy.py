@@ -4,7 +4,11 @@ Plan's split is applied to the stage modules while codegen/partition.py writes e
 
 from __future__ import annotations
 
+from typing import Any
+
 from codegen.strategies.base import LoweringStrategy
+from codegen.strategies.tensor.plan_split import split_stage_graph
+from codegen.strategies.tensor.split import TensorSplitResult
 from codegen.strategies.tensor.torch_styles import tensor_styles
 from codegen.torch_target.records import ModuleStyle
 from planner.graph.model import ModelGraph
@@ -16,9 +20,14 @@ class Tensor(LoweringStrategy):
     """Megatron-style column/row splits over the tensor axis of the mesh."""
 
     name = StrategyName.TENSOR
+    splits_nodes = True
 
     def active(self, plan: Plan) -> bool:
         return plan.config.tensor > 1
+
+    def split_stage_graph(self, plan: Plan, graph: ModelGraph, inputs: dict[str, Any], rewritten: Any = None,
+                          attrs: dict[str, Any] | None = None) -> TensorSplitResult:
+        return split_stage_graph(plan, graph, inputs, rewritten, attrs)
 
     def torch_styles(self, plan: Plan, graph: ModelGraph) -> tuple[tuple[ModuleStyle, ...], int | None]:
         return tensor_styles(plan, graph)
