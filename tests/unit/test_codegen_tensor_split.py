@@ -196,3 +196,48 @@ def test_local_parameter_shapes_from_the_split_description_match_the_sharded_mod
         assert shard.local_parameters(module, t) == built, path
         roles.add(shard.role)
     assert len(roles) >= 3, roles
+
+
+_LOCAL_CASES = [  # (module, role, split factors, sequence dim, input shape); t = 2 (or 3 where it pads)
+    (lambda: nn.Linear(8, 12), "column", (12,), None, (2, 6, 8)),
+    (lambda: nn.Linear(8, 12, bias=False), "column_out", (3, 4), None, (2, 6, 8)),
+    (lambda: nn.Linear(8, 12), "column", (12,), 1, (2, 3, 8)),
+    (lambda: nn.Linear(12, 8), "row", (12,), None, (2, 6, 6)),
+    (lambda: nn.Linear(12, 8), "row", (12,), 1, (2, 6, 6)),
+    (lambda: nn.Linear(10, 8), "row", (10,), None, (2, 6, 4)),    # t = 3 pads 10 to 3 x 4
+    (lambda: nn.Embedding(10, 8), "vocab", (10,), None, (2, 6)),
+    (lambda: nn.Embedding(10, 8), "vocab", (10,), 1, (2, 6)),
+    (lambda: nn.Conv2d(4, 6, 3, padding=1), "column", (6,), None, (2, 4, 5, 5)),
+    (lambda: nn.Conv2d(6, 4, 3, stride=2), "row", (6,), None, (2, 3, 7, 7)),
+    (lambda: nn.BatchNorm2d(6), "channels", (6,), None, (2, 3, 5, 5)),
+    (lambda: nn.LayerNorm(8), "sequence", (8,), None, (2, 3, 8)),
+]
+
+
+@pytest.mark.parametrize("make,role,factors,seq,shape", _LOCAL_CASES)
+def test_codegen_local_modules_give_the_runtime_layers_shapes(make, role, factors, seq, shape):
+    """Codegen's shape-only stand-ins (made from the split description alone) give the output shape, and the
+    parameters, of the runtime's split layer for rank 0 (shard_module with a shape-only group), on meta."""
+    from codegen.strategies.tensor.local_modules import local_module
+    from runtime.parallel.tensor.layers import ModuleShard, ShapeGroup
+
+    t = 3 if factors == (10,) and role == "row" else 2
+    module = make().to("meta")
+    shard = ModuleShard("m", role, FeatureSplit(factors, len(factors) - 1), seq)
+    x = torch.randint(0, 10, shape, device="meta") if isinstance(module, nn.Embedding) else \
+        torch.empty(shape, device="meta")
+    ours, theirs = local_module(module, shard, t), shard_module(module, shard, 0, t, ShapeGroup(t))
+    assert ours(x).shape == theirs(x).shape
+    assert [(n, p.shape) for n, p in ours.named_parameters()] == [(n, p.shape) for n, p in theirs.named_parameters()]
+
+
+def test_codegen_local_modules_refuse_what_the_runtime_cannot_split():
+    from codegen.strategies.tensor.local_modules import local_module
+    from runtime.parallel.tensor.layers import ModuleShard
+
+    with pytest.raises(TensorSplitError, match="groups=1"):
+        local_module(nn.Conv2d(4, 4, 3, groups=2), ModuleShard("c", "column", FeatureSplit((4,), 0)), 2)
+    with pytest.raises(TensorSplitError, match="cannot split a LayerNorm"):
+        local_module(nn.LayerNorm(4), ModuleShard("n", "row", FeatureSplit((4,), 0)), 2)
+    with pytest.raises(TensorSplitError, match="does not match"):
+        local_module(nn.Linear(4, 6), ModuleShard("l", "column", FeatureSplit((4,), 0)), 2)

@@ -1,7 +1,7 @@
 """The tensor split's local shapes in the generated code (used by codegen.strategies.tensor.split): the graph
-is re-run at one rank's sizes (codegen/local_shapes.py) with each split module replaced by its local shard
-and the stage's tensor group by a shape-only stand-in, and shape constants holding a full size of a split
-dimension become the local size.
+is re-run at one rank's sizes (codegen/local_shapes.py) with each split module replaced by its local
+stand-in, made from the plan's split description (local_modules.py), and the stage's tensor group by a
+shape-only stand-in, and shape constants holding a full size of a split dimension become the local size.
 """
 
 from __future__ import annotations
@@ -12,16 +12,15 @@ import torch.fx as fx
 from torch import nn
 
 from codegen.local_shapes import ShapeRewriteError, rewrite_local, run_meta  # noqa: F401  (run_meta: importable here)
+from codegen.strategies.tensor.local_modules import local_module
 from planner.strategies.tensor.split.rules import TensorSplitError
 from runtime.materialize import TENSOR_GROUP
 from runtime.program.shards import ModuleShard
-from runtime.parallel.tensor.layers import ShapeGroup, shard_module
+from runtime.parallel.tensor.layers import ShapeGroup
 
 
 def _local_modules(gm: fx.GraphModule, shards: dict[str, ModuleShard], t: int) -> dict[str, nn.Module]:
-    # a stand-in group: the split modules' collectives give rank 0's shapes (a sequence-parallel row op
-    # its block of the sequence)
-    return {path: shard_module(gm.get_submodule(path), sh, 0, t, ShapeGroup(t)) for path, sh in shards.items()}
+    return {path: local_module(gm.get_submodule(path), sh, t) for path, sh in shards.items()}
 
 
 def _rewrite(gm, graph: fx.Graph, shards, value_splits, t, inputs, full, attrs=None) -> dict[str, Any]:
