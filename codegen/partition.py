@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -39,8 +39,6 @@ from planner.graph.ops import module_path_of, op_base
 from planner.plan import Plan
 from runtime.materialize import RUNTIME_ATTRS, model_signature
 from runtime.spec import StageSpec
-
-
 
 
 def example_inputs(graph: ModelGraph, batch: int) -> dict[str, torch.Tensor]:

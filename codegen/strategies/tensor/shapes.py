@@ -11,7 +11,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from codegen.local_shapes import ShapeRewriteError, rewrite_local, run_meta  # noqa: F401  (run_meta: importable here)
+from codegen.local_shapes import ShapeRewriteError, rewrite_local
 from codegen.strategies.tensor.local_modules import local_module
 from planner.strategies.tensor.split.rules import TensorSplitError
 from runtime.materialize import TENSOR_GROUP

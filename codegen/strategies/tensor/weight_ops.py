@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from planner.graph.weight_op import weight_op
 from planner.strategies.tensor.split.sequence import SEQUENCE_DIM
 from planner.strategies.tensor.split.splits import SequenceSplit
-from planner.graph.weight_op import weight_op
 from runtime.materialize import TENSOR_GROUP
 from runtime.comm.autograd import copy_to_group, gather_sequence, reduce_from_group, reduce_scatter_sequence
 from runtime.program.shards import FeatureSplit

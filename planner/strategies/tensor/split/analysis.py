@@ -38,11 +38,11 @@ import torch.fx as fx
 
 from planner.config import ConfigError
 from planner.graph.ops import module_path_of, target_name
+from planner.graph.weight_op import weight_op
 from planner.strategies.tensor.split.rules import _search
 from planner.strategies.tensor.split.state import Split, TensorSplitError, _feature_split, _State
 from planner.strategies.tensor.split.sequence import SEQUENCE_DIM, SequenceSplitError, sequence_stream
 from planner.strategies.tensor.split.splits import SequenceSplit, TensorSplits
-from planner.graph.weight_op import weight_op
 from runtime.program.shards import FeatureSplit, ModuleShard, ParamShard
 from runtime.vocab import ShardRole
 

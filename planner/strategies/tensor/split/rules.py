@@ -18,10 +18,9 @@ import torch.fx as fx
 from torch import nn
 
 from planner.graph.ops import module_path_of, target_name
+from planner.graph.weight_op import weight_op
 from planner.strategies.tensor.split.op_rules import _rule
 from planner.strategies.tensor.split.state import Split, TensorSplitError, _Fail, _resolve, _State
-from planner.strategies.tensor.split.state import norm_dim  # noqa: F401  (re-exported: codegen imports it from here)
-from planner.graph.weight_op import weight_op
 from runtime.vocab import ShardRole
 
 
