@@ -26,9 +26,11 @@ would hold between steps).
     python benchmarks/eager_ratio.py --device cuda --quick      (both of the above, few steps: 2-3 minutes)
 
 Options --compile/--no-compile, --compile-scope blocks|stage, --loss-impl full|chunked, --loss-chunk-tokens N and --vocab-multiple N
-set meshplan's execution (codegen's flags); --count-copies profiles one step of each variant and prints
-its copy kernels (aten::copy_ and aten::_to_copy calls). Needs only the repository (PYTHONPATH at the
-checkout) and torch (and transformers for hf-gpt2).
+set meshplan's execution (codegen's flags); --clip-grad X clips in every variant alike (the loops with
+clip_grad_norm_); --no-grad-norm makes meshplan's build without the per-step reported norm;
+--count-copies profiles one step of each variant and prints its copy kernels (aten::copy_ and
+aten::_to_copy calls). Needs only the repository (PYTHONPATH at the checkout) and torch (and
+transformers for hf-gpt2).
 """
 
 from __future__ import annotations
@@ -91,8 +93,10 @@ def _execution(args):
                      vocab_multiple=args.vocab_multiple, **scope)
 
 
-def make_build(model_ref: str, kw: dict, batch: int, dtype: str, out: Path, execution) -> Path:
-    """The build of the model at data 1, one micro-batch of `batch` per step, fused AdamW."""
+def make_build(model_ref: str, kw: dict, batch: int, dtype: str, out: Path, execution,
+               clip_grad: float | None = None, grad_norm: bool = True) -> Path:
+    """The build of the model at data 1, one micro-batch of `batch` per step, fused AdamW (gradients clipped to
+    a global norm of `clip_grad` where given; the norm reported every step unless `grad_norm` is False)."""
     import planner
     from codegen.emit import capture_ref, emit
     from planner.app.commands import make_fixed_plan
@@ -103,6 +107,10 @@ def make_build(model_ref: str, kw: dict, batch: int, dtype: str, out: Path, exec
     extra = {"execution": execution} if execution is not None and "execution" in inspect.signature(emit).parameters \
         else {}
     opt = {"name": "adamw", "lr": 1e-4, "weight_decay": 0.1, "impl": "fused"}
+    if clip_grad is not None:
+        extra["clip_grad"] = clip_grad
+    if not grad_norm:
+        extra["grad_norm"] = False
     return emit(plan, model_ref, None, out, model_kwargs=kw, graph=graph, optimizer=opt, **extra).path
 
 
@@ -150,6 +158,7 @@ class Loop:
     def __init__(self, train, device: torch.device, compiled: bool):
         from runtime.materialize import build_model, load_factory
 
+        self.clip = train.clip_grad   # clip_grad_norm_ before the step, as the build does (None: no clipping)
         self.model = build_model(train).to(device)
         self.model.train()
         self.run = torch.compile(self.model) if compiled else self.model
@@ -173,6 +182,8 @@ class Loop:
                 logits = self.run(*(x.to(self.device) for x in inputs))
             loss = F.cross_entropy(logits.flatten(0, -2), y.flatten())
         loss.backward()
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.item()
@@ -215,7 +226,8 @@ def measure(model: str, kw: dict, args, device: torch.device) -> dict:
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        build = make_build(MODELS[model], kw, args.batch, dtype, Path(tmp) / "build", _execution(args))
+        build = make_build(MODELS[model], kw, args.batch, dtype, Path(tmp) / "build", _execution(args),
+                           args.clip_grad, args.grad_norm)
         train = TrainSpec.from_dict(json.loads((build / "build.json").read_text())["train"])
         runners = {"eager": Loop(train, device, False), "compiled": Loop(train, device, True),
                    "meshplan": Meshplan(build, device)}
@@ -269,7 +281,8 @@ def report(res: dict, args, device: torch.device) -> None:
               for a, b in (("meshplan", "eager"), ("meshplan", "compiled"), ("compiled", "eager"))}
     ex = res["execution"] or {}
     opts = ", ".join(f"{k}={v}" for k, v in ex.items()) if ex else "this checkout's defaults"
-    print(f"\n{res['model']} {res['kwargs']}: batch {args.batch}, {res['dtype']}, fused AdamW, {device}; "
+    clip = f", gradients clipped to norm {args.clip_grad:g}" if args.clip_grad is not None else ""
+    print(f"\n{res['model']} {res['kwargs']}: batch {args.batch}, {res['dtype']}, fused AdamW{clip}, {device}; "
           f"{args.rounds} alternating rounds of {args.steps} steps after {args.warmup} warm-up steps")
     print(f"  meshplan execution: {opts}")
     for n in VARIANTS:
@@ -306,6 +319,12 @@ def main(argv=None) -> int:
                          "memory and upcast; full on CPU, where for a small vocabulary its extra passes cost more)")
     ap.add_argument("--loss-chunk-tokens", type=int, default=0, help="meshplan: tokens per loss chunk (0: auto)")
     ap.add_argument("--vocab-multiple", type=int, default=64, help="meshplan: pad the vocabulary (default 64)")
+    ap.add_argument("--clip-grad", type=float, default=None,
+                    help="every variant clips the gradients to this global norm (the loops with clip_grad_norm_, "
+                         "meshplan's build with clip_grad); default: none clips")
+    ap.add_argument("--no-grad-norm", dest="grad_norm", action="store_false",
+                    help="meshplan: a build made with --no-grad-norm (no norm computed where nothing clips), as the "
+                         "loops compute none; default: the norm reported every step, as meshplan's builds do")
     ap.add_argument("--count-copies", action="store_true", help="profile one step of each: its copy kernels")
     ap.add_argument("--quick", action="store_true",
                     help="H100.md's GPT case and HF GPT-2 (gpt2 preset, 1024 tokens), 2 rounds of 5 steps each")

@@ -78,7 +78,7 @@ def train_spec(plan: Plan, model_ref: str, data_ref: str | None = None, *, model
                init: str = "seed", checkpoint: str | None = None, root: str | None = None,
                dataset: DatasetSpec | None = None, evaluation: EvalSpec | None = None,
                schedule: ScheduleSpec | None = None, clip_grad: float | None = None,
-               loss_scale: LossScaleSpec | None = None,
+               loss_scale: LossScaleSpec | None = None, grad_norm: bool = True,
                execution: Execution | None = None) -> tuple[ModelGraph, TrainSpec]:
     """(the model's captured graph, the build's TrainSpec) for `emit`'s arguments (see there): the
     graph captured from model_ref when not given, and checked against the plan's (PlanMismatchError)."""
@@ -103,7 +103,7 @@ def train_spec(plan: Plan, model_ref: str, data_ref: str | None = None, *, model
                       checkpoint=checkpoint, dtype=plan.config.dtype, root=str(Path(root or os.getcwd()).resolve()),
                       eval=evaluation,
                       schedule=schedule or ScheduleSpec(), clip_grad=clip_grad, loss_scale=loss_scale,
-                      work=step_work(plan, graph), execution=execution or plan.execution)
+                      grad_norm=grad_norm, work=step_work(plan, graph), execution=execution or plan.execution)
     return graph, train
 
 
@@ -152,7 +152,7 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
          dataset: DatasetSpec | None = None,
          evaluation: EvalSpec | None = None,
          schedule: ScheduleSpec | None = None,
-         clip_grad: float | None = None, loss_scale: LossScaleSpec | None = None,
+         clip_grad: float | None = None, loss_scale: LossScaleSpec | None = None, grad_norm: bool = True,
          execution: Execution | None = None) -> Build:
     """Write the build directory for `plan` (see module docstring).
 
@@ -163,6 +163,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
         graph: the captured graph the plan was made from (captured again from model_ref if None).
         loss, optimizer, seed, data_seed, init, checkpoint, schedule, clip_grad, loss_scale: the training setup
             (runtime/spec.py; loss_scale: fp16 dynamic loss scaling, runtime/execute/loss_scale.py, None: none).
+        grad_norm: report the global gradient norm every step (False: compute it only where the step
+            clips or scales the loss; TrainSpec.grad_norm).
         bucket_bytes: gradient bucket size for the data-parallel reduction.
         dataset: a torch Dataset by reference (runtime.datasets.DatasetSpec), read instead of a batch
             factory; give it without data_ref.
@@ -179,7 +181,8 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
     graph, train = train_spec(plan, model_ref, data_ref, model_kwargs=model_kwargs, data_kwargs=data_kwargs,
                               graph=graph, loss=loss, optimizer=optimizer, seed=seed, data_seed=data_seed, init=init,
                               checkpoint=checkpoint, root=root, dataset=dataset, evaluation=evaluation,
-                              schedule=schedule, clip_grad=clip_grad, loss_scale=loss_scale, execution=execution)
+                              schedule=schedule, clip_grad=clip_grad, loss_scale=loss_scale, grad_norm=grad_norm,
+                              execution=execution)
     model_kwargs = train.model_kwargs
     decay_of = train.optimizer.decays if train.optimizer.splits_decay else None   # buckets: one class each
     parts, programs = lower_plan(plan, graph, bucket_bytes=bucket_bytes, decay_of=decay_of)

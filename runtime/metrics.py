@@ -11,7 +11,8 @@ evaluation results pass through to the file and TensorBoard unchanged):
 
   step, loss, seconds    the step's number, global mean loss and wall seconds (rank 0's clock)
   lr, grad_norm,         from the step's StepResult (runtime/executor.py); null when the run does
-  loss_scale, skipped    not compute them (no schedule, no clipping, no fp16 loss scaling)
+  loss_scale, skipped    not compute them (no schedule; a build made with --no-grad-norm that neither
+                         clips nor scales the loss; no fp16 loss scaling)
   samples_per_s          global batch size / seconds
   tokens_per_s           samples_per_s x StepWork.tokens_per_sample (runtime/program/step_work.py)
   mfu                    model FLOPs utilisation: StepWork.flops / (seconds x StepWork.peak_flops);

@@ -198,7 +198,7 @@ def connect(p: Prepared) -> RankSession:
         if p.device.type == "cuda" and not p.args.no_trace:   # time the instructions on the device too
             recorder.device = CudaClock(p.device, recorder.now)
         guard = make_gradient_step(comm.group(range(p.program.world_size)), p.device, p.modules, p.specs, grads,
-                                   held, param_place(p.program)[0], p.spec, p.rank)
+                                   held, param_place(p.program)[0], p.spec, p.rank, recording=p.args.save_steps)
         if p.restore is not None:
             apply_loss_scale(p.restore, guard.scaler)
         ties = TieSync(p.program.ties, p.modules, ctx.groups, grads) if p.program.ties else None

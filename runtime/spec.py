@@ -65,6 +65,10 @@ class TrainSpec:
         init: "seed", "per-module" or "checkpoint" (see module docstring); checkpoint: its file.
         dtype: "fp32", or "bf16"/"fp16" for autocast mixed precision (fp32 master weights).
         clip_grad: clip the global gradient norm to this (None: no clipping; runtime/execute/grad_step.py).
+        grad_norm: compute the global gradient norm every step, for metrics.jsonl's grad_norm and --verify's
+            check of it; False: only where the step needs it (clipping, fp16 loss scaling), which saves a
+            read of every gradient per step (the lines then hold a null grad_norm). Written to the build
+            only when False, so builds made before it read alike.
         loss_scale: fp16 dynamic loss scaling (runtime/execute/loss_scale.py), or None.
         root: directory that relative refs and paths are resolved against.
         eval: held-out evaluation during training (runtime/execute/evaluation.py), or None.
@@ -91,6 +95,7 @@ class TrainSpec:
     eval: EvalSpec | None = None
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
     clip_grad: float | None = None
+    grad_norm: bool = True
     loss_scale: LossScaleSpec | None = None
     work: StepWork | None = None
     execution: Execution = field(default_factory=Execution)
@@ -112,6 +117,8 @@ class TrainSpec:
         if self.clip_grad is not None and not (isinstance(self.clip_grad, (int, float)) and
                                                0 < self.clip_grad < float("inf")):
             raise SpecError(f"clip_grad must be a positive finite norm, got {self.clip_grad!r}")
+        if not isinstance(self.grad_norm, bool):
+            raise SpecError(f"grad_norm must be true or false, got {self.grad_norm!r}")
         if self.loss_scale is not None and self.dtype != DType.FP16:
             raise SpecError(f"loss scaling is for dtype fp16 (float16's narrow range), this build is {self.dtype}; "
                             "leave loss_scale out")
@@ -131,7 +138,15 @@ class TrainSpec:
         d["loss_scale"] = self.loss_scale.to_dict() if self.loss_scale is not None else None
         d["work"] = self.work.to_dict() if self.work is not None else None
         d["execution"] = self.execution.to_dict()
+        if self.grad_norm:   # the default: left out, as builds made before the option have it
+            del d["grad_norm"]
         return d
+
+    @property
+    def needs_grad_norm(self) -> bool:
+        """Whether each step computes the global gradient norm: reported (grad_norm), or needed to clip or to
+        check fp16 loss scaling for overflow."""
+        return self.grad_norm or self.clip_grad is not None or self.loss_scale is not None
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainSpec":

@@ -64,7 +64,7 @@ def emit_torch(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir:
     """Write the torch build directory for `plan` (see the module docstring).
 
     Args and `setup` as codegen.emit.emit's training setup (model_kwargs, data_kwargs, loss, optimizer,
-    seed, data_seed, init, checkpoint, root, dataset, schedule, clip_grad; loss_scale and evaluation are
+    seed, data_seed, init, checkpoint, root, dataset, schedule, clip_grad, grad_norm; loss_scale and evaluation are
     refused: the torch target trains in fp32 or bf16 and does not evaluate; so is an execution other than
     the default, naming its options: the script compiles nothing, computes the full loss, pads nothing).
 
@@ -238,7 +238,8 @@ def train(args, rank, backend, checkpoints):
             loss = global_loss(runner.step(batches), runner.holds_loss, device)
             if recorder is not None:
                 recorder.before_step()   # the step's starting parameters and complete gradients, for --verify
-            norm = runner.grad_norm(TRAIN.clip_grad)   # the global gradient norm, clipped as the build says
+            # the global gradient norm, clipped as the build says (None where nothing asks for it: --verify does)
+            norm = runner.grad_norm(TRAIN.clip_grad) if TRAIN.needs_grad_norm or recorder is not None else None
             norms.append(norm)
             optimizer.step()
             scheduler.step()

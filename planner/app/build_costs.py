@@ -109,7 +109,9 @@ def setup_of(train: dict) -> StepSetup:
     name = opt.get("name", "sgd")
     return StepSetup(optimizer=name if name in ("adamw", "sgd") else "adamw", optimizer_impl=opt.get("impl", "auto"),
                      clip_grad=train.get("clip_grad") is not None,
-                     loss=train.get("loss", "cross_entropy"))
+                     loss=train.get("loss", "cross_entropy"),
+                     grad_norm=bool(train.get("grad_norm", True) or train.get("clip_grad") is not None
+                                    or train.get("loss_scale") is not None))
 
 
 def execution_of(train: dict) -> Execution:

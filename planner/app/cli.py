@@ -197,6 +197,10 @@ def _add_training_flags(p) -> None:
     p.add_argument("--clip-grad", type=positive_number, default=None, metavar="MAX_NORM",
                    help="clip the global gradient norm (the whole model's, every plan alike) to MAX_NORM before "
                         "each optimizer step, as torch.nn.utils.clip_grad_norm_ (default: no clipping)")
+    p.add_argument("--no-grad-norm", dest="grad_norm", action="store_false",
+                   help="compute the global gradient norm only where the step needs it (--clip-grad, fp16 loss "
+                        "scaling) instead of every step for metrics.jsonl's grad_norm (then null) and --verify: "
+                        "saves reading every gradient once per step")
 
 
 def _add_loss_scale_flags(p) -> None:

@@ -86,7 +86,7 @@ def codegen_command(args: argparse.Namespace, kwargs: dict, data_kwargs: dict | 
                  graph=graph, loss=args.loss, optimizer=opt, seed=args.seed, data_seed=args.data_seed,
                  init=args.init, checkpoint=args.checkpoint, bucket_bytes=int(args.bucket_mb * 2**20),
                  evaluation=evaluation, schedule=schedule, clip_grad=args.clip_grad, loss_scale=scaling,
-                 execution=execution)
+                 grad_norm=args.grad_norm, execution=execution)
     print(plan.summary())
     print(f"\nwrote {build.path}/: plan.json, build.json, programs.json, {build.world_size} rank scripts, "
           "run_rank.py, launch_torchrun.sh, launch_mpirun.sh, launch_srun.sh")
@@ -100,7 +100,8 @@ def _torch_codegen(args: argparse.Namespace, plan, graph, kwargs: dict, data_kwa
     build = emit_torch(plan, args.model, args.data_ref, args.output, graph=graph, model_kwargs=kwargs,
                        data_kwargs=data_kwargs, dataset=dataset, loss=args.loss, optimizer=opt, seed=args.seed,
                        data_seed=args.data_seed, init=args.init, checkpoint=args.checkpoint, evaluation=evaluation,
-                       schedule=schedule, clip_grad=args.clip_grad, loss_scale=scaling, execution=execution)
+                       schedule=schedule, clip_grad=args.clip_grad, loss_scale=scaling, grad_norm=args.grad_norm,
+                       execution=execution)
     print(plan.summary())
     print(f"\nwrote {build.path}/: plan.json, build.json, {build.script.name} (the same on every rank), "
           "launch_torchrun.sh, launch_srun.sh")
@@ -137,7 +138,8 @@ def check_target_config(cfg, global_batch_size: int, target: Target) -> None:
 def _step_setup(args: argparse.Namespace, scaling) -> StepSetup:
     """What the build's step runs besides the model, for the cost model (cost_models/step_costs.py)."""
     return StepSetup(optimizer=args.optimizer, optimizer_impl=args.optimizer_impl, clip_grad=args.clip_grad is not None,
-                     loss_scaling=scaling is not None, loss=args.loss)
+                     loss_scaling=scaling is not None, loss=args.loss,
+                     grad_norm=args.grad_norm or args.clip_grad is not None or scaling is not None)
 
 
 def checkpoint_args(args: argparse.Namespace) -> list[str]:

@@ -14,6 +14,9 @@ torch.amp.GradScaler's order in a single-process loop):
 After the step the scale is updated (runtime/execute/loss_scale.py). The step's backward used the
 scale: `begin` folds it into each StageRunner's loss factor before the first micro-batch.
 
+A build that asks for no reported norm (TrainSpec.grad_norm False) and neither clips nor scales the loss
+skips steps 3 to 5: the step then reads no gradient besides the optimizer's, and its outcome holds no norm.
+
 The host reads the norm only where the step needs its value: to decide a skip (loss scaling).
 Clipping multiplies by a coefficient computed on the device; without loss scaling the norm is
 left on the device (`pending_norm`) and read with the step's loss after the optimizer step, when
@@ -53,7 +56,8 @@ class GradientStep:
     """One rank's part of the STEP sequence (module docstring).
 
     Args:
-        norm: the GlobalGradNorm over the optimizer's tensors.
+        norm: the GlobalGradNorm over the optimizer's tensors (None: the step computes no norm; then it
+            neither clips nor scales the loss).
         params: the tensors the optimizer steps (their .grad is changed in place).
         clip: clip the global norm to this (None: no clipping).
         scaler: the LossScaler (None: the loss is not scaled).
@@ -61,8 +65,10 @@ class GradientStep:
         log: where rank 0's one-line notes go.
     """
 
-    def __init__(self, norm: GlobalGradNorm, params: list[torch.Tensor], *, clip: float | None = None,
+    def __init__(self, norm: GlobalGradNorm | None, params: list[torch.Tensor], *, clip: float | None = None,
                  scaler: LossScaler | None = None, rank: int = 0, log: Callable[[str], None] = print):
+        if norm is None and (clip is not None or scaler is not None):
+            raise ValueError("clipping and loss scaling need the global gradient norm")
         if scaler is not None:
             low = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
             if low:
@@ -101,6 +107,9 @@ class GradientStep:
             self._scaler.unscale_(grads)
         if record is not None:
             record()
+        if self._norm is None:     # nothing asks for the norm
+            self._outcome = StepOutcome(None, None, False)
+            return False
         if self._scaler is None:   # nothing to decide on the host: the norm stays on the device
             total = self._norm.compute_squared()
             if self._clip is not None:
@@ -161,13 +170,16 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
 
 
 def make_gradient_step(world_group, device, modules: dict, specs: dict, grads, params: list[torch.Tensor],
-                       tensor_rank: int, train, rank: int) -> GradientStep:
-    """This rank's GradientStep for the build's `train` (TrainSpec): clip_grad and loss_scale.
+                       tensor_rank: int, train, rank: int, recording: bool = False) -> GradientStep:
+    """This rank's GradientStep for the build's `train` (TrainSpec): clip_grad, loss_scale and grad_norm.
+    `recording`: the run records its steps for --verify, which checks the norm (computed then whatever grad_norm).
 
-    A collective over `world_group` (every rank): the ranks exchange what they hold (runtime/execute/grad_norm.py)."""
+    Where the step computes the norm, a collective over `world_group` (every rank): the ranks exchange what
+    they hold (runtime/execute/grad_norm.py)."""
     from runtime.execute.grad_norm import pieces_of
 
-    norm = GlobalGradNorm.connect(params, pieces_of(modules, specs, grads, tensor_rank), world_group, device)
+    norm = GlobalGradNorm.connect(params, pieces_of(modules, specs, grads, tensor_rank), world_group, device) \
+        if train.needs_grad_norm or recording else None   # every rank reads the same build and flags: all, or none
     scaler = LossScaler(train.loss_scale) if train.loss_scale is not None else None
     return GradientStep(norm, params, clip=train.clip_grad, scaler=scaler, rank=rank,
                         log=lambda line: print(line, flush=True))

@@ -280,10 +280,32 @@ def test_train_spec_round_trips_clip_and_loss_scale():
 
 
 @pytest.mark.parametrize("bad", [dict(clip_grad=0.0), dict(clip_grad=math.inf),
-                                 dict(dtype="bf16", loss_scale=LossScaleSpec())])
+                                 dict(dtype="bf16", loss_scale=LossScaleSpec()), dict(grad_norm="no")])
 def test_train_spec_refuses_bad_settings(bad):
     with pytest.raises(SpecError):
         TrainSpec("m.py:build", "m.py:batch", 8, **bad)
+
+
+def test_train_spec_grad_norm_is_written_only_when_off_and_needed_by_clipping_and_scaling():
+    reported = TrainSpec("m.py:build", "m.py:batch", 8)
+    assert "grad_norm" not in reported.to_dict() and reported.needs_grad_norm   # builds before it read alike
+    off = reported.replace(grad_norm=False)
+    assert off.to_dict()["grad_norm"] is False and TrainSpec.from_dict(off.to_dict()) == off
+    assert not off.needs_grad_norm
+    assert off.replace(clip_grad=1.0).needs_grad_norm
+    assert off.replace(dtype="fp16", loss_scale=LossScaleSpec()).needs_grad_norm
+
+
+def test_a_step_without_a_norm_reads_no_gradient_and_reports_none():
+    model = _model()
+    _backward(model)
+    before = [p.grad.clone() for p in model.parameters()]
+    guard = GradientStep(None, list(model.parameters()))
+    assert guard.prepare(3) is False and guard.pending_norm() is None
+    assert guard.finish(3).grad_norm is None
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match="need the global gradient norm"):
+        GradientStep(None, list(model.parameters()), clip=1.0)
 
 
 def test_codegen_flags_turn_fp16_loss_scaling_on_by_default():
