@@ -33,7 +33,7 @@ class StepSetup:
     norm; loss_scaling: fp16 loss scaling, whose overflow check reads the norm on the host (a second sync
     in the step); loss: the loss the last stage computes (runtime/losses.py: "cross_entropy" or "mse");
     grad_norm: the step computes the global gradient norm (meshplan's runtime does every step, for its
-    metrics: runtime/execute/grad_step.py).
+    metrics, unless the build says not to and nothing clips or scales the loss: runtime/execute/grad_step.py).
 
     How the runtime handles gradients and batches follows from the plan (runtime/executor.py): gradients
     that are views of data-parallel buckets are zeroed in place and every backward adds into them, others
@@ -174,7 +174,8 @@ NORM_KERNELS = 4
 def optimizer_cost(gpu: Gpu, params: float, tensors: int, *, impl: str, clip: bool, zero_in_place: bool,
                    norm: bool = True, groups: int = 1, buckets: int = 1) -> Work:
     """One optimizer phase on one rank holding `params` parameters in `tensors` tensors: the global gradient
-    norm (`norm`: meshplan's runtime computes it every step, for its metrics and clipping, as foreach kernels
+    norm (`norm`: meshplan's runtime computes it every step for its metrics, unless built with --no-grad-norm,
+    and for clipping and loss scaling, as foreach kernels
     reading each gradient once, runtime/execute/grad_norm.py), clipping (`clip`: a foreach multiply reading and
     writing each gradient), the AdamW step by implementation, and zeroing the gradients in place where they
     are views of `buckets` gradient buckets (`zero_in_place`: a kernel per bucket, 4 bytes written each;

@@ -105,3 +105,19 @@ def test_the_setup_names_what_it_does_not_know():
         StepSetup(optimizer_impl="cuda")
     assert StepSetup().impl_on_gpu() == "fused" and StepSetup(optimizer="sgd").impl_on_gpu() == "foreach"
     assert Execution(loss="chunked").loss == "chunked"
+
+
+def test_a_build_without_the_reported_norm_is_priced_without_it():
+    """--no-grad-norm (build.json's "grad_norm": false) prices no norm unless the step clips or scales the loss,
+    and the predicted step is shorter by the norm's kernels."""
+    from planner.app.build_costs import setup_of
+
+    assert setup_of({}).grad_norm and not setup_of({"grad_norm": False}).grad_norm
+    assert setup_of({"grad_norm": False, "clip_grad": 1.0}).grad_norm
+    assert setup_of({"grad_norm": False, "loss_scale": {"init_scale": 65536.0}}).grad_norm
+    with torch.device("meta"):
+        model = gpt.build(preset="small")
+    graph = planner.capture(model, gpt.example_inputs(batch_size=4, device="meta", preset="small"))
+    cfg = ParallelConfig(micro_batch_size=4, dtype="bf16")
+    on, off = (Evaluator(graph, H100, setup=StepSetup(grad_norm=g)).evaluate(cfg, 4) for g in (True, False))
+    assert off.step_time < on.step_time
