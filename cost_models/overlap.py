@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any, Sequence
 
 from cost_models.activations import SelectivePolicy
+from runtime.documents import refuse_unknown_fields
 from runtime.vocab import DType
 
 # Share of the GPU an overlapped collective's kernels take from the compute they run under.
@@ -139,10 +140,7 @@ class Overlap:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Overlap:
         """The Overlap `to_dict` wrote; ValueError naming an unknown key."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown Overlap field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        refuse_unknown_fields(d, cls, "Overlap", ValueError)
         return cls(**d)
 
 

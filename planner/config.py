@@ -19,7 +19,7 @@ from planner.strategies.combinations import why_not as combination_refusal
 from planner.strategies.fields import field_refusal, micro_batch_refusal
 from planner.strategies.fields import label as strategy_label
 from planner.strategies.fields import unused_fields
-from runtime.documents import FieldError
+from runtime.documents import FieldError, refuse_unknown_fields
 from runtime.vocab import ContextAttention, DType, RecomputeMode, Schedule, SpatialBatchNorm, SpatialSplit
 
 # the fields whose value is one of a vocabulary's members (given as the member or its string; held as the string)
@@ -154,10 +154,7 @@ class ParallelConfig(ConfigFields):
 
     @classmethod
     def from_dict(cls, d: dict) -> "ParallelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"unknown ParallelConfig field(s) {unknown}; known: {sorted(known)}")
+        refuse_unknown_fields(d, cls, "ParallelConfig", ConfigError)
         d = dict(d)
         if d.get("stage_boundaries") is not None:
             d["stage_boundaries"] = tuple(d["stage_boundaries"])

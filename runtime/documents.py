@@ -10,6 +10,7 @@ Loaders raise their own ValueError subclass: they pass it as `error`, or turn a 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -62,6 +63,17 @@ def read_document(path: str | os.PathLike[str], what: str, *, error: Callable[[s
 
 
 _TOP_NAMES = {dict: "an object (a mapping of fields)", list: "a list"}
+
+
+def refuse_unknown_fields(d: Mapping, cls: type, what: str, error: Callable[[str], Exception] = DocumentError) -> None:
+    """error("unknown <what> field(s) [...]; known: [...]") when mapping `d` holds a key that is not a field of the
+    dataclass `cls`: the check every from_dict of a frozen settings class makes before building it."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        close = [m for k in unknown for m in difflib.get_close_matches(str(k), known, n=1)]
+        hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+        raise error(f"unknown {what} field(s) {unknown}{hint}; known: {sorted(known)}")
 
 
 def parse_document(text: str, where: str, *, suffix: str = ".json",

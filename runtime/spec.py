@@ -41,7 +41,7 @@ from runtime.program.parts import find_part, put_part
 from runtime.program.step_work import StepWork
 from runtime.program.shards import FeatureSplit, ModuleShard, ParamShard, shard_dim
 from runtime.vocab import DType, RecomputeMode
-from runtime.documents import read_document
+from runtime.documents import read_document, refuse_unknown_fields
 
 INITS = ("seed", "per-module", "checkpoint")
 
@@ -150,10 +150,7 @@ class TrainSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainSpec":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise SpecError(f"unknown build field(s) {unknown}; known: {sorted(known)}")
+        refuse_unknown_fields(d, cls, "build", SpecError)
         d = dict(d)
         d["optimizer"] = OptimizerSpec.from_dict(d.get("optimizer", {}))
         d["dataset"] = DatasetSpec.from_dict(d["dataset"]) if d.get("dataset") is not None else None

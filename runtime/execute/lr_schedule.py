@@ -27,6 +27,8 @@ from enum import StrEnum
 import torch
 from torch.optim import lr_scheduler
 
+from runtime.documents import refuse_unknown_fields
+
 # ConstantLR multiplies by its factor until total_iters and then divides it out again: the floor
 # after the decay must never end, so its total_iters is beyond any run.
 _FOREVER = 2**62
@@ -115,10 +117,7 @@ class ScheduleSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ScheduleSpec":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ScheduleError(f"unknown schedule field(s) {unknown}; known: {sorted(known)}")
+        refuse_unknown_fields(d, cls, "schedule", ScheduleError)
         return cls(**d)
 
 

@@ -33,6 +33,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from runtime.documents import refuse_unknown_fields
+
 OPTIMIZERS = ("sgd", "adamw")
 
 
@@ -136,10 +138,7 @@ class OptimizerSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "OptimizerSpec":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown optimizer field(s) {unknown}; known: {sorted(known)}")
+        refuse_unknown_fields(d, cls, "optimizer", ValueError)
         return cls(**d)
 
 

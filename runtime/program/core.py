@@ -62,7 +62,7 @@ from runtime.program.mesh import MeshError, coords_of, group_along, rank_of
 from runtime.parallel.parts import PARTS
 from runtime.program.check import check_program_dict
 from runtime.program.parts import ProgramPart, find_part, put_part
-from runtime.documents import parse_document, read_document
+from runtime.documents import parse_document, read_document, refuse_unknown_fields
 from runtime.vocab import MeshAxis, current_axis_name
 
 
@@ -149,10 +149,7 @@ class Instr:
     @classmethod
     def from_dict(cls, d: Mapping) -> "Instr":
         """Axis names of older files ("pipe", "branch") are read as today's (runtime.vocab.OLD_AXIS_NAMES)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ProgramError(f"unknown instruction field(s) {unknown}; known: {sorted(known)}")
+        refuse_unknown_fields(d, cls, "instruction", ProgramError)
         d = dict(d)
         if "axis" in d:
             d["axis"] = current_axis_name(d["axis"])

@@ -1,12 +1,13 @@
 """runtime.documents: one reader for JSON/YAML files, typed field readers; runtime.vocab's enums in use."""
 
+import dataclasses
 import json
 
 import pytest
 
 from cost_models.memory import param_bytes
 from planner.config import ConfigError, ParallelConfig
-from runtime.documents import DocumentError, FieldError, Fields, parse_document, read_document
+from runtime.documents import DocumentError, FieldError, Fields, parse_document, read_document, refuse_unknown_fields
 from runtime.vocab import DType, RecomputeMode, Schedule, ShardRole, element_bytes
 
 
@@ -70,3 +71,30 @@ def test_config_choices_are_the_vocabulary_and_stay_plain_strings():
         ParallelConfig(dtype="fp8")
     assert param_bytes(DType.BF16, 0, 1).weights == DType.BF16.bytes == element_bytes("torch.bfloat16")
     assert [r for r in ShardRole if r.splits_output] == [ShardRole.COLUMN, ShardRole.COLUMN_OUT]
+
+
+def test_every_settings_class_refuses_an_unknown_field_by_name_with_the_closest_known_one():
+    """One check for every from_dict of a frozen settings class (the config, the build, an instruction, the
+    optimizer, the schedule, the overlap): the unknown keys, the closest known field, and every known one."""
+    from cost_models.overlap import Overlap
+    from runtime.execute.lr_schedule import ScheduleError, ScheduleSpec
+    from runtime.execute.optim import OptimizerSpec
+    from runtime.program.core import Instr, ProgramError
+    from runtime.spec import SpecError, TrainSpec
+
+    with pytest.raises(ConfigError, match=r"unknown ParallelConfig field\(s\) \['tensr'\] \(did you mean 'tensor'\?\)"):
+        ParallelConfig.from_dict({"tensr": 2})
+    for cls, doc, error in ((TrainSpec, {"clip_grads": 1.0}, SpecError), (Instr, {"opp": "F"}, ProgramError),
+                            (OptimizerSpec, {"lr": 0.1, "wd": 0.1}, ValueError),
+                            (ScheduleSpec, {"kind": "cosine", "warmup": 3}, ScheduleError),
+                            (Overlap, {"tp_com": 0.5}, ValueError)):
+        with pytest.raises(error, match="unknown .* field") as e:
+            cls.from_dict(doc)
+        assert "known: [" in str(e.value), str(e.value)
+    with pytest.raises(DocumentError, match=r"unknown thing field\(s\) \['zzz'\]; known: \['lr'\]"):
+        refuse_unknown_fields({"zzz": 1}, _Settings, "thing")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    lr: float = 0.1
