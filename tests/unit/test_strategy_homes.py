@@ -91,3 +91,14 @@ def test_the_check_sees_a_strategy_named_outside_its_home():
     assert _names(ast.parse("c = ParallelConfig(spatial=2)"), "spatial", fields)
     assert not _names(ast.parse("x = config.data; y = self.spatial"), "spatial", fields)
     assert not _names(ast.parse("from runtime.comm.context import DistContext"), "context", {"context"})
+
+
+def test_the_same_one_strategy_splits_nodes_in_every_package():
+    """The shared code reaches the node split through each package's hooks (the pricing's node_splitter, the
+    Plan's node_split_fields, codegen's node_split_lowering): one strategy, the same in all three."""
+    from codegen.strategies.registry import node_split_lowering
+    from planner.strategies.fields import node_split_fields
+    from planner.strategies.registry import STRATEGIES, node_splitter
+
+    assert sum(s.splits_nodes for s in STRATEGIES) == 1
+    assert node_splitter().name == node_split_fields().name == node_split_lowering().name
