@@ -58,14 +58,14 @@ ADAM_BYTES = 28
 
 
 @dataclass(frozen=True)
-class Op:
+class Dispatch:
     """One op in a row's (or a step's) stream: host seconds to dispatch it, device seconds of its kernels."""
 
     host: float
     device: float
 
 
-def queue_seconds(ops: Iterable[Op], host_start: float = 0.0, device_free: float = 0.0) -> tuple[float, float]:
+def queue_seconds(ops: Iterable[Dispatch], host_start: float = 0.0, device_free: float = 0.0) -> tuple[float, float]:
     """(host time, device time) when the last op's kernels end, for ops dispatched in order by one host
     thread onto one stream: the host dispatches op i at host_i (the sum of the dispatch times so far);
     its kernels start once dispatched and once the kernels before them are done."""
@@ -93,7 +93,7 @@ def efficiency_of(costs: GpuCosts) -> Efficiency:
 # --- the model of one row ----------------------------------------------------------------------
 
 
-def row_kernels(row: OpRow, device, costs: GpuCosts) -> list[Op] | None:
+def row_kernels(row: OpRow, device, costs: GpuCosts) -> list[Dispatch] | None:
     """The ops one timed call of `row` dispatches, with their host and device seconds; None for a
     row outside the model (EXCLUDED, or an op family this version does not know)."""
     d, op, dt = row.dims(), row.op, row.dtype
@@ -102,74 +102,74 @@ def row_kernels(row: OpRow, device, costs: GpuCosts) -> list[Op] | None:
         gpu = gpu_of(device, dt if dt in ("fp32", "tf32") else "bf16", costs)
         e = _ELEM.get(dt, 2)
         m, k, n = d["M"], d["K"], d["N"]
-        return [Op(costs.host_gemm, gpu.gemm(GemmShape(m, n, k), (m * k + k * n + m * n) * e))]
+        return [Dispatch(costs.host_gemm, gpu.gemm(GemmShape(m, n, k), (m * k + k * n + m * n) * e))]
     if op in ("sdpa_fwd", "sdpa_fwd_bwd"):
         gpu = gpu_of(device, "bf16", costs)
         shape = AttentionShape(d["B"], d["H"], d["T"], d["T"], d["D"], causal="causal" in row.shape)
         nbytes = 4 * shape.batch * shape.heads * shape.tq * shape.head_dim * 2
         f, b = fused_attention_seconds(shape, gpu, nbytes)
-        ops = [Op(costs.host_gemm, f)]
-        return ops + [Op(costs.host_gemm, b)] if op == "sdpa_fwd_bwd" else ops
+        ops = [Dispatch(costs.host_gemm, f)]
+        return ops + [Dispatch(costs.host_gemm, b)] if op == "sdpa_fwd_bwd" else ops
     if op in ("layernorm_fwd", "layernorm_fwd_bwd"):
         gpu = gpu_of(device, "bf16", costs)
         rows, h = d["N"], d["h"]
         e = rows * h
-        ops = [Op(fwd_host, gpu.stream("cast", 6 * e)),                          # autocast: x bf16 -> fp32
-               Op(fwd_host, gpu.stream(OpKind.NORM, 8 * e + 8 * rows + 8 * h))]  # LayerNorm in fp32
+        ops = [Dispatch(fwd_host, gpu.stream("cast", 6 * e)),                          # autocast: x bf16 -> fp32
+               Dispatch(fwd_host, gpu.stream(OpKind.NORM, 8 * e + 8 * rows + 8 * h))]  # LayerNorm in fp32
         if op == "layernorm_fwd_bwd":
-            ops += [Op(bwd_host, gpu.stream(OpKind.NORM, 12 * e + 8 * rows + 16 * h, True, kernels=2)),
-                    Op(bwd_host, gpu.stream("cast", 6 * e, True))]               # dx fp32 -> bf16
+            ops += [Dispatch(bwd_host, gpu.stream(OpKind.NORM, 12 * e + 8 * rows + 16 * h, True, kernels=2)),
+                    Dispatch(bwd_host, gpu.stream("cast", 6 * e, True))]               # dx fp32 -> bf16
         return ops
     if op == "gelu_fwd":
         gpu = gpu_of(device, "bf16", costs)
-        return [Op(fwd_host, gpu.stream(OpKind.ELEMENTWISE, 4 * d["N"] * d["h"]))]
+        return [Dispatch(fwd_host, gpu.stream(OpKind.ELEMENTWISE, 4 * d["N"] * d["h"]))]
     if op == "add_residual":   # x + y: two full tensors read, one written
         gpu = gpu_of(device, "bf16", costs)
-        return [Op(fwd_host, gpu.stream(OpKind.ELEMENTWISE, 6 * d["N"] * d["h"]))]
+        return [Dispatch(fwd_host, gpu.stream(OpKind.ELEMENTWISE, 6 * d["N"] * d["h"]))]
     if op == "host_linear_fwd_bwd":
         # one autograd-recorded nn.Linear forward and torch.autograd.grad of x, weight and bias, on tiny
         # tensors (the device keeps up): the forward's GEMM call; the backward's two GEMMs and the bias
         # gradient's sum; under bf16 autocast the casts of x, weight and bias and their gradients' casts back
-        ops = [Op(costs.host_gemm, 0.0), Op(costs.host_op, 0.0)]          # addmm; autograd.grad's call
-        ops += [Op(costs.host_gemm * costs.host_backward_share, 0.0)] * 2 + [Op(bwd_host, 0.0)]
+        ops = [Dispatch(costs.host_gemm, 0.0), Dispatch(costs.host_op, 0.0)]          # addmm; autograd.grad's call
+        ops += [Dispatch(costs.host_gemm * costs.host_backward_share, 0.0)] * 2 + [Dispatch(bwd_host, 0.0)]
         if dt == "bf16":
-            ops += [Op(fwd_host, 0.0)] * 3 + [Op(bwd_host, 0.0)] * 3
+            ops += [Dispatch(fwd_host, 0.0)] * 3 + [Dispatch(bwd_host, 0.0)] * 3
         return ops
     if op == "host_item_sync":   # x.item(): a copy to the host after the device's last kernel
         gpu = gpu_of(device, "fp32", costs)
-        return [Op(fwd_host, gpu.kernel_gap)]
+        return [Dispatch(fwd_host, gpu.kernel_gap)]
     if op == "add":
         # one full tensor read and one written: a third full tensor would exceed the HBM's peak on the
         # largest row (16384 x 8192 in 0.1996 ms), so the second operand is broadcast or the same tensor
         gpu = gpu_of(device, "bf16", costs)
-        return [Op(fwd_host, gpu.stream(OpKind.ELEMENTWISE, 4 * d["N"] * d["h"]))]
+        return [Dispatch(fwd_host, gpu.stream(OpKind.ELEMENTWISE, 4 * d["N"] * d["h"]))]
     if op in ("xent_fp32_fwd_bwd", "xent_bf16_fwd_bwd"):
         gpu = gpu_of(device, "bf16", costs)
         return loss_ops(gpu, d["N"], d["V"], upcast=op == "xent_fp32_fwd_bwd")
     if op in ("adamw_fused", "adamw_foreach"):
         gpu = gpu_of(device, "fp32", costs)
-        return [Op(fwd_host, adam_seconds(gpu, d["params"], d["tensors"], op.removeprefix("adamw_")))]
+        return [Dispatch(fwd_host, adam_seconds(gpu, d["params"], d["tensors"], op.removeprefix("adamw_")))]
     if op == "copy_d2d":
         gpu = gpu_of(device, "bf16", costs)
-        return [Op(fwd_host, gpu.stream(OpKind.ELEMENTWISE, 2 * d["bytes"]))]
+        return [Dispatch(fwd_host, gpu.stream(OpKind.ELEMENTWISE, 2 * d["bytes"]))]
     if op in ("copy_h2d_pinned", "copy_h2d_pageable"):
         bw = costs.h2d_pinned if op == "copy_h2d_pinned" else costs.h2d_pageable
-        return [Op(fwd_host, d["bytes"] / bw)]
+        return [Dispatch(fwd_host, d["bytes"] / bw)]
     if op == "launch_1000_small_adds":
         gpu = gpu_of(device, "fp32", costs)
-        return [Op(fwd_host, gpu.kernel_gap)] * 1000
+        return [Dispatch(fwd_host, gpu.kernel_gap)] * 1000
     return None
 
 
 def loss_ops(gpu: Gpu, tokens: int, vocab: int, *, upcast: bool, host: float | None = None,
-             backward_host: float | None = None) -> list[Op]:
+             backward_host: float | None = None) -> list[Dispatch]:
     """loss_passes' forward and backward ops in one list (an op table's xent rows time both)."""
     fwd, bwd = loss_passes(gpu, tokens, vocab, upcast=upcast, host=host, backward_host=backward_host)
     return fwd + bwd
 
 
 def loss_passes(gpu: Gpu, tokens: int, vocab: int, *, upcast: bool, host: float | None = None,
-                backward_host: float | None = None) -> tuple[list[Op], list[Op]]:
+                backward_host: float | None = None) -> tuple[list[Dispatch], list[Dispatch]]:
     """(forward ops, backward ops) of F.cross_entropy over (tokens x vocab) logits in the compute dtype, as
     eager PyTorch runs it (`upcast`: on logits.float(), as the runtime's full loss does):
 
@@ -185,13 +185,13 @@ def loss_passes(gpu: Gpu, tokens: int, vocab: int, *, upcast: bool, host: float 
     bh = c.host_op * c.host_backward_share if backward_host is None else backward_host
     e = tokens * vocab
     w = 4 if upcast else gpu.elem_bytes
-    fwd = [Op(fh, gpu.stream("cast", 6 * e))] if upcast else []
-    fwd += [Op(fh, gpu.stream(OpKind.SOFTMAX, 2 * w * e)),                  # log_softmax
-            Op(fh, gpu.kernel_gap)]                                          # nll_loss (reads one logit a row)
-    bwd = [Op(bh, gpu.stream(OpKind.ELEMENTWISE, w * e, True)),              # nll_loss_backward's zero fill
-           Op(bh, gpu.stream(OpKind.SOFTMAX, 3 * w * e, True))]              # log_softmax_backward
+    fwd = [Dispatch(fh, gpu.stream("cast", 6 * e))] if upcast else []
+    fwd += [Dispatch(fh, gpu.stream(OpKind.SOFTMAX, 2 * w * e)),                  # log_softmax
+            Dispatch(fh, gpu.kernel_gap)]                                          # nll_loss (reads one logit a row)
+    bwd = [Dispatch(bh, gpu.stream(OpKind.ELEMENTWISE, w * e, True)),              # nll_loss_backward's zero fill
+           Dispatch(bh, gpu.stream(OpKind.SOFTMAX, 3 * w * e, True))]              # log_softmax_backward
     if upcast:
-        bwd.append(Op(bh, gpu.stream("cast", 6 * e, True)))
+        bwd.append(Dispatch(bh, gpu.stream("cast", 6 * e, True)))
     return fwd, bwd
 
 

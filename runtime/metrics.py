@@ -35,7 +35,7 @@ from typing import TextIO
 
 import torch
 
-from runtime.launch.progress import Progress
+from runtime.launch.progress import StepProgress
 from runtime.tensorboard_log import TensorBoardLog
 
 from runtime.executor import RankFailure, StepResult
@@ -128,7 +128,7 @@ class StepLog:
         self._work = work
         self._device = device
         self._tb = TensorBoardLog(tensorboard, first_step) if tensorboard else None
-        self._progress = Progress(first_step, num_steps, stream or sys.stderr) if progress else None
+        self._progress = StepProgress(first_step, num_steps, stream or sys.stderr) if progress else None
         self._file = open_metrics(path, first_step)
 
     def start_step(self) -> None:

@@ -89,7 +89,7 @@ def predicted_costs(build: str | Path, cluster: "Cluster"):
     gpu = cluster.device.kind == DeviceKind.GPU
     # on a GPU the Evaluator prices the build's own step (its optimizer and implementation, clipping, loss
     # and execution options) as the runtime runs it; on a CPU the calibrated fixed costs are added below
-    options = dict(setup=setup_of(train), execution=execution_of(train)) if gpu else {}
+    options = dict(setup=setup_of(train), execution=recorded_execution(train)) if gpu else {}
     pred = Evaluator(graph, cluster, sharding=mode, **options).evaluate(config, plan.global_batch_size)
     tensors = param_tensors(graph, plan)
     if not gpu:
@@ -114,7 +114,7 @@ def setup_of(train: dict) -> StepSetup:
                                     or train.get("loss_scale") is not None))
 
 
-def execution_of(train: dict) -> Execution:
+def recorded_execution(train: dict) -> Execution:
     """The Execution options (runtime/execution.py) a build's training description records (defaults if none)."""
     doc = train.get("execution")
     return Execution.from_dict(doc, "build.json train.execution") if doc else Execution()

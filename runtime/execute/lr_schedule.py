@@ -40,8 +40,8 @@ class ScheduleKind(StrEnum):
     LINEAR = "linear"
 
 
-class ScheduleError(ValueError):
-    """A schedule that cannot be built; the message names the field and what to give."""
+class LrScheduleError(ValueError):
+    """A learning-rate schedule that cannot be built; the message names the field and what to give."""
 
 
 @dataclass(frozen=True)
@@ -60,29 +60,29 @@ class ScheduleSpec:
         try:
             object.__setattr__(self, "kind", ScheduleKind(self.kind))
         except ValueError:
-            raise ScheduleError(f"unknown lr schedule {self.kind!r}; known: "
+            raise LrScheduleError(f"unknown lr schedule {self.kind!r}; known: "
                                 f"{', '.join(k.value for k in ScheduleKind)}") from None
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ScheduleError(f"warmup_steps must be a whole number of steps >= 0, got {self.warmup_steps!r}")
+            raise LrScheduleError(f"warmup_steps must be a whole number of steps >= 0, got {self.warmup_steps!r}")
         if not self.min_lr >= 0:
-            raise ScheduleError(f"min_lr must be zero or positive, got {self.min_lr!r}")
+            raise LrScheduleError(f"min_lr must be zero or positive, got {self.min_lr!r}")
         if self.kind is ScheduleKind.CONSTANT:
             if self.decay_steps is not None or self.min_lr:
-                raise ScheduleError("min_lr and decay_steps belong to a decaying schedule; give --lr-schedule "
+                raise LrScheduleError("min_lr and decay_steps belong to a decaying schedule; give --lr-schedule "
                                     "cosine or linear, or leave them out")
             return
         d = self.decay_steps
         if d is None:
-            raise ScheduleError(f"the {self.kind.value} schedule needs decay_steps (--decay-steps: the step at "
+            raise LrScheduleError(f"the {self.kind.value} schedule needs decay_steps (--decay-steps: the step at "
                                 "which the lr reaches min_lr)")
         if isinstance(d, bool) or not isinstance(d, int) or d <= self.warmup_steps:
-            raise ScheduleError(f"decay_steps ({d!r}) must be a whole number of steps greater than warmup_steps "
+            raise LrScheduleError(f"decay_steps ({d!r}) must be a whole number of steps greater than warmup_steps "
                                 f"({self.warmup_steps})")
 
     def check_lr(self, lr: float) -> None:
         """min_lr must not exceed the peak lr."""
         if self.min_lr > lr:
-            raise ScheduleError(f"min_lr {self.min_lr!r} is above the peak lr {lr!r}; give a smaller --min-lr")
+            raise LrScheduleError(f"min_lr {self.min_lr!r} is above the peak lr {lr!r}; give a smaller --min-lr")
 
     def build(self, optimizer: torch.optim.Optimizer) -> lr_scheduler.LRScheduler:
         """The scheduler over `optimizer`, whose groups' lr is the peak lr now (sets the lr of step 0)."""
@@ -117,7 +117,7 @@ class ScheduleSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ScheduleSpec":
-        refuse_unknown_fields(d, cls, "schedule", ScheduleError)
+        refuse_unknown_fields(d, cls, "schedule", LrScheduleError)
         return cls(**d)
 
 

@@ -40,7 +40,7 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-class Progress:
+class StepProgress:
     """Shows steps first_step .. first_step + num_steps - 1 as they end (`update` with a metrics line).
 
     Args:
@@ -156,7 +156,7 @@ class MetricsTail:
 
 
 class RunProgress:
-    """The `meshplan run` launcher's display: rank 0's metrics.jsonl lines (MetricsTail) drawn by Progress.
+    """The `meshplan run` launcher's display: rank 0's metrics.jsonl lines (MetricsTail) drawn by StepProgress.
 
     The launcher calls `poll()` while it waits for the ranks (it reads at most every `every_s`) and
     `close()` when they have exited, which shows the lines not yet shown. A fresh run's file is removed
@@ -169,7 +169,7 @@ class RunProgress:
             path.unlink(missing_ok=True)
         ignore = path.stat().st_ino if first_step > 0 and path.exists() else None
         self._tail = MetricsTail(path, first_step, ignore)
-        self._progress = Progress(first_step, num_steps, stream, bar=bar)
+        self._progress = StepProgress(first_step, num_steps, stream, bar=bar)
         self._every = every_s
         self._next = 0.0
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from runtime.comm import SoloGroup
 from runtime.parallel.context.attention import ContextAttentionError, context_attention
-from runtime.parallel.context.layout import ContextLayoutError, assemble, chunk_layout, sequence_order
+from runtime.parallel.context.layout import ContextLayoutError, chunk_layout, sequence_order, whole_sequence
 from runtime.parallel.tensor.layers import ShapeGroup
 
 
@@ -38,7 +38,7 @@ def test_take_put_and_assemble():
     parts = [chunk_layout(16, 2, r).take(x, 1) for r in range(2)]
     assert parts[0][1].tolist() == [160, 170, 180, 190, 280, 290, 300, 310]
     assert parts[1][0].tolist() == [40, 50, 60, 70, 80, 90, 100, 110]
-    assert torch.equal(assemble(parts, 1), x)
+    assert torch.equal(whole_sequence(parts, 1), x)
     full = torch.zeros_like(x)
     chunk_layout(16, 2, 1).put(full, parts[1], 1)
     assert full[0].tolist() == [0] * 4 + [40, 50, 60, 70, 80, 90, 100, 110] + [0] * 4

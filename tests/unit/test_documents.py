@@ -77,7 +77,7 @@ def test_every_settings_class_refuses_an_unknown_field_by_name_with_the_closest_
     """One check for every from_dict of a frozen settings class (the config, the build, an instruction, the
     optimizer, the schedule, the overlap): the unknown keys, the closest known field, and every known one."""
     from cost_models.overlap import Overlap
-    from runtime.execute.lr_schedule import ScheduleError, ScheduleSpec
+    from runtime.execute.lr_schedule import LrScheduleError, ScheduleSpec
     from runtime.execute.optim import OptimizerSpec
     from runtime.program.core import Instr, ProgramError
     from runtime.spec import SpecError, TrainSpec
@@ -86,7 +86,7 @@ def test_every_settings_class_refuses_an_unknown_field_by_name_with_the_closest_
         ParallelConfig.from_dict({"tensr": 2})
     for cls, doc, error in ((TrainSpec, {"clip_grads": 1.0}, SpecError), (Instr, {"opp": "F"}, ProgramError),
                             (OptimizerSpec, {"lr": 0.1, "wd": 0.1}, ValueError),
-                            (ScheduleSpec, {"kind": "cosine", "warmup": 3}, ScheduleError),
+                            (ScheduleSpec, {"kind": "cosine", "warmup": 3}, LrScheduleError),
                             (Overlap, {"tp_com": 0.5}, ValueError)):
         with pytest.raises(error, match="unknown .* field") as e:
             cls.from_dict(doc)

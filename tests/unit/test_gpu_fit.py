@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cost_models.gpu_costs import GpuCosts, gpu_costs
-from cost_models.gpu_fit import EXCLUDED, Op, fit_gpu, predict_row, queue_seconds, row_errors
+from cost_models.gpu_fit import EXCLUDED, Dispatch, fit_gpu, predict_row, queue_seconds, row_errors
 from cost_models.hardware import Cluster
 from cost_models.op_table import OpRow, read_op_table
 
@@ -77,10 +77,10 @@ def test_an_unaligned_vocabulary_makes_the_output_gemm_seven_times_slower(rows):
 
 def test_a_row_is_the_host_dispatching_its_ops_while_the_device_runs_them():
     # a small op: its dispatch then its kernel; a large one: the device never waits after the first
-    assert queue_seconds([Op(10e-6, 2e-6)]) == pytest.approx((10e-6, 12e-6))
-    assert queue_seconds([Op(10e-6, 1e-3), Op(10e-6, 1e-3)])[1] == pytest.approx(10e-6 + 2e-3)
+    assert queue_seconds([Dispatch(10e-6, 2e-6)]) == pytest.approx((10e-6, 12e-6))
+    assert queue_seconds([Dispatch(10e-6, 1e-3), Dispatch(10e-6, 1e-3)])[1] == pytest.approx(10e-6 + 2e-3)
     # three small ops: the device waits for each dispatch
-    assert queue_seconds([Op(10e-6, 2e-6)] * 3)[1] == pytest.approx(30e-6 + 2e-6)
+    assert queue_seconds([Dispatch(10e-6, 2e-6)] * 3)[1] == pytest.approx(30e-6 + 2e-6)
 
 
 def test_the_fit_recovers_known_constants_from_rows_the_model_made(rows):

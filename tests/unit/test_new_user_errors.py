@@ -14,7 +14,7 @@ from torch import nn
 
 import planner
 from planner.app.cli import main
-from runtime.launch.progress import Progress
+from runtime.launch.progress import StepProgress
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,10 +75,10 @@ def test_show_into_a_directory_names_the_pictures_path(tmp_path, capsys):
 def test_the_first_progress_line_leaves_the_start_up_out():
     now = [100.0]
     out = io.StringIO()
-    p = Progress(0, 4, out, interval_s=0.0, clock=lambda: now[0])
+    p = StepProgress(0, 4, out, interval_s=0.0, clock=lambda: now[0])
     now[0] += 30.0                                       # the processes start; the first step takes 0.1 s
     p.update({"step": 0, "loss": 1.0, "seconds": 0.1})
     assert out.getvalue().startswith("step 0 (1/4, 25%)  loss 1.0000  0:30 elapsed, 0.100 s/step, ETA 0:00")
     quiet = io.StringIO()
-    Progress(0, 4, quiet, interval_s=0.0, clock=lambda: now[0]).update({"step": 0, "loss": 1.0})
+    StepProgress(0, 4, quiet, interval_s=0.0, clock=lambda: now[0]).update({"step": 0, "loss": 1.0})
     assert "ETA -" in quiet.getvalue()                   # no step time known yet: no rate, not the start-up's

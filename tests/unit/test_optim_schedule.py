@@ -10,7 +10,7 @@ from torch import nn
 
 from codegen.strategies.data import make_buckets
 from runtime.checkpoint import optimizer_param_names
-from runtime.execute.lr_schedule import ScheduleError, ScheduleSpec, current_lr, load_scheduler_state, scheduler_state
+from runtime.execute.lr_schedule import LrScheduleError, ScheduleSpec, current_lr, load_scheduler_state, scheduler_state
 from runtime.execute.optim import NoDecay, OptimizerImpl, OptimizerSpec, optimizer_order, rank_optimizer
 from runtime.program import Bucket, Program
 from runtime.spec import TrainSpec
@@ -69,12 +69,12 @@ def test_cosine_to_zero_floor_stays_at_zero():
     (dict(warmup_steps=-1), "warmup_steps"),
 ])
 def test_schedule_refuses_what_it_cannot_build(fields, words):
-    with pytest.raises(ScheduleError, match=words):
+    with pytest.raises(LrScheduleError, match=words):
         ScheduleSpec(**fields)
 
 
 def test_min_lr_above_the_peak_is_refused_by_the_build_settings():
-    with pytest.raises(ScheduleError, match="above the peak lr"):
+    with pytest.raises(LrScheduleError, match="above the peak lr"):
         TrainSpec("m.py:f", "m.py:d", 8, optimizer=OptimizerSpec(lr=0.01),
                   schedule=ScheduleSpec("cosine", 0, 0.1, 5))
 
@@ -213,5 +213,5 @@ def test_codegen_flags_make_the_settings_and_name_bad_values():
     opt, sched = optimizer_and_schedule(args)
     assert opt.impl is OptimizerImpl.FOREACH and opt.no_decay is NoDecay.NONE
     assert sched == ScheduleSpec("cosine", 2, 0.001, 6)
-    with pytest.raises(ScheduleError, match="--decay-steps"):
+    with pytest.raises(LrScheduleError, match="--decay-steps"):
         optimizer_and_schedule(build_parser().parse_args(base + ["--lr-schedule", "linear"]))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from runtime.parallel.context import ring as ring_attention
 from runtime.parallel.context.attention import context_attention
-from runtime.parallel.context.layout import assemble, chunk_layout
+from runtime.parallel.context.layout import chunk_layout, whole_sequence
 from runtime.parallel.context.ring import CpuFlashBlocks, MatmulBlocks, _tasks, _tiles
 from tests.tp_threads import run_ranks
 
@@ -91,4 +91,4 @@ def test_ring_on_the_matmul_kernel_with_small_tiles_equals_full_attention(monkey
 
     got = run_ranks(2, rank)
     for i, expected in enumerate([want.detach()] + [x.grad for x in full]):
-        torch.testing.assert_close(assemble([r[i] for r in got], 2), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(whole_sequence([r[i] for r in got], 2), expected, rtol=1e-5, atol=1e-5)

@@ -18,7 +18,7 @@ from codegen.throughput import step_work
 from runtime.executor import StepResult
 from runtime.files import write_atomic
 from runtime.metrics import StepLog, step_fields
-from runtime.launch.progress import MetricsTail, Progress, RunProgress, is_terminal
+from runtime.launch.progress import MetricsTail, StepProgress, RunProgress, is_terminal
 from runtime.program.step_work import StepWork
 from runtime.tensorboard_log import TensorBoardLog, TensorBoardMissing, require_tensorboard
 
@@ -42,7 +42,7 @@ def _line(step, loss=1.0):
 
 def test_plain_lines_come_every_interval_and_for_the_last_step():
     out, clock = io.StringIO(), _Clock()
-    p = Progress(0, 100, out, interval_s=10.0, clock=clock)
+    p = StepProgress(0, 100, out, interval_s=10.0, clock=clock)
     for step in range(100):
         clock.now += 1.0          # a step a second: a line every 10 steps, and the last
         p.update(_line(step, 2.0 - step / 100))
@@ -56,7 +56,7 @@ def test_plain_lines_come_every_interval_and_for_the_last_step():
 
 def test_the_rate_leaves_the_start_up_out():
     out, clock = io.StringIO(), _Clock()
-    p = Progress(0, 4, out, interval_s=0.0, clock=clock)
+    p = StepProgress(0, 4, out, interval_s=0.0, clock=clock)
     clock.now += 30.0                                   # the processes start and the first step runs
     for step in range(4):
         p.update(_line(step))
@@ -67,7 +67,7 @@ def test_the_rate_leaves_the_start_up_out():
 
 def test_lines_read_all_at_once_take_their_rate_from_their_own_seconds():
     out, clock = io.StringIO(), _Clock()
-    p = Progress(0, 10, out, clock=clock)
+    p = StepProgress(0, 10, out, clock=clock)
     clock.now += 5.0
     for step in range(5):                               # the launcher found five new lines in one read
         p.update({"step": step, "loss": 1.0, "seconds": 0.5})
@@ -77,7 +77,7 @@ def test_lines_read_all_at_once_take_their_rate_from_their_own_seconds():
 
 def test_a_resumed_run_counts_its_own_steps():
     out, clock = io.StringIO(), _Clock()
-    p = Progress(50, 10, out, clock=clock)
+    p = StepProgress(50, 10, out, clock=clock)
     for step in range(50, 60):
         clock.now += 2.0
         p.update(_line(step))
@@ -91,7 +91,7 @@ def test_the_bar_is_drawn_only_on_a_terminal(monkeypatch):
     assert not is_terminal(_Tty())
     monkeypatch.setenv("TERM", "xterm")
     tty = _Tty()
-    p = Progress(0, 3, tty)
+    p = StepProgress(0, 3, tty)
     for step in range(3):
         p.update(_line(step))
     p.close()

@@ -13,7 +13,7 @@ import torch.fx as fx
 from codegen.head import find_head
 from codegen.stages import PartitionError
 from codegen.strategies.tensor.split import TensorSplitResult, apply_splits
-from codegen.strategies.tensor.vocab import pad_splits, vocab_split
+from codegen.strategies.tensor.vocab import output_rows_split, pad_splits
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
 from planner.strategies.tensor.split.analysis import tensor_splits
@@ -61,7 +61,7 @@ def head_splits(plan: Plan, gm: fx.GraphModule, rewritten: fx.Graph | None,
         raise PartitionError(f"{flag} needs a model whose output is a final linear layer's, but {why}; "
                              f"leave {flag.split()[0]} out")
     if t > 1 and ex.vocab_multiple > 1:
-        vsplit = vocab_split(splits, site)
+        vsplit = output_rows_split(splits, site)
         if vsplit is None:
             raise PartitionError(f"--vocab-multiple {ex.vocab_multiple} at tensor {t}: the plan does not split "
                                  f"the output layer ({site.weight}) over the vocabulary, so nothing pads it; "

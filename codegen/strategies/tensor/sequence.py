@@ -29,7 +29,7 @@ def sequence_scatters(seq: SequenceSplit) -> list[tuple[str, str, int, FeatureSp
     return [(node, x, dim, whole) for node, x, dim in seq.scatters]
 
 
-def rewrite(graph: fx.Graph, seq: SequenceSplit) -> None:
+def rewrite_sequence(graph: fx.Graph, seq: SequenceSplit) -> None:
     """Insert the gathers and the parameter reads of `seq` into `graph`, in place (see module docstring)."""
     nodes = {n.name: n for n in graph.nodes}
     params = set(seq.params)

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from codegen.strategies.tensor.sequence import rewrite as rewrite_sequence, sequence_scatters
+from codegen.strategies.tensor.sequence import rewrite_sequence, sequence_scatters
 from codegen.local_shapes import run_meta
 from codegen.strategies.tensor.shapes import _rewrite
 from codegen.specialize import debake_devices, fold_batch_sizes
-from codegen.strategies.tensor.weight_ops import rewrite as rewrite_weight_ops
+from codegen.strategies.tensor.weight_ops import rewrite_weight_ops
 from planner.strategies.tensor.split.analysis import decide
 from planner.strategies.tensor.split.sequence import SEQUENCE_DIM
 from planner.strategies.tensor.split.rules import TensorSplitError  # noqa: F401  (re-exported)

@@ -10,7 +10,7 @@ from planner.strategies.tensor.split.splits import TensorSplits
 from runtime.program.shards import FeatureSplit
 
 
-def vocab_split(splits: TensorSplits, site: HeadSite) -> FeatureSplit | None:
+def output_rows_split(splits: TensorSplits, site: HeadSite) -> FeatureSplit | None:
     """The split of the output layer's rows (its weight's dimension 0) in `splits`, or None when the
     plan leaves the layer whole."""
     if site.module is not None:

@@ -34,7 +34,7 @@ from runtime.program.shards import FeatureSplit
 from runtime.parallel.tensor.layers import scatter_to_group, vocab_parallel_embedding
 
 
-def rewrite(graph: fx.Graph, columns: list[str], rows: list[str], vocabs: list[str],
+def rewrite_weight_ops(graph: fx.Graph, columns: list[str], rows: list[str], vocabs: list[str],
             scatters: list[tuple[str, str, int, FeatureSplit]] = (), sequence: SequenceSplit | None = None) -> None:
     """Insert the tensor-parallel communication around the named nodes of `graph`, in place.
 

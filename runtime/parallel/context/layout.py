@@ -89,7 +89,7 @@ def sequence_order(seq_len: int, degree: int) -> torch.Tensor:
     return torch.cat([chunk_layout(seq_len, degree, r).positions() for r in range(degree)])
 
 
-def assemble(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+def whole_sequence(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     """The full-sequence tensor from every rank's part along `dim` (parts[r] from rank r)."""
     joined = torch.cat(list(parts), dim=dim)
     order = sequence_order(joined.shape[dim], len(parts)).to(joined.device)
