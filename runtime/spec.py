@@ -46,6 +46,12 @@ from runtime.documents import read_document, refuse_unknown_fields
 INITS = ("seed", "per-module", "checkpoint")
 
 
+def computes_grad_norm(reported: bool, clip_grad: float | None, loss_scaled: bool) -> bool:
+    """Whether each step computes the global gradient norm: reported (TrainSpec.grad_norm), or needed to clip
+    or to check fp16 loss scaling for overflow (the one rule the runtime and the cost model follow)."""
+    return reported or clip_grad is not None or loss_scaled
+
+
 class SpecError(ValueError):
     """A build file or spec that is malformed; the message names the field."""
 
@@ -146,7 +152,7 @@ class TrainSpec:
     def needs_grad_norm(self) -> bool:
         """Whether each step computes the global gradient norm: reported (grad_norm), or needed to clip or to
         check fp16 loss scaling for overflow."""
-        return self.grad_norm or self.clip_grad is not None or self.loss_scale is not None
+        return computes_grad_norm(self.grad_norm, self.clip_grad, self.loss_scale is not None)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainSpec":

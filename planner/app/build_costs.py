@@ -29,6 +29,7 @@ from runtime.launch.build_files import REMAKE, BuildError, read_build, read_buil
 from runtime.execution import Execution
 from runtime.program.instr_set import Kind
 from runtime.program import COLLECTIVE_OPS, Program
+from runtime.spec import computes_grad_norm
 from runtime.vocab import DeviceKind, DType, OpKind, ShardRole
 
 # Optimizer state bytes per parameter (fp32 state) for what the runtime builds (runtime/execute/optim.py),
@@ -110,8 +111,8 @@ def setup_of(train: dict) -> StepSetup:
     return StepSetup(optimizer=name if name in ("adamw", "sgd") else "adamw", optimizer_impl=opt.get("impl", "auto"),
                      clip_grad=train.get("clip_grad") is not None,
                      loss=train.get("loss", "cross_entropy"),
-                     grad_norm=bool(train.get("grad_norm", True) or train.get("clip_grad") is not None
-                                    or train.get("loss_scale") is not None))
+                     grad_norm=computes_grad_norm(bool(train.get("grad_norm", True)), train.get("clip_grad"),
+                                                  train.get("loss_scale") is not None))
 
 
 def recorded_execution(train: dict) -> Execution:

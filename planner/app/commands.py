@@ -30,6 +30,7 @@ from runtime.execute.evaluation import EvalSpec, eval_setting
 from runtime.launch.launcher import read_build, run_local, stop_reasons
 from runtime.lifetime import Interrupted
 from runtime.execute.loss_scale import loss_scale_for
+from runtime.spec import computes_grad_norm
 from runtime.materialize import check_checkpoint_file
 from runtime.tensorboard_log import require_tensorboard
 from runtime.vocab import Target
@@ -139,7 +140,7 @@ def _step_setup(args: argparse.Namespace, scaling) -> StepSetup:
     """What the build's step runs besides the model, for the cost model (cost_models/step_costs.py)."""
     return StepSetup(optimizer=args.optimizer, optimizer_impl=args.optimizer_impl, clip_grad=args.clip_grad is not None,
                      loss_scaling=scaling is not None, loss=args.loss,
-                     grad_norm=args.grad_norm or args.clip_grad is not None or scaling is not None)
+                     grad_norm=computes_grad_norm(args.grad_norm, args.clip_grad, scaling is not None))
 
 
 def checkpoint_args(args: argparse.Namespace) -> list[str]:
