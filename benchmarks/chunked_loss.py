@@ -1,17 +1,20 @@
-"""Chunked cross-entropy against F.cross_entropy over the whole fp32 logits: time and peak memory of
-one forward + backward.
+"""Chunked and compiled cross-entropy against F.cross_entropy over the whole fp32 logits: time and peak
+memory of one forward + backward.
 
 The output layer of a GPT: hidden (tokens, C) -> logits (tokens, V) -> mean cross-entropy, with
 gradients for hidden and the (fp32) weight. "full" is what a training loop writes:
 F.cross_entropy((hidden @ weight.T).float(), targets), the logits materialized (upcast to fp32);
-"chunked" is runtime.execute.chunked_loss.chunked_cross_entropy(hidden, weight, targets) (chunk_tokens 0:
+"compiled" the same loss over the same logits through torch.compile (runtime.losses.compiled_loss,
+inductor; compiled in the warm-up, outside the timed rounds); "chunked" is runtime.execute.chunked_loss.chunked_cross_entropy(hidden, weight, targets) (chunk_tokens 0:
 the default rule). In fp32 and under torch.autocast(bfloat16) (fp32 master weight, cast in the call).
 
-Time: rounds alternate which variant goes first (the machine's load drifts); the median seconds of
+Time: rounds rotate which variant goes first (the machine's load drifts); the median seconds of
 each, and chunked / full. Peak memory: each variant runs once in a fresh child process; on CPU the
 peak is the process's resident high-water mark (VmHWM, reset after the inputs were built) minus its
 resident size then (so the inputs are excluded; the gradients made by backward are included, alike in both);
-on CUDA torch.cuda.max_memory_allocated minus the allocated bytes before the call.
+on CUDA torch.cuda.max_memory_allocated minus the allocated bytes before the call. The compiled
+variant compiles again at the measured shape inside that call (static shapes): on CPU its peak includes
+the compiler's own memory, tens of MiB (on CUDA that is host memory, not counted).
 
     PYTHONPATH=. python benchmarks/chunked_loss.py [--tokens 2048] [--vocab 50304] [--hidden 768]
         [--rounds 3] [--threads 1] [--device cpu] [--dtypes fp32,bf16]
@@ -22,6 +25,7 @@ Figures: see the report of the branch that added this file (h30loss), and the cl
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -37,8 +41,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from runtime.execute.chunked_loss import auto_chunk_tokens, chunked_cross_entropy  # noqa: E402
+from runtime.losses import compiled_loss  # noqa: E402
 
-VARIANTS = ("full", "chunked")
+VARIANTS = ("full", "compiled", "chunked")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -50,12 +55,19 @@ def inputs(tokens: int, vocab: int, hidden: int, device: str):
     return h, w, t
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled():
+    return compiled_loss("cross_entropy", "inductor")
+
+
 def step(variant: str, h, w, t, autocast) -> float:
     """One forward + backward; the loss value."""
     h.grad = w.grad = None
     with torch.autocast(h.device.type, autocast or torch.float32, enabled=autocast is not None):
         if variant == "full":
             loss = F.cross_entropy((h @ w.T).float(), t)
+        elif variant == "compiled":
+            loss = _compiled()(h @ w.T, t)
         else:
             loss = chunked_cross_entropy(h, w, t)
     loss.backward()
@@ -138,16 +150,16 @@ def main(argv=None) -> int:
         losses = {k: step(k, h, w, t, autocast) for k in VARIANTS}   # warm-up
         times: dict[str, list[float]] = {k: [] for k in VARIANTS}
         for r in range(args.rounds):
-            for k in VARIANTS[r % 2:] + VARIANTS[:r % 2]:
+            for k in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
                 times[k].append(timed(k, h, w, t, autocast, args.device))
         med = {k: statistics.median(ts) for k, ts in times.items()}
         peaks = {k: peak(k, dtype, args) for k in VARIANTS}
-        print(f"{dtype}: loss full {losses['full']:.6f} chunked {losses['chunked']:.6f}")
+        print(f"{dtype}: loss " + " ".join(f"{k} {losses[k]:.6f}" for k in VARIANTS))
         for k in VARIANTS:
             print(f"  {k:8s} median {med[k]:.3f} s  (rounds: {', '.join(f'{x:.3f}' for x in times[k])})  "
                   f"peak {peaks[k]['peak'] / 2**20:.0f} MiB")
-        print(f"  chunked / full: time {med['chunked'] / med['full']:.2f}x, "
-              f"peak {peaks['chunked']['peak'] / peaks['full']['peak']:.2f}x")
+        for k in VARIANTS[1:]:
+            print(f"  {k} / full: time {med[k] / med['full']:.2f}x, peak {peaks[k]['peak'] / peaks['full']['peak']:.2f}x")
     return 0
 
 

@@ -9,7 +9,7 @@ data factory, fused AdamW, bf16 autocast on CUDA unless --dtype says otherwise):
   meshplan  the generated build of the same model at data 1 (one micro-batch per step), run in this
             process through runtime.rank_main (Executor.run_step: batch, forward, loss, backward,
             gradient step, one host sync), with the execution options given (default: compiled
-            stages, the vocabulary padded to a multiple of 64, the fused chunked loss on CUDA).
+            stages, the vocabulary padded to a multiple of 64, the compiled loss on CUDA).
 
 After warm-up steps (compilation) the variants run in alternating rounds of --steps steps (the order
 rotates every round), so the machine's drifting load hits all alike. Printed: each variant's median
@@ -25,12 +25,12 @@ would hold between steps).
     python benchmarks/eager_ratio.py --device cuda --model hf-gpt2 --preset gpt2 --arg seq_len=1024 --batch 16
     python benchmarks/eager_ratio.py --device cuda --quick      (both of the above, few steps: 2-3 minutes)
 
-Options --compile/--no-compile, --compile-scope blocks|stage, --loss-impl full|chunked, --loss-chunk-tokens N and --vocab-multiple N
-set meshplan's execution (codegen's flags); --clip-grad X clips in every variant alike (the loops with
-clip_grad_norm_); --no-grad-norm makes meshplan's build without the per-step reported norm;
---count-copies profiles one step of each variant and prints its copy kernels (aten::copy_ and
-aten::_to_copy calls). Needs only the repository (PYTHONPATH at the checkout) and torch (and
-transformers for hf-gpt2).
+Options --compile/--no-compile, --compile-scope blocks|stage, --loss-impl full|compiled|chunked,
+--loss-chunk-tokens N and --vocab-multiple N set meshplan's execution (codegen's flags); --clip-grad X
+clips in every variant alike (the loops with clip_grad_norm_); --no-grad-norm makes meshplan's build
+without the per-step reported norm; --count-copies profiles one step of each variant and prints its copy
+kernels (aten::copy_ and aten::_to_copy calls). Needs only the repository (PYTHONPATH at the checkout)
+and torch (and transformers for hf-gpt2).
 """
 
 from __future__ import annotations
@@ -314,9 +314,10 @@ def main(argv=None) -> int:
                     help="meshplan: compiled stages (default on)")
     ap.add_argument("--compile-scope", choices=("blocks", "stage"), default="blocks",
                     help="meshplan, with --compile: the repeated blocks (default) or each stage's whole forward")
-    ap.add_argument("--loss-impl", choices=("full", "chunked"), default=None,
-                    help="meshplan: the last stage's loss (default: chunked on CUDA, where it saves the fp32 logits' "
-                         "memory and upcast; full on CPU, where for a small vocabulary its extra passes cost more)")
+    ap.add_argument("--loss-impl", choices=("full", "compiled", "chunked"), default=None,
+                    help="meshplan: the last stage's loss (default: compiled on CUDA, the planner's choice for "
+                         "H100.md's case: no fp32 copy of the logits, fused passes; full on CPU, where a compiled "
+                         "call costs more than it fuses for a small vocabulary)")
     ap.add_argument("--loss-chunk-tokens", type=int, default=0, help="meshplan: tokens per loss chunk (0: auto)")
     ap.add_argument("--vocab-multiple", type=int, default=64, help="meshplan: pad the vocabulary (default 64)")
     ap.add_argument("--clip-grad", type=float, default=None,
@@ -331,7 +332,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="append each model's results to this JSON-lines file")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    args.loss_impl = args.loss_impl or ("chunked" if device.type == "cuda" else "full")
+    args.loss_impl = args.loss_impl or ("compiled" if device.type == "cuda" else "full")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no GPU here")
     torch.manual_seed(0)

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     config = planner.ParallelConfig(micro_batch_size=16, dtype="bf16")
     print("H100.md case on one H100, under each execution option:")
     for ex in (Execution(), Execution(loss="chunked"), Execution(compile=True),
-               Execution(compile=True, loss="chunked", vocab_multiple=64)):
+               Execution(compile=True, loss="compiled"), Execution(compile=True, loss="chunked", vocab_multiple=64)):
         pred = Evaluator(graph, one, execution=ex).evaluate(config, 16)
         t, m = pred.time, pred.memory
         terms = ", ".join(f"{f.name} {getattr(t, f.name) * 1e3:.1f}" for f in dataclasses.fields(t)

@@ -56,6 +56,7 @@ if [ "$dry" = 1 ]; then
   ours=(--arg preset=tiny); ours_batch=4
   h100=(--arg preset=tiny); h100_batch=4
   ratio=(--device cpu --model gpt --preset tiny --batch 4 --steps 2 --rounds 2)
+  ratio_case=("${ratio[@]}")
 else
   backend=nccl; steps=12
   ours=(--arg vocab_size=32768 --arg seq_len=1024 --arg hidden=1024 --arg num_layers=8 --arg num_heads=16)
@@ -63,6 +64,8 @@ else
   h100=(--arg vocab_size=50304 --arg seq_len=1024 --arg hidden=768 --arg num_layers=12 --arg num_heads=12)
   h100_batch=16
   ratio=(--device cuda --quick)
+  ratio_case=(--device cuda --model gpt --arg vocab_size=50304 --arg seq_len=1024 --arg hidden=768 --arg num_layers=12
+              --arg num_heads=12 --batch 16)
 fi
 
 step env 60 "$py" -c '
@@ -99,8 +102,10 @@ model_check() {   # model_check NAME BATCH CODEGEN-ARGS...
 export -f model_check
 export out work dry backend steps
 step ours 100 model_check ours "$ours_batch" "${ours[@]}" --no-compile --loss-impl full
-# 3. the H100.md case under today's runtime, eager with the full loss (as H100.md measured it)
+# 3. the H100.md case under today's runtime, eager with the full loss (as H100.md measured it), then with the
+#    execution options the planner chooses for it (compiled stages and the compiled loss: not yet measured)
 step h100_eager 90 model_check h100_eager "$h100_batch" "${h100[@]}" --no-compile --loss-impl full
+step h100_planned 120 model_check h100_planned "$h100_batch" "${h100[@]}"
 
 # 4. meshplan's runtime against the eager loop and torch.compile(model) (issue 30)
 step eager_ratio 230 "$py" benchmarks/eager_ratio.py "${ratio[@]}"
@@ -108,13 +113,12 @@ step eager_ratio 230 "$py" benchmarks/eager_ratio.py "${ratio[@]}"
 # 5. the gpu test tier (skipped by name on a CPU); its quick calibration is step 1's, through the same code
 step tier 200 "$py" -m pytest tests/gpu -q -p no:cacheprovider -rs --deselect tests/gpu/test_gpu_calibrate.py
 
-# 6. the H100.md case with the execution options the planner chooses for it, if time is left
-step h100_planned 120 model_check h100_planned "$h100_batch" "${h100[@]}"
+# 6. the loss alone over the H100.md case's logits: full, compiled and chunked, time and peak memory
+loss_args=(--device cuda --tokens 16384 --vocab 50304 --hidden 768)
+[ "$dry" = 1 ] && loss_args=(--tokens 256 --vocab 1000 --hidden 64)
+step loss_kernels 90 "$py" benchmarks/chunked_loss.py "${loss_args[@]}" --dtypes bf16 --rounds 3
 # 7. meshplan on the H100.md case with compiled stages and the full loss, against the two loops
-step ratio_full 150 "$py" benchmarks/eager_ratio.py --device cuda --model gpt --arg vocab_size=50304 \
-  --arg seq_len=1024 --arg hidden=768 --arg num_layers=12 --arg num_heads=12 --batch 16 --loss-impl full
+step ratio_full 150 "$py" benchmarks/eager_ratio.py "${ratio_case[@]}" --loss-impl full
 # 8. the same with each stage's whole forward compiled (--compile-scope stage), against the two loops
-step ratio_stage 150 "$py" benchmarks/eager_ratio.py --device cuda --model gpt --arg vocab_size=50304 \
-  --arg seq_len=1024 --arg hidden=768 --arg num_layers=12 --arg num_heads=12 --batch 16 --loss-impl full \
-  --compile-scope stage
+step ratio_stage 150 "$py" benchmarks/eager_ratio.py "${ratio_case[@]}" --loss-impl full --compile-scope stage
 echo "=== logs in $out"

@@ -129,7 +129,8 @@ def check_execution(plan: Plan, execution: Execution, loss: str) -> None:
     """ExecutionError naming the option and the plan's strategy or the loss it does not run with."""
     cfg = plan.config
     blocked = [s.exchanges_in_layers for s in registry.active(plan) if s.exchanges_in_layers]
-    for option, on in (("--compile", execution.compile), ("--loss-impl chunked", execution.chunked)):
+    for option, on in (("--compile", execution.compile), ("--loss-impl chunked", execution.chunked),
+                       ("--loss-impl compiled", execution.compiled_loss)):
         if on and blocked:
             raise ExecutionError(f"{option} does not run with {blocked[0]}: its stages exchange tiles, paths or "
                                  f"sequence chunks inside their layers; leave {option.split()[0]} out")
@@ -142,6 +143,19 @@ def check_execution(plan: Plan, execution: Execution, loss: str) -> None:
     if execution.chunked and loss != "cross_entropy":
         raise ExecutionError(f"--loss-impl chunked fuses a cross-entropy loss with the output layer; this build's "
                              f"loss is {loss}: use --loss-impl full")
+    if execution.compiled_loss and loss != "cross_entropy":
+        raise ExecutionError(f"--loss-impl compiled compiles a cross-entropy loss over the logits; this build's "
+                             f"loss is {loss}: use --loss-impl full")
+
+
+def check_loss_split(parts: Partition, execution: Execution) -> None:
+    """ExecutionError when the compiled loss is asked for but the last stage's logits are split by class over
+    the tensor ranks (their vocabulary-parallel loss exchanges statistics between ranks and runs eager)."""
+    split = next((sp.spec for sp in parts.stages if sp.spec.is_last and sp.spec.output_split is not None), None)
+    if execution.compiled_loss and split is not None:
+        raise ExecutionError("--loss-impl compiled needs the whole logits on each rank, but this plan splits the "
+                             "output layer over the vocabulary (tensor parallelism); use --loss-impl chunked, which "
+                             "runs split, or --loss-impl full")
 
 
 def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str | os.PathLike = "build", *,
@@ -186,6 +200,7 @@ def emit(plan: Plan, model_ref: str, data_ref: str | None = None, out_dir: str |
     model_kwargs = train.model_kwargs
     decay_of = train.optimizer.decays if train.optimizer.splits_decay else None   # buckets: one class each
     parts, programs = lower_plan(plan, graph, bucket_bytes=bucket_bytes, decay_of=decay_of)
+    check_loss_split(parts, execution)
     if evaluation is not None:   # as the ranks check it, from what the Programs run
         check_program(programs[0])
     # every rank script is written (and compiled) before any file is: a failure leaves no half build

@@ -3,7 +3,7 @@ how the stages' compute runs.
 
     --optimizer-impl auto|for-loop|foreach|fused   --no-decay 1d|none
     --lr-schedule constant|cosine|linear  --warmup-steps N  --min-lr LR  --decay-steps N
-    --compile/--no-compile  --loss-impl full|chunked  --loss-chunk-tokens N  --vocab-multiple N
+    --compile/--no-compile  --loss-impl full|compiled|chunked  --loss-chunk-tokens N  --vocab-multiple N
 
 `add_flags` puts them on the codegen parser (planner/app/cli.py); `optimizer_and_schedule` makes
 the build's OptimizerSpec and ScheduleSpec from the parsed arguments (their checks raise
@@ -48,8 +48,9 @@ def add_flags(p: argparse.ArgumentParser, count, nonnegative_number) -> None:
                         "layers eager) or stage (each stage's whole forward compiled; longer compilation, and a "
                         "data-parallel gradient sync starts after the stage's backward) (default: the plan's)")
     p.add_argument("--loss-impl", default=None, choices=[m.value for m in LossImpl],
-                   help="the last stage's cross-entropy: full (the logits, then the loss in fp32) or chunked "
-                        "(fused with the output layer, chunks of tokens, no full logits) (default: the plan's)")
+                   help="the last stage's cross-entropy: full (the logits, then the loss in fp32), compiled (the "
+                        "same through torch.compile: no fp32 copy of the logits; logits whole on each rank) or "
+                        "chunked (fused with the output layer, chunks of tokens, no full logits) (default: the plan's)")
     p.add_argument("--loss-chunk-tokens", type=count(0), default=None, metavar="N",
                    help="tokens per chunk of the chunked loss (0: chosen from the vocabulary; default: the plan's)")
     p.add_argument("--vocab-multiple", type=count(1, MAX_VOCAB_MULTIPLE), default=None, metavar="N",

@@ -1,7 +1,8 @@
 """The parts of a training step outside the captured graph, priced as the runtime runs them on a GPU.
 
-* The loss on the last stage (`loss_cost`): F.cross_entropy over the logits upcast to fp32 (the
-  runtime's full loss, runtime/losses.py), or the fused chunked loss (runtime/execute/chunked_loss.py), which
+* The loss on the last stage: F.cross_entropy over the logits upcast to fp32 (the runtime's full loss,
+  runtime/losses.py, `full_loss_cost`), the same through torch.compile (`compiled_loss_cost`), or the
+  fused chunked loss (runtime/execute/chunked_loss.py), which
   computes the output layer's GEMMs itself chunk by chunk and never holds the whole logits.
 * The optimizer phase (`optimizer_cost`): the optimizer's step by implementation (fused / foreach
   multi-tensor kernels: a cost per tensor and per byte, cost_models/gpu_fit.adam_seconds), the global
@@ -112,6 +113,32 @@ def full_loss_cost(gpu: Gpu, tokens: float, vocab: float, *, logits_bytes: int, 
         fwd = fwd + Work(3 * allreduce(4.0 * n), 3 * gpu.costs.host_op)
     e = float(n) * v
     return LossCost(forward=fwd, backward=bwd, peak_bytes=12.0 * e, kept_bytes=4.0 * e)
+
+
+def compiled_loss_cost(gpu: Gpu, tokens: float, vocab: float, *, logits_bytes: int,
+                       held_vocab: float | None = None) -> LossCost:
+    """The same F.cross_entropy through torch.compile (runtime/losses.compiled_loss) over (tokens x vocab) logits
+    of `logits_bytes` bytes an element, whole on this rank, forward and backward. AOTAutograd's graphs of
+    it (printed with TORCH_LOGS=aot_graphs) fuse into reductions that read the logits in their own dtype:
+
+        forward:  the row max, then the sum of exponentials (a row too long for one block is read twice:
+                  2 reads of the logits), the target's logit (one a row), the mean;
+        backward: softmax minus the target's one-hot, times the incoming gradient, recomputed from the
+                  logits and the saved max and log-sum-exp and written in the logits' dtype (one read,
+                  one write).
+
+    ASSUMPTION until an op table times a compiled loss: those kernels run at the softmax share of the
+    bandwidth, as the eager loss's, with two kernels and two host dispatches (the compiled region's call
+    and its autograd wrapper) each way. Memory: kept from forward to backward, the logits themselves
+    (`held_vocab` columns of them, the padded width where the output layer is padded; default `vocab`) and
+    two fp32 values a row; the backward adds the logits' gradient in their dtype."""
+    n, v = max(int(round(tokens)), 1), max(int(round(vocab)), 1)
+    c, w, e = gpu.costs, float(logits_bytes), float(n) * v
+    fwd = Work(gpu.stream(OpKind.SOFTMAX, 2 * w * e, kernels=2), 2 * c.host_op)
+    bwd = Work(gpu.stream(OpKind.SOFTMAX, 2 * w * e, True, kernels=2), 2 * c.host_op * c.host_backward_share)
+    held = w * n * max(float(held_vocab or v), v)
+    kept = held + 8.0 * n
+    return LossCost(forward=fwd, backward=bwd, peak_bytes=kept + w * e, kept_bytes=kept)
 
 
 def chunked_loss_cost(gpu: Gpu, tokens: float, vocab: float, hidden: int, *, chunk_tokens: int = 0,

@@ -1,15 +1,18 @@
 """Which execution options a plan runs with (runtime/execution.py): priced by the Evaluator, chosen where
 they pay.
 
-On a GPU, meshplan's runtime can compile each stage's repeated blocks, compute the loss in chunks fused
-with the output layer, and pad the output layer's rows to a multiple of 64. The cost model prices each
-(planner/node_pricing.py and execution_pricing.py: compiled layers fuse their casts and dispatch from
-generated code; the fused loss runs the head's GEMMs itself and never holds the logits; a padded
-vocabulary prices the output GEMM at its aligned width), so the plan takes the combination with the best objective that fits, the defaults on a
-tie. Where an option does not apply nothing is tried: on a CPU (the CPU cost model does not price
-compilation), for the torch target (PyTorch's stack runs its own loop), for strategies whose stages the
-runtime does not compile (spatial, sub-graph and context parallelism; codegen/emit.check_execution), for
-a loss other than cross-entropy or a model whose output is not a linear layer's.
+On a GPU, meshplan's runtime can compile each stage's repeated blocks, compile the loss over whole
+logits, compute the loss in chunks fused with the output layer, and pad the output layer's rows to a
+multiple of 64. The cost model prices each (planner/node_pricing.py and execution_pricing.py: compiled
+layers fuse their casts and dispatch from generated code; the compiled loss reads the logits in their
+dtype and keeps no fp32 copy of them; the fused loss runs the head's GEMMs itself and never holds the
+logits; a padded vocabulary prices the output GEMM at its aligned width), so the plan takes the
+combination with the best objective that fits, the defaults on a tie. Where an option does not apply
+nothing is tried: on a CPU (the CPU cost model does not price compilation), for the torch target
+(PyTorch's stack runs its own loop), for strategies whose stages the runtime does not compile (spatial,
+sub-graph and context parallelism; codegen/emit.check_execution), for a loss other than cross-entropy,
+for the fused loss a model whose output is not a linear layer's, and for the compiled loss logits
+split over the vocabulary.
 """
 
 from __future__ import annotations
@@ -30,9 +33,20 @@ def candidates(ev, config) -> list[Execution]:
         return [Execution()]
     head = ev.fused_head_candidate()
     pad = VOCAB_MULTIPLE if head is not None and _vocab(ev, head) % VOCAB_MULTIPLE and _pads(ev, config, head) else 1
-    losses = [LossImpl.FULL] + ([LossImpl.CHUNKED] if head is not None and ev.setup.loss == "cross_entropy" else [])
-    return [Execution(compile=c, loss=loss, vocab_multiple=pad if (c or loss == LossImpl.CHUNKED or pad > 1) else 1)
-            for c in (False, True) for loss in losses]
+    cross_entropy = ev.setup.loss == "cross_entropy"
+    losses = [LossImpl.FULL] + ([LossImpl.COMPILED] if cross_entropy and _whole_logits(ev, config) else []) \
+        + ([LossImpl.CHUNKED] if head is not None and cross_entropy else [])
+    return [Execution(compile=c, loss=loss, vocab_multiple=pad) for c in (False, True) for loss in losses]
+
+
+def _whole_logits(ev, config) -> bool:
+    """Whether each rank holding the logits holds all their classes (the compiled loss's condition:
+    codegen/emit.check_loss_split refuses it where the output layer is split over the vocabulary)."""
+    name = ev.logits_node()
+    if name is None:
+        return False
+    role = ev.node_roles(config).get(name, ShardRole.REPLICATE)
+    return ev.split_divisor(name, role, config) == 1
 
 
 def _vocab(ev, head: str) -> int:

@@ -1,8 +1,9 @@
 """How the Evaluator prices what the runtime's Execution (runtime/execution.py) changes beyond the nodes'
 kernels: which layers a compiled build compiles, the output linear the fused chunked loss computes
-itself, the loss as the execution runs it (full or fused chunked, over the tensor ranks' vocabulary
-split where the output layer is split), the host's copies of each micro-batch (cost_models/step_costs.py),
-and the same Evaluator pricing another Execution (planner/execution_choice.py asks for each option).
+itself, the loss as the execution runs it (full, compiled or fused chunked, over the tensor ranks'
+vocabulary split where the output layer is split), the host's copies of each micro-batch
+(cost_models/step_costs.py), and the same Evaluator pricing another Execution
+(planner/execution_choice.py asks for each option).
 
 `ExecutionPricing` is the part of planner/evaluator.py's Evaluator that does this, kept apart so each file
 holds one concern; it reads the Evaluator's tables (graph, gpu_costs, gpu_graph, overlap, execution,
@@ -16,7 +17,8 @@ import copy
 from typing import TypeVar
 
 from cost_models.autocast import FLOAT32
-from cost_models.step_costs import LossCost, Work, chunked_loss_cost, full_loss_cost, prefetched_batch
+from cost_models.step_costs import (LossCost, Work, chunked_loss_cost, compiled_loss_cost, full_loss_cost,
+                                    prefetched_batch)
 from planner.config import ParallelConfig
 from planner.graph.model import Layer, ModelGraph
 from runtime.execution import Execution, LossImpl
@@ -37,6 +39,10 @@ class ExecutionPricing:
         while self._nodes[name].kind == OpKind.VIEW and self._nodes[name].inputs:
             name = self._nodes[name].inputs[0]
         return name if self._nodes[name].output_meta else None
+
+    def logits_node(self) -> str | None:
+        """The node whose output the loss reads (views resolved), or None."""
+        return self._logits
 
     def fused_head_candidate(self) -> str | None:
         """The output linear a fused chunked loss would compute itself, or None (the model's output is not
@@ -87,8 +93,12 @@ class ExecutionPricing:
                                      allreduce=allreduce, gather=gather)
         mixed = config.dtype != DType.FP32
         low = self.overlap.autocast is False or self.gpu_graph.dtypes.get(n.name) != FLOAT32
-        return full_loss_cost(gpu, tokens, classes / div, logits_bytes=2 if mixed and low else 4,
-                              vocab_parallel=parallel, allreduce=allreduce)
+        width = 2 if mixed and low else 4
+        if self.execution.compiled_loss and div == 1:   # codegen refuses it over a vocabulary split
+            m = self.execution.vocab_multiple
+            return compiled_loss_cost(gpu, tokens, classes, logits_bytes=width, held_vocab=-(-int(classes) // m) * m)
+        return full_loss_cost(gpu, tokens, classes / div, logits_bytes=width, vocab_parallel=parallel,
+                              allreduce=allreduce)
 
     def _batch_copies(self, layer: Layer, config: ParallelConfig) -> Work:
         """Host-to-device copies of a micro-batch, the inputs before the first layer and the targets before

@@ -6,8 +6,11 @@ These choices change how fast a step runs and how much memory it holds, never wh
 - compile: each stage's repeated blocks run through torch.compile (regional compilation, static
   shapes per micro-batch), which fuses elementwise work and removes most per-kernel host cost;
 - loss: how the last stage computes the loss (LossImpl): "full" materializes the logits and runs
-  the loss over them upcast to fp32; "chunked" computes cross-entropy over chunks of tokens from
-  the last hidden state and the output layer's weight, never holding the full logits;
+  the loss over them upcast to fp32; "compiled" runs the same loss on the same logits through
+  torch.compile, whose fused kernels upcast inside the reduction and write the gradient in the
+  logits' dtype, so no fp32 copy of the logits, their log-probabilities or their gradient is held;
+  "chunked" computes cross-entropy over chunks of tokens from the last hidden state and the output
+  layer's weight, never holding the full logits;
 - loss_chunk_tokens: tokens per chunk of the chunked loss (0: the runtime's default);
 - vocab_multiple: the output layer's (and its tied embedding's) rows are padded to a multiple of
   this many (1: no padding), so the vocabulary GEMMs run on aligned shapes; logits, the loss,
@@ -18,9 +21,10 @@ These choices change how fast a step runs and how much memory it holds, never wh
   one compiled function: every layer fused and dispatched from generated code, at a compile time that
   grows with the stage's depth; a stage's gradients then all come at the end of its compiled backward,
   so a data-parallel gradient sync no longer starts inside it);
-- compile_backend: torch.compile's backend for compiled stages (CompileBackend): "inductor" (the
-  default; fused kernels) or "aot_eager" (the same graphs captured and differentiated ahead of
-  time, run by eager kernels: what tests use where inductor's C++ compilation would take minutes).
+- compile_backend: torch.compile's backend for compiled stages and the compiled loss (CompileBackend):
+  "inductor" (the default; fused kernels) or "aot_eager" (the same graphs captured and differentiated
+  ahead of time, run by eager kernels: what tests use where inductor's C++ compilation would take
+  minutes).
 
 A plan records them (written only when not the defaults, so earlier plans read unchanged),
 codegen writes them into the build's TrainSpec, and planner.evaluate prices the same values.
@@ -39,6 +43,7 @@ class LossImpl(StrEnum):
     """How the last stage computes a cross-entropy loss."""
 
     FULL = "full"          # the whole (tokens x vocabulary) logits, the loss over them in fp32
+    COMPILED = "compiled"  # the same logits and loss, through torch.compile: no fp32 copy of the logits held
     CHUNKED = "chunked"    # fused: chunks of tokens from the hidden state and the output weight
 
 
@@ -101,6 +106,16 @@ class Execution:
     def whole_stage(self) -> bool:
         """Each stage's whole forward runs compiled (compile on, scope "stage")."""
         return self.compile and self.compile_scope == CompileScope.STAGE
+
+    @property
+    def compiles(self) -> bool:
+        """Something runs through torch.compile: the stages, or the loss."""
+        return self.compile or self.compiled_loss
+
+    @property
+    def compiled_loss(self) -> bool:
+        """The last stage computes the full cross-entropy through torch.compile (runtime/losses.py)."""
+        return self.loss == LossImpl.COMPILED
 
     @property
     def chunked(self) -> bool:

@@ -8,9 +8,19 @@ average of equal-sized micro-batch losses is the loss of the whole batch.
                  of a group holding a block of the classes, it runs without gathering them
                  (vocab_parallel_cross_entropy: max, target-logit and sum-exp all-reduces).
   mse:           mean squared error, output and targets of one shape.
+
+`compiled_loss(name, backend)` is the same loss through torch.compile (Execution.loss "compiled"):
+on whole logits the upcast, the log-softmax and the target's gather fuse into reductions that read
+the 16-bit logits as they are, and the backward's softmax-minus-onehot is written straight in the
+logits' dtype. What it keeps from forward to backward is the logits themselves and two fp32 values
+a row (the row's max and log-sum-exp), where the eager loss keeps fp32 log-probabilities and in
+backward holds two more fp32 tensors of the logits' size. Same values within fp32 rounding.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +93,20 @@ def compute_loss(name: str, output, targets: torch.Tensor, *,
                             "not split the last op for an mse model")
         return F.mse_loss(_wide(out), targets.to(_wide(out).dtype))
     raise LossError(f"unknown loss {name!r}; known: {', '.join(LOSSES)}")
+
+
+def _whole_loss(name: str, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return compute_loss(name, out, targets)
+
+
+def compiled_loss(name: str, backend: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """fn(logits, targets) -> compute_loss(name, logits, targets), compiled by torch.compile with `backend`
+    (runtime/execution.py CompileBackend) at static shapes (a micro-batch's shape never changes in a run,
+    so it compiles once; held-out evaluation, which runs without gradients, stays eager). Logits whole on
+    this rank: the vocabulary-parallel loss (class_split) is not compiled (codegen refuses the option
+    there)."""
+    known_loss(name)
+    return torch.compile(functools.partial(_whole_loss, name), dynamic=False, backend=backend)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

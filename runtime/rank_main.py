@@ -16,7 +16,7 @@ Outputs (under --out, default the build directory):
   run/rank_XXXX.json         this rank's loss and seconds per step, the global gradient norm, loss scale
                              and skip flag per step (runtime/execute/grad_step.py), its resolved optimizer
                              implementation ("optimizer_impl", runtime/execute/optim.py; null without an optimizer),
-                             with compiled stages the graphs torch.compile had made after each step
+                             with compiled stages or loss the graphs torch.compile had made after each step
                              ("compiled_graphs": constant after the first step when nothing recompiles),
                              with --probe-comm the time of a 1 MiB all-reduce over all ranks before the first
                              step, and with evaluation its setting "eval" and results "evals" (runtime/execute/evaluation.py)
@@ -175,7 +175,9 @@ def connect(p: Prepared) -> RankSession:
             class_split = next((c for strategy in STRATEGIES if (c := strategy.class_split(ctx, sp)) is not None), None)
             runners[s] = StageRunner(sp, p.modules[s], loss=p.spec.loss, class_split=class_split,
                                      loss_scale=1.0 / (p.program.num_micro_batches * d), dtype=p.spec.dtype,
-                                     device=p.device, chunk_tokens=p.spec.execution.loss_chunk_tokens)
+                                     device=p.device, chunk_tokens=p.spec.execution.loss_chunk_tokens,
+                                     compiled_loss=p.spec.execution.compile_backend
+                                     if p.spec.execution.compiled_loss else None)
         grads = GradSync(p.program.buckets, p.modules, ctx.group(p.program.grad_axis), p.program.zero, p.device) \
             if p.program.buckets else None
         if grads is not None:

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from runtime.execute.evaluation import count_correct
-from runtime.losses import compute_loss
+from runtime import losses
+from runtime.losses import compute_loss, model_output
 from runtime.execute.output_head import fused_eval, fused_loss
 from runtime.spec import StageSpec
 from runtime.vocab import DType
@@ -39,11 +40,14 @@ class StageRunner:
         loss_scale: factor applied to each micro-batch loss before backward.
         dtype: "fp32" or "bf16"/"fp16" (autocast; parameters stay fp32).
         chunk_tokens: tokens per chunk of a fused loss (0: runtime.execute.chunked_loss's rule).
+        compiled_loss: torch.compile's backend for the loss (Execution.loss "compiled",
+            runtime.losses.compiled_loss), or None: the eager loss. Only where the logits are whole
+            (no class_split); held-out evaluation stays eager.
     """
 
     def __init__(self, spec: StageSpec, module: nn.Module, *, loss: str = "cross_entropy",
                  class_split=None, loss_scale: float = 1.0, dtype: str = DType.FP32,
-                 device: torch.device | str = "cpu", chunk_tokens: int = 0):
+                 device: torch.device | str = "cpu", chunk_tokens: int = 0, compiled_loss: str | None = None):
         self.spec = spec
         self.module = module
         self.loss_name = loss
@@ -54,6 +58,11 @@ class StageRunner:
         self.chunk_tokens = int(chunk_tokens)
         self._saved: dict[int, tuple] = {}
         self._fused = spec.head if spec.is_last and spec.head is not None and spec.head.fused else None
+        if compiled_loss is not None and class_split is not None:
+            raise ValueError("a compiled loss needs the whole logits on the rank; this stage's are split by class "
+                             "(the vocabulary-parallel loss runs eager)")
+        self._compiled = losses.compiled_loss(loss, compiled_loss) if compiled_loss is not None and spec.is_last \
+            and self._fused is None else None
 
     def _autocast(self):
         if self.dtype == DType.FP32:
@@ -83,6 +92,8 @@ class StageRunner:
         if self._fused is not None:
             return fused_loss(self._fused, self.module, out, targets, class_split=self.class_split,
                               chunk_tokens=self.chunk_tokens)
+        if self._compiled is not None:
+            return self._compiled(model_output(out), targets)
         return compute_loss(self.loss_name, out, targets, class_split=self.class_split)
 
     def evaluate(self, inputs: list[torch.Tensor], targets: torch.Tensor | None = None):

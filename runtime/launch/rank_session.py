@@ -58,7 +58,7 @@ class RankSession:
     checkpoint_claim: CheckpointClaim | None = None   # rank 0 with --checkpoint-dir: its lock and run id
     results: list = dataclasses.field(default_factory=list)   # every step's StepResult, in order
     out_ranks: list[int] | None = None   # the ranks whose --out is rank 0's (None: not probed: all)
-    compiled: list = dataclasses.field(default_factory=list)  # compiled stages: graphs compiled after each step
+    compiled: list = dataclasses.field(default_factory=list)  # compiled stages or loss: graphs made after each step
 
     def close(self) -> None:
         if self.checkpoint_claim is not None:

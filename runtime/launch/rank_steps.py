@@ -61,7 +61,7 @@ def train_run(session: RankSession) -> None:
          **({"eval": p.evaluation.to_dict(), "evals": [e.to_dict() for e in evals]} if p.evaluation else {}),
          **({"memory": {**dataclasses.asdict(memory), "step": memory_step}} if memory is not None else {}),
          **({"probe": {"all_reduce_bytes": PROBE_BYTES, "seconds": probe}} if probe is not None else {}),
-         **({"compiled_graphs": session.compiled} if p.spec.execution.compile else {})}))
+         **({"compiled_graphs": session.compiled} if p.spec.execution.compiles else {})}))
     if session.recorder is not None:
         session.recorder.save(run_dir / f"steps_rank_{rank:04d}.pt")
     if not args.no_trace:
@@ -90,7 +90,7 @@ def _train_steps(session: RankSession, first: int, metrics,
     # The second step is in steady state (optimizer state exists from the first step on).
     memory_step = first + 1 if args.steps >= 3 else first
     steps = session.recorder
-    compiled = session.compiled if p.spec.execution.compile else None
+    compiled = session.compiled if p.spec.execution.compiles else None
     for step in range(first, first + args.steps):
         ex.recorder.enabled = step - first < traced
         if steps is not None:

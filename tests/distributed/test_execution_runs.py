@@ -1,9 +1,10 @@
-"""Execution options over real processes (gloo, 2 ranks): compiled stages, the fused chunked loss and the
-padded vocabulary train exactly like the single-process model (`meshplan run --verify`, today's
-tolerances), compiled by repeated block or by whole stage, with recomputation, pipelines (1F1B, interleaved), data parallelism with ZeRO and tensor
-parallelism (with sequence parallelism); nothing recompiles after the first step; the padded vocabulary
-stays out of checkpoints (`meshplan checkpoint convert` gives the model's own shapes) and a checkpoint of
-one padding resumes in another.
+"""Execution options over real processes (gloo, 2 ranks): compiled stages, the compiled loss, the fused
+chunked loss and the padded vocabulary train exactly like the single-process model (`meshplan run
+--verify`, today's tolerances), compiled by repeated block or by whole stage, with recomputation,
+pipelines (1F1B, interleaved), data parallelism with ZeRO and tensor parallelism (with sequence
+parallelism); nothing recompiles after the first step; the padded vocabulary stays out of checkpoints
+(`meshplan checkpoint convert` gives the model's own shapes) and a checkpoint of one padding resumes
+in another.
 
 One build (the MLP's) compiles with inductor: its C++ compilation takes about a minute on this
 machine (a GPT block's, two); the others compile with aot_eager, which captures and differentiates the
@@ -55,6 +56,10 @@ CASES = {
                    {"optimizer": ADAMW, "evaluation": True}),
     "hf_p2_checkpoint": ("hf", dict(pipeline=2), Execution(loss="chunked", vocab_multiple=64), {"optimizer": ADAMW}),
     "hf_d2_full_loss_padded": ("hf", dict(data=2), Execution(vocab_multiple=64), {"optimizer": ADAMW}),
+    # the compiled loss: on a dict output over a padded vocabulary's view, eager stages; and after a pipeline
+    "hf_d2_compiled_loss_padded": ("hf", dict(data=2), Execution(loss="compiled", vocab_multiple=64, **QUICK),
+                                   {"optimizer": ADAMW}),
+    "gpt_p2_compiled_loss": ("gpt", dict(pipeline=2), Execution(compile=True, loss="compiled", **QUICK), {}),
 }
 
 
@@ -108,7 +113,7 @@ def test_every_option_on_equals_the_single_process_run(runs, name):
 
 def test_nothing_recompiles_after_the_first_step(runs, builds):
     for name, (_m, _c, ex, _kw) in CASES.items():
-        if not ex.compile:
+        if not ex.compiles:
             continue
         for rank in (0, 1):
             graphs = json.loads((builds[name] / "run" / f"rank_{rank:04d}.json").read_text())["compiled_graphs"]

@@ -1,0 +1,141 @@
+"""The compiled loss (Execution.loss "compiled", runtime/losses.compiled_loss): the same cross-entropy as the
+eager loss through torch.compile, values and gradients, over the layouts and dtypes the runtime feeds it; the
+stage runner's use of it; its price (cost_models/step_costs.compiled_loss_cost); the refusals that name why
+a build cannot run it."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import planner
+from codegen.emit import ExecutionError, check_execution
+from cost_models.gpu_costs import gpu_costs
+from cost_models.gpu_fit import gpu_of
+from cost_models.step_costs import compiled_loss_cost, full_loss_cost
+from planner.app.cli import main
+from runtime.execute.stage import StageRunner
+from runtime.execution import Execution, LossImpl
+from runtime.losses import LossError, compiled_loss, compute_loss
+from tests.parallel_cases import plan_for
+
+GPT = "examples/models/gpt.py:build"
+
+
+def _pair(fn, logits: torch.Tensor, targets: torch.Tensor, autocast: bool = False):
+    """(loss, gradient of the logits) of fn over a leaf copy of `logits`."""
+    x = logits.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = fn(x, targets)
+    loss.backward()
+    return loss.detach(), x.grad
+
+
+def _eager(x, y):
+    return compute_loss("cross_entropy", x, y)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_compiled_loss_equals_the_eager_one_with_ignored_targets(backend):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 10, 37) * 4
+    targets = torch.randint(0, 37, (3, 10))
+    targets[0, :4] = -100   # F.cross_entropy's ignore_index: left out of the mean and of the gradient
+    fn = compiled_loss("cross_entropy", backend)
+    (a, ga), (b, gb) = _pair(fn, logits, targets), _pair(_eager, logits, targets)
+    assert a.dtype == b.dtype == torch.float32
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
+    assert ga[0, :4].abs().sum() == 0
+
+
+def test_16_bit_logits_give_the_fp32_loss_and_a_16_bit_gradient():
+    torch.manual_seed(1)
+    logits = (torch.randn(4, 8, 50) * 3).bfloat16()
+    targets = torch.randint(0, 50, (4, 8))
+    fn = compiled_loss("cross_entropy", "aot_eager")
+    (a, ga), (b, gb) = _pair(fn, logits, targets, autocast=True), _pair(_eager, logits, targets, autocast=True)
+    assert a.dtype == torch.float32 and ga.dtype == torch.bfloat16
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ga.float(), gb.float(), rtol=1e-2, atol=1e-5)
+
+
+def test_class_dimension_second_and_a_padded_view_of_the_logits():
+    torch.manual_seed(2)
+    fn = compiled_loss("cross_entropy", "aot_eager")
+    images, labels = torch.randn(2, 5, 3, 3), torch.randint(0, 5, (2, 3, 3))   # (N, C, d1, d2): segmentation
+    for (a, ga), (b, gb) in [(_pair(fn, images, labels), _pair(_eager, images, labels))]:
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(ga, gb)
+    # a vocabulary padded to 64 rows, the loss over the real 50 columns (the stage's view of its logits)
+    padded, targets = torch.randn(2, 6, 64), torch.randint(0, 50, (2, 6))
+    view = lambda f: (lambda x, y: f(x[..., :50], y))  # noqa: E731
+    (a, ga), (b, gb) = _pair(view(fn), padded, targets), _pair(view(_eager), padded, targets)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(ga, gb)
+    assert ga[..., 50:].abs().sum() == 0
+
+
+def test_an_unknown_loss_is_refused_by_name():
+    with pytest.raises(LossError, match="unknown loss 'hinge'"):
+        compiled_loss("hinge", "aot_eager")
+
+
+def _last_stage_spec():
+    return types.SimpleNamespace(is_last=True, head=None, inputs=(), outputs=())
+
+
+def test_the_stage_runner_compiles_the_loss_of_a_dict_output_and_refuses_split_logits():
+    spec = _last_stage_spec()
+    module = torch.nn.Linear(4, 7)
+    runner = StageRunner(spec, lambda x: {"logits": module(x)}, compiled_loss="aot_eager")
+    x, y = torch.randn(3, 4), torch.randint(0, 7, (3,))
+    assert runner._compiled is not None
+    torch.testing.assert_close(runner._loss({"logits": module(x)}, y), compute_loss("cross_entropy", module(x), y))
+    with pytest.raises(ValueError, match="compiled loss needs the whole logits"):
+        StageRunner(spec, module, class_split=(0, object(), 7), compiled_loss="aot_eager")
+    assert StageRunner(spec, module)._compiled is None
+
+
+def test_execution_names_the_compiled_loss_and_round_trips():
+    ex = Execution(compile=True, loss="compiled")
+    assert ex.compiled_loss and not ex.chunked and ex.loss == LossImpl.COMPILED
+    assert ex.options() == ["--compile", "--loss-impl compiled"]
+    assert Execution.from_dict(ex.to_dict()) == ex
+
+
+def test_its_price_reads_the_logits_in_their_dtype_and_holds_no_fp32_copy():
+    h100 = planner.Cluster.preset("dgx-h100", devices=1)
+    gpu = gpu_of(h100.device, "bf16", gpu_costs(h100))
+    tokens, vocab = 16 * 1024, 50304
+    e = tokens * vocab
+    full = full_loss_cost(gpu, tokens, vocab, logits_bytes=2)
+    fused = compiled_loss_cost(gpu, tokens, vocab, logits_bytes=2)
+    # kept: the bf16 logits and two fp32 values a row, where the eager loss keeps fp32 log-probabilities
+    assert fused.kept_bytes == 2 * e + 8 * tokens and full.kept_bytes == 4 * e
+    assert fused.peak_bytes == fused.kept_bytes + 2 * e < full.peak_bytes / 2
+    # 8 bytes a logit moved against the eager loss's 48: far less time each way
+    assert fused.forward.device < full.forward.device / 3 and fused.backward.device < full.backward.device / 3
+    # the logits held at their padded width
+    padded = compiled_loss_cost(gpu, tokens, 50257, logits_bytes=2, held_vocab=50304)
+    assert padded.kept_bytes == 2 * tokens * 50304 + 8 * tokens
+
+
+def test_builds_that_cannot_run_the_compiled_loss_are_refused_with_the_reason(tmp_path, capsys):
+    with pytest.raises(ExecutionError, match="loss is mse: use --loss-impl full"):
+        check_execution(plan_for("mlp"), Execution(loss="compiled"), "mse")
+    spatial = types.SimpleNamespace(config=planner.ParallelConfig(spatial=2, spatial_until="conv"), subgraph=())
+    with pytest.raises(ExecutionError, match="--loss-impl compiled does not run with spatial parallelism"):
+        check_execution(spatial, Execution(loss="compiled"), "cross_entropy")
+    # tensor parallelism splits the GPT's output layer over the vocabulary: its loss exchanges statistics
+    out = tmp_path / "t2"
+    assert main(["codegen", GPT, "--arg", "preset=tiny", "--batch", "4", "--tensor", "2", "--loss-impl", "compiled",
+                 "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--loss-impl compiled needs the whole logits on each rank" in err and "Traceback" not in err
+    assert not out.exists()
+    # data parallelism keeps them whole
+    assert main(["codegen", GPT, "--arg", "preset=tiny", "--batch", "4", "--data", "2", "--loss-impl", "compiled",
+                 "-o", str(tmp_path / "d2")]) == 0
