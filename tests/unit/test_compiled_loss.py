@@ -22,6 +22,8 @@ from runtime.losses import LossError, compiled_loss, compute_loss
 from tests.parallel_cases import plan_for
 
 GPT = "examples/models/gpt.py:build"
+# inductor's CPU code generator calls torch.jit.script_method on import (torch's own deprecation, nothing here)
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 def _pair(fn, logits: torch.Tensor, targets: torch.Tensor, autocast: bool = False):
