@@ -27,8 +27,10 @@ that determine it (relative least squares):
     h2d_pinned, h2d_pageable         copy_h2d_pinned, copy_h2d_pageable
     host_backward_share              host_linear_fwd_bwd rows where a calibration measured them
 
-A constant whose rows are absent keeps its default (cost_models/gpu_costs.py says where each
-default comes from). Rows the model does not price (`EXCLUDED`) are named with the reason.
+xent_compiled_fwd_bwd rows (the compiled loss) fit nothing: the report checks them against the model,
+which prices them with the softmax share the eager loss's rows fit. A constant whose rows are absent
+keeps its default (cost_models/gpu_costs.py says where each default comes from). Rows the model does
+not price (`EXCLUDED`) are named with the reason.
 """
 
 from __future__ import annotations
@@ -146,6 +148,10 @@ def row_kernels(row: OpRow, device, costs: GpuCosts) -> list[Dispatch] | None:
     if op in ("xent_fp32_fwd_bwd", "xent_bf16_fwd_bwd"):
         gpu = gpu_of(device, "bf16", costs)
         return loss_ops(gpu, d["N"], d["V"], upcast=op == "xent_fp32_fwd_bwd")
+    if op == "xent_compiled_fwd_bwd":
+        gpu = gpu_of(device, "bf16", costs)
+        fwd, bwd = compiled_loss_passes(gpu, d["N"], d["V"], logits_bytes=_ELEM.get(dt, 2))
+        return fwd + bwd
     if op in ("adamw_fused", "adamw_foreach"):
         gpu = gpu_of(device, "fp32", costs)
         return [Dispatch(fwd_host, adam_seconds(gpu, d["params"], d["tensors"], op.removeprefix("adamw_")))]
@@ -192,6 +198,30 @@ def loss_passes(gpu: Gpu, tokens: int, vocab: int, *, upcast: bool, host: float 
            Dispatch(bh, gpu.stream(OpKind.SOFTMAX, 3 * w * e, True))]              # log_softmax_backward
     if upcast:
         bwd.append(Dispatch(bh, gpu.stream("cast", 6 * e, True)))
+    return fwd, bwd
+
+
+def compiled_loss_passes(gpu: Gpu, tokens: int, vocab: int, *, logits_bytes: int, host: float | None = None,
+                         backward_host: float | None = None) -> tuple[list[Dispatch], list[Dispatch]]:
+    """(forward ops, backward ops) of the same loss through torch.compile (runtime/losses.compiled_loss) over
+    (tokens x vocab) logits of `logits_bytes` bytes an element: the kernels AOTAutograd's graphs of it
+    (TORCH_LOGS=aot_graphs) fuse into, each reading the logits in their own dtype, never writing fp32 ones:
+
+        forward:  the row max, then the sum of exponentials with the target's logit (a row longer than one
+                  block is read once per reduction: 2 reads of the logits)
+        backward: the gradient's row sum over the targets alone (no logit read), then softmax minus the
+                  one-hot times the incoming gradient, from the logits and the saved max and log-sum-exp,
+                  written in the logits' dtype (one read, one write)
+
+    ASSUMPTION until an op table times xent_compiled_fwd_bwd rows (the calibration measures them; the fit
+    does not use them yet): the kernels run at the softmax share of the bandwidth, as the eager loss's, each
+    dispatched at an eager op's host cost (the compiled region's guards and autograd wrapper)."""
+    c = gpu.costs
+    fh = c.host_op if host is None else host
+    bh = c.host_op * c.host_backward_share if backward_host is None else backward_host
+    e = float(tokens) * vocab * logits_bytes
+    fwd = [Dispatch(fh, gpu.stream(OpKind.SOFTMAX, e)), Dispatch(fh, gpu.stream(OpKind.SOFTMAX, e))]
+    bwd = [Dispatch(bh, gpu.kernel_gap), Dispatch(bh, gpu.stream(OpKind.SOFTMAX, 2 * e, True))]
     return fwd, bwd
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_models.gemm import GemmShape
-from cost_models.gpu_fit import adam_seconds, loss_passes
+from cost_models.gpu_fit import adam_seconds, compiled_loss_passes, loss_passes
 from cost_models.kernels import Gpu
 from runtime.execute.chunked_loss import auto_chunk_tokens
 from runtime.vocab import OpKind
@@ -118,27 +118,17 @@ def full_loss_cost(gpu: Gpu, tokens: float, vocab: float, *, logits_bytes: int, 
 def compiled_loss_cost(gpu: Gpu, tokens: float, vocab: float, *, logits_bytes: int,
                        held_vocab: float | None = None) -> LossCost:
     """The same F.cross_entropy through torch.compile (runtime/losses.compiled_loss) over (tokens x vocab) logits
-    of `logits_bytes` bytes an element, whole on this rank, forward and backward. AOTAutograd's graphs of
-    it (printed with TORCH_LOGS=aot_graphs) fuse into reductions that read the logits in their own dtype:
+    of `logits_bytes` bytes an element, whole on this rank, forward and backward: the fused kernels of
+    cost_models/gpu_fit.compiled_loss_passes, 8 bytes moved a 16-bit logit (the eager loss: 48).
 
-        forward:  the row max, then the sum of exponentials (a row too long for one block is read twice:
-                  2 reads of the logits), the target's logit (one a row), the mean;
-        backward: softmax minus the target's one-hot, times the incoming gradient, recomputed from the
-                  logits and the saved max and log-sum-exp and written in the logits' dtype (one read,
-                  one write).
-
-    ASSUMPTION until an op table times a compiled loss: those kernels run at the softmax share of the
-    bandwidth, as the eager loss's, with two kernels and two host dispatches (the compiled region's call
-    and its autograd wrapper) each way. Memory: kept from forward to backward, the logits themselves
-    (`held_vocab` columns of them, the padded width where the output layer is padded; default `vocab`) and
-    two fp32 values a row; the backward adds the logits' gradient in their dtype."""
+    Memory: kept from forward to backward, the logits themselves (`held_vocab` columns of them, the padded
+    width where the output layer is padded; default `vocab`) and two fp32 values a row (the max and the
+    log-sum-exp); the backward adds the logits' gradient in their dtype."""
     n, v = max(int(round(tokens)), 1), max(int(round(vocab)), 1)
-    c, w, e = gpu.costs, float(logits_bytes), float(n) * v
-    fwd = Work(gpu.stream(OpKind.SOFTMAX, 2 * w * e, kernels=2), 2 * c.host_op)
-    bwd = Work(gpu.stream(OpKind.SOFTMAX, 2 * w * e, True, kernels=2), 2 * c.host_op * c.host_backward_share)
-    held = w * n * max(float(held_vocab or v), v)
-    kept = held + 8.0 * n
-    return LossCost(forward=fwd, backward=bwd, peak_bytes=kept + w * e, kept_bytes=kept)
+    f_ops, b_ops = compiled_loss_passes(gpu, n, v, logits_bytes=logits_bytes)
+    w, e = float(logits_bytes), float(n) * v
+    kept = w * n * max(float(held_vocab or v), v) + 8.0 * n
+    return LossCost(forward=_sum(f_ops), backward=_sum(b_ops), peak_bytes=kept + w * e, kept_bytes=kept)
 
 
 def chunked_loss_cost(gpu: Gpu, tokens: float, vocab: float, hidden: int, *, chunk_tokens: int = 0,

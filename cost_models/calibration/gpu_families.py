@@ -18,6 +18,8 @@ unless the dtype says otherwise; shape letters as OpRow.dims reads them):
     add_residual "N h"           x + y, both [N, h] (new: a transformer's residual add)
     xent_fp32_fwd_bwd "N V"      F.cross_entropy(logits.float(), targets) and its gradient for the bf16
                                  logits [N, V] (dtype "bf16->fp32"); xent_bf16_fwd_bwd: without .float()
+    xent_compiled_fwd_bwd "N V"  (new) the first through torch.compile (runtime/losses.compiled_loss,
+                                 inductor: Execution.loss "compiled"); compiled in the warm-up calls
     adamw_fused / adamw_foreach "params P tensors 100"   torch.optim.AdamW(fused= / foreach=True).step()
                                  over 100 fp32 tensors holding P parameters, gradients set
     copy_d2d / copy_h2d_pinned / copy_h2d_pageable "bytes B"   dst.copy_(src) of B bytes (u8); from
@@ -34,7 +36,7 @@ unless the dtype says otherwise; shape letters as OpRow.dims reads them):
 `rate`: tflops = FLOPs / s / 1e12, gbps = bytes / s / 1e9 with the reference's FLOP and byte counts
 (FAMILIES[op].work: 2MKN for a GEMM; causal attention 2BHT^2D forward, 3.5x that with the backward;
 bytes per element: LayerNorm 4 forward, 12 with the backward, gelu 4, add 6, cross-entropy 12
-upcast, 8 in bf16, AdamW 28 per parameter, a device copy 2 per byte, a host copy 1).
+upcast, 8 in bf16 and compiled, AdamW 28 per parameter, a device copy 2 per byte, a host copy 1).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from cost_models.op_table import OpRow, shape_dims
+from runtime.losses import compiled_loss
 
 DEVICE, HOST = "device", "host"
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32}
@@ -182,6 +185,16 @@ def _xent(upcast: bool) -> Build:
     return build
 
 
+def _xent_compiled(device, spec):
+    n, v = spec.dims["N"], spec.dims["V"]
+    loss = compiled_loss("cross_entropy", "inductor")
+
+    def make():
+        return _randn(device, n, v, grad=True), torch.randint(0, v, (n,), device=device)
+
+    return make, (lambda x: torch.autograd.grad(loss(x[0], x[1]), x[0]))
+
+
 def _adamw(impl: str) -> Build:
     def build(device, spec):
         total, count = spec.dims["params"], spec.dims["tensors"]
@@ -274,6 +287,7 @@ FAMILIES: dict[str, Family] = {
     "add_residual": Family(_elementwise("add_residual"), _per_element(6), "gbps"),
     "xent_fp32_fwd_bwd": Family(_xent(True), _per_element(12, "N", "V"), "gbps", rotate=False),
     "xent_bf16_fwd_bwd": Family(_xent(False), _per_element(8, "N", "V"), "gbps", rotate=False),
+    "xent_compiled_fwd_bwd": Family(_xent_compiled, _per_element(8, "N", "V"), "gbps", rotate=False),
     "adamw_fused": Family(_adamw("fused"), lambda d, dt: 28.0 * d["params"], "gbps", rotate=False),
     "adamw_foreach": Family(_adamw("foreach"), lambda d, dt: 28.0 * d["params"], "gbps", rotate=False),
     "copy_d2d": Family(_copy("d2d"), lambda d, dt: 2.0 * d["bytes"], "gbps", rotate=False),

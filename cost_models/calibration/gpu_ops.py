@@ -146,7 +146,9 @@ def gpu_op_specs(quick: bool) -> list[tuple[str, list[OpSpec]]]:
                                    for op, hh in (("layernorm_fwd", h), ("layernorm_fwd_bwd", h), ("gelu_fwd", 4 * h),
                                                   ("add", h), ("add_residual", h))]),
         ("the loss", [OpSpec(op, f"N{n} V{v}", dt) for n, v in vocabs
-                      for op, dt in (("xent_fp32_fwd_bwd", "bf16->fp32"), ("xent_bf16_fwd_bwd", "bf16"))]),
+                      for op, dt in (("xent_fp32_fwd_bwd", "bf16->fp32"), ("xent_bf16_fwd_bwd", "bf16"))]
+         # the compiled loss compiles once per shape (seconds each): the quick mode times one
+         + [OpSpec("xent_compiled_fwd_bwd", f"N{n} V{v}", "bf16->fp32") for n, v in vocabs[:1 if quick else None]]),
         ("the optimizer", [OpSpec(f"adamw_{impl}", f"params{p} tensors100", "fp32") for p in adam
                            for impl in ("fused", "foreach")]),
         ("copies", [OpSpec(op, f"bytes{COPY_BYTES}", "u8")
@@ -225,8 +227,8 @@ def l2_cache_bytes(device: torch.device) -> int:
 
 def measure_gpu_ops(device: torch.device, *, quick: bool, progress: Callable[[str], None] | None = print
                     ) -> list[OpRow]:
-    """The op table of the CUDA device `device` (gpu_op_specs(quick), timed as the module says): 87 rows
-    quick, 212 full. By the H100 reference table's times their calls (warm-ups included) keep an H100
+    """The op table of the CUDA device `device` (gpu_op_specs(quick), timed as the module says): 88 rows
+    quick, 215 full. By the H100 reference table's times their calls (warm-ups included) keep an H100
     busy about 0.9 s quick and 6 s full; allocating inputs and the libraries' first calls add to that."""
     device = torch.device(device)
     if device.type != "cuda":

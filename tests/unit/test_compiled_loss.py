@@ -22,8 +22,6 @@ from runtime.losses import LossError, compiled_loss, compute_loss
 from tests.parallel_cases import plan_for
 
 GPT = "examples/models/gpt.py:build"
-# inductor's CPU code generator calls torch.jit.script_method on import (torch's own deprecation, nothing here)
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 def _pair(fn, logits: torch.Tensor, targets: torch.Tensor, autocast: bool = False):
@@ -141,3 +139,20 @@ def test_builds_that_cannot_run_the_compiled_loss_are_refused_with_the_reason(tm
     # data parallelism keeps them whole
     assert main(["codegen", GPT, "--arg", "preset=tiny", "--batch", "4", "--data", "2", "--loss-impl", "compiled",
                  "-o", str(tmp_path / "d2")]) == 0
+
+
+def test_the_calibration_times_it_and_its_row_is_priced_by_the_same_passes():
+    from cost_models.calibration.gpu_ops import gpu_op_specs
+    from cost_models.gpu_fit import family, predict_row
+    from cost_models.op_table import OpRow
+
+    h100 = planner.Cluster.preset("dgx-h100", devices=1)
+    quick = [s for _, specs in gpu_op_specs(True) for s in specs if s.op == "xent_compiled_fwd_bwd"]
+    assert [s.shape for s in quick] == ["N16384 V50304"]   # one shape in the quick mode: each compiles
+    row = OpRow("xent_compiled_fwd_bwd", "N16384 V50304", "bf16->fp32", 1.0)
+    priced = compiled_loss_cost(gpu_of(h100.device, "bf16", gpu_costs(h100)), 16384, 50304, logits_bytes=2)
+    # a row this large is device-bound: its model is the first op's dispatch, then the kernels' time, which
+    # is what the step's loss adds
+    assert predict_row(row, h100.device, gpu_costs(h100)) == pytest.approx(
+        gpu_costs(h100).host_op + priced.forward.device + priced.backward.device, rel=1e-9)
+    assert family(row.op) == "loss"
