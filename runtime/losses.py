@@ -20,6 +20,7 @@ backward holds two more fp32 tensors of the logits' size. Same values within fp3
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -95,18 +96,47 @@ def compute_loss(name: str, output, targets: torch.Tensor, *,
     raise LossError(f"unknown loss {name!r}; known: {', '.join(LOSSES)}")
 
 
-def _whole_loss(name: str, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _whole_loss(name: str, out: torch.Tensor, targets: torch.Tensor, classes: int | None = None) -> torch.Tensor:
+    if classes is not None:
+        out = out.narrow(-1, 0, classes)
     return compute_loss(name, out, targets)
 
 
-def compiled_loss(name: str, backend: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """fn(logits, targets) -> compute_loss(name, logits, targets), compiled by torch.compile with `backend`
-    (runtime/execution.py CompileBackend) at static shapes (a micro-batch's shape never changes in a run,
-    so it compiles once; held-out evaluation, which runs without gradients, stays eager). Logits whole on
-    this rank: the vocabulary-parallel loss (class_split) is not compiled (codegen refuses the option
-    there)."""
+def compiled_loss(name: str, backend: str) -> Callable[..., torch.Tensor]:
+    """fn(logits, targets, classes=None) -> compute_loss(name, logits[..., :classes], targets), compiled by
+    torch.compile with `backend` (runtime/execution.py CompileBackend) at static shapes (a micro-batch's
+    shape never changes in a run, so it compiles once; held-out evaluation, which runs without gradients,
+    stays eager). Logits whole on this rank: the vocabulary-parallel loss (class_split) is not compiled
+    (codegen refuses the option there).
+
+    `classes`: the real classes of padded logits (Execution.vocab_multiple), given the whole padded tensor
+    (`padded_base`): the narrow to them and its gradient's zero padding then fuse into the loss's kernels,
+    where narrowing outside would cost a strided read and, in backward, a zero-filled padded gradient and
+    a copy into it."""
     known_loss(name)
     return torch.compile(functools.partial(_whole_loss, name), dynamic=False, backend=backend)
+
+
+def padded_base(logits: torch.Tensor) -> torch.Tensor | None:
+    """The whole tensor of which `logits` is the first classes along the last dimension (a padded
+    vocabulary's logits: codegen/head.py narrow_logits), as a view (..., padded classes) of the storage's
+    owner; None when `logits` is not such a view.
+
+    The owner, not the narrowed tensor's parent: a linear layer's 3-d output is itself a view of its 2-d
+    GEMM output, and `Tensor._base` names that root. It qualifies when it is contiguous, starts where
+    `logits` does and holds exactly rows x padded classes, and `logits`'s strides are those of its rows
+    over padded classes: then `logits` is that view narrowed, element for element, and the loss of the view
+    narrowed inside the compiled function has the same value and the same gradient for the owner."""
+    base = logits._base
+    if base is None or logits.dim() < 2 or logits.stride(-1) != 1 or not base.is_contiguous() \
+            or base.storage_offset() != logits.storage_offset():
+        return None
+    width = logits.stride(-2)
+    shape = tuple(logits.shape[:-1]) + (width,)
+    if width <= logits.shape[-1] or base.numel() != math.prod(shape) \
+            or tuple(logits.stride()) != torch.empty(shape, device="meta").stride():
+        return None
+    return base.view(shape)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

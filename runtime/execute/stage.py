@@ -93,7 +93,9 @@ class StageRunner:
             return fused_loss(self._fused, self.module, out, targets, class_split=self.class_split,
                               chunk_tokens=self.chunk_tokens)
         if self._compiled is not None:
-            return self._compiled(model_output(out), targets)
+            logits = model_output(out)
+            wide = losses.padded_base(logits)   # a padded vocabulary: narrowed inside the compiled loss
+            return self._compiled(logits, targets) if wide is None else self._compiled(wide, targets, logits.shape[-1])
         return compute_loss(self.loss_name, out, targets, class_split=self.class_split)
 
     def evaluate(self, inputs: list[torch.Tensor], targets: torch.Tensor | None = None):

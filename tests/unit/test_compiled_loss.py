@@ -18,7 +18,7 @@ from cost_models.step_costs import compiled_loss_cost, full_loss_cost
 from planner.app.cli import main
 from runtime.execute.stage import StageRunner
 from runtime.execution import Execution, LossImpl
-from runtime.losses import LossError, compiled_loss, compute_loss
+from runtime.losses import LossError, compiled_loss, compute_loss, padded_base
 from tests.parallel_cases import plan_for
 
 GPT = "examples/models/gpt.py:build"
@@ -78,6 +78,33 @@ def test_class_dimension_second_and_a_padded_view_of_the_logits():
     assert ga[..., 50:].abs().sum() == 0
 
 
+def test_padded_logits_are_narrowed_inside_the_compiled_loss_with_the_same_gradients():
+    torch.manual_seed(3)
+    head = torch.nn.Linear(8, 64)   # 50 real classes padded to 64, as codegen/head.py narrows them
+    fn = compiled_loss("cross_entropy", "aot_eager")
+    for x in (torch.randn(2, 5, 8), torch.randn(7, 8)):   # a 3-d output is a view of the 2-d GEMM's
+        targets = torch.randint(0, 50, x.shape[:-1])
+        logits = torch.narrow(head(x), -1, 0, 50)
+        wide = padded_base(logits)
+        assert wide.shape == (*x.shape[:-1], 64) and torch.equal(wide[..., :50], logits)
+        head.zero_grad()
+        loss = fn(wide, targets, 50)
+        loss.backward()
+        fused = [p.grad.clone() for p in head.parameters()]
+        head.zero_grad()
+        want = compute_loss("cross_entropy", torch.narrow(head(x), -1, 0, 50), targets)
+        want.backward()
+        torch.testing.assert_close(loss, want)
+        for got, ref in zip(fused, (p.grad for p in head.parameters())):
+            torch.testing.assert_close(got, ref)
+            assert got[50:].abs().sum() == 0   # the padding's rows take no gradient
+    # not a narrow of a padded tensor: whole logits, another dimension narrowed, a transpose
+    whole = head(torch.randn(3, 8))
+    assert padded_base(whole) is None
+    assert padded_base(torch.narrow(whole, 0, 0, 2)) is None
+    assert padded_base(torch.narrow(whole, -1, 0, 50).t()) is None
+
+
 def test_an_unknown_loss_is_refused_by_name():
     with pytest.raises(LossError, match="unknown loss 'hinge'"):
         compiled_loss("hinge", "aot_eager")
@@ -94,6 +121,11 @@ def test_the_stage_runner_compiles_the_loss_of_a_dict_output_and_refuses_split_l
     x, y = torch.randn(3, 4), torch.randint(0, 7, (3,))
     assert runner._compiled is not None
     torch.testing.assert_close(runner._loss({"logits": module(x)}, y), compute_loss("cross_entropy", module(x), y))
+    # a padded output layer's narrowed logits: the runner hands the compiled loss the whole tensor
+    seen = []
+    runner._compiled = lambda *a: seen.append([t.shape if isinstance(t, torch.Tensor) else t for t in a]) or 0.0
+    runner._loss(torch.narrow(torch.nn.Linear(4, 16)(x), -1, 0, 7), y)
+    assert seen == [[(3, 16), (3,), 7]]
     with pytest.raises(ValueError, match="compiled loss needs the whole logits"):
         StageRunner(spec, module, class_split=(0, object(), 7), compiled_loss="aot_eager")
     assert StageRunner(spec, module)._compiled is None
