@@ -151,8 +151,7 @@ def check_execution(plan: Plan, execution: Execution, loss: str) -> None:
 def check_loss_split(parts: Partition, execution: Execution) -> None:
     """ExecutionError when the compiled loss is asked for but the last stage's logits are split by class over
     the tensor ranks (their vocabulary-parallel loss exchanges statistics between ranks and runs eager)."""
-    split = next((sp.spec for sp in parts.stages if sp.spec.is_last and sp.spec.output_split is not None), None)
-    if execution.compiled_loss and split is not None:
+    if execution.compiled_loss and any(sp.spec.is_last and sp.spec.output_split is not None for sp in parts.stages):
         raise ExecutionError("--loss-impl compiled needs the whole logits on each rank, but this plan splits the "
                              "output layer over the vocabulary (tensor parallelism); use --loss-impl chunked, which "
                              "runs split, or --loss-impl full")

@@ -201,8 +201,8 @@ def loss_passes(gpu: Gpu, tokens: int, vocab: int, *, upcast: bool, host: float 
     return fwd, bwd
 
 
-def compiled_loss_passes(gpu: Gpu, tokens: int, vocab: int, *, logits_bytes: int, host: float | None = None,
-                         backward_host: float | None = None) -> tuple[list[Dispatch], list[Dispatch]]:
+def compiled_loss_passes(gpu: Gpu, tokens: int, vocab: int, *, logits_bytes: int
+                         ) -> tuple[list[Dispatch], list[Dispatch]]:
     """(forward ops, backward ops) of the same loss through torch.compile (runtime/losses.compiled_loss) over
     (tokens x vocab) logits of `logits_bytes` bytes an element: the kernels AOTAutograd's graphs of it
     (TORCH_LOGS=aot_graphs) fuse into, each reading the logits in their own dtype, never writing fp32 ones:
@@ -217,8 +217,7 @@ def compiled_loss_passes(gpu: Gpu, tokens: int, vocab: int, *, logits_bytes: int
     does not use them yet): the kernels run at the softmax share of the bandwidth, as the eager loss's, each
     dispatched at an eager op's host cost (the compiled region's guards and autograd wrapper)."""
     c = gpu.costs
-    fh = c.host_op if host is None else host
-    bh = c.host_op * c.host_backward_share if backward_host is None else backward_host
+    fh, bh = c.host_op, c.host_op * c.host_backward_share
     e = float(tokens) * vocab * logits_bytes
     fwd = [Dispatch(fh, gpu.stream(OpKind.SOFTMAX, e)), Dispatch(fh, gpu.stream(OpKind.SOFTMAX, e))]
     bwd = [Dispatch(bh, gpu.kernel_gap), Dispatch(bh, gpu.stream(OpKind.SOFTMAX, 2 * e, True))]

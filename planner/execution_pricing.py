@@ -85,18 +85,17 @@ class ExecutionPricing:
 
         def gather(nbytes: float) -> float:
             return self.split_seconds(config, Collective.ALL_GATHER, nbytes)
+        m = self.execution.vocab_multiple
+        padded = -(-int(classes / div) // m) * m   # this rank's output rows, the padding included
         if self._fused_head(config) == n.name:
-            m = self.execution.vocab_multiple
-            vocab = -(-int(classes / div) // m) * m
-            return chunked_loss_cost(gpu, tokens, vocab, n.input_meta[0].shape[-1],
+            return chunked_loss_cost(gpu, tokens, padded, n.input_meta[0].shape[-1],
                                      chunk_tokens=self.execution.loss_chunk_tokens, vocab_parallel=parallel,
                                      allreduce=allreduce, gather=gather)
         mixed = config.dtype != DType.FP32
         low = self.overlap.autocast is False or self.gpu_graph.dtypes.get(n.name) != FLOAT32
         width = 2 if mixed and low else 4
         if self.execution.compiled_loss and div == 1:   # codegen refuses it over a vocabulary split
-            m = self.execution.vocab_multiple
-            return compiled_loss_cost(gpu, tokens, classes, logits_bytes=width, held_vocab=-(-int(classes) // m) * m)
+            return compiled_loss_cost(gpu, tokens, classes, logits_bytes=width, held_vocab=padded)
         return full_loss_cost(gpu, tokens, classes / div, logits_bytes=width, vocab_parallel=parallel,
                               allreduce=allreduce)
 
