@@ -119,6 +119,7 @@ loss_args=(--device cuda --tokens 16384 --vocab 50304 --hidden 768)
 step loss_kernels 90 "$py" benchmarks/chunked_loss.py "${loss_args[@]}" --dtypes bf16 --rounds 3
 # 7. meshplan on the H100.md case with compiled stages and the full loss, against the two loops
 step ratio_full 150 "$py" benchmarks/eager_ratio.py "${ratio_case[@]}" --loss-impl full
-# 8. the same with each stage's whole forward compiled (--compile-scope stage), against the two loops
-step ratio_stage 150 "$py" benchmarks/eager_ratio.py "${ratio_case[@]}" --loss-impl full --compile-scope stage
+# 8. the same with each stage's whole forward compiled (--compile-scope stage) and the compiled loss: the last
+#    stage's forward and loss as one graph, against the two loops
+step ratio_stage 150 "$py" benchmarks/eager_ratio.py "${ratio_case[@]}" --loss-impl compiled --compile-scope stage
 echo "=== logs in $out"

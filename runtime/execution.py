@@ -20,7 +20,8 @@ These choices change how fast a step runs and how much memory it holds, never wh
   distinct repeated block compiled once, the other layers eager) or "stage" (each stage's whole forward
   one compiled function: every layer fused and dispatched from generated code, at a compile time that
   grows with the stage's depth; a stage's gradients then all come at the end of its compiled backward,
-  so a data-parallel gradient sync no longer starts inside it);
+  so a data-parallel gradient sync no longer starts inside it; with the compiled loss the last stage's
+  forward and its loss compile as one graph: runtime/losses.compiled_forward_loss);
 - compile_backend: torch.compile's backend for compiled stages and the compiled loss (CompileBackend):
   "inductor" (the default; fused kernels) or "aot_eager" (the same graphs captured and differentiated
   ahead of time, run by eager kernels: what tests use where inductor's C++ compilation would take

@@ -15,12 +15,15 @@ the 16-bit logits as they are, and the backward's softmax-minus-onehot is writte
 logits' dtype. What it keeps from forward to backward is the logits themselves and two fp32 values
 a row (the row's max and log-sum-exp), where the eager loss keeps fp32 log-probabilities and in
 backward holds two more fp32 tensors of the logits' size. Same values within fp32 rounding.
+`compiled_forward_loss` compiles a last stage's whole forward and that loss as one graph (compile scope
+"stage").
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Callable
 
 import torch
@@ -115,6 +118,34 @@ def compiled_loss(name: str, backend: str) -> Callable[..., torch.Tensor]:
     a copy into it."""
     known_loss(name)
     return torch.compile(functools.partial(_whole_loss, name), dynamic=False, backend=backend)
+
+
+def _forward_and_loss(forward, loss, targets: torch.Tensor, *inputs) -> torch.Tensor:
+    # reads no global: compiled_forward_loss gives this code the stage module's globals (see there)
+    return loss(forward(*inputs), targets)
+
+
+def compiled_forward_loss(module, name: str, backend: str) -> Callable[..., torch.Tensor]:
+    """fn(targets, *inputs) -> compute_loss(name, module.forward(*inputs), targets): the last stage's whole
+    forward and its loss through torch.compile with `backend`, as one graph (static shapes), where the stage's
+    forward is compiled whole (Execution compile scope "stage") and the loss is compiled too.
+
+    One graph instead of two: the output layer's GEMM, a padded vocabulary's narrow and the loss's reductions
+    are planned together, so the logits' gradient is written once where the head's backward GEMMs read it,
+    and each micro-batch crosses one compiled region's guards and autograd wrapper instead of two
+    (benchmarks/eager_ratio.py --compile-scope stage --loss-impl compiled measures it). `module`'s hooks are
+    not run (the generated stages have none)."""
+    known_loss(name)
+    # the class's forward bound to `module`: the instance's own may be compile_stage's compiled wrapper of it
+    forward = type(module).forward.__get__(module)
+    # The compiled function's globals are the stage module's own: dynamo reaches an inlined function's
+    # globals by importing its module by name unless they are the compiled frame's, and a build's rank
+    # script runs under a name no import finds (runpy, codegen/emit.py).
+    # (a function, not a partial: dynamo runs a partial from a frame of its own).
+    joint = torch.compile(types.FunctionType(_forward_and_loss.__code__, forward.__func__.__globals__,
+                                             "forward_and_loss"), dynamic=False, backend=backend)
+    loss = functools.partial(compute_loss, name)
+    return lambda targets, *inputs: joint(forward, loss, targets, *inputs)
 
 
 def padded_base(logits: torch.Tensor) -> torch.Tensor | None:

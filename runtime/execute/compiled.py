@@ -9,7 +9,9 @@ its guards and its autograd wrapper (about 0.15 ms forward and backward on this 
 machine), more than fusing such a layer saves; a model with no repeated block (a repeated layer
 holding parameters) compiles the layers that hold parameters instead. The stage's forward, its recomputation (torch.utils.checkpoint
 around a compiled layer) and everything the executor does between layers (sends, receives,
-gradient buckets, the loss) stay eager.
+gradient buckets, the loss) stay eager. Under compile scope "stage" (CompileScope.STAGE) the stage's whole
+forward is the one compiled method, and with the compiled loss the last stage's forward and loss are
+compiled together as one graph (runtime/execute/stage.py, runtime/losses.compiled_forward_loss).
 
 Shapes are static (dynamic=False): every micro-batch of a run has the same shape, so after the
 first step nothing recompiles in training (`compiled_graphs` counts the graphs made, which

@@ -42,7 +42,9 @@ class StageRunner:
         chunk_tokens: tokens per chunk of a fused loss (0: runtime.execute.chunked_loss's rule).
         compiled_loss: torch.compile's backend for the loss (Execution.loss "compiled",
             runtime.losses.compiled_loss), or None: the eager loss. Only where the logits are whole
-            (no class_split); held-out evaluation stays eager.
+            (no class_split); held-out evaluation stays eager. On a last stage whose whole forward is
+            compiled (spec.compiled names "forward") the forward and the loss compile as one graph
+            (runtime.losses.compiled_forward_loss).
     """
 
     def __init__(self, spec: StageSpec, module: nn.Module, *, loss: str = "cross_entropy",
@@ -63,6 +65,9 @@ class StageRunner:
                              "(the vocabulary-parallel loss runs eager)")
         self._compiled = losses.compiled_loss(loss, compiled_loss) if compiled_loss is not None and spec.is_last \
             and self._fused is None else None
+        # a stage compiled whole (compile scope "stage"): its forward and the loss compile as one graph
+        self._joint = losses.compiled_forward_loss(module, loss, compiled_loss) \
+            if self._compiled is not None and "forward" in spec.compiled else None
 
     def _autocast(self):
         if self.dtype == DType.FP32:
@@ -78,9 +83,12 @@ class StageRunner:
                 x = x.detach().requires_grad_(True)
             args.append(x)
         with self._autocast():
-            out = self.module(*args)
-            if self.spec.is_last:
-                loss = self._loss(out, targets)
+            if self._joint is not None:
+                loss = self._joint(targets, *args)
+            else:
+                out = self.module(*args)
+                if self.spec.is_last:
+                    loss = self._loss(out, targets)
         if self.spec.is_last:
             self._saved[micro] = (args, loss)
             return loss

@@ -60,6 +60,10 @@ CASES = {
     "hf_d2_compiled_loss_padded": ("hf", dict(data=2), Execution(loss="compiled", vocab_multiple=64, **QUICK),
                                    {"optimizer": ADAMW}),
     "gpt_p2_compiled_loss": ("gpt", dict(pipeline=2), Execution(compile=True, loss="compiled", **QUICK), {}),
+    # stages compiled whole: the last one's forward and the compiled loss in one graph, over a padded vocabulary
+    "hf_p2_whole_stage_compiled_loss": ("hf", dict(pipeline=2), Execution(compile=True, compile_scope="stage",
+                                                                          loss="compiled", vocab_multiple=64, **QUICK),
+                                        {"optimizer": ADAMW}),
 }
 
 

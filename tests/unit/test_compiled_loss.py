@@ -5,6 +5,7 @@ a build cannot run it."""
 
 from __future__ import annotations
 
+import runpy
 import types
 
 import pytest
@@ -111,7 +112,7 @@ def test_an_unknown_loss_is_refused_by_name():
 
 
 def _last_stage_spec():
-    return types.SimpleNamespace(is_last=True, head=None, inputs=(), outputs=())
+    return types.SimpleNamespace(is_last=True, head=None, inputs=(), outputs=(), compiled=())
 
 
 def test_the_stage_runner_compiles_the_loss_of_a_dict_output_and_refuses_split_logits():
@@ -129,6 +130,59 @@ def test_the_stage_runner_compiles_the_loss_of_a_dict_output_and_refuses_split_l
     with pytest.raises(ValueError, match="compiled loss needs the whole logits"):
         StageRunner(spec, module, class_split=(0, object(), 7), compiled_loss="aot_eager")
     assert StageRunner(spec, module)._compiled is None
+
+
+# A last stage as a build's rank script holds one: a linear layer of 16 rows whose logits are narrowed to 7
+# classes (a padded vocabulary), through a helper the script defines (a global of the script's module).
+_HEAD_SCRIPT = """
+import torch
+
+def narrowed(x):
+    return torch.narrow(torch.tanh(x), -1, 0, 7)
+
+class Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 16)
+
+    def forward(self, x):
+        return narrowed(self.linear(x))
+"""
+
+
+def test_a_stage_compiled_whole_runs_its_forward_and_the_compiled_loss_as_one_graph(tmp_path):
+    from runtime.execute.compiled import compiled_graphs
+
+    script = tmp_path / "rank_0000.py"
+    script.write_text(_HEAD_SCRIPT)
+    # run as codegen's run_rank.py runs a rank script: under a module name no import finds
+    head = runpy.run_path(str(script), run_name="meshplan_rank")["Head"]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    module, reference = head(), head()
+    reference.load_state_dict(module.state_dict())
+    # as compile_stage does for compile scope "stage": the instance's forward is the compiled one
+    object.__setattr__(module, "forward", torch.compile(module.forward, dynamic=False, backend="aot_eager"))
+    spec = types.SimpleNamespace(is_last=True, head=None, outputs=(), compiled=("forward",),
+                                 inputs=(types.SimpleNamespace(requires_grad=False),))
+    runner = StageRunner(spec, module, compiled_loss="aot_eager", loss_scale=0.5)
+    assert runner._joint is not None
+    x, y = torch.randn(2, 3, 4), torch.randint(0, 7, (2, 3))
+    before = compiled_graphs()
+    for micro in range(2):   # static shapes: the second micro-batch compiles nothing
+        loss = runner.forward(micro, [x], y)
+        runner.backward(micro)
+    assert compiled_graphs() - before == 1   # forward and loss in one graph; the instance's forward never ran
+    want = compute_loss("cross_entropy", reference(x), y)
+    (want * 0.5 * 2).backward()
+    torch.testing.assert_close(loss, want)
+    for p, q in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert module.linear.weight.grad[7:].abs().max() == 0   # the padded rows take no gradient
+    # without a compiled forward, or without the compiled loss, the stage and the loss run apart
+    eager_spec = types.SimpleNamespace(**{**vars(spec), "compiled": ()})
+    assert StageRunner(eager_spec, head(), compiled_loss="aot_eager")._joint is None
+    assert StageRunner(spec, head())._joint is None
 
 
 def test_execution_names_the_compiled_loss_and_round_trips():
