@@ -55,7 +55,8 @@ def test_the_compiled_h100_case_is_predicted_within_10_percent(case):
     config = planner.ParallelConfig(micro_batch_size=16, dtype="bf16")
     compiled = planner.make_plan(graph, cluster, config, global_batch_size=16, execution=Execution(compile=True))
     # the planner's choice now adds the compiled loss (tests/planning/test_execution_choice.py), priced
-    # faster and smaller; no GPU has measured it yet (benchmarks/gpu_session.sh's h100_compiled_loss step will)
+    # faster and smaller; no GPU has measured it yet (benchmarks/gpu_session.sh's h100_planned step, which runs
+    # the planner's choice, will)
     chosen = planner.make_plan(graph, cluster, config, global_batch_size=16)
     assert chosen.execution == Execution(compile=True, loss="compiled")
     assert chosen.prediction.step_time < compiled.prediction.step_time
