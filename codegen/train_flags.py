@@ -45,9 +45,9 @@ def add_flags(p: argparse.ArgumentParser, count, nonnegative_number) -> None:
                         "distinct block (default: as the plan says; a plan made without it: off)")
     p.add_argument("--compile-scope", default=None, choices=[m.value for m in CompileScope],
                    help="with --compile: blocks (one compiled function per distinct repeated block, the other "
-                        "layers eager) or stage (each stage's whole forward compiled, with --loss-impl compiled the last "
-                        "stage's forward and loss as one graph; longer compilation, and a data-parallel gradient "
-                        "sync starts after the stage's backward) (default: the plan's)")
+                        "layers eager) or stage (each stage's whole forward compiled, with --loss-impl compiled "
+                        "the last stage's forward and loss as one graph; longer compilation, and a data-parallel "
+                        "gradient sync starts after the stage's backward) (default: the plan's)")
     p.add_argument("--loss-impl", default=None, choices=[m.value for m in LossImpl],
                    help="the last stage's cross-entropy: full (the logits, then the loss in fp32), compiled (the "
                         "same through torch.compile: no fp32 copy of the logits; logits whole on each rank) or "

@@ -130,11 +130,11 @@ def compiled_forward_loss(module, name: str, backend: str) -> Callable[..., torc
     forward and its loss through torch.compile with `backend`, as one graph (static shapes), where the stage's
     forward is compiled whole (Execution compile scope "stage") and the loss is compiled too.
 
-    One graph instead of two: the output layer's GEMM, a padded vocabulary's narrow and the loss's reductions
-    are planned together, so the logits' gradient is written once where the head's backward GEMMs read it,
-    and each micro-batch crosses one compiled region's guards and autograd wrapper instead of two
-    (benchmarks/eager_ratio.py --compile-scope stage --loss-impl compiled measures it). `module`'s hooks are
-    not run (the generated stages have none)."""
+    One graph instead of two: torch.compile plans the output layer's GEMM, a padded vocabulary's narrow and
+    the loss's reductions together (what it keeps for backward and what it fuses), and each micro-batch
+    crosses one compiled region's guards and autograd wrapper instead of two (benchmarks/eager_ratio.py
+    --compile-scope stage --loss-impl compiled measures it against the loops). `module`'s hooks are not run
+    (the generated stages have none)."""
     known_loss(name)
     # the class's forward bound to `module`: the instance's own may be compile_stage's compiled wrapper of it
     forward = type(module).forward.__get__(module)
