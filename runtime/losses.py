@@ -164,8 +164,9 @@ def padded_base(logits: torch.Tensor) -> torch.Tensor | None:
         return None
     width = logits.stride(-2)
     shape = tuple(logits.shape[:-1]) + (width,)
-    if width <= logits.shape[-1] or base.numel() != math.prod(shape) \
-            or tuple(logits.stride()) != torch.empty(shape, device="meta").stride():
+    # the strides of rows over padded classes, laid out contiguously (computed: this runs every micro-batch)
+    rows = tuple(math.prod(shape[k + 1:]) for k in range(len(shape)))
+    if width <= logits.shape[-1] or base.numel() != math.prod(shape) or tuple(logits.stride()) != rows:
         return None
     return base.view(shape)
 
