@@ -19,7 +19,7 @@ a stage that reads an input of the model, not only the first, gets it).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -29,9 +29,11 @@ from codegen.strategies import registry
 from planner.capabilities import RuntimeSupport
 from planner.graph.model import ModelGraph
 from planner.plan import Plan
-from runtime.torch_stack.pipeline import PipelineRun, build_pipeline
 from runtime.torch_stack.pipeline_layout import PipelineLayout, StageLayout
 from runtime.vocab import MeshAxis, Schedule, StrategyName, Target
+
+if TYPE_CHECKING:   # imported where a rank builds its pipeline: torch.distributed.pipelining and DTensor
+    from runtime.torch_stack.pipeline import PipelineRun   # cost every meshplan command 1.4 s to import
 
 
 class PipelineLayoutError(ValueError):
@@ -109,6 +111,8 @@ def rank_pipeline(layout: PipelineLayout, model: nn.Module, mesh, loss_fn: Calla
     loss_fn(output, target): the mean loss of one micro-batch. wrap(stage_module): data
     parallelism applied to each stage module before it is wrapped (replicate / fully_shard).
     """
+    from runtime.torch_stack.pipeline import build_pipeline
+
     pipe = mesh[MeshAxis.PIPELINE.value]
     classes = stage_classes(layout, pipe.get_local_rank())
     return build_pipeline(layout, model, classes, pipe_group=pipe.get_group(), loss_fn=loss_fn, wrap=wrap,

@@ -33,7 +33,6 @@ from runtime.checkpoint import Manifest, check_rank_files, complete_checkpoints,
     is_torch_checkpoint, resolve_checkpoint
 from runtime.checkpoint.restore import to_state_dict
 from runtime.launch.launcher import read_build
-from runtime import torch_script_checkpoint as torch_checkpoints
 from runtime.vocab import Backend, Target
 
 
@@ -176,14 +175,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         output_dir(args.checkpoint_dir, "--checkpoint-dir")
     if args.resume:  # here, not after every rank has started and built its model
         if read_build(args.build).get("target") == Target.TORCH:   # its checkpoints are DCP directories, checked
-            torch_checkpoints.checked(args.resume)
+            _torch_checkpoints().checked(args.resume)
         else:
             check_rank_files(resolve_checkpoint(args.resume))
     return run_command(args)
 
 
+def _torch_checkpoints():
+    """runtime.torch_script_checkpoint, imported where a torch build's checkpoint is read: it imports torch's
+    Distributed Checkpoint and DTensor, which every other command would pay for at start-up (about 1 s)."""
+    from runtime import torch_script_checkpoint
+
+    return torch_script_checkpoint
+
+
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     torch_ckpt = is_torch_checkpoint(args.checkpoint)
+    torch_checkpoints = _torch_checkpoints() if torch_ckpt else None
     if args.action == "convert":
         inside = enclosing_checkpoint(args.output)
         if inside is not None:   # even with --force: a checkpoint holds what its run wrote, nothing else
