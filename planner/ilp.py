@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ortools.sat.python import cp_model
-
 # CP-SAT wants integers: time in nanoseconds, memory in KiB.
 _NS = 1e9
 _KIB = 1024.0
@@ -55,6 +53,10 @@ def choose_shardings(options: list[RegionOption], edges: list[Edge],
     """
     if not options:
         return frozenset(), True
+    # imported here, not with the module: every meshplan command and `import planner` load this module, and
+    # only a search solves (OR-Tools takes 0.2-0.35 s to import)
+    from ortools.sat.python import cp_model
+
     model = cp_model.CpModel()
     x = {o.region: model.NewBoolVar(f"shard_r{o.region}") for o in options}
     terms = []
