@@ -32,8 +32,10 @@ from planner.plan import Plan
 from runtime.torch_stack.pipeline_layout import PipelineLayout, StageLayout
 from runtime.vocab import MeshAxis, Schedule, StrategyName, Target
 
-if TYPE_CHECKING:   # imported where a rank builds its pipeline: torch.distributed.pipelining and DTensor
-    from runtime.torch_stack.pipeline import PipelineRun   # cost every meshplan command 1.4 s to import
+# runtime.torch_stack.pipeline is imported where a rank builds its pipeline (rank_pipeline): it imports
+# torch.distributed.pipelining and DTensor, which cost every meshplan command about 1.4 s at start-up
+if TYPE_CHECKING:
+    from runtime.torch_stack.pipeline import PipelineRun
 
 
 class PipelineLayoutError(ValueError):

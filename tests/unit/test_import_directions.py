@@ -10,6 +10,8 @@
 - no import circles between modules;
 - nothing in planner outside planner/app/ imports the shell, and `import planner` loads none of it
   (nor codegen);
+- importing the CLI (every `meshplan` command's start) loads none of what only some commands use: torch's
+  pipelining, Distributed Checkpoint, DTensor and dynamo, and OR-Tools (imported where they are used);
 - the PyTorch-stack target (runtime/torch_script*.py, runtime/torch_stack/) is kept apart: no other
   runtime module, nor cost_models, imports it (meshplan's launcher and verify read a torch build's
   records through runtime/torch_records.py); codegen reaches it only from codegen/torch_target/.
