@@ -107,18 +107,41 @@ def make_dirs(directory: str | os.PathLike) -> Path:
     return d
 
 
+# How often a shared directory removed under us is made again (see _temporary).
+_DIRECTORY_ATTEMPTS = 3
+
+
+def _temporary(path: Path, make_parent: bool) -> tuple[int, str]:
+    """An exclusive temporary next to `path`: (fd, its name); with `make_parent` its directory is made too.
+
+    Why the retry: processes that write into one directory (the ranks of a checkpoint) each
+    remove it when they leave it empty after an error, so a peer's clean-up can remove the
+    directory between our mkdir and our mkstemp. Once our temporary is in it, no peer's rmdir
+    succeeds, so a few attempts are enough.
+    """
+    attempts = _DIRECTORY_ATTEMPTS if make_parent else 1
+    for attempt in range(1, attempts + 1):
+        if make_parent:
+            make_dirs(path.parent)
+        try:
+            return tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        except OSError as e:
+            if not (isinstance(e, FileNotFoundError) and attempt < attempts):
+                raise WriteError(path, e) from e
+    raise AssertionError("the last attempt returns or raises")
+
+
 @contextmanager
-def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+def atomic_file(path: str | os.PathLike, *, make_parent: bool = False) -> Iterator[BinaryIO]:
     """A binary file object whose content replaces `path` atomically when the block ends without error.
 
-    On an error inside the block or while finishing, the temporary is removed and the target is
-    left as it was; OSErrors come out as WriteError naming `path`.
+    With `make_parent` the directory of `path` is created if missing (again if another process
+    removes it before our temporary is in it). On an error inside the block or while finishing,
+    the temporary is removed and the target is left as it was; OSErrors come out as WriteError
+    naming `path`.
     """
     path = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise WriteError(path, e) from e
+    fd, tmp = _temporary(path, make_parent)
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(fd, _file_mode())
@@ -134,13 +157,16 @@ def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
     fsync_dir(path.parent)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes, *, interrupt: Callable[[], None] | None = None) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes, *, interrupt: Callable[[], None] | None = None,
+                 make_parent: bool = False) -> None:
     """Write `data` to `path` so that `path` holds either its old content or all of `data`.
+
+    `make_parent`: create the directory of `path` if missing (see atomic_file).
 
     `interrupt` (fault injection for tests) is called when half of the data is on disk; whatever it
     raises is handled as an error of the write (an OSError(ENOSPC) there is a disk that filled up).
     """
-    with atomic_file(path) as f:
+    with atomic_file(path, make_parent=make_parent) as f:
         half = len(data) // 2
         f.write(data[:half])
         if interrupt is not None:

@@ -48,7 +48,7 @@ from typing import Callable
 
 import torch
 
-from runtime.files import make_dirs, write_atomic
+from runtime.files import write_atomic
 from runtime.execute.lr_schedule import scheduler_state
 from runtime.execute.optim import optimizer_order
 from runtime.documents import read_document
@@ -333,8 +333,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, st: RankState, *,
     layout = layout_hash(st.program, st.stage_specs)
     own = [ckpt / f"rank_{st.rank:04d}.pt", ckpt / f"rank_{st.rank:04d}.json"]
     try:
-        make_dirs(ckpt)
-        write_atomic(own[0], data, interrupt=interrupt)
+        # make_parent: a peer whose own write failed removes the directory while it is empty
+        write_atomic(own[0], data, interrupt=interrupt, make_parent=True)
         write_atomic(own[1], json.dumps(
             {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "layout": layout}).encode())
         st.barrier()

@@ -97,6 +97,35 @@ def test_a_failed_write_names_the_path_and_cause_and_leaves_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "rank_0001.pt"]
 
 
+def test_a_shared_directory_removed_by_a_peer_is_made_again(tmp_path, monkeypatch):
+    """The race CI met: rank 1's save fails and, finding the step directory empty, removes it between
+    rank 0's mkdir and rank 0's mkstemp. make_parent makes it again (at most a few times)."""
+    import runtime.files as files
+
+    real, removals = tempfile.mkstemp, []
+
+    def peer_removes_the_directory_first(*args, dir, **kwargs):
+        if len(removals) < wanted:
+            os.rmdir(dir)
+            removals.append(dir)
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", peer_removes_the_directory_first)
+    target = tmp_path / "step_00000004" / "rank_0000.pt"
+    wanted = 2
+    write_atomic(target, b"state", make_parent=True)
+    assert target.read_bytes() == b"state" and len(removals) == 2
+    removals.clear()
+    wanted = files._DIRECTORY_ATTEMPTS    # a directory that keeps vanishing is still a clear error
+    with pytest.raises(WriteError, match="rank_0001.pt: its directory does not exist"):
+        write_atomic(tmp_path / "step_00000006" / "rank_0001.pt", b"state", make_parent=True)
+    removals.clear()
+    wanted = 0                            # without make_parent nothing is created
+    with pytest.raises(WriteError, match="its directory does not exist"):
+        write_atomic(tmp_path / "step_00000008" / "rank_0000.pt", b"new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004"]
+
+
 def test_a_file_size_limit_is_a_clear_error(tmp_path):
     """A real EFBIG: the write runs in a process whose RLIMIT_FSIZE is 4 KiB."""
     (tmp_path / "big.bin").write_bytes(b"old")
