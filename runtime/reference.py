@@ -51,7 +51,7 @@ class ReferenceRun:
     params: dict[str, torch.Tensor]  # final parameters by name
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)   # final buffers by name
     evals: list[EvalResult] = field(default_factory=list)            # held-out evaluations, by step
-    grad_norms: list[float] = field(default_factory=list)    # per step, clip_grad_norm_'s total (unscaled)
+    grad_norms: list[float] = field(default_factory=list)    # per step, the float64 norm before clipping (unscaled)
     loss_scales: list[float | None] = field(default_factory=list)   # per step, the scale its backward used
     skipped: list[bool] = field(default_factory=list)        # per step, GradScaler skipped the optimizer step
 
@@ -196,13 +196,18 @@ def like_the_ranks(spec: TrainSpec, run_dir: str | os.PathLike) -> TrainSpec:
 
 def _optimizer_step(opt: torch.optim.Optimizer, params: list[nn.Parameter], clip: float | None,
                     scaler: torch.amp.GradScaler | None) -> tuple[float, bool]:
-    """PyTorch's own loop: unscale_, clip_grad_norm_ (or only the norm), step, update.
+    """PyTorch's own loop: unscale_, the total norm, clip_grads_with_norm_ (with --clip-grad), step, update.
     (The total norm before clipping, whether the scaler skipped the step.)"""
     if scaler is not None:
         scaler.unscale_(opt)
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = float(torch.nn.utils.clip_grad_norm_(params, clip) if clip is not None
-                 else torch.nn.utils.get_total_norm(grads))
+    # The total norm in float64, a tensor at a time: ATen's CPU norm of one large float32 tensor is off
+    # by 1e-4 and more (GPT-2's embedding; runtime/execute/grad_norm.py), which would be the reference's
+    # error, not the run's. Clipping then multiplies by clip_grad_norm_'s float32 coefficient, as the ranks do.
+    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in params if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float64)
+    if clip is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, clip, total.float())
+    norm = float(total)
     if scaler is None:
         opt.step()
         return norm, False

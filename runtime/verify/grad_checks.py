@@ -10,8 +10,8 @@ step was skipped. runtime/verify/__init__.py calls these:
   once: a replica counted twice or a shard left out shows here) and, within the gradient
   tolerance, the exact gradient's norm (`check_norm`).
 
-  check 2 (the trajectory): the free-running reference (torch.amp.GradScaler, clip_grad_norm_)
-  must use the same scale and skip the same steps, and its clip_grad_norm_ totals must equal
+  check 2 (the trajectory): the free-running reference (torch.amp.GradScaler, clip_grads_with_norm_)
+  must use the same scale and skip the same steps, and its total norms (float64) must equal
   the run's within the rounding-level twin's spread (`check_trajectory_outcomes`).
 """
 
@@ -101,5 +101,5 @@ def check_trajectory_outcomes(cmp, run: RunOutcomes, ref, twin, first_step: int,
         allow = max(floor * abs(want), margin * abs(other - want) if math.isfinite(other) else 0.0,
                     margin * getattr(cmp, "grad_noise", 0.0) * abs(want))
         if not d <= allow:
-            cmp.fail(f"step {step}: global gradient norm {got:.7g}, the reference's clip_grad_norm_ total "
+            cmp.fail(f"step {step}: global gradient norm {got:.7g}, the reference's total norm "
                      f"{want:.7g} (|diff| {d:.3g} > {allow:.3g})")
