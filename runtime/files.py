@@ -119,16 +119,16 @@ def _temporary(path: Path, make_parent: bool) -> tuple[int, str]:
     directory between our mkdir and our mkstemp. Once our temporary is in it, no peer's rmdir
     succeeds, so a few attempts are enough.
     """
-    attempts = _DIRECTORY_ATTEMPTS if make_parent else 1
-    for attempt in range(1, attempts + 1):
+    attempts_left = _DIRECTORY_ATTEMPTS if make_parent else 1
+    while True:
+        attempts_left -= 1
         if make_parent:
             make_dirs(path.parent)
         try:
             return tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         except OSError as e:
-            if not (isinstance(e, FileNotFoundError) and attempt < attempts):
+            if not (isinstance(e, FileNotFoundError) and attempts_left > 0):
                 raise WriteError(path, e) from e
-    raise AssertionError("the last attempt returns or raises")
 
 
 @contextmanager

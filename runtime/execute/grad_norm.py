@@ -185,7 +185,7 @@ class GlobalGradNorm:
         sums = [torch.stack(torch._foreach_norm(group)).to(device=self._device, dtype=torch.float64).square().sum()
                 for group in by_dtype.values()]
         if norms:
-            sums.append(torch.cat([n.to(torch.float64) for n in norms]).to(self._device).square().sum())
+            sums.append(torch.cat(norms).to(device=self._device, dtype=torch.float64).square().sum())
         if len(sums) == 1:
             return sums[0]
         return torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64, device=self._device)
